@@ -1,0 +1,24 @@
+"""Build the compiled hot path (ext/_hot.pyx -> interlock._hot).
+
+Everything else lives in pyproject.toml. Set INTERLOCK_NO_EXTENSIONS=1 to
+install the pure-Python twin only.
+"""
+
+import os
+
+from setuptools import setup
+
+NO_EXTENSIONS = bool(os.environ.get("INTERLOCK_NO_EXTENSIONS"))
+
+if NO_EXTENSIONS:
+    ext_modules = []
+else:
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    ext_modules = cythonize(
+        [Extension("interlock._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"])],
+        compiler_directives={"language_level": 3, "embedsignature": True},
+    )
+
+setup(ext_modules=ext_modules)

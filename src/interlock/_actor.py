@@ -1,0 +1,154 @@
+"""The per-run loop: observe -> propose -> await the verdict -> execute -> report -> repeat."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from ._exceptions import InterlockError
+from ._machine import Step, encode_action
+from ._messages import Propose, Report, ToolCall, Verdict
+from ._tools import RetryableToolError, ToolContext
+from ._view import RunView
+
+if TYPE_CHECKING:
+    from ._supervisor import RunHandle, Supervisor
+    from ._tools import Tool
+    from .providers import Provider
+
+_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+async def run_actor(
+    supervisor: Supervisor, handle: RunHandle, verdict: Verdict, provider: Provider | None
+) -> None:
+    """Drive one run until it is terminal or escalated. Never raises for a tool's failure."""
+    run_id = handle.run_id
+    try:
+        while verdict.outcome == "running":
+            if verdict.execute is not None:
+                report = await execute_call(supervisor, run_id, verdict.state, verdict.seq, verdict.execute)
+                verdict = await supervisor.request(report)
+                continue
+            verdict = await supervisor.request(await _next_proposal(supervisor, run_id, provider))
+        handle._finish(supervisor.result_of(run_id))
+        supervisor.release(run_id)
+    except InterlockError as exc:
+        handle._finish(None, exc)
+    finally:
+        if not handle.done:
+            handle._finish(None, InterlockError(f"run {run_id!r} was cancelled before it finished"))
+
+
+async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider | None) -> Propose:
+    run = supervisor.runs[run_id]
+    spec = run.machine.states[run.state]
+    view = RunView(run)
+    if isinstance(spec, Step):
+        try:
+            raw = encode_action(spec.fn(view)).decode()
+        except Exception as exc:
+            error = f"step {run.state!r} raised {type(exc).__name__}: {exc}"
+            return Propose(run_id=run_id, seq=run.seq, raw="", source="step", error=error)
+        return Propose(run_id=run_id, seq=run.seq, raw=raw, source="step")
+    assert provider is not None
+    started = time.perf_counter()
+    try:
+        proposal = await provider.propose(view)
+    except Exception as exc:
+        return Propose(
+            run_id=run_id,
+            seq=run.seq,
+            raw="",
+            model=getattr(provider, "model", ""),
+            error=f"provider raised {type(exc).__name__}: {exc}",
+            latency=time.perf_counter() - started,
+        )
+    return Propose(
+        run_id=run_id,
+        seq=run.seq,
+        raw=proposal.raw,
+        model=proposal.model,
+        prompt=proposal.prompt,
+        usage=proposal.usage,
+        latency=time.perf_counter() - started,
+    )
+
+
+def _retry_after(exc: BaseException) -> tuple[bool, float | None]:
+    """Return whether ``exc`` is worth retrying, and the Retry-After it carries."""
+    if isinstance(exc, RetryableToolError):
+        return True, exc.retry_after
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+        header = None
+        headers = getattr(response, "headers", None)
+        if headers is not None:
+            header = headers.get("retry-after")
+        try:
+            after = float(header) if header is not None else None
+        except ValueError:
+            after = None
+        return status in _RETRYABLE_STATUS, after
+    return isinstance(exc, ConnectionError | TimeoutError), None
+
+
+async def execute_call(
+    supervisor: Supervisor, run_id: str, state: str, seq: int, call: ToolCall
+) -> Report:
+    """Run a verified call with its timeout and retry policy; return the report to journal."""
+    run = supervisor.runs[run_id]
+    tool: Tool = run.machine.tool_by_name[call.tool]
+    args: Any = tool.validator.from_builtins(call.args)
+    policy = tool.retry
+    rng = random.Random(call.key)
+    started = time.perf_counter()
+    error = ""
+    retryable = False
+    attempt = 0
+    while attempt < policy.attempts:
+        attempt += 1
+        ctx = ToolContext(run_id=run_id, state=state, key=call.key, attempt=attempt)
+        retry_after: float | None = None
+        try:
+            with trio.fail_after(tool.timeout):
+                result = await tool.execute(args, ctx)
+            try:
+                payload = msgspec.to_builtins(result)
+            except (TypeError, msgspec.EncodeError) as exc:
+                error = f"tool {call.tool!r} returned a result that cannot be journaled: {exc}"
+                retryable = False
+                break
+            return Report(
+                run_id=run_id,
+                seq=seq,
+                key=call.key,
+                ok=True,
+                result=payload,
+                attempts=attempt,
+                latency=time.perf_counter() - started,
+            )
+        except trio.TooSlowError:
+            error = f"timed out after {tool.timeout:g} s"
+            retryable = True
+        except Exception as exc:
+            retryable, retry_after = _retry_after(exc)
+            error = f"{type(exc).__name__}: {exc}"
+        if not retryable or attempt >= policy.attempts:
+            break
+        await trio.sleep(policy.delay(attempt, retry_after, rng))
+    return Report(
+        run_id=run_id,
+        seq=seq,
+        key=call.key,
+        ok=False,
+        error=error,
+        retryable=retryable,
+        attempts=attempt,
+        latency=time.perf_counter() - started,
+    )

@@ -1,0 +1,62 @@
+"""The exception tree: expected refusals are InterlockError, bugs are InternalError."""
+
+from __future__ import annotations
+
+
+class InterlockError(Exception):
+    """Something interlock refused, by design."""
+
+
+class MachineDefinitionError(InterlockError, ValueError):
+    """A machine definition is inconsistent; raised when it is compiled."""
+
+
+class ToolDefinitionError(InterlockError, ValueError):
+    """A tool definition is inconsistent; raised when it is compiled."""
+
+
+class ProtocolError(InterlockError):
+    """An undecodable or out-of-order message between an actor and the supervisor."""
+
+
+class RunNotFound(InterlockError, LookupError):
+    """No run with this id exists in the store."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} not found")
+        self.run_id = run_id
+
+
+class StoreError(InterlockError):
+    """The store cannot be opened, read or written (corrupt file, torn journal, lost connection)."""
+
+
+class JournalCorrupt(StoreError):
+    """A journal frame failed its length or checksum check."""
+
+
+class LeaseLost(StoreError):
+    """Another worker took over a run this worker had leased."""
+
+
+class ReplayDivergence(InterlockError):
+    """A replayed run decided differently from its recording.
+
+    Attributes:
+      seq: the first journal sequence number where the two differ.
+      expected: what the recording holds there.
+      got: what the replay produced.
+    """
+
+    def __init__(self, run_id: str, seq: int, expected: str, got: str) -> None:
+        super().__init__(
+            f"run {run_id!r} diverged at seq {seq}: expected {expected}, got {got}"
+        )
+        self.run_id = run_id
+        self.seq = seq
+        self.expected = expected
+        self.got = got
+
+
+class InternalError(Exception):
+    """A bug in interlock. Deliberately outside the InterlockError tree."""

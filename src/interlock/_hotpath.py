@@ -1,0 +1,104 @@
+"""The one place that chooses the hot path: compiled ``_hot`` or its pure twin ``_hot_py``.
+
+Every other module imports hot-path names from here. ``INTERLOCK_NO_EXTENSIONS=1``
+forces the pure-Python twin; so does a non-CPython interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+NO_EXTENSIONS = bool(os.environ.get("INTERLOCK_NO_EXTENSIONS")) or (
+    sys.implementation.name != "cpython"
+)
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from ._hot_py import (
+        FRAMES_CORRUPT,
+        FRAMES_OK,
+        FRAMES_TORN,
+        HEADER_SIZE,
+        ILLEGAL_TRANSITION,
+        MAX_IDS,
+        OK,
+        TOOL_NOT_ALLOWED,
+        UNKNOWN_STATE,
+        UNKNOWN_TOOL,
+        Tables,
+        compact_failures,
+        fnv1a64,
+        frame_event,
+        frame_events,
+        proposal_hash,
+        unframe,
+    )
+
+    IMPLEMENTATION = "python"
+else:
+    try:
+        from ._hot import (
+            FRAMES_CORRUPT,
+            FRAMES_OK,
+            FRAMES_TORN,
+            HEADER_SIZE,
+            ILLEGAL_TRANSITION,
+            MAX_IDS,
+            OK,
+            TOOL_NOT_ALLOWED,
+            UNKNOWN_STATE,
+            UNKNOWN_TOOL,
+            Tables,
+            compact_failures,
+            fnv1a64,
+            frame_event,
+            frame_events,
+            proposal_hash,
+            unframe,
+        )
+
+        IMPLEMENTATION = "compiled"
+    except ImportError:  # pragma: no cover - only a broken install gets here
+        from ._hot_py import (
+            FRAMES_CORRUPT,
+            FRAMES_OK,
+            FRAMES_TORN,
+            HEADER_SIZE,
+            ILLEGAL_TRANSITION,
+            MAX_IDS,
+            OK,
+            TOOL_NOT_ALLOWED,
+            UNKNOWN_STATE,
+            UNKNOWN_TOOL,
+            Tables,
+            compact_failures,
+            fnv1a64,
+            frame_event,
+            frame_events,
+            proposal_hash,
+            unframe,
+        )
+
+        IMPLEMENTATION = "python"
+
+__all__ = [
+    "FRAMES_CORRUPT",
+    "FRAMES_OK",
+    "FRAMES_TORN",
+    "HEADER_SIZE",
+    "ILLEGAL_TRANSITION",
+    "IMPLEMENTATION",
+    "MAX_IDS",
+    "OK",
+    "TOOL_NOT_ALLOWED",
+    "UNKNOWN_STATE",
+    "UNKNOWN_TOOL",
+    "Tables",
+    "compact_failures",
+    "fnv1a64",
+    "frame_event",
+    "frame_events",
+    "proposal_hash",
+    "unframe",
+]

@@ -1,0 +1,282 @@
+"""Machine spec: states, edges and tools, compiled once into integer tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ._exceptions import MachineDefinitionError
+from ._hotpath import MAX_IDS, Tables
+from ._tools import Tool, compile_schema
+
+if TYPE_CHECKING:
+    from ._tools import Validator
+    from ._view import RunView
+
+#: Terminal states every machine has. ESCALATE parks a run for a human; FAILED ends it.
+ESCALATE = "ESCALATE"
+FAILED = "FAILED"
+#: Success terminal states a machine may move to without declaring them.
+SUCCESS_STATES = ("COMPLETED", "DONE")
+
+
+class Call(msgspec.Struct, frozen=True):
+    """A step's (or model's) proposal to call ``tool`` with ``args``."""
+
+    tool: str
+    args: dict[str, Any] = {}
+
+
+class Go(msgspec.Struct, frozen=True):
+    """A step's (or model's) proposal to move to ``next``, merging ``data`` into the run's data."""
+
+    next: str
+    data: dict[str, Any] = {}
+
+
+Action = Call | Go
+_action_encoder = msgspec.json.Encoder()
+
+
+def encode_action(action: Action) -> bytes:
+    """Return the JSON proposal for ``action``, exactly as a model would send it."""
+    if isinstance(action, Call):
+        return _action_encoder.encode({"tool": action.tool, "args": action.args})
+    if action.data:
+        return _action_encoder.encode({"next": action.next, "data": action.data})
+    return _action_encoder.encode({"next": action.next})
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A state where the model proposes: one of ``tools``, or a move to one of ``next``.
+
+    Attributes:
+      next: the states the model may move to from here.
+      tools: the tools the model may call here.
+      instructions: what the model is told to do in this state.
+      data: optional schema for the ``data`` a transition out of this state carries.
+    """
+
+    next: Sequence[str]
+    tools: Sequence[str] = ()
+    instructions: str = ""
+    data: Any = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """A deterministic state: ``fn(view)`` returns the next :class:`Call` or :class:`Go`.
+
+    ``fn`` must be pure: the same view gives the same action, no I/O (side effects go
+    through a tool, by returning a :class:`Call`).
+    """
+
+    fn: Callable[[RunView], Action]
+    next: Sequence[str]
+    tools: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-run limits. A run that reaches one trips the matching breaker.
+
+    Attributes:
+      tokens: model tokens (prompt + completion) the run may use.
+      steps: proposals (model or step) the run may make.
+      deadline: seconds from the run's start.
+    """
+
+    tokens: int = 200_000
+    steps: int = 100
+    deadline: float = 3600.0
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """When breakers trip.
+
+    Attributes:
+      consecutive_failures: rejections and tool failures in a row that trip the run.
+      repeats: how many times the same call (tool + canonical args) may be proposed
+        in one run; the next identical proposal trips the run.
+      circuit_failures: consecutive failures of a tool, across all runs, that open its circuit.
+      circuit_cooldown: seconds an open circuit stays open before one trial call.
+    """
+
+    consecutive_failures: int = 3
+    repeats: int = 3
+    circuit_failures: int = 5
+    circuit_cooldown: float = 30.0
+
+
+@dataclass(frozen=True, eq=False)
+class Machine:
+    """A run's state machine. Compiled once, when constructed.
+
+    Args:
+      name: the machine's name, as runs and metrics refer to it.
+      initial: the state a run starts in.
+      states: the non-terminal states, each a :class:`Worker` or a :class:`Step`.
+      tools: every tool any state may call.
+      success: extra success terminal states (COMPLETED and DONE always are).
+      on_breaker: where a tripped breaker sends a run: ``ESCALATE`` or the name of a
+        :class:`Step` state that computes a fallback answer.
+      budgets: per-run limits.
+      breakers: breaker thresholds.
+      inputs: optional schema the run's inputs must satisfy at start.
+
+    Raises:
+      MachineDefinitionError: the definition is inconsistent (the message names the
+        state, edge or tool).
+    """
+
+    name: str
+    initial: str
+    states: Mapping[str, Worker | Step]
+    tools: Sequence[Tool] = ()
+    success: Sequence[str] = ()
+    on_breaker: str = ESCALATE
+    budgets: Budgets = field(default_factory=Budgets)
+    breakers: BreakerPolicy = field(default_factory=BreakerPolicy)
+    inputs: Any = None
+    tables: Tables = field(init=False, repr=False)
+    tool_by_name: Mapping[str, Tool] = field(init=False, repr=False)
+    success_states: frozenset[str] = field(init=False, repr=False)
+    data_validators: Mapping[str, Validator] = field(init=False, repr=False)
+    input_validator: Validator | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise MachineDefinitionError("machine name must not be empty")
+        tools: dict[str, Tool] = {}
+        for tool in self.tools:
+            if tool.name in tools:
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: duplicate tool {tool.name!r}; tool names must be unique"
+                )
+            tools[tool.name] = tool
+        success = tuple(dict.fromkeys((*SUCCESS_STATES, *self.success)))
+        terminals = (*success, ESCALATE, FAILED)
+        for name in self.states:
+            if name in terminals:
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r} is terminal and cannot have a spec"
+                )
+            if not isinstance(self.states[name], Worker | Step):
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r} must be a Worker or a Step; "
+                    f"got {type(self.states[name]).__name__}"
+                )
+        if self.initial not in self.states:
+            raise MachineDefinitionError(
+                f"machine {self.name!r}: initial state {self.initial!r} is not declared; "
+                f"declared states: {', '.join(self.states) or 'none'}"
+            )
+        used_terminals = [t for t in terminals if t in (ESCALATE, FAILED) or any(
+            t in spec.next for spec in self.states.values()
+        )]
+        names = [*self.states, *used_terminals]
+        if len(names) > MAX_IDS:
+            raise MachineDefinitionError(
+                f"machine {self.name!r} has {len(names)} states; at most {MAX_IDS} are supported"
+            )
+        if len(tools) > MAX_IDS:
+            raise MachineDefinitionError(
+                f"machine {self.name!r} has {len(tools)} tools; at most {MAX_IDS} are supported"
+            )
+        ids = {name: i for i, name in enumerate(names)}
+        tool_names = list(tools)
+        tool_ids = {name: i for i, name in enumerate(tool_names)}
+        edges = [0] * len(names)
+        tool_masks = [0] * len(names)
+        for name, spec in self.states.items():
+            if not spec.next:
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r} has no way out; give it at least one next state"
+                )
+            for dst in spec.next:
+                if dst not in ids:
+                    raise MachineDefinitionError(
+                        f"machine {self.name!r}: edge {name} -> {dst} names an unknown state {dst!r}; "
+                        f"known states: {', '.join(names)}"
+                    )
+                edges[ids[name]] |= 1 << ids[dst]
+            for tool_name in spec.tools:
+                if tool_name not in tool_ids:
+                    raise MachineDefinitionError(
+                        f"machine {self.name!r}: state {name!r} allows unknown tool {tool_name!r}; "
+                        f"declared tools: {', '.join(tool_names) or 'none'}"
+                    )
+                tool_masks[ids[name]] |= 1 << tool_ids[tool_name]
+        if self.on_breaker != ESCALATE:
+            target = self.states.get(self.on_breaker)
+            if not isinstance(target, Step):
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: on_breaker must be 'ESCALATE' or the name of a Step "
+                    f"state; got {self.on_breaker!r}"
+                )
+        reachable = _reachable(self.initial, self.states)
+        if self.on_breaker != ESCALATE:
+            reachable |= _reachable(self.on_breaker, self.states)
+        for name in self.states:
+            if name not in reachable:
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r} is unreachable from {self.initial!r}"
+                )
+        if not any(s in reachable for s in success):
+            raise MachineDefinitionError(
+                f"machine {self.name!r}: no success terminal state ({', '.join(success)}) is "
+                f"reachable from {self.initial!r}"
+            )
+        terminal_mask = 0
+        for name in used_terminals:
+            terminal_mask |= 1 << ids[name]
+        data_validators = {
+            name: compile_schema(spec.data, f"{self.name}.{name}.data")
+            for name, spec in self.states.items()
+            if isinstance(spec, Worker) and spec.data is not None
+        }
+        setattr_ = object.__setattr__
+        setattr_(self, "states", dict(self.states))
+        setattr_(self, "tools", tuple(self.tools))
+        setattr_(self, "tables", Tables(names, tool_names, edges, tool_masks, terminal_mask))
+        setattr_(self, "tool_by_name", tools)
+        setattr_(self, "success_states", frozenset(success))
+        setattr_(self, "data_validators", data_validators)
+        setattr_(
+            self,
+            "input_validator",
+            None if self.inputs is None else compile_schema(self.inputs, f"{self.name}.inputs"),
+        )
+
+    def is_terminal(self, state: str) -> bool:
+        """Return whether ``state`` ends a run."""
+        return state in self.success_states or state in (ESCALATE, FAILED)
+
+    def outcome(self, state: str) -> str:
+        """Return ``completed``, ``escalated``, ``failed`` or ``running`` for a run in ``state``."""
+        if state in self.success_states:
+            return "completed"
+        if state == ESCALATE:
+            return "escalated"
+        if state == FAILED:
+            return "failed"
+        return "running"
+
+
+def _reachable(initial: str, states: Mapping[str, Worker | Step]) -> set[str]:
+    seen = {initial}
+    todo: list[str] = [initial]
+    while todo:
+        spec = states.get(todo.pop())
+        if spec is None:
+            continue
+        for dst in spec.next:
+            if dst not in seen:
+                seen.add(dst)
+                todo.append(dst)
+    return seen

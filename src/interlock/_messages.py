@@ -1,0 +1,113 @@
+"""The actor <-> supervisor protocol: tagged msgspec Structs, in-process and on the wire.
+
+In one process the Structs themselves travel (no encoding needed); across processes
+and through the gateway they travel as msgpack or JSON produced by the module-level
+encoders below. Requests are imperative, replies are nouns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import msgspec
+
+from ._events import TokenUsage, Violation
+from ._exceptions import ProtocolError
+
+
+class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every message. Never sent on its own."""
+
+    run_id: str
+    seq: int = 0
+    """The seq of the run's last journal event as the sender knows it; a stale seq is refused."""
+
+
+class Start(Msg, tag="start"):
+    """Create a run of ``machine`` with ``inputs``."""
+
+    machine: str
+    inputs: dict[str, Any] = {}
+
+
+class Propose(Msg, tag="propose"):
+    """What a provider (``source="model"``), a step or an operator proposed. Not trusted yet."""
+
+    raw: str
+    source: str = "model"
+    model: str = ""
+    prompt: str = ""
+    usage: TokenUsage = TokenUsage()
+    latency: float = 0.0
+    error: str = ""
+    """Set when the provider or step failed to produce anything; ``raw`` is then empty."""
+
+
+class Report(Msg, tag="report"):
+    """The outcome of executing the verified call with idempotency key ``key``."""
+
+    key: str
+    ok: bool
+    result: Any = None
+    error: str = ""
+    retryable: bool = False
+    attempts: int = 1
+    latency: float = 0.0
+
+
+class Cancel(Msg, tag="cancel"):
+    """Stop a run: it is failed with ``reason``."""
+
+    reason: str = "cancelled"
+
+
+class Recover(Msg, tag="recover"):
+    """Decide how a run folded from the journal after a restart continues."""
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A verified call the actor must now execute, with the key it must pass on."""
+
+    tool: str
+    args: dict[str, Any]
+    key: str
+
+
+class Verdict(Msg, tag="verdict"):
+    """Supervisor -> actor. Sent only after the batch holding its events is durable."""
+
+    accepted: bool
+    state: str
+    outcome: str
+    """running, completed, escalated or failed."""
+    violations: tuple[Violation, ...] = ()
+    execute: ToolCall | None = None
+    """For an accepted tool call: what to run now."""
+    result: Any = None
+    """For a call whose key was already committed: the recorded result, reused."""
+
+
+Request: TypeAlias = Start | Propose | Report | Cancel | Recover
+Message: TypeAlias = Start | Propose | Report | Cancel | Recover | Verdict
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_msgpack_decoder = msgspec.msgpack.Decoder(Message)
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder(Message)
+
+
+def encode_message(msg: Msg, *, json: bool = False) -> bytes:
+    """Encode a message for another process: msgpack by default, JSON if asked."""
+    return _json_encoder.encode(msg) if json else _msgpack_encoder.encode(msg)
+
+
+def decode_message(data: bytes, *, json: bool = False) -> Message:
+    """Decode one message.
+
+    Raises:
+      ProtocolError: the bytes are not a valid message; the text says what is wrong.
+    """
+    try:
+        return _json_decoder.decode(data) if json else _msgpack_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from exc

@@ -1,0 +1,691 @@
+"""The supervisor: owns the machines' tables and every run's state, verifies proposals,
+group-commits the journal and replies only after the batch is durable."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import outcome
+import trio
+
+from . import _breakers
+from ._breakers import CircuitBoard, Trip
+from ._events import (
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    Violation,
+)
+from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
+from ._gate import verify
+from ._machine import ESCALATE, FAILED, Machine, Step, Worker
+from ._messages import Cancel, Propose, Recover, Report, Request, Start, ToolCall, Verdict
+from ._stats import RuntimeStats, SupervisorStatistics
+from ._view import RunState, RunView, fold
+
+if TYPE_CHECKING:
+    from .providers import Provider
+    from .stores import Store
+
+Clock = Callable[[], float]
+
+
+class RunResult(msgspec.Struct, frozen=True):
+    """How a run ended (or where it stopped, for an escalated run)."""
+
+    run_id: str
+    machine: str
+    state: str
+    outcome: str
+    """completed, escalated or failed."""
+    output: Any = None
+    reason: str = ""
+
+
+class _Pending:
+    __slots__ = ("cancelled", "msg", "task")
+
+    def __init__(self, msg: Request, task: trio.lowlevel.Task) -> None:
+        self.msg = msg
+        self.task = task
+        self.cancelled = False
+
+
+class RunHandle:
+    """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
+
+    __slots__ = ("_done", "_error", "_result", "machine", "run_id")
+
+    def __init__(self, run_id: str, machine: str) -> None:
+        self.run_id = run_id
+        self.machine = machine
+        self._done = trio.Event()
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> RunResult:
+        """Wait until the run is terminal or escalated, and return how it ended.
+
+        Raises:
+          StoreError: the run's journal could not be written; its state is unknown.
+        """
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _finish(self, result: RunResult | None, error: BaseException | None = None) -> None:
+        self._result = result
+        self._error = error
+        self._done.set()
+
+
+def _outcome_of(machine: Machine, state: str) -> str:
+    return machine.outcome(state)
+
+
+class Supervisor:
+    """Owns every run's state and the journal writer. Make one with :func:`open_supervisor`.
+
+    Requests from run actors (or the gateway) queue up; the supervisor takes all that
+    arrived since its last turn as one batch, decides each, appends the batch's events
+    to the store in one write, and only then wakes the senders.
+    """
+
+    def __init__(
+        self,
+        machines: Iterable[Machine],
+        store: Store,
+        *,
+        provider: Provider | Mapping[str, Provider] | None = None,
+        clock: Clock = time.time,
+        max_batch: int = 8192,
+        stats: RuntimeStats | None = None,
+    ) -> None:
+        self.machines: dict[str, Machine] = {}
+        for machine in machines:
+            if machine.name in self.machines:
+                raise InterlockError(f"two machines are named {machine.name!r}; names must be unique")
+            self.machines[machine.name] = machine
+        self.store = store
+        self.clock = clock
+        self.max_batch = max_batch
+        self.stats = stats if stats is not None else RuntimeStats()
+        self.circuits = CircuitBoard()
+        self.runs: dict[str, RunState] = {}
+        self.handles: dict[str, RunHandle] = {}
+        self._provider = provider
+        self._queue: deque[_Pending] = deque()
+        self._idle: trio.lowlevel.Task | None = None
+        self._actors: trio.Nursery | None = None
+        self._closed = False
+        self._next_id = 0
+
+    def provider_for(self, machine: str) -> Provider | None:
+        if isinstance(self._provider, Mapping):
+            return self._provider.get(machine)
+        return self._provider
+
+    def machine(self, name: str) -> Machine:
+        try:
+            return self.machines[name]
+        except KeyError:
+            known = ", ".join(self.machines) or "none"
+            raise InterlockError(f"machine {name!r} is not registered; registered: {known}") from None
+
+    def view(self, run_id: str) -> RunView:
+        """A read-only view of a live run.
+
+        Raises:
+          RunNotFound: the run is not live in this supervisor.
+        """
+        try:
+            return RunView(self.runs[run_id])
+        except KeyError:
+            raise RunNotFound(run_id) from None
+
+    def statistics(self) -> SupervisorStatistics:
+        """A snapshot of the supervisor's counters."""
+        return self.stats.snapshot(len(self.runs))
+
+    # -- requests ---------------------------------------------------------------
+
+    async def request(self, msg: Request) -> Verdict:
+        """Submit one request and wait for its verdict (sent after the journal flush).
+
+        Raises:
+          ProtocolError: the request is out of order or names no live run.
+          StoreError: the batch holding the request's events could not be written.
+          trio.ClosedResourceError: the supervisor is shutting down.
+        """
+        if self._closed:
+            raise trio.ClosedResourceError("supervisor is closed")
+        pending = _Pending(msg, trio.lowlevel.current_task())
+        self._queue.append(pending)
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            trio.lowlevel.reschedule(idle)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            pending.cancelled = True
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        result: Verdict = await trio.lowlevel.wait_task_rescheduled(abort)
+        return result
+
+    async def _wait_for_work(self) -> None:
+        if self._queue:
+            await trio.lowlevel.checkpoint()
+            return
+        self._idle = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self._idle = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Decide and journal requests until cancelled."""
+        task_status.started()
+        queue = self._queue
+        while True:
+            await self._wait_for_work()
+            batch: list[_Pending] = []
+            while queue and len(batch) < self.max_batch:
+                batch.append(queue.popleft())
+            events: list[Event] = []
+            replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
+            for pending in batch:
+                try:
+                    verdict = self._decide(pending.msg, events)
+                    replies.append((pending, outcome.Value(verdict)))
+                except InterlockError as exc:
+                    replies.append((pending, outcome.Error(exc)))
+            if events:
+                started = time.perf_counter()
+                try:
+                    await self.store.append(events)
+                except (StoreError, OSError) as exc:
+                    error = exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
+                    self._forget({e.run_id for e in events})
+                    replies = [(p, outcome.Error(error)) for p, _ in replies]
+                else:
+                    self.stats.flush_latency.record(time.perf_counter() - started)
+                    self.stats.flush_events["batches"] += 1
+                    self.stats.flush_events["events"] += len(events)
+                    self.stats.batch_sizes.record(len(events) * 1e-6)
+            for pending, reply in replies:
+                if not pending.cancelled:
+                    trio.lowlevel.reschedule(pending.task, reply)
+
+    def _forget(self, run_ids: set[str]) -> None:
+        # NOTE: the in-memory state ran ahead of a batch that was never written; drop
+        # it so nothing acts on decisions the journal does not hold. Recovery refolds.
+        for run_id in run_ids:
+            self.runs.pop(run_id, None)
+
+    # -- deciding -----------------------------------------------------------------
+
+    def _decide(self, msg: Request, events: list[Event]) -> Verdict:
+        match msg:
+            case Propose():
+                return self._on_propose(msg, events)
+            case Report():
+                return self._on_report(msg, events)
+            case Start():
+                return self._on_start(msg, events)
+            case Recover():
+                return self._on_recover(msg, events)
+            case Cancel():
+                return self._on_cancel(msg, events)
+            case _:
+                raise ProtocolError(f"unexpected message {type(msg).__name__}")
+
+    def _run(self, run_id: str) -> RunState:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise RunNotFound(run_id)
+        return run
+
+    def _emit(self, run: RunState, events: list[Event], cls: type[Event], now: float, **fields: Any) -> Event:
+        event = cls(run_id=run.run_id, seq=run.seq + 1, ts=now, **fields)
+        run.apply(event)
+        events.append(event)
+        return event
+
+    def _verdict(self, run: RunState, accepted: bool, **fields: Any) -> Verdict:
+        return Verdict(
+            run_id=run.run_id,
+            seq=run.seq,
+            accepted=accepted,
+            state=run.state,
+            outcome=_outcome_of(run.machine, run.state),
+            **fields,
+        )
+
+    def _on_start(self, msg: Start, events: list[Event]) -> Verdict:
+        machine = self.machine(msg.machine)
+        if msg.run_id in self.runs:
+            raise ProtocolError(f"run {msg.run_id!r} already exists; run ids must be unique")
+        run = RunState(msg.run_id, machine)
+        self.runs[msg.run_id] = run
+        now = self.clock()
+        self._emit(run, events, RunStarted, now, machine=machine.name, state=machine.initial, inputs=msg.inputs)
+        self.stats.runs_started[machine.name] += 1
+        return self._verdict(run, True)
+
+    def _on_cancel(self, msg: Cancel, events: list[Event]) -> Verdict:
+        run = self._run(msg.run_id)
+        if not run.terminal:
+            now = self.clock()
+            src = run.state
+            self._emit(run, events, Transitioned, now, src=src, dst=FAILED, reason="operator")
+            self._emit(run, events, Failed, now, state=FAILED, reason=msg.reason)
+            self._finished(run)
+        return self._verdict(run, True)
+
+    def _check_seq(self, run: RunState, msg: Propose | Report) -> None:
+        if msg.seq and msg.seq != run.seq:
+            raise ProtocolError(
+                f"run {run.run_id!r} is at seq {run.seq}, the request was made at seq {msg.seq}; "
+                "re-read the run and propose again"
+            )
+        if run.terminal:
+            raise ProtocolError(
+                f"run {run.run_id!r} is {_outcome_of(run.machine, run.state)} in state "
+                f"{run.state!r}; it takes no more proposals"
+            )
+
+    def _on_propose(self, msg: Propose, events: list[Event]) -> Verdict:
+        run = self._run(msg.run_id)
+        self._check_seq(run, msg)
+        if run.pending is not None:
+            raise ProtocolError(
+                f"run {run.run_id!r} is waiting for the outcome of {run.pending.key!r}; report it first"
+            )
+        machine = run.machine
+        now = self.clock()
+        state = run.state
+        if msg.source == "model":
+            prompt_hash = hashlib.sha256(msg.prompt.encode()).hexdigest()[:32]
+            self._emit(
+                run,
+                events,
+                ModelCalled,
+                now,
+                state=state,
+                model=msg.model,
+                prompt_hash=prompt_hash,
+                prompt=msg.prompt,
+                raw=msg.raw,
+                usage=msg.usage,
+                latency=msg.latency,
+            )
+            tokens = self.stats.tokens
+            tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
+            tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion
+            self.stats.model_calls[(machine.name, msg.model)] += 1
+            self._model_latency(msg.model).record(msg.latency)
+        else:
+            self._emit(run, events, StepProposed, now, state=state, raw=msg.raw, source=msg.source)
+        if msg.error:
+            violation = Violation(
+                "malformed",
+                "$",
+                f"no proposal: {msg.error}",
+                "the proposer failed; it will be asked again",
+            )
+            return self._reject(run, events, now, (violation,), None)
+        started = time.perf_counter()
+        decision = verify(machine, run, msg.raw.encode(), now, self.circuits)
+        self.stats.verify_latency.record(time.perf_counter() - started)
+        if not decision.accepted:
+            return self._reject(run, events, now, decision.violations, decision.trip)
+        self.stats.verdicts[("accepted", "")] += 1
+        if decision.tool is not None:
+            key = f"{run.run_id}:{state}:{run.seq + 1}"
+            self._emit(
+                run, events, IntentRecorded, now, state=state, tool=decision.tool.name, args=decision.args, key=key
+            )
+            return self._verdict(run, True, execute=ToolCall(decision.tool.name, decision.args, key))
+        reason = "fallback" if _is_fallback(machine, state) else ("step" if msg.source == "step" else "proposal")
+        if msg.source == "operator":
+            reason = "operator"
+        self._transition(run, events, now, decision.target, decision.data, reason)
+        return self._verdict(run, True)
+
+    def _model_latency(self, model: str) -> Any:
+        from ._stats import LatencyHistogram
+
+        histogram = self.stats.model_latency.get(model)
+        if histogram is None:
+            histogram = self.stats.model_latency[model] = LatencyHistogram()
+        return histogram
+
+    def _reject(
+        self,
+        run: RunState,
+        events: list[Event],
+        now: float,
+        violations: tuple[Violation, ...],
+        trip: Trip | None,
+    ) -> Verdict:
+        verdicts = self.stats.verdicts
+        for violation in violations:
+            verdicts[("rejected", violation.code)] += 1
+        self._emit(run, events, ProposalRejected, now, state=run.state, violations=violations)
+        if trip is None and run.consecutive_failures >= run.machine.breakers.consecutive_failures:
+            trip = self._consecutive_trip(run)
+        if trip is not None:
+            self._trip(run, events, now, trip)
+        return self._verdict(run, False, violations=violations)
+
+    def _consecutive_trip(self, run: RunState) -> Trip:
+        limit = run.machine.breakers.consecutive_failures
+        last = run.history[-1].text if run.history else ""
+        return Trip(
+            _breakers.CONSECUTIVE_FAILURES,
+            run.consecutive_failures,
+            limit,
+            f"{run.consecutive_failures} consecutive failures in state {run.state!r} (limit {limit}); last: {last}",
+        )
+
+    def _trip(self, run: RunState, events: list[Event], now: float, trip: Trip) -> None:
+        machine = run.machine
+        self.stats.breaker_trips[(trip.breaker, trip.tool)] += 1
+        self._emit(
+            run,
+            events,
+            BreakerTripped,
+            now,
+            breaker=trip.breaker,
+            state=run.state,
+            value=float(trip.value),
+            limit=float(trip.limit),
+            detail=trip.detail,
+            tool=trip.tool,
+        )
+        if machine.on_breaker == ESCALATE or run.state == machine.on_breaker:
+            self._transition(run, events, now, ESCALATE, {}, "breaker", escalation=(trip.breaker, trip.detail))
+        else:
+            self._transition(run, events, now, machine.on_breaker, {"breaker": trip.breaker}, "breaker")
+
+    def _transition(
+        self,
+        run: RunState,
+        events: list[Event],
+        now: float,
+        dst: str,
+        data: dict[str, Any],
+        reason: str,
+        escalation: tuple[str, str] | None = None,
+    ) -> None:
+        src = run.state
+        self._emit(run, events, Transitioned, now, src=src, dst=dst, delta=data, reason=reason)
+        self.stats.transitions[(run.machine.name, src, dst)] += 1
+        machine = run.machine
+        if dst in machine.success_states:
+            self._emit(run, events, Completed, now, state=dst, output=data or None)
+            self._finished(run)
+        elif dst == ESCALATE:
+            why, detail = escalation or (f"{reason}_escalated", f"{reason} moved the run from {src} to ESCALATE")
+            self._emit(run, events, Escalated, now, state=src, reason=why, detail=detail)
+            self._finished(run)
+        elif dst == FAILED:
+            self._emit(run, events, Failed, now, state=dst, reason=str(data.get("reason", f"{reason} moved the run to FAILED")))
+            self._finished(run)
+
+    def _finished(self, run: RunState) -> None:
+        self.stats.runs_finished[(run.machine.name, _outcome_of(run.machine, run.state))] += 1
+
+    def _on_report(self, msg: Report, events: list[Event]) -> Verdict:
+        run = self._run(msg.run_id)
+        if msg.key in run.committed:
+            # A duplicate report (a retried request): the recorded result stands.
+            return self._verdict(run, True, result=run.committed[msg.key])
+        self._check_seq(run, msg)
+        pending = run.pending
+        if pending is None or pending.key != msg.key:
+            expected = pending.key if pending is not None else "no call"
+            raise ProtocolError(
+                f"run {run.run_id!r} reported key {msg.key!r} but is waiting for {expected!r}"
+            )
+        machine = run.machine
+        tool = machine.tool_by_name[pending.tool]
+        now = self.clock()
+        self.stats.tool_calls[tool.name] += 1
+        histogram = self.stats.tool_latency.get(tool.name)
+        if histogram is None:
+            from ._stats import LatencyHistogram
+
+            histogram = self.stats.tool_latency[tool.name] = LatencyHistogram()
+        histogram.record(msg.latency)
+        self.circuits.record(tool.name, msg.ok, now, machine.breakers, msg.error)
+        if msg.ok:
+            self._emit(
+                run,
+                events,
+                ToolCommitted,
+                now,
+                tool=tool.name,
+                key=msg.key,
+                result=msg.result,
+                attempts=msg.attempts,
+                latency=msg.latency,
+            )
+            if not tool.read_only:
+                self.stats.side_effects[tool.name] += 1
+            return self._verdict(run, True)
+        self.stats.tool_errors[tool.name] += 1
+        self._emit(
+            run,
+            events,
+            ToolFailed,
+            now,
+            tool=tool.name,
+            key=msg.key,
+            error=msg.error,
+            retryable=msg.retryable,
+            attempts=msg.attempts,
+            latency=msg.latency,
+        )
+        if run.consecutive_failures >= machine.breakers.consecutive_failures:
+            self._trip(run, events, now, self._consecutive_trip(run))
+        return self._verdict(run, False)
+
+    def _on_recover(self, msg: Recover, events: list[Event]) -> Verdict:
+        run = self._run(msg.run_id)
+        pending = run.pending
+        if pending is None or run.terminal:
+            return self._verdict(run, True)
+        tool = run.machine.tool_by_name.get(pending.tool)
+        if tool is not None and tool.safe_to_repeat:
+            return self._verdict(run, True, execute=ToolCall(pending.tool, pending.args, pending.key))
+        now = self.clock()
+        detail = (
+            f"tool {pending.tool!r} with key {pending.key!r} may or may not have run before the "
+            "crash, and it is not idempotent; check the downstream system, then resume or abort"
+        )
+        self._emit(
+            run, events, ToolFailed, now, tool=pending.tool, key=pending.key, error="in doubt after a crash"
+        )
+        self._transition(
+            run, events, now, ESCALATE, {}, "recovery", escalation=("in_doubt_side_effect", detail)
+        )
+        return self._verdict(run, False)
+
+    # -- runs -----------------------------------------------------------------------
+
+    def _new_run_id(self) -> str:
+        self._next_id += 1
+        return f"run-{int(self.clock() * 1000):x}-{self._next_id}"
+
+    async def start_run(
+        self,
+        machine: str,
+        inputs: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        provider: Provider | None = None,
+    ) -> RunHandle:
+        """Start a run and return once its ``run_started`` event is durable.
+
+        The run's actor lives in the supervisor's nursery; cancelling the supervisor
+        cancels every run.
+
+        Args:
+          machine: the name of a registered machine.
+          inputs: the run's inputs (checked against the machine's ``inputs`` schema).
+          run_id: the run's id; generated if omitted. Must be unique in the store.
+          provider: the provider for this run; defaults to the supervisor's.
+
+        Raises:
+          InterlockError: unknown machine, invalid inputs, or no provider for a machine
+            with worker states.
+          ProtocolError: ``run_id`` is already in use.
+          trio.ClosedResourceError: the supervisor is shutting down.
+        """
+        spec = self.machine(machine)
+        payload = dict(inputs or {})
+        if spec.input_validator is not None:
+            _, violations = spec.input_validator.validate_json(msgspec.json.encode(payload))
+            if violations:
+                text = "; ".join(v.message.replace("args", "inputs", 1) for v in violations)
+                raise InterlockError(f"inputs of machine {machine!r} are invalid: {text}")
+        chosen = provider or self.provider_for(machine)
+        if chosen is None and any(isinstance(s, Worker) for s in spec.states.values()):
+            raise InterlockError(
+                f"machine {machine!r} has worker states but no provider; pass provider= to "
+                "open_supervisor() or start_run()"
+            )
+        if self._actors is None:
+            raise trio.ClosedResourceError("supervisor is not running")
+        run_id = run_id or self._new_run_id()
+        if run_id in self.runs:
+            raise ProtocolError(f"run {run_id!r} already exists; run ids must be unique")
+        verdict = await self.request(Start(run_id=run_id, machine=machine, inputs=payload))
+        handle = RunHandle(run_id, machine)
+        self.handles[run_id] = handle
+        self._spawn(handle, verdict, chosen)
+        return handle
+
+    def _spawn(self, handle: RunHandle, verdict: Verdict, provider: Provider | None) -> None:
+        from ._actor import run_actor
+
+        assert self._actors is not None
+        self._actors.start_soon(run_actor, self, handle, verdict, provider, name=f"run:{handle.run_id}")
+
+    def result_of(self, run_id: str) -> RunResult:
+        run = self._run(run_id)
+        reason = ""
+        if run.escalation is not None:
+            reason = run.escalation.reason
+        elif run.state == FAILED and isinstance(run.output, dict):
+            reason = str(run.output.get("reason", ""))
+        return RunResult(run.run_id, run.machine.name, run.state, _outcome_of(run.machine, run.state), run.output, reason)
+
+    def release(self, run_id: str) -> None:
+        """Drop a finished run's in-memory state (its journal stays in the store)."""
+        self.runs.pop(run_id, None)
+        self.handles.pop(run_id, None)
+
+    async def resume_unfinished(self, *, provider: Provider | None = None) -> list[RunHandle]:
+        """Rebuild every unfinished run in the store by folding its journal, and resume it.
+
+        A call whose intent is durable but whose outcome is not (in doubt) is re-executed
+        with the same key if its tool is idempotent or read-only; otherwise the run is
+        escalated with reason ``in_doubt_side_effect``.
+        """
+        handles = []
+        for record in await self.store.unfinished():
+            if record.run_id in self.runs:
+                continue
+            machine = self.machines.get(record.machine)
+            if machine is None:
+                continue
+            events = await self.store.load(record.run_id)
+            run = fold(machine, events)
+            self.runs[run.run_id] = run
+            handle = RunHandle(run.run_id, machine.name)
+            self.handles[run.run_id] = handle
+            verdict = await self.request(Recover(run_id=run.run_id))
+            self._spawn(handle, verdict, provider or self.provider_for(machine.name))
+            handles.append(handle)
+        return handles
+
+    async def cancel_run(self, run_id: str, reason: str = "cancelled") -> Verdict:
+        """Fail a live run with ``reason`` (journaled as a transition to FAILED)."""
+        return await self.request(Cancel(run_id=run_id, reason=reason))
+
+
+def _is_fallback(machine: Machine, state: str) -> bool:
+    return machine.on_breaker == state and isinstance(machine.states.get(state), Step)
+
+
+@asynccontextmanager
+async def open_supervisor(
+    machines: Sequence[Machine],
+    store: Store | None = None,
+    *,
+    provider: Provider | Mapping[str, Provider] | None = None,
+    clock: Clock = time.time,
+    resume: bool = False,
+    stats: RuntimeStats | None = None,
+    max_batch: int = 8192,
+) -> AsyncIterator[Supervisor]:
+    """Run a supervisor for the duration of an ``async with`` block.
+
+    Leaving the block waits for every run to end (complete, fail or escalate);
+    cancelling it cancels every run. Either way each journal batch is written whole
+    or not at all, so the store stays consistent.
+
+    Args:
+      machines: the machines runs may use.
+      store: the journal; an in-memory store if omitted.
+      provider: the default provider, or one per machine name.
+      clock: returns the current time in seconds; recorded into every event.
+      resume: resume every unfinished run in the store on entry.
+      stats: counters to update (the metrics collector reads them).
+      max_batch: the most requests decided per journal write.
+    """
+    if store is None:
+        from .stores import MemoryStore
+
+        store = MemoryStore()
+    supervisor = Supervisor(machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch)
+    async with trio.open_nursery() as outer:
+        await outer.start(supervisor.serve)
+        try:
+            async with trio.open_nursery() as actors:
+                supervisor._actors = actors
+                if resume:
+                    await supervisor.resume_unfinished()
+                yield supervisor
+        finally:
+            supervisor._actors = None
+            supervisor._closed = True
+            outer.cancel_scope.cancel()

@@ -1,0 +1,462 @@
+"""Tool specs, and their argument schemas compiled once into strict validators."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+
+import msgspec
+
+from ._events import Violation
+from ._exceptions import ToolDefinitionError
+
+if TYPE_CHECKING:
+    from ._view import RunView
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+
+
+class Reject(msgspec.Struct, frozen=True):
+    """What a guard returns to refuse a call. Becomes a ``guard`` violation."""
+
+    message: str
+    """What is wrong, naming the value and the rule: ``amount: 150.0 exceeds ...``."""
+    hint: str
+    """What to propose instead: ``propose amount <= 100.0``."""
+    path: str = "args"
+    """Where in the proposal: ``args.amount``."""
+
+
+Guard = Callable[[Any, "RunView"], Reject | None]
+"""A pure function of the validated args and a read-only run view. No I/O."""
+
+
+class RetryableToolError(Exception):
+    """Raise from a tool for a failure worth retrying (HTTP 429/5xx, a dropped connection).
+
+    Args:
+      message: what failed.
+      retry_after: seconds the downstream asked us to wait, if it said (Retry-After).
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a tool's retryable failures are retried: exponential backoff with full jitter.
+
+    Attributes:
+      attempts: total attempts, the first included (1 disables retries).
+      base: seconds before the first retry, doubled after each.
+      cap: the longest wait in seconds, Retry-After included.
+      jitter: draw each wait uniformly from [wait/2, wait] so runs do not retry in lockstep.
+    """
+
+    attempts: int = 3
+    base: float = 0.1
+    cap: float = 10.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
+        """Return the seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        if retry_after is not None and retry_after >= 0:
+            return min(retry_after, self.cap)
+        wait = min(self.cap, self.base * (2 ** (attempt - 1)))
+        if self.jitter:
+            wait = rng.uniform(wait / 2, wait)
+        return wait
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a tool's ``execute`` receives besides its args."""
+
+    run_id: str
+    state: str
+    key: str
+    """The idempotency key, ``run_id:state:seq``; pass it downstream so a retry cannot double-apply."""
+    attempt: int
+    """1 for the first attempt, 2 for the first retry, ..."""
+
+
+class Execute(Protocol):
+    def __call__(self, args: Any, ctx: ToolContext, /) -> Awaitable[Any]: ...
+
+
+class Validator(Protocol):
+    """A compiled argument schema."""
+
+    def validate_json(self, raw: bytes) -> tuple[Any, tuple[Violation, ...]]:
+        """Return ``(args, ())`` or ``(None, violations)``."""
+        ...
+
+    def to_builtins(self, args: Any) -> dict[str, Any]: ...
+
+    def from_builtins(self, args: dict[str, Any]) -> Any:
+        """Rebuild validated args from their journaled builtins (no coercion, no checks lost)."""
+        ...
+
+    def json_schema(self) -> dict[str, Any]: ...
+
+
+def _schema_violation(path: str, message: str, hint: str) -> tuple[Violation, ...]:
+    return (Violation("schema", path, message, hint),)
+
+
+_MSGSPEC_ERROR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+class _MsgspecValidator:
+    __slots__ = ("_decoder", "_schema", "_type")
+
+    def __init__(self, type_: Any) -> None:
+        self._type = type_
+        self._decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(type_)
+        self._schema: dict[str, Any] | None = None
+
+    def validate_json(self, raw: bytes) -> tuple[Any, tuple[Violation, ...]]:
+        try:
+            return self._decoder.decode(raw), ()
+        except msgspec.ValidationError as exc:
+            match = _MSGSPEC_ERROR.match(str(exc))
+            assert match is not None
+            path = "args" + (match["path"] or "")
+            text = match["msg"]
+            return None, _schema_violation(
+                path, f"{path}: {_lower_first(text)}", _schema_hint(text, path, self.json_schema())
+            )
+        except msgspec.DecodeError as exc:  # pragma: no cover - args were already parsed once
+            return None, _schema_violation("args", f"args: {exc}", "send args as a JSON object")
+
+    def to_builtins(self, args: Any) -> dict[str, Any]:
+        result: dict[str, Any] = msgspec.to_builtins(args)
+        return result
+
+    def from_builtins(self, args: dict[str, Any]) -> Any:
+        return msgspec.convert(args, self._type)
+
+    def json_schema(self) -> dict[str, Any]:
+        if self._schema is None:
+            schema = msgspec.json.schema(self._type)
+            defs = schema.get("$defs", {})
+            ref = schema.get("$ref", "")
+            if ref.startswith("#/$defs/") and len(defs) == 1:
+                schema = defs[ref.removeprefix("#/$defs/")]
+            self._schema = schema
+        return self._schema
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:] if text else text
+
+
+def _field_schema(schema: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    node: Any = schema
+    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path.removeprefix("args")):
+        name, _index = part
+        if not isinstance(node, Mapping):
+            return {}
+        if name:
+            node = node.get("properties", {}).get(name, {})
+        else:
+            node = node.get("items", {})
+    return node if isinstance(node, Mapping) else {}
+
+
+def _schema_hint(text: str, path: str, schema: Mapping[str, Any]) -> str:
+    """Turn a validator's complaint into an instruction the model can follow."""
+    if text.startswith("Object missing required field"):
+        name = text.split("`")[1] if "`" in text else "?"
+        return f"include the required field {path}.{name}".replace("args.", "args.", 1)
+    if text.startswith("Object contains unknown field"):
+        allowed = sorted(schema.get("properties", {}))
+        return f"remove the field; allowed fields: {', '.join(allowed) or 'none'}"
+    field_schema = _field_schema(schema, path)
+    if "enum" in field_schema:
+        return f"use one of: {', '.join(map(str, field_schema['enum']))}"
+    rules = []
+    for key, word in (
+        ("minimum", ">="),
+        ("exclusiveMinimum", ">"),
+        ("maximum", "<="),
+        ("exclusiveMaximum", "<"),
+        ("minLength", "length >="),
+        ("maxLength", "length <="),
+        ("minItems", "items >="),
+        ("maxItems", "items <="),
+        ("pattern", "matching"),
+    ):
+        if key in field_schema:
+            rules.append(f"{word} {field_schema[key]}")
+    if text.startswith("Expected"):
+        expected = text.split("`")[1] if "`" in text else "the declared type"
+        extra = f" ({', '.join(rules)})" if rules else ""
+        return f"send {path} as a JSON {expected}{extra}, not a string or other type"
+    if rules:
+        return f"propose {path} {' and '.join(rules)}"
+    return f"fix {path} to match the tool's argument schema"
+
+
+class _PydanticValidator:
+    __slots__ = ("_schema", "_validator")
+
+    def __init__(self, validator: Any, schema: dict[str, Any] | None) -> None:
+        self._validator = validator
+        self._schema = schema or {}
+
+    def validate_json(self, raw: bytes) -> tuple[Any, tuple[Violation, ...]]:
+        from pydantic_core import ValidationError
+
+        try:
+            return self._validator.validate_json(raw, strict=True), ()
+        except ValidationError as exc:
+            violations = []
+            for error in exc.errors(include_url=False):
+                path = "args" + "".join(
+                    f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
+                )
+                message = f"{path}: {_lower_first(error['msg'])}"
+                if "input" in error and error["type"] != "missing":
+                    message += f" (got {error['input']!r})"
+                hint = _pydantic_hint(error, path)
+                violations.append(Violation("schema", path, message, hint))
+            return None, tuple(violations)
+
+    def to_builtins(self, args: Any) -> dict[str, Any]:
+        if hasattr(args, "model_dump"):
+            result: dict[str, Any] = args.model_dump(mode="json")
+            return result
+        converted: dict[str, Any] = msgspec.to_builtins(args)
+        return converted
+
+    def from_builtins(self, args: dict[str, Any]) -> Any:
+        return self._validator.validate_python(args)
+
+    def json_schema(self) -> dict[str, Any]:
+        return self._schema
+
+
+def _pydantic_hint(error: Mapping[str, Any], path: str) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    if kind == "missing":
+        return f"include the required field {path}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        word = {
+            "greater_than": ">",
+            "greater_than_equal": ">=",
+            "less_than": "<",
+            "less_than_equal": "<=",
+        }[kind]
+        bound = next(iter(ctx.values()), "?")
+        return f"propose {path} {word} {bound}"
+    if kind in ("literal_error", "enum"):
+        return f"use one of: {ctx.get('expected', '?')}"
+    if kind == "extra_forbidden":
+        return "remove the field"
+    return f"fix {path}: {_lower_first(error['msg'])}"
+
+
+_JSON_TYPES: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "null": type(None),
+}
+_SUPPORTED = {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "enum",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "description",
+    "title",
+    "default",
+    "$schema",
+}
+
+
+def _json_schema_type(schema: Mapping[str, Any], where: str, tool: str) -> Any:
+    unknown = set(schema) - _SUPPORTED
+    if unknown:
+        raise ToolDefinitionError(
+            f"tool {tool!r}: JSON Schema keyword {sorted(unknown)[0]!r} at {where} is not "
+            f"supported; use {', '.join(sorted(_SUPPORTED - {'$schema'}))}, or a msgspec Struct"
+        )
+    meta: dict[str, Any] = {}
+    for key, name in (
+        ("minimum", "ge"),
+        ("maximum", "le"),
+        ("exclusiveMinimum", "gt"),
+        ("exclusiveMaximum", "lt"),
+        ("minLength", "min_length"),
+        ("maxLength", "max_length"),
+        ("pattern", "pattern"),
+        ("minItems", "min_length"),
+        ("maxItems", "max_length"),
+    ):
+        if key in schema:
+            meta[name] = schema[key]
+    if "enum" in schema:
+        values = tuple(schema["enum"])
+        if not values:
+            raise ToolDefinitionError(f"tool {tool!r}: empty enum at {where}")
+        base: Any = Literal[values]
+    else:
+        kind = schema.get("type")
+        if kind == "object":
+            base = _json_schema_struct(schema, where, tool)
+        elif kind == "array":
+            base = list[_json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)]  # type: ignore[misc]
+        elif kind in _JSON_TYPES:
+            base = _JSON_TYPES[kind]
+        else:
+            raise ToolDefinitionError(
+                f"tool {tool!r}: JSON Schema at {where} needs a 'type' of object, array, string, "
+                f"integer, number, boolean or null (or an 'enum'); got {kind!r}"
+            )
+    if meta:
+        return Annotated[base, msgspec.Meta(**meta)]
+    return base
+
+
+def _json_schema_struct(schema: Mapping[str, Any], where: str, tool: str) -> Any:
+    properties = schema.get("properties", {})
+    required = set(schema.get("required", ()))
+    missing = required - set(properties)
+    if missing:
+        raise ToolDefinitionError(
+            f"tool {tool!r}: required field {sorted(missing)[0]!r} at {where} has no entry in 'properties'"
+        )
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for name, sub in properties.items():
+        typ = _json_schema_type(sub, f"{where}.{name}", tool)
+        if name in required:
+            fields.append((name, typ))
+        else:
+            fields.append((name, typ | None, sub.get("default")))
+    fields.sort(key=len)  # required fields first, as defstruct wants
+    return msgspec.defstruct(
+        f"{tool}_{where.replace('.', '_')}",
+        fields,
+        forbid_unknown_fields=schema.get("additionalProperties", True) is False,
+        kw_only=True,
+    )
+
+
+def compile_schema(spec: Any, tool: str) -> Validator:
+    """Compile an argument schema once.
+
+    Args:
+      spec: a msgspec ``Struct`` class, a pydantic model class, a pydantic-core
+        ``SchemaValidator`` or core schema dict, or a JSON Schema dict (``"type": "object"``).
+      tool: the tool's name, for error messages.
+
+    Raises:
+      ToolDefinitionError: if ``spec`` is none of those, or uses an unsupported keyword.
+    """
+    if isinstance(spec, type) and issubclass(spec, msgspec.Struct):
+        return _MsgspecValidator(spec)
+    if isinstance(spec, type) and hasattr(spec, "__pydantic_validator__"):
+        return _PydanticValidator(spec.__pydantic_validator__, spec.model_json_schema())  # type: ignore[attr-defined]
+    try:
+        from pydantic_core import SchemaValidator
+    except ImportError:  # pragma: no cover - pydantic-core is a dependency
+        SchemaValidator = None  # type: ignore[assignment,misc]
+    if SchemaValidator is not None and isinstance(spec, SchemaValidator):
+        return _PydanticValidator(spec, None)
+    if isinstance(spec, Mapping):
+        kind = spec.get("type")
+        if kind == "object" or "properties" in spec or "$schema" in spec:
+            struct = _json_schema_type(spec, "args", tool)
+            validator = _MsgspecValidator(struct)
+            validator._schema = dict(spec)
+            return validator
+        if SchemaValidator is not None and isinstance(kind, str):
+            try:
+                compiled = SchemaValidator(dict(spec))  # type: ignore[arg-type]
+            except Exception as exc:
+                raise ToolDefinitionError(
+                    f"tool {tool!r}: invalid pydantic-core schema: {exc}"
+                ) from exc
+            return _PydanticValidator(compiled, None)
+    raise ToolDefinitionError(
+        f"tool {tool!r}: args must be a msgspec Struct class, a pydantic model, a pydantic-core "
+        f"schema or a JSON Schema object; got {spec!r}"
+    )
+
+
+class _NoArgs(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+@dataclass(frozen=True, eq=False)
+class Tool:
+    """A tool the model (or a step) may call, once the gate has verified the call.
+
+    Attributes:
+      name: unique within a machine; letters, digits, ``_ . -``.
+      execute: ``async def execute(args, ctx: ToolContext) -> result``; the result must
+        be JSON-serialisable (builtins or msgspec Structs).
+      args: the argument schema (see :func:`compile_schema`); no args by default.
+      description: shown to the model.
+      guards: pure checks over ``(args, view)`` that return a :class:`Reject` or None.
+      timeout: seconds one attempt may take before it counts as a retryable failure.
+      retry: how retryable failures are retried.
+      idempotent: the tool honours ``ctx.key``, so it is safe to run again with the same
+        key after a crash. A non-idempotent tool whose outcome is in doubt is escalated.
+      read_only: the tool changes nothing anywhere (always safe to run again).
+    """
+
+    name: str
+    execute: Execute
+    args: Any = _NoArgs
+    description: str = ""
+    guards: Sequence[Guard] = ()
+    timeout: float = 30.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    idempotent: bool = False
+    read_only: bool = False
+    validator: Validator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ToolDefinitionError(
+                f"tool name {self.name!r} is invalid; use 1-64 letters, digits, '_', '.' or '-', "
+                "starting with a letter or '_'"
+            )
+        if not callable(self.execute):
+            raise ToolDefinitionError(f"tool {self.name!r}: execute must be an async callable")
+        if not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout)) or self.timeout <= 0:
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: timeout must be a positive number of seconds; got {self.timeout!r}"
+            )
+        if self.retry.attempts < 1:
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: retry.attempts must be at least 1; got {self.retry.attempts}"
+            )
+        object.__setattr__(self, "guards", tuple(self.guards))
+        object.__setattr__(self, "validator", compile_schema(self.args, self.name))
+
+    @property
+    def safe_to_repeat(self) -> bool:
+        """Whether re-running a call whose outcome is unknown cannot do harm."""
+        return self.idempotent or self.read_only

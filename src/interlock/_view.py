@@ -1,0 +1,365 @@
+"""A run's state folded from its journal, and the read-only view guards, steps and providers see."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ._events import (
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    Violation,
+)
+from ._exceptions import ProtocolError
+from ._hotpath import compact_failures, fnv1a64
+
+if TYPE_CHECKING:
+    from ._machine import Machine
+
+
+class ToolResult(msgspec.Struct, frozen=True):
+    """A committed tool call, as the run's history holds it."""
+
+    tool: str
+    args: dict[str, Any]
+    result: Any
+    key: str
+    seq: int
+
+
+class Frame(msgspec.Struct, frozen=True):
+    """One item of the history handed to the model; rejections may be compacted.
+
+    ``kind`` is one of ``rejected``, ``tool_result``, ``tool_failed``,
+    ``transitioned``, ``breaker``, ``resumed``.
+    """
+
+    kind: str
+    seq: int
+    text: str
+    count: int = 1
+    """How many consecutive identical rejections this frame stands for."""
+    first_seq: int = 0
+    violations: tuple[Violation, ...] = ()
+
+    @property
+    def compacted(self) -> bool:
+        return self.count > 1
+
+
+def violation_signature(violations: Iterable[Violation]) -> int:
+    """Hash of the codes and paths of ``violations``: equal for 'the same mistake again'."""
+    text = "|".join(f"{v.code}:{v.path}" for v in violations)
+    return fnv1a64(text.encode()) or 1
+
+
+class RunState:
+    """Everything the supervisor knows of one run; rebuilt by folding its events.
+
+    Mutated only by :meth:`apply`, so that a live run and a run folded from the
+    journal after a crash are the same object state.
+    """
+
+    __slots__ = (
+        "_compacted",
+        "committed",
+        "consecutive_failures",
+        "data",
+        "escalation",
+        "history",
+        "inputs",
+        "last_ts",
+        "machine",
+        "output",
+        "pending",
+        "repeat_counts",
+        "results",
+        "run_id",
+        "seq",
+        "signatures",
+        "started_ts",
+        "state",
+        "steps",
+        "tokens",
+    )
+
+    def __init__(self, run_id: str, machine: Machine) -> None:
+        self.run_id = run_id
+        self.machine = machine
+        self.state = ""
+        self.seq = 0
+        self.inputs: dict[str, Any] = {}
+        self.data: dict[str, Any] = {}
+        self.started_ts = 0.0
+        self.last_ts = 0.0
+        self.tokens = 0
+        self.steps = 0
+        self.consecutive_failures = 0
+        self.repeat_counts: dict[int, int] = {}
+        self.history: list[Frame] = []
+        self.signatures: list[int] = []
+        self.results: list[ToolResult] = []
+        self.pending: IntentRecorded | None = None
+        self.committed: dict[str, Any] = {}
+        self.escalation: Escalated | None = None
+        self.output: Any = None
+        self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
+
+    @property
+    def terminal(self) -> bool:
+        return self.machine.is_terminal(self.state)
+
+    def _push(self, frame: Frame, signature: int = 0) -> None:
+        self.history.append(frame)
+        self.signatures.append(signature)
+
+    def apply(self, event: Event) -> None:
+        """Fold one event into the state.
+
+        Raises:
+          ProtocolError: if the event is out of order for this run.
+        """
+        if event.seq != self.seq + 1:
+            raise ProtocolError(
+                f"run {self.run_id!r}: event seq {event.seq} does not follow {self.seq}; "
+                "the journal is missing or repeating events"
+            )
+        self.seq = event.seq
+        self.last_ts = event.ts
+        match event:
+            case ModelCalled(usage=usage):
+                self.tokens += usage.prompt + usage.completion
+                self.steps += 1
+            case StepProposed(source=source):
+                if source != "operator":
+                    self.steps += 1
+            case ProposalRejected(violations=violations):
+                self.consecutive_failures += 1
+                text = "; ".join(v.message for v in violations)
+                self._push(
+                    Frame("rejected", event.seq, text, violations=violations, first_seq=event.seq),
+                    violation_signature(violations),
+                )
+            case IntentRecorded():
+                self.pending = event
+                self.repeat_counts[_call_hash(event.tool, event.args)] = (
+                    self.repeat_counts.get(_call_hash(event.tool, event.args), 0) + 1
+                )
+            case ToolCommitted(key=key, result=result):
+                intent = self.pending
+                self.pending = None
+                self.consecutive_failures = 0
+                self.committed[key] = result
+                args = intent.args if intent is not None and intent.key == key else {}
+                self.results.append(ToolResult(event.tool, args, result, key, event.seq))
+                self._push(
+                    Frame(
+                        "tool_result",
+                        event.seq,
+                        f"{event.tool}({_short(args)}) -> {_short(result)}",
+                        first_seq=event.seq,
+                    )
+                )
+            case ToolFailed(error=error):
+                self.pending = None
+                self.consecutive_failures += 1
+                self._push(
+                    Frame("tool_failed", event.seq, f"{event.tool} failed: {error}", first_seq=event.seq)
+                )
+            case Transitioned(src=src, dst=dst, delta=delta):
+                self.state = dst
+                self.consecutive_failures = 0
+                if delta:
+                    self.data.update(delta)
+                self._push(Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
+            case BreakerTripped(breaker=breaker, detail=detail):
+                self._push(Frame("breaker", event.seq, f"breaker {breaker}: {detail}", first_seq=event.seq))
+            case Escalated():
+                self.escalation = event
+            case Resumed(note=note, by=by):
+                self.escalation = None
+                self.consecutive_failures = 0
+                self.repeat_counts.clear()
+                self._push(
+                    Frame("resumed", event.seq, f"resumed by {by}: {note}".rstrip(": "), first_seq=event.seq)
+                )
+            case Completed(output=output):
+                self.output = output
+            case Failed(reason=reason):
+                self.output = {"reason": reason}
+            case RunStarted(state=state, inputs=inputs):
+                self.state = state
+                self.inputs = dict(inputs)
+                self.started_ts = event.ts
+            case _:  # pragma: no cover - the union is closed
+                raise ProtocolError(f"unknown event {event!r}")
+
+    def compacted_history(self) -> tuple[Frame, ...]:
+        """The history with runs of identical rejections collapsed into one frame each."""
+        size = len(self.history)
+        cached_size, cached = self._compacted
+        if cached_size == size:
+            return cached
+        frames: list[Frame] = []
+        for first, last, count in compact_failures(self.signatures):
+            frame = self.history[last]
+            if count > 1:
+                frame = Frame(
+                    frame.kind,
+                    frame.seq,
+                    f"{count} attempts rejected: {frame.text}",
+                    count=count,
+                    first_seq=self.history[first].seq,
+                    violations=frame.violations,
+                )
+            frames.append(frame)
+        result = tuple(frames)
+        self._compacted = (size, result)
+        return result
+
+
+def fold(machine: Machine, events: Iterable[Event]) -> RunState:
+    """Rebuild a run's state from its journal events, in seq order."""
+    run: RunState | None = None
+    for event in events:
+        if run is None:
+            if not isinstance(event, RunStarted):
+                raise ProtocolError(
+                    f"run {event.run_id!r}: journal starts with {type(event).__name__}, not run_started"
+                )
+            run = RunState(event.run_id, machine)
+        run.apply(event)
+    if run is None:
+        raise ProtocolError("cannot fold an empty journal")
+    return run
+
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def canonical_args(args: Any) -> bytes:
+    """The args as JSON with sorted keys: equal calls give equal bytes."""
+    return _canonical.encode(args)
+
+
+def _call_hash(tool: str, args: Any) -> int:
+    from ._hotpath import proposal_hash
+
+    return proposal_hash(tool.encode(), canonical_args(args))
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RunView:
+    """A read-only view of a run, for guards, steps and providers. Cheap to make."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: RunState) -> None:
+        self._run = run
+
+    @property
+    def run_id(self) -> str:
+        return self._run.run_id
+
+    @property
+    def machine(self) -> str:
+        return self._run.machine.name
+
+    @property
+    def state(self) -> str:
+        return self._run.state
+
+    @property
+    def seq(self) -> int:
+        """The seq of the run's last journal event."""
+        return self._run.seq
+
+    @property
+    def inputs(self) -> Mapping[str, Any]:
+        return MappingProxyType(self._run.inputs)
+
+    @property
+    def data(self) -> Mapping[str, Any]:
+        """The run's data: what transitions carried (``Go.data``), merged in order."""
+        return MappingProxyType(self._run.data)
+
+    @property
+    def tokens(self) -> int:
+        return self._run.tokens
+
+    @property
+    def steps(self) -> int:
+        return self._run.steps
+
+    @property
+    def results(self) -> tuple[ToolResult, ...]:
+        """Every committed tool call of the run, oldest first."""
+        return tuple(self._run.results)
+
+    def results_of(self, tool: str) -> list[ToolResult]:
+        """The committed calls of ``tool``, oldest first."""
+        return [r for r in self._run.results if r.tool == tool]
+
+    def last_result(self, tool: str) -> Any:
+        """The result of the latest committed call of ``tool``, or None."""
+        for item in reversed(self._run.results):
+            if item.tool == tool:
+                return item.result
+        return None
+
+    @property
+    def history(self) -> tuple[Frame, ...]:
+        """The run's history as the model sees it: identical rejections compacted."""
+        return self._run.compacted_history()
+
+    @property
+    def last_violations(self) -> tuple[Violation, ...]:
+        """The violations of the latest rejection, if the latest history item is one."""
+        if self._run.history and self._run.history[-1].kind == "rejected":
+            return self._run.history[-1].violations
+        return ()
+
+    @property
+    def instructions(self) -> str:
+        """What the model is told to do in the current state ('' for a step state)."""
+        return str(getattr(self._run.machine.states.get(self._run.state), "instructions", ""))
+
+    def tool_schema(self, tool: str) -> dict[str, Any]:
+        """The JSON Schema of ``tool``'s args."""
+        return self._run.machine.tool_by_name[tool].validator.json_schema()
+
+    def tool_description(self, tool: str) -> str:
+        return self._run.machine.tool_by_name[tool].description
+
+    @property
+    def all_states(self) -> tuple[str, ...]:
+        return tuple(self._run.machine.tables.states)
+
+    @property
+    def allowed_tools(self) -> tuple[str, ...]:
+        tables = self._run.machine.tables
+        return tables.allowed_tools(tables.state_id(self._run.state))
+
+    @property
+    def legal_next(self) -> tuple[str, ...]:
+        tables = self._run.machine.tables
+        return tables.legal_next(tables.state_id(self._run.state))
