@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Latency histogram: log-spaced bucket bounds in seconds, 4 per octave, from 250 ns to ~17 s.
@@ -30,6 +31,16 @@ class LatencyHistogram:
         self.counts[index] += 1
         self.sum += seconds
         self.total += 1
+
+    @classmethod
+    def merged(cls, histograms: Iterable[LatencyHistogram]) -> LatencyHistogram:
+        """One histogram holding every sample of ``histograms``."""
+        result = cls()
+        for histogram in histograms:
+            result.counts = [a + b for a, b in zip(result.counts, histogram.counts, strict=True)]
+            result.sum += histogram.sum
+            result.total += histogram.total
+        return result
 
     def quantile(self, q: float) -> float:
         """Return the upper bound of the bucket holding the ``q`` quantile (0 with no samples)."""
@@ -83,9 +94,9 @@ class RuntimeStats:
         self.tokens: Counter[tuple[str, str, str, str]] = Counter()  # machine, state, model, kind
         self.model_calls: Counter[tuple[str, str]] = Counter()  # machine, model
         self.model_latency: dict[str, LatencyHistogram] = {}  # by model
-        self.verdicts: Counter[tuple[str, str]] = Counter()  # outcome, code
-        self.verify_latency = LatencyHistogram()
-        self.breaker_trips: Counter[tuple[str, str]] = Counter()  # breaker, tool
+        self.verdicts: Counter[tuple[str, str, str]] = Counter()  # machine, outcome, code
+        self.verify_latency: dict[str, LatencyHistogram] = {}  # by machine
+        self.breaker_trips: Counter[tuple[str, str, str]] = Counter()  # machine, breaker, tool
         self.transitions: Counter[tuple[str, str, str]] = Counter()  # machine, src, dst
         self.runs_started: Counter[str] = Counter()  # machine
         self.runs_finished: Counter[tuple[str, str]] = Counter()  # machine, outcome
@@ -97,16 +108,24 @@ class RuntimeStats:
         self.flush_events: Counter[str] = Counter()  # "batches", "events", "bytes"
         self.batch_sizes = LatencyHistogram()  # reused as a size histogram (events, not seconds)
 
+    def histogram(self, table: dict[str, LatencyHistogram], key: str) -> LatencyHistogram:
+        """The histogram of ``key`` in ``table``, created on first use."""
+        histogram = table.get(key)
+        if histogram is None:
+            histogram = table[key] = LatencyHistogram()
+        return histogram
+
     def snapshot(self, in_flight: int) -> SupervisorStatistics:
         rejections: Counter[str] = Counter()
         verifications = 0
-        for (outcome, code), count in self.verdicts.items():
+        for (_machine, outcome, code), count in self.verdicts.items():
             verifications += count
             if outcome == "rejected":
                 rejections[code] += count
         trips: Counter[str] = Counter()
-        for (breaker, _tool), count in self.breaker_trips.items():
+        for (_machine, breaker, _tool), count in self.breaker_trips.items():
             trips[breaker] += count
+        latency = LatencyHistogram.merged(self.verify_latency.values())
         finished: Counter[str] = Counter()
         for (_machine, outcome), count in self.runs_finished.items():
             finished[outcome] += count
@@ -118,8 +137,8 @@ class RuntimeStats:
             rejections=dict(rejections),
             breaker_trips=dict(trips),
             tokens=sum(self.tokens.values()),
-            verify_p50=self.verify_latency.quantile(0.5),
-            verify_p99=self.verify_latency.quantile(0.99),
+            verify_p50=latency.quantile(0.5),
+            verify_p99=latency.quantile(0.99),
             tool_calls=sum(self.tool_calls.values()),
             tool_errors=sum(self.tool_errors.values()),
             side_effects=sum(self.side_effects.values()),

@@ -349,7 +349,7 @@ class Supervisor:
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
             tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion
             self.stats.model_calls[(machine.name, msg.model)] += 1
-            self._model_latency(msg.model).record(msg.latency)
+            self.stats.histogram(self.stats.model_latency, msg.model).record(msg.latency)
         else:
             self._emit(run, events, StepProposed, now, state=state, raw=msg.raw, source=msg.source)
         if msg.error:
@@ -362,10 +362,10 @@ class Supervisor:
             return self._reject(run, events, now, (violation,), None)
         started = time.perf_counter()
         decision = verify(machine, run, msg.raw.encode(), now, self.circuits)
-        self.stats.verify_latency.record(time.perf_counter() - started)
+        self.stats.histogram(self.stats.verify_latency, machine.name).record(time.perf_counter() - started)
         if not decision.accepted:
             return self._reject(run, events, now, decision.violations, decision.trip)
-        self.stats.verdicts[("accepted", "")] += 1
+        self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"
             self._emit(
@@ -378,14 +378,6 @@ class Supervisor:
         self._transition(run, events, now, decision.target, decision.data, reason)
         return self._verdict(run, True)
 
-    def _model_latency(self, model: str) -> Any:
-        from ._stats import LatencyHistogram
-
-        histogram = self.stats.model_latency.get(model)
-        if histogram is None:
-            histogram = self.stats.model_latency[model] = LatencyHistogram()
-        return histogram
-
     def _reject(
         self,
         run: RunState,
@@ -395,8 +387,9 @@ class Supervisor:
         trip: Trip | None,
     ) -> Verdict:
         verdicts = self.stats.verdicts
+        name = run.machine.name
         for violation in violations:
-            verdicts[("rejected", violation.code)] += 1
+            verdicts[(name, "rejected", violation.code)] += 1
         self._emit(run, events, ProposalRejected, now, state=run.state, violations=violations)
         if trip is None and run.consecutive_failures >= run.machine.breakers.consecutive_failures:
             trip = self._consecutive_trip(run)
@@ -416,7 +409,7 @@ class Supervisor:
 
     def _trip(self, run: RunState, events: list[Event], now: float, trip: Trip) -> None:
         machine = run.machine
-        self.stats.breaker_trips[(trip.breaker, trip.tool)] += 1
+        self.stats.breaker_trips[(machine.name, trip.breaker, trip.tool)] += 1
         self._emit(
             run,
             events,
@@ -478,12 +471,7 @@ class Supervisor:
         tool = machine.tool_by_name[pending.tool]
         now = self.clock()
         self.stats.tool_calls[tool.name] += 1
-        histogram = self.stats.tool_latency.get(tool.name)
-        if histogram is None:
-            from ._stats import LatencyHistogram
-
-            histogram = self.stats.tool_latency[tool.name] = LatencyHistogram()
-        histogram.record(msg.latency)
+        self.stats.histogram(self.stats.tool_latency, tool.name).record(msg.latency)
         self.circuits.record(tool.name, msg.ok, now, machine.breakers, msg.error)
         if msg.ok:
             self._emit(

@@ -1,0 +1,390 @@
+"""The ``interlock`` command line: demo, runs, show, escalations."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+import msgspec
+import trio
+
+from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, run_demo
+from ._events import (
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    event_to_builtins,
+)
+from ._exceptions import InterlockError
+from ._hotpath import IMPLEMENTATION
+from ._hot_py import compact_failures
+from ._version import __version__
+from ._view import violation_signature
+from .stores import OUTCOMES, RunRecord
+from .stores._open import open_store
+from .workflows import WORKFLOWS
+
+_json = msgspec.json.Encoder(order="sorted")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"interlock: error: {message}; see '{self.prog} --help'\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def _latency(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) / 1000 for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LOW,HIGH in milliseconds like 5,20; got {text!r}"
+        ) from None
+    if not 0 <= low <= high:
+        raise argparse.ArgumentTypeError(f"need 0 <= LOW <= HIGH; got {text!r}")
+    return low, high
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="interlock",
+        description="A deterministic runtime for LLM agent loops: propose, verify, commit, replay.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"interlock {__version__} (hot path: {IMPLEMENTATION})"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = commands.add_parser("demo", help="run many concurrent runs of the seed workflows under chaos")
+    demo.add_argument("--runs", type=_positive_int, default=DEFAULT_RUNS, help=f"number of runs (default {DEFAULT_RUNS})")
+    demo.add_argument(
+        "--workflow", choices=[*WORKFLOWS, "all"], default="all", help="which workflow to run (default all)"
+    )
+    demo.add_argument("--chaos-rate", type=_rate, default=0.1, help="share of corrupted model answers (default 0.1)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of inputs and chaos (default 0)")
+    demo.add_argument("--db", default=DEFAULT_DB, help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB})")
+    demo.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
+    demo.add_argument(
+        "--latency", type=_latency, default=(0.005, 0.02), help="simulated model latency LOW,HIGH in ms (default 5,20)"
+    )
+    demo.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+
+    runs = commands.add_parser("runs", help="list runs in a journal")
+    runs.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    runs.add_argument("--state", default=None, help="only runs in this state")
+    runs.add_argument("--workflow", default=None, help="only runs of this workflow (machine)")
+    runs.add_argument("--outcome", choices=OUTCOMES, default=None, help="only runs with this outcome")
+    runs.add_argument("--limit", type=_positive_int, default=None, help="at most this many runs")
+    runs.add_argument("--json", action="store_true", help="print as JSON")
+
+    show = commands.add_parser("show", help="print one run's timeline")
+    show.add_argument("run_id", metavar="RUN")
+    show.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    show.add_argument("--json", action="store_true", help="print as JSON")
+
+    escalations = commands.add_parser("escalations", help="list the escalation queue")
+    escalations.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    escalations.add_argument("--json", action="store_true", help="print as JSON")
+    return parser
+
+
+def _print_json(document: Any) -> None:
+    sys.stdout.write(_json.encode(document).decode() + "\n")
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+# -- demo -------------------------------------------------------------------------------
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    workflows = tuple(WORKFLOWS) if args.workflow == "all" else (args.workflow,)
+    config = DemoConfig(
+        runs=args.runs,
+        workflows=workflows,
+        chaos_rate=args.chaos_rate,
+        seed=args.seed,
+        db=args.db,
+        effects=args.effects,
+        latency=args.latency,
+    )
+    console = Console(stderr=True)
+    holder: dict[str, Any] = {}
+    started = time.perf_counter()
+
+    def progress() -> Table:
+        table = Table.grid(padding=(0, 2))
+        supervisor = holder.get("supervisor")
+        if supervisor is None:
+            table.add_row("starting...")
+            return table
+        stats = supervisor.statistics()
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        finished = sum(stats.runs_finished.values())
+        table.add_row(
+            f"runs {finished}/{config.runs}",
+            f"escalated {stats.runs_finished.get('escalated', 0)}",
+            f"breaker trips {sum(stats.breaker_trips.values())}",
+            f"tokens {stats.tokens:,}",
+            f"verifications/s {stats.verifications / elapsed:,.0f}",
+        )
+        return table
+
+    async def run() -> dict[str, Any]:
+        return await run_demo(config, on_start=lambda s: holder.__setitem__("supervisor", s))
+
+    if args.json or not console.is_terminal:
+        summary = await run()
+    else:
+        with Live(progress(), console=console, refresh_per_second=8, transient=True) as live:
+            async with trio.open_nursery() as nursery:
+
+                async def refresh() -> None:
+                    while True:
+                        live.update(progress())
+                        await trio.sleep(0.125)
+
+                nursery.start_soon(refresh)
+                summary = await run()
+                nursery.cancel_scope.cancel()
+    if args.json:
+        _print_json(summary)
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    workflows = summary["workflows"]
+    names = list(workflows)
+    outcomes = Table(
+        title=f"interlock demo: {summary['runs']} runs in {summary['wall_seconds']} s "
+        f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']})"
+    )
+    for column in ("workflow", "runs", "completed", "escalated", "failed", "tokens", "verify p50 µs", "p99 µs"):
+        outcomes.add_column(column, justify="left" if column == "workflow" else "right")
+    for name, row in workflows.items():
+        counts = row["outcomes"]
+        outcomes.add_row(
+            name,
+            str(row["runs"]),
+            str(counts.get("completed", 0)),
+            str(counts.get("escalated", 0)),
+            str(counts.get("failed", 0)),
+            f"{row['tokens']['total']:,}",
+            f"{row['verification_us']['p50']:.1f}",
+            f"{row['verification_us']['p99']:.1f}",
+        )
+    console.print(outcomes)
+    for title, key in (("rejections by code", "rejections"), ("breaker trips by kind", "breaker_trips")):
+        kinds = sorted({kind for row in workflows.values() for kind in row[key]})
+        table = Table(title=title)
+        table.add_column("kind")
+        for name in names:
+            table.add_column(name, justify="right")
+        for kind in kinds:
+            table.add_row(kind, *(str(workflows[name][key].get(kind, 0)) for name in names))
+        if not kinds:
+            table.add_row("none", *("0" for _ in names))
+        console.print(table)
+    effects = Table(title="side effects (counted by the downstream systems)")
+    for column in ("workflow", "tool", "executions", "applied", "duplicates"):
+        effects.add_column(column, justify="left" if column in ("workflow", "tool") else "right")
+    for name, row in workflows.items():
+        for tool, counts in row["side_effects"].items():
+            effects.add_row(name, tool, str(counts["executions"]), str(counts["applied"]), str(counts["duplicates"]))
+    console.print(effects)
+    console.print(f"journal: {summary['db']}   side effects: {summary['effects_db']}")
+
+
+# -- runs / show / escalations --------------------------------------------------------
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    result: dict[str, Any] = msgspec.to_builtins(record)
+    return result
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    store = await open_store(args.db, readonly=True)
+    try:
+        records = await store.list_runs(
+            machine=args.workflow, state=args.state, outcome=args.outcome, limit=args.limit
+        )
+    finally:
+        await store.aclose()
+    if args.json:
+        _print_json({"db": args.db, "count": len(records), "runs": [_record_json(r) for r in records]})
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(records)} runs in {args.db}")
+    for column in ("run", "workflow", "state", "outcome", "events", "started", "reason"):
+        table.add_column(column)
+    for r in records:
+        table.add_row(r.run_id, r.machine, r.state, r.outcome, str(r.seq), _when(r.started), r.reason)
+    Console().print(table)
+    return 0
+
+
+def _describe(event: Any) -> str:
+    match event:
+        case RunStarted(machine=machine, state=state, inputs=inputs):
+            return f"started {machine} in {state} with {_short(inputs)}"
+        case ModelCalled(model=model, raw=raw, usage=usage):
+            return f"model {model} proposed {_short(raw)} ({usage.prompt}+{usage.completion} tokens)"
+        case StepProposed(source=source, raw=raw):
+            return f"{source} proposed {_short(raw)}"
+        case ProposalRejected(violations=violations):
+            return "rejected: " + "; ".join(f"[{v.code}] {v.message} -> {v.hint}" for v in violations)
+        case IntentRecorded(tool=tool, args=args, key=key):
+            return f"intent {tool}({_short(args)}) key={key}"
+        case ToolCommitted(tool=tool, result=result, attempts=attempts):
+            return f"committed {tool} -> {_short(result)} (attempts {attempts})"
+        case ToolFailed(tool=tool, error=error, attempts=attempts):
+            return f"failed {tool}: {error} (attempts {attempts})"
+        case Transitioned(src=src, dst=dst, reason=reason, delta=delta):
+            extra = f" data {_short(delta)}" if delta else ""
+            return f"{src} -> {dst} ({reason}){extra}"
+        case BreakerTripped(breaker=breaker, detail=detail):
+            return f"breaker {breaker} tripped: {detail}"
+        case Escalated(reason=reason, detail=detail):
+            return f"escalated ({reason}): {detail}"
+        case Resumed(by=by, note=note, to=to):
+            return f"resumed by {by}" + (f" to {to}" if to else "") + (f": {note}" if note else "")
+        case Completed(output=output):
+            return f"completed with {_short(output)}"
+        case Failed(reason=reason):
+            return f"failed: {reason}"
+    return repr(event)  # pragma: no cover - the union is closed
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = value if isinstance(value, str) else _json.encode(value).decode()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+async def _show(args: argparse.Namespace) -> int:
+    store = await open_store(args.db, readonly=True)
+    try:
+        record = await store.get_run(args.run_id)
+        events = await store.load(args.run_id)
+    finally:
+        await store.aclose()
+    # Mark runs of identical rejections the way the model saw them (compacted).
+    signatures = [
+        violation_signature(e.violations) if isinstance(e, ProposalRejected) else 0 for e in events
+    ]
+    rejected = [i for i, e in enumerate(events) if isinstance(e, ProposalRejected)]
+    groups: dict[int, tuple[int, int]] = {}
+    only = [signatures[i] for i in rejected]
+    for first, last, count in compact_failures(only):
+        for position in range(first, last + 1):
+            groups[rejected[position]] = (position - first + 1, count)
+    if args.json:
+        timeline = []
+        for i, event in enumerate(events):
+            item = event_to_builtins(event)
+            if i in groups and groups[i][1] > 1:
+                item["compacted"] = {"position": groups[i][0], "of": groups[i][1]}
+            timeline.append(item)
+        _print_json({"run": _record_json(record), "events": timeline})
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"run {record.run_id} ({record.machine}): {record.outcome} in {record.state}"
+    if record.reason:
+        title += f" - {record.reason}"
+    table = Table(title=title)
+    for column in ("seq", "time", "event", "what"):
+        table.add_column(column)
+    for i, event in enumerate(events):
+        kind = type(event).__struct_config__.tag
+        mark = ""
+        if i in groups and groups[i][1] > 1:
+            mark = f" [compacted {groups[i][0]}/{groups[i][1]}]"
+        table.add_row(str(event.seq), _when(event.ts), f"{kind}{mark}", _describe(event))
+    Console().print(table)
+    return 0
+
+
+async def _escalations(args: argparse.Namespace) -> int:
+    store = await open_store(args.db, readonly=True)
+    try:
+        records = await store.escalations()
+    finally:
+        await store.aclose()
+    if args.json:
+        _print_json({"db": args.db, "count": len(records), "escalations": [_record_json(r) for r in records]})
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(records)} escalated runs in {args.db}")
+    for column in ("run", "workflow", "state", "reason", "detail", "since"):
+        table.add_column(column)
+    for r in records:
+        table.add_row(r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated))
+    Console().print(table)
+    return 0
+
+
+_COMMANDS = {"demo": _demo, "runs": _runs, "show": _show, "escalations": _escalations}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``interlock`` console script and ``python -m interlock``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return trio.run(_COMMANDS[args.command], args)
+    except (InterlockError, ValueError, OSError) as exc:
+        sys.stderr.write(f"interlock: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("interlock: interrupted\n")
+        return 130

@@ -1,0 +1,185 @@
+"""The demo: many concurrent runs of the seed workflows against the chaos provider."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ._hotpath import IMPLEMENTATION
+from ._stats import LatencyHistogram, RuntimeStats
+from ._supervisor import RunResult, Supervisor, open_supervisor
+from .providers import ChaosProvider, ScriptedProvider
+from .stores import Store
+from .stores._open import open_store
+from .workflows import WORKFLOWS, Backend
+
+#: Which side-effecting tools belong to which workflow, for the summary.
+EFFECT_TOOLS = {"refund": ("refund", "send_email"), "extraction": ("write_entities",), "router": ("record_ticket",)}
+DEFAULT_DB = "interlock.db"
+DEFAULT_RUNS = 1200
+
+
+@dataclass
+class DemoConfig:
+    """What ``interlock demo`` runs.
+
+    Attributes:
+      runs: how many runs, spread round-robin over ``workflows``.
+      workflows: names from :data:`interlock.workflows.WORKFLOWS`.
+      chaos_rate: the probability that a model answer is corrupted.
+      seed: the seed of the inputs and of the chaos dice.
+      db: the journal: a SQLite path, ``postgresql://...`` or ``:memory:``.
+      effects: the SQLite file of the workflows' downstream systems (derived from ``db``).
+      latency: ``(low, high)`` seconds of simulated model latency per call.
+    """
+
+    runs: int = DEFAULT_RUNS
+    workflows: Sequence[str] = ("refund", "extraction", "router")
+    chaos_rate: float = 0.1
+    seed: int = 0
+    db: str = DEFAULT_DB
+    effects: str | None = None
+    latency: tuple[float, float] = (0.005, 0.02)
+    run_prefix: str = field(default="")
+
+    def effects_path(self) -> str:
+        if self.effects:
+            return self.effects
+        if self.db == ":memory:":
+            return ":memory:"
+        if self.db.startswith(("postgresql://", "postgres://")):
+            return "interlock-effects.db"
+        root, ext = os.path.splitext(self.db.removeprefix("sqlite:///"))
+        return f"{root}-effects{ext or '.db'}"
+
+
+def build_machines(backend: Backend, workflows: Sequence[str] = tuple(WORKFLOWS)) -> list[Any]:
+    return [WORKFLOWS[name].build(backend) for name in workflows]
+
+
+def build_providers(config: DemoConfig) -> dict[str, ChaosProvider]:
+    return {
+        name: ChaosProvider(
+            ScriptedProvider(WORKFLOWS[name].oracle, model="sim-1"),
+            rate=config.chaos_rate,
+            seed=config.seed,
+            latency=config.latency,
+        )
+        for name in config.workflows
+    }
+
+
+def summarize(
+    results: Sequence[RunResult],
+    stats: RuntimeStats,
+    backend: Backend,
+    *,
+    run_prefix: str | None,
+    wall: float,
+    config: DemoConfig,
+) -> dict[str, Any]:
+    """The demo's summary as one JSON-ready document with stable keys."""
+    effects = backend.counts(run_prefix)
+    per: dict[str, dict[str, Any]] = {}
+    for name in config.workflows:
+        mine = [r for r in results if r.machine == name]
+        rejections: Counter[str] = Counter()
+        for (machine, outcome, code), count in stats.verdicts.items():
+            if machine == name and outcome == "rejected":
+                rejections[code] += count
+        trips: Counter[str] = Counter()
+        for (machine, breaker, _tool), count in stats.breaker_trips.items():
+            if machine == name:
+                trips[breaker] += count
+        prompt = sum(c for (m, _s, _model, kind), c in stats.tokens.items() if m == name and kind == "prompt")
+        completion = sum(c for (m, _s, _model, kind), c in stats.tokens.items() if m == name and kind == "completion")
+        latency = stats.verify_latency.get(name, LatencyHistogram())
+        per[name] = {
+            "runs": len(mine),
+            "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
+            "states": dict(sorted(Counter(r.state for r in mine).items())),
+            "escalation_reasons": dict(sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())),
+            "rejections": dict(sorted(rejections.items())),
+            "breaker_trips": dict(sorted(trips.items())),
+            "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
+            "verifications": latency.total,
+            "verification_us": {
+                "p50": round(latency.quantile(0.5) * 1e6, 2),
+                "p99": round(latency.quantile(0.99) * 1e6, 2),
+            },
+            "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
+        }
+    overall = LatencyHistogram.merged(stats.verify_latency.values())
+    return {
+        "runs": len(results),
+        "wall_seconds": round(wall, 3),
+        "runs_per_second": round(len(results) / wall, 1) if wall else 0.0,
+        "db": config.db,
+        "effects_db": config.effects_path(),
+        "hotpath": IMPLEMENTATION,
+        "chaos_rate": config.chaos_rate,
+        "seed": config.seed,
+        "outcomes": dict(sorted(Counter(r.outcome for r in results).items())),
+        "verification_us": {
+            "p50": round(overall.quantile(0.5) * 1e6, 2),
+            "p99": round(overall.quantile(0.99) * 1e6, 2),
+        },
+        "workflows": per,
+    }
+
+
+async def run_demo(
+    config: DemoConfig,
+    *,
+    stats: RuntimeStats | None = None,
+    on_start: Callable[[Supervisor], None] | None = None,
+    store: Store | None = None,
+) -> dict[str, Any]:
+    """Run the demo and return its summary (see :func:`summarize`).
+
+    Args:
+      config: what to run.
+      stats: counters to update (pass one to scrape metrics while it runs).
+      on_start: called with the supervisor once it runs (for progress displays).
+      store: an open store to use instead of opening ``config.db``.
+    """
+    unknown = [w for w in config.workflows if w not in WORKFLOWS]
+    if unknown:
+        raise ValueError(f"unknown workflow {unknown[0]!r}; choose from {', '.join(WORKFLOWS)} or all")
+    stats = stats if stats is not None else RuntimeStats()
+    own_store = store is None
+    store = store if store is not None else await open_store(config.db)
+    backend = Backend(config.effects_path())
+    prefix = config.run_prefix or f"d{int(time.time() * 1000):x}"
+    rng = random.Random(config.seed)
+    handles = []
+    started = time.perf_counter()
+    try:
+        machines = build_machines(backend, config.workflows)
+        async with open_supervisor(machines, store, provider=build_providers(config), stats=stats) as supervisor:
+            if on_start is not None:
+                on_start(supervisor)
+
+            async def start(index: int, workflow: str, inputs: dict[str, Any]) -> None:
+                run_id = f"{workflow}-{prefix}-{index:06d}"
+                handles.append(await supervisor.start_run(workflow, inputs, run_id=run_id))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(config.runs):
+                    workflow = config.workflows[index % len(config.workflows)]
+                    inputs = WORKFLOWS[workflow].make_inputs(index, rng)
+                    nursery.start_soon(start, index, workflow, inputs)
+        results = [await handle.wait() for handle in handles]
+        wall = time.perf_counter() - started
+        return summarize(results, stats, backend, run_prefix=prefix, wall=wall, config=config)
+    finally:
+        backend.close()
+        if own_store:
+            await store.aclose()

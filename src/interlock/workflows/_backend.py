@@ -1,0 +1,176 @@
+"""The demo workflows' downstream systems: payments, email, an entity table, a ticket DB.
+
+All live in one SQLite file (or ``:memory:``) so tests and the crash test can count
+every side effect from outside the runtime: each execution of a side-effecting tool
+adds one row to ``executions``, whatever the tool then decides to do.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import zlib
+from typing import Any
+
+import trio
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS executions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    tool TEXT NOT NULL, key TEXT NOT NULL, run_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS payments (
+    key TEXT PRIMARY KEY, run_id TEXT NOT NULL, order_id TEXT NOT NULL, amount REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS emails (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL, run_id TEXT NOT NULL, recipient TEXT NOT NULL, subject TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entities (
+    key TEXT NOT NULL, idx INTEGER NOT NULL, run_id TEXT NOT NULL,
+    entity_id TEXT NOT NULL, category TEXT NOT NULL, confidence REAL NOT NULL,
+    PRIMARY KEY (key, idx)
+);
+CREATE TABLE IF NOT EXISTS tickets (
+    db_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, category TEXT NOT NULL, summary TEXT NOT NULL
+);
+"""
+
+
+def order_total(order_id: str) -> float:
+    """The total of a demo order: a deterministic function of its id (20.00 to 219.00)."""
+    return float(20 + zlib.crc32(order_id.encode()) % 200)
+
+
+class Backend:
+    """The demo's downstream systems in one SQLite database.
+
+    Args:
+      path: a file path, or ``":memory:"`` for tests.
+    """
+
+    def __init__(self, path: str = ":memory:") -> None:
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=10000")
+        self._db.executescript(_SCHEMA)
+        self._lock = trio.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    async def _write(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
+        def work() -> list[int]:
+            counts = []
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    counts.append(self._db.execute(sql, params).rowcount)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return counts
+
+        async with self._lock:
+            return await trio.to_thread.run_sync(work)
+
+    def _execution(self, tool: str, key: str, run_id: str) -> tuple[str, tuple[Any, ...]]:
+        return ("INSERT INTO executions (tool, key, run_id) VALUES (?, ?, ?)", (tool, key, run_id))
+
+    async def get_order(self, order_id: str) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        return {"order_id": order_id, "total": order_total(order_id), "currency": "USD"}
+
+    async def refund(self, key: str, run_id: str, order_id: str, amount: float) -> dict[str, Any]:
+        """Idempotent: a second call with the same key changes nothing."""
+        _, inserted = await self._write(
+            [
+                self._execution("refund", key, run_id),
+                (
+                    "INSERT OR IGNORE INTO payments (key, run_id, order_id, amount) VALUES (?, ?, ?, ?)",
+                    (key, run_id, order_id, amount),
+                ),
+            ]
+        )
+        return {"refund_id": f"rf-{zlib.crc32(key.encode()):08x}", "amount": amount, "new": inserted == 1}
+
+    async def send_email(self, key: str, run_id: str, recipient: str, subject: str) -> dict[str, Any]:
+        """Not idempotent: every call sends another email."""
+        await self._write(
+            [
+                self._execution("send_email", key, run_id),
+                (
+                    "INSERT INTO emails (key, run_id, recipient, subject) VALUES (?, ?, ?, ?)",
+                    (key, run_id, recipient, subject),
+                ),
+            ]
+        )
+        return {"sent": True, "to": recipient}
+
+    async def write_entities(self, key: str, run_id: str, entities: list[dict[str, Any]]) -> dict[str, Any]:
+        """Idempotent: the idempotency key is part of the table's unique key."""
+        statements = [self._execution("write_entities", key, run_id)]
+        for idx, entity in enumerate(entities):
+            statements.append(
+                (
+                    "INSERT OR IGNORE INTO entities (key, idx, run_id, entity_id, category, confidence) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (key, idx, run_id, entity["id"], entity["category"], entity["confidence"]),
+                )
+            )
+        counts = await self._write(statements)
+        return {"written": sum(counts[1:]), "entities": len(entities)}
+
+    async def record_ticket(self, db_key: str, key: str, run_id: str, category: str, summary: str) -> dict[str, Any]:
+        """Idempotent on ``db_key`` (``run_id:state``): a retried commit does not write twice."""
+        _, inserted = await self._write(
+            [
+                self._execution("record_ticket", key, run_id),
+                (
+                    "INSERT OR IGNORE INTO tickets (db_key, run_id, category, summary) VALUES (?, ?, ?, ?)",
+                    (db_key, run_id, category, summary),
+                ),
+            ]
+        )
+        return {"ticket": f"t-{zlib.crc32(db_key.encode()):08x}", "new": inserted == 1}
+
+    def counts(self, batch: str | None = None) -> dict[str, dict[str, int]]:
+        """Side effects as the downstream systems saw them, per tool.
+
+        ``executions``: times the tool ran; ``keys``: distinct idempotency keys;
+        ``applied``: rows the effect left (payments, emails, entity batches, tickets);
+        ``duplicates``: applied effects beyond one per key (must be 0 for idempotent tools).
+        ``batch`` limits the counts to runs whose id contains ``-batch-``.
+        """
+        db = self._db
+        like = f"%-{batch}-%" if batch else "%"
+        result: dict[str, dict[str, int]] = {}
+        for tool, table, key_column in (
+            ("refund", "payments", "key"),
+            ("send_email", "emails", "key"),
+            ("write_entities", "entities", "key"),
+            ("record_ticket", "tickets", "db_key"),
+        ):
+            executions, keys = db.execute(
+                "SELECT COUNT(*), COUNT(DISTINCT key) FROM executions WHERE tool = ? AND run_id LIKE ?",
+                (tool, like),
+            ).fetchone()
+            if tool == "write_entities":
+                applied, distinct = db.execute(
+                    "SELECT COUNT(DISTINCT key), COUNT(DISTINCT key) FROM entities WHERE run_id LIKE ?",
+                    (like,),
+                ).fetchone()
+            else:
+                applied, distinct = db.execute(
+                    f"SELECT COUNT(*), COUNT(DISTINCT {key_column}) FROM {table} WHERE run_id LIKE ?",
+                    (like,),
+                ).fetchone()
+            result[tool] = {
+                "executions": executions,
+                "keys": keys,
+                "applied": applied,
+                "duplicates": applied - distinct,
+            }
+        return result
