@@ -115,9 +115,53 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     show.add_argument("--json", action="store_true", help="print as JSON")
 
-    escalations = commands.add_parser("escalations", help="list the escalation queue")
+    escalations = commands.add_parser("escalations", help="work the escalation queue: list, show, resume, abort")
     escalations.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     escalations.add_argument("--json", action="store_true", help="print as JSON")
+    actions = escalations.add_subparsers(dest="action", parser_class=_Parser)
+    listing = actions.add_parser("list", help="list escalated runs with their reasons (the default)")
+    listing.add_argument("--json", action="store_true", help="print as JSON")
+    shown = actions.add_parser("show", help="print an escalated run's reason and timeline")
+    shown.add_argument("run_id", metavar="ID")
+    shown.add_argument("--json", action="store_true", help="print as JSON")
+    resumed = actions.add_parser("resume", help="resume an escalated run through the gate")
+    resumed.add_argument("run_id", metavar="ID")
+    target = resumed.add_mutually_exclusive_group()
+    target.add_argument("--payload", default=None, help="a corrected proposal (JSON), verified like any other")
+    target.add_argument("--to", default=None, help="resume in this state (where it escalated from, or a legal next one)")
+    resumed.add_argument("--note", default="", help="why (journaled)")
+    resumed.add_argument("--by", default=None, help="who (journaled; default: $USER)")
+    resumed.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
+    resumed.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
+    aborted.add_argument("run_id", metavar="ID")
+    aborted.add_argument("--note", default="", help="why (journaled)")
+    aborted.add_argument("--by", default=None, help="who (journaled; default: $USER)")
+    aborted.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+    resume = commands.add_parser("resume", help="resume every unfinished demo run in a journal after a crash")
+    resume.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    resume.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
+    resume.add_argument("--chaos-rate", type=_rate, default=0.1, help="share of corrupted model answers (default 0.1)")
+    resume.add_argument("--seed", type=int, default=0, help="seed of the chaos dice (default 0)")
+    resume.add_argument(
+        "--latency", type=_latency, default=(0.005, 0.02), help="simulated model latency LOW,HIGH in ms (default 5,20)"
+    )
+    resume.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+
+    replay = commands.add_parser("replay", help="replay recorded runs offline and report divergences")
+    replay.add_argument("run_ids", metavar="RUN", nargs="*", help="runs to replay")
+    replay.add_argument("--all", action="store_true", help="replay every run in the journal")
+    replay.add_argument("--workflow", default=None, help="with --all: only runs of this workflow")
+    replay.add_argument(
+        "--machine",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="replay against this machine instead of the recorded workflow's (what-if); repeatable",
+    )
+    replay.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -354,6 +398,11 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 async def _escalations(args: argparse.Namespace) -> int:
+    action = args.action or "list"
+    if action == "show":
+        return await _show(args)
+    if action in ("resume", "abort"):
+        return await _operate(args, action)
     store = await open_store(args.db, readonly=True)
     try:
         records = await store.escalations()
@@ -374,7 +423,172 @@ async def _escalations(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"demo": _demo, "runs": _runs, "show": _show, "escalations": _escalations}
+def _operator(args: argparse.Namespace) -> str:
+    import getpass
+
+    if args.by:
+        return str(args.by)
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "operator"
+
+
+async def _operate(args: argparse.Namespace, action: str) -> int:
+    from ._demo import DemoConfig, build_machines, build_providers
+    from ._supervisor import open_supervisor
+    from .workflows import Backend
+
+    if action == "resume" and args.payload is not None:
+        try:
+            msgspec.json.decode(args.payload)
+        except msgspec.DecodeError as exc:
+            raise InterlockError(
+                f"--payload is not valid JSON ({exc}); pass one proposal like "
+                '\'{"tool": "refund", "args": {...}}\' or \'{"next": "STATE"}\''
+            ) from None
+    store = await open_store(args.db, readonly=True)
+    await store.aclose()  # fails fast, creating nothing, if the journal does not exist
+    config = DemoConfig(db=args.db, effects=getattr(args, "effects", None))
+    store = await open_store(args.db)
+    backend = Backend(config.effects_path())
+    try:
+        async with open_supervisor(build_machines(backend), store, provider=build_providers(config)) as supervisor:
+            if action == "abort":
+                result = await supervisor.abort_escalated(args.run_id, by=_operator(args), note=args.note)
+            else:
+                handle = await supervisor.resume_escalated(
+                    args.run_id, by=_operator(args), note=args.note, to=args.to, payload=args.payload
+                )
+                result = await handle.wait()
+    finally:
+        backend.close()
+        await store.aclose()
+    document = msgspec.to_builtins(result)
+    if args.json:
+        _print_json(document)
+    else:
+        line = f"run {result.run_id}: {result.outcome} in {result.state}"
+        sys.stdout.write(line + (f" ({result.reason})" if result.reason else "") + "\n")
+    return 0
+
+
+async def _resume(args: argparse.Namespace) -> int:
+    from ._demo import DemoConfig, resume_demo
+
+    store = await open_store(args.db, readonly=True)
+    await store.aclose()  # a missing journal is an error, not a new empty one
+    config = DemoConfig(
+        db=args.db, effects=args.effects, chaos_rate=args.chaos_rate, seed=args.seed, latency=args.latency
+    )
+    summary = await resume_demo(config)
+    if args.json:
+        _print_json(summary)
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _load_machines(specs: Sequence[str]) -> list[Any]:
+    import importlib
+
+    from ._machine import Machine
+
+    machines: list[Any] = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise InterlockError(f"--machine {spec!r} must look like module:attribute, e.g. examples.strict_refund:machine")
+        sys.path.insert(0, ".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise InterlockError(f"--machine {spec!r}: cannot import {module_name!r}: {exc}") from None
+        finally:
+            sys.path.pop(0)
+        try:
+            value = getattr(module, attr)
+        except AttributeError:
+            raise InterlockError(f"--machine {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+        if callable(value) and not isinstance(value, Machine):
+            value = value()
+        items = value if isinstance(value, list | tuple) else [value]
+        for item in items:
+            if not isinstance(item, Machine):
+                raise InterlockError(f"--machine {spec!r} is a {type(item).__name__}, not an interlock Machine")
+            machines.append(item)
+    return machines
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    from ._replay import replay
+    from .workflows import Backend
+
+    if not args.all and not args.run_ids:
+        raise InterlockError("name the runs to replay, or pass --all")
+    store = await open_store(args.db, readonly=True)
+    backend = Backend(":memory:")  # replay executes nothing; the tools are never called
+    try:
+        overrides = _load_machines(args.machine)
+        machines = {m.name: m for m in (w.build(backend) for w in WORKFLOWS.values())}
+        machines.update({m.name: m for m in overrides})
+        if args.all:
+            run_ids = [r.run_id for r in await store.list_runs(machine=args.workflow)]
+        else:
+            run_ids = list(args.run_ids)
+        journal = {run_id: await store.load(run_id) for run_id in run_ids}
+    finally:
+        backend.close()
+        await store.aclose()
+    report = replay(journal, list(machines.values()))
+    diverged = report.diverged
+    if args.json:
+        _print_json(
+            {
+                "db": args.db,
+                "runs": len(report.runs),
+                "reproduced": report.reproduced,
+                "diverged": [msgspec.to_builtins(r) for r in diverged],
+                "what_if": [m.name for m in overrides],
+            }
+        )
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        console.print(
+            f"replayed {len(report.runs)} runs from {args.db}: {report.reproduced} reproduced, "
+            f"{len(diverged)} diverged" + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
+        )
+        if diverged:
+            table = Table(title="first divergence per run")
+            for column in ("run", "seq", "event", "expected", "got"):
+                table.add_column(column)
+            for run in diverged:
+                d = run.divergence
+                assert d is not None
+                table.add_row(run.run_id, str(d.seq), d.kind, d.expected, d.got)
+            console.print(table)
+    return 0 if report.ok else 1
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Any:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+_COMMANDS = {
+    "demo": _demo,
+    "runs": _runs,
+    "show": _show,
+    "escalations": _escalations,
+    "resume": _resume,
+    "replay": _replay,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -384,6 +598,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(_COMMANDS[args.command], args)
     except (InterlockError, ValueError, OSError) as exc:
         sys.stderr.write(f"interlock: error: {exc}\n")
+        return 1
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        expected = [e for e in leaves if isinstance(e, InterlockError | ValueError | OSError)]
+        if not expected or len(expected) != len(leaves):
+            raise
+        sys.stderr.write(f"interlock: error: {expected[0]}\n")
         return 1
     except KeyboardInterrupt:
         sys.stderr.write("interlock: interrupted\n")

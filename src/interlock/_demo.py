@@ -183,3 +183,83 @@ async def run_demo(
         backend.close()
         if own_store:
             await store.aclose()
+
+
+async def summarize_store(
+    store: Store, backend: Backend, *, stats: RuntimeStats | None = None, wall: float = 0.0, db: str = ""
+) -> dict[str, Any]:
+    """The demo summary computed from everything in the journal (every run, every process).
+
+    Verification latency is not journaled, so it covers what ``stats`` saw in this process.
+    """
+    from ._events import BreakerTripped, ModelCalled, ProposalRejected
+
+    records = await store.list_runs()
+    per: dict[str, dict[str, Any]] = {}
+    for name in WORKFLOWS:
+        mine = [r for r in records if r.machine == name]
+        if not mine:
+            continue
+        rejections: Counter[str] = Counter()
+        trips: Counter[str] = Counter()
+        prompt = completion = 0
+        for record in mine:
+            for event in await store.load(record.run_id):
+                if isinstance(event, ProposalRejected):
+                    rejections.update(v.code for v in event.violations)
+                elif isinstance(event, BreakerTripped):
+                    trips[event.breaker] += 1
+                elif isinstance(event, ModelCalled):
+                    prompt += event.usage.prompt
+                    completion += event.usage.completion
+        latency = (stats.verify_latency.get(name) if stats else None) or LatencyHistogram()
+        effects = backend.counts()
+        per[name] = {
+            "runs": len(mine),
+            "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
+            "states": dict(sorted(Counter(r.state for r in mine).items())),
+            "escalation_reasons": dict(sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())),
+            "rejections": dict(sorted(rejections.items())),
+            "breaker_trips": dict(sorted(trips.items())),
+            "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
+            "verifications": latency.total,
+            "verification_us": {
+                "p50": round(latency.quantile(0.5) * 1e6, 2),
+                "p99": round(latency.quantile(0.99) * 1e6, 2),
+            },
+            "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
+        }
+    overall = LatencyHistogram.merged(stats.verify_latency.values()) if stats else LatencyHistogram()
+    return {
+        "runs": len(records),
+        "wall_seconds": round(wall, 3),
+        "runs_per_second": round(len(records) / wall, 1) if wall else 0.0,
+        "db": db,
+        "effects_db": backend.path,
+        "hotpath": IMPLEMENTATION,
+        "outcomes": dict(sorted(Counter(r.outcome for r in records).items())),
+        "verification_us": {
+            "p50": round(overall.quantile(0.5) * 1e6, 2),
+            "p99": round(overall.quantile(0.99) * 1e6, 2),
+        },
+        "workflows": per,
+    }
+
+
+async def resume_demo(config: DemoConfig, *, stats: RuntimeStats | None = None) -> dict[str, Any]:
+    """Resume every unfinished demo run in ``config.db``, wait for all, summarize the whole journal."""
+    stats = stats if stats is not None else RuntimeStats()
+    store = await open_store(config.db, readonly=False) if config.db != ":memory:" else await open_store(None)
+    backend = Backend(config.effects_path())
+    started = time.perf_counter()
+    try:
+        machines = build_machines(backend)
+        providers = build_providers(DemoConfig(
+            workflows=tuple(WORKFLOWS), chaos_rate=config.chaos_rate, seed=config.seed, latency=config.latency
+        ))
+        async with open_supervisor(machines, store, provider=providers, stats=stats, resume=True):
+            pass
+        return await summarize_store(store, backend, stats=stats, wall=time.perf_counter() - started, db=config.db)
+    finally:
+        backend.close()
+        await store.aclose()

@@ -68,6 +68,8 @@ class ModelCalled(Event, tag="model_called"):
     usage: TokenUsage
     latency: float = 0.0
     """Seconds the provider took."""
+    error: str = ""
+    """Set when the provider failed to answer (``raw`` is then empty)."""
 
 
 class StepProposed(Event, tag="step_proposed"):
@@ -77,6 +79,8 @@ class StepProposed(Event, tag="step_proposed"):
     raw: str
     source: str = "step"
     """``step`` for a step state's function, ``operator`` for a resume with a payload."""
+    error: str = ""
+    """Set when the step function raised (``raw`` is then empty)."""
 
 
 class ProposalRejected(Event, tag="proposal_rejected"):

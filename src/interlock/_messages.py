@@ -61,6 +61,23 @@ class Cancel(Msg, tag="cancel"):
     reason: str = "cancelled"
 
 
+class Resume(Msg, tag="resume"):
+    """An operator resumes an escalated run, in ``to`` (default: where it escalated from),
+    optionally with a corrected ``payload`` that is verified like any proposal."""
+
+    by: str
+    note: str = ""
+    to: str = ""
+    payload: str = ""
+
+
+class Abort(Msg, tag="abort"):
+    """An operator ends an escalated run: it moves to FAILED."""
+
+    by: str
+    note: str = ""
+
+
 class Recover(Msg, tag="recover"):
     """Decide how a run folded from the journal after a restart continues."""
 
@@ -87,8 +104,8 @@ class Verdict(Msg, tag="verdict"):
     """For a call whose key was already committed: the recorded result, reused."""
 
 
-Request: TypeAlias = Start | Propose | Report | Cancel | Recover
-Message: TypeAlias = Start | Propose | Report | Cancel | Recover | Verdict
+Request: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover
+Message: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Verdict
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder(Message)

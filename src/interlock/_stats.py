@@ -107,6 +107,7 @@ class RuntimeStats:
         self.flush_latency = LatencyHistogram()
         self.flush_events: Counter[str] = Counter()  # "batches", "events", "bytes"
         self.batch_sizes = LatencyHistogram()  # reused as a size histogram (events, not seconds)
+        self.escalations_pending = 0  # runs parked in ESCALATE, store-wide once counted at start
 
     def histogram(self, table: dict[str, LatencyHistogram], key: str) -> LatencyHistogram:
         """The histogram of ``key`` in ``table``, created on first use."""

@@ -36,7 +36,18 @@ from ._events import (
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
 from ._machine import ESCALATE, FAILED, Machine, Step, Worker
-from ._messages import Cancel, Propose, Recover, Report, Request, Start, ToolCall, Verdict
+from ._messages import (
+    Abort,
+    Cancel,
+    Propose,
+    Recover,
+    Report,
+    Request,
+    Resume,
+    Start,
+    ToolCall,
+    Verdict,
+)
 from ._stats import RuntimeStats, SupervisorStatistics
 from ._view import RunState, RunView, fold
 
@@ -260,6 +271,10 @@ class Supervisor:
                 return self._on_start(msg, events)
             case Recover():
                 return self._on_recover(msg, events)
+            case Resume():
+                return self._on_resume(msg, events)
+            case Abort():
+                return self._on_abort(msg, events)
             case Cancel():
                 return self._on_cancel(msg, events)
             case _:
@@ -344,6 +359,7 @@ class Supervisor:
                 raw=msg.raw,
                 usage=msg.usage,
                 latency=msg.latency,
+                error=msg.error,
             )
             tokens = self.stats.tokens
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
@@ -351,7 +367,9 @@ class Supervisor:
             self.stats.model_calls[(machine.name, msg.model)] += 1
             self.stats.histogram(self.stats.model_latency, msg.model).record(msg.latency)
         else:
-            self._emit(run, events, StepProposed, now, state=state, raw=msg.raw, source=msg.source)
+            self._emit(
+                run, events, StepProposed, now, state=state, raw=msg.raw, source=msg.source, error=msg.error
+            )
         if msg.error:
             violation = Violation(
                 "malformed",
@@ -447,6 +465,7 @@ class Supervisor:
         elif dst == ESCALATE:
             why, detail = escalation or (f"{reason}_escalated", f"{reason} moved the run from {src} to ESCALATE")
             self._emit(run, events, Escalated, now, state=src, reason=why, detail=detail)
+            self.stats.escalations_pending += 1
             self._finished(run)
         elif dst == FAILED:
             self._emit(run, events, Failed, now, state=dst, reason=str(data.get("reason", f"{reason} moved the run to FAILED")))
@@ -504,6 +523,60 @@ class Supervisor:
         if run.consecutive_failures >= machine.breakers.consecutive_failures:
             self._trip(run, events, now, self._consecutive_trip(run))
         return self._verdict(run, False)
+
+    def _escalated(self, run_id: str) -> RunState:
+        run = self._run(run_id)
+        if run.state != ESCALATE or run.escalation is None:
+            raise InterlockError(
+                f"run {run_id!r} is not escalated; it is {_outcome_of(run.machine, run.state)} "
+                f"in state {run.state!r}"
+            )
+        return run
+
+    def resume_target(self, run: RunState, to: str) -> str:
+        """The state an escalated run resumes in; ``to`` must be where it escalated from or a
+        legal next state of it.
+
+        Raises:
+          InterlockError: ``to`` is not a legal target (the message lists the legal ones).
+        """
+        assert run.escalation is not None
+        origin = run.escalation.state
+        if not to or to == origin:
+            return origin
+        machine = run.machine
+        tables = machine.tables
+        legal = [origin, *(s for s in tables.legal_next(tables.state_id(origin)) if s in machine.states)]
+        if to not in legal:
+            raise InterlockError(
+                f"cannot resume run {run.run_id!r} in state {to!r}; it escalated from {origin!r} "
+                f"and may resume in: {', '.join(legal)}"
+            )
+        return to
+
+    def _on_resume(self, msg: Resume, events: list[Event]) -> Verdict:
+        run = self._escalated(msg.run_id)
+        target = self.resume_target(run, msg.to)
+        now = self.clock()
+        self._emit(run, events, Resumed, now, by=msg.by, note=msg.note, to=target, payload=msg.payload)
+        self._emit(run, events, Transitioned, now, src=ESCALATE, dst=target, reason="operator")
+        self.stats.escalations_pending -= 1
+        if not msg.payload:
+            return self._verdict(run, True)
+        return self._on_propose(
+            Propose(run_id=run.run_id, seq=run.seq, raw=msg.payload, source="operator"), events
+        )
+
+    def _on_abort(self, msg: Abort, events: list[Event]) -> Verdict:
+        run = self._escalated(msg.run_id)
+        now = self.clock()
+        reason = f"aborted by {msg.by}" + (f": {msg.note}" if msg.note else "")
+        self._emit(run, events, Resumed, now, by=msg.by, note=msg.note, to=FAILED)
+        self._emit(run, events, Transitioned, now, src=ESCALATE, dst=FAILED, delta={"reason": reason}, reason="operator")
+        self._emit(run, events, Failed, now, state=FAILED, reason=reason)
+        self.stats.escalations_pending -= 1
+        self._finished(run)
+        return self._verdict(run, True)
 
     def _on_recover(self, msg: Recover, events: list[Event]) -> Verdict:
         run = self._run(msg.run_id)
@@ -624,6 +697,80 @@ class Supervisor:
             self._spawn(handle, verdict, provider or self.provider_for(machine.name))
             handles.append(handle)
         return handles
+
+    async def _load(self, run_id: str) -> RunState:
+        run = self.runs.get(run_id)
+        if run is not None:
+            return run
+        record = await self.store.get_run(run_id)
+        machine = self.machine(record.machine)
+        run = fold(machine, await self.store.load(run_id))
+        self.runs[run_id] = run
+        return run
+
+    async def resume_escalated(
+        self,
+        run_id: str,
+        *,
+        by: str,
+        note: str = "",
+        to: str | None = None,
+        payload: str | None = None,
+        provider: Provider | None = None,
+    ) -> RunHandle:
+        """Resume an escalated run, as operator ``by``, and return its new handle.
+
+        The run re-enters through the gate: a ``payload`` (a proposal, as the model would
+        send it) is verified first, and if it is rejected nothing is journaled.
+
+        Args:
+          run_id: an escalated run in the store.
+          by: who resumes it (journaled).
+          note: why (journaled).
+          to: the state to resume in: where it escalated from (default) or a legal next state.
+          payload: a corrected proposal to verify and apply on resuming.
+          provider: the provider for the rest of the run; defaults to the supervisor's.
+
+        Raises:
+          RunNotFound: no such run.
+          InterlockError: the run is not escalated, ``to`` is not a legal target, or the
+            payload was rejected (the message lists the violations).
+        """
+        run = await self._load(run_id)
+        self._escalated(run_id)
+        target = self.resume_target(run, to or "")
+        if payload:
+            trial = fold(run.machine, await self.store.load(run_id))
+            now = self.clock()
+            trial.apply(Resumed(run_id=run_id, seq=trial.seq + 1, ts=now, by=by, note=note, to=target, payload=payload))
+            trial.apply(Transitioned(run_id=run_id, seq=trial.seq + 1, ts=now, src=ESCALATE, dst=target, reason="operator"))
+            trial.apply(StepProposed(run_id=run_id, seq=trial.seq + 1, ts=now, state=target, raw=payload, source="operator"))
+            decision = verify(run.machine, trial, payload.encode(), now, self.circuits)
+            if not decision.accepted:
+                text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in decision.violations)
+                raise InterlockError(f"payload for run {run_id!r} was rejected: {text}")
+        verdict = await self.request(Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or ""))
+        handle = RunHandle(run_id, run.machine.name)
+        self.handles[run_id] = handle
+        if verdict.outcome == "running":
+            self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
+        else:
+            handle._finish(self.result_of(run_id))
+            self.release(run_id)
+        return handle
+
+    async def abort_escalated(self, run_id: str, *, by: str, note: str = "") -> RunResult:
+        """End an escalated run: it moves to FAILED with ``aborted by {by}: {note}``.
+
+        Raises:
+          RunNotFound: no such run.
+          InterlockError: the run is not escalated.
+        """
+        await self._load(run_id)
+        await self.request(Abort(run_id=run_id, by=by, note=note))
+        result = self.result_of(run_id)
+        self.release(run_id)
+        return result
 
     async def cancel_run(self, run_id: str, reason: str = "cancelled") -> Verdict:
         """Fail a live run with ``reason`` (journaled as a transition to FAILED)."""

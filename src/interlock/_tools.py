@@ -195,10 +195,15 @@ def _schema_hint(text: str, path: str, schema: Mapping[str, Any]) -> str:
     ):
         if key in field_schema:
             rules.append(f"{word} {field_schema[key]}")
-    if text.startswith("Expected"):
-        expected = text.split("`")[1] if "`" in text else "the declared type"
+    if text.startswith("Expected") and ", got `" in text:
+        expected = text.split("`")[1]
+        got = text.rsplit("`", 2)[1]
         extra = f" ({', '.join(rules)})" if rules else ""
-        return f"send {path} as a JSON {expected}{extra}, not a string or other type"
+        return f"send {path} as a JSON {expected}{extra}, not {got}"
+    if text.startswith("Expected `"):
+        # A constraint, e.g. "Expected `float` > 0" or "Expected `str` matching regex '...'".
+        constraint = text.split("`", 2)[2].strip()
+        return f"propose {path} {constraint}"
     if rules:
         return f"propose {path} {' and '.join(rules)}"
     return f"fix {path} to match the tool's argument schema"

@@ -1,0 +1,332 @@
+"""Offline replay: re-run a recorded run against the current machine, with no model call
+and no side effect, and report the first place it decides differently.
+
+The recording supplies everything that came from outside the machine's code: the
+model's raw outputs, tool results, clock readings, operator actions and the shared
+circuit's refusals. The machine's code (tables, schemas, guards, steps, breakers)
+runs for real. With the machine that recorded the run, replay reproduces it event
+for event; with a changed machine (a stricter guard, say) it shows which recorded
+runs would now be decided differently, and where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ._breakers import Trip
+from ._events import (
+    BreakerTripped,
+    Event,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    Violation,
+)
+from ._exceptions import InterlockError, ProtocolError, ReplayDivergence
+from ._machine import ESCALATE, FAILED, Step, encode_action
+from ._messages import Abort, Cancel, Propose, Recover, Report, Resume, Start
+from ._supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from ._machine import BreakerPolicy, Machine
+    from ._messages import Request
+
+#: Fields that never take part in the comparison (wall-clock measurements, not decisions).
+_IGNORED = frozenset({"latency"})
+
+
+class Divergence(msgspec.Struct, frozen=True):
+    """Where a replay first differed from its recording."""
+
+    seq: int
+    kind: str
+    """The recorded event's kind at ``seq`` (or ``end`` if the recording ran out)."""
+    expected: str
+    got: str
+
+
+class RunReplay(msgspec.Struct, frozen=True):
+    """The replay of one run."""
+
+    run_id: str
+    machine: str
+    events: int
+    """Recorded events compared."""
+    divergence: Divergence | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        return self.divergence is None
+
+
+class ReplayReport(msgspec.Struct, frozen=True):
+    """The replay of many runs."""
+
+    runs: tuple[RunReplay, ...]
+
+    @property
+    def reproduced(self) -> int:
+        return sum(1 for r in self.runs if r.reproduced)
+
+    @property
+    def diverged(self) -> tuple[RunReplay, ...]:
+        return tuple(r for r in self.runs if not r.reproduced)
+
+    @property
+    def ok(self) -> bool:
+        return not self.diverged
+
+    def raise_for_divergence(self) -> None:
+        """Raise :class:`ReplayDivergence` for the first diverged run, if any."""
+        for run in self.runs:
+            if run.divergence is not None:
+                d = run.divergence
+                raise ReplayDivergence(run.run_id, d.seq, d.expected, d.got)
+
+
+def _tag(event: Event) -> str:
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+def _comparable(event: Event) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(event)
+    for name in _IGNORED:
+        data.pop(name, None)
+    return data
+
+
+def _describe(event: Event) -> str:
+    data = _comparable(event)
+    for name in ("run_id", "seq", "ts", "prompt", "prompt_hash"):
+        data.pop(name, None)
+    kind = data.pop("kind", _tag(event))
+    text = msgspec.json.encode(data).decode()
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{kind} {text}"
+
+
+class _Clock:
+    """Returns the recorded timestamp of the event about to be produced."""
+
+    def __init__(self, recorded: Sequence[Event]) -> None:
+        self.recorded = recorded
+        self.position = 0
+
+    def __call__(self) -> float:
+        if self.position < len(self.recorded):
+            return self.recorded[self.position].ts
+        return self.recorded[-1].ts if self.recorded else 0.0
+
+
+class _RecordedCircuits:
+    """Replays the shared circuit: refuses a call exactly where the recording shows a refusal."""
+
+    def __init__(self, recorded: Sequence[Event], clock: _Clock) -> None:
+        self.recorded = recorded
+        self.clock = clock
+        self.trips = 0
+
+    def check(self, tool: str, now: float, policy: BreakerPolicy) -> tuple[Violation, Trip] | None:
+        position = self.clock.position
+        rejected = self.recorded[position] if position < len(self.recorded) else None
+        if not isinstance(rejected, ProposalRejected):
+            return None
+        violation = next((v for v in rejected.violations if v.code == "circuit_open"), None)
+        if violation is None:
+            return None
+        tripped = self.recorded[position + 1] if position + 1 < len(self.recorded) else None
+        if isinstance(tripped, BreakerTripped) and tripped.breaker == "circuit":
+            return violation, Trip("circuit", tripped.value, tripped.limit, tripped.detail, tripped.tool)
+        return violation, Trip("circuit", 0, policy.circuit_failures, violation.message, tool)
+
+    def record(self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = "") -> None:
+        pass
+
+
+def _outcome_of_key(recorded: Sequence[Event], start: int, key: str) -> ToolCommitted | ToolFailed | None:
+    for event in recorded[start:]:
+        if isinstance(event, ToolCommitted | ToolFailed) and event.key == key:
+            return event
+    return None
+
+
+def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
+    """Replay one recorded run against ``machine``; see :func:`replay`."""
+    if not recorded or not isinstance(recorded[0], RunStarted):
+        raise ProtocolError("a recorded run must start with its run_started event")
+    first = recorded[0]
+    assert isinstance(first, RunStarted)
+    run_id = first.run_id
+    clock = _Clock(recorded)
+    from .stores import MemoryStore
+
+    supervisor = Supervisor([machine], MemoryStore(), clock=clock)
+    supervisor.circuits = _RecordedCircuits(recorded, clock)  # type: ignore[assignment]
+    produced: list[Event] = []
+
+    def divergence(position: int, got: str) -> RunReplay:
+        if position < len(recorded):
+            event = recorded[position]
+            found = Divergence(event.seq, _tag(event), _describe(event), got)
+        else:
+            found = Divergence(position + 1, "end", "the recording ends here", got)
+        return RunReplay(run_id, machine.name, position, found)
+
+    def feed(msg: Request) -> RunReplay | None:
+        events: list[Event] = []
+        try:
+            supervisor._decide(msg, events)
+        except InterlockError as exc:
+            return divergence(len(produced), f"the request was refused: {exc}")
+        for event in events:
+            position = len(produced)
+            if position >= len(recorded):
+                return divergence(position, _describe(event))
+            expected = recorded[position]
+            if _comparable(event) != _comparable(expected):
+                return divergence(position, _describe(event))
+            produced.append(event)
+            clock.position = len(produced)
+        return None
+
+    if first.machine != machine.name:
+        return divergence(0, f"run_started of machine {machine.name!r}")
+    result = feed(Start(run_id=run_id, machine=first.machine, inputs=dict(first.inputs)))
+    while result is None and len(produced) < len(recorded):
+        run = supervisor.runs[run_id]
+        position = len(produced)
+        upcoming = recorded[position]
+        msg: Request
+        if isinstance(upcoming, Resumed):
+            if upcoming.to == FAILED:
+                msg = Abort(run_id=run_id, seq=run.seq, by=upcoming.by, note=upcoming.note)
+            else:
+                msg = Resume(
+                    run_id=run_id, seq=run.seq, by=upcoming.by, note=upcoming.note, to=upcoming.to, payload=upcoming.payload
+                )
+        elif isinstance(upcoming, Transitioned) and upcoming.reason == "operator" and upcoming.dst == FAILED:
+            failed = recorded[position + 1] if position + 1 < len(recorded) else None
+            reason = failed.reason if isinstance(failed, Failed) else "cancelled"
+            msg = Cancel(run_id=run_id, seq=run.seq, reason=reason)
+        elif run.terminal:
+            return RunReplay(run_id, machine.name, len(produced), divergence(position, f"the run ended in {run.state}").divergence)
+        elif run.pending is not None:
+            key = run.pending.key
+            follows = recorded[position + 1] if position + 1 < len(recorded) else None
+            if (
+                isinstance(upcoming, ToolFailed)
+                and isinstance(follows, Transitioned)
+                and follows.reason == "recovery"
+            ):
+                msg = Recover(run_id=run_id, seq=run.seq)
+            else:
+                outcome = _outcome_of_key(recorded, position, key)
+                if outcome is None:
+                    break  # the recording stops while a call was in flight (a crash): nothing to compare
+                if isinstance(outcome, ToolCommitted):
+                    msg = Report(run_id=run_id, seq=run.seq, key=key, ok=True, result=outcome.result, attempts=outcome.attempts, latency=outcome.latency)
+                else:
+                    msg = Report(
+                        run_id=run_id,
+                        seq=run.seq,
+                        key=key,
+                        ok=False,
+                        error=outcome.error,
+                        retryable=outcome.retryable,
+                        attempts=outcome.attempts,
+                        latency=outcome.latency,
+                    )
+        else:
+            spec = machine.states.get(run.state)
+            if isinstance(spec, Step):
+                from ._view import RunView
+
+                try:
+                    raw = encode_action(spec.fn(RunView(run))).decode()
+                    error = ""
+                except Exception as exc:
+                    raw, error = "", f"step {run.state!r} raised {type(exc).__name__}: {exc}"
+                msg = Propose(run_id=run_id, seq=run.seq, raw=raw, source="step", error=error)
+            elif isinstance(upcoming, ModelCalled):
+                msg = Propose(
+                    run_id=run_id,
+                    seq=run.seq,
+                    raw=upcoming.raw,
+                    model=upcoming.model,
+                    prompt=upcoming.prompt,
+                    usage=upcoming.usage,
+                    latency=upcoming.latency,
+                    error=upcoming.error,
+                )
+            elif isinstance(upcoming, StepProposed) and upcoming.source == "operator":
+                msg = Propose(run_id=run_id, seq=run.seq, raw=upcoming.raw, source="operator")
+            else:
+                return divergence(position, f"a model call in state {run.state!r}")
+        result = feed(msg)
+    if result is not None:
+        return result
+    return RunReplay(run_id, machine.name, len(produced))
+
+
+def split_runs(events: Iterable[Event]) -> dict[str, list[Event]]:
+    """Group a journal's events by run, each run's in seq order."""
+    runs: dict[str, list[Event]] = {}
+    for event in events:
+        runs.setdefault(event.run_id, []).append(event)
+    for items in runs.values():
+        items.sort(key=lambda e: e.seq)
+    return runs
+
+
+def replay(
+    journal: Iterable[Event] | Mapping[str, Sequence[Event]],
+    machine: Machine | Sequence[Machine],
+) -> ReplayReport:
+    """Replay recorded runs against ``machine`` (or the machine each run names).
+
+    Args:
+      journal: events of one or more runs (any order), or a mapping of run id to events.
+      machine: the machine to replay against, or several (picked by each run's
+        ``run_started.machine``). Pass a changed machine to see which runs it would
+        decide differently.
+
+    Returns:
+      A :class:`ReplayReport`; ``report.ok`` when every run reproduced its recording.
+      Nothing is executed: no model call, no tool, no side effect.
+    """
+    machines = [machine] if not isinstance(machine, Sequence) else list(machine)
+    by_name = {m.name: m for m in machines}
+    runs = journal if isinstance(journal, Mapping) else split_runs(journal)
+    results = []
+    for run_id, events in runs.items():
+        first = events[0] if events else None
+        name = first.machine if isinstance(first, RunStarted) else ""
+        chosen = by_name.get(name) or (machines[0] if len(machines) == 1 else None)
+        if chosen is None:
+            results.append(
+                RunReplay(
+                    run_id,
+                    name,
+                    0,
+                    Divergence(1, "run_started", f"a run of machine {name!r}", "no such machine to replay against"),
+                )
+            )
+            continue
+        results.append(replay_run(chosen, events))
+    return ReplayReport(tuple(results))
+
+
+__all__ = ["ESCALATE", "Divergence", "ReplayReport", "RunReplay", "replay", "replay_run", "split_runs"]
