@@ -257,8 +257,10 @@ async def resume_demo(config: DemoConfig, *, stats: RuntimeStats | None = None) 
         providers = build_providers(DemoConfig(
             workflows=tuple(WORKFLOWS), chaos_rate=config.chaos_rate, seed=config.seed, latency=config.latency
         ))
-        async with open_supervisor(machines, store, provider=providers, stats=stats, resume=True):
-            pass
+        async with open_supervisor(machines, store, provider=providers, stats=stats) as supervisor:
+            handles = await supervisor.resume_unfinished()
+        for handle in handles:
+            await handle.wait()  # raises what ended a run abnormally (a store error, say)
         return await summarize_store(store, backend, stats=stats, wall=time.perf_counter() - started, db=config.db)
     finally:
         backend.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -27,6 +26,7 @@ from .._exceptions import JournalCorrupt, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
     from types import TracebackType
 
 #: Run outcomes, as the runs index and metrics name them.
@@ -70,7 +70,9 @@ def encode_rows(events: Iterable[Event]) -> list[_Row]:
         key = event.key if isinstance(event, IntentRecorded | ToolCommitted | ToolFailed) else None
         tag = type(event).__struct_config__.tag
         assert isinstance(tag, str)
-        rows.append(_Row(event.run_id, event.seq, tag, event.ts, key, frame_event(encode_event(event))))
+        rows.append(
+            _Row(event.run_id, event.seq, tag, event.ts, key, frame_event(encode_event(event)))
+        )
     return rows
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
-from .._events import Event, JournalEvent
 from .._exceptions import RunNotFound, StoreError
 from ._base import RunRecord, Store, check_batch, decode_body, encode_rows, index_updates
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .._events import Event, JournalEvent
 
 
 class MemoryStore(Store):
@@ -39,7 +43,9 @@ class MemoryStore(Store):
         new_keys = [r.key for r in rows if r.kind == "intent_recorded" and r.key is not None]
         duplicate = next((k for k in new_keys if k in self._keys), None)
         if duplicate is not None:
-            raise StoreError(f"idempotency key {duplicate!r} was already recorded; nothing was written")
+            raise StoreError(
+                f"idempotency key {duplicate!r} was already recorded; nothing was written"
+            )
         for row in rows:
             self._journal.setdefault(row.run_id, []).append((row.seq, row.body))
         self._keys.update(new_keys)

@@ -1,0 +1,139 @@
+"""What only the PostgreSQL store does: connection errors, schemas, reconnecting."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import trio
+from psycopg import sql
+
+from interlock._events import RunStarted
+from interlock._exceptions import StoreError
+from interlock.stores import PostgresStore, open_postgres_store, open_store
+
+from .conftest import PG_DSN, PG_SKIP_REASON
+
+needs_postgres = pytest.mark.skipif(not PG_DSN, reason=PG_SKIP_REASON)
+
+
+def admin(statement: sql.Composable | str, params: tuple[object, ...] = ()) -> None:
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(statement, params)
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    """A schema name nobody uses yet; dropped after the test."""
+    name = f"interlock_test_{secrets.token_hex(6)}"
+    yield name
+    admin(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+async def test_refused_connection_names_host_and_database_not_password() -> None:
+    dsn = "postgresql://agent:s3cret-pw@127.0.0.1:1/journal"
+    with pytest.raises(
+        StoreError,
+        match=r"^cannot connect to PostgreSQL database 'journal' at 127\.0\.0\.1:1: .*"
+        r"check that the server is running and that the DSN's host, port, user, password "
+        r"and database are right$",
+    ) as info:
+        await open_postgres_store(dsn)
+    assert "s3cret-pw" not in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+async def test_invalid_dsn_does_not_echo_it() -> None:
+    with pytest.raises(
+        StoreError,
+        match=r"^the PostgreSQL DSN is not valid; "
+        r"expected postgresql://USER\[:PASSWORD\]@HOST\[:PORT\]/DBNAME$",
+    ) as info:
+        await open_store("postgresql://agent:bad pw@host/db")
+    assert "bad pw" not in str(info.value)
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_schema_and_tables_are_created(schema: str) -> None:
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        assert isinstance(store, PostgresStore)
+        assert store.schema == schema
+    with psycopg.connect(PG_DSN) as conn:
+        tables = {
+            row[0]
+            for row in conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                (schema,),
+            )
+        }
+        version = conn.execute(
+            sql.SQL("SELECT value FROM {}.meta WHERE name = 'schema_version'").format(
+                sql.Identifier(schema)
+            )
+        ).fetchone()
+    assert tables == {"meta", "events", "runs"}
+    assert version == ("1",)
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_readonly_open_of_a_missing_schema_creates_nothing(schema: str) -> None:
+    with pytest.raises(StoreError, match=rf"has no interlock schema '{schema}'; check the DSN"):
+        await open_postgres_store(PG_DSN, schema=schema, readonly=True)
+    with psycopg.connect(PG_DSN) as conn:
+        found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+    assert found is None
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_readonly_store_reads_and_refuses_appends(schema: str) -> None:
+    event = RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A")
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        await store.append([event])
+    async with await open_postgres_store(PG_DSN, schema=schema, readonly=True) as store:
+        assert await store.load("r-1") == [event]
+        with pytest.raises(StoreError, match=r"is read-only; open it without readonly=True"):
+            await store.append([event])
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_foreign_schema_is_refused(schema: str) -> None:
+    admin(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    admin(sql.SQL("CREATE TABLE {}.customers (id int)").format(sql.Identifier(schema)))
+    with pytest.raises(StoreError, match=r"holds tables that are not interlock's; pass another"):
+        await open_postgres_store(PG_DSN, schema=schema)
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_newer_schema_version_is_refused(schema: str) -> None:
+    async with await open_postgres_store(PG_DSN, schema=schema):
+        pass
+    admin(
+        sql.SQL("UPDATE {}.meta SET value = '99' WHERE name = 'schema_version'").format(
+            sql.Identifier(schema)
+        )
+    )
+    with pytest.raises(StoreError, match=r"has schema version 99, newer than this interlock"):
+        await open_postgres_store(PG_DSN, schema=schema)
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_lost_connection_fails_one_call_then_reconnects(schema: str) -> None:
+    event = RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A")
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        await store.append([event])
+        assert isinstance(store, PostgresStore)
+        pid = store._conn.info.backend_pid  # type: ignore[union-attr]
+        await trio.to_thread.run_sync(admin, "SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(
+            StoreError, match=r"the connection was lost and the next call reconnects$"
+        ):
+            await store.load("r-1")
+        assert await store.load("r-1") == [event]

@@ -1,0 +1,574 @@
+"""The Store contract: every backend (memory, SQLite, PostgreSQL) behaves the same."""
+
+from __future__ import annotations
+
+import itertools
+import typing
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from interlock._events import (
+    EVENT_TYPES,
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    IntentRecorded,
+    JournalEvent,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    TokenUsage,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    Violation,
+)
+from interlock._exceptions import JournalCorrupt, RunNotFound, StoreError
+from interlock.stores import COMPLETED, ESCALATED, FAILED, RUNNING, RunRecord, Store
+from interlock.stores._base import index_updates
+
+from .conftest import STORE_PARAMS, fresh_store
+
+
+def every_kind(run_id: str, *, ts: float = 1000.0) -> list[JournalEvent]:
+    """One event of every kind, as one well-formed run (seq 1 upwards)."""
+    key = f"{run_id}:PAY:6"
+    events: list[JournalEvent] = [
+        RunStarted(
+            run_id=run_id,
+            seq=1,
+            ts=ts,
+            machine="refund",
+            state="TRIAGE",
+            inputs={"order": "o-1", "total": 100.0, "items": [1, 2, {"sku": "é✓"}]},
+        ),
+        ModelCalled(
+            run_id=run_id,
+            seq=2,
+            ts=ts + 1,
+            state="TRIAGE",
+            model="gpt-test",
+            prompt_hash="ab" * 32,
+            prompt="refund the order\n",
+            raw='{"tool": "refund", "args": {"amount": 150}}',
+            usage=TokenUsage(prompt=120, completion=30),
+            latency=0.25,
+        ),
+        ProposalRejected(
+            run_id=run_id,
+            seq=3,
+            ts=ts + 2,
+            state="TRIAGE",
+            violations=(
+                Violation(
+                    code="guard",
+                    path="args.amount",
+                    message="amount: 150.0 exceeds the order total 100.0",
+                    hint="propose amount <= 100.0",
+                ),
+            ),
+        ),
+        StepProposed(run_id=run_id, seq=4, ts=ts + 3, state="TRIAGE", raw='{"to": "PAY"}'),
+        Transitioned(
+            run_id=run_id,
+            seq=5,
+            ts=ts + 4,
+            src="TRIAGE",
+            dst="PAY",
+            delta={"amount": 100.0},
+            reason="step",
+        ),
+        IntentRecorded(
+            run_id=run_id,
+            seq=6,
+            ts=ts + 5,
+            state="PAY",
+            tool="refund",
+            args={"amount": 100.0},
+            key=key,
+        ),
+        ToolFailed(
+            run_id=run_id,
+            seq=7,
+            ts=ts + 6,
+            tool="refund",
+            key=key,
+            error="503 service unavailable",
+            retryable=True,
+            attempts=3,
+            latency=1.5,
+        ),
+        ToolCommitted(
+            run_id=run_id,
+            seq=8,
+            ts=ts + 7,
+            tool="refund",
+            key=key,
+            result={"id": "rf-1", "ok": True, "amounts": [100.0]},
+            attempts=2,
+            latency=0.125,
+        ),
+        BreakerTripped(
+            run_id=run_id,
+            seq=9,
+            ts=ts + 8,
+            breaker="consecutive_failures",
+            state="PAY",
+            value=3.0,
+            limit=3.0,
+            detail="3 proposals rejected in a row",
+            tool="refund",
+        ),
+        Escalated(
+            run_id=run_id,
+            seq=10,
+            ts=ts + 9,
+            state="ESCALATE",
+            reason="consecutive_failures",
+            detail="3 proposals rejected in a row",
+        ),
+        Resumed(run_id=run_id, seq=11, ts=ts + 10, by="ops@example.com", note="ok", to="PAY"),
+        Completed(run_id=run_id, seq=12, ts=ts + 11, state="DONE", output={"refunded": 100.0}),
+        Failed(run_id=run_id, seq=13, ts=ts + 12, state="FAILED", reason="operator abort"),
+    ]
+    return events
+
+
+def started(run_id: str, *, ts: float, machine: str = "refund", seq: int = 1) -> RunStarted:
+    return RunStarted(run_id=run_id, seq=seq, ts=ts, machine=machine, state="TRIAGE")
+
+
+def moved(run_id: str, seq: int, src: str, dst: str, *, ts: float) -> Transitioned:
+    return Transitioned(run_id=run_id, seq=seq, ts=ts, src=src, dst=dst)
+
+
+def intent(run_id: str, seq: int, key: str, *, ts: float = 5.0) -> IntentRecorded:
+    return IntentRecorded(
+        run_id=run_id, seq=seq, ts=ts, state="PAY", tool="refund", args={"amount": 1}, key=key
+    )
+
+
+async def snapshot(store: Store, run_ids: list[str]) -> tuple[object, ...]:
+    """Everything a caller can observe about ``run_ids`` and the runs index."""
+    journals: dict[str, object] = {}
+    records: dict[str, object] = {}
+    for run_id in run_ids:
+        try:
+            journals[run_id] = await store.load(run_id)
+        except RunNotFound:
+            journals[run_id] = None
+        try:
+            records[run_id] = await store.get_run(run_id)
+        except RunNotFound:
+            records[run_id] = None
+    return (await store.list_runs(), journals, records)
+
+
+def test_samples_cover_every_event_type() -> None:
+    kinds = {type(event) for event in every_kind("r")}
+    assert kinds == set(EVENT_TYPES) == set(typing.get_args(JournalEvent))
+
+
+async def test_every_event_kind_round_trips(store: Store) -> None:
+    events = every_kind("r-1")
+    await store.append(events)
+    assert await store.load("r-1") == events
+    record = await store.get_run("r-1")
+    assert record == RunRecord(
+        run_id="r-1",
+        machine="refund",
+        state="PAY",
+        outcome=FAILED,
+        seq=13,
+        started=1000.0,
+        updated=1012.0,
+        reason="operator abort",
+    )
+
+
+async def test_each_event_appended_alone_round_trips(store: Store) -> None:
+    events = every_kind("r-1", ts=1.5)
+    for event in events:
+        await store.append([event])
+    assert await store.load("r-1") == events
+
+
+async def test_empty_batch_is_a_no_op(store: Store) -> None:
+    await store.append([])
+    assert await store.list_runs() == []
+
+
+async def test_batches_over_many_runs(store: Store) -> None:
+    run_ids = [f"run-{i:03d}" for i in range(60)]
+    journals: dict[str, list[Event]] = {run_id: [] for run_id in run_ids}
+    for step in range(1, 6):
+        batch: list[Event] = []
+        for i, run_id in enumerate(run_ids):
+            if step == 1:
+                event: Event = started(run_id, ts=float(i))
+            else:
+                event = moved(run_id, step, f"S{step - 1}", f"S{step}", ts=float(i + step))
+            batch.append(event)
+            journals[run_id].append(event)
+        # Two batches per step, so runs of one batch continue in the next.
+        await store.append(batch[:25])
+        await store.append(batch[25:])
+    for run_id in run_ids:
+        assert await store.load(run_id) == journals[run_id]
+        record = await store.get_run(run_id)
+        assert (record.state, record.seq, record.outcome) == ("S5", 5, RUNNING)
+    assert [r.run_id for r in await store.list_runs()] == run_ids
+
+
+async def test_runs_index_follows_a_run_through_escalation(store: Store) -> None:
+    await store.append([started("r-1", ts=10.0)])
+    assert await store.get_run("r-1") == RunRecord(
+        run_id="r-1",
+        machine="refund",
+        state="TRIAGE",
+        outcome=RUNNING,
+        seq=1,
+        started=10.0,
+        updated=10.0,
+    )
+
+    await store.append([moved("r-1", 2, "TRIAGE", "PAY", ts=11.0)])
+    record = await store.get_run("r-1")
+    assert (record.state, record.outcome, record.seq, record.updated) == ("PAY", RUNNING, 2, 11.0)
+
+    await store.append(
+        [
+            moved("r-1", 3, "PAY", "ESCALATE", ts=12.0),
+            Escalated(
+                run_id="r-1",
+                seq=4,
+                ts=12.5,
+                state="ESCALATE",
+                reason="repeat",
+                detail="refund(amount=150) proposed twice",
+            ),
+        ]
+    )
+    record = await store.get_run("r-1")
+    assert record == RunRecord(
+        run_id="r-1",
+        machine="refund",
+        state="ESCALATE",
+        outcome=ESCALATED,
+        seq=4,
+        started=10.0,
+        updated=12.5,
+        reason="repeat",
+        detail="refund(amount=150) proposed twice",
+    )
+    assert await store.escalations() == [record]
+    assert await store.unfinished() == []
+
+    await store.append(
+        [
+            Resumed(run_id="r-1", seq=5, ts=13.0, by="ops", to="PAY"),
+            moved("r-1", 6, "ESCALATE", "PAY", ts=13.5),
+        ]
+    )
+    record = await store.get_run("r-1")
+    assert (record.outcome, record.state, record.reason, record.detail) == (RUNNING, "PAY", "", "")
+    assert await store.escalations() == []
+    assert await store.unfinished() == [record]
+
+    await store.append(
+        [
+            moved("r-1", 7, "PAY", "DONE", ts=14.0),
+            Completed(run_id="r-1", seq=8, ts=14.5, state="DONE", output={"ok": True}),
+        ]
+    )
+    assert await store.get_run("r-1") == RunRecord(
+        run_id="r-1",
+        machine="refund",
+        state="DONE",
+        outcome=COMPLETED,
+        seq=8,
+        started=10.0,
+        updated=14.5,
+    )
+    assert await store.unfinished() == []
+
+
+async def test_runs_index_records_failure(store: Store) -> None:
+    await store.append(
+        [
+            started("r-2", ts=1.0),
+            moved("r-2", 2, "TRIAGE", "FAILED", ts=2.0),
+            Failed(run_id="r-2", seq=3, ts=3.0, state="FAILED", reason="tool refund is unusable"),
+        ]
+    )
+    record = await store.get_run("r-2")
+    assert (record.outcome, record.state, record.reason, record.seq) == (
+        FAILED,
+        "FAILED",
+        "tool refund is unusable",
+        3,
+    )
+    assert await store.list_runs(outcome=FAILED) == [record]
+
+
+async def test_list_runs_filters_and_order(store: Store) -> None:
+    # Started out of order, with a tie on ``started`` broken by run id.
+    await store.append(
+        [
+            started("c", ts=3.0, machine="refund"),
+            started("a", ts=1.0, machine="support"),
+            started("b2", ts=2.0, machine="refund"),
+            started("b1", ts=2.0, machine="support"),
+            started("d", ts=4.0, machine="refund"),
+        ]
+    )
+    await store.append(
+        [
+            moved("c", 2, "TRIAGE", "PAY", ts=5.0),
+            moved("d", 2, "TRIAGE", "DONE", ts=5.0),
+            Completed(run_id="d", seq=3, ts=5.5, state="DONE"),
+            Escalated(run_id="a", seq=2, ts=6.0, state="TRIAGE", reason="budget", detail="x"),
+        ]
+    )
+
+    def ids(records: list[RunRecord]) -> list[str]:
+        return [r.run_id for r in records]
+
+    assert ids(await store.list_runs()) == ["a", "b1", "b2", "c", "d"]
+    assert ids(await store.list_runs(machine="refund")) == ["b2", "c", "d"]
+    assert ids(await store.list_runs(machine="support")) == ["a", "b1"]
+    assert ids(await store.list_runs(state="TRIAGE")) == ["a", "b1", "b2"]
+    assert ids(await store.list_runs(outcome=RUNNING)) == ["b1", "b2", "c"]
+    assert ids(await store.list_runs(outcome=COMPLETED)) == ["d"]
+    assert ids(await store.list_runs(machine="refund", state="TRIAGE")) == ["b2"]
+    assert ids(await store.list_runs(machine="refund", outcome=RUNNING, state="PAY")) == ["c"]
+    assert ids(await store.list_runs(limit=2)) == ["a", "b1"]
+    assert ids(await store.list_runs(machine="refund", limit=1)) == ["b2"]
+    assert await store.list_runs(limit=0) == []
+    assert await store.list_runs(machine="nope") == []
+    assert ids(await store.escalations()) == ["a"]
+    assert ids(await store.unfinished()) == ["b1", "b2", "c"]
+
+
+async def test_unknown_run_is_not_found(store: Store) -> None:
+    await store.append([started("r-1", ts=1.0)])
+    with pytest.raises(RunNotFound, match=r"^run 'nope' not found$"):
+        await store.load("nope")
+    with pytest.raises(RunNotFound, match=r"^run 'nope' not found$"):
+        await store.get_run("nope")
+
+
+async def test_duplicate_idempotency_key_rejects_the_whole_batch(store: Store) -> None:
+    await store.append([started("r-1", ts=1.0), intent("r-1", 2, "k-1")])
+    before = await snapshot(store, ["r-1", "r-2"])
+    with pytest.raises(
+        StoreError, match=r"^idempotency key 'k-1' was already recorded; nothing was written$"
+    ):
+        await store.append(
+            [
+                started("r-2", ts=2.0),
+                moved("r-1", 3, "PAY", "DONE", ts=3.0),
+                intent("r-2", 2, "k-1"),
+                moved("r-2", 3, "PAY", "DONE", ts=4.0),
+            ]
+        )
+    assert await snapshot(store, ["r-1", "r-2"]) == before
+    # The store is still usable, and the rejected run can be written afresh.
+    await store.append([started("r-2", ts=2.0), intent("r-2", 2, "k-2")])
+    assert [e.seq for e in await store.load("r-2")] == [1, 2]
+
+
+async def test_duplicate_idempotency_key_within_one_batch_is_rejected(store: Store) -> None:
+    with pytest.raises(
+        StoreError, match=r"^idempotency key 'k-1' was already recorded; nothing was written$"
+    ):
+        await store.append(
+            [started("r-1", ts=1.0), intent("r-1", 2, "k-1"), intent("r-1", 3, "k-1")]
+        )
+    assert await snapshot(store, ["r-1"]) == ([], {"r-1": None}, {"r-1": None})
+
+
+async def test_commits_and_failures_may_share_an_intent_key(store: Store) -> None:
+    events = [
+        started("r-1", ts=1.0),
+        intent("r-1", 2, "k-1"),
+        ToolFailed(run_id="r-1", seq=3, ts=3.0, tool="refund", key="k-1", error="timeout"),
+        ToolCommitted(run_id="r-1", seq=4, ts=4.0, tool="refund", key="k-1", result=1),
+        ToolCommitted(run_id="r-1", seq=5, ts=5.0, tool="refund", key="k-1", result=1, reused=True),
+    ]
+    await store.append(events)
+    assert await store.load("r-1") == events
+
+
+async def test_duplicate_seq_rejects_the_whole_batch(store: Store) -> None:
+    await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
+    before = await snapshot(store, ["r-1", "r-2"])
+    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 2; cannot append seq 2$"):
+        await store.append(
+            [
+                started("r-2", ts=3.0),
+                moved("r-2", 2, "TRIAGE", "PAY", ts=4.0),
+                moved("r-1", 2, "TRIAGE", "DONE", ts=5.0),
+            ]
+        )
+    assert await snapshot(store, ["r-1", "r-2"]) == before
+
+
+async def test_restarting_a_stored_run_is_rejected(store: Store) -> None:
+    await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
+    before = await snapshot(store, ["r-1"])
+    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 2; cannot append seq 1$"):
+        await store.append([started("r-1", ts=9.0)])
+    assert await snapshot(store, ["r-1"]) == before
+
+
+async def test_seqs_out_of_order_within_a_batch_are_rejected(store: Store) -> None:
+    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 3; cannot append seq 2$"):
+        await store.append(
+            [
+                started("r-1", ts=1.0),
+                moved("r-1", 3, "TRIAGE", "PAY", ts=2.0),
+                moved("r-1", 2, "PAY", "DONE", ts=3.0),
+            ]
+        )
+    assert await snapshot(store, ["r-1"]) == ([], {"r-1": None}, {"r-1": None})
+
+
+async def test_event_before_run_started_is_rejected(store: Store) -> None:
+    await store.append([started("r-1", ts=1.0)])
+    before = await snapshot(store, ["r-1", "r-2"])
+    with pytest.raises(JournalCorrupt, match=r"before the run's run_started event$"):
+        await store.append(
+            [moved("r-1", 2, "TRIAGE", "PAY", ts=2.0), moved("r-2", 2, "A", "B", ts=2)]
+        )
+    assert await snapshot(store, ["r-1", "r-2"]) == before
+
+
+async def test_append_after_close_is_refused(store: Store) -> None:
+    await store.aclose()
+    await store.aclose()
+    with pytest.raises(StoreError, match=r"^store is closed$"):
+        await store.append([started("r-1", ts=1.0)])
+
+
+# --- property: random well-formed journals come back unchanged ---------------------------
+
+_names = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=8)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=10),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+_json_dict = st.dictionaries(st.text(max_size=5), _json, max_size=3)
+
+
+@st.composite
+def _journal(draw: st.DrawFn, run_id: str) -> list[Event]:
+    """A well-formed run: RunStarted, then any mix of follow-up events."""
+    ts = draw(st.floats(min_value=0, max_value=2e9, allow_nan=False))
+    state = draw(_names)
+    events: list[Event] = [
+        RunStarted(
+            run_id=run_id,
+            seq=1,
+            ts=ts,
+            machine=draw(st.sampled_from(["refund", "support", "extract"])),
+            state=state,
+            inputs=draw(_json_dict),
+        )
+    ]
+    for seq in range(2, draw(st.integers(min_value=1, max_value=8)) + 1):
+        ts += draw(st.floats(min_value=0, max_value=10, allow_nan=False))
+        kind = draw(st.sampled_from(["move", "model", "intent", "commit", "escalate", "end"]))
+        common = {"run_id": run_id, "seq": seq, "ts": ts}
+        if kind == "move":
+            dst = draw(_names)
+            event: Event = Transitioned(**common, src=state, dst=dst, delta=draw(_json_dict))
+            state = dst
+        elif kind == "model":
+            event = ModelCalled(
+                **common,
+                state=state,
+                model="m",
+                prompt_hash="0" * 16,
+                prompt=draw(st.text(max_size=20)),
+                raw=draw(st.text(max_size=20)),
+                usage=TokenUsage(prompt=draw(st.integers(0, 10**6)), completion=3),
+            )
+        elif kind == "intent":
+            key = f"{run_id}:{state}:{seq}"
+            event = IntentRecorded(**common, state=state, tool="t", args=draw(_json_dict), key=key)
+        elif kind == "commit":
+            event = ToolCommitted(**common, tool="t", key=f"{run_id}:x", result=draw(_json))
+        elif kind == "escalate":
+            event = draw(
+                st.sampled_from(
+                    [
+                        Escalated(**common, state=state, reason="repeat", detail="d"),
+                        Resumed(**common, by="ops"),
+                    ]
+                )
+            )
+        else:
+            event = draw(
+                st.sampled_from(
+                    [
+                        Completed(**common, state=state, output=None),
+                        Failed(**common, state=state, reason="gave up"),
+                    ]
+                )
+            )
+        events.append(event)
+    return events
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> tuple[dict[str, list[Event]], list[list[Event]]]:
+    """Several runs' journals, interleaved (each run in order) and cut into batches."""
+    count = draw(st.integers(min_value=1, max_value=6))
+    journals = {f"run-{i}": draw(_journal(f"run-{i}")) for i in range(count)}
+    pending = {run_id: list(events) for run_id, events in journals.items()}
+    order: list[Event] = []
+    while pending:
+        run_id = draw(st.sampled_from(sorted(pending)))
+        order.append(pending[run_id].pop(0))
+        if not pending[run_id]:
+            del pending[run_id]
+    cuts = sorted(draw(st.sets(st.integers(min_value=1, max_value=len(order)), max_size=4)))
+    bounds = [0, *cuts, len(order)]
+    batches = [order[a:b] for a, b in itertools.pairwise(bounds) if a < b]
+    return journals, batches
+
+
+# NOTE: the test opens its own store per example, because a function-scoped fixture
+# is set up once for all of hypothesis's examples.
+@pytest.mark.parametrize("store_kind", STORE_PARAMS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=_batches())
+async def test_random_batches_round_trip(
+    store_kind: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    data: tuple[dict[str, list[Event]], list[list[Event]]],
+) -> None:
+    journals, batches = data
+    async with fresh_store(store_kind, tmp_path_factory.mktemp("prop")) as store:
+        for batch in batches:
+            await store.append(batch)
+        expected_index = index_updates([e for batch in batches for e in batch], {})
+        for run_id, events in journals.items():
+            assert await store.load(run_id) == events
+            assert await store.get_run(run_id) == expected_index[run_id]
+        expected_order = sorted(expected_index.values(), key=lambda r: (r.started, r.run_id))
+        assert await store.list_runs() == expected_order
