@@ -458,18 +458,31 @@ class Supervisor:
         src = run.state
         self._emit(run, events, Transitioned, now, src=src, dst=dst, delta=data, reason=reason)
         self.stats.transitions[(run.machine.name, src, dst)] += 1
-        machine = run.machine
-        if dst in machine.success_states:
+        if run.terminal:
+            self._close(run, events, now, reason, src, data, escalation)
+
+    def _close(
+        self,
+        run: RunState,
+        events: list[Event],
+        now: float,
+        reason: str,
+        src: str = "",
+        data: dict[str, Any] | None = None,
+        escalation: tuple[str, str] | None = None,
+    ) -> None:
+        """Journal the terminal event of a run that has just entered a terminal state."""
+        dst = run.state
+        data = data if data is not None else dict(run.data)
+        if dst in run.machine.success_states:
             self._emit(run, events, Completed, now, state=dst, output=data or None)
-            self._finished(run)
         elif dst == ESCALATE:
             why, detail = escalation or (f"{reason}_escalated", f"{reason} moved the run from {src} to ESCALATE")
-            self._emit(run, events, Escalated, now, state=src, reason=why, detail=detail)
+            self._emit(run, events, Escalated, now, state=src or run.previous, reason=why, detail=detail)
             self.stats.escalations_pending += 1
-            self._finished(run)
-        elif dst == FAILED:
+        else:
             self._emit(run, events, Failed, now, state=dst, reason=str(data.get("reason", f"{reason} moved the run to FAILED")))
-            self._finished(run)
+        self._finished(run)
 
     def _finished(self, run: RunState) -> None:
         self.stats.runs_finished[(run.machine.name, _outcome_of(run.machine, run.state))] += 1
@@ -581,6 +594,9 @@ class Supervisor:
     def _on_recover(self, msg: Recover, events: list[Event]) -> Verdict:
         run = self._run(msg.run_id)
         pending = run.pending
+        if run.terminal and not run.closed:
+            self._close(run, events, self.clock(), "recovery")
+            return self._verdict(run, True)
         if pending is None or run.terminal:
             return self._verdict(run, True)
         tool = run.machine.tool_by_name.get(pending.tool)

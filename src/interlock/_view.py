@@ -77,6 +77,7 @@ class RunState:
 
     __slots__ = (
         "_compacted",
+        "closed",
         "committed",
         "consecutive_failures",
         "data",
@@ -87,6 +88,7 @@ class RunState:
         "machine",
         "output",
         "pending",
+        "previous",
         "repeat_counts",
         "results",
         "run_id",
@@ -118,6 +120,10 @@ class RunState:
         self.committed: dict[str, Any] = {}
         self.escalation: Escalated | None = None
         self.output: Any = None
+        self.previous = ""
+        """The state before the latest transition."""
+        self.closed = False
+        """True once the run's terminal event (completed, escalated, failed) is journaled."""
         self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
 
     @property
@@ -182,6 +188,7 @@ class RunState:
                     Frame("tool_failed", event.seq, f"{event.tool} failed: {error}", first_seq=event.seq)
                 )
             case Transitioned(src=src, dst=dst, delta=delta):
+                self.previous = src
                 self.state = dst
                 self.consecutive_failures = 0
                 if delta:
@@ -191,8 +198,10 @@ class RunState:
                 self._push(Frame("breaker", event.seq, f"breaker {breaker}: {detail}", first_seq=event.seq))
             case Escalated():
                 self.escalation = event
+                self.closed = True
             case Resumed(note=note, by=by):
                 self.escalation = None
+                self.closed = False
                 self.consecutive_failures = 0
                 self.repeat_counts.clear()
                 self._push(
@@ -200,8 +209,10 @@ class RunState:
                 )
             case Completed(output=output):
                 self.output = output
+                self.closed = True
             case Failed(reason=reason):
                 self.output = {"reason": reason}
+                self.closed = True
             case RunStarted(state=state, inputs=inputs):
                 self.state = state
                 self.inputs = dict(inputs)

@@ -1,0 +1,226 @@
+"""Recovery after a crash, deterministically: journals cut at chosen points, then resumed."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+
+from interlock import (
+    Escalated,
+    InterlockError,
+    IntentRecorded,
+    Machine,
+    Reject,
+    RunNotFound,
+    Tool,
+    ToolCommitted,
+    ToolFailed,
+    Worker,
+    open_supervisor,
+)
+from interlock.providers import ScriptedProvider
+from interlock.stores import MemoryStore, open_sqlite_store
+
+
+class Pay(msgspec.Struct, forbid_unknown_fields=True):
+    amount: float
+
+
+class Calls:
+    def __init__(self):
+        self.keys = []
+
+    async def __call__(self, args, ctx):
+        self.keys.append(ctx.key)
+        return {"paid": args.amount, "key": ctx.key}
+
+
+def limit_100(args, view):
+    if args.amount > 100:
+        return Reject(f"args.amount: {args.amount} exceeds 100", "propose amount <= 100", "args.amount")
+    return None
+
+
+def machine(pay, notify):
+    return Machine(
+        "pay",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED", "ESCALATE"], tools=["pay", "notify"])},
+        tools=[
+            Tool("pay", pay, Pay, guards=[limit_100], idempotent=True),
+            Tool("notify", notify, Pay),  # not idempotent
+        ],
+    )
+
+
+SCRIPT = ['{"tool": "pay", "args": {"amount": 5}}', '{"tool": "notify", "args": {"amount": 5}}', '{"next": "COMPLETED"}']
+
+
+async def crash_after(store, events_kept, script=SCRIPT):
+    """Record a full run, then rebuild a store holding only its first ``events_kept`` events."""
+    pay, notify = Calls(), Calls()
+    full = MemoryStore()
+    async with open_supervisor([machine(pay, notify)], full, provider=ScriptedProvider(script)) as sup:
+        await sup.start_run("pay", run_id="r-1")
+    events = await full.load("r-1")
+    await store.append(events[:events_kept])
+    return events
+
+
+def position(events, predicate):
+    return next(i for i, e in enumerate(events) if predicate(e)) + 1
+
+
+async def test_in_doubt_idempotent_call_is_reexecuted_with_the_same_key():
+    store = MemoryStore()
+    recorded = await crash_after(MemoryStore(), 0)
+    cut = position(recorded, lambda e: isinstance(e, IntentRecorded) and e.tool == "pay")
+    await crash_after(store, cut)
+    pay, notify = Calls(), Calls()
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True):
+        pass
+    key = recorded[cut - 1].key
+    assert pay.keys == [key]
+    events = await store.load("r-1")
+    commits = [e for e in events if isinstance(e, ToolCommitted) and e.key == key]
+    assert len(commits) == 1
+    assert events[-1].kind if hasattr(events[-1], "kind") else type(events[-1]).__name__ == "Completed"
+    assert (await store.get_run("r-1")).outcome == "completed"
+
+
+async def test_in_doubt_non_idempotent_call_is_escalated_not_rerun():
+    store = MemoryStore()
+    recorded = await crash_after(MemoryStore(), 0)
+    cut = position(recorded, lambda e: isinstance(e, IntentRecorded) and e.tool == "notify")
+    await crash_after(store, cut)
+    pay, notify = Calls(), Calls()
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True):
+        pass
+    assert notify.keys == []
+    assert pay.keys == []
+    events = await store.load("r-1")
+    key = recorded[cut - 1].key
+    failed, _moved, escalated = events[-3:]
+    assert isinstance(failed, ToolFailed)
+    assert (failed.key, failed.error) == (key, "in doubt after a crash")
+    assert isinstance(escalated, Escalated)
+    assert escalated.reason == "in_doubt_side_effect"
+    assert escalated.detail == (
+        f"tool 'notify' with key '{key}' may or may not have run before the crash, and it is "
+        "not idempotent; check the downstream system, then resume or abort"
+    )
+    record = await store.get_run("r-1")
+    assert (record.outcome, record.reason) == ("escalated", "in_doubt_side_effect")
+
+
+async def test_committed_call_is_never_executed_again():
+    store = MemoryStore()
+    recorded = await crash_after(MemoryStore(), 0)
+    cut = position(recorded, lambda e: isinstance(e, ToolCommitted) and e.tool == "pay")
+    await crash_after(store, cut)
+    pay, notify = Calls(), Calls()
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True):
+        pass
+    assert pay.keys == []
+    assert len(notify.keys) == 1
+    assert (await store.get_run("r-1")).outcome == "completed"
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+async def test_resume_from_every_cut_point_completes(cut):
+    store = MemoryStore()
+    recorded = await crash_after(MemoryStore(), 0)
+    if cut > len(recorded):
+        pytest.skip("run is shorter")
+    await crash_after(store, cut)
+    pay, notify = Calls(), Calls()
+    remaining = [s for s in SCRIPT]
+
+    def oracle(view):
+        done = {r.tool for r in view.results}
+        for raw in remaining:
+            tool = msgspec.json.decode(raw).get("tool")
+            if tool is None or tool not in done:
+                return raw
+        return SCRIPT[-1]
+
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(oracle), resume=True):
+        pass
+    record = await store.get_run("r-1")
+    assert record.outcome in ("completed", "escalated")
+    events = await store.load("r-1")
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    keys = [e.key for e in events if isinstance(e, IntentRecorded)]
+    assert len(keys) == len(set(keys))
+    assert all(sum(1 for e in events if isinstance(e, ToolCommitted) and e.key == k) <= 1 for k in keys)
+
+
+async def test_resume_escalated_with_corrected_payload_goes_through_the_gate():
+    store = MemoryStore()
+    pay, notify = Calls(), Calls()
+    script = ['{"tool": "pay", "args": {"amount": 500}}'] * 3
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(script)) as sup:
+        handle = await sup.start_run("pay", run_id="r-1")
+    assert (await handle.wait()).reason == "consecutive_failures"
+    before = await store.load("r-1")
+    provider = ScriptedProvider(['{"next": "COMPLETED"}'])
+    async with open_supervisor([machine(pay, notify)], store, provider=provider) as sup:
+        with pytest.raises(InterlockError) as bad:
+            await sup.resume_escalated("r-1", by="ada", payload='{"tool": "pay", "args": {"amount": 500}}')
+        assert str(bad.value) == (
+            "payload for run 'r-1' was rejected: [guard] args.amount: 500.0 exceeds 100 (propose amount <= 100)"
+        )
+        assert await store.load("r-1") == before  # a rejected payload journals nothing
+        with pytest.raises(InterlockError, match=r"^cannot resume run 'r-1' in state 'DONE'; it escalated from 'WORK' and may resume in: WORK$"):
+            await sup.resume_escalated("r-1", by="ada", to="DONE")
+        handle = await sup.resume_escalated("r-1", by="ada", note="verified with the bank", payload='{"tool": "pay", "args": {"amount": 50}}')
+    result = await handle.wait()
+    assert result.outcome == "completed"
+    assert pay.keys == [f"r-1:WORK:{len(before) + 4}"]
+    events = await store.load("r-1")
+    resumed = events[len(before)]
+    assert (type(resumed).__name__, resumed.by, resumed.note, resumed.to) == ("Resumed", "ada", "verified with the bank", "WORK")
+    kinds = [type(e).__name__ for e in events[len(before):]]
+    assert kinds[:5] == ["Resumed", "Transitioned", "StepProposed", "IntentRecorded", "ToolCommitted"]
+
+
+async def test_abort_escalated_and_errors():
+    store = MemoryStore()
+    pay, notify = Calls(), Calls()
+    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(['{"next": "ESCALATE"}'])) as sup:
+        await sup.start_run("pay", run_id="r-1")
+    async with open_supervisor([machine(pay, notify)], store) as sup:
+        result = await sup.abort_escalated("r-1", by="ada", note="duplicate ticket")
+        assert (result.outcome, result.reason) == ("failed", "aborted by ada: duplicate ticket")
+        with pytest.raises(InterlockError, match=r"^run 'r-1' is not escalated; it is failed in state 'FAILED'$"):
+            await sup.abort_escalated("r-1", by="ada")
+        with pytest.raises(RunNotFound, match=r"^run 'nope' not found$"):
+            await sup.resume_escalated("nope", by="ada")
+    assert (await store.get_run("r-1")).outcome == "failed"
+
+
+async def test_corrupt_tail_is_reported_on_resume(tmp_path):
+    path = tmp_path / "j.db"
+    store = await open_sqlite_store(path)
+    await crash_after(store, 4)
+    await store.aclose()
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    body = db.execute("SELECT body FROM events WHERE run_id = 'r-1' AND seq = 4").fetchone()[0]
+    db.execute("UPDATE events SET body = ? WHERE run_id = 'r-1' AND seq = 4", (body[:-3],))
+    db.commit()
+    db.close()
+    snapshot = path.read_bytes()
+    store = await open_sqlite_store(path)
+    pay, notify = Calls(), Calls()
+    from interlock import JournalCorrupt
+
+    with pytest.RaisesGroup(pytest.RaisesExc(JournalCorrupt, match=r"^journal of run 'r-1' is torn \(cut short\) at seq 4"), flatten_subgroups=True):
+        async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True):
+            pass
+    await store.aclose()
+    assert pay.keys == notify.keys == []
+    assert trio is not None
+    assert path.read_bytes()[:100] == snapshot[:100]
