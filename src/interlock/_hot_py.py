@@ -115,12 +115,16 @@ class Tables:
         return 0 <= state < len(self.states) and bool((self.terminal >> state) & 1)
 
     def legal_next(self, state: int) -> tuple[str, ...]:
-        """Return the names of the states ``state`` may move to, in id order."""
+        """Return the names of the states ``state`` may move to, in id order (none for an unknown id)."""
+        if type(state) is int and not 0 <= state < len(self.states):
+            return ()
         mask = self.edges[state]
         return tuple(name for i, name in enumerate(self.states) if (mask >> i) & 1)
 
     def allowed_tools(self, state: int) -> tuple[str, ...]:
-        """Return the names of the tools allowed in ``state``, in id order."""
+        """Return the names of the tools allowed in ``state``, in id order (none for an unknown id)."""
+        if type(state) is int and not 0 <= state < len(self.states):
+            return ()
         mask = self.tool_masks[state]
         return tuple(name for i, name in enumerate(self.tools) if (mask >> i) & 1)
 

@@ -1,0 +1,666 @@
+# cython: boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+# cython: autotestdict=False
+"""The hot path, compiled: the Cython twin of ``interlock._hot_py``.
+
+``interlock._hot_py`` is the specification; this module implements the same
+names with the same results and the same error text, and ``interlock._hotpath``
+picks one. Speed tricks stay in ``cdef`` helpers. Each public function has a
+fast path for the inputs the runtime really passes (exact ints, byte buffers)
+and falls back to the specification's own algorithm on Python objects for
+anything else, so that odd inputs still give the same results and errors.
+
+CRC-32 is computed here (slicing-by-8, the IEEE polynomial of ``zlib.crc32``)
+rather than by linking zlib, so that the extension builds without zlib headers
+on every platform.
+"""
+
+cimport cython
+from cpython.buffer cimport (
+    PyBUF_FULL_RO,
+    PyBUF_SIMPLE,
+    PyBuffer_Release,
+    PyObject_CheckBuffer,
+    PyObject_GetBuffer,
+)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsUnsignedLongLongMask
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport Py_LT, PyObject_RichCompareBool
+from cpython.ref cimport Py_INCREF
+from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+
+cdef extern from "Python.h":
+    # cpython.long's declaration, without its exception check: on an exact
+    # int this never fails.
+    long long _as_long_long "PyLong_AsLongLongAndOverflow" (object value, int* overflow)
+
+
+cdef enum:
+    _OK = 0
+    _UNKNOWN_STATE = 1
+    _ILLEGAL_TRANSITION = 2
+    _UNKNOWN_TOOL = 1
+    _TOOL_NOT_ALLOWED = 2
+    _FRAMES_OK = 0
+    _FRAMES_TORN = 1
+    _FRAMES_CORRUPT = 2
+    _HEADER_SIZE = 12
+    _MAX_IDS = 64
+
+OK = _OK
+UNKNOWN_STATE = _UNKNOWN_STATE
+ILLEGAL_TRANSITION = _ILLEGAL_TRANSITION
+UNKNOWN_TOOL = _UNKNOWN_TOOL
+TOOL_NOT_ALLOWED = _TOOL_NOT_ALLOWED
+FRAMES_OK = _FRAMES_OK
+FRAMES_TORN = _FRAMES_TORN
+FRAMES_CORRUPT = _FRAMES_CORRUPT
+HEADER_SIZE = _HEADER_SIZE
+MAX_IDS = _MAX_IDS
+
+# Python ints for the object fallbacks, which follow _hot_py line by line.
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_TWO_TO_64 = 2**64
+
+# C copies for the fast paths. NOTE: never mix Python int literals into C
+# arithmetic; they would turn the expression into Python-object arithmetic.
+cdef uint32_t _ALL_ONES32 = <uint32_t>0xFFFFFFFF
+cdef uint64_t _FNV_OFFSET64 = <uint64_t>0xCBF29CE484222325
+cdef uint64_t _FNV_PRIME64 = <uint64_t>0x100000001B3
+cdef uint32_t _CRC_POLY = <uint32_t>0xEDB88320
+cdef uint32_t _CRC_TABLE[8][256]
+
+
+cdef void _crc_init() noexcept nogil:
+    """Fill the slicing-by-8 tables of the reflected IEEE CRC-32."""
+    cdef uint32_t crc
+    cdef int i, k
+    for i in range(256):
+        crc = <uint32_t>i
+        for k in range(8):
+            crc = (crc >> 1) ^ (_CRC_POLY if crc & 1 else 0)
+        _CRC_TABLE[0][i] = crc
+    for i in range(256):
+        crc = _CRC_TABLE[0][i]
+        for k in range(1, 8):
+            crc = _CRC_TABLE[0][crc & 0xFF] ^ (crc >> 8)
+            _CRC_TABLE[k][i] = crc
+
+
+_crc_init()
+
+
+cdef inline uint32_t _load32(const unsigned char* p) noexcept nogil:
+    return (<uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16)
+            | (<uint32_t>p[3] << 24))
+
+
+cdef inline void _store32(unsigned char* p, uint32_t value) noexcept nogil:
+    p[0] = <unsigned char>(value & 0xFF)
+    p[1] = <unsigned char>((value >> 8) & 0xFF)
+    p[2] = <unsigned char>((value >> 16) & 0xFF)
+    p[3] = <unsigned char>(value >> 24)
+
+
+cdef uint32_t _crc32(const unsigned char* p, Py_ssize_t size) noexcept nogil:
+    """Return the CRC-32 of ``size`` bytes at ``p``; equal to ``zlib.crc32``."""
+    cdef uint32_t crc = _ALL_ONES32
+    cdef uint32_t low, high
+    while size >= 8:
+        low = crc ^ _load32(p)
+        high = _load32(p + 4)
+        crc = (_CRC_TABLE[7][low & 0xFF] ^ _CRC_TABLE[6][(low >> 8) & 0xFF]
+               ^ _CRC_TABLE[5][(low >> 16) & 0xFF] ^ _CRC_TABLE[4][low >> 24]
+               ^ _CRC_TABLE[3][high & 0xFF] ^ _CRC_TABLE[2][(high >> 8) & 0xFF]
+               ^ _CRC_TABLE[1][(high >> 16) & 0xFF] ^ _CRC_TABLE[0][high >> 24])
+        p += 8
+        size -= 8
+    while size > 0:
+        crc = _CRC_TABLE[0][(crc ^ p[0]) & 0xFF] ^ (crc >> 8)
+        p += 1
+        size -= 1
+    return crc ^ _ALL_ONES32
+
+
+cdef inline uint64_t _fnv1a64(
+    const unsigned char* p, Py_ssize_t size, uint64_t value
+) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(size):
+        value = (value ^ p[i]) * _FNV_PRIME64
+    return value
+
+
+cdef inline long long _small_id(object value) noexcept:
+    """Return an exact int as a C integer; -1 (out of range for any id) if it does not fit."""
+    cdef int overflow = 0
+    cdef long long result = _as_long_long(value, &overflow)
+    return -1 if overflow else result
+
+
+cdef bint _byte_buffer(object data, Py_buffer* view) except -1:
+    """Acquire ``data`` as a contiguous 1-D buffer of unsigned bytes, or return False.
+
+    Only then does iterating ``data`` in Python yield exactly its raw bytes.
+    """
+    if not PyObject_CheckBuffer(data):
+        return False
+    PyObject_GetBuffer(data, view, PyBUF_FULL_RO)
+    if (
+        view.ndim == 1
+        and view.itemsize == 1
+        and view.suboffsets == NULL
+        and (view.strides == NULL or view.strides[0] == 1)
+        and (view.format == NULL or (view.format[0] == b"B" and view.format[1] == 0))
+    ):
+        return True
+    PyBuffer_Release(view)
+    return False
+
+
+cdef tuple _select(tuple names, object mask):
+    """Return the names whose bit is set in ``mask``, in id order."""
+    cdef uint64_t bits
+    cdef Py_ssize_t size, count, i, k
+    if type(mask) is not int:
+        return _select_object(names, mask)
+    bits = mask
+    size = min(len(names), _MAX_IDS)
+    count = 0
+    for i in range(size):
+        count += (bits >> i) & 1
+    result = PyTuple_New(count)
+    k = 0
+    for i in range(size):
+        if (bits >> i) & 1:
+            name = names[i]
+            Py_INCREF(name)
+            PyTuple_SET_ITEM(result, k, name)
+            k += 1
+    return result
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+cdef tuple _select_object(object names, object mask):
+    return tuple(name for i, name in enumerate(names) if (mask >> i) & 1)
+
+
+@cython.auto_pickle(False)
+cdef class Tables:
+    """A machine compiled into integer tables.
+
+    Args:
+      states: state names; a state's id is its index.
+      tools: tool names; a tool's id is its index.
+      edges: per state id, a bitmask of the state ids it may move to.
+      tool_masks: per state id, a bitmask of the tool ids allowed there.
+      terminal: a bitmask of the terminal state ids.
+
+    Raises:
+      ValueError: if the tables do not have one entry per state, or there are
+        more than 64 states or tools.
+    """
+
+    cdef readonly tuple states
+    cdef readonly tuple tools
+    cdef readonly tuple edges
+    cdef readonly tuple tool_masks
+    cdef readonly object terminal
+    cdef dict _state_ids
+    cdef dict _tool_ids
+    # NOTE: 0 <= _n_states, _n_tools <= 64 always, so every id that passes a
+    # range check indexes these arrays safely and shifts by less than 64.
+    cdef uint64_t _edges[_MAX_IDS]
+    cdef uint64_t _tool_masks[_MAX_IDS]
+    cdef uint64_t _terminal
+    cdef int _n_states
+    cdef int _n_tools
+
+    def __init__(self, states, tools, edges, tool_masks, terminal):
+        cdef Py_ssize_t i
+        cdef Py_ssize_t n_states = len(states)
+        cdef Py_ssize_t n_tools = len(tools)
+        _check_counts(n_states, n_tools)
+        _check_masks(n_states, len(edges), len(tool_masks))
+        states_tuple = tuple(states)
+        tools_tuple = tuple(tools)
+        edges_tuple = tuple([int(mask) & _MASK64 for mask in edges])
+        tool_masks_tuple = tuple([int(mask) & _MASK64 for mask in tool_masks])
+        terminal_mask = int(terminal) & _MASK64
+        state_ids = {name: i for i, name in enumerate(states_tuple)}
+        tool_ids = {name: i for i, name in enumerate(tools_tuple)}
+        # Checked again on the tuples themselves: the C arrays rely on it.
+        _check_counts(len(states_tuple), len(tools_tuple))
+        _check_masks(len(states_tuple), len(edges_tuple), len(tool_masks_tuple))
+        self.states = states_tuple
+        self.tools = tools_tuple
+        self.edges = edges_tuple
+        self.tool_masks = tool_masks_tuple
+        self.terminal = terminal_mask
+        self._state_ids = state_ids
+        self._tool_ids = tool_ids
+        self._n_states = <int>len(states_tuple)
+        self._n_tools = <int>len(tools_tuple)
+        for i in range(self._n_states):
+            self._edges[i] = edges_tuple[i]
+            self._tool_masks[i] = tool_masks_tuple[i]
+        self._terminal = terminal_mask
+
+    def __reduce__(self):
+        return Tables, (self.states, self.tools, self.edges, self.tool_masks, self.terminal)
+
+    cpdef state_id(self, name):
+        """Return the id of state ``name``, or -1 if there is no such state."""
+        return self._state_ids.get(name, -1)
+
+    cpdef tool_id(self, name):
+        """Return the id of tool ``name``, or -1 if there is no such tool."""
+        return self._tool_ids.get(name, -1)
+
+    cpdef int check_transition(self, src, dst) except -1:
+        """Return OK, UNKNOWN_STATE (``dst`` < 0 or out of range) or ILLEGAL_TRANSITION."""
+        cdef long long source, target
+        if type(src) is not int or type(dst) is not int:
+            return self._check_transition_object(src, dst)
+        source = _small_id(src)
+        target = _small_id(dst)
+        if target < 0 or target >= self._n_states or source < 0 or source >= self._n_states:
+            return _UNKNOWN_STATE
+        if (self._edges[source] >> target) & 1:
+            return _OK
+        return _ILLEGAL_TRANSITION
+
+    cpdef int check_tool(self, state, tool) except -1:
+        """Return OK, UNKNOWN_TOOL (``tool`` < 0 or out of range) or TOOL_NOT_ALLOWED."""
+        cdef long long state_id, tool_id
+        if type(state) is not int or type(tool) is not int:
+            return self._check_tool_object(state, tool)
+        state_id = _small_id(state)
+        tool_id = _small_id(tool)
+        if tool_id < 0 or tool_id >= self._n_tools or state_id < 0 or state_id >= self._n_states:
+            return _UNKNOWN_TOOL
+        if (self._tool_masks[state_id] >> tool_id) & 1:
+            return _OK
+        return _TOOL_NOT_ALLOWED
+
+    cpdef bint is_terminal(self, state) except -1:
+        """Return whether ``state`` is a terminal state."""
+        cdef long long state_id
+        if type(state) is not int:
+            return self._is_terminal_object(state)
+        state_id = _small_id(state)
+        return 0 <= state_id < self._n_states and (self._terminal >> state_id) & 1
+
+    cpdef tuple legal_next(self, state):
+        """Return the names of the states ``state`` may move to, in id order (none for an unknown id)."""
+        return _select(self.states, self._mask(self.edges, state))
+
+    cpdef tuple allowed_tools(self, state):
+        """Return the names of the tools allowed in ``state``, in id order (none for an unknown id)."""
+        return _select(self.tools, self._mask(self.tool_masks, state))
+
+    # The _*_object methods are _hot_py's code on Python objects, for ids that
+    # are not exact ints (bools, floats, ...): same results, same errors.
+
+    @cython.boundscheck(True)
+    @cython.wraparound(True)
+    cdef object _mask(self, object masks, object state):
+        if type(state) is int and not 0 <= state < self._n_states:
+            return 0
+        return masks[state]
+
+    @cython.boundscheck(True)
+    @cython.wraparound(True)
+    cdef int _check_transition_object(self, object src, object dst) except -1:
+        cdef object edges = self.edges
+        cdef object n = len(self.states)
+        if dst < 0 or dst >= n or src < 0 or src >= n:
+            return _UNKNOWN_STATE
+        if (edges[src] >> dst) & 1:
+            return _OK
+        return _ILLEGAL_TRANSITION
+
+    @cython.boundscheck(True)
+    @cython.wraparound(True)
+    cdef int _check_tool_object(self, object state, object tool) except -1:
+        cdef object tool_masks = self.tool_masks
+        if tool < 0 or tool >= len(self.tools) or state < 0 or state >= len(self.states):
+            return _UNKNOWN_TOOL
+        if (tool_masks[state] >> tool) & 1:
+            return _OK
+        return _TOOL_NOT_ALLOWED
+
+    cdef bint _is_terminal_object(self, object state) except -1:
+        return 0 <= state < len(self.states) and bool((self.terminal >> state) & 1)
+
+
+cdef int _check_counts(Py_ssize_t states, Py_ssize_t tools) except -1:
+    if states > _MAX_IDS or tools > _MAX_IDS:
+        raise ValueError(
+            f"tables hold at most {MAX_IDS} states and {MAX_IDS} tools; "
+            f"got {states} states and {tools} tools"
+        )
+    return 0
+
+
+cdef int _check_masks(Py_ssize_t states, Py_ssize_t edges, Py_ssize_t tool_masks) except -1:
+    if edges != states or tool_masks != states:
+        raise ValueError(
+            f"tables need one edge mask and one tool mask per state; got {states} "
+            f"states, {edges} edge masks and {tool_masks} tool masks"
+        )
+    return 0
+
+
+cdef struct _Part:
+    Py_buffer view
+    Py_ssize_t size  # len(payload): the length _hot_py writes into the header
+
+
+cdef int _open_part(object payload, _Part* part) except -1:
+    """Measure and acquire one payload, raising what ``_hot_py.frame_event`` raises."""
+    part.size = len(payload)
+    if <uint64_t>part.size > <uint64_t>_ALL_ONES32:
+        raise ValueError(
+            f"event payload of {part.size} bytes exceeds the 4 GiB frame limit"
+        )
+    # PyBUF_SIMPLE is what zlib.crc32 asks for: same errors, same raw bytes.
+    PyObject_GetBuffer(payload, &part.view, PyBUF_SIMPLE)
+    return 0
+
+
+cdef unsigned char* _write_frame(unsigned char* out, const _Part* part) noexcept nogil:
+    cdef const unsigned char* data = <const unsigned char*>part.view.buf
+    cdef Py_ssize_t length = part.view.len
+    cdef uint32_t size = <uint32_t>part.size
+    _store32(out, size)
+    _store32(out + 4, size ^ _ALL_ONES32)
+    _store32(out + 8, _crc32(data, length))
+    if length:
+        memcpy(out + _HEADER_SIZE, data, <size_t>length)
+    return out + _HEADER_SIZE + length
+
+
+def frame_event(payload):
+    """Return ``payload`` framed with its length, the length's complement and its crc32."""
+    cdef _Part part
+    _open_part(payload, &part)
+    try:
+        framed = PyBytes_FromStringAndSize(NULL, _HEADER_SIZE + part.view.len)
+        _write_frame(<unsigned char*>PyBytes_AS_STRING(framed), &part)
+    finally:
+        PyBuffer_Release(&part.view)
+    return framed
+
+
+def frame_events(payloads):
+    """Return all ``payloads`` framed into one contiguous buffer, ready to flush."""
+    cdef tuple items = tuple(payloads)
+    cdef Py_ssize_t count = len(items)
+    cdef Py_ssize_t opened = 0
+    cdef Py_ssize_t total = 0
+    cdef Py_ssize_t i
+    cdef unsigned char* out
+    cdef _Part* parts
+    if count == 0:
+        return b""
+    parts = <_Part*>PyMem_Malloc(<size_t>count * sizeof(_Part))
+    if parts == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            _open_part(items[i], &parts[i])
+            opened += 1
+            total += _HEADER_SIZE + parts[i].view.len
+        # One allocation for the whole batch, filled in place.
+        framed = PyBytes_FromStringAndSize(NULL, total)
+        out = <unsigned char*>PyBytes_AS_STRING(framed)
+        for i in range(count):
+            out = _write_frame(out, &parts[i])
+    finally:
+        for i in range(opened):
+            PyBuffer_Release(&parts[i].view)
+        PyMem_Free(parts)
+    return framed
+
+
+def unframe(buffer):
+    """Split a buffer of frames back into payloads.
+
+    Returns:
+      ``(payloads, good_end, status)``: the payloads of the leading valid frames,
+      the offset just past the last valid frame, and FRAMES_OK, FRAMES_TORN (the
+      buffer ends inside a frame: a write was cut short) or FRAMES_CORRUPT (a
+      frame's header or checksum does not match). Decoding stops at the first
+      bad frame; nothing after it is trusted.
+    """
+    cdef Py_buffer view
+    cdef const unsigned char* data
+    cdef Py_ssize_t total
+    cdef Py_ssize_t offset = 0
+    cdef Py_ssize_t start
+    cdef uint32_t size
+    cdef int status = _FRAMES_OK
+    cdef list payloads = []
+    memory = memoryview(buffer)
+    PyObject_GetBuffer(memory, &view, PyBUF_FULL_RO)
+    try:
+        if not (
+            view.ndim == 1
+            and view.itemsize == 1
+            and view.suboffsets == NULL
+            and (view.strides == NULL or view.strides[0] == 1)
+        ):
+            return _unframe_object(memory)
+        data = <const unsigned char*>view.buf
+        total = view.len
+        while offset < total:
+            if total - offset < _HEADER_SIZE:
+                status = _FRAMES_TORN
+                break
+            size = _load32(data + offset)
+            if size ^ _load32(data + offset + 4) != _ALL_ONES32:
+                status = _FRAMES_CORRUPT
+                break
+            start = offset + _HEADER_SIZE
+            if <uint64_t>(total - start) < <uint64_t>size:
+                status = _FRAMES_TORN
+                break
+            if _crc32(data + start, size) != _load32(data + offset + 8):
+                status = _FRAMES_CORRUPT
+                break
+            payloads.append(PyBytes_FromStringAndSize(<const char*>data + start, size))
+            offset = start + size
+    finally:
+        PyBuffer_Release(&view)
+    return payloads, offset, status
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+cdef tuple _unframe_object(object view):
+    """``_hot_py.unframe`` for buffers that are not contiguous 1-D bytes."""
+    total = len(view)
+    payloads = []
+    offset = 0
+    while offset < total:
+        if total - offset < HEADER_SIZE:
+            return payloads, offset, FRAMES_TORN
+        size = int.from_bytes(view[offset : offset + 4], "little")
+        check = int.from_bytes(view[offset + 4 : offset + 8], "little")
+        if size ^ check != _MASK32:
+            return payloads, offset, FRAMES_CORRUPT
+        crc = int.from_bytes(view[offset + 8 : offset + 12], "little")
+        start = offset + HEADER_SIZE
+        if total - start < size:
+            return payloads, offset, FRAMES_TORN
+        payload = bytes(view[start : start + size])
+        if _crc32(<const unsigned char*>PyBytes_AS_STRING(payload), len(payload)) != crc:
+            return payloads, offset, FRAMES_CORRUPT
+        payloads.append(payload)
+        offset = start + size
+    return payloads, offset, FRAMES_OK
+
+
+def compact_failures(signatures):
+    """Collapse runs of identical consecutive failures in a run's history.
+
+    Args:
+      signatures: one entry per history item; 0 for an item that is not a
+        failure, otherwise the failure's signature (e.g. a hash of code + path).
+
+    Returns:
+      A list of ``(first, last, count)`` index groups covering every item in
+      order: each maximal run of equal non-zero signatures becomes one group,
+      every other item a group of its own.
+    """
+    if type(signatures) is list or type(signatures) is tuple:
+        groups = _compact_ints(signatures)
+        if groups is not None:
+            return groups
+    return _compact_object(signatures)
+
+
+cdef bint _signature_key(object item, uint64_t* bits, uint8_t* negative) except -1:
+    """Map an exact int in [-2**63, 2**64) to a distinct (bits, negative) key, or return False."""
+    cdef int overflow = 0
+    cdef long long value
+    if type(item) is not int:
+        return False
+    value = _as_long_long(item, &overflow)
+    if overflow == 0:
+        bits[0] = <uint64_t>value
+        negative[0] = value < 0
+        return True
+    if overflow < 0 or not PyObject_RichCompareBool(item, _TWO_TO_64, Py_LT):
+        return False
+    bits[0] = PyLong_AsUnsignedLongLongMask(item)
+    negative[0] = 0
+    return True
+
+
+cdef Py_ssize_t _compact_scan(
+    const uint64_t* bits, const uint8_t* negative, Py_ssize_t count, Py_ssize_t* firsts
+) noexcept nogil:
+    """Write the first index of each group into ``firsts``; return the number of groups."""
+    cdef Py_ssize_t groups = 0
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t j
+    while i < count:
+        j = i
+        if bits[i] != 0:
+            while j + 1 < count and bits[j + 1] == bits[i] and negative[j + 1] == negative[i]:
+                j += 1
+        firsts[groups] = i
+        groups += 1
+        i = j + 1
+    return groups
+
+
+cdef list _compact_ints(object signatures):
+    """The fast path for a list or tuple of ints; None if an item is anything else."""
+    cdef Py_ssize_t count = PySequence_Fast_GET_SIZE(signatures)
+    cdef Py_ssize_t groups, g, first, last
+    cdef uint64_t* bits
+    cdef uint8_t* negative
+    cdef Py_ssize_t* firsts
+    cdef Py_ssize_t i
+    cdef object first_index, last_index
+    cdef list result = []
+    if count == 0:
+        return result
+    bits = <uint64_t*>PyMem_Malloc(<size_t>count * sizeof(uint64_t))
+    negative = <uint8_t*>PyMem_Malloc(<size_t>count * sizeof(uint8_t))
+    firsts = <Py_ssize_t*>PyMem_Malloc(<size_t>count * sizeof(Py_ssize_t))
+    try:
+        if bits == NULL or negative == NULL or firsts == NULL:
+            raise MemoryError()
+        # Converting exact ints runs no Python code, so the list cannot change meanwhile.
+        for i in range(count):
+            if not _signature_key(
+                <object>PySequence_Fast_GET_ITEM(signatures, i), &bits[i], &negative[i]
+            ):
+                return None
+        groups = _compact_scan(bits, negative, count, firsts)
+        for g in range(groups):
+            first = firsts[g]
+            last = (firsts[g + 1] if g + 1 < groups else count) - 1
+            first_index = first
+            # One int object for both ends of a single-item group, as in _hot_py.
+            last_index = first_index if last == first else last
+            result.append((first_index, last_index, last - first + 1))
+    finally:
+        PyMem_Free(bits)
+        PyMem_Free(negative)
+        PyMem_Free(firsts)
+    return result
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+cdef list _compact_object(object signatures):
+    groups = []
+    count = len(signatures)
+    i = 0
+    while i < count:
+        signature = signatures[i]
+        j = i
+        if signature != 0:
+            while j + 1 < count and signatures[j + 1] == signature:
+                j += 1
+        groups.append((i, j, j - i + 1))
+        i = j + 1
+    return groups
+
+
+def fnv1a64(data, seed=_FNV_OFFSET):
+    """Return the 64-bit FNV-1a hash of ``data``, starting from ``seed``."""
+    cdef Py_buffer view
+    cdef uint64_t value
+    if type(seed) is int or type(seed) is bool:
+        value = PyLong_AsUnsignedLongLongMask(seed)  # == seed & _MASK64
+        if type(data) is bytes:
+            return _fnv1a64(
+                <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), value
+            )
+        if _byte_buffer(data, &view):
+            value = _fnv1a64(<const unsigned char*>view.buf, view.len, value)
+            PyBuffer_Release(&view)
+            return value
+    return _fnv1a64_object(data, seed)
+
+
+cdef object _fnv1a64_object(object data, object seed):
+    """``_hot_py.fnv1a64`` for anything but a byte buffer and an int seed."""
+    value = seed & _MASK64
+    for byte in data:
+        value = ((value ^ byte) * _FNV_PRIME) & _MASK64
+    return value
+
+
+def proposal_hash(tool, canonical_args):
+    """Return the repeat breaker's hash of a tool call: FNV-1a of ``tool``, a NUL, then the args.
+
+    ``canonical_args`` must already be canonical (JSON with sorted keys), so that
+    equal calls hash equal whatever their key order.
+    """
+    cdef uint64_t value
+    if type(tool) is bytes and type(canonical_args) is bytes:
+        value = _fnv1a64(
+            <const unsigned char*>PyBytes_AS_STRING(tool), PyBytes_GET_SIZE(tool), _FNV_OFFSET64
+        )
+        value = value * _FNV_PRIME64  # the NUL separator: value ^ 0 == value
+        return _fnv1a64(
+            <const unsigned char*>PyBytes_AS_STRING(canonical_args),
+            PyBytes_GET_SIZE(canonical_args),
+            value,
+        )
+    return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))

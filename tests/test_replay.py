@@ -1,0 +1,156 @@
+"""Offline replay: recorded runs reproduce exactly; a changed machine shows where it diverges."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from interlock import Reject, ReplayDivergence, open_supervisor
+from interlock._replay import replay, split_runs
+from interlock.providers import CHAOS_KINDS, ChaosProvider, ScriptedProvider
+from interlock.stores import MemoryStore
+from interlock.workflows import WORKFLOWS, Backend
+
+
+async def record(workflows, runs, rate, seed, kinds=CHAOS_KINDS):
+    backend = Backend(":memory:")
+    store = MemoryStore()
+    machines = [WORKFLOWS[w].build(backend) for w in workflows]
+    providers = {w: ChaosProvider(ScriptedProvider(WORKFLOWS[w].oracle), rate=rate, seed=seed, kinds=kinds) for w in workflows}
+    import random
+
+    rng = random.Random(seed)
+    async with open_supervisor(machines, store, provider=providers) as sup:
+        for i in range(runs):
+            w = workflows[i % len(workflows)]
+            await sup.start_run(w, WORKFLOWS[w].make_inputs(i, rng), run_id=f"{w}-{i}")
+    events = []
+    for r in await store.list_runs():
+        events.extend(await store.load(r.run_id))
+    backend.close()
+    return machines, events
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workflow=st.sampled_from(sorted(WORKFLOWS)),
+    rate=st.floats(0, 1),
+    seed=st.integers(0, 2**32),
+    kinds=st.sets(st.sampled_from(CHAOS_KINDS), min_size=1).map(lambda s: tuple(sorted(s))),
+)
+def test_any_chaos_run_replays_without_divergence(workflow, rate, seed, kinds):
+    machines, events = trio.run(record, [workflow], 6, rate, seed, kinds)
+    report = replay(events, machines)
+    assert len(report.runs) == 6
+    assert report.ok, report.diverged[:1]
+    assert report.reproduced == 6
+    assert sum(r.events for r in report.runs) == len(events)
+
+
+def test_large_demo_journal_replays_every_run():
+    machines, events = trio.run(record, sorted(WORKFLOWS), 300, 0.3, 11)
+    report = replay(events, machines)
+    assert report.reproduced == 300
+    assert report.ok
+    report.raise_for_divergence()
+
+
+def stricter_refund(machine, limit):
+    def at_most(args, view):
+        if args.amount > limit:
+            return Reject(f"args.amount: {args.amount} exceeds the new limit {limit}", f"propose amount <= {limit}", "args.amount")
+        return None
+
+    tools = [dataclasses.replace(t, guards=[*t.guards, at_most]) if t.name == "refund" else t for t in machine.tools]
+    return dataclasses.replace(machine, tools=tools)
+
+
+def test_changed_guard_reports_first_differing_seq():
+    machines, events = trio.run(record, ["refund"], 40, 0.0, 5)
+    strict = stricter_refund(machines[0], 60)
+    report = replay(events, strict)
+    runs = split_runs(events)
+
+    def first_big_refund(items):
+        for event in items:
+            if type(event).__name__ == "ModelCalled":
+                proposal = json.loads(event.raw)
+                if proposal.get("tool") == "refund" and proposal["args"]["amount"] > 60:
+                    return event
+        return None
+
+    expected = {run_id: first_big_refund(items) for run_id, items in runs.items()}
+    expected = {run_id: event for run_id, event in expected.items() if event is not None}
+    assert expected, "the recording has no refund above 60; the test proves nothing"
+    assert {r.run_id for r in report.diverged} == set(expected)
+    for run in report.diverged:
+        d = run.divergence
+        # The model call itself is the recording's input; the decision right after it differs.
+        assert d.seq == expected[run.run_id].seq + 1
+        assert d.kind in ("intent_recorded", "proposal_rejected")
+        assert d.got.startswith('proposal_rejected {"state":"WORK","violations":[')
+        assert "exceeds the new limit 60" in d.got
+    with pytest.raises(ReplayDivergence) as raised:
+        report.raise_for_divergence()
+    assert raised.value.seq == report.diverged[0].divergence.seq
+
+
+def test_truncated_recording_and_wrong_machine_are_reported():
+    machines, events = trio.run(record, ["router"], 1, 0.0, 1)
+    report = replay(events[:-1], machines)
+    (run,) = report.runs
+    assert run.divergence.kind == "end"
+    other = replay(events, WORKFLOWS["refund"].build(Backend(":memory:")))
+    assert other.runs[0].divergence.seq == 1
+
+
+def test_cli_replay_all_and_what_if(tmp_path):
+    db = tmp_path / "j.db"
+    demo = subprocess.run(
+        [sys.executable, "-m", "interlock", "demo", "--runs", "60", "--workflow", "refund", "--db", str(db), "--latency", "0,1", "--json"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--json"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout
+    assert json.loads(done.stdout)["reproduced"] == 60
+    module = tmp_path / "strict_machine.py"
+    module.write_text(
+        "from interlock.workflows import Backend, refund\n"
+        "import dataclasses\n"
+        "from interlock import Reject\n"
+        "def cap(args, view):\n"
+        "    return Reject('args.amount: over 30', 'propose amount <= 30', 'args.amount') if args.amount > 30 else None\n"
+        "base = refund.build(Backend(':memory:'))\n"
+        "machine = dataclasses.replace(base, tools=[dataclasses.replace(t, guards=[*t.guards, cap]) if t.name == 'refund' else t for t in base.tools])\n"
+    )
+    what_if = subprocess.run(
+        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--machine", "strict_machine:machine", "--json"],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert what_if.returncode == 1
+    document = json.loads(what_if.stdout)
+    assert document["what_if"] == ["refund"]
+    assert document["diverged"]
+    assert {d["divergence"]["kind"] for d in document["diverged"]} <= {"intent_recorded", "proposal_rejected"}
+    text = subprocess.run(
+        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--machine", "strict_machine:machine"],
+        capture_output=True, text=True, check=False, cwd=tmp_path, env={"COLUMNS": "200", "PATH": ""},
+    )  # fmt: skip
+    assert text.returncode == 1
+    assert "diverged" in text.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--machine", "nomodule:x"],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("interlock: error: --machine 'nomodule:x': cannot import 'nomodule'")
