@@ -8,8 +8,8 @@ import trio
 
 from interlock import (
     Escalated,
-    InterlockError,
     IntentRecorded,
+    InterlockError,
     Machine,
     Reject,
     RunNotFound,

@@ -9,7 +9,7 @@ import trio
 from interlock import open_supervisor
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
-from interlock.workflows import WORKFLOWS, Backend, extraction, order_total, refund, router
+from interlock.workflows import WORKFLOWS, Backend, extraction, order_total, refund
 
 ORDER_100 = "ord-100044"
 

@@ -29,19 +29,33 @@ async def run_actor(
     """Drive one run until it is terminal or escalated. Never raises for a tool's failure."""
     run_id = handle.run_id
     try:
-        while verdict.outcome == "running":
-            if verdict.execute is not None:
-                report = await execute_call(supervisor, run_id, verdict.state, verdict.seq, verdict.execute)
-                verdict = await supervisor.request(report)
-                continue
-            verdict = await supervisor.request(await _next_proposal(supervisor, run_id, provider))
-        handle._finish(supervisor.result_of(run_id))
-        supervisor.release(run_id)
+        with handle._scope:
+            while verdict.outcome == "running":
+                if verdict.execute is not None:
+                    report = await execute_call(
+                        supervisor, run_id, verdict.state, verdict.seq, verdict.execute
+                    )
+                    verdict = await supervisor.request(report)
+                    continue
+                proposal = await _next_proposal(supervisor, run_id, provider)
+                verdict = await supervisor.request(proposal)
+        _finish(supervisor, handle, None)
     except InterlockError as exc:
-        handle._finish(None, exc)
+        _finish(supervisor, handle, exc)
     finally:
         if not handle.done:
             handle._finish(None, InterlockError(f"run {run_id!r} was cancelled before it finished"))
+
+
+def _finish(supervisor: Supervisor, handle: RunHandle, error: InterlockError | None) -> None:
+    # NOTE: an operator may end the run (cancel_run) while its actor waits; then the
+    # actor's own request is refused, but the run did end, with a journaled result.
+    run = supervisor.runs.get(handle.run_id)
+    if run is not None and run.terminal and run.closed:
+        handle._finish(supervisor.result_of(handle.run_id))
+        supervisor.release(handle.run_id)
+    elif error is not None:
+        handle._finish(None, error)
 
 
 async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider | None) -> Propose:
@@ -56,21 +70,34 @@ async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider
             return Propose(run_id=run_id, seq=run.seq, raw="", source="step", error=error)
         return Propose(run_id=run_id, seq=run.seq, raw=raw, source="step")
     assert provider is not None
+    seq = run.seq  # the state this proposal answers; a stale one is refused
+    budgets = run.machine.budgets
+    remaining = run.started_ts + budgets.deadline - supervisor.clock()
     started = time.perf_counter()
     try:
-        proposal = await provider.propose(view)
+        with trio.move_on_after(max(remaining, 0.0) + 1e-3) as waiting:
+            proposal = await provider.propose(view)
     except Exception as exc:
         return Propose(
             run_id=run_id,
-            seq=run.seq,
+            seq=seq,
             raw="",
             model=getattr(provider, "model", ""),
             error=f"provider raised {type(exc).__name__}: {exc}",
             latency=time.perf_counter() - started,
         )
+    if waiting.cancelled_caught:
+        return Propose(
+            run_id=run_id,
+            seq=seq,
+            raw="",
+            model=getattr(provider, "model", ""),
+            error=f"no answer before the run's deadline of {budgets.deadline:g} s",
+            latency=time.perf_counter() - started,
+        )
     return Propose(
         run_id=run_id,
-        seq=run.seq,
+        seq=seq,
         raw=proposal.raw,
         model=proposal.model,
         prompt=proposal.prompt,

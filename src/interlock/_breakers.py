@@ -38,20 +38,32 @@ def check_budgets(run: RunState, budgets: Budgets, now: float) -> tuple[Violatio
     if run.tokens > budgets.tokens:
         detail = f"run used {run.tokens} tokens; the budget is {budgets.tokens}"
         return (
-            Violation("budget", "$", f"token budget exhausted: {detail}", "no further proposals are accepted"),
+            Violation(
+                "budget",
+                "$",
+                f"token budget exhausted: {detail}",
+                "no further proposals are accepted",
+            ),
             Trip(TOKEN_BUDGET, run.tokens, budgets.tokens, detail),
         )
     if run.steps > budgets.steps:
         detail = f"run made {run.steps} proposals; the budget is {budgets.steps}"
         return (
-            Violation("budget", "$", f"step budget exhausted: {detail}", "no further proposals are accepted"),
+            Violation(
+                "budget",
+                "$",
+                f"step budget exhausted: {detail}",
+                "no further proposals are accepted",
+            ),
             Trip(STEP_BUDGET, run.steps, budgets.steps, detail),
         )
     elapsed = now - run.started_ts
     if elapsed > budgets.deadline:
         detail = f"run has been going for {elapsed:.3f} s; the deadline is {budgets.deadline:g} s"
         return (
-            Violation("budget", "$", f"deadline passed: {detail}", "no further proposals are accepted"),
+            Violation(
+                "budget", "$", f"deadline passed: {detail}", "no further proposals are accepted"
+            ),
             Trip(DEADLINE, round(elapsed, 6), budgets.deadline, detail),
         )
     return None
@@ -60,9 +72,9 @@ def check_budgets(run: RunState, budgets: Budgets, now: float) -> tuple[Violatio
 def check_repeat(
     run: RunState, tool: str, call_hash: int, policy: BreakerPolicy, args_text: str
 ) -> tuple[Violation, Trip] | None:
-    """Trip when this exact call (tool + canonical args) would be made ``policy.repeats`` times."""
+    """Trip when this exact call (tool + canonical args) was already made ``policy.repeats`` times."""
     made = run.repeat_counts.get(call_hash, 0)
-    if made + 1 >= policy.repeats:
+    if made >= policy.repeats:
         detail = (
             f"{tool}({args_text}) proposed {made + 1} times in this run; the limit is {policy.repeats}"
         )
@@ -115,9 +127,7 @@ class CircuitBoard:
     def states(self) -> dict[str, str]:
         return {tool: circuit.state for tool, circuit in self._circuits.items()}
 
-    def check(
-        self, tool: str, now: float, policy: BreakerPolicy
-    ) -> tuple[Violation, Trip] | None:
+    def check(self, tool: str, now: float, policy: BreakerPolicy) -> tuple[Violation, Trip] | None:
         """Return a circuit_open violation and trip if ``tool`` may not be called now."""
         circuit = self._circuits.get(tool)
         if circuit is None or circuit.state == CLOSED:
@@ -146,7 +156,9 @@ class CircuitBoard:
             Trip(CIRCUIT, circuit.failures, policy.circuit_failures, detail, tool),
         )
 
-    def record(self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = "") -> None:
+    def record(
+        self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = ""
+    ) -> None:
         """Count the outcome of one call of ``tool``."""
         circuit = self._circuits.get(tool)
         if circuit is None:

@@ -6,9 +6,8 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -16,12 +15,20 @@ from ._hotpath import IMPLEMENTATION
 from ._stats import LatencyHistogram, RuntimeStats
 from ._supervisor import RunResult, Supervisor, open_supervisor
 from .providers import ChaosProvider, ScriptedProvider
-from .stores import Store
 from .stores._open import open_store
 from .workflows import WORKFLOWS, Backend
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from .stores import Store
+
 #: Which side-effecting tools belong to which workflow, for the summary.
-EFFECT_TOOLS = {"refund": ("refund", "send_email"), "extraction": ("write_entities",), "router": ("record_ticket",)}
+EFFECT_TOOLS = {
+    "refund": ("refund", "send_email"),
+    "extraction": ("write_entities",),
+    "router": ("record_ticket",),
+}
 DEFAULT_DB = "interlock.db"
 DEFAULT_RUNS = 1200
 
@@ -98,14 +105,22 @@ def summarize(
         for (machine, breaker, _tool), count in stats.breaker_trips.items():
             if machine == name:
                 trips[breaker] += count
-        prompt = sum(c for (m, _s, _model, kind), c in stats.tokens.items() if m == name and kind == "prompt")
-        completion = sum(c for (m, _s, _model, kind), c in stats.tokens.items() if m == name and kind == "completion")
+        prompt = sum(
+            c for (m, _s, _model, kind), c in stats.tokens.items() if m == name and kind == "prompt"
+        )
+        completion = sum(
+            c
+            for (m, _s, _model, kind), c in stats.tokens.items()
+            if m == name and kind == "completion"
+        )
         latency = stats.verify_latency.get(name, LatencyHistogram())
         per[name] = {
             "runs": len(mine),
             "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
             "states": dict(sorted(Counter(r.state for r in mine).items())),
-            "escalation_reasons": dict(sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())),
+            "escalation_reasons": dict(
+                sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())
+            ),
             "rejections": dict(sorted(rejections.items())),
             "breaker_trips": dict(sorted(trips.items())),
             "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
@@ -152,7 +167,9 @@ async def run_demo(
     """
     unknown = [w for w in config.workflows if w not in WORKFLOWS]
     if unknown:
-        raise ValueError(f"unknown workflow {unknown[0]!r}; choose from {', '.join(WORKFLOWS)} or all")
+        raise ValueError(
+            f"unknown workflow {unknown[0]!r}; choose from {', '.join(WORKFLOWS)} or all"
+        )
     stats = stats if stats is not None else RuntimeStats()
     own_store = store is None
     store = store if store is not None else await open_store(config.db)
@@ -163,7 +180,9 @@ async def run_demo(
     started = time.perf_counter()
     try:
         machines = build_machines(backend, config.workflows)
-        async with open_supervisor(machines, store, provider=build_providers(config), stats=stats) as supervisor:
+        async with open_supervisor(
+            machines, store, provider=build_providers(config), stats=stats
+        ) as supervisor:
             if on_start is not None:
                 on_start(supervisor)
 
@@ -186,7 +205,12 @@ async def run_demo(
 
 
 async def summarize_store(
-    store: Store, backend: Backend, *, stats: RuntimeStats | None = None, wall: float = 0.0, db: str = ""
+    store: Store,
+    backend: Backend,
+    *,
+    stats: RuntimeStats | None = None,
+    wall: float = 0.0,
+    db: str = "",
 ) -> dict[str, Any]:
     """The demo summary computed from everything in the journal (every run, every process).
 
@@ -218,7 +242,9 @@ async def summarize_store(
             "runs": len(mine),
             "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
             "states": dict(sorted(Counter(r.state for r in mine).items())),
-            "escalation_reasons": dict(sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())),
+            "escalation_reasons": dict(
+                sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())
+            ),
             "rejections": dict(sorted(rejections.items())),
             "breaker_trips": dict(sorted(trips.items())),
             "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
@@ -229,7 +255,9 @@ async def summarize_store(
             },
             "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
         }
-    overall = LatencyHistogram.merged(stats.verify_latency.values()) if stats else LatencyHistogram()
+    overall = (
+        LatencyHistogram.merged(stats.verify_latency.values()) if stats else LatencyHistogram()
+    )
     return {
         "runs": len(records),
         "wall_seconds": round(wall, 3),
@@ -249,19 +277,30 @@ async def summarize_store(
 async def resume_demo(config: DemoConfig, *, stats: RuntimeStats | None = None) -> dict[str, Any]:
     """Resume every unfinished demo run in ``config.db``, wait for all, summarize the whole journal."""
     stats = stats if stats is not None else RuntimeStats()
-    store = await open_store(config.db, readonly=False) if config.db != ":memory:" else await open_store(None)
+    store = (
+        await open_store(config.db, readonly=False)
+        if config.db != ":memory:"
+        else await open_store(None)
+    )
     backend = Backend(config.effects_path())
     started = time.perf_counter()
     try:
         machines = build_machines(backend)
-        providers = build_providers(DemoConfig(
-            workflows=tuple(WORKFLOWS), chaos_rate=config.chaos_rate, seed=config.seed, latency=config.latency
-        ))
+        providers = build_providers(
+            DemoConfig(
+                workflows=tuple(WORKFLOWS),
+                chaos_rate=config.chaos_rate,
+                seed=config.seed,
+                latency=config.latency,
+            )
+        )
         async with open_supervisor(machines, store, provider=providers, stats=stats) as supervisor:
             handles = await supervisor.resume_unfinished()
         for handle in handles:
             await handle.wait()  # raises what ended a run abnormally (a store error, say)
-        return await summarize_store(store, backend, stats=stats, wall=time.perf_counter() - started, db=config.db)
+        return await summarize_store(
+            store, backend, stats=stats, wall=time.perf_counter() - started, db=config.db
+        )
     finally:
         backend.close()
         await store.aclose()

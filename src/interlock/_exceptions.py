@@ -49,9 +49,7 @@ class ReplayDivergence(InterlockError):
     """
 
     def __init__(self, run_id: str, seq: int, expected: str, got: str) -> None:
-        super().__init__(
-            f"run {run_id!r} diverged at seq {seq}: expected {expected}, got {got}"
-        )
+        super().__init__(f"run {run_id!r} diverged at seq {seq}: expected {expected}, got {got}")
         self.run_id = run_id
         self.seq = seq
         self.expected = expected

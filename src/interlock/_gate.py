@@ -108,7 +108,8 @@ def verify(
         if "unknown field `" in text:
             path = text.split("`")[1]
         return _reject(
-            decision, Violation("malformed", path, f"proposal has the wrong shape: {text}", _SHAPE_HINT)
+            decision,
+            Violation("malformed", path, f"proposal has the wrong shape: {text}", _SHAPE_HINT),
         )
     except msgspec.DecodeError as exc:
         return _reject(
@@ -152,7 +153,9 @@ def _verify_call(
                     "unknown_tool",
                     "tool",
                     f"tool {name!r} does not exist; tools allowed in state {run.state!r}: {allowed}",
-                    f"call one of: {allowed}" if allowed != "none" else _next_hint(machine, state_id),
+                    f"call one of: {allowed}"
+                    if allowed != "none"
+                    else _next_hint(machine, state_id),
                 ),
             )
         return _reject(
@@ -225,7 +228,9 @@ def _verify_transition(
     if code != OK:
         legal = ", ".join(tables.legal_next(state_id)) or "none"
         if code == UNKNOWN_STATE:
-            message = f"state {target!r} does not exist; legal next states from {run.state!r}: {legal}"
+            message = (
+                f"state {target!r} does not exist; legal next states from {run.state!r}: {legal}"
+            )
         else:
             message = (
                 f"transition {run.state} -> {target} is not allowed; legal next states from "
@@ -242,7 +247,12 @@ def _verify_transition(
             return _reject(
                 decision,
                 *(
-                    Violation(v.code, v.path.replace("args", "data", 1), v.message.replace("args", "data", 1), v.hint.replace("args", "data"))
+                    Violation(
+                        v.code,
+                        v.path.replace("args", "data", 1),
+                        v.message.replace("args", "data", 1),
+                        v.hint.replace("args", "data"),
+                    )
                     for v in violations
                 ),
             )
@@ -253,7 +263,9 @@ def _verify_transition(
         except msgspec.ValidationError as exc:
             return _reject(
                 decision,
-                Violation("schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"),
+                Violation(
+                    "schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"
+                ),
             )
     decision.target = target
     return decision

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,8 @@ from ._hotpath import MAX_IDS, Tables
 from ._tools import Tool, compile_schema
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
     from ._tools import Validator
     from ._view import RunView
 
@@ -176,9 +177,11 @@ class Machine:
                 f"machine {self.name!r}: initial state {self.initial!r} is not declared; "
                 f"declared states: {', '.join(self.states) or 'none'}"
             )
-        used_terminals = [t for t in terminals if t in (ESCALATE, FAILED) or any(
-            t in spec.next for spec in self.states.values()
-        )]
+        used_terminals = [
+            t
+            for t in terminals
+            if t in (ESCALATE, FAILED) or any(t in spec.next for spec in self.states.values())
+        ]
         names = [*self.states, *used_terminals]
         if len(names) > MAX_IDS:
             raise MachineDefinitionError(

@@ -21,7 +21,6 @@ from ._events import (
     BreakerTripped,
     Event,
     Failed,
-    IntentRecorded,
     ModelCalled,
     ProposalRejected,
     Resumed,
@@ -149,14 +148,20 @@ class _RecordedCircuits:
             return None
         tripped = self.recorded[position + 1] if position + 1 < len(self.recorded) else None
         if isinstance(tripped, BreakerTripped) and tripped.breaker == "circuit":
-            return violation, Trip("circuit", tripped.value, tripped.limit, tripped.detail, tripped.tool)
+            return violation, Trip(
+                "circuit", tripped.value, tripped.limit, tripped.detail, tripped.tool
+            )
         return violation, Trip("circuit", 0, policy.circuit_failures, violation.message, tool)
 
-    def record(self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = "") -> None:
+    def record(
+        self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = ""
+    ) -> None:
         pass
 
 
-def _outcome_of_key(recorded: Sequence[Event], start: int, key: str) -> ToolCommitted | ToolFailed | None:
+def _outcome_of_key(
+    recorded: Sequence[Event], start: int, key: str
+) -> ToolCommitted | ToolFailed | None:
     for event in recorded[start:]:
         if isinstance(event, ToolCommitted | ToolFailed) and event.key == key:
             return event
@@ -215,14 +220,28 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 msg = Abort(run_id=run_id, seq=run.seq, by=upcoming.by, note=upcoming.note)
             else:
                 msg = Resume(
-                    run_id=run_id, seq=run.seq, by=upcoming.by, note=upcoming.note, to=upcoming.to, payload=upcoming.payload
+                    run_id=run_id,
+                    seq=run.seq,
+                    by=upcoming.by,
+                    note=upcoming.note,
+                    to=upcoming.to,
+                    payload=upcoming.payload,
                 )
-        elif isinstance(upcoming, Transitioned) and upcoming.reason == "operator" and upcoming.dst == FAILED:
+        elif (
+            isinstance(upcoming, Transitioned)
+            and upcoming.reason == "operator"
+            and upcoming.dst == FAILED
+        ):
             failed = recorded[position + 1] if position + 1 < len(recorded) else None
             reason = failed.reason if isinstance(failed, Failed) else "cancelled"
             msg = Cancel(run_id=run_id, seq=run.seq, reason=reason)
         elif run.terminal:
-            return RunReplay(run_id, machine.name, len(produced), divergence(position, f"the run ended in {run.state}").divergence)
+            return RunReplay(
+                run_id,
+                machine.name,
+                len(produced),
+                divergence(position, f"the run ended in {run.state}").divergence,
+            )
         elif run.pending is not None:
             key = run.pending.key
             follows = recorded[position + 1] if position + 1 < len(recorded) else None
@@ -237,7 +256,15 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 if outcome is None:
                     break  # the recording stops while a call was in flight (a crash): nothing to compare
                 if isinstance(outcome, ToolCommitted):
-                    msg = Report(run_id=run_id, seq=run.seq, key=key, ok=True, result=outcome.result, attempts=outcome.attempts, latency=outcome.latency)
+                    msg = Report(
+                        run_id=run_id,
+                        seq=run.seq,
+                        key=key,
+                        ok=True,
+                        result=outcome.result,
+                        attempts=outcome.attempts,
+                        latency=outcome.latency,
+                    )
                 else:
                     msg = Report(
                         run_id=run_id,
@@ -321,7 +348,12 @@ def replay(
                     run_id,
                     name,
                     0,
-                    Divergence(1, "run_started", f"a run of machine {name!r}", "no such machine to replay against"),
+                    Divergence(
+                        1,
+                        "run_started",
+                        f"a run of machine {name!r}",
+                        "no such machine to replay against",
+                    ),
                 )
             )
             continue
@@ -329,4 +361,12 @@ def replay(
     return ReplayReport(tuple(results))
 
 
-__all__ = ["ESCALATE", "Divergence", "ReplayReport", "RunReplay", "replay", "replay_run", "split_runs"]
+__all__ = [
+    "ESCALATE",
+    "Divergence",
+    "ReplayReport",
+    "RunReplay",
+    "replay",
+    "replay_run",
+    "split_runs",
+]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 # Latency histogram: log-spaced bucket bounds in seconds, 4 per octave, from 250 ns to ~17 s.
 _BOUNDS: tuple[float, ...] = tuple(2.5e-7 * 2 ** (i / 4) for i in range(105))

@@ -15,7 +15,7 @@ import outcome
 import trio
 
 from . import _breakers
-from ._breakers import CircuitBoard, Trip
+from ._breakers import CircuitBoard, Trip, check_budgets
 from ._events import (
     BreakerTripped,
     Completed,
@@ -82,12 +82,13 @@ class _Pending:
 class RunHandle:
     """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
 
-    __slots__ = ("_done", "_error", "_result", "machine", "run_id")
+    __slots__ = ("_done", "_error", "_result", "_scope", "machine", "run_id")
 
     def __init__(self, run_id: str, machine: str) -> None:
         self.run_id = run_id
         self.machine = machine
         self._done = trio.Event()
+        self._scope = trio.CancelScope()
         self._result: RunResult | None = None
         self._error: BaseException | None = None
 
@@ -138,7 +139,9 @@ class Supervisor:
         self.machines: dict[str, Machine] = {}
         for machine in machines:
             if machine.name in self.machines:
-                raise InterlockError(f"two machines are named {machine.name!r}; names must be unique")
+                raise InterlockError(
+                    f"two machines are named {machine.name!r}; names must be unique"
+                )
             self.machines[machine.name] = machine
         self.store = store
         self.clock = clock
@@ -164,7 +167,9 @@ class Supervisor:
             return self.machines[name]
         except KeyError:
             known = ", ".join(self.machines) or "none"
-            raise InterlockError(f"machine {name!r} is not registered; registered: {known}") from None
+            raise InterlockError(
+                f"machine {name!r} is not registered; registered: {known}"
+            ) from None
 
     def view(self, run_id: str) -> RunView:
         """A read-only view of a live run.
@@ -241,7 +246,11 @@ class Supervisor:
                 try:
                     await self.store.append(events)
                 except (StoreError, OSError) as exc:
-                    error = exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
+                    error = (
+                        exc
+                        if isinstance(exc, StoreError)
+                        else StoreError(f"journal write failed: {exc}")
+                    )
                     self._forget({e.run_id for e in events})
                     replies = [(p, outcome.Error(error)) for p, _ in replies]
                 else:
@@ -283,10 +292,19 @@ class Supervisor:
     def _run(self, run_id: str) -> RunState:
         run = self.runs.get(run_id)
         if run is None:
+            handle = self.handles.get(run_id)
+            if handle is not None and handle._result is not None:
+                ended = handle._result
+                raise ProtocolError(
+                    f"run {run_id!r} is {ended.outcome} in state {ended.state!r}; "
+                    "it takes no more proposals"
+                )
             raise RunNotFound(run_id)
         return run
 
-    def _emit(self, run: RunState, events: list[Event], cls: type[Event], now: float, **fields: Any) -> Event:
+    def _emit(
+        self, run: RunState, events: list[Event], cls: type[Event], now: float, **fields: Any
+    ) -> Event:
         event = cls(run_id=run.run_id, seq=run.seq + 1, ts=now, **fields)
         run.apply(event)
         events.append(event)
@@ -309,7 +327,15 @@ class Supervisor:
         run = RunState(msg.run_id, machine)
         self.runs[msg.run_id] = run
         now = self.clock()
-        self._emit(run, events, RunStarted, now, machine=machine.name, state=machine.initial, inputs=msg.inputs)
+        self._emit(
+            run,
+            events,
+            RunStarted,
+            now,
+            machine=machine.name,
+            state=machine.initial,
+            inputs=msg.inputs,
+        )
         self.stats.runs_started[machine.name] += 1
         return self._verdict(run, True)
 
@@ -368,9 +394,19 @@ class Supervisor:
             self.stats.histogram(self.stats.model_latency, msg.model).record(msg.latency)
         else:
             self._emit(
-                run, events, StepProposed, now, state=state, raw=msg.raw, source=msg.source, error=msg.error
+                run,
+                events,
+                StepProposed,
+                now,
+                state=state,
+                raw=msg.raw,
+                source=msg.source,
+                error=msg.error,
             )
         if msg.error:
+            budget = check_budgets(run, machine.budgets, now)
+            if budget is not None:
+                return self._reject(run, events, now, (budget[0],), budget[1])
             violation = Violation(
                 "malformed",
                 "$",
@@ -380,17 +416,32 @@ class Supervisor:
             return self._reject(run, events, now, (violation,), None)
         started = time.perf_counter()
         decision = verify(machine, run, msg.raw.encode(), now, self.circuits)
-        self.stats.histogram(self.stats.verify_latency, machine.name).record(time.perf_counter() - started)
+        self.stats.histogram(self.stats.verify_latency, machine.name).record(
+            time.perf_counter() - started
+        )
         if not decision.accepted:
             return self._reject(run, events, now, decision.violations, decision.trip)
         self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"
             self._emit(
-                run, events, IntentRecorded, now, state=state, tool=decision.tool.name, args=decision.args, key=key
+                run,
+                events,
+                IntentRecorded,
+                now,
+                state=state,
+                tool=decision.tool.name,
+                args=decision.args,
+                key=key,
             )
-            return self._verdict(run, True, execute=ToolCall(decision.tool.name, decision.args, key))
-        reason = "fallback" if _is_fallback(machine, state) else ("step" if msg.source == "step" else "proposal")
+            return self._verdict(
+                run, True, execute=ToolCall(decision.tool.name, decision.args, key)
+            )
+        reason = (
+            "fallback"
+            if _is_fallback(machine, state)
+            else ("step" if msg.source == "step" else "proposal")
+        )
         if msg.source == "operator":
             reason = "operator"
         self._transition(run, events, now, decision.target, decision.data, reason)
@@ -441,9 +492,13 @@ class Supervisor:
             tool=trip.tool,
         )
         if machine.on_breaker == ESCALATE or run.state == machine.on_breaker:
-            self._transition(run, events, now, ESCALATE, {}, "breaker", escalation=(trip.breaker, trip.detail))
+            self._transition(
+                run, events, now, ESCALATE, {}, "breaker", escalation=(trip.breaker, trip.detail)
+            )
         else:
-            self._transition(run, events, now, machine.on_breaker, {"breaker": trip.breaker}, "breaker")
+            self._transition(
+                run, events, now, machine.on_breaker, {"breaker": trip.breaker}, "breaker"
+            )
 
     def _transition(
         self,
@@ -477,11 +532,23 @@ class Supervisor:
         if dst in run.machine.success_states:
             self._emit(run, events, Completed, now, state=dst, output=data or None)
         elif dst == ESCALATE:
-            why, detail = escalation or (f"{reason}_escalated", f"{reason} moved the run from {src} to ESCALATE")
-            self._emit(run, events, Escalated, now, state=src or run.previous, reason=why, detail=detail)
+            why, detail = escalation or (
+                f"{reason}_escalated",
+                f"{reason} moved the run from {src} to ESCALATE",
+            )
+            self._emit(
+                run, events, Escalated, now, state=src or run.previous, reason=why, detail=detail
+            )
             self.stats.escalations_pending += 1
         else:
-            self._emit(run, events, Failed, now, state=dst, reason=str(data.get("reason", f"{reason} moved the run to FAILED")))
+            self._emit(
+                run,
+                events,
+                Failed,
+                now,
+                state=dst,
+                reason=str(data.get("reason", f"{reason} moved the run to FAILED")),
+            )
         self._finished(run)
 
     def _finished(self, run: RunState) -> None:
@@ -559,7 +626,10 @@ class Supervisor:
             return origin
         machine = run.machine
         tables = machine.tables
-        legal = [origin, *(s for s in tables.legal_next(tables.state_id(origin)) if s in machine.states)]
+        legal = [
+            origin,
+            *(s for s in tables.legal_next(tables.state_id(origin)) if s in machine.states),
+        ]
         if to not in legal:
             raise InterlockError(
                 f"cannot resume run {run.run_id!r} in state {to!r}; it escalated from {origin!r} "
@@ -571,7 +641,9 @@ class Supervisor:
         run = self._escalated(msg.run_id)
         target = self.resume_target(run, msg.to)
         now = self.clock()
-        self._emit(run, events, Resumed, now, by=msg.by, note=msg.note, to=target, payload=msg.payload)
+        self._emit(
+            run, events, Resumed, now, by=msg.by, note=msg.note, to=target, payload=msg.payload
+        )
         self._emit(run, events, Transitioned, now, src=ESCALATE, dst=target, reason="operator")
         self.stats.escalations_pending -= 1
         if not msg.payload:
@@ -585,7 +657,16 @@ class Supervisor:
         now = self.clock()
         reason = f"aborted by {msg.by}" + (f": {msg.note}" if msg.note else "")
         self._emit(run, events, Resumed, now, by=msg.by, note=msg.note, to=FAILED)
-        self._emit(run, events, Transitioned, now, src=ESCALATE, dst=FAILED, delta={"reason": reason}, reason="operator")
+        self._emit(
+            run,
+            events,
+            Transitioned,
+            now,
+            src=ESCALATE,
+            dst=FAILED,
+            delta={"reason": reason},
+            reason="operator",
+        )
         self._emit(run, events, Failed, now, state=FAILED, reason=reason)
         self.stats.escalations_pending -= 1
         self._finished(run)
@@ -601,14 +682,22 @@ class Supervisor:
             return self._verdict(run, True)
         tool = run.machine.tool_by_name.get(pending.tool)
         if tool is not None and tool.safe_to_repeat:
-            return self._verdict(run, True, execute=ToolCall(pending.tool, pending.args, pending.key))
+            return self._verdict(
+                run, True, execute=ToolCall(pending.tool, pending.args, pending.key)
+            )
         now = self.clock()
         detail = (
             f"tool {pending.tool!r} with key {pending.key!r} may or may not have run before the "
             "crash, and it is not idempotent; check the downstream system, then resume or abort"
         )
         self._emit(
-            run, events, ToolFailed, now, tool=pending.tool, key=pending.key, error="in doubt after a crash"
+            run,
+            events,
+            ToolFailed,
+            now,
+            tool=pending.tool,
+            key=pending.key,
+            error="in doubt after a crash",
         )
         self._transition(
             run, events, now, ESCALATE, {}, "recovery", escalation=("in_doubt_side_effect", detail)
@@ -674,7 +763,9 @@ class Supervisor:
         from ._actor import run_actor
 
         assert self._actors is not None
-        self._actors.start_soon(run_actor, self, handle, verdict, provider, name=f"run:{handle.run_id}")
+        self._actors.start_soon(
+            run_actor, self, handle, verdict, provider, name=f"run:{handle.run_id}"
+        )
 
     def result_of(self, run_id: str) -> RunResult:
         run = self._run(run_id)
@@ -683,12 +774,19 @@ class Supervisor:
             reason = run.escalation.reason
         elif run.state == FAILED and isinstance(run.output, dict):
             reason = str(run.output.get("reason", ""))
-        return RunResult(run.run_id, run.machine.name, run.state, _outcome_of(run.machine, run.state), run.output, reason)
+        return RunResult(
+            run.run_id,
+            run.machine.name,
+            run.state,
+            _outcome_of(run.machine, run.state),
+            run.output,
+            reason,
+        )
 
     def release(self, run_id: str) -> None:
-        """Drop a finished run's in-memory state (its journal stays in the store)."""
+        """Drop a finished run's in-memory state (its journal stays in the store; its
+        handle, which holds only the result, stays so late requests get a clear answer)."""
         self.runs.pop(run_id, None)
-        self.handles.pop(run_id, None)
 
     async def resume_unfinished(self, *, provider: Provider | None = None) -> list[RunHandle]:
         """Rebuild every unfinished run in the store by folding its journal, and resume it.
@@ -758,14 +856,44 @@ class Supervisor:
         if payload:
             trial = fold(run.machine, await self.store.load(run_id))
             now = self.clock()
-            trial.apply(Resumed(run_id=run_id, seq=trial.seq + 1, ts=now, by=by, note=note, to=target, payload=payload))
-            trial.apply(Transitioned(run_id=run_id, seq=trial.seq + 1, ts=now, src=ESCALATE, dst=target, reason="operator"))
-            trial.apply(StepProposed(run_id=run_id, seq=trial.seq + 1, ts=now, state=target, raw=payload, source="operator"))
+            trial.apply(
+                Resumed(
+                    run_id=run_id,
+                    seq=trial.seq + 1,
+                    ts=now,
+                    by=by,
+                    note=note,
+                    to=target,
+                    payload=payload,
+                )
+            )
+            trial.apply(
+                Transitioned(
+                    run_id=run_id,
+                    seq=trial.seq + 1,
+                    ts=now,
+                    src=ESCALATE,
+                    dst=target,
+                    reason="operator",
+                )
+            )
+            trial.apply(
+                StepProposed(
+                    run_id=run_id,
+                    seq=trial.seq + 1,
+                    ts=now,
+                    state=target,
+                    raw=payload,
+                    source="operator",
+                )
+            )
             decision = verify(run.machine, trial, payload.encode(), now, self.circuits)
             if not decision.accepted:
                 text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in decision.violations)
                 raise InterlockError(f"payload for run {run_id!r} was rejected: {text}")
-        verdict = await self.request(Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or ""))
+        verdict = await self.request(
+            Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or "")
+        )
         handle = RunHandle(run_id, run.machine.name)
         self.handles[run_id] = handle
         if verdict.outcome == "running":
@@ -789,8 +917,15 @@ class Supervisor:
         return result
 
     async def cancel_run(self, run_id: str, reason: str = "cancelled") -> Verdict:
-        """Fail a live run with ``reason`` (journaled as a transition to FAILED)."""
-        return await self.request(Cancel(run_id=run_id, reason=reason))
+        """Fail a live run with ``reason`` (journaled as a transition to FAILED) and stop its actor.
+
+        A tool call in flight is cancelled; its intent stays in the journal without a commit.
+        """
+        verdict = await self.request(Cancel(run_id=run_id, reason=reason))
+        handle = self.handles.get(run_id)
+        if handle is not None:
+            handle._scope.cancel()
+        return verdict
 
 
 def _is_fallback(machine: Machine, state: str) -> bool:
@@ -827,7 +962,9 @@ async def open_supervisor(
         from .stores import MemoryStore
 
         store = MemoryStore()
-    supervisor = Supervisor(machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch)
+    supervisor = Supervisor(
+        machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch
+    )
     async with trio.open_nursery() as outer:
         await outer.start(supervisor.serve)
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,8 @@ from ._events import Violation
 from ._exceptions import ToolDefinitionError
 
 if TYPE_CHECKING:
+    import random
+
     from ._view import RunView
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
@@ -163,10 +164,7 @@ def _field_schema(schema: Mapping[str, Any], path: str) -> Mapping[str, Any]:
         name, _index = part
         if not isinstance(node, Mapping):
             return {}
-        if name:
-            node = node.get("properties", {}).get(name, {})
-        else:
-            node = node.get("items", {})
+        node = node.get("properties", {}).get(name, {}) if name else node.get("items", {})
     return node if isinstance(node, Mapping) else {}
 
 
@@ -220,7 +218,7 @@ class _PydanticValidator:
         from pydantic_core import ValidationError
 
         try:
-            return self._validator.validate_json(raw, strict=True), ()
+            return self._validator.validate_json(bytes(raw), strict=True), ()
         except ValidationError as exc:
             violations = []
             for error in exc.errors(include_url=False):
@@ -330,7 +328,9 @@ def _json_schema_type(schema: Mapping[str, Any], where: str, tool: str) -> Any:
         if kind == "object":
             base = _json_schema_struct(schema, where, tool)
         elif kind == "array":
-            base = list[_json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)]  # type: ignore[misc]
+            base = list[
+                _json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)
+            ]  # type: ignore[misc]
         elif kind in _JSON_TYPES:
             base = _JSON_TYPES[kind]
         else:
@@ -357,7 +357,11 @@ def _json_schema_struct(schema: Mapping[str, Any], where: str, tool: str) -> Any
         if name in required:
             fields.append((name, typ))
         else:
-            fields.append((name, typ | None, sub.get("default")))
+            if "default" in sub:
+                fields.append((name, typ, sub["default"]))
+            else:
+                # Absent stays absent (not null, and not journaled as null).
+                fields.append((name, typ | msgspec.UnsetType, msgspec.UNSET))
     fields.sort(key=len)  # required fields first, as defstruct wants
     return msgspec.defstruct(
         f"{tool}_{where.replace('.', '_')}",
@@ -450,7 +454,10 @@ class Tool:
             )
         if not callable(self.execute):
             raise ToolDefinitionError(f"tool {self.name!r}: execute must be an async callable")
-        if not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout)) or self.timeout <= 0:
+        if (
+            not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout))
+            or self.timeout <= 0
+        ):
             raise ToolDefinitionError(
                 f"tool {self.name!r}: timeout must be a positive number of seconds; got {self.timeout!r}"
             )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,8 @@ from ._exceptions import ProtocolError
 from ._hotpath import compact_failures, fnv1a64
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
     from ._machine import Machine
 
 
@@ -185,7 +186,12 @@ class RunState:
                 self.pending = None
                 self.consecutive_failures += 1
                 self._push(
-                    Frame("tool_failed", event.seq, f"{event.tool} failed: {error}", first_seq=event.seq)
+                    Frame(
+                        "tool_failed",
+                        event.seq,
+                        f"{event.tool} failed: {error}",
+                        first_seq=event.seq,
+                    )
                 )
             case Transitioned(src=src, dst=dst, delta=delta):
                 self.previous = src
@@ -195,7 +201,9 @@ class RunState:
                     self.data.update(delta)
                 self._push(Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
             case BreakerTripped(breaker=breaker, detail=detail):
-                self._push(Frame("breaker", event.seq, f"breaker {breaker}: {detail}", first_seq=event.seq))
+                self._push(
+                    Frame("breaker", event.seq, f"breaker {breaker}: {detail}", first_seq=event.seq)
+                )
             case Escalated():
                 self.escalation = event
                 self.closed = True
@@ -205,7 +213,12 @@ class RunState:
                 self.consecutive_failures = 0
                 self.repeat_counts.clear()
                 self._push(
-                    Frame("resumed", event.seq, f"resumed by {by}: {note}".rstrip(": "), first_seq=event.seq)
+                    Frame(
+                        "resumed",
+                        event.seq,
+                        f"resumed by {by}: {note}".rstrip(": "),
+                        first_seq=event.seq,
+                    )
                 )
             case Completed(output=output):
                 self.output = output

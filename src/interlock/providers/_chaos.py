@@ -56,7 +56,9 @@ class ChaosProvider:
             raise ValueError(f"chaos rate must be between 0 and 1; got {rate}")
         unknown = set(kinds) - set(CHAOS_KINDS)
         if unknown:
-            raise ValueError(f"unknown chaos kinds {sorted(unknown)}; known: {', '.join(CHAOS_KINDS)}")
+            raise ValueError(
+                f"unknown chaos kinds {sorted(unknown)}; known: {', '.join(CHAOS_KINDS)}"
+            )
         self.inner = inner
         self.model = f"chaos:{inner.model}"
         self.rate = rate

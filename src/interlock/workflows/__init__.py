@@ -7,8 +7,11 @@ wraps in a :class:`~interlock.providers.ChaosProvider`.
 
 from types import ModuleType
 
-from . import extraction as extraction, refund as refund, router as router
-from ._backend import Backend as Backend, order_total as order_total
+from . import extraction as extraction
+from . import refund as refund
+from . import router as router
+from ._backend import Backend as Backend
+from ._backend import order_total as order_total
 
 WORKFLOWS: dict[str, ModuleType] = {"refund": refund, "extraction": extraction, "router": router}
 

@@ -94,9 +94,15 @@ class Backend:
                 ),
             ]
         )
-        return {"refund_id": f"rf-{zlib.crc32(key.encode()):08x}", "amount": amount, "new": inserted == 1}
+        return {
+            "refund_id": f"rf-{zlib.crc32(key.encode()):08x}",
+            "amount": amount,
+            "new": inserted == 1,
+        }
 
-    async def send_email(self, key: str, run_id: str, recipient: str, subject: str) -> dict[str, Any]:
+    async def send_email(
+        self, key: str, run_id: str, recipient: str, subject: str
+    ) -> dict[str, Any]:
         """Not idempotent: every call sends another email."""
         await self._write(
             [
@@ -109,7 +115,9 @@ class Backend:
         )
         return {"sent": True, "to": recipient}
 
-    async def write_entities(self, key: str, run_id: str, entities: list[dict[str, Any]]) -> dict[str, Any]:
+    async def write_entities(
+        self, key: str, run_id: str, entities: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """Idempotent: the idempotency key is part of the table's unique key."""
         statements = [self._execution("write_entities", key, run_id)]
         for idx, entity in enumerate(entities):
@@ -123,7 +131,9 @@ class Backend:
         counts = await self._write(statements)
         return {"written": sum(counts[1:]), "entities": len(entities)}
 
-    async def record_ticket(self, db_key: str, key: str, run_id: str, category: str, summary: str) -> dict[str, Any]:
+    async def record_ticket(
+        self, db_key: str, key: str, run_id: str, category: str, summary: str
+    ) -> dict[str, Any]:
         """Idempotent on ``db_key`` (``run_id:state``): a retried commit does not write twice."""
         _, inserted = await self._write(
             [

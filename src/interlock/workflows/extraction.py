@@ -12,16 +12,19 @@ SQLite table whose unique key includes the idempotency key.
 
 from __future__ import annotations
 
-import random
 import zlib
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from .._machine import Call, Go, Machine, Step, Worker
 from .._tools import Tool, ToolContext
-from .._view import RunView
-from ._backend import Backend
+
+if TYPE_CHECKING:
+    import random
+
+    from .._view import RunView
+    from ._backend import Backend
 
 NAME = "extraction"
 CATEGORIES = ("person", "organization", "location", "product")
@@ -51,7 +54,10 @@ class WriteEntities(msgspec.Struct, forbid_unknown_fields=True):
 def idle(view: RunView) -> Go:
     document = str(view.inputs.get("document", ""))
     if not document.strip():
-        return Go("FAILED", {"reason": "document is empty; start the run with a non-empty 'document' input"})
+        return Go(
+            "FAILED",
+            {"reason": "document is empty; start the run with a non-empty 'document' input"},
+        )
     return Go("EXTRACTING")
 
 
@@ -60,7 +66,13 @@ def validate(view: RunView) -> Go:
     errors = []
     for index, entity in enumerate(entities):
         if not str(entity.get("id", "")).strip():
-            errors.append({"path": f"entities[{index}].id", "message": "id is required", "hint": "give every entity its id"})
+            errors.append(
+                {
+                    "path": f"entities[{index}].id",
+                    "message": "id is required",
+                    "hint": "give every entity its id",
+                }
+            )
         if entity.get("category") not in CATEGORIES:
             errors.append(
                 {
@@ -81,7 +93,9 @@ def validate(view: RunView) -> Go:
     if not errors:
         return Go("COMMITTING", {"errors": []})
     if repairs >= MAX_REPAIRS:
-        return Go("ESCALATE", {"errors": errors, "reason": f"still invalid after {repairs} repairs"})
+        return Go(
+            "ESCALATE", {"errors": errors, "reason": f"still invalid after {repairs} repairs"}
+        )
     return Go("REPAIRING", {"errors": errors, "repairs": repairs + 1})
 
 
@@ -122,8 +136,20 @@ def build(backend: Backend) -> Machine:
             "COMMITTING": Step(commit, next=["COMPLETED"], tools=["write_entities"]),
         },
         tools=[
-            Tool("lookup_category", lookup_category, LookupCategory, "Look up a term's category.", read_only=True),
-            Tool("write_entities", write_entities, WriteEntities, "Store the entities.", idempotent=True),
+            Tool(
+                "lookup_category",
+                lookup_category,
+                LookupCategory,
+                "Look up a term's category.",
+                read_only=True,
+            ),
+            Tool(
+                "write_entities",
+                write_entities,
+                WriteEntities,
+                "Store the entities.",
+                idempotent=True,
+            ),
         ],
     )
 
@@ -137,17 +163,27 @@ def make_inputs(index: int, rng: random.Random) -> dict[str, Any]:
     if index % 10 == 9:
         return {"document": ""}
     terms = [f"term{index}-{j}" for j in range(rng.randint(2, 5))]
-    return {"document": "Report mentioning " + ", ".join(terms) + ".", "terms": terms, "sloppy": rng.random() < 0.3}
+    return {
+        "document": "Report mentioning " + ", ".join(terms) + ".",
+        "terms": terms,
+        "sloppy": rng.random() < 0.3,
+    }
 
 
 def oracle(view: RunView) -> str:
     """A simulated model: extracts every term; a sloppy run gets confidence wrong at first."""
     terms = view.inputs.get("terms", [])
-    if view.state == "EXTRACTING" and view.inputs.get("sloppy") and not view.results_of("lookup_category"):
+    if (
+        view.state == "EXTRACTING"
+        and view.inputs.get("sloppy")
+        and not view.results_of("lookup_category")
+    ):
         return msgspec.json.encode({"tool": "lookup_category", "args": {"term": terms[0]}}).decode()
     first_pass = view.state == "EXTRACTING"
     entities = []
     for j, term in enumerate(terms):
         confidence = 0.5 if (first_pass and view.inputs.get("sloppy") and j == 0) else 0.9
-        entities.append({"id": f"e{j}", "category": _category_of(term), "confidence": confidence, "text": term})
+        entities.append(
+            {"id": f"e{j}", "category": _category_of(term), "confidence": confidence, "text": term}
+        )
     return msgspec.json.encode({"next": "VALIDATING", "data": {"entities": entities}}).decode()

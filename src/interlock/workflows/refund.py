@@ -7,15 +7,18 @@ already refunded, computed from the run's own history.
 
 from __future__ import annotations
 
-import random
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
 from .._machine import Machine, Worker
 from .._tools import Reject, Tool, ToolContext
-from .._view import RunView
-from ._backend import Backend
+
+if TYPE_CHECKING:
+    import random
+
+    from .._view import RunView
+    from ._backend import Backend
 
 NAME = "refund"
 
@@ -46,7 +49,11 @@ def refund_within_total(args: Refund, view: RunView) -> Reject | None:
             f"call lookup_order with order_id {args.order_id!r} first",
             "args.order_id",
         )
-    refunded = sum(r.args["amount"] for r in view.results_of("refund") if r.args.get("order_id") == args.order_id)
+    refunded = sum(
+        r.args["amount"]
+        for r in view.results_of("refund")
+        if r.args.get("order_id") == args.order_id
+    )
     remaining = round(order["total"] - refunded, 2)
     if args.amount > remaining:
         if refunded:
@@ -86,7 +93,13 @@ def build(backend: Backend) -> Machine:
             )
         },
         tools=[
-            Tool("lookup_order", lookup_order, LookupOrder, "Fetch an order and its total.", read_only=True),
+            Tool(
+                "lookup_order",
+                lookup_order,
+                LookupOrder,
+                "Fetch an order and its total.",
+                read_only=True,
+            ),
             Tool(
                 "refund",
                 refund,
@@ -95,7 +108,9 @@ def build(backend: Backend) -> Machine:
                 guards=[refund_within_total],
                 idempotent=True,
             ),
-            Tool("send_email", send_email, SendEmail, "Email the customer. Sends every time it runs."),
+            Tool(
+                "send_email", send_email, SendEmail, "Email the customer. Sends every time it runs."
+            ),
         ],
     )
 
@@ -116,7 +131,9 @@ def oracle(view: RunView) -> str:
     order_id = inputs["order_id"]
     order = view.last_result("lookup_order")
     if order is None:
-        return msgspec.json.encode({"tool": "lookup_order", "args": {"order_id": order_id}}).decode()
+        return msgspec.json.encode(
+            {"tool": "lookup_order", "args": {"order_id": order_id}}
+        ).decode()
     refunds = view.results_of("refund")
     if not refunds:
         amount = inputs["requested"]
@@ -127,7 +144,12 @@ def oracle(view: RunView) -> str:
         return msgspec.json.encode(
             {
                 "tool": "refund",
-                "args": {"order_id": order_id, "amount": amount, "currency": "USD", "reason": "customer request"},
+                "args": {
+                    "order_id": order_id,
+                    "amount": amount,
+                    "currency": "USD",
+                    "reason": "customer request",
+                },
             }
         ).decode()
     if not view.results_of("send_email"):

@@ -8,15 +8,18 @@ not write twice. FORMAT_RESPONSE is a model state that writes the answer.
 
 from __future__ import annotations
 
-import random
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
 from .._machine import Call, Go, Machine, Step, Worker
 from .._tools import Tool, ToolContext
-from .._view import RunView
-from ._backend import Backend
+
+if TYPE_CHECKING:
+    import random
+
+    from .._view import RunView
+    from ._backend import Backend
 
 NAME = "router"
 CATEGORIES = ("billing", "technical", "account")
@@ -50,7 +53,9 @@ def build(backend: Backend) -> Machine:
     """The router machine, its DB write bound to ``backend``."""
 
     async def record_ticket(args: RecordTicket, ctx: ToolContext) -> dict[str, Any]:
-        return await backend.record_ticket(f"{ctx.run_id}:{ctx.state}", ctx.key, ctx.run_id, args.category, args.summary)
+        return await backend.record_ticket(
+            f"{ctx.run_id}:{ctx.state}", ctx.key, ctx.run_id, args.category, args.summary
+        )
 
     return Machine(
         NAME,
@@ -68,7 +73,11 @@ def build(backend: Backend) -> Machine:
                 data=Answer,
             ),
         },
-        tools=[Tool("record_ticket", record_ticket, RecordTicket, "Record the ticket.", idempotent=True)],
+        tools=[
+            Tool(
+                "record_ticket", record_ticket, RecordTicket, "Record the ticket.", idempotent=True
+            )
+        ],
     )
 
 
@@ -81,8 +90,19 @@ def oracle(view: RunView) -> str:
     """A simulated model: classifies by the ticket's words, then answers."""
     if view.state == "INIT":
         return msgspec.json.encode(
-            {"next": "QUERY_DB", "data": {"category": view.inputs["category"], "summary": view.inputs["ticket"][:60]}}
+            {
+                "next": "QUERY_DB",
+                "data": {
+                    "category": view.inputs["category"],
+                    "summary": view.inputs["ticket"][:60],
+                },
+            }
         ).decode()
     return msgspec.json.encode(
-        {"next": "DONE", "data": {"response": f"Your {view.data['category']} ticket {view.data.get('ticket')} is open."}}
+        {
+            "next": "DONE",
+            "data": {
+                "response": f"Your {view.data['category']} ticket {view.data.get('ticket')} is open."
+            },
+        }
     ).decode()

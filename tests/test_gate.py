@@ -1,0 +1,891 @@
+"""The verification gate, called directly on run states folded from journal events."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import pydantic
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from interlock import (
+    BreakerPolicy,
+    Budgets,
+    CircuitBoard,
+    Decision,
+    Event,
+    IntentRecorded,
+    Machine,
+    ModelCalled,
+    ProtocolError,
+    Reject,
+    RunStarted,
+    RunState,
+    RunView,
+    TokenUsage,
+    Tool,
+    ToolCommitted,
+    Transitioned,
+    Violation,
+    Worker,
+    fold,
+    verify,
+)
+
+CODES = {
+    "malformed",
+    "unknown_tool",
+    "tool_not_allowed",
+    "illegal_transition",
+    "schema",
+    "guard",
+    "repeat",
+    "budget",
+    "circuit_open",
+}
+SHAPE_HINT = (
+    'send exactly one JSON object: {"tool": NAME, "args": {...}} to call a tool, or '
+    '{"next": STATE, "data": {...}} to move on; no Markdown fences, no trailing commas'
+)
+
+
+async def nop(args: Any, ctx: Any) -> None:
+    return None
+
+
+class LookupArgs(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+
+
+class RefundArgs(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+    amount: Annotated[float, msgspec.Meta(gt=0, le=1000)]
+    reason: Literal["damaged", "late", "other"] = "other"
+
+
+class PydanticRefundArgs(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    order_id: str
+    amount: float = pydantic.Field(gt=0, le=1000)
+    reason: Literal["damaged", "late", "other"] = "other"
+
+
+JSON_SCHEMA_REFUND = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string"},
+        "amount": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000},
+        "reason": {"enum": ["damaged", "late", "other"], "default": "other"},
+    },
+    "required": ["order_id", "amount"],
+    "additionalProperties": False,
+}
+
+CORE_SCHEMA_REFUND = {
+    "type": "typed-dict",
+    "extra_behavior": "forbid",
+    "fields": {
+        "order_id": {"type": "typed-dict-field", "schema": {"type": "str"}},
+        "amount": {"type": "typed-dict-field", "schema": {"type": "float", "gt": 0, "le": 1000}},
+        "reason": {
+            "type": "typed-dict-field",
+            "required": False,
+            "schema": {
+                "type": "default",
+                "default": "other",
+                "schema": {"type": "literal", "expected": ["damaged", "late", "other"]},
+            },
+        },
+    },
+}
+
+
+def within_order_total(args: RefundArgs, view: RunView) -> Reject | None:
+    """The refund guard: never refund more than what is left of the looked-up order."""
+    order = view.last_result("lookup_order")
+    if order is None:
+        return Reject(
+            f"args.order_id: order {args.order_id} has not been looked up",
+            "call lookup_order first",
+            "args.order_id",
+        )
+    refunded = sum(r.args["amount"] for r in view.results_of("refund"))
+    left = order["total"] - refunded
+    if args.amount > left:
+        return Reject(
+            f"args.amount: {args.amount} exceeds the order total {order['total']} "
+            f"minus {refunded} already refunded",
+            f"propose amount <= {left}",
+            "args.amount",
+        )
+    return None
+
+
+def no_late_refunds(args: RefundArgs, view: RunView) -> Reject | None:
+    if args.reason == "late":
+        return Reject(
+            "args.reason: late deliveries get a voucher", "use reason other", "args.reason"
+        )
+    return None
+
+
+def broken_guard(args: Any, view: RunView) -> Reject | None:
+    return Reject("never", "never") if 1 / 0 else None
+
+
+def mutating_guard(args: Any, view: RunView) -> Reject | None:
+    view.data["touched"] = True  # type: ignore[index]
+    return None
+
+
+class ReviewData(msgspec.Struct, forbid_unknown_fields=True):
+    approved: bool
+
+
+MACHINE = Machine(
+    "refund",
+    initial="WORK",
+    states={
+        "WORK": Worker(
+            next=["REVIEW", "COMPLETED"],
+            tools=[
+                "lookup_order",
+                "refund",
+                "refund_struct",
+                "refund_json",
+                "refund_pydantic",
+                "refund_core",
+                "broken",
+                "mutating",
+            ],
+        ),
+        "REVIEW": Worker(next=["COMPLETED", "WORK", "ARCHIVE"], data=ReviewData),
+        "ARCHIVE": Worker(next=["COMPLETED"], tools=["archive"]),
+    },
+    tools=[
+        Tool("lookup_order", nop, LookupArgs, read_only=True),
+        Tool("refund", nop, RefundArgs, guards=[within_order_total, no_late_refunds]),
+        Tool("refund_struct", nop, RefundArgs),
+        Tool("refund_json", nop, JSON_SCHEMA_REFUND),
+        Tool("refund_pydantic", nop, PydanticRefundArgs),
+        Tool("refund_core", nop, CORE_SCHEMA_REFUND),
+        Tool("broken", nop, LookupArgs, guards=[broken_guard]),
+        Tool("mutating", nop, LookupArgs, guards=[mutating_guard]),
+        Tool("archive", nop),
+    ],
+)
+
+
+def started(state: str = "WORK", ts: float = 1000.0) -> list[Event]:
+    events: list[Event] = [
+        RunStarted(run_id="r-1", seq=1, ts=ts, machine="refund", state="WORK", inputs={})
+    ]
+    if state != "WORK":
+        events.append(Transitioned(run_id="r-1", seq=2, ts=ts, src="WORK", dst=state))
+    return events
+
+
+def committed(events: list[Event], tool: str, args: dict[str, Any], result: Any) -> list[Event]:
+    """Append an intent and its commit for ``tool`` to ``events``."""
+    seq = events[-1].seq
+    key = f"r-1:WORK:{seq + 1}"
+    return [
+        *events,
+        IntentRecorded(
+            run_id="r-1", seq=seq + 1, ts=1000.0, state="WORK", tool=tool, args=args, key=key
+        ),
+        ToolCommitted(run_id="r-1", seq=seq + 2, ts=1000.0, tool=tool, key=key, result=result),
+    ]
+
+
+def run_in(state: str = "WORK", machine: Machine = MACHINE) -> RunState:
+    return fold(machine, started(state))
+
+
+def rejected(decision: Decision) -> list[tuple[str, str, str, str]]:
+    assert not decision.accepted
+    return [(v.code, v.path, v.message, v.hint) for v in decision.violations]
+
+
+# -- malformed ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "message"),
+    [
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o1"}',
+            "$",
+            "proposal is not valid JSON: Input data was truncated",
+            id="invalid-json",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o1"},}',
+            "$",
+            "proposal is not valid JSON: JSON is malformed: trailing comma in object (byte 52)",
+            id="trailing-comma",
+        ),
+        pytest.param(
+            b'```json\n{"tool": "lookup_order", "args": {"order_id": "o1"}}\n```',
+            "$",
+            "proposal is not valid JSON: JSON is malformed: invalid character (byte 0)",
+            id="markdown-fence",
+        ),
+        pytest.param(
+            b'[{"tool": "lookup_order"}]',
+            "$",
+            "proposal has the wrong shape: Expected `object`, got `array`",
+            id="array",
+        ),
+        pytest.param(
+            b'"lookup_order"',
+            "$",
+            "proposal has the wrong shape: Expected `object`, got `str`",
+            id="string",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "arguments": {"order_id": "o1"}}',
+            "arguments",
+            "proposal has the wrong shape: Object contains unknown field `arguments`",
+            id="unknown-field",
+        ),
+        pytest.param(
+            b'{"tool": 7}',
+            "$",
+            "proposal has the wrong shape: Expected `str | null`, got `int` - at `$.tool`",
+            id="tool-not-a-string",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o1"}, "next": "COMPLETED"}',
+            "$",
+            'proposal has both of "tool" and "next"; it needs exactly one',
+            id="both",
+        ),
+        pytest.param(
+            b'{"args": {"order_id": "o1"}}',
+            "$",
+            'proposal has neither of "tool" and "next"; it needs exactly one',
+            id="neither",
+        ),
+        pytest.param(
+            b"{}",
+            "$",
+            'proposal has neither of "tool" and "next"; it needs exactly one',
+            id="empty",
+        ),
+    ],
+)
+def test_malformed(raw: bytes, path: str, message: str) -> None:
+    decision = verify(MACHINE, run_in(), raw, 1000.0)
+    assert rejected(decision) == [("malformed", path, message, SHAPE_HINT)]
+    assert decision.trip is None
+
+
+# -- tools and transitions -------------------------------------------------------------
+
+WORK_TOOLS = "lookup_order, refund, refund_struct, refund_json, refund_pydantic, refund_core, broken, mutating"
+
+
+def test_unknown_tool_lists_the_allowed_tools() -> None:
+    decision = verify(MACHINE, run_in(), b'{"tool": "delete_all_records", "args": {}}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "unknown_tool",
+            "tool",
+            f"tool 'delete_all_records' does not exist; tools allowed in state 'WORK': {WORK_TOOLS}",
+            f"call one of: {WORK_TOOLS}",
+        )
+    ]
+
+
+def test_unknown_tool_in_a_state_without_tools_hints_at_the_next_states() -> None:
+    decision = verify(MACHINE, run_in("REVIEW"), b'{"tool": "nope"}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "unknown_tool",
+            "tool",
+            "tool 'nope' does not exist; tools allowed in state 'REVIEW': none",
+            "no tools are allowed here; move on with next: one of WORK, ARCHIVE, COMPLETED",
+        )
+    ]
+
+
+def test_tool_not_allowed() -> None:
+    decision = verify(MACHINE, run_in(), b'{"tool": "archive"}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "tool_not_allowed",
+            "tool",
+            f"tool 'archive' is not allowed in state 'WORK'; allowed here: {WORK_TOOLS}",
+            f"call one of: {WORK_TOOLS}",
+        )
+    ]
+
+
+def test_tool_not_allowed_in_a_state_without_tools() -> None:
+    decision = verify(MACHINE, run_in("REVIEW"), b'{"tool": "lookup_order"}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "tool_not_allowed",
+            "tool",
+            "tool 'lookup_order' is not allowed in state 'REVIEW'; allowed here: none",
+            "no tools are allowed here; move on with next: one of WORK, ARCHIVE, COMPLETED",
+        )
+    ]
+
+
+def test_illegal_transition_to_an_unknown_state() -> None:
+    decision = verify(MACHINE, run_in(), b'{"next": "FINISHED"}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "illegal_transition",
+            "next",
+            "state 'FINISHED' does not exist; legal next states from 'WORK': REVIEW, COMPLETED",
+            "propose next: one of REVIEW, COMPLETED",
+        )
+    ]
+
+
+@pytest.mark.parametrize("target", ["ESCALATE", "ARCHIVE", "WORK"])
+def test_illegal_transition_to_an_existing_state(target: str) -> None:
+    decision = verify(MACHINE, run_in(), f'{{"next": "{target}"}}'.encode(), 1000.0)
+    assert rejected(decision) == [
+        (
+            "illegal_transition",
+            "next",
+            f"transition WORK -> {target} is not allowed; legal next states from 'WORK': "
+            "REVIEW, COMPLETED",
+            "propose next: one of REVIEW, COMPLETED",
+        )
+    ]
+
+
+def test_legal_transition_is_accepted_with_its_data() -> None:
+    decision = verify(MACHINE, run_in(), b'{"next": "COMPLETED", "data": {"answer": 42}}', 1000.0)
+    assert decision.accepted
+    assert (decision.target, decision.data, decision.tool) == ("COMPLETED", {"answer": 42}, None)
+
+
+def test_transition_data_must_be_an_object() -> None:
+    decision = verify(MACHINE, run_in(), b'{"next": "COMPLETED", "data": [1]}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "schema",
+            "data",
+            "data: Expected `object`, got `array`",
+            "send data as a JSON object, or leave it out",
+        )
+    ]
+
+
+def test_transition_data_is_checked_against_the_state_data_schema() -> None:
+    decision = verify(
+        MACHINE, run_in("REVIEW"), b'{"next": "COMPLETED", "data": {"approved": "yes"}}', 0.0
+    )
+    assert rejected(decision) == [
+        (
+            "schema",
+            "data.approved",
+            "data.approved: expected `bool`, got `str`",
+            "send data.approved as a JSON bool, not str",
+        )
+    ]
+    decision = verify(
+        MACHINE, run_in("REVIEW"), b'{"next": "COMPLETED", "data": {"approved": true}}', 0.0
+    )
+    assert decision.accepted
+    assert decision.data == {"approved": True}
+
+
+# -- schema ----------------------------------------------------------------------------
+
+
+SCHEMA_CASES = {
+    "string-for-number": b'{"order_id": "o1", "amount": "150"}',
+    "missing-field": b'{"order_id": "o1"}',
+    "enum": b'{"order_id": "o1", "amount": 10, "reason": "bored"}',
+    "above-maximum": b'{"order_id": "o1", "amount": 1500}',
+    "not-above-exclusive-minimum": b'{"order_id": "o1", "amount": 0}',
+    "unknown-field": b'{"order_id": "o1", "amount": 10, "note": "x"}',
+}
+_STRUCT_EXPECTED = {
+    "string-for-number": (
+        "args.amount",
+        "args.amount: expected `float`, got `str`",
+        "send args.amount as a JSON float (> 0, <= 1000), not str",
+    ),
+    "missing-field": (
+        "args",
+        "args: object missing required field `amount`",
+        "include the required field args.amount",
+    ),
+    "enum": (
+        "args.reason",
+        "args.reason: invalid enum value 'bored'",
+        "use one of: damaged, late, other",
+    ),
+    "above-maximum": (
+        "args.amount",
+        "args.amount: expected `float` <= 1000.0",
+        "propose args.amount <= 1000.0",
+    ),
+    "not-above-exclusive-minimum": (
+        "args.amount",
+        "args.amount: expected `float` > 0.0",
+        "propose args.amount > 0.0",
+    ),
+    "unknown-field": (
+        "args",
+        "args: object contains unknown field `note`",
+        "remove the field; allowed fields: amount, order_id, reason",
+    ),
+}
+_PYDANTIC_EXPECTED = {
+    "string-for-number": (
+        "args.amount",
+        "args.amount: input should be a valid number (got '150')",
+        "fix args.amount: input should be a valid number",
+    ),
+    "missing-field": (
+        "args.amount",
+        "args.amount: field required",
+        "include the required field args.amount",
+    ),
+    "enum": (
+        "args.reason",
+        "args.reason: input should be 'damaged', 'late' or 'other' (got 'bored')",
+        "use one of: 'damaged', 'late' or 'other'",
+    ),
+    "above-maximum": (
+        "args.amount",
+        "args.amount: input should be less than or equal to 1000 (got 1500)",
+        "propose args.amount <= 1000.0",
+    ),
+    "not-above-exclusive-minimum": (
+        "args.amount",
+        "args.amount: input should be greater than 0 (got 0)",
+        "propose args.amount > 0.0",
+    ),
+    "unknown-field": (
+        "args.note",
+        "args.note: extra inputs are not permitted (got 'x')",
+        "remove the field",
+    ),
+}
+SCHEMA_TOOLS = {
+    "refund_struct": _STRUCT_EXPECTED,
+    "refund_json": _STRUCT_EXPECTED,
+    "refund_pydantic": _PYDANTIC_EXPECTED,
+    "refund_core": _PYDANTIC_EXPECTED,
+}
+
+
+def _schema_params() -> list[Any]:
+    params = []
+    for tool, expected in SCHEMA_TOOLS.items():
+        for case in SCHEMA_CASES:
+            params.append(pytest.param(tool, case, expected[case], id=f"{tool}-{case}"))
+    return params
+
+
+def _verify_call(tool: str, args: bytes) -> Decision:
+    raw = b'{"tool": "%s", "args": %s}' % (tool.encode(), args)
+    return verify(MACHINE, run_in(), raw, 1000.0)
+
+
+@pytest.mark.parametrize(("tool", "case", "expected"), _schema_params())
+def test_schema_violation(tool: str, case: str, expected: tuple[str, str, str]) -> None:
+    decision = _verify_call(tool, SCHEMA_CASES[case])
+    assert [(v.code, v.path, v.message) for v in decision.violations] == [
+        ("schema", expected[0], expected[1])
+    ]
+
+
+@pytest.mark.parametrize(("tool", "case", "expected"), _schema_params())
+def test_schema_violation_hint(tool: str, case: str, expected: tuple[str, str, str]) -> None:
+    decision = _verify_call(tool, SCHEMA_CASES[case])
+    assert [v.hint for v in decision.violations] == [expected[2]]
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        "refund_struct",
+        "refund_json",
+        "refund_pydantic",
+        "refund_core",
+    ],
+)
+def test_schema_accepts_valid_args_with_defaults_filled_in(tool: str) -> None:
+    decision = _verify_call(tool, b'{"amount": 10, "order_id": "o1"}')
+    assert decision.accepted, decision.violations
+    assert decision.tool is not None
+    assert decision.tool.name == tool
+    assert decision.args == {"order_id": "o1", "amount": 10.0, "reason": "other"}
+    assert decision.call_hash != 0
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        "refund_struct",
+        "refund_json",
+    ],
+)
+def test_schema_rejects_null_for_an_optional_field(tool: str) -> None:
+    decision = _verify_call(tool, b'{"order_id": "o1", "amount": 10, "reason": null}')
+    assert rejected(decision) == [
+        (
+            "schema",
+            "args.reason",
+            "args.reason: expected `str`, got `null`",
+            "use one of: damaged, late, other",
+        )
+    ]
+
+
+def test_schema_does_not_coerce_a_numeric_string() -> None:
+    decision = _verify_call("refund_struct", b'{"order_id": 1, "amount": 10}')
+    assert rejected(decision) == [
+        (
+            "schema",
+            "args.order_id",
+            "args.order_id: expected `str`, got `int`",
+            "send args.order_id as a JSON str, not int",
+        )
+    ]
+
+
+# -- guards ----------------------------------------------------------------------------
+
+
+def test_guard_rejects_a_refund_above_the_order_total() -> None:
+    events = committed(
+        started(), "lookup_order", {"order_id": "o1"}, {"order_id": "o1", "total": 100.0}
+    )
+    decision = verify(
+        MACHINE,
+        fold(MACHINE, events),
+        b'{"tool": "refund", "args": {"order_id": "o1", "amount": 150}}',
+        1000.0,
+    )
+    assert rejected(decision) == [
+        (
+            "guard",
+            "args.amount",
+            "args.amount: 150.0 exceeds the order total 100.0 minus 0 already refunded",
+            "propose amount <= 100.0",
+        )
+    ]
+
+
+def test_guard_sees_earlier_commits_of_the_run() -> None:
+    events = committed(
+        started(), "lookup_order", {"order_id": "o1"}, {"order_id": "o1", "total": 100.0}
+    )
+    events = committed(events, "refund", {"order_id": "o1", "amount": 30.0}, {"refunded": 30.0})
+    run = fold(MACHINE, events)
+    over = verify(
+        MACHINE, run, b'{"tool": "refund", "args": {"order_id": "o1", "amount": 80}}', 0.0
+    )
+    assert rejected(over) == [
+        (
+            "guard",
+            "args.amount",
+            "args.amount: 80.0 exceeds the order total 100.0 minus 30.0 already refunded",
+            "propose amount <= 70.0",
+        )
+    ]
+    exact = verify(
+        MACHINE, run, b'{"tool": "refund", "args": {"order_id": "o1", "amount": 70}}', 0.0
+    )
+    assert exact.accepted
+    assert exact.args == {"order_id": "o1", "amount": 70.0, "reason": "other"}
+
+
+def test_guard_without_a_lookup_rejects() -> None:
+    decision = verify(
+        MACHINE, run_in(), b'{"tool": "refund", "args": {"order_id": "o1", "amount": 5}}', 0.0
+    )
+    assert rejected(decision) == [
+        (
+            "guard",
+            "args.order_id",
+            "args.order_id: order o1 has not been looked up",
+            "call lookup_order first",
+        )
+    ]
+
+
+def test_every_failing_guard_is_reported() -> None:
+    raw = b'{"tool": "refund", "args": {"order_id": "o1", "amount": 5, "reason": "late"}}'
+    decision = verify(MACHINE, run_in(), raw, 0.0)
+    assert [v.path for v in decision.violations] == ["args.order_id", "args.reason"]
+    assert decision.violations[1] == Violation(
+        "guard", "args.reason", "args.reason: late deliveries get a voucher", "use reason other"
+    )
+
+
+def test_guard_that_raises_is_a_guard_violation() -> None:
+    decision = verify(MACHINE, run_in(), b'{"tool": "broken", "args": {"order_id": "o1"}}', 0.0)
+    assert rejected(decision) == [
+        (
+            "guard",
+            "args",
+            "guard 'broken_guard' of tool 'broken' raised ZeroDivisionError: division by zero",
+            "the guard itself failed; this call cannot be verified",
+        )
+    ]
+
+
+def test_guard_gets_a_read_only_view() -> None:
+    run = run_in()
+    decision = verify(MACHINE, run, b'{"tool": "mutating", "args": {"order_id": "o1"}}', 0.0)
+    assert rejected(decision) == [
+        (
+            "guard",
+            "args",
+            "guard 'mutating_guard' of tool 'mutating' raised TypeError: "
+            "'mappingproxy' object does not support item assignment",
+            "the guard itself failed; this call cannot be verified",
+        )
+    ]
+    assert run.data == {}
+
+
+# -- breakers --------------------------------------------------------------------------
+
+
+def test_repeat_rejects_the_same_call_past_the_limit() -> None:
+    events = started()
+    for _ in range(3):
+        # key order differs from the proposal's: the canonical args hash is the same
+        events = committed(events, "lookup_order", {"order_id": "o1"}, {"total": 100.0})
+    decision = verify(
+        MACHINE, fold(MACHINE, events), b'{"tool":"lookup_order","args":{"order_id":"o1"}}', 0.0
+    )
+    detail = 'lookup_order({"order_id":"o1"}) proposed 4 times in this run; the limit is 3'
+    assert rejected(decision) == [
+        (
+            "repeat",
+            "args",
+            f"repeated call: {detail}",
+            "do not call lookup_order with the same args again; use the recorded result or move on",
+        )
+    ]
+    assert decision.trip is not None
+    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == ("repeat", 4, 3)
+    assert (decision.trip.detail, decision.trip.tool) == (detail, "lookup_order")
+
+
+def test_repeat_hashes_canonical_args() -> None:
+    events = started()
+    for _ in range(3):
+        events = committed(
+            events, "refund_struct", {"reason": "other", "amount": 10.0, "order_id": "o1"}, {}
+        )
+    raw = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 10}}'
+    decision = verify(MACHINE, fold(MACHINE, events), raw, 0.0)
+    assert [v.code for v in decision.violations] == ["repeat"]
+    other = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 11}}'
+    assert verify(MACHINE, fold(MACHINE, events), other, 0.0).accepted
+
+
+def _model_called(seq: int, prompt: int, completion: int) -> ModelCalled:
+    return ModelCalled(
+        run_id="r-1",
+        seq=seq,
+        ts=1000.0,
+        state="WORK",
+        model="m",
+        prompt_hash="",
+        prompt="",
+        raw="",
+        usage=TokenUsage(prompt, completion),
+    )
+
+
+def _budget_machine(**budgets: Any) -> Machine:
+    return Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order"])},
+        tools=[Tool("lookup_order", nop, LookupArgs)],
+        budgets=Budgets(**budgets),
+    )
+
+
+LOOKUP = b'{"tool": "lookup_order", "args": {"order_id": "o1"}}'
+NO_MORE = "no further proposals are accepted"
+
+
+def test_token_budget() -> None:
+    machine = _budget_machine(tokens=100)
+    at_limit = fold(machine, [*started(), _model_called(2, 80, 20)])
+    assert verify(machine, at_limit, LOOKUP, 1000.0).accepted
+    over = fold(machine, [*started(), _model_called(2, 80, 21)])
+    decision = verify(machine, over, b"not even JSON", 1000.0)
+    detail = "run used 101 tokens; the budget is 100"
+    assert rejected(decision) == [("budget", "$", f"token budget exhausted: {detail}", NO_MORE)]
+    assert decision.trip is not None
+    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
+        "token_budget",
+        101,
+        100,
+    )
+    assert decision.trip.detail == detail
+
+
+def test_step_budget() -> None:
+    machine = _budget_machine(steps=2)
+    calls = [_model_called(seq, 1, 1) for seq in (2, 3, 4)]
+    assert verify(machine, fold(machine, [*started(), *calls[:2]]), LOOKUP, 1000.0).accepted
+    decision = verify(machine, fold(machine, [*started(), *calls]), LOOKUP, 1000.0)
+    detail = "run made 3 proposals; the budget is 2"
+    assert rejected(decision) == [("budget", "$", f"step budget exhausted: {detail}", NO_MORE)]
+    assert decision.trip is not None
+    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
+        "step_budget",
+        3,
+        2,
+    )
+
+
+def test_deadline() -> None:
+    machine = _budget_machine(deadline=60.0)
+    run = fold(machine, started(ts=1000.0))
+    assert verify(machine, run, LOOKUP, 1060.0).accepted
+    decision = verify(machine, run, LOOKUP, 1060.5)
+    detail = "run has been going for 60.500 s; the deadline is 60 s"
+    assert rejected(decision) == [("budget", "$", f"deadline passed: {detail}", NO_MORE)]
+    assert decision.trip is not None
+    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
+        "deadline",
+        60.5,
+        60.0,
+    )
+
+
+def test_circuit_open_then_one_trial_call_after_the_cooldown() -> None:
+    policy = BreakerPolicy(circuit_failures=2, circuit_cooldown=30.0)
+    machine = Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order"])},
+        tools=[Tool("lookup_order", nop, LookupArgs)],
+        breakers=policy,
+    )
+    run = fold(machine, started())
+    circuits = CircuitBoard()
+    circuits.record("lookup_order", False, 100.0, policy, "HTTPStatusError: 503")
+    assert verify(machine, run, LOOKUP, 100.0, circuits).accepted
+    circuits.record("lookup_order", False, 100.0, policy, "HTTPStatusError: 503")
+    assert circuits.state("lookup_order") == "open"
+
+    decision = verify(machine, run, LOOKUP, 110.0, circuits)
+    detail = (
+        "circuit of tool 'lookup_order' is open after 2 consecutive failures (last: "
+        "HTTPStatusError: 503); it lets a trial call through at 1970-01-01T00:02:10+00:00 "
+        "(in 20.0 s)"
+    )
+    assert rejected(decision) == [
+        (
+            "circuit_open",
+            "tool",
+            detail,
+            "do not call lookup_order until 1970-01-01T00:02:10+00:00; choose another action or wait",
+        )
+    ]
+    assert decision.trip is not None
+    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == ("circuit", 2, 2)
+    assert decision.trip.tool == "lookup_order"
+    # without the shared circuits the gate does not look at them
+    assert verify(machine, run, LOOKUP, 110.0).accepted
+
+    assert verify(machine, run, LOOKUP, 130.0, circuits).accepted
+    assert circuits.state("lookup_order") == "half_open"
+    second = verify(machine, run, LOOKUP, 130.0, circuits)
+    assert [v.code for v in second.violations] == ["circuit_open"]
+    assert second.violations[0].message.startswith(
+        "circuit of tool 'lookup_order' is half_open after 2 consecutive failures"
+    )
+
+
+def test_budgets_are_checked_before_anything_else() -> None:
+    machine = _budget_machine(steps=0)
+    run = fold(machine, [*started(), _model_called(2, 1, 1)])
+    assert [v.code for v in verify(machine, run, b"```", 1000.0).violations] == ["budget"]
+
+
+def test_fold_refuses_a_broken_journal() -> None:
+    with pytest.raises(ProtocolError, match=r"^cannot fold an empty journal$"):
+        fold(MACHINE, [])
+    with pytest.raises(
+        ProtocolError, match=r"^run 'r-1': journal starts with Transitioned, not run_started$"
+    ):
+        fold(MACHINE, started("REVIEW")[1:])
+    gap = [*started(), Transitioned(run_id="r-1", seq=3, ts=0.0, src="WORK", dst="REVIEW")]
+    with pytest.raises(
+        ProtocolError,
+        match=r"^run 'r-1': event seq 3 does not follow 1; "
+        r"the journal is missing or repeating events$",
+    ):
+        fold(MACHINE, gap)
+
+
+# -- never raises ------------------------------------------------------------------------
+
+RUNS = [run_in("WORK"), run_in("REVIEW")]
+_json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+_json = st.recursive(
+    _json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["order_id", "amount", "reason", "note", "approved"])
+            | st.text(max_size=4),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+_proposals = st.dictionaries(
+    st.sampled_from(["tool", "args", "next", "data", "extra"]),
+    st.sampled_from([*MACHINE.tables.tools, *MACHINE.tables.states, "nope"]) | _json,
+    max_size=4,
+)
+
+
+def _check_never_raises(raw: bytes, run_index: int) -> None:
+    decision = verify(MACHINE, RUNS[run_index], raw, 1000.0, CircuitBoard())
+    assert isinstance(decision, Decision)
+    if decision.accepted:
+        assert (decision.tool is None) != (decision.target == "")
+    else:
+        for violation in decision.violations:
+            assert isinstance(violation, Violation)
+            assert violation.code in CODES
+            assert violation.message
+            assert violation.hint
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=200), run_index=st.sampled_from([0, 1]))
+def test_verify_never_raises_on_bytes(raw: bytes, run_index: int) -> None:
+    _check_never_raises(raw, run_index)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=200), run_index=st.sampled_from([0, 1]))
+def test_verify_never_raises_on_text(text: str, run_index: int) -> None:
+    _check_never_raises(text.encode(), run_index)
+
+
+@settings(max_examples=200, deadline=None)
+@given(proposal=_proposals, run_index=st.sampled_from([0, 1]))
+def test_verify_never_raises_on_json_objects(proposal: dict[str, Any], run_index: int) -> None:
+    _check_never_raises(msgspec.json.encode(proposal), run_index)

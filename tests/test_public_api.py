@@ -1,0 +1,63 @@
+"""The public surface: ``__all__`` is complete and true, and names come from interlock."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+from typing import Any
+
+import pytest
+
+import interlock
+import interlock.providers
+import interlock.stores
+from interlock import _version
+
+PUBLIC_MODULES = [interlock, interlock.providers, interlock.stores]
+
+
+def _public_attributes(module: types.ModuleType) -> set[str]:
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
+def test_all_names_exist_and_are_unique(module: types.ModuleType) -> None:
+    names = module.__all__
+    assert len(names) == len(set(names))
+    missing = [name for name in names if not hasattr(module, name)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
+def test_all_is_complete(module: types.ModuleType) -> None:
+    assert _public_attributes(module) == set(module.__all__) - {"__version__"}
+
+
+def _public_objects() -> list[Any]:
+    return [
+        pytest.param(getattr(module, name), id=f"{module.__name__}.{name}")
+        for module in PUBLIC_MODULES
+        for name in module.__all__
+        if inspect.isclass(getattr(module, name)) or inspect.isfunction(getattr(module, name))
+    ]
+
+
+@pytest.mark.parametrize("obj", _public_objects())
+def test_public_names_are_defined_in_interlock(obj: Any) -> None:
+    assert obj.__module__.startswith("interlock")
+
+
+@pytest.mark.parametrize("obj", _public_objects())
+def test_public_names_are_documented(obj: Any) -> None:
+    assert inspect.getdoc(obj)
+
+
+def test_version() -> None:
+    assert "__version__" in interlock.__all__
+    assert interlock.__version__ == _version.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+(?:[.-]?\w+)*", interlock.__version__)

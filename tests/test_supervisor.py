@@ -1,0 +1,648 @@
+"""The supervisor: journals, compaction, cancellation, protocol errors, many runs, statistics."""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from interlock import (
+    BreakerPolicy,
+    Frame,
+    InterlockError,
+    Machine,
+    Propose,
+    ProtocolError,
+    Reject,
+    Report,
+    RetryPolicy,
+    RunNotFound,
+    RunResult,
+    RunView,
+    Start,
+    StoreError,
+    TokenUsage,
+    Tool,
+    ToolContext,
+    Verdict,
+    Violation,
+    Worker,
+    fold,
+    open_supervisor,
+)
+from interlock.providers import Proposal, ScriptedProvider
+from interlock.stores import MemoryStore
+
+
+class LookupArgs(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+
+
+class RefundArgs(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+    amount: float
+
+
+async def lookup_order(args: LookupArgs, ctx: ToolContext) -> dict[str, Any]:
+    return {"order_id": args.order_id, "total": 100.0}
+
+
+REFUNDS: list[tuple[str, int]] = []
+
+
+async def refund(args: RefundArgs, ctx: ToolContext) -> dict[str, float]:
+    REFUNDS.append((ctx.key, ctx.attempt))
+    return {"refunded": args.amount}
+
+
+def within_order_total(args: RefundArgs, view: RunView) -> Reject | None:
+    order = view.last_result("lookup_order")
+    if order is None:
+        return Reject("args.order_id: the order was not looked up", "call lookup_order first")
+    if args.amount > order["total"]:
+        return Reject(
+            f"args.amount: {args.amount} exceeds the order total {order['total']}",
+            f"propose amount <= {order['total']}",
+            "args.amount",
+        )
+    return None
+
+
+def refund_machine(**kwargs: Any) -> Machine:
+    return Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order", "refund"])},
+        tools=[
+            Tool("lookup_order", lookup_order, LookupArgs, read_only=True),
+            Tool("refund", refund, RefundArgs, guards=[within_order_total], idempotent=True),
+        ],
+        **kwargs,
+    )
+
+
+LOOKUP = '{"tool": "lookup_order", "args": {"order_id": "o1"}}'
+REFUND_150 = '{"tool": "refund", "args": {"order_id": "o1", "amount": 150}}'
+REFUND_100 = '{"tool": "refund", "args": {"order_id": "o1", "amount": 100}}'
+DONE = '{"next": "COMPLETED", "data": {"answer": "refunded 100.0"}}'
+GUARD_VIOLATION = Violation(
+    "guard",
+    "args.amount",
+    "args.amount: 150.0 exceeds the order total 100.0",
+    "propose amount <= 100.0",
+)
+
+
+class Blocked:
+    """A provider that never answers until ``release`` is set, then answers ``raw``."""
+
+    model = "blocked"
+
+    def __init__(self, raw: str = DONE) -> None:
+        self.raw = raw
+        self.release = trio.Event()
+        self.waiting = 0
+
+    async def propose(self, view: RunView) -> Proposal:
+        self.waiting += 1
+        await self.release.wait()
+        return Proposal(self.raw, TokenUsage(1, 1), self.model)
+
+
+def kinds(events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [kind for kind, _ in events]
+
+
+# -- journals -------------------------------------------------------------------------------
+
+
+async def test_happy_path_journal(memory_store: MemoryStore, events_of: Any) -> None:
+    REFUNDS.clear()
+    provider = ScriptedProvider([LOOKUP, REFUND_150, REFUND_100, DONE])
+    async with open_supervisor(
+        [refund_machine()], memory_store, provider=provider, clock=trio.current_time
+    ) as sup:
+        handle = await sup.start_run("refund", {"order": "o1"}, run_id="r-1")
+        result = await handle.wait()
+    answer = {"answer": "refunded 100.0"}
+    assert result == RunResult("r-1", "refund", "COMPLETED", "completed", answer, "")
+    assert handle.done
+    assert REFUNDS == [("r-1:WORK:8", 1)]
+
+    def model_called(raw: str) -> tuple[str, dict[str, Any]]:
+        return ("ModelCalled", {"state": "WORK", "model": "scripted", "raw": raw, "error": ""})
+
+    assert await events_of(memory_store, "r-1") == [
+        ("RunStarted", {"machine": "refund", "state": "WORK", "inputs": {"order": "o1"}}),
+        model_called(LOOKUP),
+        (
+            "IntentRecorded",
+            {
+                "state": "WORK",
+                "tool": "lookup_order",
+                "args": {"order_id": "o1"},
+                "key": "r-1:WORK:3",
+            },
+        ),
+        (
+            "ToolCommitted",
+            {
+                "tool": "lookup_order",
+                "key": "r-1:WORK:3",
+                "result": {"order_id": "o1", "total": 100.0},
+                "attempts": 1,
+                "reused": False,
+            },
+        ),
+        model_called(REFUND_150),
+        ("ProposalRejected", {"state": "WORK", "violations": (GUARD_VIOLATION,)}),
+        model_called(REFUND_100),
+        (
+            "IntentRecorded",
+            {
+                "state": "WORK",
+                "tool": "refund",
+                "args": {"order_id": "o1", "amount": 100.0},
+                "key": "r-1:WORK:8",
+            },
+        ),
+        (
+            "ToolCommitted",
+            {
+                "tool": "refund",
+                "key": "r-1:WORK:8",
+                "result": {"refunded": 100.0},
+                "attempts": 1,
+                "reused": False,
+            },
+        ),
+        model_called(DONE),
+        (
+            "Transitioned",
+            {"src": "WORK", "dst": "COMPLETED", "delta": answer, "reason": "proposal"},
+        ),
+        ("Completed", {"state": "COMPLETED", "output": answer}),
+    ]
+    record = await memory_store.get_run("r-1")
+    assert (record.state, record.outcome, record.seq) == ("COMPLETED", "completed", 12)
+
+
+async def test_event_timestamps_come_from_the_clock(
+    memory_store: MemoryStore, autojump_clock: Any
+) -> None:
+    provider = ScriptedProvider([LOOKUP, DONE], latency=5.0)
+    async with open_supervisor(
+        [refund_machine()], memory_store, provider=provider, clock=trio.current_time
+    ) as sup:
+        start = trio.current_time()
+        await (await sup.start_run("refund", run_id="r-1")).wait()
+    stamps = [e.ts - start for e in await memory_store.load("r-1")]
+    assert stamps == [0.0, 5.0, 5.0, 5.0, 10.0, 10.0, 10.0]
+
+
+async def test_failures_are_compacted_in_the_view_but_not_in_the_journal(
+    memory_store: MemoryStore,
+) -> None:
+    histories: list[tuple[Frame, ...]] = []
+    script = iter([LOOKUP, REFUND_150, REFUND_150, REFUND_150, REFUND_100, DONE])
+
+    def oracle(view: RunView) -> str:
+        histories.append(view.history)
+        return next(script)
+
+    spec = refund_machine(breakers=BreakerPolicy(consecutive_failures=5))
+    async with open_supervisor([spec], memory_store, provider=ScriptedProvider(oracle)) as sup:
+        result = await (await sup.start_run("refund", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+
+    looked_up = Frame(
+        "tool_result",
+        4,
+        'lookup_order({"order_id":"o1"}) -> {"order_id":"o1","total":100.0}',
+        first_seq=4,
+    )
+    rejected = GUARD_VIOLATION.message
+    assert histories[:5] == [
+        (),
+        (looked_up,),
+        (looked_up, Frame("rejected", 6, rejected, first_seq=6, violations=(GUARD_VIOLATION,))),
+        (
+            looked_up,
+            Frame(
+                "rejected",
+                8,
+                f"2 attempts rejected: {rejected}",
+                count=2,
+                first_seq=6,
+                violations=(GUARD_VIOLATION,),
+            ),
+        ),
+        (
+            looked_up,
+            Frame(
+                "rejected",
+                10,
+                f"3 attempts rejected: {rejected}",
+                count=3,
+                first_seq=6,
+                violations=(GUARD_VIOLATION,),
+            ),
+        ),
+    ]
+    assert histories[4][1].compacted
+
+    events = await memory_store.load("r-1")
+    assert [e.seq for e in events if type(e).__name__ == "ProposalRejected"] == [6, 8, 10]
+    # the prompt of the fifth model call carries the three rejections as one line and one fix
+    prompt = [e for e in events if type(e).__name__ == "ModelCalled"][4].prompt  # type: ignore[attr-defined]
+    assert prompt.count("] rejected: ") == 1
+    assert f"  [10] rejected: 3 attempts rejected: {rejected}\n" in prompt
+    assert prompt.count("fix: propose amount <= 100.0") == 1
+
+
+# -- cancellation ----------------------------------------------------------------------------
+
+
+async def test_cancel_run_fails_it(memory_store: MemoryStore, events_of: Any) -> None:
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        verdict = await sup.cancel_run("r-1", "the customer withdrew the request")
+        assert verdict == Verdict(
+            run_id="r-1", seq=3, accepted=True, state="FAILED", outcome="failed"
+        )
+        provider.release.set()
+    assert await events_of(memory_store, "r-1") == [
+        ("RunStarted", {"machine": "refund", "state": "WORK", "inputs": {}}),
+        ("Transitioned", {"src": "WORK", "dst": "FAILED", "delta": {}, "reason": "operator"}),
+        ("Failed", {"state": "FAILED", "reason": "the customer withdrew the request"}),
+    ]
+    record = await memory_store.get_run("r-1")
+    assert (record.outcome, record.reason) == ("failed", "the customer withdrew the request")
+
+
+async def test_cancel_run_ends_the_handle_with_the_failed_result(memory_store: MemoryStore) -> None:
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        handle = await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        await sup.cancel_run("r-1", "withdrawn")
+        provider.release.set()
+        result = await handle.wait()
+        assert sup.statistics().runs_in_flight == 0
+    assert result == RunResult(
+        "r-1", "refund", "FAILED", "failed", {"reason": "withdrawn"}, "withdrawn"
+    )
+
+
+async def test_cancel_run_of_a_finished_run_changes_nothing(memory_store: MemoryStore) -> None:
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        await sup.cancel_run("r-1", "first")
+        verdict = await sup.cancel_run("r-1", "second")
+        assert (verdict.seq, verdict.outcome) == (3, "failed")
+        provider.release.set()
+    assert len(await memory_store.load("r-1")) == 3
+
+
+async def test_cancelling_the_supervisor_leaves_consistent_journals(
+    memory_store: MemoryStore,
+) -> None:
+    never = trio.Event()
+
+    async def hang(args: Any, ctx: ToolContext) -> None:
+        await never.wait()
+
+    spec = Machine(
+        "hang",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["hang"])},
+        tools=[Tool("hang", hang, timeout=3600.0)],
+    )
+    in_provider = Blocked()
+    in_tool = ScriptedProvider(['{"tool": "hang", "args": {}}'])
+    handles = []
+    with trio.CancelScope() as scope:
+        async with open_supervisor([spec], memory_store, provider=in_provider) as sup:
+            for i in range(10):
+                provider = in_provider if i % 2 else in_tool
+                handles.append(await sup.start_run("hang", run_id=f"c-{i}", provider=provider))
+            await wait_all_tasks_blocked()
+            assert in_provider.waiting == 5
+            assert sup.statistics().runs_in_flight == 10
+            scope.cancel()
+    assert scope.cancelled_caught
+    for i, handle in enumerate(handles):
+        with pytest.raises(
+            InterlockError, match=rf"^run 'c-{i}' was cancelled before it finished$"
+        ):
+            await handle.wait()
+        events = await memory_store.load(f"c-{i}")
+        run = fold(spec, events)
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert run.state == "WORK"
+        assert (run.pending is not None) == (i % 2 == 0)
+        assert (await memory_store.get_run(f"c-{i}")).seq == len(events)
+
+
+async def test_cancelling_the_supervisor_mid_batch_leaves_consistent_journals(
+    memory_store: MemoryStore,
+) -> None:
+    proposals = 0
+
+    def busy(view: RunView) -> str:
+        nonlocal proposals
+        proposals += 1
+        if proposals == 150:
+            scope.cancel()
+        return f'{{"tool": "lookup_order", "args": {{"order_id": "o{view.seq}"}}}}'
+
+    spec = refund_machine()
+    with trio.CancelScope() as scope:
+        async with (
+            open_supervisor([spec], memory_store, provider=ScriptedProvider(busy)) as sup,
+            trio.open_nursery() as nursery,
+        ):
+            for i in range(40):
+                nursery.start_soon(functools.partial(sup.start_run, "refund", run_id=f"b-{i}"))
+    records = await memory_store.list_runs()
+    assert len(records) == 40
+    for record in records:
+        events = await memory_store.load(record.run_id)
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert fold(spec, events).seq == record.seq == len(events)
+        assert record.outcome == "running"
+
+
+# -- protocol errors ----------------------------------------------------------------------------
+
+
+async def test_protocol_errors(memory_store: MemoryStore) -> None:
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        handle = await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        with pytest.raises(
+            ProtocolError,
+            match=r"^run 'r-1' is at seq 1, the request was made at seq 7; "
+            r"re-read the run and propose again$",
+        ):
+            await sup.request(Propose(run_id="r-1", seq=7, raw=DONE))
+        with pytest.raises(RunNotFound, match=r"^run 'r-9' not found$"):
+            await sup.request(Propose(run_id="r-9", seq=1, raw=DONE))
+        with pytest.raises(
+            ProtocolError,
+            match=r"^run 'r-1' reported key 'r-1:WORK:2' but is waiting for 'no call'$",
+        ):
+            await sup.request(Report(run_id="r-1", seq=1, key="r-1:WORK:2", ok=True))
+        with pytest.raises(
+            ProtocolError, match=r"^run 'r-1' already exists; run ids must be unique$"
+        ):
+            await sup.request(Start(run_id="r-1", machine="refund"))
+        with pytest.raises(
+            ProtocolError, match=r"^run 'r-1' already exists; run ids must be unique$"
+        ):
+            await sup.start_run("refund", run_id="r-1")
+        with pytest.raises(RunNotFound, match=r"^run 'r-9' not found$"):
+            sup.view("r-9")
+        # none of that touched the run
+        assert sup.view("r-1").seq == 1
+        provider.release.set()
+        assert (await handle.wait()).outcome == "completed"
+    assert len(await memory_store.load("r-1")) == 4
+
+
+async def test_proposal_for_a_finished_run_is_refused(memory_store: MemoryStore) -> None:
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        await sup.cancel_run("r-1")
+        with pytest.raises(
+            ProtocolError,
+            match=r"^run 'r-1' is failed in state 'FAILED'; it takes no more proposals$",
+        ):
+            await sup.request(Propose(run_id="r-1", seq=3, raw=DONE))
+        provider.release.set()
+
+
+async def test_start_run_errors(memory_store: MemoryStore) -> None:
+    spec = refund_machine(
+        inputs={
+            "type": "object",
+            "properties": {"order": {"type": "string"}},
+            "required": ["order"],
+        }
+    )
+    async with open_supervisor([spec], memory_store) as sup:
+        with pytest.raises(
+            InterlockError, match=r"^machine 'nope' is not registered; registered: refund$"
+        ):
+            await sup.start_run("nope")
+        with pytest.raises(
+            InterlockError,
+            match=r"^inputs of machine 'refund' are invalid: inputs\.order: expected `str`, got `int`$",
+        ):
+            await sup.start_run("refund", {"order": 1}, provider=Blocked())
+        with pytest.raises(
+            InterlockError,
+            match=r"^machine 'refund' has worker states but no provider; pass provider= to "
+            r"open_supervisor\(\) or start_run\(\)$",
+        ):
+            await sup.start_run("refund", {"order": "o1"})
+    with pytest.raises(trio.ClosedResourceError, match=r"^supervisor is not running$"):
+        await sup.start_run("refund", {"order": "o1"}, provider=Blocked())
+    with pytest.raises(trio.ClosedResourceError, match=r"^supervisor is closed$"):
+        await sup.request(Start(run_id="late", machine="refund"))
+    assert await memory_store.list_runs() == []
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose appends wait for ``gate`` (when set) and can be made to fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: trio.Event | None = None
+        self.error: Exception | None = None
+
+    async def append(self, events: Any) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        await super().append(events)
+
+
+async def test_replies_wait_for_the_flush() -> None:
+    store = GatedStore()
+    store.gate = trio.Event()
+    started: list[Any] = []
+
+    async def start(sup: Any) -> None:
+        started.append(await sup.start_run("refund", run_id="r-1"))
+
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], store, provider=provider) as sup:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start, sup)
+            await wait_all_tasks_blocked()
+            assert started == []
+            assert await store.list_runs() == []
+            store.gate.set()
+        assert [h.run_id for h in started] == ["r-1"]
+        assert (await store.get_run("r-1")).seq == 1
+        provider.release.set()
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        pytest.param(StoreError("disk full"), "disk full", id="store-error"),
+        pytest.param(
+            OSError(28, "No space left on device"),
+            "journal write failed: [Errno 28] No space left on device",
+            id="os-error",
+        ),
+    ],
+)
+async def test_failed_flush_fails_the_runs_in_the_batch(error: Exception, message: str) -> None:
+    store = GatedStore()
+    provider = Blocked()
+    async with open_supervisor([refund_machine()], store, provider=provider) as sup:
+        handle = await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        store.error = error
+        provider.release.set()
+        with pytest.raises(StoreError, match=f"^{re.escape(message)}$"):
+            await handle.wait()
+        with pytest.raises(RunNotFound, match=r"^run 'r-1' not found$"):
+            sup.view("r-1")
+    assert len(await store.load("r-1")) == 1
+
+
+async def test_two_machines_with_one_name_are_refused(memory_store: MemoryStore) -> None:
+    with pytest.raises(
+        InterlockError, match=r"^two machines are named 'refund'; names must be unique$"
+    ):
+        async with open_supervisor([refund_machine(), refund_machine()], memory_store):
+            pass  # pragma: no cover
+
+
+# -- many runs ----------------------------------------------------------------------------------
+
+
+async def test_a_thousand_concurrent_runs(memory_store: MemoryStore) -> None:
+    def oracle(view: RunView) -> str:
+        if not view.results:
+            return f'{{"tool": "lookup_order", "args": {{"order_id": "{view.run_id}"}}}}'
+        total = view.results[0].result["total"]
+        return msgspec.json.encode({"next": "COMPLETED", "data": {"total": total}}).decode()
+
+    spec = refund_machine()
+    run_ids = [f"run-{i:04d}" for i in range(1000)]
+    async with open_supervisor([spec], memory_store, provider=ScriptedProvider(oracle)) as sup:
+        async with trio.open_nursery() as nursery:
+            for run_id in run_ids:
+                nursery.start_soon(functools.partial(sup.start_run, "refund", run_id=run_id))
+        stats = sup.statistics()
+    assert stats.runs_started == 1000
+    total = 0
+    expected = [
+        "RunStarted",
+        "ModelCalled",
+        "IntentRecorded",
+        "ToolCommitted",
+        "ModelCalled",
+        "Transitioned",
+        "Completed",
+    ]
+    for run_id in run_ids:
+        events = await memory_store.load(run_id)
+        assert [type(e).__name__ for e in events] == expected
+        assert [e.seq for e in events] == list(range(1, 8))
+        assert {e.run_id for e in events} == {run_id}
+        assert events[2].args == {"order_id": run_id}  # type: ignore[attr-defined]
+        assert fold(spec, events).output == {"total": 100.0}
+        total += len(events)
+    stats = sup.statistics()
+    assert stats.runs_started == 1000
+    assert stats.runs_finished == {"completed": 1000}
+    assert stats.runs_in_flight == 0
+    assert stats.verifications == 2000
+    assert stats.rejections == {}
+    assert stats.breaker_trips == {}
+    assert (stats.tool_calls, stats.tool_errors, stats.side_effects) == (1000, 0, 0)
+    assert stats.events == total == 7000
+    assert 1 <= stats.flushes < 7000  # group commit: many events per flush
+    assert len(await memory_store.list_runs(outcome="completed")) == 1000
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+class FixedUsage:
+    model = "fixed"
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        self.script = {run_id: iter(raws) for run_id, raws in script.items()}
+
+    async def propose(self, view: RunView) -> Proposal:
+        await trio.lowlevel.checkpoint()
+        return Proposal(next(self.script[view.run_id]), TokenUsage(30, 10), self.model)
+
+
+async def test_statistics(memory_store: MemoryStore) -> None:
+    async def ship(args: Any, ctx: ToolContext) -> None:
+        raise RuntimeError("no courier available")
+
+    spec = Machine(
+        "shop",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order", "refund", "ship"])},
+        tools=[
+            Tool("lookup_order", lookup_order, LookupArgs, read_only=True),
+            Tool("refund", refund, RefundArgs),
+            Tool("ship", ship, retry=RetryPolicy(attempts=1)),
+        ],
+    )
+    bad = '{"next": "NOWHERE"}'
+    provider = FixedUsage(
+        {
+            "s-1": [bad, LOOKUP, REFUND_100, '{"tool": "ship", "args": {}}', DONE],
+            "s-2": [bad, bad, bad],
+        }
+    )
+    async with open_supervisor([spec], memory_store, provider=provider) as sup:
+        empty = sup.statistics()
+        assert (empty.runs_started, empty.verifications, empty.verify_p50, empty.flushes) == (
+            0,
+            0,
+            0.0,
+            0,
+        )
+        first = await sup.start_run("shop", run_id="s-1")
+        second = await sup.start_run("shop", run_id="s-2")
+        assert sup.statistics().runs_in_flight == 2
+        assert (await first.wait()).outcome == "completed"
+        assert (await second.wait()).outcome == "escalated"
+        stats = sup.statistics()
+    events = len(await memory_store.load("s-1")) + len(await memory_store.load("s-2"))
+    assert stats.runs_started == 2
+    assert stats.runs_finished == {"completed": 1, "escalated": 1}
+    assert stats.runs_in_flight == 0
+    assert stats.verifications == 8
+    assert stats.rejections == {"illegal_transition": 4}
+    assert stats.breaker_trips == {"consecutive_failures": 1}
+    assert stats.tokens == 8 * 40
+    assert (stats.tool_calls, stats.tool_errors, stats.side_effects) == (3, 1, 1)
+    assert stats.events == events
+    assert 1 <= stats.flushes <= events
+    assert 0 < stats.verify_p50 <= stats.verify_p99
