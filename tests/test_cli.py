@@ -126,3 +126,114 @@ def test_version_names_the_hot_path():
     assert done.returncode == 0
     assert done.stdout.startswith("interlock 0.")
     assert "hot path: " in done.stdout
+
+
+def _digest(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def escalated_db(tmp_path):
+    path = tmp_path / "esc.db"
+    done = interlock(
+        "demo", "--runs", "60", "--workflow", "refund", "--db", str(path), "--chaos-rate", "0.6",
+        "--seed", "5", "--latency", "0,1", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
+    assert queue["count"] > 0, "the demo escalated nothing; raise the chaos rate"
+    return path, queue["escalations"][0]["run_id"]
+
+
+def test_malformed_payload_is_refused_and_store_unchanged(escalated_db):
+    path, run_id = escalated_db
+    before = _digest(path)
+    done = interlock("escalations", "--db", str(path), "resume", run_id, "--payload", '{"tool": "refund",}')
+    assert done.returncode == 1
+    assert done.stderr == (
+        "interlock: error: --payload is not valid JSON (JSON is malformed: trailing comma in object "
+        "(byte 18)); pass one proposal like '{\"tool\": \"refund\", \"args\": {...}}' or '{\"next\": \"STATE\"}'\n"
+    )
+    rejected = interlock(
+        "escalations", "--db", str(path), "resume", run_id, "--payload", '{"tool": "refund", "args": {"amount": "10"}}'
+    )
+    assert rejected.returncode == 1
+    assert rejected.stderr.startswith(f"interlock: error: payload for run '{run_id}' was rejected: [schema] ")
+    assert rejected.stderr.count("\n") == 1
+    illegal = interlock("escalations", "--db", str(path), "resume", run_id, "--to", "COMPLETED")
+    assert illegal.returncode == 1
+    assert illegal.stderr == (
+        f"interlock: error: cannot resume run '{run_id}' in state 'COMPLETED'; it escalated from 'WORK' "
+        "and may resume in: WORK\n"
+    )
+    assert _digest(path) == before
+    record = json.loads(interlock("show", run_id, "--db", str(path), "--json").stdout)["run"]
+    assert record["outcome"] == "escalated"
+
+
+def test_escalation_resume_and_abort_are_journaled(escalated_db):
+    path, run_id = escalated_db
+    queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)["escalations"]
+    shown = interlock("escalations", "--db", str(path), "show", run_id, "--json")
+    assert json.loads(shown.stdout)["run"]["reason"] == queue[0]["reason"]
+    resumed = interlock("escalations", "--db", str(path), "resume", run_id, "--note", "checked", "--by", "ada", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    outcome = json.loads(resumed.stdout)
+    assert outcome["run_id"] == run_id
+    events = json.loads(interlock("show", run_id, "--db", str(path), "--json").stdout)["events"]
+    resumes = [e for e in events if e["kind"] == "resumed"]
+    assert resumes[0]["by"] == "ada"
+    assert resumes[0]["note"] == "checked"
+    if len(queue) > 1:
+        other = queue[1]["run_id"]
+        aborted = interlock("escalations", "--db", str(path), "abort", other, "--note", "duplicate", "--by", "ada", "--json")
+        assert json.loads(aborted.stdout)["reason"] == "aborted by ada: duplicate"
+        again = interlock("escalations", "--db", str(path), "abort", other)
+        assert again.returncode == 1
+        assert again.stderr == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+    replayed = interlock("replay", "--all", "--db", str(path), "--json")
+    assert replayed.returncode == 0, replayed.stdout
+    missing = interlock("escalations", "--db", str(path), "resume", "no-such-run")
+    assert missing.returncode == 1
+    assert missing.stderr == "interlock: error: run 'no-such-run' not found\n"
+
+
+def test_truncated_database_is_one_line_error_and_untouched(tmp_path):
+    path = tmp_path / "t.db"
+    done = interlock("demo", "--runs", "30", "--db", str(path), "--latency", "0,1", "--json")
+    assert done.returncode == 0, done.stderr
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+    snapshot = _digest(path)
+    for args in (("runs",), ("resume",), ("replay", "--all"), ("escalations",)):
+        result = interlock(*args, "--db", str(path))
+        assert result.returncode == 1, args
+        assert result.stderr.startswith("interlock: error: "), (args, result.stderr)
+        assert result.stderr.count("\n") == 1, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert _digest(path) == snapshot
+
+
+def test_corrupt_event_is_reported_by_show_and_replay(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "c.db"
+    done = interlock("demo", "--runs", "6", "--db", str(path), "--latency", "0,1", "--json")
+    assert done.returncode == 0, done.stderr
+    db = sqlite3.connect(path)
+    run_id, seq, body = db.execute("SELECT run_id, seq, body FROM events ORDER BY run_id, seq LIMIT 1 OFFSET 2").fetchone()
+    flipped = bytearray(body)
+    flipped[-1] ^= 0x55
+    db.execute("UPDATE events SET body = ? WHERE run_id = ? AND seq = ?", (bytes(flipped), run_id, seq))
+    db.commit()
+    db.close()
+    snapshot = _digest(path)
+    shown = interlock("show", run_id, "--db", str(path))
+    assert shown.returncode == 1
+    assert shown.stderr.startswith(f"interlock: error: journal of run '{run_id}' is corrupt (checksum mismatch) at seq {seq}")
+    replayed = interlock("replay", run_id, "--db", str(path))
+    assert replayed.returncode == 1
+    assert replayed.stderr == shown.stderr
+    assert _digest(path) == snapshot
