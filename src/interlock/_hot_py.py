@@ -18,7 +18,10 @@ Three jobs live here:
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: Return codes of :meth:`Tables.check_transition`.
 OK = 0
