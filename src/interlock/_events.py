@@ -49,7 +49,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     ts: float
 
 
-class RunStarted(Event, tag="run_started"):
+class RunStarted(Event, frozen=True, tag="run_started"):
     """A run was created."""
 
     machine: str
@@ -57,7 +57,7 @@ class RunStarted(Event, tag="run_started"):
     inputs: dict[str, Any] = {}
 
 
-class ModelCalled(Event, tag="model_called"):
+class ModelCalled(Event, frozen=True, tag="model_called"):
     """The provider was asked for a proposal in a worker state, and answered."""
 
     state: str
@@ -72,7 +72,7 @@ class ModelCalled(Event, tag="model_called"):
     """Set when the provider failed to answer (``raw`` is then empty)."""
 
 
-class StepProposed(Event, tag="step_proposed"):
+class StepProposed(Event, frozen=True, tag="step_proposed"):
     """A deterministic step (or an operator) produced a proposal; no model was called."""
 
     state: str
@@ -83,14 +83,14 @@ class StepProposed(Event, tag="step_proposed"):
     """Set when the step function raised (``raw`` is then empty)."""
 
 
-class ProposalRejected(Event, tag="proposal_rejected"):
+class ProposalRejected(Event, frozen=True, tag="proposal_rejected"):
     """The gate rejected a proposal. The run stays in ``state``."""
 
     state: str
     violations: tuple[Violation, ...]
 
 
-class Transitioned(Event, tag="transitioned"):
+class Transitioned(Event, frozen=True, tag="transitioned"):
     """The run moved from one state to another."""
 
     src: str
@@ -101,7 +101,7 @@ class Transitioned(Event, tag="transitioned"):
     """``proposal``, ``step``, ``breaker``, ``fallback`` or ``operator``."""
 
 
-class IntentRecorded(Event, tag="intent_recorded"):
+class IntentRecorded(Event, frozen=True, tag="intent_recorded"):
     """A verified tool call is about to run; durable before it does."""
 
     state: str
@@ -111,7 +111,7 @@ class IntentRecorded(Event, tag="intent_recorded"):
     """The idempotency key, ``run_id:state:seq`` of this event."""
 
 
-class ToolCommitted(Event, tag="tool_committed"):
+class ToolCommitted(Event, frozen=True, tag="tool_committed"):
     """The tool call with ``key`` ran and returned ``result``."""
 
     tool: str
@@ -123,7 +123,7 @@ class ToolCommitted(Event, tag="tool_committed"):
     """True when the result was taken from an earlier commit of the same key."""
 
 
-class ToolFailed(Event, tag="tool_failed"):
+class ToolFailed(Event, frozen=True, tag="tool_failed"):
     """The tool call with ``key`` raised, timed out, or exhausted its retries."""
 
     tool: str
@@ -134,7 +134,7 @@ class ToolFailed(Event, tag="tool_failed"):
     latency: float = 0.0
 
 
-class BreakerTripped(Event, tag="breaker_tripped"):
+class BreakerTripped(Event, frozen=True, tag="breaker_tripped"):
     """A breaker stopped the run. ``value`` reached ``limit``."""
 
     breaker: str
@@ -146,7 +146,7 @@ class BreakerTripped(Event, tag="breaker_tripped"):
     tool: str = ""
 
 
-class Escalated(Event, tag="escalated"):
+class Escalated(Event, frozen=True, tag="escalated"):
     """The run was parked in the escalation queue for a human."""
 
     state: str
@@ -154,7 +154,7 @@ class Escalated(Event, tag="escalated"):
     detail: str
 
 
-class Resumed(Event, tag="resumed"):
+class Resumed(Event, frozen=True, tag="resumed"):
     """An operator resumed an escalated run."""
 
     by: str
@@ -163,14 +163,14 @@ class Resumed(Event, tag="resumed"):
     payload: str = ""
 
 
-class Completed(Event, tag="completed"):
+class Completed(Event, frozen=True, tag="completed"):
     """The run reached a success terminal state."""
 
     state: str
     output: Any = None
 
 
-class Failed(Event, tag="failed"):
+class Failed(Event, frozen=True, tag="failed"):
     """The run reached FAILED (an operator abort, a step that gave up, an unusable tool)."""
 
     state: str

@@ -23,14 +23,14 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """The seq of the run's last journal event as the sender knows it; a stale seq is refused."""
 
 
-class Start(Msg, tag="start"):
+class Start(Msg, frozen=True, tag="start"):
     """Create a run of ``machine`` with ``inputs``."""
 
     machine: str
     inputs: dict[str, Any] = {}
 
 
-class Propose(Msg, tag="propose"):
+class Propose(Msg, frozen=True, tag="propose"):
     """What a provider (``source="model"``), a step or an operator proposed. Not trusted yet."""
 
     raw: str
@@ -43,7 +43,7 @@ class Propose(Msg, tag="propose"):
     """Set when the provider or step failed to produce anything; ``raw`` is then empty."""
 
 
-class Report(Msg, tag="report"):
+class Report(Msg, frozen=True, tag="report"):
     """The outcome of executing the verified call with idempotency key ``key``."""
 
     key: str
@@ -55,13 +55,13 @@ class Report(Msg, tag="report"):
     latency: float = 0.0
 
 
-class Cancel(Msg, tag="cancel"):
+class Cancel(Msg, frozen=True, tag="cancel"):
     """Stop a run: it is failed with ``reason``."""
 
     reason: str = "cancelled"
 
 
-class Resume(Msg, tag="resume"):
+class Resume(Msg, frozen=True, tag="resume"):
     """An operator resumes an escalated run, in ``to`` (default: where it escalated from),
     optionally with a corrected ``payload`` that is verified like any proposal."""
 
@@ -71,14 +71,14 @@ class Resume(Msg, tag="resume"):
     payload: str = ""
 
 
-class Abort(Msg, tag="abort"):
+class Abort(Msg, frozen=True, tag="abort"):
     """An operator ends an escalated run: it moves to FAILED."""
 
     by: str
     note: str = ""
 
 
-class Recover(Msg, tag="recover"):
+class Recover(Msg, frozen=True, tag="recover"):
     """Decide how a run folded from the journal after a restart continues."""
 
 
@@ -90,7 +90,7 @@ class ToolCall(msgspec.Struct, frozen=True):
     key: str
 
 
-class Verdict(Msg, tag="verdict"):
+class Verdict(Msg, frozen=True, tag="verdict"):
     """Supervisor -> actor. Sent only after the batch holding its events is durable."""
 
     accepted: bool

@@ -69,7 +69,7 @@ class RetryPolicy:
         """Return the seconds to wait after failed attempt number ``attempt`` (1-based)."""
         if retry_after is not None and retry_after >= 0:
             return min(retry_after, self.cap)
-        wait = min(self.cap, self.base * (2 ** (attempt - 1)))
+        wait = float(min(self.cap, self.base * (2 ** (attempt - 1))))
         if self.jitter:
             wait = rng.uniform(wait / 2, wait)
         return wait
@@ -328,9 +328,8 @@ def _json_schema_type(schema: Mapping[str, Any], where: str, tool: str) -> Any:
         if kind == "object":
             base = _json_schema_struct(schema, where, tool)
         elif kind == "array":
-            base = list[
-                _json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)
-            ]  # type: ignore[misc]
+            item = _json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)
+            base = list.__class_getitem__(item)
         elif kind in _JSON_TYPES:
             base = _JSON_TYPES[kind]
         else:
@@ -401,7 +400,7 @@ def compile_schema(spec: Any, tool: str) -> Validator:
             return validator
         if SchemaValidator is not None and isinstance(kind, str):
             try:
-                compiled = SchemaValidator(dict(spec))  # type: ignore[arg-type]
+                compiled = SchemaValidator(dict(spec))
             except Exception as exc:
                 raise ToolDefinitionError(
                     f"tool {tool!r}: invalid pydantic-core schema: {exc}"
