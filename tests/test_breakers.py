@@ -156,7 +156,9 @@ async def test_consecutive_failures_trip_at_three(
     memory_store: MemoryStore, events_of: Any
 ) -> None:
     result = await run_one(machine(), ScriptedProvider([BAD, BAD, BAD]), memory_store)
-    assert result == RunResult("r-1", "shop", "ESCALATE", "escalated", None, "consecutive_failures")
+    assert result == RunResult(
+        "r-1", "shop", "ESCALATE", "escalated", None, "consecutive_failures", seq=10
+    )
     events = await events_of(memory_store, "r-1")
     detail = f"3 consecutive failures in state 'WORK' (limit 3); last: {BAD_TEXT}"
     assert kinds(events[:7]) == ["RunStarted", *["ModelCalled", "ProposalRejected"] * 3]
@@ -428,7 +430,7 @@ async def test_breaker_sends_the_run_to_its_fallback_step(
     spec = machine(on_breaker="FALLBACK", fallback=apologise)
     result = await run_one(spec, ScriptedProvider([BAD, BAD, BAD]), memory_store)
     answer = {"answer": "a human will call you back (consecutive_failures)"}
-    assert result == RunResult("r-1", "shop", "DONE", "completed", answer, "")
+    assert result == RunResult("r-1", "shop", "DONE", "completed", answer, "", seq=12)
     events = await events_of(memory_store, "r-1")
     detail = f"3 consecutive failures in state 'WORK' (limit 3); last: {BAD_TEXT}"
     assert events[7:] == [

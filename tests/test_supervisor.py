@@ -130,7 +130,7 @@ async def test_happy_path_journal(memory_store: MemoryStore, events_of: Any) -> 
         handle = await sup.start_run("refund", {"order": "o1"}, run_id="r-1")
         result = await handle.wait()
     answer = {"answer": "refunded 100.0"}
-    assert result == RunResult("r-1", "refund", "COMPLETED", "completed", answer, "")
+    assert result == RunResult("r-1", "refund", "COMPLETED", "completed", answer, "", seq=12)
     assert handle.done
     assert REFUNDS == [("r-1:WORK:8", 1)]
 
@@ -297,7 +297,7 @@ async def test_cancel_run_ends_the_handle_with_the_failed_result(memory_store: M
         result = await handle.wait()
         assert sup.statistics().runs_in_flight == 0
     assert result == RunResult(
-        "r-1", "refund", "FAILED", "failed", {"reason": "withdrawn"}, "withdrawn"
+        "r-1", "refund", "FAILED", "failed", {"reason": "withdrawn"}, "withdrawn", seq=3
     )
 
 

@@ -68,6 +68,8 @@ class RunResult(msgspec.Struct, frozen=True):
     """completed, escalated or failed."""
     output: Any = None
     reason: str = ""
+    seq: int = 0
+    """The seq of the run's last journal event."""
 
 
 class _Pending:
@@ -340,6 +342,12 @@ class Supervisor:
         return self._verdict(run, True)
 
     def _on_cancel(self, msg: Cancel, events: list[Event]) -> Verdict:
+        handle = self.handles.get(msg.run_id)
+        if msg.run_id not in self.runs and handle is not None and handle._result is not None:
+            ended = handle._result  # already finished and released: nothing to cancel
+            return Verdict(
+                run_id=ended.run_id, seq=ended.seq, accepted=True, state=ended.state, outcome=ended.outcome
+            )
         run = self._run(msg.run_id)
         if not run.terminal:
             now = self.clock()
@@ -781,6 +789,7 @@ class Supervisor:
             _outcome_of(run.machine, run.state),
             run.output,
             reason,
+            run.seq,
         )
 
     def release(self, run_id: str) -> None:
