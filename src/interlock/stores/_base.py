@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .._events import (
+    EVENT_TYPES,
     Completed,
     Escalated,
     Event,
@@ -20,7 +21,6 @@ from .._events import (
     ToolFailed,
     Transitioned,
     decode_event,
-    encode_event,
 )
 from .._exceptions import JournalCorrupt, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
@@ -54,26 +54,31 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
-class _Row(msgspec.Struct, frozen=True):
-    run_id: str
-    seq: int
-    kind: str
-    ts: float
-    key: str | None
-    body: bytes
+Row = tuple[str, int, str, float, str | None, bytes]
+"""One stored event: ``(run_id, seq, kind, ts, key, framed msgpack body)``."""
+
+_KEYED: frozenset[type[Event]] = frozenset({IntentRecorded, ToolCommitted, ToolFailed})
+_TAGS: dict[type[Event], str] = {cls: str(cls.__struct_config__.tag) for cls in EVENT_TYPES}
+_encode = msgspec.msgpack.Encoder().encode
 
 
-def encode_rows(events: Iterable[Event]) -> list[_Row]:
-    """Encode and frame events into rows: (run_id, seq, kind, ts, key, framed msgpack)."""
-    rows = []
-    for event in events:
-        key = event.key if isinstance(event, IntentRecorded | ToolCommitted | ToolFailed) else None
-        tag = type(event).__struct_config__.tag
-        assert isinstance(tag, str)
-        rows.append(
-            _Row(event.run_id, event.seq, tag, event.ts, key, frame_event(encode_event(event)))
+def encode_rows(events: Iterable[Event]) -> list[Row]:
+    """Encode and frame events into rows: ``(run_id, seq, kind, ts, key, framed msgpack)``."""
+    keyed = _KEYED
+    tags = _TAGS
+    encode = _encode
+    frame = frame_event
+    return [
+        (
+            event.run_id,
+            event.seq,
+            tags[type(event)],
+            event.ts,
+            event.key if type(event) in keyed else None,  # type: ignore[attr-defined]
+            frame(encode(event)),
         )
-    return rows
+        for event in events
+    ]
 
 
 def decode_body(run_id: str, seq: int, body: bytes) -> JournalEvent:
@@ -141,42 +146,47 @@ def index_updates(events: Sequence[Event], current: dict[str, RunRecord]) -> dic
       current: the existing rows of the runs these events touch that do not start in
         this batch (a store looks them up before calling).
     """
-    updated: dict[str, RunRecord] = {}
+    # Changes accumulate in one dict per run; each record is built once at the end.
+    fields: dict[str, dict[str, Any]] = {}
     for event in events:
-        record = updated.get(event.run_id) or current.get(event.run_id)
-        if isinstance(event, RunStarted):
-            record = RunRecord(
-                run_id=event.run_id,
-                machine=event.machine,
-                state=event.state,
-                outcome=RUNNING,
-                seq=event.seq,
-                started=event.ts,
-                updated=event.ts,
-            )
-        elif record is None:
-            raise JournalCorrupt(
-                f"event {type(event).__name__} seq {event.seq} of run {event.run_id!r} arrived "
-                "before the run's run_started event"
-            )
-        else:
-            changes: dict[str, object] = {"seq": event.seq, "updated": event.ts}
-            match event:
-                case Transitioned(dst=dst):
-                    changes["state"] = dst
-                case Completed():
-                    changes["outcome"] = COMPLETED
-                case Escalated(reason=reason, detail=detail):
-                    changes.update(outcome=ESCALATED, reason=reason, detail=detail)
-                case Failed(reason=reason):
-                    changes.update(outcome=FAILED, reason=reason, detail="")
-                case Resumed():
-                    changes.update(outcome=RUNNING, reason="", detail="")
-                case _:
-                    pass
-            record = msgspec.structs.replace(record, **changes)
-        updated[event.run_id] = record
-    return updated
+        run_id = event.run_id
+        kind = type(event)
+        row = fields.get(run_id)
+        if kind is RunStarted:
+            assert isinstance(event, RunStarted)
+            fields[run_id] = {
+                "run_id": run_id,
+                "machine": event.machine,
+                "state": event.state,
+                "outcome": RUNNING,
+                "seq": event.seq,
+                "started": event.ts,
+                "updated": event.ts,
+                "reason": "",
+                "detail": "",
+            }
+            continue
+        if row is None:
+            record = current.get(run_id)
+            if record is None:
+                raise JournalCorrupt(
+                    f"event {kind.__name__} seq {event.seq} of run {run_id!r} arrived "
+                    "before the run's run_started event"
+                )
+            row = fields[run_id] = msgspec.structs.asdict(record)
+        row["seq"] = event.seq
+        row["updated"] = event.ts
+        if kind is Transitioned:
+            row["state"] = event.dst  # type: ignore[attr-defined]
+        elif kind is Completed:
+            row["outcome"] = COMPLETED
+        elif kind is Escalated:
+            row.update(outcome=ESCALATED, reason=event.reason, detail=event.detail)  # type: ignore[attr-defined]
+        elif kind is Failed:
+            row.update(outcome=FAILED, reason=event.reason, detail="")  # type: ignore[attr-defined]
+        elif kind is Resumed:
+            row.update(outcome=RUNNING, reason="", detail="")
+    return {run_id: RunRecord(**row) for run_id, row in fields.items()}
 
 
 class Store(abc.ABC):

@@ -40,14 +40,14 @@ class MemoryStore(Store):
         # nothing behind (a bad seq late in the batch used to leave the rows before it).
         check_batch(events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(events, current)
-        new_keys = [r.key for r in rows if r.kind == "intent_recorded" and r.key is not None]
+        new_keys = [r[4] for r in rows if r[2] == "intent_recorded" and r[4] is not None]
         duplicate = next((k for k in new_keys if k in self._keys), None)
         if duplicate is not None:
             raise StoreError(
                 f"idempotency key {duplicate!r} was already recorded; nothing was written"
             )
         for row in rows:
-            self._journal.setdefault(row.run_id, []).append((row.seq, row.body))
+            self._journal.setdefault(row[0], []).append((row[1], row[5]))
         self._keys.update(new_keys)
         self._runs.update(updates)
         self.appends += 1

@@ -273,10 +273,9 @@ class PostgresStore(Store):
         if not events:
             await trio.lowlevel.checkpoint()
             return
-        rows = encode_rows(events)
-        params = [(r.run_id, r.seq, r.kind, r.ts, r.key, r.body) for r in rows]
-        run_ids = list(dict.fromkeys(r.run_id for r in rows))
-        keys = [r.key for r in rows if r.kind == "intent_recorded"]
+        params = encode_rows(events)
+        run_ids = list(dict.fromkeys(r[0] for r in params))
+        keys = [r[4] for r in params if r[2] == "intent_recorded"]
         await self._call("append", lambda conn: _append_sync(conn, events, params, run_ids, keys))
 
     async def load(self, run_id: str) -> list[JournalEvent]:

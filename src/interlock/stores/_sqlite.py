@@ -189,10 +189,9 @@ class SQLiteStore(Store):
             return
         # Encoding and framing happen here, outside the lock and the thread, so
         # the writer thread only runs SQL.
-        rows = encode_rows(events)
-        params = [(r.run_id, r.seq, r.kind, r.ts, r.key, r.body) for r in rows]
-        run_ids = msgspec.json.encode(list(dict.fromkeys(r.run_id for r in rows))).decode()
-        keys = [r.key for r in rows if r.kind == "intent_recorded"]
+        params = encode_rows(events)
+        run_ids = msgspec.json.encode(list(dict.fromkeys(r[0] for r in params))).decode()
+        keys = [r[4] for r in params if r[2] == "intent_recorded"]
         await self._call(
             "append", lambda conn: self._append_sync(conn, events, params, run_ids, keys)
         )
