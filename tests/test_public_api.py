@@ -18,7 +18,8 @@ PUBLIC_MODULES = [interlock, interlock.providers, interlock.stores]
 
 
 def _public_attributes(module: types.ModuleType) -> set[str]:
-    return {
+    lazy = set(getattr(module, "_LAZY", ()))  # resolved by the module's __getattr__
+    return lazy | {
         name
         for name, value in vars(module).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)

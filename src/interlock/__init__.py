@@ -4,79 +4,216 @@ The model proposes; a deterministic gate verifies each proposal against the run'
 state machine; only a verified action is committed to an append-only journal.
 """
 
-from ._breakers import BREAKERS as BREAKERS, CircuitBoard as CircuitBoard
+import typing as _typing
+
+from ._breakers import BREAKERS as BREAKERS
+from ._breakers import CircuitBoard as CircuitBoard
 from ._events import (
     BreakerTripped as BreakerTripped,
+)
+from ._events import (
     Completed as Completed,
+)
+from ._events import (
     Escalated as Escalated,
+)
+from ._events import (
     Event as Event,
+)
+from ._events import (
     Failed as Failed,
+)
+from ._events import (
     IntentRecorded as IntentRecorded,
+)
+from ._events import (
     JournalEvent as JournalEvent,
+)
+from ._events import (
     ModelCalled as ModelCalled,
+)
+from ._events import (
     ProposalRejected as ProposalRejected,
+)
+from ._events import (
     Resumed as Resumed,
+)
+from ._events import (
     RunStarted as RunStarted,
+)
+from ._events import (
     StepProposed as StepProposed,
+)
+from ._events import (
     TokenUsage as TokenUsage,
+)
+from ._events import (
     ToolCommitted as ToolCommitted,
+)
+from ._events import (
     ToolFailed as ToolFailed,
+)
+from ._events import (
     Transitioned as Transitioned,
+)
+from ._events import (
     Violation as Violation,
+)
+from ._events import (
     decode_event as decode_event,
+)
+from ._events import (
     encode_event as encode_event,
 )
 from ._exceptions import (
     InterlockError as InterlockError,
+)
+from ._exceptions import (
     InternalError as InternalError,
+)
+from ._exceptions import (
     JournalCorrupt as JournalCorrupt,
+)
+from ._exceptions import (
     LeaseLost as LeaseLost,
+)
+from ._exceptions import (
     MachineDefinitionError as MachineDefinitionError,
+)
+from ._exceptions import (
     ProtocolError as ProtocolError,
+)
+from ._exceptions import (
     ReplayDivergence as ReplayDivergence,
+)
+from ._exceptions import (
     RunNotFound as RunNotFound,
+)
+from ._exceptions import (
     StoreError as StoreError,
+)
+from ._exceptions import (
     ToolDefinitionError as ToolDefinitionError,
 )
-from ._gate import Decision as Decision, verify as verify
+from ._gate import Decision as Decision
+from ._gate import verify as verify
 from ._machine import (
     ESCALATE as ESCALATE,
+)
+from ._machine import (
     FAILED as FAILED,
+)
+from ._machine import (
     BreakerPolicy as BreakerPolicy,
+)
+from ._machine import (
     Budgets as Budgets,
+)
+from ._machine import (
     Call as Call,
+)
+from ._machine import (
     Go as Go,
+)
+from ._machine import (
     Machine as Machine,
+)
+from ._machine import (
     Step as Step,
+)
+from ._machine import (
     Worker as Worker,
 )
 from ._messages import (
     Cancel as Cancel,
+)
+from ._messages import (
     Message as Message,
+)
+from ._messages import (
     Propose as Propose,
+)
+from ._messages import (
     Report as Report,
+)
+from ._messages import (
     Start as Start,
+)
+from ._messages import (
     ToolCall as ToolCall,
+)
+from ._messages import (
     Verdict as Verdict,
+)
+from ._messages import (
     decode_message as decode_message,
+)
+from ._messages import (
     encode_message as encode_message,
 )
-from ._stats import RuntimeStats as RuntimeStats, SupervisorStatistics as SupervisorStatistics
+from ._replay import (
+    Divergence as Divergence,
+)
+from ._replay import (
+    ReplayReport as ReplayReport,
+)
+from ._replay import (
+    RunReplay as RunReplay,
+)
+from ._replay import (
+    replay as replay,
+)
+from ._stats import RuntimeStats as RuntimeStats
+from ._stats import SupervisorStatistics as SupervisorStatistics
 from ._supervisor import (
     RunHandle as RunHandle,
+)
+from ._supervisor import (
     RunResult as RunResult,
+)
+from ._supervisor import (
     Supervisor as Supervisor,
+)
+from ._supervisor import (
     open_supervisor as open_supervisor,
 )
 from ._tools import (
     Reject as Reject,
+)
+from ._tools import (
     RetryableToolError as RetryableToolError,
+)
+from ._tools import (
     RetryPolicy as RetryPolicy,
+)
+from ._tools import (
     Tool as Tool,
+)
+from ._tools import (
     ToolContext as ToolContext,
 )
 from ._version import __version__ as __version__
-from ._view import Frame as Frame, RunState as RunState, RunView as RunView, ToolResult as ToolResult, fold as fold
+from ._view import Frame as Frame
+from ._view import RunState as RunState
+from ._view import RunView as RunView
+from ._view import ToolResult as ToolResult
+from ._view import fold as fold
+
+if _typing.TYPE_CHECKING:
+    from ._metrics import RuntimeCollector as RuntimeCollector
+    from ._metrics import serve_metrics as serve_metrics
+
+#: Public names loaded on first use: prometheus_client costs ~50 ms at start-up.
+_LAZY = ("RuntimeCollector", "serve_metrics")
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _LAZY:
+        from . import _metrics
+
+        return getattr(_metrics, name)
+    raise AttributeError(f"module 'interlock' has no attribute {name!r}")
+
 
 __all__ = [
     "BREAKERS",
@@ -90,6 +227,7 @@ __all__ = [
     "CircuitBoard",
     "Completed",
     "Decision",
+    "Divergence",
     "Escalated",
     "Event",
     "Failed",
@@ -105,21 +243,24 @@ __all__ = [
     "MachineDefinitionError",
     "Message",
     "ModelCalled",
-    "Propose",
     "ProposalRejected",
+    "Propose",
     "ProtocolError",
     "Reject",
-    "Report",
     "ReplayDivergence",
+    "ReplayReport",
+    "Report",
     "Resumed",
     "RetryPolicy",
     "RetryableToolError",
     "RunHandle",
     "RunNotFound",
+    "RunReplay",
     "RunResult",
     "RunStarted",
     "RunState",
     "RunView",
+    "RuntimeCollector",
     "RuntimeStats",
     "Start",
     "Step",
@@ -141,10 +282,12 @@ __all__ = [
     "Worker",
     "__version__",
     "decode_event",
-    "encode_event",
     "decode_message",
+    "encode_event",
     "encode_message",
     "fold",
     "open_supervisor",
+    "replay",
+    "serve_metrics",
     "verify",
 ]

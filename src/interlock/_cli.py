@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import trio
@@ -30,13 +29,16 @@ from ._events import (
     event_to_builtins,
 )
 from ._exceptions import InterlockError
-from ._hotpath import IMPLEMENTATION
 from ._hot_py import compact_failures
+from ._hotpath import IMPLEMENTATION
 from ._version import __version__
 from ._view import violation_signature
 from .stores import OUTCOMES, RunRecord
 from .stores._open import open_store
 from .workflows import WORKFLOWS
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 _json = msgspec.json.Encoder(order="sorted")
 
@@ -60,7 +62,9 @@ def _rate(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number between 0 and 1, got {text!r}"
+        ) from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
     return value
@@ -84,29 +88,70 @@ def build_parser() -> argparse.ArgumentParser:
         description="A deterministic runtime for LLM agent loops: propose, verify, commit, replay.",
     )
     parser.add_argument(
-        "--version", action="version", version=f"interlock {__version__} (hot path: {IMPLEMENTATION})"
+        "--version",
+        action="version",
+        version=f"interlock {__version__} (hot path: {IMPLEMENTATION})",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = commands.add_parser("demo", help="run many concurrent runs of the seed workflows under chaos")
-    demo.add_argument("--runs", type=_positive_int, default=DEFAULT_RUNS, help=f"number of runs (default {DEFAULT_RUNS})")
-    demo.add_argument(
-        "--workflow", choices=[*WORKFLOWS, "all"], default="all", help="which workflow to run (default all)"
+    demo = commands.add_parser(
+        "demo", help="run many concurrent runs of the seed workflows under chaos"
     )
-    demo.add_argument("--chaos-rate", type=_rate, default=0.1, help="share of corrupted model answers (default 0.1)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of inputs and chaos (default 0)")
-    demo.add_argument("--db", default=DEFAULT_DB, help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB})")
-    demo.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
     demo.add_argument(
-        "--latency", type=_latency, default=(0.005, 0.02), help="simulated model latency LOW,HIGH in ms (default 5,20)"
+        "--runs",
+        type=_positive_int,
+        default=DEFAULT_RUNS,
+        help=f"number of runs (default {DEFAULT_RUNS})",
+    )
+    demo.add_argument(
+        "--workflow",
+        choices=[*WORKFLOWS, "all"],
+        default="all",
+        help="which workflow to run (default all)",
+    )
+    demo.add_argument(
+        "--chaos-rate",
+        type=_rate,
+        default=0.1,
+        help="share of corrupted model answers (default 0.1)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of inputs and chaos (default 0)")
+    demo.add_argument(
+        "--db",
+        default=DEFAULT_DB,
+        help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB})",
+    )
+    demo.add_argument(
+        "--effects", default=None, help="SQLite file of the demo's downstream systems"
+    )
+    demo.add_argument(
+        "--latency",
+        type=_latency,
+        default=(0.005, 0.02),
+        help="simulated model latency LOW,HIGH in ms (default 5,20)",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the runs execute "
+        "(off by default; the documented port is 9464, 0 picks a free one)",
+    )
+    demo.add_argument(
+        "--hold",
+        action="store_true",
+        help="with --metrics-port: keep serving /metrics after the runs finish, until Ctrl-C or SIGTERM",
+    )
 
     runs = commands.add_parser("runs", help="list runs in a journal")
     runs.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     runs.add_argument("--state", default=None, help="only runs in this state")
     runs.add_argument("--workflow", default=None, help="only runs of this workflow (machine)")
-    runs.add_argument("--outcome", choices=OUTCOMES, default=None, help="only runs with this outcome")
+    runs.add_argument(
+        "--outcome", choices=OUTCOMES, default=None, help="only runs with this outcome"
+    )
     runs.add_argument("--limit", type=_positive_int, default=None, help="at most this many runs")
     runs.add_argument("--json", action="store_true", help="print as JSON")
 
@@ -115,11 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     show.add_argument("--json", action="store_true", help="print as JSON")
 
-    escalations = commands.add_parser("escalations", help="work the escalation queue: list, show, resume, abort")
+    escalations = commands.add_parser(
+        "escalations", help="work the escalation queue: list, show, resume, abort"
+    )
     escalations.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     escalations.add_argument("--json", action="store_true", help="print as JSON")
     actions = escalations.add_subparsers(dest="action", parser_class=_Parser)
-    listing = actions.add_parser("list", help="list escalated runs with their reasons (the default)")
+    listing = actions.add_parser(
+        "list", help="list escalated runs with their reasons (the default)"
+    )
     listing.add_argument("--json", action="store_true", help="print as JSON")
     shown = actions.add_parser("show", help="print an escalated run's reason and timeline")
     shown.add_argument("run_id", metavar="ID")
@@ -127,11 +176,19 @@ def build_parser() -> argparse.ArgumentParser:
     resumed = actions.add_parser("resume", help="resume an escalated run through the gate")
     resumed.add_argument("run_id", metavar="ID")
     target = resumed.add_mutually_exclusive_group()
-    target.add_argument("--payload", default=None, help="a corrected proposal (JSON), verified like any other")
-    target.add_argument("--to", default=None, help="resume in this state (where it escalated from, or a legal next one)")
+    target.add_argument(
+        "--payload", default=None, help="a corrected proposal (JSON), verified like any other"
+    )
+    target.add_argument(
+        "--to",
+        default=None,
+        help="resume in this state (where it escalated from, or a legal next one)",
+    )
     resumed.add_argument("--note", default="", help="why (journaled)")
     resumed.add_argument("--by", default=None, help="who (journaled; default: $USER)")
-    resumed.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
+    resumed.add_argument(
+        "--effects", default=None, help="SQLite file of the demo's downstream systems"
+    )
     resumed.add_argument("--json", action="store_true", help="print the outcome as JSON")
     aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
     aborted.add_argument("run_id", metavar="ID")
@@ -139,17 +196,33 @@ def build_parser() -> argparse.ArgumentParser:
     aborted.add_argument("--by", default=None, help="who (journaled; default: $USER)")
     aborted.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
-    resume = commands.add_parser("resume", help="resume every unfinished demo run in a journal after a crash")
+    resume = commands.add_parser(
+        "resume", help="resume every unfinished demo run in a journal after a crash"
+    )
     resume.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
-    resume.add_argument("--effects", default=None, help="SQLite file of the demo's downstream systems")
-    resume.add_argument("--chaos-rate", type=_rate, default=0.1, help="share of corrupted model answers (default 0.1)")
+    resume.add_argument(
+        "--effects", default=None, help="SQLite file of the demo's downstream systems"
+    )
+    resume.add_argument(
+        "--chaos-rate",
+        type=_rate,
+        default=0.1,
+        help="share of corrupted model answers (default 0.1)",
+    )
     resume.add_argument("--seed", type=int, default=0, help="seed of the chaos dice (default 0)")
     resume.add_argument(
-        "--latency", type=_latency, default=(0.005, 0.02), help="simulated model latency LOW,HIGH in ms (default 5,20)"
+        "--latency",
+        type=_latency,
+        default=(0.005, 0.02),
+        help="simulated model latency LOW,HIGH in ms (default 5,20)",
     )
-    resume.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    resume.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON document"
+    )
 
-    replay = commands.add_parser("replay", help="replay recorded runs offline and report divergences")
+    replay = commands.add_parser(
+        "replay", help="replay recorded runs offline and report divergences"
+    )
     replay.add_argument("run_ids", metavar="RUN", nargs="*", help="runs to replay")
     replay.add_argument("--all", action="store_true", help="replay every run in the journal")
     replay.add_argument("--workflow", default=None, help="with --all: only runs of this workflow")
@@ -177,9 +250,15 @@ def _when(ts: float) -> str:
 
 
 async def _demo(args: argparse.Namespace) -> int:
+    import signal
+
+    from prometheus_client import CollectorRegistry
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
+
+    from ._metrics import RuntimeCollector, serve_metrics
+    from ._stats import RuntimeStats
 
     workflows = tuple(WORKFLOWS) if args.workflow == "all" else (args.workflow,)
     config = DemoConfig(
@@ -193,6 +272,27 @@ async def _demo(args: argparse.Namespace) -> int:
     )
     console = Console(stderr=True)
     holder: dict[str, Any] = {}
+    stats = RuntimeStats()
+    server = None
+    if args.hold and args.metrics_port is None:
+        raise ValueError(
+            "--hold keeps the metrics server open after the runs; pass --metrics-port too"
+        )
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be between 0 and 65535, got {args.metrics_port}")
+        registry = CollectorRegistry()
+        registry.register(RuntimeCollector(stats, supervisor=lambda: holder.get("supervisor")))
+        try:
+            server = serve_metrics(registry, args.metrics_port)
+        except OSError as exc:
+            raise OSError(
+                f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc.strerror or exc}; "
+                "choose another --metrics-port"
+            ) from None
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        sys.stderr.write(f"interlock: serving metrics at {url}\n")
+        sys.stderr.flush()
     started = time.perf_counter()
 
     def progress() -> Table:
@@ -214,26 +314,42 @@ async def _demo(args: argparse.Namespace) -> int:
         return table
 
     async def run() -> dict[str, Any]:
-        return await run_demo(config, on_start=lambda s: holder.__setitem__("supervisor", s))
+        return await run_demo(
+            config, stats=stats, on_start=lambda s: holder.__setitem__("supervisor", s)
+        )
 
-    if args.json or not console.is_terminal:
-        summary = await run()
-    else:
-        with Live(progress(), console=console, refresh_per_second=8, transient=True) as live:
-            async with trio.open_nursery() as nursery:
+    try:
+        if args.json or not console.is_terminal:
+            summary = await run()
+        else:
+            with Live(progress(), console=console, refresh_per_second=8, transient=True) as live:
+                async with trio.open_nursery() as nursery:
 
-                async def refresh() -> None:
-                    while True:
-                        live.update(progress())
-                        await trio.sleep(0.125)
+                    async def refresh() -> None:
+                        while True:
+                            live.update(progress())
+                            await trio.sleep(0.125)
 
-                nursery.start_soon(refresh)
-                summary = await run()
-                nursery.cancel_scope.cancel()
-    if args.json:
-        _print_json(summary)
-    else:
-        _print_summary(summary)
+                    nursery.start_soon(refresh)
+                    summary = await run()
+                    nursery.cancel_scope.cancel()
+        if args.json:
+            _print_json(summary)
+        else:
+            _print_summary(summary)
+        if server is not None and args.hold:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                sys.stdout.flush()
+                sys.stderr.write(
+                    f"interlock: runs finished; serving {url} until Ctrl-C or SIGTERM\n"
+                )
+                sys.stderr.flush()
+                async for _ in signals:
+                    break
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     return 0
 
 
@@ -248,7 +364,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
         title=f"interlock demo: {summary['runs']} runs in {summary['wall_seconds']} s "
         f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']})"
     )
-    for column in ("workflow", "runs", "completed", "escalated", "failed", "tokens", "verify p50 µs", "p99 µs"):
+    for column in (
+        "workflow",
+        "runs",
+        "completed",
+        "escalated",
+        "failed",
+        "tokens",
+        "verify p50 µs",
+        "p99 µs",
+    ):
         outcomes.add_column(column, justify="left" if column == "workflow" else "right")
     for name, row in workflows.items():
         counts = row["outcomes"]
@@ -263,7 +388,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{row['verification_us']['p99']:.1f}",
         )
     console.print(outcomes)
-    for title, key in (("rejections by code", "rejections"), ("breaker trips by kind", "breaker_trips")):
+    for title, key in (
+        ("rejections by code", "rejections"),
+        ("breaker trips by kind", "breaker_trips"),
+    ):
         kinds = sorted({kind for row in workflows.values() for kind in row[key]})
         table = Table(title=title)
         table.add_column("kind")
@@ -279,7 +407,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         effects.add_column(column, justify="left" if column in ("workflow", "tool") else "right")
     for name, row in workflows.items():
         for tool, counts in row["side_effects"].items():
-            effects.add_row(name, tool, str(counts["executions"]), str(counts["applied"]), str(counts["duplicates"]))
+            effects.add_row(
+                name,
+                tool,
+                str(counts["executions"]),
+                str(counts["applied"]),
+                str(counts["duplicates"]),
+            )
     console.print(effects)
     console.print(f"journal: {summary['db']}   side effects: {summary['effects_db']}")
 
@@ -301,7 +435,9 @@ async def _runs(args: argparse.Namespace) -> int:
     finally:
         await store.aclose()
     if args.json:
-        _print_json({"db": args.db, "count": len(records), "runs": [_record_json(r) for r in records]})
+        _print_json(
+            {"db": args.db, "count": len(records), "runs": [_record_json(r) for r in records]}
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -310,7 +446,9 @@ async def _runs(args: argparse.Namespace) -> int:
     for column in ("run", "workflow", "state", "outcome", "events", "started", "reason"):
         table.add_column(column)
     for r in records:
-        table.add_row(r.run_id, r.machine, r.state, r.outcome, str(r.seq), _when(r.started), r.reason)
+        table.add_row(
+            r.run_id, r.machine, r.state, r.outcome, str(r.seq), _when(r.started), r.reason
+        )
     Console().print(table)
     return 0
 
@@ -320,11 +458,15 @@ def _describe(event: Any) -> str:
         case RunStarted(machine=machine, state=state, inputs=inputs):
             return f"started {machine} in {state} with {_short(inputs)}"
         case ModelCalled(model=model, raw=raw, usage=usage):
-            return f"model {model} proposed {_short(raw)} ({usage.prompt}+{usage.completion} tokens)"
+            return (
+                f"model {model} proposed {_short(raw)} ({usage.prompt}+{usage.completion} tokens)"
+            )
         case StepProposed(source=source, raw=raw):
             return f"{source} proposed {_short(raw)}"
         case ProposalRejected(violations=violations):
-            return "rejected: " + "; ".join(f"[{v.code}] {v.message} -> {v.hint}" for v in violations)
+            return "rejected: " + "; ".join(
+                f"[{v.code}] {v.message} -> {v.hint}" for v in violations
+            )
         case IntentRecorded(tool=tool, args=args, key=key):
             return f"intent {tool}({_short(args)}) key={key}"
         case ToolCommitted(tool=tool, result=result, attempts=attempts):
@@ -409,7 +551,13 @@ async def _escalations(args: argparse.Namespace) -> int:
     finally:
         await store.aclose()
     if args.json:
-        _print_json({"db": args.db, "count": len(records), "escalations": [_record_json(r) for r in records]})
+        _print_json(
+            {
+                "db": args.db,
+                "count": len(records),
+                "escalations": [_record_json(r) for r in records],
+            }
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -418,7 +566,9 @@ async def _escalations(args: argparse.Namespace) -> int:
     for column in ("run", "workflow", "state", "reason", "detail", "since"):
         table.add_column(column)
     for r in records:
-        table.add_row(r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated))
+        table.add_row(
+            r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated)
+        )
     Console().print(table)
     return 0
 
@@ -453,12 +603,20 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     store = await open_store(args.db)
     backend = Backend(config.effects_path())
     try:
-        async with open_supervisor(build_machines(backend), store, provider=build_providers(config)) as supervisor:
+        async with open_supervisor(
+            build_machines(backend), store, provider=build_providers(config)
+        ) as supervisor:
             if action == "abort":
-                result = await supervisor.abort_escalated(args.run_id, by=_operator(args), note=args.note)
+                result = await supervisor.abort_escalated(
+                    args.run_id, by=_operator(args), note=args.note
+                )
             else:
                 handle = await supervisor.resume_escalated(
-                    args.run_id, by=_operator(args), note=args.note, to=args.to, payload=args.payload
+                    args.run_id,
+                    by=_operator(args),
+                    note=args.note,
+                    to=args.to,
+                    payload=args.payload,
                 )
                 result = await handle.wait()
     finally:
@@ -479,7 +637,11 @@ async def _resume(args: argparse.Namespace) -> int:
     store = await open_store(args.db, readonly=True)
     await store.aclose()  # a missing journal is an error, not a new empty one
     config = DemoConfig(
-        db=args.db, effects=args.effects, chaos_rate=args.chaos_rate, seed=args.seed, latency=args.latency
+        db=args.db,
+        effects=args.effects,
+        chaos_rate=args.chaos_rate,
+        seed=args.seed,
+        latency=args.latency,
     )
     summary = await resume_demo(config)
     if args.json:
@@ -498,24 +660,32 @@ def _load_machines(specs: Sequence[str]) -> list[Any]:
     for spec in specs:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
-            raise InterlockError(f"--machine {spec!r} must look like module:attribute, e.g. examples.strict_refund:machine")
+            raise InterlockError(
+                f"--machine {spec!r} must look like module:attribute, e.g. examples.strict_refund:machine"
+            )
         sys.path.insert(0, ".")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise InterlockError(f"--machine {spec!r}: cannot import {module_name!r}: {exc}") from None
+            raise InterlockError(
+                f"--machine {spec!r}: cannot import {module_name!r}: {exc}"
+            ) from None
         finally:
             sys.path.pop(0)
         try:
             value = getattr(module, attr)
         except AttributeError:
-            raise InterlockError(f"--machine {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+            raise InterlockError(
+                f"--machine {spec!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
         if callable(value) and not isinstance(value, Machine):
             value = value()
         items = value if isinstance(value, list | tuple) else [value]
         for item in items:
             if not isinstance(item, Machine):
-                raise InterlockError(f"--machine {spec!r} is a {type(item).__name__}, not an interlock Machine")
+                raise InterlockError(
+                    f"--machine {spec!r} is a {type(item).__name__}, not an interlock Machine"
+                )
             machines.append(item)
     return machines
 
@@ -559,7 +729,8 @@ async def _replay(args: argparse.Namespace) -> int:
         console = Console()
         console.print(
             f"replayed {len(report.runs)} runs from {args.db}: {report.reproduced} reproduced, "
-            f"{len(diverged)} diverged" + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
+            f"{len(diverged)} diverged"
+            + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
         )
         if diverged:
             table = Table(title="first divergence per run")

@@ -199,6 +199,8 @@ class Store(abc.ABC):
 
     #: A short name for messages and metrics: memory, sqlite, postgresql.
     kind: str = "abstract"
+    #: Framed event bytes this store object has appended (for the journal metrics).
+    bytes_written: int = 0
 
     @abc.abstractmethod
     async def append(self, events: Sequence[Event]) -> None:

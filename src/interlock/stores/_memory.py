@@ -49,6 +49,7 @@ class MemoryStore(Store):
         for row in rows:
             self._journal.setdefault(row[0], []).append((row[1], row[5]))
         self._keys.update(new_keys)
+        self.bytes_written += sum(len(row[5]) for row in rows)
         self._runs.update(updates)
         self.appends += 1
         await trio.lowlevel.checkpoint()

@@ -277,6 +277,7 @@ class PostgresStore(Store):
         run_ids = list(dict.fromkeys(r[0] for r in params))
         keys = [r[4] for r in params if r[2] == "intent_recorded"]
         await self._call("append", lambda conn: _append_sync(conn, events, params, run_ids, keys))
+        self.bytes_written += sum(len(row[5]) for row in params)
 
     async def load(self, run_id: str) -> list[JournalEvent]:
         def fetch(conn: psycopg.Connection[Any]) -> list[tuple[int, bytes]]:

@@ -195,6 +195,7 @@ class SQLiteStore(Store):
         await self._call(
             "append", lambda conn: self._append_sync(conn, events, params, run_ids, keys)
         )
+        self.bytes_written += sum(len(row[5]) for row in params)
 
     def _append_sync(
         self,
