@@ -97,6 +97,7 @@ MESSAGES: dict[str, Any] = {
     ),
     "Abort": _messages.Abort(run_id="r-1", seq=9, by="bob", note="fraud"),
     "Recover": _messages.Recover(run_id="r-1", seq=0),
+    "Sync": _messages.Sync(run_id="r-1", seq=4),
     "Verdict": Verdict(
         run_id="r-1",
         seq=7,
@@ -149,6 +150,7 @@ def test_messages_carry_their_tags() -> None:
         "Resume": "resume",
         "Abort": "abort",
         "Recover": "recover",
+        "Sync": "sync",
         "Verdict": "verdict",
     }
     assert msgspec.json.decode(encode_message(MESSAGES["Cancel"], json=True))["kind"] == "cancel"

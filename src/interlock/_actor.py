@@ -11,7 +11,7 @@ import trio
 
 from ._exceptions import InterlockError
 from ._machine import Step, encode_action
-from ._messages import Propose, Report, ToolCall, Verdict
+from ._messages import Propose, Report, Sync, ToolCall, Verdict
 from ._tools import RetryableToolError, ToolContext
 from ._view import RunView
 
@@ -30,15 +30,23 @@ async def run_actor(
     run_id = handle.run_id
     try:
         with handle._scope:
+            durable = True
             while verdict.outcome == "running":
                 if verdict.execute is not None:
                     report = await execute_call(
                         supervisor, run_id, verdict.state, verdict.seq, verdict.execute
                     )
-                    verdict = await supervisor.request(report)
+                    # NOTE: the commit need not be durable before the next model call:
+                    # the next verdict is sent only after a flush that holds it, and a
+                    # crash before then leaves the call in doubt, which recovery handles.
+                    verdict = supervisor.submit_nowait(report)
+                    durable = False
                     continue
                 proposal = await _next_proposal(supervisor, run_id, provider)
                 verdict = await supervisor.request(proposal)
+                durable = True
+            if not durable:
+                await supervisor.request(Sync(run_id=run_id))
         _finish(supervisor, handle, None)
     except InterlockError as exc:
         _finish(supervisor, handle, exc)
@@ -133,7 +141,7 @@ async def execute_call(
     tool: Tool = run.machine.tool_by_name[call.tool]
     args: Any = tool.validator.from_builtins(call.args)
     policy = tool.retry
-    rng = random.Random(call.key)
+    rng: random.Random | None = None
     started = time.perf_counter()
     error = ""
     retryable = False
@@ -168,6 +176,8 @@ async def execute_call(
             error = f"{type(exc).__name__}: {exc}"
         if not retryable or attempt >= policy.attempts:
             break
+        if rng is None:
+            rng = random.Random(call.key)  # jitter that replays the same for the same key
         await trio.sleep(policy.delay(attempt, retry_after, rng))
     return Report(
         run_id=run_id,

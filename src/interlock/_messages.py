@@ -78,6 +78,10 @@ class Abort(Msg, frozen=True, tag="abort"):
     note: str = ""
 
 
+class Sync(Msg, frozen=True, tag="sync"):
+    """Wait until everything decided so far is durable; answered with the run's verdict."""
+
+
 class Recover(Msg, frozen=True, tag="recover"):
     """Decide how a run folded from the journal after a restart continues."""
 
@@ -104,8 +108,8 @@ class Verdict(Msg, frozen=True, tag="verdict"):
     """For a call whose key was already committed: the recorded result, reused."""
 
 
-Request: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover
-Message: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Verdict
+Request: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Sync
+Message: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Sync | Verdict
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder(Message)

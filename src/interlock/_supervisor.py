@@ -45,6 +45,7 @@ from ._messages import (
     Request,
     Resume,
     Start,
+    Sync,
     ToolCall,
     Verdict,
 )
@@ -154,6 +155,7 @@ class Supervisor:
         self.handles: dict[str, RunHandle] = {}
         self._provider = provider
         self._queue: deque[_Pending] = deque()
+        self._inline: list[Event] = []  # decided by submit_nowait, not yet flushed
         self._idle: trio.lowlevel.Task | None = None
         self._actors: trio.Nursery | None = None
         self._closed = False
@@ -214,8 +216,29 @@ class Supervisor:
         result: Verdict = await trio.lowlevel.wait_task_rescheduled(abort)
         return result
 
+    def submit_nowait(self, msg: Request) -> Verdict:
+        """Decide a request now, in the caller's task, without waiting for the journal.
+
+        Its events are written with the next group commit, before any later verdict is
+        sent; nothing is acknowledged as durable. The run actor uses this to report a
+        tool's outcome and go on at once. Await :meth:`request` with a :class:`Sync` to
+        wait until it is durable.
+
+        Raises:
+          ProtocolError: the request is out of order or names no live run.
+          trio.ClosedResourceError: the supervisor is shutting down.
+        """
+        if self._closed:
+            raise trio.ClosedResourceError("supervisor is closed")
+        verdict = self._decide(msg, self._inline)
+        idle = self._idle
+        if idle is not None and self._inline:
+            self._idle = None
+            trio.lowlevel.reschedule(idle)
+        return verdict
+
     async def _wait_for_work(self) -> None:
-        if self._queue:
+        if self._queue or self._inline:
             await trio.lowlevel.checkpoint()
             return
         self._idle = trio.lowlevel.current_task()
@@ -235,7 +258,9 @@ class Supervisor:
             batch: list[_Pending] = []
             while queue and len(batch) < self.max_batch:
                 batch.append(queue.popleft())
-            events: list[Event] = []
+            # Events decided inline came first; they are written first.
+            events: list[Event] = self._inline
+            self._inline = []
             replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
             for pending in batch:
                 try:
@@ -282,6 +307,8 @@ class Supervisor:
                 return self._on_start(msg, events)
             case Recover():
                 return self._on_recover(msg, events)
+            case Sync():
+                return self._verdict(self._run(msg.run_id), True)
             case Resume():
                 return self._on_resume(msg, events)
             case Abort():
@@ -346,7 +373,11 @@ class Supervisor:
         if msg.run_id not in self.runs and handle is not None and handle._result is not None:
             ended = handle._result  # already finished and released: nothing to cancel
             return Verdict(
-                run_id=ended.run_id, seq=ended.seq, accepted=True, state=ended.state, outcome=ended.outcome
+                run_id=ended.run_id,
+                seq=ended.seq,
+                accepted=True,
+                state=ended.state,
+                outcome=ended.outcome,
             )
         run = self._run(msg.run_id)
         if not run.terminal:

@@ -164,9 +164,8 @@ class RunState:
                 )
             case IntentRecorded():
                 self.pending = event
-                self.repeat_counts[_call_hash(event.tool, event.args)] = (
-                    self.repeat_counts.get(_call_hash(event.tool, event.args), 0) + 1
-                )
+                call = _call_hash(event.tool, event.args)
+                self.repeat_counts[call] = self.repeat_counts.get(call, 0) + 1
             case ToolCommitted(key=key, result=result):
                 intent = self.pending
                 self.pending = None
