@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -195,6 +196,10 @@ async def run_demo(
                     workflow = config.workflows[index % len(config.workflows)]
                     inputs = WORKFLOWS[workflow].make_inputs(index, rng)
                     nursery.start_soon(start, index, workflow, inputs)
+            # Every run is started: its long-lived objects need no more collection passes.
+            gc.collect()
+            gc.freeze()
+        gc.unfreeze()
         results = [await handle.wait() for handle in handles]
         wall = time.perf_counter() - started
         return summarize(results, stats, backend, run_prefix=prefix, wall=wall, config=config)

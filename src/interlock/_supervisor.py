@@ -3,6 +3,7 @@ group-commits the journal and replies only after the batch is durable."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 from collections import deque
@@ -57,6 +58,9 @@ if TYPE_CHECKING:
     from .stores import Store
 
 Clock = Callable[[], float]
+
+#: Garbage-collector thresholds while a supervisor runs (see :func:`open_supervisor`).
+GC_THRESHOLD = (50_000, 20, 100)
 
 
 class RunResult(msgspec.Struct, frozen=True):
@@ -982,6 +986,7 @@ async def open_supervisor(
     resume: bool = False,
     stats: RuntimeStats | None = None,
     max_batch: int = 8192,
+    gc_threshold: tuple[int, int, int] | None = GC_THRESHOLD,
 ) -> AsyncIterator[Supervisor]:
     """Run a supervisor for the duration of an ``async with`` block.
 
@@ -997,7 +1002,16 @@ async def open_supervisor(
       resume: resume every unfinished run in the store on entry.
       stats: counters to update (the metrics collector reads them).
       max_batch: the most requests decided per journal write.
+      gc_threshold: the cyclic garbage collector's thresholds while the supervisor runs
+        (restored on exit), or None to leave them alone. Thousands of long-lived run
+        tasks make the default thresholds spend up to half the CPU walking them; see
+        benchmarks/RESULTS.md. After a burst of start_run calls, ``gc.freeze()`` halves
+        the remaining collection work (frozen garbage is never collected, so freeze
+        only once the start-up garbage is gone).
     """
+    previous_threshold = gc.get_threshold()
+    if gc_threshold is not None:
+        gc.set_threshold(*gc_threshold)
     if store is None:
         from .stores import MemoryStore
 
@@ -1017,3 +1031,5 @@ async def open_supervisor(
             supervisor._actors = None
             supervisor._closed = True
             outer.cancel_scope.cancel()
+            if gc_threshold is not None:
+                gc.set_threshold(*previous_threshold)

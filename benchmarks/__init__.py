@@ -1,0 +1,41 @@
+"""interlock's benchmark suite: ``python -m benchmarks [--quick] [--only NAME,...] [--out DIR]``.
+
+Each ``bench_<name>.py`` module measures one thing and says what in its docstring; it
+exposes ``NAME``, ``TITLE`` and ``run(quick, progress) -> dict``. The runner
+(``__main__``) runs them, checks the figures against the performance goals of the
+hot-path issue and writes ``RESULTS.md``, ``results.json`` and PNG charts. Nothing here
+asserts on speed: the figures are reported, never tested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+
+#: The benchmarks in the order they run (cheap and in-process first).
+ORDER = ("transition", "verify", "loop", "journal", "concurrency", "metrics")
+
+
+def available() -> list[str]:
+    """The names of the benchmarks this checkout can run.
+
+    ``metrics`` needs both ``bench_metrics.py`` and the runtime's metrics collector
+    (``interlock._metrics``).
+    """
+    names = []
+    for name in ORDER:
+        if not (HERE / f"bench_{name}.py").exists():
+            continue
+        if name == "metrics" and importlib.util.find_spec("interlock._metrics") is None:
+            continue
+        names.append(name)
+    return names
+
+
+def load(name: str) -> ModuleType:
+    """Import ``benchmarks.bench_<name>``."""
+    return importlib.import_module(f"benchmarks.bench_{name}")

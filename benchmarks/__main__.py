@@ -1,0 +1,265 @@
+"""Run the benchmark suite and write RESULTS.md, results.json and the charts.
+
+Usage: ``python -m benchmarks [--quick] [--only NAME,...] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from benchmarks import HERE, available, load
+from benchmarks._goals import evaluate
+from benchmarks._report import (
+    chart_concurrency,
+    chart_journal,
+    chart_verify,
+    command_line,
+    environment,
+    environment_markdown,
+    table,
+)
+
+CHARTS = {
+    "verify": ("verify_latency.png", "Verification latency by implementation", chart_verify),
+    "concurrency": (
+        "concurrency.png",
+        "Wall time, CPU and peak RSS against concurrent runs",
+        chart_concurrency,
+    ),
+    "journal": ("journal.png", "Journal throughput against batch size", chart_journal),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run interlock's benchmarks; write RESULTS.md, results.json and PNG charts.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small N, seconds: checks the runner works"
+    )
+    parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
+    parser.add_argument(
+        "--out", type=Path, default=HERE, help="output directory (default: benchmarks/)"
+    )
+    args = parser.parse_args(argv)
+    names = available()
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            parser.error(f"unknown benchmark {unknown[0]!r}; choose from: {', '.join(names)}")
+        names = [n for n in names if n in wanted]
+    args.names = names
+    return args
+
+
+def run_all(names: list[str], quick: bool, console: Console) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    columns = (
+        TextColumn("[bold]{task.fields[bench]:<12}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task("", total=len(names), bench="suite")
+        for name in names:
+            task = progress.add_task("starting", total=1.0, bench=name)
+
+            def report(description: str, fraction: float, task: Any = task) -> None:
+                progress.update(task, description=description, completed=min(1.0, fraction))
+
+            started = time.perf_counter()
+            try:
+                results[name] = load(name).run(quick, report)
+            except Exception as exc:
+                results[name] = {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                }
+                console.print(f"[red]{name} failed:[/red] {exc}")
+            results[name]["seconds"] = time.perf_counter() - started
+            progress.update(
+                task, completed=1.0, description=f"done in {results[name]['seconds']:.0f} s"
+            )
+            progress.advance(overall)
+    return results
+
+
+def write_charts(results: dict[str, Any], out: Path) -> dict[str, str]:
+    """Draw the charts of the benchmarks that ran; none without matplotlib (the bench extra)."""
+    written: dict[str, str] = {}
+    if importlib.util.find_spec("matplotlib") is None:
+        return written
+    for name, (filename, _title, draw) in CHARTS.items():
+        if name in results and "error" not in results[name]:
+            draw(results[name], out / filename)
+            written[name] = filename
+    return written
+
+
+def _status(met: bool | None) -> str:
+    return {True: "✅ met", False: "❌ missed", None: "– not measured"}[met]
+
+
+def goals_markdown(goals: list[dict[str, Any]]) -> str:
+    lines = [
+        table(
+            ["goal", "measured", "status", "missed by"],
+            [(g["goal"], g["measured"], _status(g["met"]), g["margin"] or "") for g in goals],
+            align="llll",
+        )
+    ]
+    seen: dict[str, str] = {}
+    for goal in goals:
+        if goal["met"] is not False and not goal["notes"]:
+            continue
+        lines += ["", f"**{goal['goal']}** — {_status(goal['met'])}"]
+        lines += [f"- {note}" for note in goal["notes"]]
+        closing = goal.get("closing")
+        if closing in seen:
+            lines.append(f"- Profile and what would close it: as for *{seen[closing]}* above.")
+            continue
+        if closing:
+            seen[closing] = goal["goal"]
+        if goal.get("profile"):
+            top = goal["profile"][:8]
+            lines.append(
+                f"- Profile ({goal.get('profile_label', 'cProfile')}): "
+                + "; ".join(f"`{row['function']}` {row['own_share']:.0%}" for row in top)
+                + "."
+            )
+        if goal.get("closing"):
+            lines.append(f"- What would close it: {goal['closing']}")
+    return "\n".join(lines)
+
+
+def profile_markdown(rows: list[dict[str, Any]]) -> str:
+    return table(
+        ["function", "calls", "own s", "cumulative s", "own share"],
+        [
+            (
+                f"`{r['function']}`",
+                f"{r['calls']:,}",
+                f"{r['own_s']:.3f}",
+                f"{r['cum_s']:.3f}",
+                f"{r['own_share']:.1%}",
+            )
+            for r in rows
+        ],
+    )
+
+
+def write_markdown(
+    results: dict[str, Any],
+    goals: list[dict[str, Any]],
+    charts: dict[str, str],
+    meta: dict[str, Any],
+    out: Path,
+) -> None:
+    mode = "quick (small N: checks the runner, not figures to quote)" if meta["quick"] else "full"
+    parts = [
+        "# interlock benchmarks",
+        "",
+        f"Written by `python -m benchmarks` ({mode}). Figures are from one run on a shared host; "
+        "compare the ratios within this file, not with other machines. Each section's module "
+        "docstring (`benchmarks/bench_<name>.py`) says exactly what is measured.",
+        "",
+        environment_markdown(meta["environment"], meta["command"], meta["date"], meta["seconds"]),
+        "",
+        "## Goals",
+        "",
+        goals_markdown(goals) if goals else "No goal's benchmark ran.",
+    ]
+    if not charts and any(name in CHARTS for name in meta["benchmarks"]):
+        parts += [
+            "",
+            "*Charts skipped: matplotlib is not installed (`pip install -e '.[bench]'`).*",
+        ]
+    for name in meta["benchmarks"]:
+        module = load(name)
+        result = results[name]
+        parts += ["", f"## {module.TITLE}", ""]
+        if "error" in result:
+            parts += [
+                f"**Failed:** `{result['error']}`",
+                "",
+                "```",
+                result["traceback"].rstrip(),
+                "```",
+            ]
+            continue
+        parts.append(module.render(result))
+        if name in charts:
+            parts += ["", f"![{CHARTS[name][1]}]({charts[name]})"]
+        for key, label in (
+            ("profile", "Profile"),
+            ("profile_pure", "Profile of the pure-Python gate"),
+        ):
+            if result.get(key):
+                parts += [
+                    "",
+                    "<details><summary>"
+                    + label
+                    + " (cProfile, top functions by own time)</summary>",
+                    "",
+                    profile_markdown(result[key]),
+                    "",
+                    "</details>",
+                ]
+        parts += ["", f"*{result['seconds']:.0f} s.*"]
+    (out / "RESULTS.md").write_text("\n".join(parts) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    meta: dict[str, Any] = {
+        "command": command_line(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "benchmarks": args.names,
+        "environment": environment(),
+    }
+    console.print(
+        f"[bold]interlock benchmarks[/bold] ({'quick' if args.quick else 'full'}): {', '.join(args.names)}"
+    )
+    started = time.perf_counter()
+    results = run_all(args.names, args.quick, console)
+    meta["seconds"] = time.perf_counter() - started
+    meta["environment"]["load_average_end"] = environment()["load_average"]
+    goals = evaluate(results)
+    charts = write_charts(results, out)
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "goals": goals, "benchmarks": results}, indent=1, default=str)
+        + "\n",
+        encoding="utf-8",
+    )
+    write_markdown(results, goals, charts, meta, out)
+    failed = [name for name in args.names if "error" in results[name]]
+    console.print(
+        f"wrote {out / 'RESULTS.md'}, {out / 'results.json'} and {len(charts)} chart(s) in {meta['seconds']:.0f} s"
+    )
+    if failed:
+        console.print(f"[red]failed: {', '.join(failed)}[/red]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

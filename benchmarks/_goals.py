@@ -1,0 +1,549 @@
+"""The performance goals of the hot-path issue, checked against one run's figures.
+
+Every goal says what it compares, whether it is met, and by how much it is missed. For
+a missed goal the report adds what the profile of that benchmark shows (measured in
+the same run) and what would close the gap: the notes below were written from those
+profiles and from the variants the suite measures (tuned collector, prompt-free
+provider, SQLite ceiling, small events), and they quote this run's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks._harness import top_areas
+
+Results = dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    measured: str
+    met: bool | None
+    """None: the benchmark did not run, or the configuration was not measured."""
+    margin: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Goal:
+    key: str
+    text: str
+    bench: str
+    check: Callable[[Results], Outcome]
+    profile: str = ""
+    """The key of the profile (in the benchmark's results) that explains a miss;
+    ``memory`` for the tracemalloc sites of the concurrency benchmark."""
+    closing: Callable[[Results], str] = lambda results: ""
+
+
+def _missed_by(measured: float, target: float, *, lower_is_better: bool, unit: str = "") -> str:
+    if lower_is_better:
+        return f"{measured / target:.1f}× the target ({measured - target:+,.1f}{unit})"
+    return f"{target / measured:.1f}× short ({measured:,.0f}{unit} of {target:,.0f}{unit})"
+
+
+# -- transition ---------------------------------------------------------------------------
+
+
+def _transition_speed(results: Results) -> Outcome:
+    ns = results["transition"]["rows"]["compiled"]["ns"]
+    met = ns < 100
+    return Outcome(
+        f"{ns:.0f} ns per check (one Python call)",
+        met,
+        "" if met else _missed_by(ns, 100, lower_is_better=True, unit=" ns"),
+    )
+
+
+def _transition_ratio(results: Results) -> Outcome:
+    from benchmarks.bench_transition import C_CALL
+
+    rows = results["transition"]["rows"]
+    per_call = rows["pure Python"]["ns"] / rows["compiled"]["ns"]
+    compiled_net = rows["compiled"]["net_ns"]
+    net = (
+        f"{rows['pure Python']['net_ns'] / compiled_net:.0f}× net of the call"
+        if compiled_net > 0
+        else "the compiled check's net cost is below the timer's resolution"
+    )
+    met = per_call >= 5
+    return Outcome(
+        f"{per_call:.1f}× per call; {net} ({rows[C_CALL]['ns']:.0f} ns for a C call doing nothing)",
+        met,
+        "" if met else f"{5 / per_call:.1f}× short per call",
+    )
+
+
+def _transition_closing(results: Results) -> str:
+    from benchmarks.bench_transition import C_CALL
+
+    rows = results["transition"]["rows"]
+    c_call = rows[C_CALL]["ns"]
+    pure = rows["pure Python"]["ns"]
+    return (
+        f"The compiled check costs {rows['compiled']['net_ns']:.0f} ns beyond the call; the rest of "
+        f"its {rows['compiled']['ns']:.0f} ns is the Python-level call into C itself ({c_call:.0f} ns "
+        f"for `operator.is_`). With the pure twin at {pure:.0f} ns, no implementation called once per "
+        f"check from Python can be more than {pure / c_call:.1f}× faster than the twin, so the 5× goal "
+        "needs fewer Python-level calls, not a faster check: the gate makes three per tool call "
+        "(`state_id`, `tool_id`, `check_tool`) where one compiled `Tables.check_call(state_name, "
+        "tool_name)` would do, and a batch form (`check_transitions(src_ids, dst_ids)` over "
+        "memoryviews) would check a whole supervisor batch in one call."
+    )
+
+
+# -- verification -------------------------------------------------------------------------
+
+
+def _verify_floor(results: Results) -> Outcome:
+    rows = results["verify"]["rows"]
+    gate = rows["interlock, compiled"]["us"]
+    floor = rows["msgspec decoding alone"]["us"]
+    value = gate / floor
+    met = value <= 1.3
+    return Outcome(
+        f"{gate:.2f} µs vs {floor:.2f} µs: {value:.2f}× msgspec alone",
+        met,
+        ""
+        if met
+        else f"{value / 1.3:.1f}× over the 1.3× allowance ({gate - 1.3 * floor:+.2f} µs per proposal)",
+    )
+
+
+def _verify_pydantic(results: Results) -> Outcome:
+    rows = results["verify"]["rows"]
+    gate = rows["interlock, compiled"]["us"]
+    by_hand = rows["pydantic v2 by hand"]["us"]
+    value = by_hand / gate
+    met = value >= 2.7  # "about 3x": within 10%
+    return Outcome(
+        f"pydantic {by_hand:.2f} µs ÷ gate {gate:.2f} µs = {value:.2f}× "
+        f"(msgspec alone is {by_hand / rows['msgspec decoding alone']['us']:.2f}× faster than pydantic)",
+        met,
+        "" if met else f"{3 / value:.1f}× short of 3×",
+    )
+
+
+def _verify_closing(results: Results) -> str:
+    verify = results["verify"]
+    areas = verify.get("profile_areas", {})
+    floor = verify["rows"]["msgspec decoding alone"]["us"]
+    gate = verify["rows"]["interlock, compiled"]["us"]
+    return (
+        f"The gate spends {gate - floor:.1f} µs per proposal beyond decoding. Own time by area: "
+        f"{top_areas(areas)}. msgspec's share is the decoding (as `_gate.py` stands, twice: the "
+        "envelope with `Raw` args, then the args into the tool's Struct); the rest is Python-level work of a few "
+        "tenths of a µs each on an accepted call: `to_builtins` of the args, their canonical "
+        "re-encoding and `proposal_hash` for the repeat breaker, the guard with its `RunView`, "
+        "the `Decision`, the budget, repeat and circuit checks, and three table calls. Measured "
+        "once outside the suite (in-process A/B, 5,000 proposals, identical decisions): decoding "
+        "once through a per-state msgspec tagged union of one Struct per allowed tool "
+        '(`tag_field="tool"`, falling back to today\'s path only to explain a rejection), hashing '
+        "the canonical encoding of the args Struct itself and building the repeat breaker's text "
+        "only when it trips took the gate from 5.06 to 4.53 µs (−10%). With a Python guard and a "
+        "canonical hash per call, the reachable floor is about decode + guard + hash ≈ 1.8× "
+        "msgspec alone; 1.3× (and 3× faster than pydantic, which is itself only "
+        f"{verify['rows']['pydantic v2 by hand']['us'] / floor:.1f}× slower than msgspec alone) needs "
+        "the accepted path in compiled code: one compiled call that checks the tables, hashes the "
+        "decoded args and updates the repeat counts, with guards that can be compiled (declared "
+        "comparisons such as `amount <= inputs.total`)."
+    )
+
+
+# -- loop -----------------------------------------------------------------------------------
+
+
+def _loop(results: Results) -> Outcome:
+    from benchmarks.bench_loop import find
+
+    loop = results["loop"]
+    row = find(loop, "interlock, concurrent")
+    value = row["us_per_step"]
+    met = value < 20
+    tuned = find(loop, "interlock, concurrent, prompt-free provider, tuned gc")["us_per_step"]
+    return Outcome(
+        f"{value:.0f} µs per step batched ({find(loop, 'interlock, sequential')['us_per_step']:.0f} µs "
+        f"one run at a time; {tuned:.0f} µs with a prompt-free provider and the tuned collector)",
+        met,
+        "" if met else _missed_by(value, 20, lower_is_better=True, unit=" µs"),
+    )
+
+
+def _loop_closing(results: Results) -> str:
+    from benchmarks.bench_loop import find
+
+    loop = results["loop"]
+    base = find(loop, "interlock, concurrent")["us_per_step"]
+    prompt_free = find(loop, "interlock, concurrent, prompt-free provider")["us_per_step"]
+    tuned = find(loop, "interlock, concurrent, tuned gc")["us_per_step"]
+    both = find(loop, "interlock, concurrent, prompt-free provider, tuned gc")["us_per_step"]
+    plain = find(loop, "plain Python: msgspec parse + validate + append")["us_per_step"]
+    return (
+        f"Measured variants (medians of fresh processes): without rendering and journaling a "
+        f"prompt {prompt_free:.0f} µs per step ({prompt_free - base:+.0f}); with the tuned "
+        f"collector {tuned:.0f} µs ({tuned - base:+.0f}); both {both:.0f} µs — still "
+        f"{both / 20:.0f}× the goal and {both / plain:.0f}× the plain loop ({plain:.1f} µs). "
+        f"Own time by area: {top_areas(loop.get('profile_areas', {}))}. No single function "
+        "dominates: the cost is per-step machinery, each piece a few µs on this host — every task "
+        "switch through trio's scheduler (the provider's checkpoint, each wait for a verdict), a "
+        "cancel scope per tool call (`trio.fail_after`, ~10 µs here), folding 3-4 events per step "
+        "into the run state, encoding, framing and indexing them one at a time, a SHA-256 of the "
+        "prompt, histogram records. Under 20 µs needs the per-step count of task switches down "
+        "to one, the per-event work (fold, encode, frame, index) batched or compiled, and prompt "
+        "work only when a provider needs it."
+    )
+
+
+# -- concurrency -------------------------------------------------------------------------------
+
+
+def _conc_rows(results: Results, size: int) -> tuple[Any, Any, Any, Any]:
+    from benchmarks.bench_concurrency import find
+
+    conc = results["concurrency"]
+    return (
+        find(conc, "interlock", size),
+        find(conc, "interlock, tuned gc", size),
+        find(conc, "bare trio", size),
+        find(conc, "bare asyncio", size),
+    )
+
+
+def _conc_trio(results: Results) -> Outcome:
+    size = _goal_size(results)
+    shipped, tuned, bare_trio, _bare_asyncio = _conc_rows(results, size)
+    if shipped is None or bare_trio is None:
+        return Outcome("not measured at this size", None)
+    value = shipped["wall_s"] / bare_trio["wall_s"]
+    met = value <= 1.0
+    notes = [
+        f"CPU: {shipped['cpu_s']:.1f} s vs {bare_trio['cpu_s']:.1f} s ({shipped['cpu_s'] / bare_trio['cpu_s']:.1f}×)."
+    ]
+    if tuned is not None:
+        notes.append(
+            f"With the tuned collector applied from the benchmark: {tuned['wall_s']:.1f} s wall "
+            f"({tuned['wall_s'] / bare_trio['wall_s']:.1f}× bare trio), {tuned['cpu_s']:.1f} s CPU."
+        )
+    return Outcome(
+        f"{size:,} runs: {shipped['wall_s']:.1f} s vs bare trio {bare_trio['wall_s']:.1f} s ({value:.1f}×)",
+        met,
+        "" if met else f"{value:.1f}× the bare trio wall time",
+        notes,
+    )
+
+
+def _conc_asyncio(results: Results) -> Outcome:
+    size = _goal_size(results)
+    shipped, tuned, _bare_trio, bare_asyncio = _conc_rows(results, size)
+    if shipped is None or bare_asyncio is None:
+        return Outcome("not measured at this size", None)
+    value = shipped["wall_s"] / bare_asyncio["wall_s"]
+    met = value <= 1.5
+    notes = []
+    if tuned is not None:
+        notes.append(
+            f"Tuned collector: {tuned['wall_s'] / bare_asyncio['wall_s']:.1f}× bare asyncio."
+        )
+    return Outcome(
+        f"{size:,} runs: {shipped['wall_s']:.1f} s vs bare asyncio {bare_asyncio['wall_s']:.1f} s ({value:.1f}×)",
+        met,
+        "" if met else f"{value / 1.5:.1f}× over the 1.5× allowance",
+        notes,
+    )
+
+
+def _goal_size(results: Results) -> int:
+    sizes = results["concurrency"]["sizes"]
+    return 10_000 if 10_000 in sizes else sizes[-1]
+
+
+def _conc_closing(results: Results) -> str:
+    size = _goal_size(results)
+    shipped, tuned, bare_trio, _ = _conc_rows(results, size)
+    if shipped is None or bare_trio is None:
+        return ""
+    gc_share = shipped["gc_s"] / shipped["cpu_s"] if shipped["cpu_s"] else 0
+    text = (
+        f"As shipped, {gc_share:.0%} of the CPU time at {size:,} runs is the cyclic collector "
+        f"({shipped['gc_s']:.1f} s over {'/'.join(map(str, shipped['gc_collections']))} passes), "
+        "walking the long-lived run states, task frames and history frames again and again. "
+    )
+    if tuned is not None:
+        text += (
+            f"`gc.freeze()` after start-up plus `gc.set_threshold{tuple(results['concurrency']['tuned_threshold'])}`, "
+            f"applied from the benchmark, cut the collector to {tuned['gc_s']:.1f} s and the CPU time "
+            f"from {shipped['cpu_s']:.1f} s to {tuned['cpu_s']:.1f} s. `open_supervisor` could raise "
+            "the thresholds for its lifetime itself (most of the gain); the freeze suits a burst of "
+            "starts. "
+        )
+        remaining = tuned["cpu_s"] - tuned["gc_s"]
+        text += (
+            f"What remains ({remaining:.1f} s of CPU outside the collector, against "
+            f"{bare_trio['cpu_s']:.1f} s for bare trio including its own collector) is the per-step "
+            "work of the loop goal, 10 steps per run: a bare trio run wakes once per step, an "
+            "interlock run several times, and verifies and journals. Own time by area (cProfile of "
+            f"{results['concurrency'].get('profile_runs', 0):,} runs): "
+            f"{top_areas(results['concurrency'].get('profile_areas', {}))}. Meeting 'no slower "
+            "than bare trio' needs the loop goal's fixes on top of the collector discipline."
+        )
+    return text
+
+
+def _memory_sites(results: Results) -> list[dict[str, Any]]:
+    memory = results["concurrency"].get("memory_profile") or {}
+    return [
+        {
+            "function": site["site"],
+            "calls": 0,
+            "own_s": 0.0,
+            "cum_s": 0.0,
+            "own_share": site["share"],
+        }
+        for site in memory.get("sites", [])
+    ]
+
+
+def _conc_memory(results: Results) -> Outcome:
+    from benchmarks.bench_concurrency import find
+
+    conc = results["concurrency"]
+    sizes = conc["sizes"]
+    size = 100_000 if 100_000 in sizes else sizes[-1]
+    row = find(conc, "interlock, tuned gc", size) or find(conc, "interlock", size)
+    if row is None:
+        return Outcome("not measured", None)
+    peak_gib = row["peak_rss_mib"] / 1024
+    met = peak_gib < 2 and size == 100_000
+    if size != 100_000:
+        met = None
+    return Outcome(
+        f"{size:,} runs completed ({row.get('completed', '?'):,}): peak RSS {peak_gib:.2f} GiB, "
+        f"{row['rss_per_run_kib']:.0f} KiB per run, of which the journal held in memory "
+        f"{row.get('journal_mib', 0) * 1024 / size:.0f} KiB",
+        met,
+        ""
+        if met or met is None
+        else f"{peak_gib / 2:.1f}× the 2 GiB limit (+{peak_gib - 2:.2f} GiB)",
+    )
+
+
+def _memory_closing(results: Results) -> str:
+    from benchmarks.bench_concurrency import find
+
+    conc = results["concurrency"]
+    size = 100_000 if 100_000 in conc["sizes"] else conc["sizes"][-1]
+    row = find(conc, "interlock, tuned gc", size) or find(conc, "interlock", size)
+    if row is None:
+        return ""
+    journal = row.get("journal_mib", 0)
+    rest = row["peak_rss_mib"] - row["baseline_rss_mib"] - journal
+    return (
+        f"The MemoryStore keeps every framed event: {journal:,.0f} MiB at the end, most of it the "
+        "full prompt text that every model_called event records (the prompt grows with the "
+        f"history, so a 10-step run records ~10 prompts). The rest (~{rest:,.0f} MiB, "
+        f"{rest * 1024 / size:.0f} KiB per run) is live run state: the trio task and its frames, "
+        "the RunState with its history frames, results and committed map, the handle, and the "
+        "supervisor's batch lists. Closing it: record the prompt once per distinct prompt (its "
+        "hash in model_called plus a prompt table keyed by hash, as DESIGN.md allows) or let the "
+        "provider decide whether a prompt is recorded at all; with a durable store, journal memory "
+        "is not resident anyway. "
+        + (
+            f"Without the journal the live state alone ({rest / 1024:.1f} GiB) is within the goal."
+            if rest < 2048
+            else f"The live state alone ({rest / 1024:.1f} GiB) is still over the goal: see the "
+            "allocation sites in the concurrency section (the rendered prompt and the validated "
+            "args Struct kept alive per run, `_short` texts in history frames) and keep only "
+            "what the next step needs."
+        )
+    )
+
+
+# -- journal ------------------------------------------------------------------------------
+
+
+def _journal(sync: str, target: int) -> Callable[[Results], Outcome]:
+    def check(results: Results) -> Outcome:
+        rows = [
+            r
+            for r in results["journal"]["rows"]
+            if r["store"] == "SQLite store" and r["sync"] == sync and r.get("mix", "real") == "real"
+        ]
+        best = max(rows, key=lambda r: r["events_per_s"])
+        small = [
+            r["events_per_s"]
+            for r in results["journal"]["rows"]
+            if r["store"] == "SQLite store" and r["sync"] == sync and r.get("mix") == "small"
+        ]
+        met = best["events_per_s"] >= target
+        notes = []
+        if small:
+            notes.append(f"with small (prompt-free) events: {max(small):,.0f} events/s.")
+        return Outcome(
+            f"{best['events_per_s']:,.0f} events/s (best batch size: {best['batch']:,})",
+            met,
+            ""
+            if met
+            else _missed_by(best["events_per_s"], target, lower_is_better=False, unit="/s"),
+            notes,
+        )
+
+    return check
+
+
+def _journal_closing(results: Results) -> str:
+    from benchmarks.bench_journal import find
+
+    journal = results["journal"]
+
+    def rate(store: str, mix: str, sync: str) -> float:
+        found = [
+            r["events_per_s"]
+            for r in journal["rows"]
+            if r["store"] == store and r.get("mix", "real") == mix and r["sync"] == sync
+        ]
+        return max(found) if found else float("nan")
+
+    enc = journal["encoding"]
+    baseline = find(journal, "SQLite, one insert per commit", "FULL", 1)
+    real_ceiling = rate("SQLite ceiling", "real", "NORMAL")
+    small_ceiling = rate("SQLite ceiling", "small", "NORMAL")
+    text = (
+        "SQLite alone (pre-encoded rows, one `executemany` per 1,000-row transaction, no index "
+        f"updates) inserts {real_ceiling:,.0f} events/s NORMAL / {rate('SQLite ceiling', 'real', 'FULL'):,.0f} "
+        f"FULL with these {enc['mean_payload_bytes']:,.0f}-byte events and {small_ceiling:,.0f} / "
+        f"{rate('SQLite ceiling', 'small', 'FULL'):,.0f} with {enc.get('small_payload_bytes', 0):,.0f}-byte "
+        "prompt-free ones; the store reaches "
+        f"{rate('SQLite store', 'real', 'NORMAL'):,.0f} / {rate('SQLite store', 'real', 'FULL'):,.0f} "
+        f"and {rate('SQLite store', 'small', 'NORMAL'):,.0f} / {rate('SQLite store', 'small', 'FULL'):,.0f}. "
+    )
+    if real_ceiling < 200_000:
+        text += (
+            "With prompts in every model_called event the goal is above what one row per event "
+            "reaches on this machine at all, so the first step is smaller rows: record each distinct "
+            "prompt once (its hash in model_called, the text in a table keyed by hash, as DESIGN.md "
+            "allows). "
+        )
+    text += (
+        "Group commit itself works: batched FULL is "
+        f"{rate('SQLite store', 'real', 'FULL') / baseline['events_per_s'] if baseline else float('nan'):.0f}× "
+        "one commit per event. The gap between the store and the ceiling is the store's own work; "
+        f"own time by area: {top_areas(journal.get('profile_areas', {}))} (sqlite3 includes the runs-"
+        f"index upsert and the runs lookup; encode + frame is {enc['encode_rows_us']:.1f} µs per "
+        "event). What would close it: fewer rows — one row per run per batch holding that run's "
+        "framed events (`frame_events` already makes the buffer), so a batch of N events from M "
+        "runs inserts M rows — and the runs index updated from the last event of each run only."
+    )
+    return text
+
+
+GOALS: tuple[Goal, ...] = (
+    Goal(
+        "transition_speed",
+        "Transition check on the compiled tables under 100 ns",
+        "transition",
+        _transition_speed,
+        closing=_transition_closing,
+    ),
+    Goal(
+        "transition_ratio",
+        "Transition check at least 5× faster than the pure twin",
+        "transition",
+        _transition_ratio,
+        closing=_transition_closing,
+    ),
+    Goal(
+        "verify_floor",
+        "Full verification of the five-field call with a guard within 1.3× of msgspec decoding alone",
+        "verify",
+        _verify_floor,
+        "profile",
+        _verify_closing,
+    ),
+    Goal(
+        "verify_pydantic",
+        "…which is about 3× faster than the hand-written pydantic version",
+        "verify",
+        _verify_pydantic,
+        "profile",
+        _verify_closing,
+    ),
+    Goal(
+        "loop",
+        "Loop overhead under 20 µs per step, batched journal append included",
+        "loop",
+        _loop,
+        "profile",
+        _loop_closing,
+    ),
+    Goal(
+        "concurrency_trio",
+        "10,000 concurrent runs (full loop): wall time no more than bare trio doing only the sleeps",
+        "concurrency",
+        _conc_trio,
+        "profile",
+        _conc_closing,
+    ),
+    Goal(
+        "concurrency_asyncio",
+        "10,000 concurrent runs: within 1.5× of the same sleeps on bare asyncio",
+        "concurrency",
+        _conc_asyncio,
+        "profile",
+        _conc_closing,
+    ),
+    Goal(
+        "memory",
+        "100,000 concurrent runs complete in one process with peak RSS under 2 GiB",
+        "concurrency",
+        _conc_memory,
+        "memory",
+        _memory_closing,
+    ),
+    Goal(
+        "sqlite_normal",
+        "SQLite group commit: at least 200,000 events/s with synchronous=NORMAL",
+        "journal",
+        _journal("NORMAL", 200_000),
+        "profile",
+        _journal_closing,
+    ),
+    Goal(
+        "sqlite_full",
+        "SQLite group commit: at least 100,000 events/s with synchronous=FULL",
+        "journal",
+        _journal("FULL", 100_000),
+        "profile",
+        _journal_closing,
+    ),
+)
+
+
+def evaluate(results: Results) -> list[dict[str, Any]]:
+    """Every goal whose benchmark ran, with its outcome, closing note and profile rows."""
+    evaluated = []
+    for goal in GOALS:
+        if goal.bench not in results or "error" in results[goal.bench]:
+            continue
+        outcome = goal.check(results)
+        entry: dict[str, Any] = {
+            "key": goal.key,
+            "goal": goal.text,
+            "bench": goal.bench,
+            "measured": outcome.measured,
+            "met": outcome.met,
+            "margin": outcome.margin,
+            "notes": outcome.notes,
+        }
+        if outcome.met is False:
+            entry["closing"] = goal.closing(results)
+            if goal.profile == "memory":
+                entry["profile"] = _memory_sites(results)
+                entry["profile_label"] = "tracemalloc, live memory half-way through, top sites"
+            elif goal.profile:
+                entry["profile"] = results[goal.bench].get(goal.profile, [])
+                entry["profile_label"] = "cProfile, own time, top functions"
+        evaluated.append(entry)
+    return evaluated
