@@ -84,6 +84,40 @@ def build_providers(config: DemoConfig) -> dict[str, ChaosProvider]:
     }
 
 
+def _latency_us(latency: LatencyHistogram) -> dict[str, float]:
+    return {
+        "p50": round(latency.quantile(0.5) * 1e6, 2),
+        "p99": round(latency.quantile(0.99) * 1e6, 2),
+    }
+
+
+def _workflow_row(
+    name: str,
+    ended: Sequence[tuple[str, str, str]],
+    rejections: Counter[str],
+    trips: Counter[str],
+    prompt: int,
+    completion: int,
+    latency: LatencyHistogram,
+    effects: dict[str, dict[str, int]],
+) -> dict[str, Any]:
+    """One workflow's part of the summary; ``ended`` holds (outcome, state, reason) per run."""
+    return {
+        "runs": len(ended),
+        "outcomes": dict(sorted(Counter(o for o, _s, _r in ended).items())),
+        "states": dict(sorted(Counter(s for _o, s, _r in ended).items())),
+        "escalation_reasons": dict(
+            sorted(Counter(r for o, _s, r in ended if o == "escalated").items())
+        ),
+        "rejections": dict(sorted(rejections.items())),
+        "breaker_trips": dict(sorted(trips.items())),
+        "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
+        "verifications": latency.total,
+        "verification_us": _latency_us(latency),
+        "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
+    }
+
+
 def summarize(
     results: Sequence[RunResult],
     stats: RuntimeStats,
@@ -115,23 +149,10 @@ def summarize(
             if m == name and kind == "completion"
         )
         latency = stats.verify_latency.get(name, LatencyHistogram())
-        per[name] = {
-            "runs": len(mine),
-            "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
-            "states": dict(sorted(Counter(r.state for r in mine).items())),
-            "escalation_reasons": dict(
-                sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())
-            ),
-            "rejections": dict(sorted(rejections.items())),
-            "breaker_trips": dict(sorted(trips.items())),
-            "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
-            "verifications": latency.total,
-            "verification_us": {
-                "p50": round(latency.quantile(0.5) * 1e6, 2),
-                "p99": round(latency.quantile(0.99) * 1e6, 2),
-            },
-            "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
-        }
+        ended = [(r.outcome, r.state, r.reason) for r in mine]
+        per[name] = _workflow_row(
+            name, ended, rejections, trips, prompt, completion, latency, effects
+        )
     overall = LatencyHistogram.merged(stats.verify_latency.values())
     return {
         "runs": len(results),
@@ -143,10 +164,7 @@ def summarize(
         "chaos_rate": config.chaos_rate,
         "seed": config.seed,
         "outcomes": dict(sorted(Counter(r.outcome for r in results).items())),
-        "verification_us": {
-            "p50": round(overall.quantile(0.5) * 1e6, 2),
-            "p99": round(overall.quantile(0.99) * 1e6, 2),
-        },
+        "verification_us": _latency_us(overall),
         "workflows": per,
     }
 
@@ -242,24 +260,10 @@ async def summarize_store(
                     prompt += event.usage.prompt
                     completion += event.usage.completion
         latency = (stats.verify_latency.get(name) if stats else None) or LatencyHistogram()
-        effects = backend.counts()
-        per[name] = {
-            "runs": len(mine),
-            "outcomes": dict(sorted(Counter(r.outcome for r in mine).items())),
-            "states": dict(sorted(Counter(r.state for r in mine).items())),
-            "escalation_reasons": dict(
-                sorted(Counter(r.reason for r in mine if r.outcome == "escalated").items())
-            ),
-            "rejections": dict(sorted(rejections.items())),
-            "breaker_trips": dict(sorted(trips.items())),
-            "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
-            "verifications": latency.total,
-            "verification_us": {
-                "p50": round(latency.quantile(0.5) * 1e6, 2),
-                "p99": round(latency.quantile(0.99) * 1e6, 2),
-            },
-            "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
-        }
+        ended = [(r.outcome, r.state, r.reason) for r in mine]
+        per[name] = _workflow_row(
+            name, ended, rejections, trips, prompt, completion, latency, backend.counts()
+        )
     overall = (
         LatencyHistogram.merged(stats.verify_latency.values()) if stats else LatencyHistogram()
     )
@@ -271,10 +275,7 @@ async def summarize_store(
         "effects_db": backend.path,
         "hotpath": IMPLEMENTATION,
         "outcomes": dict(sorted(Counter(r.outcome for r in records).items())),
-        "verification_us": {
-            "p50": round(overall.quantile(0.5) * 1e6, 2),
-            "p99": round(overall.quantile(0.99) * 1e6, 2),
-        },
+        "verification_us": _latency_us(overall),
         "workflows": per,
     }
 
