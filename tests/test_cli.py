@@ -223,10 +223,19 @@ def test_corrupt_event_is_reported_by_show_and_replay(tmp_path):
     done = interlock("demo", "--runs", "6", "--db", str(path), "--latency", "0,1", "--json")
     assert done.returncode == 0, done.stderr
     db = sqlite3.connect(path)
-    run_id, seq, body = db.execute("SELECT run_id, seq, body FROM events ORDER BY run_id, seq LIMIT 1 OFFSET 2").fetchone()
+    # The third event of the first run, inside its chunk (one row per run per batch of frames).
+    run_id, first, body = db.execute(
+        "SELECT run_id, first_seq, body FROM chunks WHERE first_seq <= 3 AND last_seq >= 3 ORDER BY run_id LIMIT 1"
+    ).fetchone()
+    seq, end = first, 0
+    while True:  # frame: [length u32 LE][~length u32 LE][crc32 u32 LE][payload]
+        end += 12 + int.from_bytes(body[end : end + 4], "little")
+        if seq == 3:
+            break
+        seq += 1
     flipped = bytearray(body)
-    flipped[-1] ^= 0x55
-    db.execute("UPDATE events SET body = ? WHERE run_id = ? AND seq = ?", (bytes(flipped), run_id, seq))
+    flipped[end - 1] ^= 0x55
+    db.execute("UPDATE chunks SET body = ? WHERE run_id = ? AND first_seq = ?", (bytes(flipped), run_id, first))
     db.commit()
     db.close()
     snapshot = _digest(path)

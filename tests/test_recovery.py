@@ -208,8 +208,9 @@ async def test_corrupt_tail_is_reported_on_resume(tmp_path):
     import sqlite3
 
     db = sqlite3.connect(path)
-    body = db.execute("SELECT body FROM events WHERE run_id = 'r-1' AND seq = 4").fetchone()[0]
-    db.execute("UPDATE events SET body = ? WHERE run_id = 'r-1' AND seq = 4", (body[:-3],))
+    # Seq 4 is the last frame of its chunk (one row per run per batch): cut the chunk short.
+    first, body = db.execute("SELECT first_seq, body FROM chunks WHERE run_id = 'r-1' AND last_seq = 4").fetchone()
+    db.execute("UPDATE chunks SET body = ? WHERE run_id = 'r-1' AND first_seq = ?", (body[:-3], first))
     db.commit()
     db.close()
     snapshot = path.read_bytes()

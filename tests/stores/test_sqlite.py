@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import trio
 
-from interlock._events import Completed, Event, RunStarted, Transitioned
+from interlock._events import Completed, Event, IntentRecorded, RunStarted, Transitioned
 from interlock._exceptions import JournalCorrupt, StoreError
 from interlock.stores import (
     COMPLETED,
@@ -19,6 +24,8 @@ from interlock.stores import (
     open_sqlite_store,
     open_store,
 )
+from interlock.stores import _sqlite as sqlite_store_module
+from interlock.stores._base import encode_rows, index_updates
 
 
 def run_events(run_id: str, ts: float) -> list[Event]:
@@ -37,6 +44,34 @@ def raw_sql(
     """Run one statement on the file with a plain sqlite3 connection, bypassing the store."""
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         return conn.execute(statement, params).fetchall()
+
+
+def frame_ends(body: bytes) -> list[int]:
+    """The offset just past each frame of a chunk: ``[length u32][~length u32][crc u32][payload]``."""
+    ends: list[int] = []
+    end = 0
+    while end < len(body):
+        end += 12 + int.from_bytes(body[end : end + 4], "little")
+        ends.append(end)
+    return ends
+
+
+def chunk(path: Path, run_id: str, seq: int) -> tuple[int, bytes]:
+    """The ``(first_seq, body)`` of the stored chunk that holds ``seq`` of ``run_id``."""
+    [(first, body)] = raw_sql(
+        path,
+        "SELECT first_seq, body FROM chunks WHERE run_id = ? AND first_seq <= ? AND last_seq >= ?",
+        (run_id, seq, seq),
+    )
+    assert isinstance(first, int)
+    assert isinstance(body, bytes)
+    return first, body
+
+
+def set_chunk(path: Path, run_id: str, first: int, body: bytes) -> None:
+    raw_sql(
+        path, "UPDATE chunks SET body = ? WHERE run_id = ? AND first_seq = ?", (body, run_id, first)
+    )
 
 
 async def test_journal_survives_close_and_reopen(tmp_path: Path) -> None:
@@ -64,7 +99,7 @@ async def test_pragmas_are_in_effect(tmp_path: Path, synchronous: str) -> None:
             "synchronous": synchronous.upper(),
             "foreign_keys": True,
             "busy_timeout": 5000,
-            "schema_version": 1,
+            "schema_version": 2,
         }
     # WAL is a property of the file, so another connection sees it too.
     assert raw_sql(tmp_path / "j.db", "PRAGMA journal_mode") == [("wal",)]
@@ -80,22 +115,56 @@ async def test_schema_is_created_and_versioned(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path):
         pass
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("1",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("2",)]
+    tables = {
+        row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    }
+    assert tables == {"meta", "chunks", "intents", "runs"}
     indexes = {
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'index'")
     }
-    assert {"events_intent_key", "runs_outcome", "runs_machine"} <= indexes
+    assert {"runs_started", "runs_outcome", "runs_machine"} <= indexes
+    assert raw_sql(path, "PRAGMA page_size") == [(8192,)]
+
+
+async def test_one_chunk_per_run_per_batch(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    one, two = run_events("r-1", 1.0), run_events("r-2", 2.0)
+    async with await open_sqlite_store(path) as store:
+        # Interleaved runs: each run's events of a batch still make one row.
+        await store.append([one[0], two[0], one[1], two[1], one[2]])
+        await store.append([two[2], one[3], one[4], two[3], two[4]])
+        assert store.bytes_written == sum(len(row[5]) for row in encode_rows(one + two))
+        assert await store.load("r-1") == one
+        assert await store.load("r-2") == two
+    assert raw_sql(path, "SELECT run_id, first_seq, last_seq FROM chunks ORDER BY rowid") == [
+        ("r-1", 1, 3),
+        ("r-2", 1, 2),
+        ("r-2", 3, 5),
+        ("r-1", 4, 5),
+    ]
+
+
+async def test_intent_keys_are_unique_in_the_database(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    intent = IntentRecorded(
+        run_id="r-1", seq=2, ts=2.0, state="A", tool="pay", args={"n": 1}, key="r-1:A:2"
+    )
+    async with await open_sqlite_store(path) as store:
+        await store.append([run_events("r-1", 1.0)[0], intent])
+    assert raw_sql(path, "SELECT key, run_id, seq FROM intents") == [("r-1:A:2", "r-1", 2)]
+    with pytest.raises(sqlite3.IntegrityError, match=r"UNIQUE constraint failed: intents\.key"):
+        raw_sql(path, "INSERT INTO intents VALUES ('r-1:A:2', 'r-2', 2)")
 
 
 async def test_corrupt_body_is_reported_with_run_and_seq(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path) as store:
         await store.append(run_events("r-1", 1.0))
-    [(body,)] = raw_sql(path, "SELECT body FROM events WHERE run_id = 'r-1' AND seq = 3")
-    assert isinstance(body, bytes)
+    first, body = chunk(path, "r-1", 3)
     flipped = bytearray(body)
-    flipped[-1] ^= 0x01
-    raw_sql(path, "UPDATE events SET body = ? WHERE run_id = 'r-1' AND seq = 3", (bytes(flipped),))
+    flipped[frame_ends(body)[3 - first] - 1] ^= 0x01
+    set_chunk(path, "r-1", first, bytes(flipped))
     async with await open_sqlite_store(path) as store:
         with pytest.raises(
             JournalCorrupt,
@@ -108,12 +177,143 @@ async def test_torn_body_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path) as store:
         await store.append(run_events("r-1", 1.0))
-    raw_sql(path, "UPDATE events SET body = substr(body, 1, 10) WHERE seq = 2")
+    first, body = chunk(path, "r-1", 2)
+    # Cut inside the header of seq 2's frame.
+    set_chunk(path, "r-1", first, body[: frame_ends(body)[0] + 10])
     async with await open_sqlite_store(path) as store:
         with pytest.raises(
             JournalCorrupt, match=r"^journal of run 'r-1' is torn \(cut short\) at seq 2; "
         ):
             await store.load("r-1")
+
+
+@pytest.mark.parametrize("cut", ["inside the frame", "at a frame boundary"])
+async def test_chunk_with_a_torn_tail_reports_the_seq(tmp_path: Path, cut: str) -> None:
+    path = tmp_path / "j.db"
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(path) as store:
+        await store.append(events[:2])
+        await store.append(events[2:])  # the chunk of seqs 3..5
+    first, body = chunk(path, "r-1", 5)
+    assert first == 3
+    ends = frame_ends(body)
+    # Seq 5's frame loses its last bytes, or goes entirely: both are a tail cut short.
+    set_chunk(
+        path, "r-1", first, body[: ends[2] - 7] if cut == "inside the frame" else body[: ends[1]]
+    )
+    async with await open_sqlite_store(path) as store:
+        with pytest.raises(
+            JournalCorrupt,
+            match=r"^journal of run 'r-1' is torn \(cut short\) at seq 5; the store was written "
+            r"outside interlock or a write was cut short; restore it from a backup$",
+        ):
+            await store.load("r-1")
+
+
+async def test_missing_chunk_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(path) as store:
+        for event in events:
+            await store.append([event])
+    raw_sql(path, "DELETE FROM chunks WHERE run_id = 'r-1' AND first_seq = 3")
+    async with await open_sqlite_store(path) as store:
+        with pytest.raises(
+            JournalCorrupt,
+            match=r"^journal of run 'r-1' is missing or repeating events: seq 4 follows seq 2; ",
+        ):
+            await store.load("r-1")
+
+
+async def test_chunk_with_extra_or_misplaced_frames_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        await store.append(run_events("r-1", 1.0))
+        await store.append(run_events("r-2", 1.0))
+    _first, body = chunk(path, "r-1", 1)
+    _first, other = chunk(path, "r-2", 1)
+    set_chunk(path, "r-1", 1, body + other[: frame_ends(other)[0]])
+    async with await open_sqlite_store(path) as store:
+        with pytest.raises(JournalCorrupt, match=r"^journal of run 'r-1' holds more events than"):
+            await store.load("r-1")
+    set_chunk(path, "r-1", 1, other)
+    async with await open_sqlite_store(path) as store:
+        with pytest.raises(
+            JournalCorrupt,
+            match=r"^journal of run 'r-1' holds an event of run 'r-2' seq 1 where seq 1 belongs$",
+        ):
+            await store.load("r-1")
+
+
+async def test_a_gap_in_seqs_is_refused(tmp_path: Path) -> None:
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(tmp_path / "j.db") as store:
+        await store.append(events[:2])
+        with pytest.raises(
+            StoreError,
+            match=r"^run 'r-1' is at seq 2; cannot append seq 4 \(seqs must follow one another "
+            r"without gaps\)$",
+        ):
+            await store.append(events[3:])
+        with pytest.raises(StoreError, match=r"^run 'r-1' is at seq 3; cannot append seq 5 "):
+            await store.append([events[2], events[4]])
+        assert await store.load("r-1") == events[:2]
+        await store.append(events[2:])
+        assert await store.load("r-1") == events
+
+
+async def test_wal_is_checkpointed_and_the_thread_ends_on_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "j.db"
+    name = f"interlock checkpoint of {path}"
+    # The writer never checkpoints itself here, so only the thread can.
+    monkeypatch.setattr(sqlite_store_module, "AUTOCHECKPOINT_BYTES", 1 << 40)
+    # 300 runs of about 40 kB: the checkpoint thread is due every 4 MiB.
+    journals = {
+        run_id: [
+            msgspec.structs.replace(e, inputs={"pad": "x" * 40_000})
+            if isinstance(e, RunStarted)
+            else e
+            for e in run_events(run_id, float(i))
+        ]
+        for i, run_id in enumerate(f"r-{i:03d}" for i in range(300))
+    }
+
+    def checkpoint_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == name]
+
+    def database_file_grows() -> bool:
+        # In WAL mode only a checkpoint writes the database file.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if path.stat().st_size > 4 * 1024 * 1024:
+                return True
+            time.sleep(0.01)
+        return False
+
+    async with await open_sqlite_store(path, synchronous="FULL") as store:
+        assert checkpoint_threads() == [name]
+        for events in journals.values():
+            await store.append(events)
+        assert await trio.to_thread.run_sync(database_file_grows)
+    assert checkpoint_threads() == []
+    # The last connection to close checkpoints everything and removes the WAL.
+    assert not (tmp_path / "j.db-wal").exists()
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert checkpoint_threads() == []
+        for run_id, events in journals.items():
+            assert await store.load(run_id) == events
+
+
+async def test_store_dropped_without_close_ends_its_thread(tmp_path: Path) -> None:
+    store = await open_sqlite_store(tmp_path / "j.db")
+    name = f"interlock checkpoint of {tmp_path / 'j.db'}"
+    thread = next(t for t in threading.enumerate() if t.name == name)
+    del store
+    gc.collect()
+    await trio.to_thread.run_sync(thread.join, 5.0)
+    assert not thread.is_alive()
 
 
 async def test_random_bytes_file_is_refused_and_left_unchanged(tmp_path: Path) -> None:
@@ -159,7 +359,7 @@ async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     raw_sql(path, "UPDATE meta SET value = '99' WHERE name = 'schema_version'")
     with pytest.raises(
         StoreError,
-        match=r"j\.db: database schema version 99 is newer than this interlock supports \(1\); "
+        match=r"j\.db: database schema version 99 is newer than this interlock supports \(2\); "
         r"upgrade interlock to open it$",
     ):
         await open_sqlite_store(path)
@@ -226,3 +426,98 @@ async def test_thousand_runs_in_batches_of_500(tmp_path: Path) -> None:
         runs = await store.list_runs(outcome=COMPLETED)
         assert [r.run_id for r in runs] == sorted(journals)
         assert all(r.seq == 5 and r.state == "DONE" for r in runs)
+
+
+# --- version 1 (a row per event) is upgraded in place -------------------------------------
+
+_V1_SCHEMA = (
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    """CREATE TABLE events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL,
+        ts REAL NOT NULL, key TEXT, body BLOB NOT NULL, PRIMARY KEY (run_id, seq)) WITHOUT ROWID""",
+    "CREATE UNIQUE INDEX events_intent_key ON events (key) WHERE kind = 'intent_recorded'",
+    """CREATE TABLE runs (run_id TEXT PRIMARY KEY, machine TEXT NOT NULL, state TEXT NOT NULL,
+        outcome TEXT NOT NULL, seq INTEGER NOT NULL, started REAL NOT NULL, updated REAL NOT NULL,
+        reason TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '') WITHOUT ROWID""",
+    "CREATE INDEX runs_started ON runs (started, run_id)",
+    "CREATE INDEX runs_outcome ON runs (outcome, started, run_id)",
+    "CREATE INDEX runs_machine ON runs (machine, started, run_id)",
+    "INSERT INTO meta VALUES ('schema_version', '1')",
+)
+
+
+def write_v1(path: Path, events: list[Event]) -> None:
+    """A database as interlock wrote it with schema version 1: one row per event."""
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("PRAGMA journal_mode = WAL")
+        for statement in _V1_SCHEMA:
+            conn.execute(statement)
+        conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", encode_rows(events))
+        updates = index_updates(events, {})
+        conn.executemany(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [msgspec.structs.astuple(r) for r in updates.values()],
+        )
+
+
+def with_intent(run_id: str, ts: float) -> list[Event]:
+    events = run_events(run_id, ts)
+    intent = IntentRecorded(
+        run_id=run_id, seq=3, ts=ts, state="B", tool="pay", args={}, key=f"{run_id}:B:3"
+    )
+    return [*events[:2], intent, *[msgspec.structs.replace(e, seq=e.seq + 1) for e in events[2:]]]
+
+
+async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    one, two, three = with_intent("r-1", 1.0), run_events("r-2", 2.0), run_events("r-3", 3.0)
+    write_v1(path, one + two + three)
+    # r-3's seq 3 was cut short under version 1; the upgrade keeps it as it is.
+    raw_sql(path, "UPDATE events SET body = substr(body, 1, 20) WHERE run_id = 'r-3' AND seq = 3")
+    with pytest.raises(StoreError) as info:
+        await open_sqlite_store(path, readonly=True)
+    assert str(info.value) == (
+        f"{path}: database schema version 1 was written by an older interlock; open it once "
+        "without readonly=True to upgrade it in place to version 2 (every event is kept)"
+    )
+    async with await open_sqlite_store(path) as store:
+        assert await store.load("r-1") == one
+        assert await store.load("r-2") == two
+        with pytest.raises(
+            JournalCorrupt, match=r"^journal of run 'r-3' is torn \(cut short\) at seq 3; "
+        ):
+            await store.load("r-3")
+        assert [r.run_id for r in await store.list_runs(outcome=COMPLETED)] == ["r-1", "r-2", "r-3"]
+        # The intent keys came along: a second intent with r-1's key is refused.
+        duplicate = msgspec.structs.replace(with_intent("r-4", 4.0)[2], key="r-1:B:3")
+        with pytest.raises(
+            StoreError,
+            match=r"^idempotency key 'r-1:B:3' was already recorded; nothing was written$",
+        ):
+            await store.append([*run_events("r-4", 4.0)[:2], duplicate])
+        await store.append(run_events("r-4", 4.0))
+    tables = {
+        row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    }
+    assert tables == {"meta", "chunks", "intents", "runs"}
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("2",)]
+    assert raw_sql(
+        path, "SELECT run_id, first_seq, last_seq FROM chunks ORDER BY run_id, first_seq"
+    ) == [
+        ("r-1", 1, 6),
+        ("r-2", 1, 5),
+        ("r-3", 1, 3),
+        ("r-3", 4, 5),
+        ("r-4", 1, 5),
+    ]
+    # Opened again, it is an ordinary version 2 database.
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert await store.load("r-1") == one
+
+
+async def test_unknown_older_schema_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path):
+        pass
+    raw_sql(path, "UPDATE meta SET value = '0' WHERE name = 'schema_version'")
+    with pytest.raises(StoreError, match=r"j\.db: database schema version 0 is not supported$"):
+        await open_sqlite_store(path)
