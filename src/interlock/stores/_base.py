@@ -189,6 +189,33 @@ def index_updates(events: Sequence[Event], current: dict[str, RunRecord]) -> dic
     return {run_id: RunRecord(**row) for run_id, row in fields.items()}
 
 
+def runs_query(
+    columns: str,
+    placeholder: str,
+    *,
+    machine: str | None,
+    state: str | None,
+    outcome: str | None,
+    limit: int | None,
+) -> tuple[str, list[object]]:
+    """The SQL and parameters of :meth:`Store.list_runs` for a store whose driver uses
+    ``placeholder`` (``?`` for sqlite3, ``%s`` for psycopg)."""
+    clauses: list[str] = []
+    params: list[object] = []
+    for column, value in (("machine", machine), ("state", state), ("outcome", outcome)):
+        if value is not None:
+            clauses.append(f"{column} = {placeholder}")
+            params.append(value)
+    sql = f"SELECT {columns} FROM runs"
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    sql += " ORDER BY started, run_id"
+    if limit is not None:
+        sql += f" LIMIT {placeholder}"
+        params.append(limit)
+    return sql, params
+
+
 class Store(abc.ABC):
     """Where the journal and the runs index live. One writer: the supervisor.
 

@@ -12,7 +12,15 @@ from psycopg import errors, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._exceptions import RunNotFound, StoreError
-from ._base import RunRecord, Store, check_batch, decode_body, encode_rows, index_updates
+from ._base import (
+    RunRecord,
+    Store,
+    check_batch,
+    decode_body,
+    encode_rows,
+    index_updates,
+    runs_query,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -311,19 +319,9 @@ class PostgresStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        clauses: list[str] = []
-        params: list[object] = []
-        for column, value in (("machine", machine), ("state", state), ("outcome", outcome)):
-            if value is not None:
-                clauses.append(f"{column} = %s")
-                params.append(value)
-        query = f"SELECT {_RUN_COLUMNS} FROM runs"
-        if clauses:
-            query += " WHERE " + " AND ".join(clauses)
-        query += " ORDER BY started, run_id"
-        if limit is not None:
-            query += " LIMIT %s"
-            params.append(limit)
+        query, params = runs_query(
+            _RUN_COLUMNS, "%s", machine=machine, state=state, outcome=outcome, limit=limit
+        )
         rows = await self._call(
             "list_runs",
             lambda conn: conn.execute(query, params).fetchall(),

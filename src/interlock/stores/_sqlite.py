@@ -32,7 +32,7 @@ from .._events import (
 )
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
-from ._base import RunRecord, Store, check_batch, index_updates
+from ._base import RunRecord, Store, check_batch, index_updates, runs_query
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -518,19 +518,9 @@ class SQLiteStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        clauses: list[str] = []
-        params: list[object] = []
-        for column, value in (("machine", machine), ("state", state), ("outcome", outcome)):
-            if value is not None:
-                clauses.append(f"{column} = ?")
-                params.append(value)
-        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
-        if clauses:
-            sql += " WHERE " + " AND ".join(clauses)
-        sql += " ORDER BY started, run_id"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
+        sql, params = runs_query(
+            _RUN_COLUMNS, "?", machine=machine, state=state, outcome=outcome, limit=limit
+        )
         rows = await self._call("list_runs", lambda conn: conn.execute(sql, params).fetchall())
         return [_record(row) for row in rows]
 
