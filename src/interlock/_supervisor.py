@@ -898,42 +898,14 @@ class Supervisor:
         self._escalated(run_id)
         target = self.resume_target(run, to or "")
         if payload:
-            trial = fold(run.machine, await self.store.load(run_id))
-            now = self.clock()
-            trial.apply(
-                Resumed(
-                    run_id=run_id,
-                    seq=trial.seq + 1,
-                    ts=now,
-                    by=by,
-                    note=note,
-                    to=target,
-                    payload=payload,
-                )
-            )
-            trial.apply(
-                Transitioned(
-                    run_id=run_id,
-                    seq=trial.seq + 1,
-                    ts=now,
-                    src=ESCALATE,
-                    dst=target,
-                    reason="operator",
-                )
-            )
-            trial.apply(
-                StepProposed(
-                    run_id=run_id,
-                    seq=trial.seq + 1,
-                    ts=now,
-                    state=target,
-                    raw=payload,
-                    source="operator",
-                )
-            )
-            decision = verify(run.machine, trial, payload.encode(), now, self.circuits)
-            if not decision.accepted:
-                text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in decision.violations)
+            # Decide the resume for real, but on a copy of the run in a throwaway supervisor:
+            # a rejected payload must leave the journal and this supervisor untouched.
+            trial = Supervisor([run.machine], self.store, clock=self.clock)
+            trial.runs[run_id] = fold(run.machine, await self.store.load(run_id))
+            request = Resume(run_id=run_id, by=by, note=note, to=target, payload=payload)
+            attempt = trial._decide(request, [])
+            if attempt.violations:
+                text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in attempt.violations)
                 raise InterlockError(f"payload for run {run_id!r} was rejected: {text}")
         verdict = await self.request(
             Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or "")
