@@ -29,6 +29,7 @@ from cpython.object cimport Py_LT, PyObject_RichCompareBool
 from cpython.ref cimport Py_INCREF
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.unicode cimport PyUnicode_1BYTE_KIND, PyUnicode_DATA, PyUnicode_KIND
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -664,3 +665,38 @@ def proposal_hash(tool, canonical_args):
             value,
         )
     return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))
+
+
+def common_affixes(old, new):
+    """Return ``(prefix, suffix)``: how many leading and trailing characters ``new`` shares with ``old``.
+
+    Same contract as ``_hot_py.common_affixes``: the longest common prefix, then
+    the longest common suffix that does not overlap it.
+    """
+    if type(old) is not str or type(new) is not str:
+        raise TypeError(
+            f"common_affixes() takes two str, got {type(old).__name__} and {type(new).__name__}"
+        )
+    cdef str a = <str>old
+    cdef str b = <str>new
+    cdef Py_ssize_t len_a = len(a), len_b = len(b)
+    cdef Py_ssize_t limit = len_a if len_a < len_b else len_b
+    cdef Py_ssize_t prefix = 0, suffix = 0
+    cdef int kind_a = PyUnicode_KIND(a), kind_b = PyUnicode_KIND(b)
+    cdef const unsigned char* data_a
+    cdef const unsigned char* data_b
+    if kind_a == kind_b and kind_a == PyUnicode_1BYTE_KIND:
+        data_a = <const unsigned char*>PyUnicode_DATA(a)
+        data_b = <const unsigned char*>PyUnicode_DATA(b)
+        while prefix < limit and data_a[prefix] == data_b[prefix]:
+            prefix += 1
+        limit -= prefix
+        while suffix < limit and data_a[len_a - 1 - suffix] == data_b[len_b - 1 - suffix]:
+            suffix += 1
+        return prefix, suffix
+    while prefix < limit and a[prefix] == b[prefix]:
+        prefix += 1
+    limit -= prefix
+    while suffix < limit and a[len_a - 1 - suffix] == b[len_b - 1 - suffix]:
+        suffix += 1
+    return prefix, suffix

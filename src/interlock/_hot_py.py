@@ -12,7 +12,9 @@ Three jobs live here:
   so that a torn tail (the buffer ends inside a frame) and a corrupt frame (any
   single changed byte) are both detected;
 * failure compaction over a run's history, and the canonical proposal hash
-  used by the repeat breaker (64-bit FNV-1a).
+  used by the repeat breaker (64-bit FNV-1a);
+* prompt deltas: the lengths of the prefix and suffix two prompts share, so
+  that a model call journals only the part of its prompt that changed.
 """
 
 from __future__ import annotations
@@ -225,3 +227,38 @@ def proposal_hash(tool: bytes, canonical_args: bytes) -> int:
     equal calls hash equal whatever their key order.
     """
     return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))
+
+
+def common_affixes(old: str, new: str) -> tuple[int, int]:
+    """Return ``(prefix, suffix)``: how many leading and trailing characters ``new`` shares with ``old``.
+
+    The two never overlap: ``prefix + suffix <= min(len(old), len(new))``, so
+    ``new == old[:prefix] + new[prefix:len(new) - suffix] + old[len(old) - suffix:]``.
+    The prefix is the longest common one; the suffix is the longest that fits
+    after it.
+
+    Raises:
+      TypeError: if either argument is not a ``str``.
+    """
+    if type(old) is not str or type(new) is not str:
+        raise TypeError(
+            f"common_affixes() takes two str, got {type(old).__name__} and {type(new).__name__}"
+        )
+    limit = min(len(old), len(new))
+    low, high = 0, limit
+    while low < high:  # the longest equal prefix, by bisection on C-level comparisons
+        middle = (low + high + 1) // 2
+        if old[:middle] == new[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    prefix = low
+    low, high = 0, limit - prefix
+    end_old, end_new = len(old), len(new)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if old[end_old - middle :] == new[end_new - middle :]:
+            low = middle
+        else:
+            high = middle - 1
+    return prefix, low

@@ -190,3 +190,20 @@ MISUSE: list[Callable[[ModuleType], Any]] = [
 @pytest.mark.parametrize("call", MISUSE)
 def test_odd_inputs_agree(call: Callable[[ModuleType], Any]) -> None:
     same(call)
+
+
+# Prompts: mostly ASCII, sometimes wider characters, and pairs that share a prefix and a suffix.
+prompt_texts = st.text(alphabet=st.sampled_from("ab\n é😀"), max_size=40)
+
+
+@given(prompt_texts, prompt_texts, prompt_texts, prompt_texts)
+def test_common_affixes_agree(head: str, old_middle: str, new_middle: str, tail: str) -> None:
+    same(lambda hot: hot.common_affixes(head + old_middle + tail, head + new_middle + tail))
+    same(lambda hot: hot.common_affixes(old_middle, new_middle))
+
+
+@pytest.mark.parametrize(
+    "args", [(b"a", "a"), ("a", None), (1, 2), ("a", "a" * 3)], ids=["bytes", "none", "ints", "ok"]
+)
+def test_common_affixes_odd_inputs_agree(args: tuple[Any, Any]) -> None:
+    same(lambda hot: hot.common_affixes(*args))
