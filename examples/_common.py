@@ -32,7 +32,9 @@ def _brief(event: Any) -> str:
     import msgspec
 
     data = msgspec.to_builtins(event)
-    for noise in ("run_id", "seq", "ts", "kind", "prompt", "prompt_hash", "latency"):
+    for noise in ("run_id", "seq", "ts", "kind", "latency", "prompt", "prompt_hash"):
+        data.pop(noise, None)
+    for noise in ("prompt_base", "prompt_prefix", "prompt_suffix"):
         data.pop(noise, None)
     text = msgspec.json.encode(data).decode()
     return text if len(text) < 150 else text[:147] + "..."

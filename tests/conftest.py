@@ -13,7 +13,20 @@ from interlock.stores import MemoryStore, Store
 
 #: Fields that vary between runs of the same test (wall-clock latencies, prompt text and
 #: token estimates); ``events_of`` leaves them out so tests compare what the run decided.
-VOLATILE_FIELDS = frozenset({"run_id", "seq", "ts", "latency", "prompt", "prompt_hash", "usage"})
+VOLATILE_FIELDS = frozenset(
+    {
+        "run_id",
+        "seq",
+        "ts",
+        "latency",
+        "prompt",
+        "prompt_hash",
+        "prompt_base",
+        "prompt_prefix",
+        "prompt_suffix",
+        "usage",
+    }
+)
 
 EventSummary = tuple[str, dict[str, Any]]
 

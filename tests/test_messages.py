@@ -315,6 +315,28 @@ GOLDEN_EVENTS: list[Event] = [
     Completed(run_id="r-1", seq=12, ts=TS + 61, state="COMPLETED", output={"answer": "refunded"}),
     Failed(run_id="r-2", seq=2, ts=TS + 62, state="FAILED", reason="aborted by bob"),
 ]
+#: What journals written before prompt deltas hold: every event above, and each
+#: ``model_called`` with its prompt whole (the delta fields absent, so at their defaults).
+GOLDEN_EVENTS_0_1 = list(GOLDEN_EVENTS)
+GOLDEN_EVENTS.append(
+    ModelCalled(
+        run_id="r-1",
+        seq=13,
+        ts=TS + 62,
+        state="WORK",
+        model="gpt-test",
+        prompt_hash="fedcba9876543210fedcba9876543210",
+        prompt="\n  [12] resumed",
+        raw='{"next": "COMPLETED"}',
+        usage=TokenUsage(130, 6),
+        latency=0.25,
+        error="",
+        prompt_base=2,
+        prompt_prefix=11,
+        prompt_suffix=0,
+    )
+)
+GOLDEN_0_1 = GOLDEN.with_name("events-0.1.0.msgpack")
 
 
 def golden_bytes() -> bytes:
@@ -322,8 +344,9 @@ def golden_bytes() -> bytes:
 
 
 def test_golden_events_cover_every_kind() -> None:
-    kinds = [type(e).__name__ for e in GOLDEN_EVENTS]
-    assert sorted(kinds) == sorted(cls.__name__ for cls in typing.get_args(JournalEvent))
+    kinds = {type(e).__name__ for e in GOLDEN_EVENTS_0_1}
+    assert kinds == {cls.__name__ for cls in typing.get_args(JournalEvent)}
+    assert len(GOLDEN_EVENTS_0_1) == len(kinds)  # one of each, plus a prompt delta after them
 
 
 def test_events_carry_their_tags() -> None:
@@ -352,6 +375,15 @@ def test_golden_bytes_encode() -> None:
 def test_golden_bytes_decode() -> None:
     payloads = msgspec.msgpack.decode(GOLDEN.read_bytes(), type=list[msgspec.Raw])
     assert [decode_event(bytes(payload)) for payload in payloads] == GOLDEN_EVENTS
+
+
+def test_journals_from_before_prompt_deltas_still_decode() -> None:
+    payloads = msgspec.msgpack.decode(GOLDEN_0_1.read_bytes(), type=list[msgspec.Raw])
+    events = [decode_event(bytes(payload)) for payload in payloads]
+    assert events == GOLDEN_EVENTS_0_1
+    called = events[1]
+    assert isinstance(called, ModelCalled)
+    assert (called.prompt_base, called.prompt_prefix, called.prompt_suffix) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("event", GOLDEN_EVENTS, ids=lambda e: type(e).__name__)

@@ -35,7 +35,8 @@ from interlock import (
     fold,
     open_supervisor,
 )
-from interlock.providers import Proposal, ScriptedProvider
+from interlock._events import ModelCalled, hash_prompt, whole_prompts
+from interlock.providers import Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
 
@@ -259,10 +260,84 @@ async def test_failures_are_compacted_in_the_view_but_not_in_the_journal(
     events = await memory_store.load("r-1")
     assert [e.seq for e in events if type(e).__name__ == "ProposalRejected"] == [6, 8, 10]
     # the prompt of the fifth model call carries the three rejections as one line and one fix
-    prompt = [e for e in events if type(e).__name__ == "ModelCalled"][4].prompt  # type: ignore[attr-defined]
+    prompt = [whole for _, whole in whole_prompts(events)][4]
     assert prompt.count("] rejected: ") == 1
     assert f"  [10] rejected: 3 attempts rejected: {rejected}\n" in prompt
     assert prompt.count("fix: propose amount <= 100.0") == 1
+
+
+class Recording:
+    """Answers from a script and keeps every prompt it was given (the rendered one, or its own)."""
+
+    model = "recording"
+
+    def __init__(self, script: list[str], prompts: list[str] | None = None) -> None:
+        self.script = iter(script)
+        self.own = iter(prompts) if prompts is not None else None
+        self.given: list[str] = []
+
+    async def propose(self, view: RunView) -> Proposal:
+        prompt = next(self.own) if self.own is not None else render_prompt(view)
+        self.given.append(prompt)
+        return Proposal(next(self.script), TokenUsage(len(prompt) // 4, 5), self.model, prompt)
+
+
+async def test_prompts_are_journaled_as_deltas_and_rebuilt_exactly(
+    memory_store: MemoryStore,
+) -> None:
+    provider = Recording([LOOKUP, REFUND_150, REFUND_150, REFUND_100, DONE])
+    spec = refund_machine(breakers=BreakerPolicy(consecutive_failures=5))
+    async with open_supervisor([spec], memory_store, provider=provider) as sup:
+        result = await (await sup.start_run("refund", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    events = await memory_store.load("r-1")
+    calls = [e for e in events if isinstance(e, ModelCalled)]
+    assert len(calls) == len(provider.given) == 5
+    # the first prompt is whole; each later one is written against the one before it
+    assert calls[0].prompt == provider.given[0]
+    assert calls[0].prompt_base == 0
+    assert [c.prompt_base for c in calls[1:]] == [c.seq for c in calls[:-1]]
+    journaled = sum(len(c.prompt) for c in calls)
+    whole = sum(len(p) for p in provider.given)
+    assert journaled < whole / 2, (journaled, whole)
+    # every prompt comes back exactly, and matches its hash
+    assert [p for _, p in whole_prompts(events)] == provider.given
+    assert [c.prompt_hash for c in calls] == [hash_prompt(p) for p in provider.given]
+    # folding the journal (recovery) rebuilds the last prompt, the base of the next delta
+    folded = fold(spec, events)
+    assert (folded.prompt, folded.prompt_seq) == (provider.given[-1], calls[-1].seq)
+
+
+async def test_unrelated_prompts_are_journaled_whole(memory_store: MemoryStore) -> None:
+    prompts = ["short one", "x" * 200, "y" * 200]
+    provider = Recording([LOOKUP, REFUND_100, DONE], prompts)
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        await (await sup.start_run("refund", run_id="r-1")).wait()
+    calls = [e for e in await memory_store.load("r-1") if isinstance(e, ModelCalled)]
+    assert [(c.prompt, c.prompt_base) for c in calls] == [(p, 0) for p in prompts]
+
+
+async def test_a_prompt_delta_against_a_missing_call_is_refused(memory_store: MemoryStore) -> None:
+    provider = Recording([LOOKUP, REFUND_100, DONE])
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        await (await sup.start_run("refund", run_id="r-1")).wait()
+    events = await memory_store.load("r-1")
+    second = [i for i, e in enumerate(events) if isinstance(e, ModelCalled)][1]
+    damaged = list(events)
+    damaged[second] = msgspec.structs.replace(events[second], prompt_base=1)
+    with pytest.raises(
+        ProtocolError, match=r"written against the prompt at seq 1, but the previous "
+    ):
+        fold(refund_machine(), damaged)
+    with pytest.raises(ValueError, match=r"written against the prompt at seq 1, but the previous "):
+        list(whole_prompts(damaged))
+    too_long = msgspec.structs.replace(events[second], prompt_prefix=10**6)
+    damaged[second] = too_long
+    with pytest.raises(ProtocolError, match=r"keeps 1000000\+\d+ characters of the prompt at seq"):
+        fold(refund_machine(), damaged)
+    damaged[second] = msgspec.structs.replace(events[second], prompt="tampered")
+    with pytest.raises(ValueError, match="does not match its recorded hash"):
+        list(whole_prompts(damaged))
 
 
 # -- cancellation ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ._events import (
     ToolFailed,
     Transitioned,
     event_to_builtins,
+    whole_prompts,
 )
 from ._exceptions import InterlockError
 from ._hot_py import compact_failures
@@ -512,9 +513,15 @@ async def _show(args: argparse.Namespace) -> int:
         for position in range(first, last + 1):
             groups[rejected[position]] = (position - first + 1, count)
     if args.json:
+        try:
+            prompts = {event.seq: prompt for event, prompt in whole_prompts(events)}
+        except ValueError as exc:
+            raise InterlockError(f"{args.db}: {exc}") from None
         timeline = []
         for i, event in enumerate(events):
             item = event_to_builtins(event)
+            if event.seq in prompts:
+                item["prompt_text"] = prompts[event.seq]  # whole, however it was journaled
             if i in groups and groups[i][1] > 1:
                 item["compacted"] = {"position": groups[i][0], "of": groups[i][1]}
             timeline.append(item)

@@ -8,9 +8,13 @@ recorded wall-clock time in seconds since the epoch. Events are never mutated.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+import hashlib
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
 
 
 class Violation(msgspec.Struct, frozen=True, gc=False):
@@ -58,7 +62,16 @@ class RunStarted(Event, frozen=True, tag="run_started"):
 
 
 class ModelCalled(Event, frozen=True, tag="model_called"):
-    """The provider was asked for a proposal in a worker state, and answered."""
+    """The provider was asked for a proposal in a worker state, and answered.
+
+    The prompt is recorded whole, or as a delta against the run's previous model
+    call when the two share most of their text (a run's prompts grow by a history
+    line a step): then ``prompt`` holds only the changed middle, and the whole
+    prompt is ``base[:prompt_prefix] + prompt + base[len(base) - prompt_suffix:]``
+    where ``base`` is the whole prompt of the ``model_called`` event at seq
+    ``prompt_base`` of the same run (see :func:`expand_prompt`). ``prompt_hash``
+    is always the hash of the whole prompt, so a rebuilt prompt can be checked.
+    """
 
     state: str
     model: str
@@ -70,6 +83,12 @@ class ModelCalled(Event, frozen=True, tag="model_called"):
     """Seconds the provider took."""
     error: str = ""
     """Set when the provider failed to answer (``raw`` is then empty)."""
+    prompt_base: int = 0
+    """Seq of the earlier model call ``prompt`` is a delta against; 0: ``prompt`` is whole."""
+    prompt_prefix: int = 0
+    """Leading characters of the base prompt that this prompt starts with."""
+    prompt_suffix: int = 0
+    """Trailing characters of the base prompt that this prompt ends with."""
 
 
 class StepProposed(Event, frozen=True, tag="step_proposed"):
@@ -236,3 +255,58 @@ def event_to_builtins(event: Event) -> dict[str, Any]:
 
 def event_to_json(event: Event) -> bytes:
     return _json_encoder.encode(event)
+
+
+def hash_prompt(prompt: str) -> str:
+    """The ``prompt_hash`` of a whole prompt: the first 32 hex digits of its SHA-256."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:32]
+
+
+def expand_prompt(base: str, event: ModelCalled) -> str:
+    """Return the whole prompt of ``event``, given the whole prompt of its ``prompt_base`` call.
+
+    ``base`` is ignored when the event records its prompt whole (``prompt_base == 0``).
+
+    Raises:
+      ValueError: if the delta does not fit ``base`` (the wrong base, or a damaged journal).
+    """
+    if not event.prompt_base:
+        return event.prompt
+    prefix, suffix = event.prompt_prefix, event.prompt_suffix
+    if prefix < 0 or suffix < 0 or prefix + suffix > len(base):
+        raise ValueError(
+            f"run {event.run_id!r}: model_called {event.seq} keeps {prefix}+{suffix} characters "
+            f"of the prompt at seq {event.prompt_base}, which has only {len(base)}; "
+            "the journal is damaged or out of order"
+        )
+    return base[:prefix] + event.prompt + base[len(base) - suffix :]
+
+
+def whole_prompts(events: Iterable[Event]) -> Iterator[tuple[ModelCalled, str]]:
+    """Yield each ``model_called`` event of ``events`` with its whole prompt, rebuilt and checked.
+
+    ``events`` may interleave runs; each run's events must be in seq order.
+
+    Raises:
+      ValueError: if a delta names a base that is not the run's previous model call, or
+        the rebuilt prompt does not match the recorded ``prompt_hash``.
+    """
+    last: dict[str, tuple[int, str]] = {}
+    for event in events:
+        if not isinstance(event, ModelCalled):
+            continue
+        base_seq, base = last.get(event.run_id, (0, ""))
+        if event.prompt_base and event.prompt_base != base_seq:
+            raise ValueError(
+                f"run {event.run_id!r}: model_called {event.seq} is written against the prompt "
+                f"at seq {event.prompt_base}, but the previous model call is at seq {base_seq}; "
+                "the journal is missing events"
+            )
+        prompt = expand_prompt(base, event)
+        if event.prompt_hash and hash_prompt(prompt) != event.prompt_hash:
+            raise ValueError(
+                f"run {event.run_id!r}: the prompt of model_called {event.seq} does not match "
+                "its recorded hash; the journal is damaged"
+            )
+        last[event.run_id] = (event.seq, prompt)
+        yield event, prompt

@@ -30,6 +30,7 @@ from ._events import (
     ToolFailed,
     Transitioned,
     Violation,
+    expand_prompt,
 )
 from ._exceptions import InterlockError, ProtocolError, ReplayDivergence
 from ._machine import ESCALATE, FAILED, Step, encode_action
@@ -108,7 +109,16 @@ def _comparable(event: Event) -> dict[str, Any]:
 
 def _describe(event: Event) -> str:
     data = _comparable(event)
-    for name in ("run_id", "seq", "ts", "prompt", "prompt_hash"):
+    for name in (
+        "run_id",
+        "seq",
+        "ts",
+        "prompt",
+        "prompt_hash",
+        "prompt_base",
+        "prompt_prefix",
+        "prompt_suffix",
+    ):
         data.pop(name, None)
     kind = data.pop("kind", _tag(event))
     text = msgspec.json.encode(data).decode()
@@ -288,12 +298,21 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     raw, error = "", f"step {run.state!r} raised {type(exc).__name__}: {exc}"
                 msg = Propose(run_id=run_id, seq=run.seq, raw=raw, source="step", error=error)
             elif isinstance(upcoming, ModelCalled):
+                if upcoming.prompt_base and upcoming.prompt_base != run.prompt_seq:
+                    return divergence(
+                        position,
+                        f"a prompt written against the model call at seq {run.prompt_seq}",
+                    )
+                try:
+                    prompt = expand_prompt(run.prompt, upcoming)
+                except ValueError:
+                    return divergence(position, "a prompt delta that fits the previous prompt")
                 msg = Propose(
                     run_id=run_id,
                     seq=run.seq,
                     raw=upcoming.raw,
                     model=upcoming.model,
-                    prompt=upcoming.prompt,
+                    prompt=prompt,
                     usage=upcoming.usage,
                     latency=upcoming.latency,
                     error=upcoming.error,

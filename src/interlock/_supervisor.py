@@ -4,7 +4,6 @@ group-commits the journal and replies only after the batch is durable."""
 from __future__ import annotations
 
 import gc
-import hashlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -33,9 +32,11 @@ from ._events import (
     ToolFailed,
     Transitioned,
     Violation,
+    hash_prompt,
 )
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
+from ._hotpath import common_affixes
 from ._machine import ESCALATE, FAILED, Machine, Step, Worker
 from ._messages import (
     Abort,
@@ -61,6 +62,10 @@ Clock = Callable[[], float]
 
 #: Garbage-collector thresholds while a supervisor runs (see :func:`open_supervisor`).
 GC_THRESHOLD = (50_000, 20, 100)
+
+#: A model call journals its prompt as a delta against the run's previous one when the two
+#: share at least this many characters; otherwise whole (a delta would save next to nothing).
+_MIN_SHARED_PROMPT = 64
 
 
 class RunResult(msgspec.Struct, frozen=True):
@@ -415,7 +420,16 @@ class Supervisor:
         now = self.clock()
         state = run.state
         if msg.source == "model":
-            prompt_hash = hashlib.sha256(msg.prompt.encode()).hexdigest()[:32]
+            prompt = msg.prompt
+            base = prefix = suffix = 0
+            text = prompt
+            if run.prompt_seq:
+                prefix, suffix = common_affixes(run.prompt, prompt)
+                if prefix + suffix >= _MIN_SHARED_PROMPT:
+                    base = run.prompt_seq
+                    text = prompt[prefix : len(prompt) - suffix]
+                else:
+                    prefix = suffix = 0
             self._emit(
                 run,
                 events,
@@ -423,12 +437,15 @@ class Supervisor:
                 now,
                 state=state,
                 model=msg.model,
-                prompt_hash=prompt_hash,
-                prompt=msg.prompt,
+                prompt_hash=hash_prompt(prompt),
+                prompt=text,
                 raw=msg.raw,
                 usage=msg.usage,
                 latency=msg.latency,
                 error=msg.error,
+                prompt_base=base,
+                prompt_prefix=prefix,
+                prompt_suffix=suffix,
             )
             tokens = self.stats.tokens
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt

@@ -23,6 +23,7 @@ from ._events import (
     ToolFailed,
     Transitioned,
     Violation,
+    expand_prompt,
 )
 from ._exceptions import ProtocolError
 from ._hotpath import compact_failures, fnv1a64
@@ -90,6 +91,8 @@ class RunState:
         "output",
         "pending",
         "previous",
+        "prompt",
+        "prompt_seq",
         "repeat_counts",
         "results",
         "run_id",
@@ -125,6 +128,10 @@ class RunState:
         """The state before the latest transition."""
         self.closed = False
         """True once the run's terminal event (completed, escalated, failed) is journaled."""
+        self.prompt = ""
+        """The whole prompt of the run's latest model call (the base of the next one's delta)."""
+        self.prompt_seq = 0
+        """The seq of the run's latest model call; 0 before the first."""
         self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
 
     @property
@@ -152,6 +159,17 @@ class RunState:
             case ModelCalled(usage=usage):
                 self.tokens += usage.prompt + usage.completion
                 self.steps += 1
+                if event.prompt_base and event.prompt_base != self.prompt_seq:
+                    raise ProtocolError(
+                        f"run {self.run_id!r}: model_called {event.seq} is written against the "
+                        f"prompt at seq {event.prompt_base}, but the previous model call is at seq "
+                        f"{self.prompt_seq}; the journal is missing events"
+                    )
+                try:
+                    self.prompt = expand_prompt(self.prompt, event)
+                except ValueError as exc:
+                    raise ProtocolError(str(exc)) from None
+                self.prompt_seq = event.seq
             case StepProposed(source=source):
                 if source != "operator":
                     self.steps += 1
