@@ -292,6 +292,14 @@ cdef class Tables:
             return _OK
         return _TOOL_NOT_ALLOWED
 
+    cpdef int check_call(self, state, tool) except -1:
+        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by names, in one call."""
+        # The name lookups run in _hot_py's order (state first), so an unhashable
+        # name raises the same error; the ids they return are exact ints.
+        state_id = self._state_ids.get(state, -1)
+        tool_id = self._tool_ids.get(tool, -1)
+        return self.check_tool(state_id, tool_id)
+
     cpdef bint is_terminal(self, state) except -1:
         """Return whether ``state`` is a terminal state."""
         cdef long long state_id

@@ -115,6 +115,10 @@ class Tables:
             return OK
         return TOOL_NOT_ALLOWED
 
+    def check_call(self, state: str, tool: str) -> int:
+        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by names, in one call."""
+        return self.check_tool(self.state_id(state), self.tool_id(tool))
+
     def is_terminal(self, state: int) -> bool:
         """Return whether ``state`` is a terminal state."""
         return 0 <= state < len(self.states) and bool((self.terminal >> state) & 1)

@@ -93,6 +93,36 @@ def test_tool_with_unknown_name(hot: ModuleType, tables: Any) -> None:
     assert tables.check_tool(1, tables.tool_id("nothing")) == hot.UNKNOWN_TOOL
 
 
+def test_call_codes_by_name(hot: ModuleType, tables: Any) -> None:
+    assert tables.check_call("draft", "lookup") == hot.OK
+    assert tables.check_call("review", "refund") == hot.OK
+    assert tables.check_call("approved", "notify") == hot.OK
+    assert tables.check_call("draft", "refund") == hot.TOOL_NOT_ALLOWED
+    assert tables.check_call("rejected", "lookup") == hot.TOOL_NOT_ALLOWED
+    assert tables.check_call("review", "nothing") == hot.UNKNOWN_TOOL
+    # An unknown state also answers UNKNOWN_TOOL, as check_tool does for its id -1.
+    assert tables.check_call("nowhere", "lookup") == hot.UNKNOWN_TOOL
+    assert tables.check_call("lookup", "draft") == hot.UNKNOWN_TOOL
+
+
+def test_call_equals_the_tool_check_on_the_ids(tables: Any) -> None:
+    for state in [*STATES, "nowhere", "lookup", ""]:
+        for tool in [*TOOLS, "nothing", "draft", ""]:
+            assert tables.check_call(state, tool) == tables.check_tool(
+                tables.state_id(state), tables.tool_id(tool)
+            )
+
+
+def test_call_with_unhashable_names(tables: Any) -> None:
+    with pytest.raises(TypeError, match=r"^unhashable type: 'list'$"):
+        tables.check_call([], "lookup")
+    with pytest.raises(TypeError, match=r"^unhashable type: 'dict'$"):
+        tables.check_call("draft", {})
+    # The state is looked up first.
+    with pytest.raises(TypeError, match=r"^unhashable type: 'list'$"):
+        tables.check_call([], {})
+
+
 def test_bool_ids_act_as_ints(hot: ModuleType, tables: Any) -> None:
     assert tables.check_transition(False, True) == hot.OK
     assert tables.check_tool(True, True) == hot.OK
@@ -160,6 +190,8 @@ def test_64_states_and_tools(hot: ModuleType) -> None:
     assert tables.check_tool(63, 63) == hot.OK
     assert tables.check_tool(63, 62) == hot.TOOL_NOT_ALLOWED
     assert tables.check_tool(63, 64) == hot.UNKNOWN_TOOL
+    assert tables.check_call("s63", "t63") == hot.OK
+    assert tables.check_call("s0", "t62") == hot.TOOL_NOT_ALLOWED
     assert tables.is_terminal(63) is True
     assert tables.is_terminal(62) is False
     assert tables.legal_next(10) == ("s0", "s63")
@@ -171,6 +203,7 @@ def test_empty_tables(hot: ModuleType) -> None:
     tables = hot.Tables([], [], [], [], 0)
     assert tables.check_transition(0, 0) == hot.UNKNOWN_STATE
     assert tables.check_tool(0, 0) == hot.UNKNOWN_TOOL
+    assert tables.check_call("a", "t") == hot.UNKNOWN_TOOL
     assert tables.is_terminal(0) is False
     assert tables.state_id("a") == -1
 
@@ -231,4 +264,5 @@ def test_survives_pickle(hot: ModuleType, tables: Any) -> None:
         tables.terminal,
     )
     assert copy.check_transition(1, 2) == hot.OK
+    assert copy.check_call("review", "refund") == hot.OK
     assert copy.state_id("rejected") == 3

@@ -84,6 +84,9 @@ def test_tables_agree(
     for name in [*machine[0], *machine[1], *lookups]:
         assert ours.state_id(name) == theirs.state_id(name)
         assert ours.tool_id(name) == theirs.tool_id(name)
+    for state in [*machine[0][:8], *lookups]:
+        for tool in [*machine[1][:8], *lookups]:
+            assert ours.check_call(state, tool) == theirs.check_call(state, tool)
     for first, second in pairs:
         assert ours.check_transition(first, second) == theirs.check_transition(first, second)
         assert ours.check_tool(first, second) == theirs.check_tool(first, second)
@@ -156,6 +159,11 @@ MISUSE: list[Callable[[ModuleType], Any]] = [
     lambda m: m.Tables(["a"], [], [0], [0], 0).check_transition(0.0, 0),
     lambda m: m.Tables(["a"], [], [0], [0], 0).check_transition(-1.5, 0),
     lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_tool(0, 0.0),
+    lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call([], "t"),
+    lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call("a", {}),
+    lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call({}, []),
+    lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call(0, 0),
+    lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call(b"a", b"t"),
     lambda m: m.Tables(["a"], [], [0], [0], 1).is_terminal(0.0),
     lambda m: m.Tables(["a"], [], [0], [0], 1).is_terminal("0"),
     lambda m: m.Tables(["a"], [], [0], [0], 0).legal_next(slice(None)),
