@@ -447,6 +447,7 @@ class Supervisor:
                 prompt_prefix=prefix,
                 prompt_suffix=suffix,
             )
+            run.prompt = prompt  # the provider's string, equal to the rebuilt one: keep one copy
             tokens = self.stats.tokens
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
             tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion
