@@ -30,9 +30,13 @@ from interlock import (
     Transitioned,
     Violation,
     Worker,
+    _gate,
     fold,
     verify,
 )
+from interlock._hotpath import proposal_hash
+from interlock._tools import plain_struct
+from interlock._view import _call_hash, canonical_args
 
 CODES = {
     "malformed",
@@ -889,3 +893,299 @@ def test_verify_never_raises_on_text(text: str, run_index: int) -> None:
 @given(proposal=_proposals, run_index=st.sampled_from([0, 1]))
 def test_verify_never_raises_on_json_objects(proposal: dict[str, Any], run_index: int) -> None:
     _check_never_raises(msgspec.json.encode(proposal), run_index)
+
+
+# -- the single-decode path ---------------------------------------------------------------
+# A call to a tool whose schema is a msgspec Struct is decoded once, through a per-state
+# tagged union; anything that union refuses goes through the two-pass path
+# (``_gate._verify``), which explains the rejection. Both must decide identically.
+
+
+def _repeated_run() -> RunState:
+    events = started()
+    for tool, args in (
+        ("lookup_order", {"order_id": "o1"}),
+        ("refund_struct", {"order_id": "o1", "amount": 10.0, "reason": "other"}),
+        ("refund_json", {"order_id": "o1", "amount": 10.0, "reason": "other"}),
+    ):
+        for _ in range(3):
+            events = committed(events, tool, args, {"total": 50.0})
+    return fold(MACHINE, events)
+
+
+PATH_RUNS = [run_in("WORK"), run_in("REVIEW"), run_in("ARCHIVE"), _repeated_run()]
+
+
+def _open_circuits() -> CircuitBoard:
+    circuits = CircuitBoard()
+    policy = BreakerPolicy(circuit_failures=1)
+    circuits.record("refund_struct", False, 990.0, policy, "HTTPStatusError: 503")
+    return circuits
+
+
+_TOOL_NAMES = [*MACHINE.tables.tools, "nope", "", "WORK"]
+_good_args = st.fixed_dictionaries(
+    {
+        "order_id": st.sampled_from(["o1", "o2"]) | st.text(max_size=3),
+        "amount": st.sampled_from([10, 10.0, 11, 0.5, 1000, 1001]) | st.floats(0, 2000),
+    },
+    optional={"reason": st.sampled_from(["damaged", "late", "other", "bored"])},
+)
+_call_args = (
+    _good_args
+    | st.just({"order_id": "o1"})
+    | st.just({})
+    | st.dictionaries(st.sampled_from(["order_id", "amount", "reason", "note"]), _json, max_size=4)
+    | _json
+)
+_pairs = st.lists(
+    st.tuples(st.just("tool"), st.sampled_from(_TOOL_NAMES) | _json)
+    | st.tuples(st.just("args"), _call_args)
+    | st.tuples(st.just("next"), st.none() | st.sampled_from(["COMPLETED", "REVIEW", "NOPE"]))
+    | st.tuples(st.sampled_from(["data", "extra"]), _json),
+    max_size=5,
+)
+_calls = st.tuples(st.sampled_from(_TOOL_NAMES), _call_args).map(
+    lambda call: [("tool", call[0]), ("args", call[1])]
+)
+_extras = st.lists(
+    st.sampled_from([("data", {"a": 1}), ("next", None)]), unique_by=lambda pair: pair[0]
+)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> bytes:
+    """A JSON object from key/value pairs, in their order, duplicate keys kept."""
+    items = (msgspec.json.encode(k) + b":" + msgspec.json.encode(v) for k, v in pairs)
+    return b"{" + b",".join(items) + b"}"
+
+
+# Mostly calls (valid or not, keys in any order, with data or a null next), then
+# arbitrary objects with repeated keys, then truncated calls.
+_path_proposals = (
+    st.tuples(_calls, _extras).map(lambda c: c[0] + c[1]).flatmap(st.permutations).map(_object)
+    | _pairs.map(_object)
+    | _calls.map(_object).map(lambda raw: raw[:-3])
+)
+
+
+def _described(decision: Decision) -> tuple[Any, ...]:
+    return (
+        decision,
+        list(decision.args.items()),
+        repr(decision.args),  # int against float, in order
+        list(decision.data.items()),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    raw=_path_proposals,
+    run_index=st.sampled_from(range(len(PATH_RUNS))),
+    circuits=st.booleans(),
+    now=st.sampled_from([1000.0, 2000.0]),
+)
+def test_single_decode_and_two_pass_paths_decide_alike(
+    raw: bytes, run_index: int, circuits: bool, now: float
+) -> None:
+    run = PATH_RUNS[run_index]
+    fast = verify(MACHINE, run, raw, now, _open_circuits() if circuits else None)
+    slow = _gate._verify(MACHINE, run, raw, now, _open_circuits() if circuits else None)
+    assert _described(fast) == _described(slow)
+    if fast.tool is not None:
+        # The hash recovery recomputes from the journaled args, and today's recipe.
+        assert fast.call_hash == _call_hash(fast.tool.name, fast.args)
+        args = msgspec.json.decode(raw)["args"]
+        validated, violations = fast.tool.validator.validate_json(msgspec.json.encode(args))
+        assert violations == ()
+        builtins = (
+            msgspec.to_builtins(validated)
+            if isinstance(validated, msgspec.Struct)
+            else fast.tool.validator.to_builtins(validated)
+        )
+        assert repr(fast.args) == repr(builtins)
+        assert fast.call_hash == proposal_hash(fast.tool.name.encode(), canonical_args(builtins))
+
+
+def test_a_struct_call_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    def two_pass(*args: Any) -> Decision:
+        raise AssertionError("the two-pass path ran")
+
+    monkeypatch.setattr(_gate, "_verify", two_pass)
+    raw = b'{"args": {"amount": 10, "order_id": "o1"}, "tool": "refund_struct", "next": null}'
+    decision = verify(MACHINE, run_in(), raw, 1000.0)
+    assert decision.accepted
+    assert list(decision.args.items()) == [
+        ("order_id", "o1"),
+        ("amount", 10.0),
+        ("reason", "other"),
+    ]
+    json_call = b'{"tool": "refund_json", "args": {"amount": 10, "order_id": "o1"}}'
+    assert verify(MACHINE, run_in(), json_call, 1000.0).accepted
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"tool": "refund_pydantic", "args": {"amount": 10, "order_id": "o1"}}',
+        b'{"tool": "archive"}',  # no args: the two-pass path fills in {}
+        b'{"next": "COMPLETED"}',
+        b'{"tool": "refund_struct", "args": {"amount": 10}}',
+    ],
+)
+def test_other_proposals_take_the_two_pass_path(
+    monkeypatch: pytest.MonkeyPatch, raw: bytes
+) -> None:
+    calls = []
+    two_pass = _gate._verify
+
+    def counted(*args: Any) -> Decision:
+        calls.append(args)
+        return two_pass(*args)
+
+    monkeypatch.setattr(_gate, "_verify", counted)
+    verify(MACHINE, run_in(), raw, 1000.0)
+    assert len(calls) == 1
+
+
+def test_a_state_with_one_struct_tool_still_needs_the_tool_field() -> None:
+    # A lone tagged Struct would decode an object without its tag; the gate's union must not.
+    machine = _budget_machine()
+    decision = verify(machine, fold(machine, started()), b'{"args": {"order_id": "o1"}}', 1000.0)
+    assert rejected(decision) == [
+        (
+            "malformed",
+            "$",
+            'proposal has neither of "tool" and "next"; it needs exactly one',
+            SHAPE_HINT,
+        )
+    ]
+    empty_tag = b'{"tool": "", "args": {"order_id": "o1"}}'
+    assert [
+        v.code for v in verify(machine, fold(machine, started()), empty_tag, 1000.0).violations
+    ] == ["unknown_tool"]
+
+
+def test_plans_are_made_once_per_state() -> None:
+    machine = _budget_machine()
+    run = fold(machine, started())
+    assert verify(machine, run, LOOKUP, 1000.0).accepted
+    plan = machine.gate_plans["WORK"]
+    assert plan.decoder is not None
+    assert verify(machine, run, LOOKUP, 1000.0).accepted
+    assert machine.gate_plans["WORK"] is plan
+
+
+def test_no_plan_for_a_state_without_struct_tools() -> None:
+    raw = b'{"next": "COMPLETED", "data": {"approved": true}}'
+    assert verify(MACHINE, run_in("REVIEW"), raw, 1000.0).accepted
+    assert MACHINE.gate_plans["REVIEW"].decoder is None
+
+
+def test_decision_defaults() -> None:
+    decision = Decision()
+    assert decision.accepted
+    assert (decision.violations, decision.trip, decision.tool) == ((), None, None)
+    assert (decision.args, decision.target, decision.data, decision.call_hash) == ({}, "", {}, 0)
+    assert decision.args is not Decision().args  # a fresh dict each
+
+
+# -- validated args as builtins ----------------------------------------------------------
+
+
+class Color(msgspec.Struct):
+    name: str
+
+
+class Plain(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+    count: int
+    ratio: float
+    flag: bool
+    kind: Literal["a", "b", 3]
+    maybe: int | None = None
+    tags: list[str] = []
+    scores: dict[str, list[float]] = {}
+    anything: Any = None
+    label: Annotated[str, msgspec.Meta(max_length=5)] = "x"
+
+
+class Shade(msgspec.Struct, tag=True):
+    name: str
+
+
+class RenamedArgs(msgspec.Struct, rename="camel"):
+    first_name: str
+
+
+class OmitArgs(msgspec.Struct, omit_defaults=True):
+    name: str = ""
+
+
+class ArrayArgs(msgspec.Struct, array_like=True):
+    name: str
+
+
+class Kind(str, __import__("enum").Enum):
+    A = "a"
+
+
+@pytest.mark.parametrize(
+    ("fields", "plain"),
+    [
+        ([("name", str)], True),
+        ([("name", str | None, None), ("n", int, 3)], True),
+        ([("nested", Color)], False),
+        ([("pair", tuple[int, int])], False),
+        ([("many", set[str])], False),
+        ([("when", __import__("datetime").date)], False),
+        ([("kind", Kind)], False),
+        ([("blob", bytes)], False),
+        ([("maybe", int | msgspec.UnsetType, msgspec.UNSET)], False),
+        ([("keys", dict[int, str])], False),
+        ([("colors", list[Color])], False),
+        ([("default", list[str], msgspec.field(default_factory=lambda: ["x"]))], False),
+    ],
+)
+def test_plain_struct(fields: list[Any], plain: bool) -> None:
+    assert plain_struct(msgspec.defstruct("Args", fields)) is plain
+
+
+@pytest.mark.parametrize("struct", [Plain, RenamedArgs, OmitArgs, ArrayArgs, Shade])
+def test_plain_struct_by_config(struct: type) -> None:
+    assert plain_struct(struct) is (struct is Plain)
+
+
+def test_plain_struct_refuses_what_is_not_a_struct() -> None:
+    assert plain_struct(dict) is False
+    assert plain_struct(int) is False
+    assert plain_struct(Annotated[Plain, msgspec.Meta(title="x")]) is False
+
+
+_plain_values = st.fixed_dictionaries(
+    {
+        "text": st.text(max_size=5),
+        "count": st.integers(),
+        "ratio": st.floats(allow_nan=False, allow_infinity=False) | st.integers(-5, 5),
+        "flag": st.booleans(),
+        "kind": st.sampled_from(["a", "b", 3]),
+    },
+    optional={
+        "maybe": st.none() | st.integers(),
+        "tags": st.lists(st.text(max_size=3), max_size=3),
+        "scores": st.dictionaries(
+            st.text(max_size=3), st.lists(st.floats(allow_nan=False, allow_infinity=False))
+        ),
+        "anything": _json,
+        "label": st.text(max_size=5),
+    },
+)
+
+
+@given(_plain_values)
+def test_plain_struct_builtins_are_its_fields(value: dict[str, Any]) -> None:
+    validator = Tool("plain", nop, Plain).validator
+    args, violations = validator.validate_json(msgspec.json.encode(value))
+    assert violations == ()
+    builtins = validator.to_builtins(args)
+    assert repr(builtins) == repr(msgspec.to_builtins(args))
+    assert canonical_args(builtins) == canonical_args(msgspec.to_builtins(args))

@@ -7,16 +7,20 @@ never raises for bad input; it returns violations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
+import msgspec.structs
 
 from ._breakers import Trip, check_budgets, check_repeat
 from ._events import Violation
-from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, proposal_hash
-from ._view import RunView, canonical_args
+from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, fnv1a64
+from ._tools import _MsgspecValidator
+from ._view import RunView
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._breakers import CircuitBoard
     from ._machine import Machine
     from ._tools import Tool
@@ -38,9 +42,105 @@ class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _dict_decoder = msgspec.json.Decoder(dict[str, Any])
+_UNSET = msgspec.UNSET
 
 
-class Decision:
+class _Call:
+    """What the gate needs of one tool, computed once per machine and state.
+
+    ``seed`` is the repeat hash of the tool name and the NUL after it, so that
+    ``fnv1a64(canonical, seed) == proposal_hash(name.encode(), canonical)``: the hash
+    ``_view._call_hash`` recomputes from the journal.
+    """
+
+    __slots__ = ("guards", "name", "seed", "to_builtins", "tool")
+
+    def __init__(self, tool: Tool) -> None:
+        self.tool = tool
+        self.name = tool.name
+        self.guards = tuple(tool.guards)
+        self.seed: int = fnv1a64(b"\x00", fnv1a64(tool.name.encode()))
+        validator = tool.validator
+        self.to_builtins: Callable[[Any], dict[str, Any]] = (
+            msgspec.structs.asdict
+            if isinstance(validator, _MsgspecValidator) and validator.plain
+            else validator.to_builtins
+        )
+
+
+class _NoTool(msgspec.Struct, tag_field="tool", tag="", forbid_unknown_fields=True):
+    """A union member no call decodes into on purpose ('' is no tool name).
+
+    A lone tagged Struct would also decode an object without the tag; in a union
+    of two the tag is required, as the envelope's exactly-one-of check wants.
+    """
+
+    args: msgspec.Raw = _EMPTY_OBJECT
+    data: msgspec.Raw = _EMPTY_OBJECT
+    next: None = None
+
+
+class _Plan:
+    """Per machine and state: the single-decode path and the tools allowed there.
+
+    ``decoder`` decodes a whole call proposal in one pass, through a tagged union of
+    one envelope Struct per allowed tool whose schema is a msgspec Struct
+    (``{"tool": NAME, "args": {...}}``, optional ``data``, ``next`` only as null). It
+    succeeds only on proposals the two-pass path accepts up to the guards and
+    breakers, with the same args; anything it refuses goes through the two-pass
+    path, which explains the rejection. None when no such tool is allowed.
+    """
+
+    __slots__ = ("by_name", "by_type", "decoder")
+
+    def __init__(self, machine: Machine, state: str) -> None:
+        tables = machine.tables
+        state_id = tables.state_id(state)
+        self.by_name: dict[str, _Call] = {}
+        self.by_type: dict[type, _Call] = {}
+        self.decoder: msgspec.json.Decoder[Any] | None = None
+        if state_id < 0:
+            return
+        members: list[type] = []
+        for name in tables.allowed_tools(state_id):
+            tool = machine.tool_by_name[name]
+            call = self.by_name[name] = _Call(tool)
+            validator = tool.validator
+            struct = validator.struct if isinstance(validator, _MsgspecValidator) else None
+            if struct is None:
+                continue
+            try:
+                envelope = msgspec.defstruct(
+                    f"_Call_{len(members)}",
+                    [
+                        ("args", struct | msgspec.UnsetType, _UNSET),
+                        ("data", msgspec.Raw, _EMPTY_OBJECT),
+                        ("next", None, None),
+                    ],
+                    tag_field="tool",
+                    tag=name,
+                    forbid_unknown_fields=True,
+                )
+            except Exception:  # pragma: no cover - then this tool takes the two-pass path
+                continue
+            members.append(envelope)
+            self.by_type[envelope] = call
+        if members:
+            try:
+                self.decoder = msgspec.json.Decoder(Union[(*members, _NoTool)])
+            except Exception:  # pragma: no cover - then every call takes the two-pass path
+                self.by_type.clear()
+
+
+def _plan(machine: Machine, state: str) -> _Plan:
+    plans = machine.gate_plans
+    plan: _Plan | None = plans.get(state)
+    if plan is None:
+        plan = plans[state] = _Plan(machine, state)
+    return plan
+
+
+class Decision(msgspec.Struct):
     """The gate's answer to one proposal.
 
     Attributes:
@@ -53,16 +153,15 @@ class Decision:
       call_hash: the repeat breaker's hash of the call.
     """
 
-    __slots__ = ("args", "call_hash", "data", "target", "tool", "trip", "violations")
-
-    def __init__(self) -> None:
-        self.violations: tuple[Violation, ...] = ()
-        self.trip: Trip | None = None
-        self.tool: Tool | None = None
-        self.args: dict[str, Any] = {}
-        self.target = ""
-        self.data: dict[str, Any] = {}
-        self.call_hash = 0
+    # A Struct rather than a plain class: one is made per proposal, and a Struct's
+    # C-level __init__ costs less than half of a Python __init__ setting seven slots.
+    violations: tuple[Violation, ...] = ()
+    trip: Trip | None = None
+    tool: Tool | None = None
+    args: dict[str, Any] = {}
+    target: str = ""
+    data: dict[str, Any] = {}
+    call_hash: int = 0
 
     @property
     def accepted(self) -> bool:
@@ -93,6 +192,37 @@ def verify(
     Returns:
       A :class:`Decision`; never raises for bad input.
     """
+    budgets = machine.budgets
+    if not (
+        run.tokens > budgets.tokens
+        or run.steps > budgets.steps
+        or now - run.started_ts > budgets.deadline
+    ):
+        # No budget is exhausted (check_budgets would return None): try the
+        # single-decode path for a call. Whatever it refuses, _verify explains.
+        plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
+        decoder = plan.decoder
+        if decoder is not None:
+            try:
+                envelope = decoder.decode(raw)
+            except msgspec.DecodeError:
+                pass
+            else:
+                call = plan.by_type.get(type(envelope))
+                args = envelope.args
+                if call is not None and args is not _UNSET:
+                    return _checked_call(machine, run, call, args, now, circuits)
+    return _verify(machine, run, raw, now, circuits)
+
+
+def _verify(
+    machine: Machine,
+    run: RunState,
+    raw: bytes,
+    now: float,
+    circuits: CircuitBoard | None,
+) -> Decision:
+    """The two-pass path: the envelope with raw args, then the args; every rejection."""
     decision = Decision()
     budget = check_budgets(run, machine.budgets, now)
     if budget is not None:
@@ -143,7 +273,7 @@ def _verify_call(
     tables = machine.tables
     name = envelope.tool
     assert name is not None
-    code = tables.check_tool(state_id, tables.tool_id(name))
+    code = tables.check_call(run.state, name)
     if code != OK:
         allowed = ", ".join(tables.allowed_tools(state_id)) or "none"
         if code == UNKNOWN_TOOL:
@@ -167,15 +297,30 @@ def _verify_call(
                 f"call one of: {allowed}" if allowed != "none" else _next_hint(machine, state_id),
             ),
         )
-    tool = machine.tool_by_name[name]
-    validator = tool.validator
-    args, violations = validator.validate_json(envelope.args)
+    call = _plan(machine, run.state).by_name[name]
+    args, violations = call.tool.validator.validate_json(envelope.args)
     if violations:
         return _reject(decision, *violations)
-    if tool.guards:
+    return _checked_call(machine, run, call, args, now, circuits)
+
+
+_canonical = msgspec.json.Encoder(order="sorted")  # as _view.canonical_args
+
+
+def _checked_call(
+    machine: Machine,
+    run: RunState,
+    call: _Call,
+    args: Any,
+    now: float,
+    circuits: CircuitBoard | None,
+) -> Decision:
+    """Guards, then breakers, on a call whose tool is allowed here and whose args are valid."""
+    name = call.name
+    if call.guards:
         view = RunView(run)
         guard_violations = []
-        for guard in tool.guards:
+        for guard in call.guards:
             try:
                 rejected = guard(args, view)
             except Exception as exc:
@@ -194,23 +339,21 @@ def _verify_call(
                     Violation("guard", rejected.path, rejected.message, rejected.hint)
                 )
         if guard_violations:
-            return _reject(decision, *guard_violations)
-    builtins = validator.to_builtins(args)
-    canonical = canonical_args(builtins)
-    call_hash = proposal_hash(name.encode(), canonical)
-    repeat = check_repeat(run, name, call_hash, machine.breakers, canonical.decode())
-    if repeat is not None:
-        decision.trip = repeat[1]
-        return _reject(decision, repeat[0])
+            return Decision(tuple(guard_violations))
+    builtins = call.to_builtins(args)
+    canonical = _canonical.encode(builtins)
+    call_hash = fnv1a64(canonical, call.seed)
+    policy = machine.breakers
+    if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
+        # The message text (the args as JSON) is built only for a trip.
+        repeat = check_repeat(run, name, call_hash, policy, canonical.decode())
+        if repeat is not None:
+            return Decision((repeat[0],), repeat[1])
     if circuits is not None:
-        circuit = circuits.check(name, now, machine.breakers)
+        circuit = circuits.check(name, now, policy)
         if circuit is not None:
-            decision.trip = circuit[1]
-            return _reject(decision, circuit[0])
-    decision.tool = tool
-    decision.args = builtins
-    decision.call_hash = call_hash
-    return decision
+            return Decision((circuit[0],), circuit[1])
+    return Decision(tool=call.tool, args=builtins, call_hash=call_hash)
 
 
 def _next_hint(machine: Machine, state_id: int) -> str:

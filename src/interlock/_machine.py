@@ -149,6 +149,8 @@ class Machine:
     success_states: frozenset[str] = field(init=False, repr=False)
     data_validators: Mapping[str, Validator] = field(init=False, repr=False)
     input_validator: Validator | None = field(init=False, repr=False)
+    gate_plans: dict[str, Any] = field(init=False, repr=False, default_factory=dict)
+    """The gate's per-state precomputation, filled on first use (see ``_gate._Plan``)."""
 
     def __post_init__(self) -> None:
         if not self.name:
