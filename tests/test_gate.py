@@ -1188,4 +1188,5 @@ def test_plain_struct_builtins_are_its_fields(value: dict[str, Any]) -> None:
     assert violations == ()
     builtins = validator.to_builtins(args)
     assert repr(builtins) == repr(msgspec.to_builtins(args))
-    assert canonical_args(builtins) == canonical_args(msgspec.to_builtins(args))
+    # The gate hashes the sorted encoding of a plain Struct itself.
+    assert canonical_args(args) == canonical_args(msgspec.to_builtins(args))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Union
 import msgspec
 import msgspec.structs
 
-from ._breakers import Trip, check_budgets, check_repeat
+from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
 from ._events import Violation
 from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, fnv1a64
 from ._tools import _MsgspecValidator
@@ -21,7 +21,6 @@ from ._view import RunView
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._breakers import CircuitBoard
     from ._machine import Machine
     from ._tools import Tool
     from ._view import RunState
@@ -53,7 +52,7 @@ class _Call:
     ``_view._call_hash`` recomputes from the journal.
     """
 
-    __slots__ = ("guards", "name", "seed", "to_builtins", "tool")
+    __slots__ = ("guards", "name", "plain", "seed", "to_builtins", "tool")
 
     def __init__(self, tool: Tool) -> None:
         self.tool = tool
@@ -61,10 +60,12 @@ class _Call:
         self.guards = tuple(tool.guards)
         self.seed: int = fnv1a64(b"\x00", fnv1a64(tool.name.encode()))
         validator = tool.validator
+        # A plain Struct's fields are its builtins (see _tools.plain_struct): asdict
+        # gives to_builtins' dict, and the sorted encoding of the Struct itself is
+        # canonical_args of that dict, without going through it.
+        self.plain = isinstance(validator, _MsgspecValidator) and validator.plain
         self.to_builtins: Callable[[Any], dict[str, Any]] = (
-            msgspec.structs.asdict
-            if isinstance(validator, _MsgspecValidator) and validator.plain
-            else validator.to_builtins
+            msgspec.structs.asdict if self.plain else validator.to_builtins
         )
 
 
@@ -341,7 +342,7 @@ def _checked_call(
         if guard_violations:
             return Decision(tuple(guard_violations))
     builtins = call.to_builtins(args)
-    canonical = _canonical.encode(builtins)
+    canonical = _canonical.encode(args if call.plain else builtins)
     call_hash = fnv1a64(canonical, call.seed)
     policy = machine.breakers
     if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
@@ -349,7 +350,8 @@ def _checked_call(
         repeat = check_repeat(run, name, call_hash, policy, canonical.decode())
         if repeat is not None:
             return Decision((repeat[0],), repeat[1])
-    if circuits is not None:
+    if circuits is not None and (type(circuits) is not CircuitBoard or circuits._circuits):
+        # A board without any circuit yet has every tool closed: nothing to check.
         circuit = circuits.check(name, now, policy)
         if circuit is not None:
             return Decision((circuit[0],), circuit[1])
