@@ -293,7 +293,7 @@ cdef class Tables:
         return _TOOL_NOT_ALLOWED
 
     cpdef int check_call(self, state, tool) except -1:
-        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by names, in one call."""
+        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by name."""
         # The name lookups run in _hot_py's order (state first), so an unhashable
         # name raises the same error; the ids they return are exact ints.
         state_id = self._state_ids.get(state, -1)

@@ -116,7 +116,7 @@ class Tables:
         return TOOL_NOT_ALLOWED
 
     def check_call(self, state: str, tool: str) -> int:
-        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by names, in one call."""
+        """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by name."""
         return self.check_tool(self.state_id(state), self.tool_id(tool))
 
     def is_terminal(self, state: int) -> bool:
