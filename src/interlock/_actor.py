@@ -83,7 +83,8 @@ async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider
     remaining = run.started_ts + budgets.deadline - supervisor.clock()
     started = time.perf_counter()
     try:
-        with trio.move_on_after(max(remaining, 0.0) + 1e-3) as waiting:
+        # A bare CancelScope: trio.move_on_after adds a generator context manager per call.
+        with trio.CancelScope(relative_deadline=max(remaining, 0.0) + 1e-3) as waiting:
             proposal = await provider.propose(view)
     except Exception as exc:
         return Propose(
@@ -151,8 +152,11 @@ async def execute_call(
         ctx = ToolContext(run_id=run_id, state=state, key=call.key, attempt=attempt)
         retry_after: float | None = None
         try:
-            with trio.fail_after(tool.timeout):
+            # What trio.fail_after does, without its generator context manager per call.
+            with trio.CancelScope(relative_deadline=tool.timeout) as timer:
                 result = await tool.execute(args, ctx)
+            if timer.cancelled_caught:
+                raise trio.TooSlowError
             try:
                 payload = msgspec.to_builtins(result)
             except (TypeError, msgspec.EncodeError) as exc:
