@@ -1,6 +1,12 @@
 """Concurrency: 1,000, 10,000 and 100,000 concurrent runs of 10 steps, each step a model call
-with 5-20 ms of simulated latency, through the full loop (propose -> verify -> journal to a
-MemoryStore -> execute the no-op tool -> report -> commit).
+with 5-20 ms of simulated latency, through the full loop (propose -> verify -> journal ->
+execute the no-op tool -> report -> commit).
+
+The journal is the embedded default, a SQLite file (``open_sqlite_store``, synchronous
+NORMAL, in a temporary directory): what a user runs, with the journal on disk rather than
+in the process. One configuration at 10,000 runs uses a ``MemoryStore`` instead, so the
+cost of the disk writes (a worker thread per flush) can be told apart, and so the journal's
+resident size shows.
 
 Measured per configuration, each in its own subprocess so that the peak RSS belongs to
 that configuration alone: wall time, CPU seconds (user + system), the collector's own CPU
@@ -26,6 +32,7 @@ the steadier figure, so both are reported and compared.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import resource
 import time
@@ -60,6 +67,7 @@ CONFIGS: tuple[tuple[str, str, str, tuple[int, ...] | None], ...] = (
     ("bare trio, tuned gc", "trio", "tuned", (10_000,)),
     ("interlock", "interlock", "default", (1_000, 10_000, 100, 400)),
     ("interlock, tuned gc", "interlock", "tuned", None),
+    ("interlock, MemoryStore, tuned gc", "interlock-memory", "tuned", (10_000, 400)),
 )
 
 
@@ -111,13 +119,17 @@ def _run_trio(runs: int, steps: int, tuned: bool) -> dict[str, Any]:
     return {}
 
 
-def _run_interlock(runs: int, steps: int, tuned: bool, snapshot_at: float = 0.0) -> dict[str, Any]:
+def _run_interlock(
+    runs: int, steps: int, tuned: bool, snapshot_at: float = 0.0, store_kind: str = "sqlite"
+) -> dict[str, Any]:
+    import tempfile
+
     import trio
 
     from benchmarks._workload import build_machine, latency_ms, step_script
     from interlock import RunView, open_supervisor
     from interlock.providers import ScriptedProvider
-    from interlock.stores import MemoryStore
+    from interlock.stores import MemoryStore, Store, open_sqlite_store
 
     script = step_script(steps)
 
@@ -129,10 +141,14 @@ def _run_interlock(runs: int, steps: int, tuned: bool, snapshot_at: float = 0.0)
 
     machine = build_machine()
     provider = ScriptedProvider(oracle, latency=latency)
-    store = MemoryStore()
+    memory = MemoryStore()
+    directory = tempfile.TemporaryDirectory(prefix="interlock-bench-")
     extra: dict[str, Any] = {}
 
     async def main() -> None:
+        store: Store = memory
+        if store_kind == "sqlite":
+            store = await open_sqlite_store(f"{directory.name}/journal.db")
         started = time.perf_counter()
         async with open_supervisor([machine], store, provider=provider) as supervisor:
 
@@ -155,9 +171,16 @@ def _run_interlock(runs: int, steps: int, tuned: bool, snapshot_at: float = 0.0)
             events_per_flush=stats.events / max(1, stats.flushes),
         )
 
+        if store is not memory:
+            extra["journal_mib"] = store.bytes_written / 2**20
+            await store.aclose()
+
     trio.run(main)
-    journal = getattr(store, "_journal", {})
-    extra["journal_mib"] = sum(len(b) for rows in journal.values() for _, b in rows) / 2**20
+    if store_kind == "memory":
+        journal = memory._journal
+        extra["journal_mib"] = sum(len(b) for rows in journal.values() for _, b in rows) / 2**20
+    directory.cleanup()
+    extra["store"] = store_kind
     return extra
 
 
@@ -199,7 +222,12 @@ def _memory_profile(runs: int, steps: int, top: int) -> dict[str, Any]:
     return {"runs": runs, "traced_kib_per_run": total / runs / 1024, "sites": rows}
 
 
-_RUNNERS = {"asyncio": _run_asyncio, "trio": _run_trio, "interlock": _run_interlock}
+_RUNNERS = {
+    "asyncio": _run_asyncio,
+    "trio": _run_trio,
+    "interlock": _run_interlock,
+    "interlock-memory": functools.partial(_run_interlock, store_kind="memory"),
+}
 
 
 def _child(config: dict[str, Any]) -> dict[str, Any]:
@@ -374,7 +402,7 @@ def render(results: dict[str, Any]) -> str:
             f"`gc.set_threshold{tuple(results['tuned_threshold'])}` at start and `gc.freeze()` once "
             "every run has started, applied from the benchmark. GC columns: CPU seconds inside the "
             "collector and passes per generation (0/1/2). RSS per run = (peak RSS − RSS before the "
-            "runs) ÷ runs; *journal* is the framed bytes the MemoryStore holds at the end." + note,
+            "runs) ÷ runs; *journal* is the framed bytes written (held in the process only by the MemoryStore)." + note,
             "",
             table(
                 [
