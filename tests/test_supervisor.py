@@ -340,6 +340,35 @@ async def test_a_prompt_delta_against_a_missing_call_is_refused(memory_store: Me
         list(whole_prompts(damaged))
 
 
+async def test_live_repeat_counts_equal_the_ones_folded_from_the_journal(
+    memory_store: MemoryStore,
+) -> None:
+    # The supervisor reuses the gate's call hash; recovery recomputes it from the journaled
+    # args. Both must count the same calls under the same keys.
+    script = [LOOKUP, REFUND_100, '{"tool": "refund", "args": {"amount": 100, "order_id": "o1"}}']
+    release = trio.Event()
+
+    class ThenBlock:
+        model = "then-block"
+
+        async def propose(self, view: RunView) -> Proposal:
+            if view.steps < len(script):
+                return Proposal(script[view.steps], TokenUsage(1, 1), self.model)
+            await release.wait()
+            return Proposal(DONE, TokenUsage(1, 1), self.model)
+
+    spec = refund_machine(breakers=BreakerPolicy(repeats=5))
+    async with open_supervisor([spec], memory_store, provider=ThenBlock()) as sup:
+        handle = await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        live = dict(sup.runs["r-1"].repeat_counts)
+        folded = fold(spec, await memory_store.load("r-1")).repeat_counts
+        release.set()
+        await handle.wait()
+    assert sorted(live.values()) == [1, 2]  # the refund, proposed twice with its keys reordered
+    assert live == folded
+
+
 # -- cancellation ----------------------------------------------------------------------------
 
 

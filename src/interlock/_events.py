@@ -257,8 +257,13 @@ def event_to_json(event: Event) -> bytes:
     return _json_encoder.encode(event)
 
 
+_EMPTY_PROMPT_HASH = hashlib.sha256(b"").hexdigest()[:32]
+
+
 def hash_prompt(prompt: str) -> str:
     """The ``prompt_hash`` of a whole prompt: the first 32 hex digits of its SHA-256."""
+    if not prompt:  # providers that record no prompt: skip hashing nothing every call
+        return _EMPTY_PROMPT_HASH
     return hashlib.sha256(prompt.encode()).hexdigest()[:32]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,11 +27,8 @@ class LatencyHistogram:
         self.total = 0
 
     def record(self, seconds: float) -> None:
-        if seconds <= _BOUNDS[0]:
-            index = 0
-        else:
-            index = min(len(_BOUNDS), math.ceil(4 * math.log2(seconds / 2.5e-7) - 1e-9))
-        self.counts[index] += 1
+        # The first bucket whose bound is >= seconds; past the last bound, the overflow bucket.
+        self.counts[bisect_left(_BOUNDS, seconds)] += 1
         self.sum += seconds
         self.total += 1
 

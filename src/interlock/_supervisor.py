@@ -485,16 +485,17 @@ class Supervisor:
         self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"
-            self._emit(
-                run,
-                events,
-                IntentRecorded,
-                now,
+            intent = IntentRecorded(
+                run_id=run.run_id,
+                seq=run.seq + 1,
+                ts=now,
                 state=state,
                 tool=decision.tool.name,
                 args=decision.args,
                 key=key,
             )
+            run.apply(intent, decision.call_hash)  # the gate's hash: no second canonical encoding
+            events.append(intent)
             return self._verdict(
                 run, True, execute=ToolCall(decision.tool.name, decision.args, key)
             )

@@ -26,7 +26,7 @@ from ._events import (
     expand_prompt,
 )
 from ._exceptions import ProtocolError
-from ._hotpath import compact_failures, fnv1a64
+from ._hotpath import compact_failures, fnv1a64, proposal_hash
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -142,8 +142,13 @@ class RunState:
         self.history.append(frame)
         self.signatures.append(signature)
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event, call_hash: int = 0) -> None:
         """Fold one event into the state.
+
+        Args:
+          event: the run's next event.
+          call_hash: for an ``intent_recorded`` event, the repeat breaker's hash of the call
+            when the caller already has it (the gate computed it); 0 computes it here.
 
         Raises:
           ProtocolError: if the event is out of order for this run.
@@ -182,7 +187,7 @@ class RunState:
                 )
             case IntentRecorded():
                 self.pending = event
-                call = _call_hash(event.tool, event.args)
+                call = call_hash or _call_hash(event.tool, event.args)
                 self.repeat_counts[call] = self.repeat_counts.get(call, 0) + 1
             case ToolCommitted(key=key, result=result):
                 intent = self.pending
@@ -299,8 +304,6 @@ def canonical_args(args: Any) -> bytes:
 
 
 def _call_hash(tool: str, args: Any) -> int:
-    from ._hotpath import proposal_hash
-
     return proposal_hash(tool.encode(), canonical_args(args))
 
 
