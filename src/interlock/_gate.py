@@ -320,7 +320,7 @@ def _checked_call(
     name = call.name
     if call.guards:
         view = RunView(run)
-        guard_violations = []
+        guard_violations: list[Violation] = []
         for guard in call.guards:
             try:
                 rejected = guard(args, view)
