@@ -750,3 +750,46 @@ async def test_statistics(memory_store: MemoryStore) -> None:
     assert stats.events == events
     assert 1 <= stats.flushes <= events
     assert 0 < stats.verify_p50 <= stats.verify_p99
+
+
+# -- the prompt --------------------------------------------------------------------------------
+
+
+def test_render_prompt_text() -> None:
+    from interlock import RunStarted
+
+    started = RunStarted(
+        run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK", inputs={"order": "o1"}
+    )
+    text = render_prompt(RunView(fold(refund_machine(), [started])))
+    lines = text.split("\n")
+    assert lines[:3] == ["machine: refund", "state: WORK", "tools allowed here:"]
+    assert lines[3] == (
+        '  - lookup_order:  args schema: {"title":"LookupArgs","type":"object","properties":'
+        '{"order_id":{"type":"string"}},"required":["order_id"],"additionalProperties":false}'
+    )
+    assert lines[4].startswith("  - refund:  args schema: ")
+    assert lines[5:] == [
+        "legal next states: COMPLETED",
+        'inputs: {"order":"o1"}',
+        'answer with one JSON object: {"tool": NAME, "args": {...}} or {"next": STATE, "data": {...}}',
+    ]
+
+
+def test_render_prompt_tells_machines_with_one_name_apart() -> None:
+    # The machine/state part of the prompt is rendered once per Machine object; a second
+    # machine with the same name but other tools must not reuse the first one's text.
+    from interlock import RunStarted
+
+    started = RunStarted(run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK")
+    first = render_prompt(RunView(fold(refund_machine(), [started])))
+    other = Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order"])},
+        tools=[Tool("lookup_order", lookup_order, LookupArgs, read_only=True)],
+    )
+    second = render_prompt(RunView(fold(other, [started])))
+    assert "  - refund: " in first
+    assert "  - refund: " not in second
+    assert render_prompt(RunView(fold(refund_machine(), [started]))) == first

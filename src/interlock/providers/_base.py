@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -9,6 +10,7 @@ import msgspec
 from .._events import TokenUsage
 
 if TYPE_CHECKING:
+    from .._machine import Machine
     from .._view import RunView
 
 
@@ -38,17 +40,7 @@ def render_prompt(view: RunView) -> str:
     Failed attempts arrive compacted (one frame per run of identical rejections), so
     retries do not flood the context window.
     """
-    lines = [f"machine: {view.machine}", f"state: {view.state}"]
-    instructions = view.instructions
-    if instructions:
-        lines.append(f"instructions: {instructions}")
-    tools = view.allowed_tools
-    if tools:
-        lines.append("tools allowed here:")
-        for name in tools:
-            schema = msgspec.json.encode(view.tool_schema(name)).decode()
-            lines.append(f"  - {name}: {view.tool_description(name)} args schema: {schema}")
-    lines.append(f"legal next states: {', '.join(view.legal_next) or 'none'}")
+    lines = [_header(view)]
     lines.append(f"inputs: {msgspec.json.encode(dict(view.inputs)).decode()}")
     if view.data:
         lines.append(f"data: {msgspec.json.encode(dict(view.data)).decode()}")
@@ -62,6 +54,32 @@ def render_prompt(view: RunView) -> str:
         'answer with one JSON object: {"tool": NAME, "args": {...}} or {"next": STATE, "data": {...}}'
     )
     return "\n".join(lines)
+
+
+#: The part of a prompt that depends only on the machine and the state, rendered once.
+_HEADERS: weakref.WeakKeyDictionary[Machine, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def _header(view: RunView) -> str:
+    machine = view._run.machine
+    headers = _HEADERS.get(machine)
+    if headers is None:
+        headers = _HEADERS.setdefault(machine, {})
+    header = headers.get(view.state)
+    if header is None:
+        lines = [f"machine: {view.machine}", f"state: {view.state}"]
+        instructions = view.instructions
+        if instructions:
+            lines.append(f"instructions: {instructions}")
+        tools = view.allowed_tools
+        if tools:
+            lines.append("tools allowed here:")
+            for name in tools:
+                schema = msgspec.json.encode(view.tool_schema(name)).decode()
+                lines.append(f"  - {name}: {view.tool_description(name)} args schema: {schema}")
+        lines.append(f"legal next states: {', '.join(view.legal_next) or 'none'}")
+        header = headers[view.state] = "\n".join(lines)
+    return header
 
 
 def estimate_tokens(text: str) -> int:
