@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -62,3 +64,15 @@ def test_version() -> None:
     assert "__version__" in interlock.__all__
     assert interlock.__version__ == _version.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+(?:[.-]?\w+)*", interlock.__version__)
+
+
+def test_the_cli_and_the_sqlite_store_do_not_import_psycopg() -> None:
+    # psycopg costs ~0.3 s to import; only a PostgreSQL store should pay it.
+    code = (
+        "import sys, interlock, interlock.stores, interlock._cli\n"
+        "assert 'psycopg' not in sys.modules, 'psycopg was imported'\n"
+        "interlock.stores.PostgresStore\n"
+        "assert 'psycopg' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr

@@ -1,5 +1,7 @@
 """Journal stores: in-memory, SQLite (the embedded default) and PostgreSQL."""
 
+import typing as _typing
+
 from ._base import (
     COMPLETED as COMPLETED,
 )
@@ -23,10 +25,12 @@ from ._base import (
 )
 from ._memory import MemoryStore as MemoryStore
 from ._open import open_store as open_store
-from ._postgres import PostgresStore as PostgresStore
-from ._postgres import open_postgres_store as open_postgres_store
 from ._sqlite import SQLiteStore as SQLiteStore
 from ._sqlite import open_sqlite_store as open_sqlite_store
+
+if _typing.TYPE_CHECKING:
+    from ._postgres import PostgresStore as PostgresStore
+    from ._postgres import open_postgres_store as open_postgres_store
 
 __all__ = [
     "COMPLETED",
@@ -43,3 +47,16 @@ __all__ = [
     "open_sqlite_store",
     "open_store",
 ]
+
+
+#: Names imported on first use: psycopg takes ~0.3 s to import, which every CLI command
+#: and every SQLite-only program would otherwise pay.
+_LAZY = ("PostgresStore", "open_postgres_store")
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _LAZY:
+        from . import _postgres
+
+        return getattr(_postgres, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

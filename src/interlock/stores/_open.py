@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._memory import MemoryStore
-from ._postgres import open_postgres_store
 from ._sqlite import open_sqlite_store
 
 if TYPE_CHECKING:
@@ -35,6 +34,8 @@ async def open_store(url: str | None, *, readonly: bool = False) -> Store:
     if url is None or url == ":memory:":
         return MemoryStore()
     if url.startswith(_POSTGRES_SCHEMES):
+        from ._postgres import open_postgres_store  # psycopg takes ~0.3 s to import
+
         dsn, schema = _split_schema(url)
         return await open_postgres_store(dsn, schema=schema, readonly=readonly)
     path = url.removeprefix(_SQLITE_PREFIX)
