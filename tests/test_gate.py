@@ -895,6 +895,24 @@ def test_verify_never_raises_on_json_objects(proposal: dict[str, Any], run_index
     _check_never_raises(msgspec.json.encode(proposal), run_index)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,
+        b'{"tool": "refund", "args": ' + b"[" * 5_000,
+        b'{"tool": "refund", "args": {"order_id": ' + b"[" * 3_000 + b"]" * 3_000 + b"}}",
+        b'{"next": "COMPLETED", "data": ' + b'{"a":' * 3_000,
+    ],
+    ids=["array", "call-args", "call-arg-value", "transition-data"],
+)
+@pytest.mark.parametrize("run_index", [0, 1])
+def test_verify_never_raises_on_deeply_nested_json(raw: bytes, run_index: int) -> None:
+    # The decoders recurse; nesting past their limit used to raise RecursionError.
+    _check_never_raises(raw, run_index)
+    decision = verify(MACHINE, RUNS[run_index], raw, 1000.0, CircuitBoard())
+    assert decision.violations[0].code == "malformed"
+
+
 # -- the single-decode path ---------------------------------------------------------------
 # A call to a tool whose schema is a msgspec Struct is decoded once, through a per-state
 # tagged union; anything that union refuses goes through the two-pass path

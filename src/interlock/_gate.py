@@ -194,26 +194,39 @@ def verify(
       A :class:`Decision`; never raises for bad input.
     """
     budgets = machine.budgets
-    if not (
-        run.tokens > budgets.tokens
-        or run.steps > budgets.steps
-        or now - run.started_ts > budgets.deadline
-    ):
-        # No budget is exhausted (check_budgets would return None): try the
-        # single-decode path for a call. Whatever it refuses, _verify explains.
-        plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
-        decoder = plan.decoder
-        if decoder is not None:
-            try:
-                envelope = decoder.decode(raw)
-            except msgspec.DecodeError:
-                pass
-            else:
-                call = plan.by_type.get(type(envelope))
-                args = envelope.args
-                if call is not None and args is not _UNSET:
-                    return _checked_call(machine, run, call, args, now, circuits)
-    return _verify(machine, run, raw, now, circuits)
+    try:
+        if not (
+            run.tokens > budgets.tokens
+            or run.steps > budgets.steps
+            or now - run.started_ts > budgets.deadline
+        ):
+            # No budget is exhausted (check_budgets would return None): try the
+            # single-decode path for a call. Whatever it refuses, _verify explains.
+            plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
+            decoder = plan.decoder
+            if decoder is not None:
+                try:
+                    envelope = decoder.decode(raw)
+                except msgspec.DecodeError:
+                    pass
+                else:
+                    call = plan.by_type.get(type(envelope))
+                    args = envelope.args
+                    if call is not None and args is not _UNSET:
+                        return _checked_call(machine, run, call, args, now, circuits)
+        return _verify(machine, run, raw, now, circuits)
+    except RecursionError:
+        # msgspec (and pydantic) decode nested JSON recursively; a proposal nested
+        # thousands of levels deep exhausts the stack instead of failing to parse.
+        return _reject(
+            Decision(),
+            Violation(
+                "malformed",
+                "$",
+                "proposal is nested too deeply to parse (it exceeds the decoder's recursion limit)",
+                _SHAPE_HINT,
+            ),
+        )
 
 
 def _verify(
