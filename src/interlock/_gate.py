@@ -141,7 +141,7 @@ def _plan(machine: Machine, state: str) -> _Plan:
     return plan
 
 
-class Decision(msgspec.Struct):
+class Decision(msgspec.Struct, gc=False):
     """The gate's answer to one proposal.
 
     Attributes:

@@ -15,7 +15,7 @@ from ._events import TokenUsage, Violation
 from ._exceptions import ProtocolError
 
 
-class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):
     """Base of every message. Never sent on its own."""
 
     run_id: str
@@ -86,7 +86,7 @@ class Recover(Msg, frozen=True, tag="recover"):
     """Decide how a run folded from the journal after a restart continues."""
 
 
-class ToolCall(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
     """A verified call the actor must now execute, with the key it must pass on."""
 
     tool: str

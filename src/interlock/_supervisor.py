@@ -68,7 +68,7 @@ GC_THRESHOLD = (50_000, 20, 100)
 _MIN_SHARED_PROMPT = 64
 
 
-class RunResult(msgspec.Struct, frozen=True):
+class RunResult(msgspec.Struct, frozen=True, gc=False):
     """How a run ended (or where it stopped, for an escalated run)."""
 
     run_id: str

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ._machine import Machine
 
 
-class ToolResult(msgspec.Struct, frozen=True):
+class ToolResult(msgspec.Struct, frozen=True, gc=False):
     """A committed tool call, as the run's history holds it."""
 
     tool: str
@@ -44,7 +44,7 @@ class ToolResult(msgspec.Struct, frozen=True):
     seq: int
 
 
-class Frame(msgspec.Struct, frozen=True):
+class Frame(msgspec.Struct, frozen=True, gc=False):
     """One item of the history handed to the model; rejections may be compacted.
 
     ``kind`` is one of ``rejected``, ``tool_result``, ``tool_failed``,

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .._view import RunView
 
 
-class Proposal(msgspec.Struct, frozen=True):
+class Proposal(msgspec.Struct, frozen=True, gc=False):
     """What a provider returned: the raw text (untrusted), the prompt it was given, the usage."""
 
     raw: str

@@ -37,7 +37,7 @@ FAILED = "failed"
 OUTCOMES = (RUNNING, COMPLETED, ESCALATED, FAILED)
 
 
-class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
+class RunRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One row of the runs index: where a run is, without folding its journal."""
 
     run_id: str
