@@ -194,6 +194,7 @@ cdef tuple _select_object(object names, object mask):
     return tuple(name for i, name in enumerate(names) if (mask >> i) & 1)
 
 
+@cython.final
 @cython.auto_pickle(False)
 cdef class Tables:
     """A machine compiled into integer tables.
