@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -70,6 +71,15 @@ def test_show_prints_timeline_and_json(demo_db):
     seqs = [e["seq"] for e in document["events"]]
     assert seqs == list(range(1, len(seqs) + 1))
     assert document["events"][0]["kind"] == "run_started"
+    # Each model call carries its whole prompt, rebuilt from the journaled delta and checked.
+    calls = [e for e in document["events"] if e["kind"] == "model_called"]
+    assert len(calls) >= 2
+    assert any(c["prompt_base"] for c in calls)  # later prompts are journaled as deltas
+    for call in calls:
+        whole = call["prompt_text"]
+        assert hashlib.sha256(whole.encode()).hexdigest()[:32] == call["prompt_hash"]
+        assert whole.startswith("machine: refund\nstate: ")
+        assert len(whole) >= len(call["prompt"])
     text = interlock("show", run_id, "--db", str(path))
     assert text.returncode == 0
     assert "run_started" in text.stdout

@@ -65,6 +65,15 @@ from ._events import (
 from ._events import (
     encode_event as encode_event,
 )
+from ._events import (
+    expand_prompt as expand_prompt,
+)
+from ._events import (
+    hash_prompt as hash_prompt,
+)
+from ._events import (
+    whole_prompts as whole_prompts,
+)
 from ._exceptions import (
     InterlockError as InterlockError,
 )
@@ -285,9 +294,12 @@ __all__ = [
     "decode_message",
     "encode_event",
     "encode_message",
+    "expand_prompt",
     "fold",
+    "hash_prompt",
     "open_supervisor",
     "replay",
     "serve_metrics",
     "verify",
+    "whole_prompts",
 ]
