@@ -524,6 +524,42 @@ async def test_protocol_errors(memory_store: MemoryStore) -> None:
     assert len(await memory_store.load("r-1")) == 4
 
 
+async def test_a_duplicate_report_gets_the_recorded_result(memory_store: MemoryStore) -> None:
+    # A retried Report of a call that is already committed: the recorded result stands,
+    # nothing is journaled again, whatever the run is doing now.
+    release = trio.Event()
+
+    class LookupThenWait:
+        model = "lookup-then-wait"
+
+        async def propose(self, view: RunView) -> Proposal:
+            if view.steps == 0:
+                return Proposal(LOOKUP, TokenUsage(1, 1), self.model)
+            await release.wait()
+            return Proposal(DONE, TokenUsage(1, 1), self.model)
+
+    async with open_supervisor([refund_machine()], memory_store, provider=LookupThenWait()) as sup:
+        handle = await sup.start_run("refund", run_id="r-1")
+        await wait_all_tasks_blocked()
+        [done] = sup.view("r-1").results
+        seq = sup.view("r-1").seq
+        again = Report(run_id="r-1", seq=2, key=done.key, ok=True, result={"total": -1.0})
+        verdict = await sup.request(again)
+        assert verdict.accepted
+        assert verdict.result == {"order_id": "o1", "total": 100.0}
+        assert sup.view("r-1").seq == seq
+        with pytest.raises(
+            ProtocolError,
+            match=r"^run 'r-1' reported key 'r-1:WORK:9' but is waiting for 'no call'$",
+        ):
+            await sup.request(Report(run_id="r-1", seq=seq, key="r-1:WORK:9", ok=True))
+        release.set()
+        assert (await handle.wait()).outcome == "completed"
+    events = await memory_store.load("r-1")
+    assert [type(e).__name__ for e in events].count("ToolCommitted") == 1
+    assert fold(refund_machine(), events).committed == {done.key: {"order_id": "o1", "total": 100.0}}
+
+
 async def test_proposal_for_a_finished_run_is_refused(memory_store: MemoryStore) -> None:
     provider = Blocked()
     async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:

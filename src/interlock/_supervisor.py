@@ -618,11 +618,14 @@ class Supervisor:
 
     def _on_report(self, msg: Report, events: list[Event]) -> Verdict:
         run = self._run(msg.run_id)
-        if msg.key in run.committed:
-            # A duplicate report (a retried request): the recorded result stands.
-            return self._verdict(run, True, result=run.committed[msg.key])
-        self._check_seq(run, msg)
         pending = run.pending
+        if pending is None or pending.key != msg.key:
+            # Not the call the run waits for: a duplicate report (a retried request) of a
+            # committed call gets the recorded result; anything else is refused below.
+            for done in reversed(run.results):
+                if done.key == msg.key:
+                    return self._verdict(run, True, result=done.result)
+        self._check_seq(run, msg)
         if pending is None or pending.key != msg.key:
             expected = pending.key if pending is not None else "no call"
             raise ProtocolError(

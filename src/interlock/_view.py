@@ -34,14 +34,65 @@ if TYPE_CHECKING:
     from ._machine import Machine
 
 
-class ToolResult(msgspec.Struct, frozen=True, gc=False):
-    """A committed tool call, as the run's history holds it."""
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder(dict[str, Any]).decode
+
+
+class ToolResult:
+    """A committed tool call, as the run's history holds it.
+
+    A run keeps every committed call for its guards and steps (``view.results``), so
+    the call's ``args`` are held as their msgpack encoding, a fraction of the size of a
+    dict of strings, and decoded (to an equal, fresh dict) each time they are read.
+    """
+
+    __slots__ = ("_args", "key", "result", "seq", "tool")
 
     tool: str
-    args: dict[str, Any]
     result: Any
     key: str
     seq: int
+    _args: bytes | dict[str, Any]
+
+    def __init__(self, tool: str, args: dict[str, Any], result: Any, key: str, seq: int) -> None:
+        try:
+            packed: bytes | dict[str, Any] = _pack(args)
+        except (TypeError, OverflowError, msgspec.EncodeError):  # pragma: no cover - builtins pack
+            packed = args
+        setattr_ = object.__setattr__
+        setattr_(self, "tool", tool)
+        setattr_(self, "_args", packed)
+        setattr_(self, "result", result)
+        setattr_(self, "key", key)
+        setattr_(self, "seq", seq)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The call's args, as journaled."""
+        packed = self._args
+        return _unpack(packed) if isinstance(packed, bytes) else packed
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ToolResult is immutable; cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ToolResult):
+            return NotImplemented
+        return (self.tool, self.args, self.result, self.key, self.seq) == (
+            other.tool,
+            other.args,
+            other.result,
+            other.key,
+            other.seq,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holds dicts, like the Struct it replaced
+
+    def __repr__(self) -> str:
+        return (
+            f"ToolResult(tool={self.tool!r}, args={self.args!r}, result={self.result!r}, "
+            f"key={self.key!r}, seq={self.seq!r})"
+        )
 
 
 class Frame(msgspec.Struct, frozen=True, gc=False):
@@ -80,7 +131,6 @@ class RunState:
     __slots__ = (
         "_compacted",
         "closed",
-        "committed",
         "consecutive_failures",
         "data",
         "escalation",
@@ -121,7 +171,6 @@ class RunState:
         self.signatures: list[int] = []
         self.results: list[ToolResult] = []
         self.pending: IntentRecorded | None = None
-        self.committed: dict[str, Any] = {}
         self.escalation: Escalated | None = None
         self.output: Any = None
         self.previous = ""
@@ -137,6 +186,11 @@ class RunState:
     @property
     def terminal(self) -> bool:
         return self.machine.is_terminal(self.state)
+
+    @property
+    def committed(self) -> dict[str, Any]:
+        """Every committed call's result by idempotency key (built from ``results`` on each read)."""
+        return {done.key: done.result for done in self.results}
 
     def _push(self, frame: Frame, signature: int = 0) -> None:
         self.history.append(frame)
@@ -193,7 +247,6 @@ class RunState:
                 intent = self.pending
                 self.pending = None
                 self.consecutive_failures = 0
-                self.committed[key] = result
                 args = intent.args if intent is not None and intent.key == key else {}
                 self.results.append(ToolResult(event.tool, args, result, key, event.seq))
                 self._push(

@@ -1,0 +1,53 @@
+"""The run's folded view: committed calls as ``ToolResult``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from interlock import ToolResult
+
+# What committed args are: JSON-like builtins, as the gate or the journal hands them over.
+_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=15,
+)
+_args = st.dictionaries(st.text(max_size=8), _values, max_size=6)
+
+
+@given(_args)
+def test_args_read_back_equal_and_in_order(args: dict[str, Any]) -> None:
+    result = ToolResult("refund", args, {"ok": True}, "r-1:WORK:3", 3)
+    assert result.args == args
+    assert list(result.args) == list(args)
+    assert result.args is not result.args  # a fresh dict each read: the stored one cannot change
+    assert result == ToolResult("refund", dict(args), {"ok": True}, "r-1:WORK:3", 3)
+
+
+def test_args_keep_floats_that_json_cannot_hold() -> None:
+    result = ToolResult("t", {"a": math.inf, "b": -0.0, "c": 1e308}, None, "k", 1)
+    assert result.args == {"a": math.inf, "b": -0.0, "c": 1e308}
+    assert math.copysign(1.0, result.args["b"]) == -1.0
+
+
+def test_tool_result_is_immutable_and_unhashable() -> None:
+    result = ToolResult("t", {"a": 1}, {"x": 2}, "k", 7)
+    with pytest.raises(AttributeError, match="ToolResult is immutable; cannot set 'tool'"):
+        result.tool = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(result)
+    assert repr(result) == "ToolResult(tool='t', args={'a': 1}, result={'x': 2}, key='k', seq=7)"
+    assert result != ToolResult("t", {"a": 2}, {"x": 2}, "k", 7)
+    assert result != "t"
