@@ -145,43 +145,6 @@ async def test_one_chunk_per_run_per_batch(tmp_path: Path) -> None:
     ]
 
 
-async def test_append_waits_for_another_writer_without_blocking_the_loop(tmp_path: Path) -> None:
-    # The batch's statements normally run in the loop's thread; when another connection
-    # holds the write lock, the append waits for it in a worker thread instead, and the
-    # event loop goes on meanwhile.
-    path = tmp_path / "j.db"
-    one, two = run_events("r-1", 1.0), run_events("r-2", 2.0)
-    async with await open_sqlite_store(path) as store:
-        await store.append(one[:2])
-        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        try:
-            other.execute("BEGIN IMMEDIATE")
-            ticks = 0
-            done = trio.Event()
-
-            async def append() -> None:
-                await store.append([*one[2:], *two])
-                done.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(append)
-                while ticks < 20:  # the loop runs while the append waits for the lock
-                    await trio.sleep(0.01)
-                    ticks += 1
-                assert not done.is_set()
-                other.execute("COMMIT")
-        finally:
-            other.close()
-        assert done.is_set()
-        assert await store.load("r-1") == one
-        assert await store.load("r-2") == two
-        # and the next batch takes the fast path again
-        await store.append(run_events("r-3", 3.0))
-        assert await store.load("r-3") == run_events("r-3", 3.0)
-        # the fast path's no-wait attempt leaves the connection's own busy timeout in place
-        assert (await store.pragmas())["busy_timeout"] == sqlite_store_module.BUSY_TIMEOUT_MS
-
-
 async def test_intent_keys_are_unique_in_the_database(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     intent = IntentRecorded(

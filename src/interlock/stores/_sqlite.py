@@ -278,28 +278,6 @@ def _record(row: Sequence[Any]) -> RunRecord:
     )
 
 
-def _begin_now(conn: sqlite3.Connection) -> bool:
-    """Begin a write transaction if the write lock is free now; False if another holds it."""
-    conn.execute("PRAGMA busy_timeout = 0")
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
-            return False
-        raise
-    finally:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    return True
-
-
-def _commit(conn: sqlite3.Connection) -> None:
-    try:
-        conn.execute("COMMIT")
-    except BaseException:
-        _rollback(conn)
-        raise
-
-
 def _rollback(conn: sqlite3.Connection) -> None:
     if conn.in_transaction:
         # A failed rollback leaves nothing more to undo: SQLite rolls back on close.
@@ -473,40 +451,16 @@ class SQLiteStore(Store):
         if not events:
             await trio.lowlevel.checkpoint()
             return
-        # Encoding, framing and grouping happen here, outside the lock.
+        # Encoding, framing and grouping happen here, outside the lock and the
+        # thread, so the writer thread only runs SQL.
         batch = _Batch(events)
-        async with self._lock:
-            conn = self._conn
-            if conn is None:
-                raise StoreError("store is closed")
-            try:
-                if _begin_now(conn):
-                    # The statements run here, in the event loop's thread. They are CPU
-                    # work either way, and in a worker thread they contend for the GIL
-                    # with the loop once per row (sqlite3 lets the GIL go around every
-                    # step and must take it back): at 10,000 runs in flight that cost
-                    # more than the statements. Only the COMMIT, which writes the WAL
-                    # (and syncs it with FULL), goes to a thread.
-                    self._write(conn, batch)
-                    # NOTE: not abandoned on cancel: the lock must stay held until the
-                    # thread has let go of the connection.
-                    await trio.to_thread.run_sync(_commit, conn)
-                else:
-                    # Another connection holds the write lock: wait for it in a thread.
-                    await trio.to_thread.run_sync(self._append_sync, conn, batch)
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self._path}: append failed: {exc}") from exc
+        await self._call("append", lambda conn: self._append_sync(conn, batch))
         self.bytes_written += batch.size
         if self._checkpointer is not None:
             self._checkpointer.wrote(batch.size, len(batch.chunks))
 
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
-        self._write(conn, batch)
-        _commit(conn)
-
-    def _write(self, conn: sqlite3.Connection, batch: _Batch) -> None:
-        """The batch's statements, in the open transaction; on any error, roll it back."""
         try:
             current: dict[str, RunRecord] = {}
             for run_id, *_ in batch.chunks:
@@ -519,6 +473,7 @@ class SQLiteStore(Store):
             if batch.intents:
                 conn.executemany(_INSERT_INTENT, batch.intents)
             conn.executemany(_UPSERT_RUN, [msgspec.structs.astuple(r) for r in updates.values()])
+            conn.execute("COMMIT")
         except sqlite3.IntegrityError as exc:
             _rollback(conn)
             raise StoreError(self._explain_integrity(conn, exc, batch)) from exc
