@@ -106,9 +106,16 @@ def _git() -> dict[str, Any]:
         except OSError:
             return ""
 
+    # The suite's own outputs (RESULTS.md, results.json, the charts) do not count as
+    # changes to the code measured: a previous run leaves them modified.
+    outputs = (
+        ":(exclude)benchmarks/RESULTS.md",
+        ":(exclude)benchmarks/results.json",
+        ":(exclude)benchmarks/*.png",
+    )
     return {
         "commit": read("rev-parse", "--short", "HEAD"),
-        "dirty": bool(read("status", "--porcelain")),
+        "dirty": bool(read("status", "--porcelain", "--", ".", *outputs)),
     }
 
 
