@@ -51,6 +51,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
     parser.add_argument(
+        "--render",
+        action="store_true",
+        help="run nothing: re-evaluate the goals and rewrite RESULTS.md from OUT/results.json",
+    )
+    parser.add_argument(
         "--out", type=Path, default=HERE, help="output directory (default: benchmarks/)"
     )
     args = parser.parse_args(argv)
@@ -224,11 +229,31 @@ def write_markdown(
     (out / "RESULTS.md").write_text("\n".join(parts) + "\n", encoding="utf-8")
 
 
+def render_again(out: Path, console: Console) -> int:
+    """Rewrite RESULTS.md (and the goals in results.json) from the figures already recorded."""
+    path = out / "results.json"
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        meta, results = recorded["meta"], recorded["benchmarks"]
+    except (OSError, ValueError, KeyError) as exc:
+        console.print(f"[red]cannot render: {path}: {exc}[/red] (run the benchmarks first)")
+        return 2
+    goals = evaluate(results)
+    charts = {name: entry[0] for name, entry in CHARTS.items() if (out / entry[0]).exists()}
+    recorded["goals"] = goals
+    path.write_text(json.dumps(recorded, indent=1, default=str) + "\n", encoding="utf-8")
+    write_markdown(results, goals, charts, meta, out)
+    console.print(f"rewrote {out / 'RESULTS.md'} from {path} (figures of {meta['date']})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
+    if args.render:
+        return render_again(out, console)
     meta: dict[str, Any] = {
         "command": command_line(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -402,7 +402,8 @@ def render(results: dict[str, Any]) -> str:
             f"`gc.set_threshold{tuple(results['tuned_threshold'])}` at start and `gc.freeze()` once "
             "every run has started, applied from the benchmark. GC columns: CPU seconds inside the "
             "collector and passes per generation (0/1/2). RSS per run = (peak RSS − RSS before the "
-            "runs) ÷ runs; *journal* is the framed bytes written (held in the process only by the MemoryStore)." + note,
+            "runs) ÷ runs; *journal* is the framed bytes written (held in the process only by the MemoryStore)."
+            + note,
             "",
             table(
                 [
