@@ -35,7 +35,7 @@ from interlock import (
     fold,
     open_supervisor,
 )
-from interlock._events import ModelCalled, hash_prompt, whole_prompts
+from interlock._events import ModelCalled, ProposalRejected, hash_prompt, whole_prompts
 from interlock.providers import Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
@@ -557,7 +557,9 @@ async def test_a_duplicate_report_gets_the_recorded_result(memory_store: MemoryS
         assert (await handle.wait()).outcome == "completed"
     events = await memory_store.load("r-1")
     assert [type(e).__name__ for e in events].count("ToolCommitted") == 1
-    assert fold(refund_machine(), events).committed == {done.key: {"order_id": "o1", "total": 100.0}}
+    assert fold(refund_machine(), events).committed == {
+        done.key: {"order_id": "o1", "total": 100.0}
+    }
 
 
 async def test_proposal_for_a_finished_run_is_refused(memory_store: MemoryStore) -> None:
@@ -829,3 +831,84 @@ def test_render_prompt_tells_machines_with_one_name_apart() -> None:
     assert "  - refund: " in first
     assert "  - refund: " not in second
     assert render_prompt(RunView(fold(refund_machine(), [started]))) == first
+
+
+# -- values the journal cannot hold -------------------------------------------------------------
+
+
+HUGE = 123456789012345678901234567890
+
+
+async def test_a_proposal_the_journal_cannot_hold_is_rejected_not_fatal(
+    memory_store: MemoryStore,
+) -> None:
+    # JSON decodes integers of any size; msgpack (the journal) holds 64 bits. Accepting
+    # such a proposal used to fail the whole batch when the store encoded it.
+    script = iter([LOOKUP, f'{{"next": "COMPLETED", "data": {{"answer": {HUGE}}}}}', DONE])
+    provider = ScriptedProvider(lambda view: next(script))
+    async with open_supervisor([refund_machine()], memory_store, provider=provider) as sup:
+        bystander = await sup.start_run(
+            "refund", run_id="r-0", provider=ScriptedProvider(lambda v: DONE)
+        )
+        result = await (await sup.start_run("refund", run_id="r-1")).wait()
+        assert (await bystander.wait()).outcome == "completed"
+    assert result.outcome == "completed"
+    events = await memory_store.load("r-1")
+    rejected = [e for e in events if isinstance(e, ProposalRejected)]
+    assert [v.code for e in rejected for v in e.violations] == ["schema"]
+    [violation] = rejected[0].violations
+    assert violation.path == "data"
+    assert violation.message == (
+        "data: can't serialize ints < -2**63 or > 2**64 - 1; the journal cannot hold this value"
+    )
+    assert violation.hint == (
+        "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("returned", "problem"),
+    [
+        ({"total": HUGE}, "can't serialize ints < -2**63 or > 2**64 - 1"),
+        ("cycle", "maximum recursion depth exceeded while serializing an object"),
+        (object(), "Encoding objects of type object is unsupported"),
+    ],
+    ids=["huge-int", "cycle", "foreign-object"],
+)
+async def test_a_tool_result_the_journal_cannot_hold_fails_the_call_not_the_batch(
+    memory_store: MemoryStore, returned: Any, problem: str
+) -> None:
+    if returned == "cycle":
+        returned = {}
+        returned["self"] = returned
+
+    async def lookup(args: LookupArgs, ctx: ToolContext) -> Any:
+        return returned
+
+    machine = Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order"])},
+        tools=[Tool("lookup_order", lookup, LookupArgs, read_only=True)],
+    )
+    script = iter([LOOKUP, DONE])
+    provider = ScriptedProvider(lambda view: next(script))
+    async with open_supervisor([machine], memory_store, provider=provider) as sup:
+        result = await (await sup.start_run("refund", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    [failed] = [e for e in await memory_store.load("r-1") if type(e).__name__ == "ToolFailed"]
+    assert failed.error == (  # type: ignore[attr-defined]
+        f"tool 'lookup_order' returned a result that cannot be journaled: {problem}"
+    )
+    assert failed.retryable is False  # type: ignore[attr-defined]
+
+
+async def test_start_run_refuses_inputs_the_journal_cannot_hold(memory_store: MemoryStore) -> None:
+    async with open_supervisor([refund_machine()], memory_store, provider=Blocked()) as sup:
+        with pytest.raises(
+            InterlockError,
+            match=r"^inputs of machine 'refund' cannot be journaled: can't serialize ints "
+            r"< -2\*\*63 or > 2\*\*64 - 1; pass JSON-like values",
+        ):
+            await sup.start_run("refund", {"order": HUGE}, run_id="r-1")
+        assert sup.runs == {}

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from ._events import unjournalable
 from ._exceptions import InterlockError
 from ._machine import Step, encode_action
 from ._messages import Propose, Report, Sync, ToolCall, Verdict
@@ -159,8 +160,14 @@ async def execute_call(
                 raise trio.TooSlowError
             try:
                 payload = msgspec.to_builtins(result)
-            except (TypeError, msgspec.EncodeError) as exc:
-                error = f"tool {call.tool!r} returned a result that cannot be journaled: {exc}"
+            except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+                problem: str | None = str(exc) or type(exc).__name__
+            else:
+                # What the store will do with it: a result it cannot encode must fail
+                # this call, not the batch (and every run in it).
+                problem = unjournalable(payload)
+            if problem is not None:
+                error = f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
                 retryable = False
                 break
             return Report(

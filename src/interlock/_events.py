@@ -244,6 +244,21 @@ def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+def unjournalable(value: Any) -> str | None:
+    """Why ``value`` cannot go into a journal event (msgpack), or None if it can.
+
+    Decoded JSON can hold what msgpack cannot (integers past 64 bits), and a tool can
+    return anything (cycles, nesting past the recursion limit, foreign objects). Such a
+    value is refused where it enters, so that it never reaches a batch: a batch the
+    store cannot encode would fail every run in it.
+    """
+    try:
+        _encoder.encode(value)
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def decode_event(data: bytes) -> JournalEvent:
     """Decode one event from its msgpack bytes.
 

@@ -33,6 +33,7 @@ from ._events import (
     Transitioned,
     Violation,
     hash_prompt,
+    unjournalable,
 )
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
@@ -482,6 +483,18 @@ class Supervisor:
         )
         if not decision.accepted:
             return self._reject(run, events, now, decision.violations, decision.trip)
+        where, payload = (
+            ("args", decision.args) if decision.tool is not None else ("data", decision.data)
+        )
+        problem = unjournalable(payload)
+        if problem is not None:
+            violation = Violation(
+                "schema",
+                where,
+                f"{where}: {problem}; the journal cannot hold this value",
+                "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)",
+            )
+            return self._reject(run, events, now, (violation,), None)
         self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"
@@ -802,6 +815,12 @@ class Supervisor:
         """
         spec = self.machine(machine)
         payload = dict(inputs or {})
+        problem = unjournalable(payload)
+        if problem is not None:
+            raise InterlockError(
+                f"inputs of machine {machine!r} cannot be journaled: {problem}; pass JSON-like "
+                "values (str, int within 64 bits, float, bool, None, lists and dicts of them)"
+            )
         if spec.input_validator is not None:
             _, violations = spec.input_validator.validate_json(msgspec.json.encode(payload))
             if violations:

@@ -420,6 +420,26 @@ async def test_duplicate_seq_rejects_the_whole_batch(store: Store) -> None:
     assert await snapshot(store, ["r-1", "r-2"]) == before
 
 
+async def test_an_event_msgpack_cannot_encode_rejects_the_whole_batch(store: Store) -> None:
+    # The supervisor refuses such values where they enter; this is the store's own guard.
+    await store.append([started("r-1", ts=1.0)])
+    before = await snapshot(store, ["r-1", "r-2"])
+    with pytest.raises(
+        StoreError,
+        match=r"^transitioned seq 2 of run 'r-1' cannot be encoded \(can't serialize ints "
+        r"< -2\*\*63 or > 2\*\*64 - 1\); nothing was written$",
+    ):
+        await store.append(
+            [
+                started("r-2", ts=3.0),
+                Transitioned(
+                    run_id="r-1", seq=2, ts=4.0, src="TRIAGE", dst="PAY", delta={"n": 2**70}
+                ),
+            ]
+        )
+    assert await snapshot(store, ["r-1", "r-2"]) == before
+
+
 async def test_restarting_a_stored_run_is_rejected(store: Store) -> None:
     await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
     before = await snapshot(store, ["r-1"])

@@ -62,8 +62,41 @@ _TAGS: dict[type[Event], str] = {cls: str(cls.__struct_config__.tag) for cls in 
 _encode = msgspec.msgpack.Encoder().encode
 
 
+def unencodable(events: Iterable[Event], exc: BaseException) -> StoreError:
+    """The error for a batch holding an event msgpack cannot encode (nothing is written).
+
+    The supervisor refuses such values where they enter (proposals, tool results,
+    inputs); this is the store's own guard, so that one bad event fails its batch with
+    a :class:`StoreError` instead of an exception no caller expects.
+    """
+    for event in events:
+        try:
+            _encode(event)
+        except Exception as error:  # any encoding failure: name the event
+            return StoreError(
+                f"{_TAGS.get(type(event), type(event).__name__)} seq {event.seq} of run "
+                f"{event.run_id!r} cannot be encoded ({error}); nothing was written"
+            )
+    return StoreError(f"the batch cannot be encoded ({exc}); nothing was written")
+
+
+#: What msgspec raises for a value msgpack cannot hold.
+ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
+
+
 def encode_rows(events: Iterable[Event]) -> list[Row]:
-    """Encode and frame events into rows: ``(run_id, seq, kind, ts, key, framed msgpack)``."""
+    """Encode and frame events into rows: ``(run_id, seq, kind, ts, key, framed msgpack)``.
+
+    Raises:
+      StoreError: an event holds a value msgpack cannot encode.
+    """
+    try:
+        return _encode_rows(events)
+    except ENCODING_ERRORS as exc:
+        raise unencodable(events, exc) from exc
+
+
+def _encode_rows(events: Iterable[Event]) -> list[Row]:
     keyed = _KEYED
     tags = _TAGS
     encode = _encode

@@ -32,7 +32,15 @@ from .._events import (
 )
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
-from ._base import RunRecord, Store, check_batch, index_updates, runs_query
+from ._base import (
+    ENCODING_ERRORS,
+    RunRecord,
+    Store,
+    check_batch,
+    index_updates,
+    runs_query,
+    unencodable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -453,7 +461,10 @@ class SQLiteStore(Store):
             return
         # Encoding, framing and grouping happen here, outside the lock and the
         # thread, so the writer thread only runs SQL.
-        batch = _Batch(events)
+        try:
+            batch = _Batch(events)
+        except ENCODING_ERRORS as exc:
+            raise unencodable(events, exc) from exc
         await self._call("append", lambda conn: self._append_sync(conn, batch))
         self.bytes_written += batch.size
         if self._checkpointer is not None:
