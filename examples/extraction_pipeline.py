@@ -8,5 +8,9 @@ from _common import main
 if __name__ == "__main__":
     main(
         "extraction",
-        {"document": "Report mentioning Ada, Acme and Paris.", "terms": ["Ada", "Acme", "Paris"], "sloppy": True},
+        {
+            "document": "Report mentioning Ada, Acme and Paris.",
+            "terms": ["Ada", "Acme", "Paris"],
+            "sloppy": True,
+        },
     )

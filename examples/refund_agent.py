@@ -19,4 +19,8 @@ SCRIPT = [
 ]
 
 if __name__ == "__main__":
-    main("refund", {"order_id": ORDER, "customer": "ada@example.com", "requested": TOTAL + 50}, SCRIPT)
+    main(
+        "refund",
+        {"order_id": ORDER, "customer": "ada@example.com", "requested": TOTAL + 50},
+        SCRIPT,
+    )

@@ -21,7 +21,9 @@ _leaves = (
 )
 _values = st.recursive(
     _leaves,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
     max_leaves=15,
 )
 _args = st.dictionaries(st.text(max_size=8), _values, max_size=6)

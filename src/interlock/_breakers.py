@@ -75,9 +75,7 @@ def check_repeat(
     """Trip when this exact call (tool + canonical args) was already made ``policy.repeats`` times."""
     made = run.repeat_counts.get(call_hash, 0)
     if made >= policy.repeats:
-        detail = (
-            f"{tool}({args_text}) proposed {made + 1} times in this run; the limit is {policy.repeats}"
-        )
+        detail = f"{tool}({args_text}) proposed {made + 1} times in this run; the limit is {policy.repeats}"
         return (
             Violation(
                 "repeat",
