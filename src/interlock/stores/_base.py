@@ -128,8 +128,17 @@ def decode_body(run_id: str, seq: int, body: bytes) -> JournalEvent:
             f"journal of run {run_id!r} is {what} at seq {seq}; the store was written outside "
             "interlock or a write was cut short; restore it from a backup"
         )
+    return decode_payload(run_id, seq, payloads[0])
+
+
+def decode_payload(run_id: str, seq: int, payload: bytes) -> JournalEvent:
+    """Decode one unframed event and check it is ``seq`` of ``run_id``.
+
+    Raises:
+      JournalCorrupt: the payload is not an event, or another run's or seq's event.
+    """
     try:
-        event = decode_event(payloads[0])
+        event = decode_event(payload)
     except msgspec.DecodeError as exc:
         raise JournalCorrupt(
             f"journal of run {run_id!r} holds an undecodable event at seq {seq}: {exc}"

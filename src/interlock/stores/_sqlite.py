@@ -28,7 +28,6 @@ from .._events import (
     Resumed,
     RunStarted,
     Transitioned,
-    decode_event,
 )
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
@@ -37,6 +36,7 @@ from ._base import (
     RunRecord,
     Store,
     check_batch,
+    decode_payload,
     index_updates,
     runs_query,
     unencodable,
@@ -225,18 +225,7 @@ def decode_chunk(run_id: str, first_seq: int, last_seq: int, body: bytes) -> lis
     events: list[JournalEvent] = []
     seq = first_seq
     for payload in payloads[:count]:
-        try:
-            event = decode_event(payload)
-        except msgspec.DecodeError as exc:
-            raise JournalCorrupt(
-                f"journal of run {run_id!r} holds an undecodable event at seq {seq}: {exc}"
-            ) from exc
-        if event.run_id != run_id or event.seq != seq:
-            raise JournalCorrupt(
-                f"journal of run {run_id!r} holds an event of run {event.run_id!r} "
-                f"seq {event.seq} where seq {seq} belongs"
-            )
-        events.append(event)
+        events.append(decode_payload(run_id, seq, payload))
         seq += 1
     if len(payloads) > count:
         raise JournalCorrupt(
