@@ -288,16 +288,27 @@ def hash_prompt(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:32]
 
 
-def expand_prompt(base: str, event: ModelCalled) -> str:
-    """Return the whole prompt of ``event``, given the whole prompt of its ``prompt_base`` call.
+def expand_prompt(base_seq: int, base: str, event: ModelCalled) -> str:
+    """Return the whole prompt of ``event``, given the run's previous model call's.
 
-    ``base`` is ignored when the event records its prompt whole (``prompt_base == 0``).
+    Args:
+      base_seq: the seq of the run's previous model call (0 if there is none).
+      base: that call's whole prompt ('' if there is none).
+      event: the model call; ``base_seq``/``base`` are ignored when it records its
+        prompt whole (``prompt_base == 0``).
 
     Raises:
-      ValueError: if the delta does not fit ``base`` (the wrong base, or a damaged journal).
+      ValueError: the delta is written against another call (the journal is missing
+        events), or does not fit ``base`` (the journal is damaged).
     """
     if not event.prompt_base:
         return event.prompt
+    if event.prompt_base != base_seq:
+        raise ValueError(
+            f"run {event.run_id!r}: model_called {event.seq} is written against the prompt "
+            f"at seq {event.prompt_base}, but the previous model call is at seq {base_seq}; "
+            "the journal is missing events"
+        )
     prefix, suffix = event.prompt_prefix, event.prompt_suffix
     if prefix < 0 or suffix < 0 or prefix + suffix > len(base):
         raise ValueError(
@@ -321,14 +332,7 @@ def whole_prompts(events: Iterable[Event]) -> Iterator[tuple[ModelCalled, str]]:
     for event in events:
         if not isinstance(event, ModelCalled):
             continue
-        base_seq, base = last.get(event.run_id, (0, ""))
-        if event.prompt_base and event.prompt_base != base_seq:
-            raise ValueError(
-                f"run {event.run_id!r}: model_called {event.seq} is written against the prompt "
-                f"at seq {event.prompt_base}, but the previous model call is at seq {base_seq}; "
-                "the journal is missing events"
-            )
-        prompt = expand_prompt(base, event)
+        prompt = expand_prompt(*last.get(event.run_id, (0, "")), event)
         if event.prompt_hash and hash_prompt(prompt) != event.prompt_hash:
             raise ValueError(
                 f"run {event.run_id!r}: the prompt of model_called {event.seq} does not match "

@@ -298,15 +298,10 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     raw, error = "", f"step {run.state!r} raised {type(exc).__name__}: {exc}"
                 msg = Propose(run_id=run_id, seq=run.seq, raw=raw, source="step", error=error)
             elif isinstance(upcoming, ModelCalled):
-                if upcoming.prompt_base and upcoming.prompt_base != run.prompt_seq:
-                    return divergence(
-                        position,
-                        f"a prompt written against the model call at seq {run.prompt_seq}",
-                    )
                 try:
-                    prompt = expand_prompt(run.prompt, upcoming)
-                except ValueError:
-                    return divergence(position, "a prompt delta that fits the previous prompt")
+                    prompt = expand_prompt(run.prompt_seq, run.prompt, upcoming)
+                except ValueError as exc:
+                    return divergence(position, f"a prompt delta that fits ({exc})")
                 msg = Propose(
                     run_id=run_id,
                     seq=run.seq,

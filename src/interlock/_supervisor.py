@@ -349,6 +349,18 @@ class Supervisor:
         events.append(event)
         return event
 
+    @staticmethod
+    def _record(
+        run: RunState,
+        events: list[Event],
+        event: Event,
+        call_hash: int = 0,
+        prompt: str | None = None,
+    ) -> None:
+        """Fold and queue ``event``, passing on what the caller already derived (see apply)."""
+        run.apply(event, call_hash, prompt)
+        events.append(event)
+
     def _verdict(self, run: RunState, accepted: bool, **fields: Any) -> Verdict:
         return Verdict(
             run_id=run.run_id,
@@ -431,11 +443,10 @@ class Supervisor:
                     text = prompt[prefix : len(prompt) - suffix]
                 else:
                     prefix = suffix = 0
-            self._emit(
-                run,
-                events,
-                ModelCalled,
-                now,
+            called = ModelCalled(
+                run_id=run.run_id,
+                seq=run.seq + 1,
+                ts=now,
                 state=state,
                 model=msg.model,
                 prompt_hash=hash_prompt(prompt),
@@ -448,7 +459,8 @@ class Supervisor:
                 prompt_prefix=prefix,
                 prompt_suffix=suffix,
             )
-            run.prompt = prompt  # the provider's string, equal to the rebuilt one: keep one copy
+            # The provider's string, not a rebuilt copy of it: nothing to splice, one copy kept.
+            self._record(run, events, called, prompt=prompt)
             tokens = self.stats.tokens
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
             tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion
@@ -507,8 +519,7 @@ class Supervisor:
                 args=decision.args,
                 key=key,
             )
-            run.apply(intent, decision.call_hash)  # the gate's hash: no second canonical encoding
-            events.append(intent)
+            self._record(run, events, intent, call_hash=decision.call_hash)  # the gate's hash
             return self._verdict(
                 run, True, execute=ToolCall(decision.tool.name, decision.args, key)
             )

@@ -196,13 +196,18 @@ class RunState:
         self.history.append(frame)
         self.signatures.append(signature)
 
-    def apply(self, event: Event, call_hash: int = 0) -> None:
+    def apply(self, event: Event, call_hash: int = 0, prompt: str | None = None) -> None:
         """Fold one event into the state.
+
+        What the supervisor already has when it emits an event it passes along, so that
+        the live path does not derive it again; a fold from the journal derives it.
 
         Args:
           event: the run's next event.
           call_hash: for an ``intent_recorded`` event, the repeat breaker's hash of the call
-            when the caller already has it (the gate computed it); 0 computes it here.
+            (the gate computed it); 0 computes it here.
+          prompt: for a ``model_called`` event, its whole prompt (what the provider was
+            given); None rebuilds it from the event's delta.
 
         Raises:
           ProtocolError: if the event is out of order for this run.
@@ -218,16 +223,12 @@ class RunState:
             case ModelCalled(usage=usage):
                 self.tokens += usage.prompt + usage.completion
                 self.steps += 1
-                if event.prompt_base and event.prompt_base != self.prompt_seq:
-                    raise ProtocolError(
-                        f"run {self.run_id!r}: model_called {event.seq} is written against the "
-                        f"prompt at seq {event.prompt_base}, but the previous model call is at seq "
-                        f"{self.prompt_seq}; the journal is missing events"
-                    )
-                try:
-                    self.prompt = expand_prompt(self.prompt, event)
-                except ValueError as exc:
-                    raise ProtocolError(str(exc)) from None
+                if prompt is None:
+                    try:
+                        prompt = expand_prompt(self.prompt_seq, self.prompt, event)
+                    except ValueError as exc:
+                        raise ProtocolError(str(exc)) from None
+                self.prompt = prompt
                 self.prompt_seq = event.seq
             case StepProposed(source=source):
                 if source != "operator":
