@@ -265,27 +265,19 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 outcome = _outcome_of_key(recorded, position, key)
                 if outcome is None:
                     break  # the recording stops while a call was in flight (a crash): nothing to compare
-                if isinstance(outcome, ToolCommitted):
-                    msg = Report(
-                        run_id=run_id,
-                        seq=run.seq,
-                        key=key,
-                        ok=True,
-                        result=outcome.result,
-                        attempts=outcome.attempts,
-                        latency=outcome.latency,
-                    )
-                else:
-                    msg = Report(
-                        run_id=run_id,
-                        seq=run.seq,
-                        key=key,
-                        ok=False,
-                        error=outcome.error,
-                        retryable=outcome.retryable,
-                        attempts=outcome.attempts,
-                        latency=outcome.latency,
-                    )
+                told: dict[str, Any] = (
+                    {"ok": True, "result": outcome.result}
+                    if isinstance(outcome, ToolCommitted)
+                    else {"ok": False, "error": outcome.error, "retryable": outcome.retryable}
+                )
+                msg = Report(
+                    run_id=run_id,
+                    seq=run.seq,
+                    key=key,
+                    attempts=outcome.attempts,
+                    latency=outcome.latency,
+                    **told,
+                )
         else:
             spec = machine.states.get(run.state)
             if isinstance(spec, Step):
