@@ -318,22 +318,19 @@ GOLDEN_EVENTS: list[Event] = [
 #: What journals written before prompt deltas hold: every event above, and each
 #: ``model_called`` with its prompt whole (the delta fields absent, so at their defaults).
 GOLDEN_EVENTS_0_1 = list(GOLDEN_EVENTS)
+# The first model call again, later in the run, with its prompt as a delta against it.
 GOLDEN_EVENTS.append(
-    ModelCalled(
-        run_id="r-1",
+    msgspec.structs.replace(
+        GOLDEN_EVENTS[1],
         seq=13,
         ts=TS + 62,
-        state="WORK",
-        model="gpt-test",
         prompt_hash="fedcba9876543210fedcba9876543210",
         prompt="\n  [12] resumed",
         raw='{"next": "COMPLETED"}',
         usage=TokenUsage(130, 6),
         latency=0.25,
-        error="",
         prompt_base=2,
         prompt_prefix=11,
-        prompt_suffix=0,
     )
 )
 GOLDEN_0_1 = GOLDEN.with_name("events-0.1.0.msgpack")
