@@ -52,16 +52,14 @@ class ToolResult:
     result: Any
     key: str
     seq: int
-    _args: bytes | dict[str, Any]
+    _args: bytes
 
     def __init__(self, tool: str, args: dict[str, Any], result: Any, key: str, seq: int) -> None:
-        try:
-            packed: bytes | dict[str, Any] = _pack(args)
-        except (TypeError, OverflowError, msgspec.EncodeError):  # pragma: no cover - builtins pack
-            packed = args
+        # The journal held these args (the supervisor refuses what msgpack cannot hold),
+        # so they pack.
         setattr_ = object.__setattr__
         setattr_(self, "tool", tool)
-        setattr_(self, "_args", packed)
+        setattr_(self, "_args", _pack(args))
         setattr_(self, "result", result)
         setattr_(self, "key", key)
         setattr_(self, "seq", seq)
@@ -69,8 +67,7 @@ class ToolResult:
     @property
     def args(self) -> dict[str, Any]:
         """The call's args, as journaled."""
-        packed = self._args
-        return _unpack(packed) if isinstance(packed, bytes) else packed
+        return _unpack(self._args)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ToolResult is immutable; cannot set {name!r}")
