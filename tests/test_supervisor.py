@@ -9,6 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trio.testing import wait_all_tasks_blocked
 
 from interlock import (
@@ -831,6 +833,69 @@ def test_render_prompt_tells_machines_with_one_name_apart() -> None:
     assert "  - refund: " in first
     assert "  - refund: " not in second
     assert render_prompt(RunView(fold(refund_machine(), [started]))) == first
+
+
+_HISTORY_STEPS = st.lists(
+    st.sampled_from(["reject_a", "reject_b", "commit", "fail", "trip"]), max_size=25
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=_HISTORY_STEPS)
+def test_render_prompt_incremental_equals_a_fresh_render(steps: list[str]) -> None:
+    # render_prompt keeps the text of the frames that cannot change any more; after any
+    # sequence of events (repeated rejections compact the last frame) the prompt must be
+    # the one a run folded afresh (nothing cached) renders.
+    from interlock import (
+        BreakerTripped,
+        IntentRecorded,
+        RunStarted,
+        ToolCommitted,
+        ToolFailed,
+    )
+
+    machine = refund_machine()
+    events: list[Any] = [
+        RunStarted(run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK", inputs={"o": 1})
+    ]
+    live = fold(machine, events)
+    other = Violation("schema", "args.order_id", "args.order_id: expected str", "send a str")
+    for i, step in enumerate(steps):
+        seq = len(events) + 1
+        if step in ("reject_a", "reject_b"):
+            why = GUARD_VIOLATION if step == "reject_a" else other
+            new: list[Any] = [
+                ProposalRejected(run_id="r-1", seq=seq, ts=1.0, state="WORK", violations=(why,))
+            ]
+        elif step == "trip":
+            new = [
+                BreakerTripped(
+                    run_id="r-1", seq=seq, ts=1.0, breaker="repeat", state="WORK",
+                    value=4.0, limit=3.0, detail=f"trip {i}",
+                )
+            ]  # fmt: skip
+        else:
+            key = f"r-1:WORK:{seq}"
+            intent = IntentRecorded(
+                run_id="r-1", seq=seq, ts=1.0, state="WORK", tool="lookup_order",
+                args={"order_id": f"o{i}"}, key=key,
+            )  # fmt: skip
+            done: Any = (
+                ToolCommitted(
+                    run_id="r-1", seq=seq + 1, ts=1.0, tool="lookup_order", key=key,
+                    result={"i": i},
+                )
+                if step == "commit"
+                else ToolFailed(
+                    run_id="r-1", seq=seq + 1, ts=1.0, tool="lookup_order", key=key,
+                    error=f"boom {i}",
+                )
+            )  # fmt: skip
+            new = [intent, done]
+        for event in new:
+            live.apply(event)
+            events.append(event)
+        assert render_prompt(RunView(live)) == render_prompt(RunView(fold(machine, events)))
 
 
 # -- values the journal cannot hold -------------------------------------------------------------

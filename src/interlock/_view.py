@@ -127,6 +127,7 @@ class RunState:
 
     __slots__ = (
         "_compacted",
+        "_rendered",
         "closed",
         "consecutive_failures",
         "data",
@@ -179,6 +180,9 @@ class RunState:
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
         self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
+        self._rendered: tuple[int, str, str] = (0, "", "")
+        """For render_prompt: how many compacted frames it rendered last, the text of all
+        but the last of them, and the last one's."""
 
     @property
     def terminal(self) -> bool:

@@ -11,7 +11,7 @@ from .._events import TokenUsage
 
 if TYPE_CHECKING:
     from .._machine import Machine
-    from .._view import RunView
+    from .._view import Frame, RunState, RunView
 
 
 class Proposal(msgspec.Struct, frozen=True, gc=False):
@@ -40,20 +40,45 @@ def render_prompt(view: RunView) -> str:
     Failed attempts arrive compacted (one frame per run of identical rejections), so
     retries do not flood the context window.
     """
+    run = view._run
     lines = [_header(view)]
-    lines.append(f"inputs: {msgspec.json.encode(dict(view.inputs)).decode()}")
-    if view.data:
-        lines.append(f"data: {msgspec.json.encode(dict(view.data)).decode()}")
-    if view.history:
+    lines.append(f"inputs: {msgspec.json.encode(run.inputs).decode()}")
+    if run.data:
+        lines.append(f"data: {msgspec.json.encode(run.data).decode()}")
+    frames = view.history
+    if frames:
         lines.append("history:")
-        for frame in view.history:
-            lines.append(f"  [{frame.seq}] {frame.kind}: {frame.text}")
-            for violation in frame.violations:
-                lines.append(f"      fix: {violation.hint}")
-    lines.append(
-        'answer with one JSON object: {"tool": NAME, "args": {...}} or {"next": STATE, "data": {...}}'
-    )
+        lines.append(_render_history(run, frames))
+    lines.append(_ANSWER)
     return "\n".join(lines)
+
+
+_ANSWER = (
+    'answer with one JSON object: {"tool": NAME, "args": {...}} or {"next": STATE, "data": {...}}'
+)
+
+
+def _render_history(run: RunState, frames: tuple[Frame, ...]) -> str:
+    # The history only grows, and compaction can change only its last frame (a repeated
+    # rejection joins it): the text of every frame before the last one rendered stays.
+    # Rendering from there on keeps a step's prompt O(new frames), not O(history).
+    rendered, stable_text, _last = run._rendered
+    if rendered > len(frames):  # not this history's cache (it never shrinks): start over
+        rendered, stable_text = 0, ""
+    stable = max(rendered - 1, 0)
+    parts = [stable_text] if stable_text else []
+    parts.extend(_render_frame(frame) for frame in frames[stable:-1])
+    stable_text = "\n".join(parts)
+    last = _render_frame(frames[-1])
+    run._rendered = (len(frames), stable_text, last)
+    return f"{stable_text}\n{last}" if stable_text else last
+
+
+def _render_frame(frame: Frame) -> str:
+    text = f"  [{frame.seq}] {frame.kind}: {frame.text}"
+    for violation in frame.violations:
+        text += f"\n      fix: {violation.hint}"
+    return text
 
 
 #: The part of a prompt that depends only on the machine and the state, rendered once.
