@@ -306,6 +306,129 @@ async def test_deadline_stops_a_run_whose_provider_hangs(
     assert result.reason == "deadline"
 
 
+class SlowCharge:
+    """A side-effecting tool that takes ``seconds`` (cancellation shows as ``cut``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.done = 0
+        self.cut = 0
+
+    async def __call__(self, args: Any, ctx: Any) -> dict[str, bool]:
+        try:
+            await trio.sleep(self.seconds)
+        except trio.Cancelled:
+            self.cut += 1
+            raise
+        self.done += 1
+        return {"charged": True}
+
+
+def slow_machine(charge: SlowCharge, deadline: float = 30.0) -> Machine:
+    return Machine(
+        "shop",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["charge"])},
+        tools=[Tool("charge", charge, timeout=100.0, retry=RetryPolicy(attempts=1))],
+        budgets=Budgets(deadline=deadline),
+    )
+
+
+async def test_deadline_does_not_cut_a_tool_call_in_flight(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    # The deadline (30 s) passes while the charge (40 s) runs: the charge finishes and is
+    # committed; the model is not asked again (the wait would be cut at once), and the
+    # run escalates on its deadline.
+    charge = SlowCharge(40.0)
+    asked: list[float] = []
+
+    def answer(view: RunView) -> str:
+        asked.append(trio.current_time())
+        return CHARGE if not view.history else DONE
+
+    result = await run_one(slow_machine(charge), FixedProvider(answer), memory_store)
+    assert (charge.done, charge.cut) == (1, 0)
+    assert asked == [0.0]
+    assert result.reason == "deadline"
+    events = await events_of(memory_store, "r-1")
+    assert kinds(events)[:5] == [
+        "RunStarted", "ModelCalled", "IntentRecorded", "ToolCommitted", "ModelCalled",
+    ]  # fmt: skip
+    assert events[4][1]["error"] == "no answer before the run's deadline of 30 s"
+    detail = "run has been going for 40.000 s; the deadline is 30 s"
+    assert events[-3:] == escalation("deadline", 40.0, 30.0, detail)
+
+
+async def test_cancel_run_cancels_a_tool_call_in_flight(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    charge = SlowCharge(40.0)
+    provider = FixedProvider(lambda view: CHARGE)
+    async with open_supervisor(
+        [slow_machine(charge)], memory_store, provider=provider, clock=trio.current_time
+    ) as sup:
+        handle = await sup.start_run("shop", run_id="r-1")
+        await trio.sleep(10.0)
+        await sup.cancel_run("r-1", "withdrawn")
+        result = await handle.wait()
+    assert (charge.done, charge.cut) == (0, 1)
+    assert (result.outcome, result.reason) == ("failed", "withdrawn")
+    # the intent stays without a commit: recovery will find the call in doubt
+    assert kinds(await events_of(memory_store, "r-1")) == [
+        "RunStarted", "ModelCalled", "IntentRecorded", "Transitioned", "Failed",
+    ]  # fmt: skip
+
+
+class AnswersAsCut:
+    """Answers at once, but as it answers the run's deadline passes (the watchdog fires
+    between the answer and the actor's resumption): the answer must still be journaled."""
+
+    model = "late"
+
+    def __init__(self) -> None:
+        self.sup: Any = None
+        self.calls = 0
+
+    async def propose(self, view: RunView) -> Proposal:
+        await trio.lowlevel.checkpoint()
+        self.calls += 1
+        if self.calls == 1:
+            self.sup.handles[view.run_id]._deadline()  # what the watchdog does
+            return Proposal(CHARGE, USAGE, self.model, "prompt")
+        raise AssertionError("past the deadline the model must not be asked again")
+
+
+async def test_an_answer_that_arrives_as_the_deadline_cuts_is_kept(
+    memory_store: MemoryStore, events_of: Any
+) -> None:
+    provider = AnswersAsCut()
+    charge = SlowCharge(0.0)
+    async with open_supervisor([slow_machine(charge)], memory_store, provider=provider) as sup:
+        provider.sup = sup
+        result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    # The charge ran (in a fresh scope: it was not cancelled); then every further model
+    # call is cut at once, and the run escalates after three failures in a row.
+    assert (charge.done, charge.cut, provider.calls) == (1, 0, 1)
+    assert result.reason == "consecutive_failures"
+    events = await events_of(memory_store, "r-1")
+    assert kinds(events)[:4] == ["RunStarted", "ModelCalled", "IntentRecorded", "ToolCommitted"]
+    errors = [fields["error"] for kind, fields in events if kind == "ModelCalled"]
+    assert errors == [""] + ["no answer before the run's deadline of 30 s"] * 3
+
+
+async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> None:
+    # one entry per run, not per call; entries of ended runs are dropped as runs start
+    async with open_supervisor([machine()], memory_store, provider=ScriptedProvider([DONE])) as sup:
+        sizes = []
+        for i in range(300):
+            await (await sup.start_run("shop", run_id=f"r-{i}")).wait()
+            sizes.append(len(sup._deadlines))
+    # one run live at a time: the heap is pruned once it holds 2 * 1 + 64 entries
+    assert max(sizes) == 2 * 1 + 64 + 1
+    assert sizes[:66] == list(range(1, 67))
+
+
 # -- per-tool circuit ----------------------------------------------------------------------
 
 

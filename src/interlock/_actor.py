@@ -24,36 +24,80 @@ if TYPE_CHECKING:
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
+class _Answered(Exception):  # a signal inside the actor, never raised out of it
+    """The model answered as the run's deadline passed: submit the answer in a fresh scope."""
+
+    def __init__(self, proposal: Propose) -> None:
+        self.proposal = proposal
+
+
 async def run_actor(
     supervisor: Supervisor, handle: RunHandle, verdict: Verdict, provider: Provider | None
 ) -> None:
-    """Drive one run until it is terminal or escalated. Never raises for a tool's failure."""
+    """Drive one run until it is terminal or escalated. Never raises for a tool's failure.
+
+    The run lives in one cancel scope, ``handle._scope``, not one per model call: entering
+    a trio scope costs as much as the rest of a step's bookkeeping. The run's deadline is
+    kept by the supervisor's watchdog, which cancels that scope only while the actor
+    waits for the model; then the actor journals the cut call as a failed one and goes on
+    in a fresh scope. A tool call is never cut by the run's deadline, only by its own
+    timeout (or cancel_run).
+    """
     run_id = handle.run_id
     try:
-        with handle._scope:
-            durable = True
-            while verdict.outcome == "running":
-                if verdict.execute is not None:
-                    report = await execute_call(
-                        supervisor, run_id, verdict.state, verdict.seq, verdict.execute
-                    )
-                    # NOTE: the commit need not be durable before the next model call:
-                    # the next verdict is sent only after a flush that holds it, and a
-                    # crash before then leaves the call in doubt, which recovery handles.
-                    verdict = supervisor.submit_nowait(report)
-                    durable = False
-                    continue
-                proposal = await _next_proposal(supervisor, run_id, provider)
-                verdict = await supervisor.request(proposal)
-                durable = True
-            if not durable:
-                await supervisor.request(Sync(run_id=run_id))
+        supervisor.arm_deadline(handle)
+        carried: Propose | None = None
+        while True:
+            scope = handle._scope
+            try:
+                with scope:
+                    await _drive(supervisor, handle, verdict, provider, carried)
+            except _Answered as answered:
+                carried = answered.proposal
+            else:
+                if not scope.cancelled_caught:
+                    break  # the run is terminal or escalated
+                # The scope was cancelled: by cancel_run, or the watchdog cut a model call.
+                carried = None if handle._cancelled else _deadline_cut(supervisor, handle)
+            if handle._cancelled or carried is None:
+                break
+            handle._scope = trio.CancelScope()
         _finish(supervisor, handle, None)
     except InterlockError as exc:
         _finish(supervisor, handle, exc)
     finally:
         if not handle.done:
             handle._finish(None, InterlockError(f"run {run_id!r} was cancelled before it finished"))
+
+
+async def _drive(
+    supervisor: Supervisor,
+    handle: RunHandle,
+    verdict: Verdict,
+    provider: Provider | None,
+    proposal: Propose | None,
+) -> None:
+    """The loop proper: from ``verdict`` (or first ``proposal``) until the run stops running."""
+    run_id = handle.run_id
+    durable = True
+    while proposal is not None or verdict.outcome == "running":
+        if proposal is None:
+            if verdict.execute is not None:
+                report = await execute_call(
+                    supervisor, run_id, verdict.state, verdict.seq, verdict.execute
+                )
+                # NOTE: the commit need not be durable before the next model call:
+                # the next verdict is sent only after a flush that holds it, and a
+                # crash before then leaves the call in doubt, which recovery handles.
+                verdict = supervisor.submit_nowait(report)
+                durable = False
+                continue
+            proposal = await _next_proposal(supervisor, handle, provider)
+        verdict = await supervisor.request(proposal)
+        proposal = None
+        durable = True
+    if not durable:
+        await supervisor.request(Sync(run_id=run_id))
 
 
 def _finish(supervisor: Supervisor, handle: RunHandle, error: InterlockError | None) -> None:
@@ -67,7 +111,23 @@ def _finish(supervisor: Supervisor, handle: RunHandle, error: InterlockError | N
         handle._finish(None, error)
 
 
-async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider | None) -> Propose:
+def _deadline_cut(supervisor: Supervisor, handle: RunHandle) -> Propose:
+    """The failed model call to journal when the run's deadline cut the wait for it."""
+    run = supervisor.runs[handle.run_id]
+    return Propose(
+        run_id=run.run_id,
+        seq=run.seq,
+        raw="",
+        model=handle._model,
+        error=f"no answer before the run's deadline of {run.machine.budgets.deadline:g} s",
+        latency=time.perf_counter() - handle._asked,
+    )
+
+
+async def _next_proposal(
+    supervisor: Supervisor, handle: RunHandle, provider: Provider | None
+) -> Propose:
+    run_id = handle.run_id
     run = supervisor.runs[run_id]
     spec = run.machine.states[run.state]
     view = RunView(run)
@@ -80,32 +140,28 @@ async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider
         return Propose(run_id=run_id, seq=run.seq, raw=raw, source="step")
     assert provider is not None
     seq = run.seq  # the state this proposal answers; a stale one is refused
-    budgets = run.machine.budgets
-    remaining = run.started_ts + budgets.deadline - supervisor.clock()
+    model = getattr(provider, "model", "")
     started = time.perf_counter()
+    if handle._deadline_passed:
+        # Past the deadline the wait would be cut at once: do not start the call.
+        handle._model, handle._asked = model, started
+        return _deadline_cut(supervisor, handle)
+    handle._in_provider = True
+    handle._model, handle._asked = model, started
     try:
-        # A bare CancelScope: trio.move_on_after adds a generator context manager per call.
-        with trio.CancelScope(relative_deadline=max(remaining, 0.0) + 1e-3) as waiting:
-            proposal = await provider.propose(view)
+        proposal = await provider.propose(view)
     except Exception as exc:
         return Propose(
             run_id=run_id,
             seq=seq,
             raw="",
-            model=getattr(provider, "model", ""),
+            model=model,
             error=f"provider raised {type(exc).__name__}: {exc}",
             latency=time.perf_counter() - started,
         )
-    if waiting.cancelled_caught:
-        return Propose(
-            run_id=run_id,
-            seq=seq,
-            raw="",
-            model=getattr(provider, "model", ""),
-            error=f"no answer before the run's deadline of {budgets.deadline:g} s",
-            latency=time.perf_counter() - started,
-        )
-    return Propose(
+    finally:
+        handle._in_provider = False
+    answer = Propose(
         run_id=run_id,
         seq=seq,
         raw=proposal.raw,
@@ -114,6 +170,10 @@ async def _next_proposal(supervisor: Supervisor, run_id: str, provider: Provider
         usage=proposal.usage,
         latency=time.perf_counter() - started,
     )
+    if handle._scope.cancel_called:
+        # The answer came as the scope was cancelled: the next checkpoint would raise.
+        raise _Answered(answer)
+    return answer
 
 
 def _retry_after(exc: BaseException) -> tuple[bool, float | None]:

@@ -4,6 +4,8 @@ group-commits the journal and replies only after the batch is durable."""
 from __future__ import annotations
 
 import gc
+import heapq
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -95,15 +97,42 @@ class _Pending:
 class RunHandle:
     """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
 
-    __slots__ = ("_done", "_error", "_result", "_scope", "machine", "run_id")
+    __slots__ = (
+        "_asked",
+        "_cancelled",
+        "_deadline_passed",
+        "_done",
+        "_error",
+        "_in_provider",
+        "_model",
+        "_result",
+        "_scope",
+        "machine",
+        "run_id",
+    )
 
     def __init__(self, run_id: str, machine: str) -> None:
         self.run_id = run_id
         self.machine = machine
         self._done = trio.Event()
         self._scope = trio.CancelScope()
+        """The scope the run's actor runs in (see run_actor)."""
         self._result: RunResult | None = None
         self._error: BaseException | None = None
+        self._cancelled = False
+        """cancel_run cancelled the scope (not the deadline)."""
+        self._deadline_passed = False
+        """The run's deadline has passed (set by the supervisor's watchdog)."""
+        self._in_provider = False
+        """The actor is waiting for the model: the watchdog may cut the wait."""
+        self._model = ""
+        self._asked = 0.0
+        """The model asked last, and when (perf_counter), for a call the deadline cuts."""
+
+    def _deadline(self) -> None:
+        self._deadline_passed = True
+        if self._in_provider:
+            self._scope.cancel()
 
     @property
     def done(self) -> bool:
@@ -170,6 +199,11 @@ class Supervisor:
         self._actors: trio.Nursery | None = None
         self._closed = False
         self._next_id = 0
+        # The runs' deadlines: (trio time, tiebreak, handle), earliest first, and the
+        # watchdog's wait for the earliest (see arm_deadline).
+        self._deadlines: list[tuple[float, int, RunHandle]] = []
+        self._deadline_wait: trio.CancelScope | None = None
+        self._armed = 0
 
     def provider_for(self, machine: str) -> Provider | None:
         if isinstance(self._provider, Mapping):
@@ -298,6 +332,47 @@ class Supervisor:
             for pending, reply in replies:
                 if not pending.cancelled:
                     trio.lowlevel.reschedule(pending.task, reply)
+
+    # -- deadlines ----------------------------------------------------------------
+
+    def arm_deadline(self, handle: RunHandle) -> None:
+        """Have the watchdog tell ``handle`` when its run's deadline passes.
+
+        One heap entry per run instead of a cancel scope per model call: the actor cuts
+        only its wait for the model (see run_actor).
+        """
+        run = self.runs[handle.run_id]
+        remaining = run.started_ts + run.machine.budgets.deadline - self.clock()
+        if not math.isfinite(remaining):
+            return
+        # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin, so
+        # the supervisor's own check (on self.clock) agrees that the deadline passed.
+        at = trio.current_time() + max(remaining, 0.0) + 1e-3
+        heap = self._deadlines
+        if len(heap) > 2 * len(self.runs) + 64:  # entries of runs that ended: drop them
+            heap[:] = [entry for entry in heap if not entry[2].done]
+            heapq.heapify(heap)
+        self._armed += 1
+        heapq.heappush(heap, (at, self._armed, handle))
+        waiting = self._deadline_wait
+        if waiting is not None and at < waiting.deadline:
+            waiting.deadline = at
+
+    async def _watch_deadlines(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        heap = self._deadlines
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                handle = heapq.heappop(heap)[2]
+                if not handle.done:
+                    handle._deadline()
+            with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
+                self._deadline_wait = waiting
+                await trio.sleep_forever()
+            self._deadline_wait = None
 
     def _forget(self, run_ids: set[str]) -> None:
         # NOTE: the in-memory state ran ahead of a batch that was never written; drop
@@ -992,6 +1067,7 @@ class Supervisor:
         verdict = await self.request(Cancel(run_id=run_id, reason=reason))
         handle = self.handles.get(run_id)
         if handle is not None:
+            handle._cancelled = True
             handle._scope.cancel()
         return verdict
 
@@ -1045,6 +1121,7 @@ async def open_supervisor(
     )
     async with trio.open_nursery() as outer:
         await outer.start(supervisor.serve)
+        await outer.start(supervisor._watch_deadlines)
         try:
             async with trio.open_nursery() as actors:
                 supervisor._actors = actors
