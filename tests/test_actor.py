@@ -166,6 +166,65 @@ async def test_hanging_tool_times_out_and_is_retried_with_backoff(
     assert 1.0 <= second <= 2.0
 
 
+async def test_tool_that_swallows_the_timeout_is_committed_and_the_run_goes_on(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    # A tool that catches the cut and returns anyway: its result is what happened, so it
+    # is committed, and the run's next model call is not mistaken for a cut one.
+    async def stubborn(args: Any, ctx: ToolContext) -> Any:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            return {"done": "anyway"}
+
+    spec = worker_machine(stubborn, timeout=2.0)
+    assert (await run_one(spec, ScriptedProvider([CALL, DONE]), memory_store)).outcome == (
+        "completed"
+    )
+    events = await events_of(memory_store, "r-1")
+    assert tool_outcome(events)[1]["result"] == {"done": "anyway"}
+    assert [fields["error"] for kind, fields in events if kind == "ModelCalled"] == ["", ""]
+
+
+async def test_tool_that_turns_the_timeout_into_an_error_is_retried(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    calls: list[int] = []
+
+    async def converts(args: Any, ctx: ToolContext) -> Any:
+        calls.append(ctx.attempt)
+        if ctx.attempt == 1:
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                raise ConnectionError("aborted") from None
+        return {"ok": True}
+
+    spec = worker_machine(converts, timeout=2.0, retry=RetryPolicy(attempts=2, base=1.0))
+    await run_one(spec, ScriptedProvider([CALL, DONE]), memory_store)
+    assert calls == [1, 2]
+    assert tool_outcome(await events_of(memory_store, "r-1"))[1]["attempts"] == 2
+
+
+async def test_tool_with_its_own_nursery_times_out(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    # The cut reaches the tool's tasks and comes back out wrapped in an exception group.
+    async def fan_out(args: Any, ctx: ToolContext) -> Any:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+        return {"never": True}
+
+    spec = worker_machine(fan_out, timeout=2.0, retry=RetryPolicy(attempts=1))
+    assert (await run_one(spec, ScriptedProvider([CALL, DONE]), memory_store)).outcome == (
+        "completed"
+    )
+    outcome = tool_outcome(await events_of(memory_store, "r-1"))
+    assert outcome[0] == "ToolFailed"
+    assert (outcome[1]["error"], outcome[1]["attempts"]) == ("timed out after 2 s", 1)
+
+
 async def test_backoff_without_jitter_doubles_up_to_the_cap(
     memory_store: MemoryStore, autojump_clock: Any
 ) -> None:

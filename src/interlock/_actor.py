@@ -24,11 +24,43 @@ if TYPE_CHECKING:
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
-class _Answered(Exception):  # a signal inside the actor, never raised out of it
-    """The model answered as the run's deadline passed: submit the answer in a fresh scope."""
+class _Attempts:
+    """A verified call's attempts so far. It outlives a cut (see execute_call)."""
 
-    def __init__(self, proposal: Propose) -> None:
-        self.proposal = proposal
+    __slots__ = (
+        "attempt",
+        "call",
+        "error",
+        "retry_after",
+        "retryable",
+        "rng",
+        "seq",
+        "started",
+        "state",
+    )
+
+    def __init__(self, state: str, seq: int, call: ToolCall) -> None:
+        self.state = state
+        self.seq = seq
+        self.call = call
+        self.attempt = 0
+        self.started = time.perf_counter()
+        self.error = ""
+        self.retryable = False
+        self.retry_after: float | None = None
+        self.rng: random.Random | None = None
+
+
+#: What a cut carries out of the run's cancelled scope: the model's answer, a call's
+#: attempts so far (its latest one timed out), or a call's finished report.
+_Carried = Propose | _Attempts | Report
+
+
+class _Cut(Exception):  # a signal inside the actor, never raised out of it
+    """The watchdog cut the run's scope; go on with ``carried`` in a fresh scope."""
+
+    def __init__(self, carried: _Carried) -> None:
+        self.carried = carried
 
 
 async def run_actor(
@@ -36,28 +68,30 @@ async def run_actor(
 ) -> None:
     """Drive one run until it is terminal or escalated. Never raises for a tool's failure.
 
-    The run lives in one cancel scope, ``handle._scope``, not one per model call: entering
-    a trio scope costs as much as the rest of a step's bookkeeping. The run's deadline is
-    kept by the supervisor's watchdog, which cancels that scope only while the actor
-    waits for the model; then the actor journals the cut call as a failed one and goes on
-    in a fresh scope. A tool call is never cut by the run's deadline, only by its own
-    timeout (or cancel_run).
+    The run lives in one cancel scope, ``handle._scope``, not one per model call and
+    one per tool attempt: entering a trio scope costs as much as the rest of a step's
+    bookkeeping. Timeouts are kept by the supervisor's watchdog (one heap entry each),
+    which cancels the run's scope only while the actor waits for what timed out: the
+    model, past the run's deadline, or a tool attempt, past the tool's timeout. The
+    actor then carries what it was doing out of the cancelled scope and goes on in a
+    fresh one. So a tool call is never cut by the run's deadline, only by its own
+    timeout or by cancel_run.
     """
     run_id = handle.run_id
     try:
         supervisor.arm_deadline(handle)
-        carried: Propose | None = None
+        carried: _Carried | None = None
         while True:
             scope = handle._scope
             try:
                 with scope:
                     await _drive(supervisor, handle, verdict, provider, carried)
-            except _Answered as answered:
-                carried = answered.proposal
+            except _Cut as cut:
+                carried = cut.carried
             else:
                 if not scope.cancelled_caught:
                     break  # the run is terminal or escalated
-                # The scope was cancelled: by cancel_run, or the watchdog cut a model call.
+                # Cancelled, not cut: cancel_run, or the deadline cut the wait for the model.
                 carried = None if handle._cancelled else _deadline_cut(supervisor, handle)
             if handle._cancelled or carried is None:
                 break
@@ -75,21 +109,27 @@ async def _drive(
     handle: RunHandle,
     verdict: Verdict,
     provider: Provider | None,
-    proposal: Propose | None,
+    carried: _Carried | None,
 ) -> None:
-    """The loop proper: from ``verdict`` (or first ``proposal``) until the run stops running."""
+    """The loop proper: from ``verdict`` (or what a cut carried) until the run stops running."""
     run_id = handle.run_id
     durable = True
-    while proposal is not None or verdict.outcome == "running":
+    proposal = carried if isinstance(carried, Propose) else None
+    report = carried if isinstance(carried, Report) else None
+    attempts = carried if isinstance(carried, _Attempts) else None
+    while proposal is not None or report is not None or verdict.outcome == "running":
         if proposal is None:
-            if verdict.execute is not None:
-                report = await execute_call(
-                    supervisor, run_id, verdict.state, verdict.seq, verdict.execute
-                )
+            if report is None and attempts is None and verdict.execute is not None:
+                attempts = _Attempts(verdict.state, verdict.seq, verdict.execute)
+            if attempts is not None:
+                report = await execute_call(supervisor, handle, attempts)
+                attempts = None
+            if report is not None:
                 # NOTE: the commit need not be durable before the next model call:
                 # the next verdict is sent only after a flush that holds it, and a
                 # crash before then leaves the call in doubt, which recovery handles.
                 verdict = supervisor.submit_nowait(report)
+                report = None
                 durable = False
                 continue
             proposal = await _next_proposal(supervisor, handle, provider)
@@ -172,7 +212,7 @@ async def _next_proposal(
     )
     if handle._scope.cancel_called:
         # The answer came as the scope was cancelled: the next checkpoint would raise.
-        raise _Answered(answer)
+        raise _Cut(answer)
     return answer
 
 
@@ -195,68 +235,89 @@ def _retry_after(exc: BaseException) -> tuple[bool, float | None]:
     return isinstance(exc, ConnectionError | TimeoutError), None
 
 
-async def execute_call(
-    supervisor: Supervisor, run_id: str, state: str, seq: int, call: ToolCall
-) -> Report:
-    """Run a verified call with its timeout and retry policy; return the report to journal."""
+async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Attempts) -> Report:
+    """Run a verified call with its timeout and retry policy; return the report to journal.
+
+    Raises:
+      _Cut: the watchdog cut an attempt at the tool's timeout (``attempts`` says how far
+        the call got; the actor goes on from there in a fresh scope), or an attempt
+        finished just as it was cut (the report is carried out).
+    """
+    run_id = handle.run_id
     run = supervisor.runs[run_id]
+    call = attempts.call
     tool: Tool = run.machine.tool_by_name[call.tool]
     args: Any = tool.validator.from_builtins(call.args)
     policy = tool.retry
-    rng: random.Random | None = None
-    started = time.perf_counter()
-    error = ""
-    retryable = False
-    attempt = 0
-    while attempt < policy.attempts:
-        attempt += 1
-        ctx = ToolContext(run_id=run_id, state=state, key=call.key, attempt=attempt)
-        retry_after: float | None = None
-        try:
-            # What trio.fail_after does, without its generator context manager per call.
-            with trio.CancelScope(relative_deadline=tool.timeout) as timer:
-                result = await tool.execute(args, ctx)
-            if timer.cancelled_caught:
-                raise trio.TooSlowError
-            try:
-                payload = msgspec.to_builtins(result)
-            except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-                problem: str | None = str(exc) or type(exc).__name__
-            else:
-                # What the store will do with it: a result it cannot encode must fail
-                # this call, not the batch (and every run in it).
-                problem = unjournalable(payload)
-            if problem is not None:
-                error = f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
-                retryable = False
+    while True:
+        if attempts.attempt:  # the latest attempt failed: retry it, or report the failure
+            if not attempts.retryable or attempts.attempt >= policy.attempts:
                 break
-            return Report(
+            if attempts.rng is None:
+                attempts.rng = random.Random(
+                    call.key
+                )  # jitter that replays the same for the same key
+            await trio.sleep(policy.delay(attempts.attempt, attempts.retry_after, attempts.rng))
+        attempts.attempt += 1
+        attempts.retry_after = None
+        ctx = ToolContext(
+            run_id=run_id, state=attempts.state, key=call.key, attempt=attempts.attempt
+        )
+        token = supervisor.arm_timeout(handle, tool.timeout)
+        try:
+            result = await tool.execute(args, ctx)
+        except (trio.Cancelled, BaseExceptionGroup):
+            if handle._tool_cut == token:  # its timeout, not cancel_run or a shutdown
+                attempts.error = f"timed out after {tool.timeout:g} s"
+                attempts.retryable = True
+                raise _Cut(attempts) from None
+            raise
+        except Exception as exc:
+            attempts.retryable, attempts.retry_after = _retry_after(exc)
+            attempts.error = f"{type(exc).__name__}: {exc}"
+            if handle._tool_cut == token:  # the tool turned the cut into an error
+                raise _Cut(attempts) from None
+            continue
+        finally:
+            handle._tool_token = 0
+        try:
+            payload = msgspec.to_builtins(result)
+        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+            problem: str | None = str(exc) or type(exc).__name__
+        else:
+            # What the store will do with it: a result it cannot encode must fail
+            # this call, not the batch (and every run in it).
+            problem = unjournalable(payload)
+        if problem is not None:
+            attempts.error = (
+                f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
+            )
+            attempts.retryable = False
+            report = _failure(run_id, attempts)
+        else:
+            report = Report(
                 run_id=run_id,
-                seq=seq,
+                seq=attempts.seq,
                 key=call.key,
                 ok=True,
                 result=payload,
-                attempts=attempt,
-                latency=time.perf_counter() - started,
+                attempts=attempts.attempt,
+                latency=time.perf_counter() - attempts.started,
             )
-        except trio.TooSlowError:
-            error = f"timed out after {tool.timeout:g} s"
-            retryable = True
-        except Exception as exc:
-            retryable, retry_after = _retry_after(exc)
-            error = f"{type(exc).__name__}: {exc}"
-        if not retryable or attempt >= policy.attempts:
-            break
-        if rng is None:
-            rng = random.Random(call.key)  # jitter that replays the same for the same key
-        await trio.sleep(policy.delay(attempt, retry_after, rng))
+        if handle._tool_cut == token:  # it finished as it was cut: leave the scope first
+            raise _Cut(report)
+        return report
+    return _failure(run_id, attempts)
+
+
+def _failure(run_id: str, attempts: _Attempts) -> Report:
     return Report(
         run_id=run_id,
-        seq=seq,
-        key=call.key,
+        seq=attempts.seq,
+        key=attempts.call.key,
         ok=False,
-        error=error,
-        retryable=retryable,
-        attempts=attempt,
-        latency=time.perf_counter() - started,
+        error=attempts.error,
+        retryable=attempts.retryable,
+        attempts=attempts.attempt,
+        latency=time.perf_counter() - attempts.started,
     )

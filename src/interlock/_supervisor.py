@@ -107,6 +107,8 @@ class RunHandle:
         "_model",
         "_result",
         "_scope",
+        "_tool_cut",
+        "_tool_token",
         "machine",
         "run_id",
     )
@@ -128,10 +130,19 @@ class RunHandle:
         self._model = ""
         self._asked = 0.0
         """The model asked last, and when (perf_counter), for a call the deadline cuts."""
+        self._tool_token = 0
+        """The watchdog's token of the tool attempt in flight; 0 when none is."""
+        self._tool_cut = 0
+        """The token of the latest attempt the watchdog cut at its timeout."""
 
     def _deadline(self) -> None:
         self._deadline_passed = True
         if self._in_provider:
+            self._scope.cancel()
+
+    def _timeout(self, token: int) -> None:
+        if self._tool_token == token:
+            self._tool_cut = token
             self._scope.cancel()
 
     @property
@@ -199,9 +210,10 @@ class Supervisor:
         self._actors: trio.Nursery | None = None
         self._closed = False
         self._next_id = 0
-        # The runs' deadlines: (trio time, tiebreak, handle), earliest first, and the
-        # watchdog's wait for the earliest (see arm_deadline).
-        self._deadlines: list[tuple[float, int, RunHandle]] = []
+        # The runs' deadlines and tool timeouts: (trio time, order, token, handle),
+        # earliest first (token 0 for a run's deadline), and the watchdog's wait for the
+        # earliest (see arm_deadline, arm_timeout).
+        self._deadlines: list[tuple[float, int, int, RunHandle]] = []
         self._deadline_wait: trio.CancelScope | None = None
         self._armed = 0
 
@@ -343,17 +355,35 @@ class Supervisor:
         """
         run = self.runs[handle.run_id]
         remaining = run.started_ts + run.machine.budgets.deadline - self.clock()
-        if not math.isfinite(remaining):
-            return
-        # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin, so
-        # the supervisor's own check (on self.clock) agrees that the deadline passed.
-        at = trio.current_time() + max(remaining, 0.0) + 1e-3
+        if math.isfinite(remaining):
+            # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin,
+            # so the supervisor's own check (on self.clock) agrees that it passed.
+            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, 0, handle)
+
+    def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
+        """Have the watchdog cut ``handle``'s tool attempt after ``seconds``.
+
+        Returns the attempt's token, which the actor holds in ``handle._tool_token``
+        while the attempt runs; the entry of an attempt that finished is ignored.
+        """
+        self._armed += 1
+        token = handle._tool_token = self._armed
+        self._arm(trio.current_time() + seconds, token, handle)
+        return token
+
+    def _arm(self, at: float, token: int, handle: RunHandle) -> None:
         heap = self._deadlines
-        if len(heap) > 2 * len(self.runs) + 64:  # entries of runs that ended: drop them
-            heap[:] = [entry for entry in heap if not entry[2].done]
+        if len(heap) > 4 * len(self.runs) + 64:
+            # Each live run has at most two live entries (its deadline, its tool attempt):
+            # drop the rest, so the heap stays O(live runs) however many calls finished.
+            heap[:] = [
+                entry
+                for entry in heap
+                if not entry[3].done and (entry[2] == 0 or entry[2] == entry[3]._tool_token)
+            ]
             heapq.heapify(heap)
         self._armed += 1
-        heapq.heappush(heap, (at, self._armed, handle))
+        heapq.heappush(heap, (at, self._armed, token, handle))
         waiting = self._deadline_wait
         if waiting is not None and at < waiting.deadline:
             waiting.deadline = at
@@ -366,8 +396,12 @@ class Supervisor:
         while True:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
-                handle = heapq.heappop(heap)[2]
-                if not handle.done:
+                _at, _order, token, handle = heapq.heappop(heap)
+                if handle.done:
+                    continue
+                if token:
+                    handle._timeout(token)
+                else:
                     handle._deadline()
             with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
                 self._deadline_wait = waiting
