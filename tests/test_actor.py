@@ -225,6 +225,37 @@ async def test_tool_with_its_own_nursery_times_out(
     assert (outcome[1]["error"], outcome[1]["attempts"]) == ("timed out after 2 s", 1)
 
 
+class WorkArgs(msgspec.Struct, forbid_unknown_fields=True):
+    n: int
+
+
+async def test_tool_runs_on_the_args_its_guards_saw(memory_store: MemoryStore) -> None:
+    # The gate's validated args go to the tool as they are: not rebuilt from the journal's
+    # builtins (that costs a conversion per call, and only recovery needs it).
+    seen: list[Any] = []
+
+    def guard(args: WorkArgs, view: RunView) -> None:
+        seen.append(args)
+
+    async def work(args: WorkArgs, ctx: ToolContext) -> Any:
+        seen.append(args)
+        return {"n": args.n}
+
+    spec = Machine(
+        "job",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
+        tools=[Tool("work", work, WorkArgs, guards=[guard])],
+    )
+    call = '{"tool": "work", "args": {"n": 7}}'
+    assert (await run_one(spec, ScriptedProvider([call, DONE]), memory_store)).outcome == (
+        "completed"
+    )
+    assert len(seen) == 2
+    assert seen[0] is seen[1]
+    assert seen[1] == WorkArgs(7)
+
+
 async def test_backoff_without_jitter_doubles_up_to_the_cap(
     memory_store: MemoryStore, autojump_clock: Any
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import trio
@@ -247,7 +247,9 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
     run = supervisor.runs[run_id]
     call = attempts.call
     tool: Tool = run.machine.tool_by_name[call.tool]
-    args: Any = tool.validator.from_builtins(call.args)
+    key, args = handle._validated
+    if key != call.key:  # not decided in this process (recovery): validate from the journal
+        args = tool.validator.from_builtins(call.args)
     policy = tool.retry
     while True:
         if attempts.attempt:  # the latest attempt failed: retry it, or report the failure

@@ -152,6 +152,7 @@ class Decision(msgspec.Struct, gc=False):
       target: the state to move to, for an accepted transition.
       data: the transition's data, for an accepted transition.
       call_hash: the repeat breaker's hash of the call.
+      value: the call's validated args (what the guards saw), for an accepted call.
     """
 
     # A Struct rather than a plain class: one is made per proposal, and a Struct's
@@ -163,6 +164,7 @@ class Decision(msgspec.Struct, gc=False):
     target: str = ""
     data: dict[str, Any] = {}
     call_hash: int = 0
+    value: Any = None
 
     @property
     def accepted(self) -> bool:
@@ -368,7 +370,7 @@ def _checked_call(
         circuit = circuits.check(name, now, policy)
         if circuit is not None:
             return Decision((circuit[0],), circuit[1])
-    return Decision(tool=call.tool, args=builtins, call_hash=call_hash)
+    return Decision(tool=call.tool, args=builtins, call_hash=call_hash, value=args)
 
 
 def _next_hint(machine: Machine, state_id: int) -> str:

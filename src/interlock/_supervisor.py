@@ -109,6 +109,7 @@ class RunHandle:
         "_scope",
         "_tool_cut",
         "_tool_token",
+        "_validated",
         "machine",
         "run_id",
     )
@@ -134,6 +135,8 @@ class RunHandle:
         """The watchdog's token of the tool attempt in flight; 0 when none is."""
         self._tool_cut = 0
         """The token of the latest attempt the watchdog cut at its timeout."""
+        self._validated: tuple[str, Any] = ("", None)
+        """The key of the run's latest accepted call and its validated args."""
 
     def _deadline(self) -> None:
         self._deadline_passed = True
@@ -629,6 +632,9 @@ class Supervisor:
                 key=key,
             )
             self._record(run, events, intent, call_hash=decision.call_hash)  # the gate's hash
+            handle = self.handles.get(run.run_id)
+            if handle is not None:  # the actor runs the tool on what the guards saw
+                handle._validated = (key, decision.value)
             return self._verdict(
                 run, True, execute=ToolCall(decision.tool.name, decision.args, key)
             )
