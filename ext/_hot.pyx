@@ -659,7 +659,7 @@ cdef object _fnv1a64_object(object data, object seed):
 def proposal_hash(tool, canonical_args):
     """Return the repeat breaker's hash of a tool call: FNV-1a of ``tool``, a NUL, then the args.
 
-    ``canonical_args`` must already be canonical (JSON with sorted keys), so that
+    ``canonical_args`` must already be canonical (sorted keys, as _view.canonical_args), so that
     equal calls hash equal whatever their key order.
     """
     cdef uint64_t value

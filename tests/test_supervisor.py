@@ -931,6 +931,47 @@ async def test_a_proposal_the_journal_cannot_hold_is_rejected_not_fatal(
     )
 
 
+class CountArgs(msgspec.Struct, forbid_unknown_fields=True):
+    n: int
+
+
+async def test_a_call_whose_args_the_journal_cannot_hold_is_rejected_by_the_gate(
+    memory_store: MemoryStore,
+) -> None:
+    # The gate's repeat hash encodes the args as the journal does, so it is the gate that
+    # refuses them: verify() answers, it does not raise, and the run goes on.
+    calls: list[int] = []
+
+    async def count(args: CountArgs, ctx: ToolContext) -> Any:
+        calls.append(args.n)
+        return {"n": args.n}
+
+    machine = Machine(
+        "counter",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["count"])},
+        tools=[Tool("count", count, CountArgs)],
+    )
+    huge = f'{{"tool": "count", "args": {{"n": {HUGE}}}}}'
+    fine = '{"tool": "count", "args": {"n": 2}}'
+    script = iter([huge, fine, DONE])
+    provider = ScriptedProvider(lambda view: next(script))
+    async with open_supervisor([machine], memory_store, provider=provider) as sup:
+        result = await (await sup.start_run("counter", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    assert calls == [2]
+    events = await memory_store.load("r-1")
+    [rejected] = [e for e in events if isinstance(e, ProposalRejected)]
+    assert rejected.violations == (
+        Violation(
+            "schema",
+            "args",
+            "args: can't serialize ints < -2**63 or > 2**64 - 1; the journal cannot hold this value",
+            "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)",
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     ("returned", "problem"),
     [

@@ -244,6 +244,10 @@ def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+#: What msgspec raises for a value msgpack cannot hold.
+ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
+
+
 def unjournalable(value: Any) -> str | None:
     """Why ``value`` cannot go into a journal event (msgpack), or None if it can.
 
@@ -254,9 +258,19 @@ def unjournalable(value: Any) -> str | None:
     """
     try:
         _encoder.encode(value)
-    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as exc:
+    except ENCODING_ERRORS as exc:
         return str(exc) or type(exc).__name__
     return None
+
+
+def unjournalable_violation(where: str, problem: str) -> Violation:
+    """The rejection of a proposal whose ``args`` or ``data`` the journal cannot hold."""
+    return Violation(
+        "schema",
+        where,
+        f"{where}: {problem}; the journal cannot hold this value",
+        "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)",
+    )
 
 
 def decode_event(data: bytes) -> JournalEvent:

@@ -13,7 +13,7 @@ import msgspec
 import msgspec.structs
 
 from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
-from ._events import Violation
+from ._events import ENCODING_ERRORS, Violation, unjournalable_violation
 from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, fnv1a64
 from ._tools import _MsgspecValidator
 from ._view import RunView
@@ -320,7 +320,8 @@ def _verify_call(
     return _checked_call(machine, run, call, args, now, circuits)
 
 
-_canonical = msgspec.json.Encoder(order="sorted")  # as _view.canonical_args
+_canonical = msgspec.msgpack.Encoder(order="sorted")  # as _view.canonical_args
+_sorted_json = msgspec.json.Encoder(order="sorted")  # for the repeat breaker's message
 
 
 def _checked_call(
@@ -357,12 +358,17 @@ def _checked_call(
         if guard_violations:
             return Decision(tuple(guard_violations))
     builtins = call.to_builtins(args)
-    canonical = _canonical.encode(args if call.plain else builtins)
+    try:
+        # The journal's encoding (msgpack), so it also refuses what the journal cannot hold.
+        canonical = _canonical.encode(args if call.plain else builtins)
+    except ENCODING_ERRORS as exc:
+        return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
     call_hash = fnv1a64(canonical, call.seed)
     policy = machine.breakers
     if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
         # The message text (the args as JSON) is built only for a trip.
-        repeat = check_repeat(run, name, call_hash, policy, canonical.decode())
+        text = _sorted_json.encode(args if call.plain else builtins).decode()
+        repeat = check_repeat(run, name, call_hash, policy, text)
         if repeat is not None:
             return Decision((repeat[0],), repeat[1])
     if circuits is not None and (type(circuits) is not CircuitBoard or circuits._circuits):

@@ -227,7 +227,7 @@ def fnv1a64(data: bytes, seed: int = _FNV_OFFSET) -> int:
 def proposal_hash(tool: bytes, canonical_args: bytes) -> int:
     """Return the repeat breaker's hash of a tool call: FNV-1a of ``tool``, a NUL, then the args.
 
-    ``canonical_args`` must already be canonical (JSON with sorted keys), so that
+    ``canonical_args`` must already be canonical (sorted keys, as _view.canonical_args), so that
     equal calls hash equal whatever their key order.
     """
     return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))

@@ -36,6 +36,7 @@ from ._events import (
     Violation,
     hash_prompt,
     unjournalable,
+    unjournalable_violation,
 )
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
@@ -607,18 +608,13 @@ class Supervisor:
         )
         if not decision.accepted:
             return self._reject(run, events, now, decision.violations, decision.trip)
-        where, payload = (
-            ("args", decision.args) if decision.tool is not None else ("data", decision.data)
-        )
-        problem = unjournalable(payload)
-        if problem is not None:
-            violation = Violation(
-                "schema",
-                where,
-                f"{where}: {problem}; the journal cannot hold this value",
-                "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)",
-            )
-            return self._reject(run, events, now, (violation,), None)
+        if decision.tool is None:
+            # (A call's args were encoded by the gate for its repeat hash: it refused
+            # what the journal cannot hold.)
+            problem = unjournalable(decision.data)
+            if problem is not None:
+                violation = unjournalable_violation("data", problem)
+                return self._reject(run, events, now, (violation,), None)
         self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"

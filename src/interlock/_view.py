@@ -127,6 +127,8 @@ class RunState:
 
     __slots__ = (
         "_compacted",
+        "_data_view",
+        "_inputs_view",
         "_rendered",
         "closed",
         "consecutive_failures",
@@ -159,6 +161,9 @@ class RunState:
         self.seq = 0
         self.inputs: dict[str, Any] = {}
         self.data: dict[str, Any] = {}
+        # Read-only views for RunView, made once: guards read them on every proposal.
+        self._inputs_view = MappingProxyType(self.inputs)
+        self._data_view = MappingProxyType(self.data)
         self.started_ts = 0.0
         self.last_ts = 0.0
         self.tokens = 0
@@ -306,6 +311,7 @@ class RunState:
             case RunStarted(state=state, inputs=inputs):
                 self.state = state
                 self.inputs = dict(inputs)
+                self._inputs_view = MappingProxyType(self.inputs)
                 self.started_ts = event.ts
             case _:  # pragma: no cover - the union is closed
                 raise ProtocolError(f"unknown event {event!r}")
@@ -350,11 +356,13 @@ def fold(machine: Machine, events: Iterable[Event]) -> RunState:
     return run
 
 
-_canonical = msgspec.json.Encoder(order="sorted")
+_canonical = msgspec.msgpack.Encoder(order="sorted")
 
 
 def canonical_args(args: Any) -> bytes:
-    """The args as JSON with sorted keys: equal calls give equal bytes."""
+    """The args as msgpack with sorted keys (and Struct fields): equal calls give equal
+    bytes, whether the args are a validated Struct or its builtins. msgpack rather than
+    JSON: a float is copied, not formatted, so the repeat hash costs less per proposal."""
     return _canonical.encode(args)
 
 
@@ -394,12 +402,12 @@ class RunView:
 
     @property
     def inputs(self) -> Mapping[str, Any]:
-        return MappingProxyType(self._run.inputs)
+        return self._run._inputs_view
 
     @property
     def data(self) -> Mapping[str, Any]:
         """The run's data: what transitions carried (``Go.data``), merged in order."""
-        return MappingProxyType(self._run.data)
+        return self._run._data_view
 
     @property
     def tokens(self) -> int:

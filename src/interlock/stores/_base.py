@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._events import (
+    ENCODING_ERRORS,
     EVENT_TYPES,
     Completed,
     Escalated,
@@ -78,10 +79,6 @@ def unencodable(events: Iterable[Event], exc: BaseException) -> StoreError:
                 f"{event.run_id!r} cannot be encoded ({error}); nothing was written"
             )
     return StoreError(f"the batch cannot be encoded ({exc}); nothing was written")
-
-
-#: What msgspec raises for a value msgpack cannot hold.
-ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
 
 
 def encode_rows(events: Iterable[Event]) -> list[Row]:

@@ -21,6 +21,7 @@ import msgspec
 import trio
 
 from .._events import (
+    ENCODING_ERRORS,
     Completed,
     Escalated,
     Failed,
@@ -32,7 +33,6 @@ from .._events import (
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
 from ._base import (
-    ENCODING_ERRORS,
     RunRecord,
     Store,
     check_batch,
