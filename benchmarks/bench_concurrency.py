@@ -49,6 +49,7 @@ from benchmarks._harness import (
     run_child,
     short_path,
 )
+from interlock._supervisor import GC_THRESHOLD
 
 NAME = "concurrency"
 TITLE = "Concurrent runs: wall time, CPU and memory against bare trio and asyncio sleeps"
@@ -56,7 +57,7 @@ TITLE = "Concurrent runs: wall time, CPU and memory against bare trio and asynci
 STEPS = 10
 #: Generation thresholds of the tuned variant: young collections every 50,000 net
 #: allocations instead of 700; the older generations keep their defaults.
-TUNED_THRESHOLD = (50_000, 20, 100)
+TUNED_THRESHOLD = GC_THRESHOLD  # what open_supervisor sets
 FULL_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (100, 400)
 
