@@ -185,9 +185,9 @@ class RunState:
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
         self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
-        self._rendered: tuple[int, str, str] = (0, "", "")
-        """For render_prompt: how many compacted frames it rendered last, the text of all
-        but the last of them, and the last one's."""
+        self._rendered: tuple[int, str, int, int] = (0, "", 0, 0)
+        """For render_prompt: how many compacted frames it rendered last, the prompt it
+        returned, and where in it the text of all of them but the last one is."""
 
     @property
     def terminal(self) -> bool:

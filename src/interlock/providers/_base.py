@@ -46,11 +46,20 @@ def render_prompt(view: RunView) -> str:
     if run.data:
         lines.append(f"data: {msgspec.json.encode(run.data).decode()}")
     frames = view.history
-    if frames:
-        lines.append("history:")
-        lines.append(_render_history(run, frames))
-    lines.append(_ANSWER)
-    return "\n".join(lines)
+    if not frames:
+        lines.append(_ANSWER)
+        return "\n".join(lines)
+    lines.append("history:\n")
+    head = "\n".join(lines)
+    stable, last = _render_history(run, frames)
+    if stable:
+        prompt = f"{head}{stable}\n{last}\n{_ANSWER}"
+    else:
+        prompt = f"{head}{last}\n{_ANSWER}"
+    # Where the stable frames' text sits in this prompt, for the next render. The prompt
+    # is the string the run keeps as its latest (run.prompt), so this costs no copy.
+    run._rendered = (len(frames), prompt, len(head), len(head) + len(stable))
+    return prompt
 
 
 _ANSWER = (
@@ -58,20 +67,18 @@ _ANSWER = (
 )
 
 
-def _render_history(run: RunState, frames: tuple[Frame, ...]) -> str:
+def _render_history(run: RunState, frames: tuple[Frame, ...]) -> tuple[str, str]:
+    """The text of every frame but the last, and of the last."""
     # The history only grows, and compaction can change only its last frame (a repeated
     # rejection joins it): the text of every frame before the last one rendered stays.
     # Rendering from there on keeps a step's prompt O(new frames), not O(history).
-    rendered, stable_text, _last = run._rendered
+    rendered, previous, start, end = run._rendered
     if rendered > len(frames):  # not this history's cache (it never shrinks): start over
-        rendered, stable_text = 0, ""
+        rendered = 0
     stable = max(rendered - 1, 0)
-    parts = [stable_text] if stable_text else []
+    parts = [previous[start:end]] if stable else []
     parts.extend(_render_frame(frame) for frame in frames[stable:-1])
-    stable_text = "\n".join(parts)
-    last = _render_frame(frames[-1])
-    run._rendered = (len(frames), stable_text, last)
-    return f"{stable_text}\n{last}" if stable_text else last
+    return "\n".join(parts), _render_frame(frames[-1])
 
 
 def _render_frame(frame: Frame) -> str:
