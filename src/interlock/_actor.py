@@ -248,6 +248,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
     call = attempts.call
     tool: Tool = run.machine.tool_by_name[call.tool]
     key, args = handle._validated
+    handle._validated = ("", None)  # held only until the call runs: not for the run's life
     if key != call.key:  # not decided in this process (recovery): validate from the journal
         args = tool.validator.from_builtins(call.args)
     policy = tool.retry

@@ -52,10 +52,8 @@ def render_prompt(view: RunView) -> str:
     lines.append("history:\n")
     head = "\n".join(lines)
     stable, last = _render_history(run, frames)
-    if stable:
-        prompt = f"{head}{stable}\n{last}\n{_ANSWER}"
-    else:
-        prompt = f"{head}{last}\n{_ANSWER}"
+    body = f"{stable}\n{last}" if stable else last
+    prompt = f"{head}{body}\n{_ANSWER}"
     # Where the stable frames' text sits in this prompt, for the next render. The prompt
     # is the string the run keeps as its latest (run.prompt), so this costs no copy.
     run._rendered = (len(frames), prompt, len(head), len(head) + len(stable))
