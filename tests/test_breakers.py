@@ -426,7 +426,7 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
         for i in range(300):
             await (await sup.start_run("shop", run_id=f"r-{i}")).wait()
             sizes.append(len(sup._deadlines))
-    # one run live at a time: the heap is pruned once it holds more than 4 * 1 + 64
+    # one run live at a time: a push prunes the heap once it holds more than 3 * 1 + 64
     assert sizes[:34] == list(range(2, 70, 2))
     assert max(sizes) == 68
     assert min(sizes[34:]) <= 4

@@ -217,10 +217,9 @@ class Supervisor:
         self._actors: trio.Nursery | None = None
         self._closed = False
         self._next_id = 0
-        # The runs' deadlines and tool timeouts: (trio time, order, token, handle),
-        # earliest first (token 0 for a run's deadline), and the watchdog's wait for the
-        # earliest (see arm_deadline, arm_timeout).
-        self._deadlines: list[tuple[float, int, int, RunHandle]] = []
+        # The runs' deadlines and tool timeouts, earliest first, and the watchdog's wait
+        # for the earliest (see arm_deadline, arm_timeout, _arm).
+        self._deadlines: list[tuple[float, int, RunHandle]] = []
         self._deadline_wait: trio.CancelScope | None = None
         self._armed = 0
 
@@ -365,7 +364,8 @@ class Supervisor:
         if math.isfinite(remaining):
             # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin,
             # so the supervisor's own check (on self.clock) agrees that it passed.
-            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, 0, handle)
+            self._armed += 1
+            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, -self._armed, handle)
 
     def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
         """Have the watchdog cut ``handle``'s tool attempt after ``seconds``.
@@ -379,18 +379,20 @@ class Supervisor:
         return token
 
     def _arm(self, at: float, token: int, handle: RunHandle) -> None:
+        # An entry is (trio time, token, handle): a tool attempt's token is positive, a
+        # run deadline's negative; unique either way, so ties never compare handles.
         heap = self._deadlines
-        if len(heap) > 4 * len(self.runs) + 64:
+        if len(heap) > 3 * len(self.runs) + 64:
             # Each live run has at most two live entries (its deadline, its tool attempt):
             # drop the rest, so the heap stays O(live runs) however many calls finished.
+            # Pruning at 3x leaves room for at least one push per live run before the next.
             heap[:] = [
                 entry
                 for entry in heap
-                if not entry[3].done and (entry[2] == 0 or entry[2] == entry[3]._tool_token)
+                if not entry[2].done and (entry[1] < 0 or entry[1] == entry[2]._tool_token)
             ]
             heapq.heapify(heap)
-        self._armed += 1
-        heapq.heappush(heap, (at, self._armed, token, handle))
+        heapq.heappush(heap, (at, token, handle))
         waiting = self._deadline_wait
         if waiting is not None and at < waiting.deadline:
             waiting.deadline = at
@@ -403,10 +405,10 @@ class Supervisor:
         while True:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
-                _at, _order, token, handle = heapq.heappop(heap)
+                _at, token, handle = heapq.heappop(heap)
                 if handle.done:
                     continue
-                if token:
+                if token > 0:
                     handle._timeout(token)
                 else:
                     handle._deadline()
