@@ -45,10 +45,16 @@ def _missed_by(measured: float, target: float, *, lower_is_better: bool, unit: s
     return f"{target / measured:.1f}× short ({measured:,.0f}{unit} of {target:,.0f}{unit})"
 
 
-def _instructions(results: Results, label: str) -> dict[str, Any] | None:
-    """A row of the instruction-count section, if it ran."""
+def _counted(results: Results, label: str) -> list[str]:
+    """The note quoting the instruction count of ``label``, if that section ran."""
     section = results.get("instructions") or {}
-    return next((r for r in section.get("rows", []) if r["label"] == label), None)
+    row = next((r for r in section.get("rows", []) if r["label"] == label), None)
+    if row is None or row["ratio"] is None:
+        return []
+    return [
+        f"Counted in instructions (cachegrind, no timing noise): "
+        f"{row['instructions'] / 1000:.1f}k per {row['unit']}, {row['ratio']:.2f}× {row['baseline']}."
+    ]
 
 
 # -- transition ---------------------------------------------------------------------------
@@ -114,13 +120,7 @@ def _verify_floor(results: Results) -> Outcome:
     floor = rows["msgspec decoding alone"]["us"]
     value = gate / floor
     met = value <= 1.3
-    notes = []
-    counted = _instructions(results, "interlock gate (compiled)")
-    if counted is not None and counted["ratio"] is not None:
-        notes.append(
-            f"Counted in instructions (cachegrind, no timing noise): {counted['ratio']:.2f}× "
-            f"msgspec alone ({counted['instructions'] / 1000:.1f}k per proposal)."
-        )
+    notes = _counted(results, "interlock gate (compiled)")
     return Outcome(
         f"{gate:.2f} µs vs {floor:.2f} µs: {value:.2f}× msgspec alone",
         met,
@@ -186,14 +186,7 @@ def _loop(results: Results) -> Outcome:
     value = row["us_per_step"]
     met = value < 20
     tuned = find(loop, "interlock, concurrent, prompt-free provider, tuned gc")["us_per_step"]
-    notes = []
-    counted = _instructions(results, "interlock loop, concurrent")
-    if counted is not None and counted["ratio"] is not None:
-        notes.append(
-            f"Counted in instructions (cachegrind, no timing noise): "
-            f"{counted['instructions'] / 1000:.0f}k per step, {counted['ratio']:.0f}× the plain "
-            "msgspec loop."
-        )
+    notes = _counted(results, "interlock loop, concurrent")
     return Outcome(
         f"{value:.0f} µs per step batched ({find(loop, 'interlock, sequential')['us_per_step']:.0f} µs "
         f"one run at a time; {tuned:.0f} µs with a prompt-free provider and the tuned collector)",
