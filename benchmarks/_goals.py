@@ -217,7 +217,7 @@ def _loop_closing(results: Results) -> str:
         "the intent must be durable before a side effect); folding 3 events into the run state "
         "and encoding, framing and indexing them; the prompt's delta against the previous one "
         "and its SHA-256; histogram records. No cancel scope any more: entering and leaving a "
-        "trio `CancelScope` cost ~60k instructions (as much as the gate), and there were two "
+        "trio `CancelScope` cost ~60k instructions (twice a whole verification), and there were two "
         "per step. The run now lives in one scope; the run's deadline and each tool attempt's "
         "timeout are entries in a heap the supervisor's watchdog task keeps, and it cancels the "
         "run's scope only when the thing waited for overruns (the actor then carries its "
