@@ -33,6 +33,10 @@ from .._events import (
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
 from ._base import (
+    COMPLETED,
+    ESCALATED,
+    FAILED,
+    RUNNING,
     RunRecord,
     Store,
     check_batch,
@@ -121,6 +125,17 @@ _UPSERT_RUN = (
     "updated = excluded.updated, reason = excluded.reason, detail = excluded.detail"
 )
 _SELECT_RUN = f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?"
+_INSERT_RUN = (
+    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id) DO NOTHING"
+)
+#: A continuing run's index row moves on only from the seq before the batch's first:
+#: the row count tells whether every run was where the batch says it was.
+_ADVANCE_RUN = (
+    "UPDATE runs SET seq = ?, updated = ?, state = COALESCE(?, state), "
+    "outcome = COALESCE(?, outcome), reason = COALESCE(?, reason), "
+    "detail = COALESCE(?, detail) WHERE run_id = ? AND seq = ?"
+)
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
@@ -462,17 +477,11 @@ class SQLiteStore(Store):
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            current: dict[str, RunRecord] = {}
-            for run_id, *_ in batch.chunks:
-                row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
-                if row is not None:
-                    current[run_id] = _record(row)
-            batch.check(current)
-            updates = index_updates(batch.marks, current)
+            if not self._index_fast(conn, batch):
+                self._index_checked(conn, batch)
             conn.executemany(_INSERT_CHUNK, batch.chunks)
             if batch.intents:
                 conn.executemany(_INSERT_INTENT, batch.intents)
-            conn.executemany(_UPSERT_RUN, [msgspec.structs.astuple(r) for r in updates.values()])
             conn.execute("COMMIT")
         except sqlite3.IntegrityError as exc:
             _rollback(conn)
@@ -480,6 +489,78 @@ class SQLiteStore(Store):
         except Exception:
             _rollback(conn)
             raise
+
+    @staticmethod
+    def _index_fast(conn: sqlite3.Connection, batch: _Batch) -> bool:
+        """Update the runs index without reading it first; False (and nothing done) if
+        any run is not where the batch says it is, for :meth:`_index_checked` to explain.
+
+        A run the batch starts is inserted; any other run's row moves from the seq before
+        its first event in the batch, and only in the fields its events change. That is
+        what :func:`index_updates` gives from the stored rows, without a SELECT per run.
+        """
+        if not batch.contiguous:
+            return False
+        started: list[Event] = []  # the marks of the runs the batch starts
+        starting: set[str] = set()
+        # run_id -> [seq, updated, state, outcome, reason, detail, the seq stored now];
+        # None leaves a field as it is.
+        moves: dict[str, list[Any]] = {}
+        for event in batch.marks:
+            run_id = event.run_id
+            kind = type(event)
+            if run_id in starting:
+                started.append(event)
+                continue
+            move = moves.get(run_id)
+            if move is None:
+                if kind is RunStarted:
+                    starting.add(run_id)
+                    started.append(event)
+                    continue
+                move = moves[run_id] = [0, 0.0, None, None, None, None, event.seq - 1]
+            elif kind is RunStarted:
+                return False  # a run started twice: let the checked path say so
+            move[0] = event.seq
+            move[1] = event.ts
+            if kind is Transitioned:
+                move[2] = event.dst  # type: ignore[attr-defined]
+            elif kind is Completed:
+                move[3] = COMPLETED
+            elif kind is Escalated:
+                move[3:6] = [ESCALATED, event.reason, event.detail]  # type: ignore[attr-defined]
+            elif kind is Failed:
+                move[3:6] = [FAILED, event.reason, ""]  # type: ignore[attr-defined]
+            elif kind is Resumed:
+                move[3:6] = [RUNNING, "", ""]
+        conn.execute("SAVEPOINT index_fast")
+        inserted = moved = 0
+        if started:
+            rows = [msgspec.structs.astuple(r) for r in index_updates(started, {}).values()]
+            inserted = conn.executemany(_INSERT_RUN, rows).rowcount
+        if moves:
+            moved = conn.executemany(
+                _ADVANCE_RUN, [(*move[:6], run_id, move[6]) for run_id, move in moves.items()]
+            ).rowcount
+        if inserted == len(starting) and moved == len(moves):
+            conn.execute("RELEASE index_fast")
+            return True
+        conn.execute("ROLLBACK TO index_fast")
+        conn.execute("RELEASE index_fast")
+        return False
+
+    @staticmethod
+    def _index_checked(conn: sqlite3.Connection, batch: _Batch) -> None:
+        """Read each run's row, check the batch against it (raising what is wrong), and
+        write the rows :func:`index_updates` gives."""
+        current: dict[str, RunRecord] = {}
+        for run_id, *_ in batch.chunks:
+            row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
+            if row is not None:
+                current[run_id] = _record(row)
+        batch.check(current)
+        updates = index_updates(batch.marks, current)
+        conn.executemany(_UPSERT_RUN, [msgspec.structs.astuple(r) for r in updates.values()])
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
