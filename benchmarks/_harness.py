@@ -103,6 +103,16 @@ def _timer_overhead() -> float:
     return quantile(costs, 0.5)
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a benchmark child: this checkout first on the path, the
+    compiled hot path allowed (a child that wants the twin sets it in ``extra``)."""
+    env = dict(os.environ)
+    env.pop("INTERLOCK_NO_EXTENSIONS", None)
+    env.update(extra or {})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_child(
     module: str, config: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 900
 ) -> dict[str, Any]:
@@ -111,16 +121,10 @@ def run_child(
     Raises:
       RuntimeError: the child failed or reported nothing; the message holds its stderr.
     """
-    child_env = dict(os.environ)
-    child_env.pop("INTERLOCK_NO_EXTENSIONS", None)
-    child_env.update(env or {})
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p
-    )
     proc = subprocess.run(
         [sys.executable, "-m", module, "--child", json.dumps(config)],
         cwd=ROOT,
-        env=child_env,
+        env=child_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,

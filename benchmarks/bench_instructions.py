@@ -22,14 +22,13 @@ comparing the same workload before and after a change. Needs ``valgrind`` on the
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 from typing import Any
 
-from benchmarks._harness import ROOT, Progress, child_main, no_progress
+from benchmarks._harness import ROOT, Progress, child_env, child_main, no_progress
 
 NAME = "instructions"
 TITLE = "Instructions per step and per proposal (cachegrind), against the same baselines"
@@ -78,9 +77,6 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
 def count(valgrind: str, kind: str, size: int) -> int:
     """Instructions executed by a child process running ``kind`` at ``size``."""
-    env = dict(os.environ)
-    env.pop("INTERLOCK_NO_EXTENSIONS", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [
             valgrind,
@@ -94,7 +90,7 @@ def count(valgrind: str, kind: str, size: int) -> int:
             f'{{"kind": "{kind}", "size": {size}}}',
         ],
         cwd=ROOT,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=1800,

@@ -182,12 +182,11 @@ async def _next_proposal(
     seq = run.seq  # the state this proposal answers; a stale one is refused
     model = getattr(provider, "model", "")
     started = time.perf_counter()
+    handle._model, handle._asked = model, started
     if handle._deadline_passed:
         # Past the deadline the wait would be cut at once: do not start the call.
-        handle._model, handle._asked = model, started
         return _deadline_cut(supervisor, handle)
     handle._in_provider = True
-    handle._model, handle._asked = model, started
     try:
         proposal = await provider.propose(view)
     except Exception as exc:
@@ -256,10 +255,8 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
         if attempts.attempt:  # the latest attempt failed: retry it, or report the failure
             if not attempts.retryable or attempts.attempt >= policy.attempts:
                 break
-            if attempts.rng is None:
-                attempts.rng = random.Random(
-                    call.key
-                )  # jitter that replays the same for the same key
+            if attempts.rng is None:  # jitter that replays the same for the same key
+                attempts.rng = random.Random(call.key)
             await trio.sleep(policy.delay(attempts.attempt, attempts.retry_after, attempts.rng))
         attempts.attempt += 1
         attempts.retry_after = None

@@ -13,10 +13,10 @@ import msgspec
 import msgspec.structs
 
 from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
-from ._events import ENCODING_ERRORS, Violation, unjournalable_violation
+from ._events import ENCODING_ERRORS, Violation, unjournalable, unjournalable_violation
 from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, fnv1a64
 from ._tools import _MsgspecValidator
-from ._view import RunView
+from ._view import RunView, canonical_encoder
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -320,7 +320,6 @@ def _verify_call(
     return _checked_call(machine, run, call, args, now, circuits)
 
 
-_canonical = msgspec.msgpack.Encoder(order="sorted")  # as _view.canonical_args
 _sorted_json = msgspec.json.Encoder(order="sorted")  # for the repeat breaker's message
 
 
@@ -360,7 +359,7 @@ def _checked_call(
     builtins = call.to_builtins(args)
     try:
         # The journal's encoding (msgpack), so it also refuses what the journal cannot hold.
-        canonical = _canonical.encode(args if call.plain else builtins)
+        canonical = canonical_encoder.encode(args if call.plain else builtins)
     except ENCODING_ERRORS as exc:
         return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
     call_hash = fnv1a64(canonical, call.seed)
@@ -433,5 +432,8 @@ def _verify_transition(
                     "schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"
                 ),
             )
+    problem = unjournalable(decision.data)
+    if problem is not None:  # as for a call's args (see _checked_call)
+        return _reject(decision, unjournalable_violation("data", problem))
     decision.target = target
     return decision

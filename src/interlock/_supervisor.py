@@ -36,7 +36,6 @@ from ._events import (
     Violation,
     hash_prompt,
     unjournalable,
-    unjournalable_violation,
 )
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
@@ -613,13 +612,6 @@ class Supervisor:
         )
         if not decision.accepted:
             return self._reject(run, events, now, decision.violations, decision.trip)
-        if decision.tool is None:
-            # (A call's args were encoded by the gate for its repeat hash: it refused
-            # what the journal cannot hold.)
-            problem = unjournalable(decision.data)
-            if problem is not None:
-                violation = unjournalable_violation("data", problem)
-                return self._reject(run, events, now, (violation,), None)
         self.stats.verdicts[(machine.name, "accepted", "")] += 1
         if decision.tool is not None:
             key = f"{run.run_id}:{state}:{run.seq + 1}"

@@ -356,14 +356,15 @@ def fold(machine: Machine, events: Iterable[Event]) -> RunState:
     return run
 
 
-_canonical = msgspec.msgpack.Encoder(order="sorted")
+#: The encoder of canonical_args; the gate hashes with it directly.
+canonical_encoder = msgspec.msgpack.Encoder(order="sorted")
 
 
 def canonical_args(args: Any) -> bytes:
     """The args as msgpack with sorted keys (and Struct fields): equal calls give equal
     bytes, whether the args are a validated Struct or its builtins. msgpack rather than
     JSON: a float is copied, not formatted, so the repeat hash costs less per proposal."""
-    return _canonical.encode(args)
+    return canonical_encoder.encode(args)
 
 
 def _call_hash(tool: str, args: Any) -> int:
