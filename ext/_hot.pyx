@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-# cython: autotestdict=False
+# cython: autotestdict=False, binding=False
 """The hot path, compiled: the Cython twin of ``interlock._hot_py``.
 
 ``interlock._hot_py`` is the specification; this module implements the same
@@ -139,11 +139,31 @@ cdef inline uint64_t _fnv1a64(
     return value
 
 
+cdef extern from *:
+    """
+    /* The value of an exact int that fits in one digit (every table id does),
+       else -1: no call, no overflow bookkeeping. Exact ints only. */
+    #if PY_VERSION_HEX >= 0x030C0000
+    static inline long long __pyx_ilk_small_id(PyObject* value) {
+        return PyUnstable_Long_IsCompact((PyLongObject*)value)
+            ? (long long)PyUnstable_Long_CompactValue((PyLongObject*)value) : -1;
+    }
+    #else
+    static inline long long __pyx_ilk_small_id(PyObject* value) {
+        Py_ssize_t size = Py_SIZE(value);
+        if (size == 0) return 0;
+        if (size == 1) return (long long)((PyLongObject*)value)->ob_digit[0];
+        return -1;
+    }
+    #endif
+    """
+    long long _compact_value "__pyx_ilk_small_id" (object value) noexcept
+
+
 cdef inline long long _small_id(object value) noexcept:
-    """Return an exact int as a C integer; -1 (out of range for any id) if it does not fit."""
-    cdef int overflow = 0
-    cdef long long result = _as_long_long(value, &overflow)
-    return -1 if overflow else result
+    """Return an exact int as a C integer; -1 (out of range for any id) if it is
+    negative or does not fit in one digit (every id is below 64)."""
+    return _compact_value(value)
 
 
 cdef bint _byte_buffer(object data, Py_buffer* view) except -1:
