@@ -37,7 +37,14 @@ from interlock import (
     fold,
     open_supervisor,
 )
-from interlock._events import ModelCalled, ProposalRejected, hash_prompt, whole_prompts
+from interlock._events import (
+    ModelCalled,
+    ProposalRejected,
+    hash_prompt,
+    hash_prompt_after,
+    whole_prompts,
+)
+from interlock._hotpath import common_affixes
 from interlock.providers import Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
@@ -835,6 +842,54 @@ def test_render_prompt_tells_machines_with_one_name_apart() -> None:
     assert render_prompt(RunView(fold(refund_machine(), [started]))) == first
 
 
+_EDITS = st.lists(
+    st.tuples(
+        st.sampled_from(["append", "insert", "cut", "replace", "fresh"]),
+        st.text(alphabet="ab\u00e9\u4e2d\U0001f600\n", max_size=12),
+        st.integers(min_value=0, max_value=10_000),
+    ),
+    max_size=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.text(max_size=40), edits=_EDITS)
+def test_prompt_hash_resumed_from_the_previous_prompt_equals_a_whole_hash(
+    first: str, edits: list[tuple[str, str, int]]
+) -> None:
+    # The supervisor hashes each prompt from where the previous one's new text ended;
+    # whatever the edit between two prompts (growth at the end, a change in the middle, a
+    # shorter or an unrelated prompt, non-ASCII text), the hash is the whole prompt's.
+    state = None
+    base = ""
+    prompts = [first]
+    for kind, text, at in edits:
+        old = prompts[-1]
+        at = at % (len(old) + 1)
+        prompts.append(
+            {
+                "append": old[: len(old) - 3] + text + old[len(old) - 3 :],
+                "insert": old[:at] + text + old[at:],
+                "cut": old[:at] + old[at + len(text) :],
+                "replace": old[:at] + text + old[at + len(text) :],
+                "fresh": text,
+            }[kind]
+        )
+    for i, prompt in enumerate(prompts):
+        shared, tail = (0, len(prompt)) if i == 0 else common_affixes(base, prompt)
+        if i:
+            tail = len(prompt) - tail
+        got, state = hash_prompt_after(state, base, prompt, shared, tail)
+        assert got == hash_prompt(prompt)
+        base = prompt
+    # A state that is not the base's own is not used, even where its offset would fit.
+    if state is not None and state[1] > 0:
+        stranger = "Q" * len(base)
+        other = stranger + "x"
+        got, _ = hash_prompt_after(state, stranger, other, len(stranger), len(other))
+        assert got == hash_prompt(other)
+
+
 _HISTORY_STEPS = st.lists(
     st.sampled_from(["reject_a", "reject_b", "commit", "fail", "trip"]), max_size=25
 )
@@ -842,7 +897,7 @@ _HISTORY_STEPS = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(steps=_HISTORY_STEPS)
-def test_render_prompt_incremental_equals_a_fresh_render(steps: list[str]) -> None:
+def test_incremental_history_and_prompt_equal_a_fresh_fold(steps: list[str]) -> None:
     # render_prompt keeps the text of the frames that cannot change any more; after any
     # sequence of events (repeated rejections compact the last frame) the prompt must be
     # the one a run folded afresh (nothing cached) renders.
@@ -895,7 +950,10 @@ def test_render_prompt_incremental_equals_a_fresh_render(steps: list[str]) -> No
         for event in new:
             live.apply(event)
             events.append(event)
-        assert render_prompt(RunView(live)) == render_prompt(RunView(fold(machine, events)))
+        fresh = fold(machine, events)
+        # The compacted history is kept incrementally too (only its last group can change).
+        assert live.compacted_history() == fresh.compacted_history()
+        assert render_prompt(RunView(live)) == render_prompt(RunView(fresh))
 
 
 # -- values the journal cannot hold -------------------------------------------------------------

@@ -302,6 +302,47 @@ def hash_prompt(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:32]
 
 
+#: A prompt's SHA-256 state part-way through: (the prompt, a character offset in it, the
+#: hash object having consumed exactly ``prompt[:offset]``).
+PromptHashState = tuple[str, int, Any]
+
+
+def hash_prompt_after(
+    state: PromptHashState | None, base: str, prompt: str, shared: int, tail: int
+) -> tuple[str, PromptHashState | None]:
+    """``hash_prompt(prompt)``, resuming from the hash of the part it shares with ``base``.
+
+    A run's prompts grow at the end (its history), so each one shares a long prefix with
+    the previous one: hashing only from where the previous one's new text ended keeps a
+    step's hashing O(new text), not O(prompt).
+
+    Args:
+      state: what the previous call returned for ``base``, or None.
+      base: the run's previous prompt ('' if none); ``state`` is used only if it is
+        ``base``'s (the very object) and its offset is within ``shared``.
+      prompt: the prompt to hash.
+      shared: how many leading characters ``prompt`` shares with ``base``.
+      tail: where in ``prompt`` its trailing part shared with ``base`` starts
+        (``len(prompt)`` if none); the next prompt is likely to share up to here.
+
+    Returns:
+      The hash, and the state to pass along with ``prompt`` next time.
+    """
+    if not prompt:
+        return _EMPTY_PROMPT_HASH, None
+    if state is not None and state[0] is base and state[1] <= shared:
+        offset = state[1]
+        hasher = state[2].copy()
+    else:
+        offset = 0
+        hasher = hashlib.sha256()
+    tail = min(max(tail, offset), len(prompt))
+    hasher.update(prompt[offset:tail].encode())
+    kept = hasher.copy()
+    hasher.update(prompt[tail:].encode())
+    return hasher.hexdigest()[:32], (prompt, tail, kept)
+
+
 def expand_prompt(base_seq: int, base: str, event: ModelCalled) -> str:
     """Return the whole prompt of ``event``, given the run's previous model call's.
 

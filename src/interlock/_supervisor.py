@@ -34,7 +34,7 @@ from ._events import (
     ToolFailed,
     Transitioned,
     Violation,
-    hash_prompt,
+    hash_prompt_after,
     unjournalable,
 )
 from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
@@ -553,20 +553,25 @@ class Supervisor:
             prompt = msg.prompt
             base = prefix = suffix = 0
             text = prompt
+            shared, tail = 0, len(prompt)
             if run.prompt_seq:
                 prefix, suffix = common_affixes(run.prompt, prompt)
+                shared, tail = prefix, len(prompt) - suffix
                 if prefix + suffix >= _MIN_SHARED_PROMPT:
                     base = run.prompt_seq
                     text = prompt[prefix : len(prompt) - suffix]
                 else:
                     prefix = suffix = 0
+            prompt_hash, hash_state = hash_prompt_after(
+                run._hash_state, run.prompt, prompt, shared, tail
+            )
             called = ModelCalled(
                 run_id=run.run_id,
                 seq=run.seq + 1,
                 ts=now,
                 state=state,
                 model=msg.model,
-                prompt_hash=hash_prompt(prompt),
+                prompt_hash=prompt_hash,
                 prompt=text,
                 raw=msg.raw,
                 usage=msg.usage,
@@ -578,6 +583,7 @@ class Supervisor:
             )
             # The provider's string, not a rebuilt copy of it: nothing to splice, one copy kept.
             self._record(run, events, called, prompt=prompt)
+            run._hash_state = hash_state  # the state of run.prompt, which is now this prompt
             tokens = self.stats.tokens
             tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
             tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion

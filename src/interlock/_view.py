@@ -15,6 +15,7 @@ from ._events import (
     Failed,
     IntentRecorded,
     ModelCalled,
+    PromptHashState,
     ProposalRejected,
     Resumed,
     RunStarted,
@@ -128,6 +129,7 @@ class RunState:
     __slots__ = (
         "_compacted",
         "_data_view",
+        "_hash_state",
         "_inputs_view",
         "_rendered",
         "closed",
@@ -184,7 +186,11 @@ class RunState:
         """The whole prompt of the run's latest model call (the base of the next one's delta)."""
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
-        self._compacted: tuple[int, tuple[Frame, ...]] = (0, ())
+        self._compacted: tuple[int, tuple[Frame, ...], int] = (0, (), 0)
+        """For compacted_history: the history's size then, its frames, and the index of
+        the first item of the last frame's group (the one part that can still change)."""
+        self._hash_state: PromptHashState | None = None
+        """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
         self._rendered: tuple[int, str, int, int] = (0, "", 0, 0)
         """For render_prompt: how many compacted frames it rendered last, the prompt it
         returned, and where in it the text of all of them but the last one is."""
@@ -319,26 +325,30 @@ class RunState:
     def compacted_history(self) -> tuple[Frame, ...]:
         """The history with runs of identical rejections collapsed into one frame each."""
         size = len(self.history)
-        cached_size, cached = self._compacted
+        cached_size, cached, start = self._compacted
         if cached_size == size:
             return cached
+        # The history only grows, and a new item can join only the last group: the
+        # frames before it stay. Compacting from that group's first item on keeps a
+        # step's work O(new items), not O(history).
+        history = self.history
         frames: list[Frame] = []
-        for first, last, count in compact_failures(self.signatures):
-            frame = self.history[last]
+        for first, last, count in compact_failures(self.signatures[start:]):
+            frame = history[start + last]
             if count > 1:
                 frame = Frame(
                     frame.kind,
                     frame.seq,
                     f"{count} attempts rejected: {frame.text}",
                     count=count,
-                    first_seq=self.history[first].seq,
+                    first_seq=history[start + first].seq,
                     violations=frame.violations,
                 )
             frames.append(frame)
-        result = tuple(frames)
-        self._compacted = (size, result)
+            group = start + first
+        result = cached[:-1] + tuple(frames) if cached else tuple(frames)
+        self._compacted = (size, result, group)
         return result
-
 
 def fold(machine: Machine, events: Iterable[Event]) -> RunState:
     """Rebuild a run's state from its journal events, in seq order."""
