@@ -17,6 +17,10 @@ Measured:
   without rendering a prompt (so the cost of ``render_prompt`` and of journaling the prompt
   text can be told apart from the loop itself), and with the tuned collector of
   ``bench_concurrency`` (``gc.freeze()`` after start-up, higher thresholds);
+- *trio's scheduler alone*: the same number of tasks, each making per step the two task
+  switches an interlock step makes (a checkpoint, as the provider does; then parking until
+  a server task, woken once per batch, reschedules every parked task, as the supervisor
+  sends verdicts) and nothing else: the floor of the loop's shape, whatever runs inside it;
 - *plain Python*: the same 20 raw outputs handled by a bare loop: parse + validate (msgspec
   into the same Struct), the guard, and an append to a list; and the same with the
   standard library's ``json`` and hand-written checks.
@@ -205,7 +209,65 @@ def measure_plain(fn: Any, runs: int) -> dict[str, Any]:
     }
 
 
+#: The label of the scheduler-floor row.
+SWITCHES = "bare trio: the loop's two task switches per step, nothing else"
+
+
+def measure_switches(runs: int) -> dict[str, Any]:
+    """Per step: a checkpoint, then park until a batching server task reschedules the task."""
+    queue: list[Any] = []
+    idle: list[Any] = [None]
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def server() -> None:
+        while True:
+            if queue:
+                await trio.lowlevel.checkpoint()
+            else:
+                idle[0] = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(abort)
+            batch = queue[:]
+            queue.clear()
+            for task in batch:
+                trio.lowlevel.reschedule(task)
+
+    async def one() -> None:
+        for _ in range(STEPS):
+            await trio.lowlevel.checkpoint()  # the provider's
+            queue.append(trio.lowlevel.current_task())
+            waiting = idle[0]
+            if waiting is not None:
+                idle[0] = None
+                trio.lowlevel.reschedule(waiting)
+            await trio.lowlevel.wait_task_rescheduled(abort)  # the verdict's
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server)
+            async with trio.open_nursery() as runs_nursery:
+                for _ in range(runs):
+                    runs_nursery.start_soon(one)
+            nursery.cancel_scope.cancel()
+
+    gc.collect()
+    cpu = time.process_time()
+    wall = time.perf_counter()
+    trio.run(main)
+    wall = time.perf_counter() - wall
+    cpu = time.process_time() - cpu
+    steps = runs * STEPS
+    return {
+        "runs": runs,
+        "us_per_step": wall / steps * 1e6,
+        "cpu_us_per_step": cpu / steps * 1e6,
+    }
+
+
 def _child(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("switches"):
+        return measure_switches(config["runs"])
     return measure_runtime(
         config["runs"],
         config["concurrent"],
@@ -230,7 +292,8 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     concurrent_runs = 50 if quick else 500
     repeats = 1 if quick else 3
     samples: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in PLAN}
-    total = repeats * len(PLAN) + 2
+    samples[SWITCHES] = []
+    total = repeats * (len(PLAN) + 1) + 2
     # Each measurement in a fresh process (the collector's work depends on everything
     # else alive in the process), repeated with the configurations interleaved.
     for rep in range(repeats):
@@ -243,6 +306,10 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
                 "tuned": tuned,
             }
             samples[label].append(run_child("benchmarks.bench_loop", config))
+        progress(f"{SWITCHES} ({rep + 1}/{repeats})", (rep * (len(PLAN) + 1) + len(PLAN)) / total)
+        samples[SWITCHES].append(
+            run_child("benchmarks.bench_loop", {"switches": True, "runs": concurrent_runs})
+        )
     rows = []
     for label, concurrent, _provider_kind, _tuned in PLAN:
         ordered = sorted(samples[label], key=lambda r: r["us_per_step"])
@@ -256,6 +323,17 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             us_per_step_max=ordered[-1]["us_per_step"],
         )
         rows.append(row)
+    ordered = sorted(samples[SWITCHES], key=lambda r: r["us_per_step"])
+    row = dict(ordered[len(ordered) // 2])
+    row.update(
+        label=SWITCHES,
+        mode="concurrent",
+        kind="floor",
+        repeats=len(ordered),
+        us_per_step_min=ordered[0]["us_per_step"],
+        us_per_step_max=ordered[-1]["us_per_step"],
+    )
+    rows.append(row)
     progress("plain-Python loops", (total - 2) / total)
     plain_runs = 2_000 if quick else 50_000
     for label, fn in (
@@ -301,7 +379,7 @@ def render(results: dict[str, Any]) -> str:
                 f"{row['runs']:,}",
                 num(row["us_per_step"]),
                 f"{num(row['us_per_step_min'])}–{num(row['us_per_step_max'])}"
-                if row["kind"] == "interlock"
+                if row["kind"] != "plain"
                 else "–",
                 num(row["cpu_us_per_step"]),
                 num(row["run_us_per_step_p50"])
