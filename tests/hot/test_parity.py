@@ -210,6 +210,20 @@ def test_common_affixes_agree(head: str, old_middle: str, new_middle: str, tail:
     same(lambda hot: hot.common_affixes(old_middle, new_middle))
 
 
+# Long runs of few characters, so the compiled scan's word-at-a-time loops (8 bytes: 8, 4
+# or 2 characters by the strings' storage width) run and stop at every offset in a word.
+long_texts = st.text(alphabet=st.sampled_from("ab"), max_size=200) | st.text(
+    alphabet=st.sampled_from("aé"), max_size=200
+) | st.text(alphabet=st.sampled_from("a😀"), max_size=200)
+
+
+@given(long_texts, long_texts, st.text(alphabet="ab\u0101\U0001f600", max_size=3), long_texts)
+def test_common_affixes_agree_on_long_texts(head: str, old: str, change: str, tail: str) -> None:
+    same(lambda hot: hot.common_affixes(head + old + tail, head + change + old + tail))
+    same(lambda hot: hot.common_affixes(head + old + tail, head + old + change + tail))
+    same(lambda hot: hot.common_affixes(head + tail, head + tail))
+
+
 @pytest.mark.parametrize(
     "args", [(b"a", "a"), ("a", None), (1, 2), ("a", "a" * 3)], ids=["bytes", "none", "ints", "ok"]
 )
