@@ -891,7 +891,10 @@ def test_prompt_hash_resumed_from_the_previous_prompt_equals_a_whole_hash(
 
 
 _HISTORY_STEPS = st.lists(
-    st.sampled_from(["reject_a", "reject_b", "commit", "fail", "trip"]), max_size=25
+    st.sampled_from(
+        ["reject_a", "reject_b", "commit", "fail", "trip", "move", "move_plain", "stay"]
+    ),
+    max_size=25,
 )
 
 
@@ -907,9 +910,20 @@ def test_incremental_history_and_prompt_equal_a_fresh_fold(steps: list[str]) -> 
         RunStarted,
         ToolCommitted,
         ToolFailed,
+        Transitioned,
     )
 
-    machine = refund_machine()
+    # Two worker states to move between, with and without data: the head of the prompt
+    # (state, data) is kept too while neither changes.
+    machine = Machine(
+        "refund",
+        initial="WORK",
+        states={
+            "WORK": Worker(next=["WORK", "CHECK", "COMPLETED"], tools=["lookup_order", "refund"]),
+            "CHECK": Worker(next=["WORK"], tools=["lookup_order"]),
+        },
+        tools=refund_machine().tools,
+    )
     events: list[Any] = [
         RunStarted(run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK", inputs={"o": 1})
     ]
@@ -922,6 +936,15 @@ def test_incremental_history_and_prompt_equal_a_fresh_fold(steps: list[str]) -> 
             new: list[Any] = [
                 ProposalRejected(run_id="r-1", seq=seq, ts=1.0, state="WORK", violations=(why,))
             ]
+        elif step in ("move", "move_plain", "stay"):
+            src = live.state
+            dst = src if step == "stay" else ("CHECK" if src == "WORK" else "WORK")
+            new = [
+                Transitioned(
+                    run_id="r-1", seq=seq, ts=1.0, src=src, dst=dst,
+                    delta={"moves": i} if step != "move_plain" else {}, reason="proposal",
+                )
+            ]  # fmt: skip
         elif step == "trip":
             new = [
                 BreakerTripped(

@@ -128,6 +128,7 @@ class RunState:
 
     __slots__ = (
         "_compacted",
+        "_data_version",
         "_data_view",
         "_hash_state",
         "_inputs_view",
@@ -191,9 +192,12 @@ class RunState:
         the first item of the last frame's group (the one part that can still change)."""
         self._hash_state: PromptHashState | None = None
         """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
-        self._rendered: tuple[int, str, int, int] = (0, "", 0, 0)
+        self._data_version = 0
+        """Counts the changes to ``data`` (render_prompt's head shows it)."""
+        self._rendered: tuple[int, str, int, str, int] = (0, "", 0, "", 0)
         """For render_prompt: how many compacted frames it rendered last, the prompt it
-        returned, and where in it the text of all of them but the last one is."""
+        returned, where in it the text of all of them but the last one ends, and the
+        state and data version its head shows."""
 
     @property
     def terminal(self) -> bool:
@@ -287,6 +291,7 @@ class RunState:
                 self.consecutive_failures = 0
                 if delta:
                     self.data.update(delta)
+                    self._data_version += 1
                 self._push(Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
             case BreakerTripped(breaker=breaker, detail=detail):
                 self._push(

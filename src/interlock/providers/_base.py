@@ -11,7 +11,7 @@ from .._events import TokenUsage
 
 if TYPE_CHECKING:
     from .._machine import Machine
-    from .._view import Frame, RunState, RunView
+    from .._view import Frame, RunView
 
 
 class Proposal(msgspec.Struct, frozen=True, gc=False):
@@ -41,42 +41,43 @@ def render_prompt(view: RunView) -> str:
     retries do not flood the context window.
     """
     run = view._run
-    lines = [_header(view)]
-    lines.append(f"inputs: {msgspec.json.encode(run.inputs).decode()}")
-    if run.data:
-        lines.append(f"data: {msgspec.json.encode(run.data).decode()}")
     frames = view.history
     if not frames:
-        lines.append(_ANSWER)
-        return "\n".join(lines)
-    lines.append("history:\n")
-    head = "\n".join(lines)
-    stable, last = _render_history(run, frames)
-    body = f"{stable}\n{last}" if stable else last
-    prompt = f"{head}{body}\n{_ANSWER}"
-    # Where the stable frames' text sits in this prompt, for the next render. The prompt
+        return "\n".join([_head_lines(view), _ANSWER])
+    # The history only grows, and compaction can change only its last frame (a repeated
+    # rejection joins it): the text of every frame before the last one rendered stays,
+    # and so does the head while the state and the data do. Rendering from there on
+    # keeps a step's prompt O(new frames), not O(history).
+    rendered, previous, stable_end, state, version = run._rendered
+    if 0 < rendered <= len(frames) and state == run.state and version == run._data_version:
+        stable = rendered - 1
+        base = previous[:stable_end]  # the head and the text of frames[:stable]
+    else:
+        stable = 0
+        base = f"{_head_lines(view)}\nhistory:\n"
+    texts = [_render_frame(frame) for frame in frames[stable:]]
+    if len(texts) > 1:
+        middle = "\n".join(texts[:-1])
+        base = f"{base}\n{middle}" if stable else f"{base}{middle}"
+    last = f"\n{texts[-1]}" if len(frames) > 1 else texts[-1]
+    prompt = f"{base}{last}\n{_ANSWER}"
+    # Where the stable frames' text ends in this prompt, for the next render. The prompt
     # is the string the run keeps as its latest (run.prompt), so this costs no copy.
-    run._rendered = (len(frames), prompt, len(head), len(head) + len(stable))
+    run._rendered = (len(frames), prompt, len(base), run.state, run._data_version)
     return prompt
+
+
+def _head_lines(view: RunView) -> str:
+    run = view._run
+    lines = [_header(view), f"inputs: {msgspec.json.encode(run.inputs).decode()}"]
+    if run.data:
+        lines.append(f"data: {msgspec.json.encode(run.data).decode()}")
+    return "\n".join(lines)
 
 
 _ANSWER = (
     'answer with one JSON object: {"tool": NAME, "args": {...}} or {"next": STATE, "data": {...}}'
 )
-
-
-def _render_history(run: RunState, frames: tuple[Frame, ...]) -> tuple[str, str]:
-    """The text of every frame but the last, and of the last."""
-    # The history only grows, and compaction can change only its last frame (a repeated
-    # rejection joins it): the text of every frame before the last one rendered stays.
-    # Rendering from there on keeps a step's prompt O(new frames), not O(history).
-    rendered, previous, start, end = run._rendered
-    if rendered > len(frames):  # not this history's cache (it never shrinks): start over
-        rendered = 0
-    stable = max(rendered - 1, 0)
-    parts = [previous[start:end]] if stable else []
-    parts.extend(_render_frame(frame) for frame in frames[stable:-1])
-    return "\n".join(parts), _render_frame(frames[-1])
 
 
 def _render_frame(frame: Frame) -> str:
