@@ -394,7 +394,8 @@ class AnswersAsCut:
         await trio.lowlevel.checkpoint()
         self.calls += 1
         if self.calls == 1:
-            self.sup.handles[view.run_id]._deadline()  # what the watchdog does
+            handle = self.sup.handles[view.run_id]
+            handle._deadline(handle._deadline_token)  # what the watchdog does
             return Proposal(CHARGE, USAGE, self.model, "prompt")
         raise AssertionError("past the deadline the model must not be asked again")
 
@@ -430,6 +431,25 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
     assert sizes[:34] == list(range(2, 70, 2))
     assert max(sizes) == 68
     assert min(sizes[34:]) <= 4
+
+
+async def test_a_watchdog_entry_acts_only_on_the_handle_that_armed_it() -> None:
+    # Entries name the run, not the handle; a resumed run gets a new handle under the
+    # same id, and an entry its old handle armed must not cut the new one's wait.
+    from interlock._supervisor import RunHandle, _armed_for
+
+    old, new = RunHandle("r-1", "shop"), RunHandle("r-1", "shop")
+    old._deadline_token, new._deadline_token = -1, -7
+    new._tool_token = 8
+    new._in_provider = True
+    new._deadline(-1)  # the old handle's deadline fires
+    new._timeout(3)  # an attempt that already finished
+    assert (new._deadline_passed, new._tool_cut, new._scope.cancel_called) == (False, 0, False)
+    assert [_armed_for(new, token) for token in (-1, -7, 3, 8)] == [False, True, False, True]
+    assert not _armed_for(None, -7)
+    new._deadline(-7)
+    assert new._deadline_passed
+    assert new._scope.cancel_called
 
 
 # -- per-tool circuit ----------------------------------------------------------------------

@@ -89,12 +89,25 @@ class RunResult(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Pending:
+    """A request waiting for its verdict; also the wait's abort function (see request)."""
+
     __slots__ = ("cancelled", "msg", "task")
 
     def __init__(self, msg: Request, task: trio.lowlevel.Task) -> None:
         self.msg = msg
         self.task = task
         self.cancelled = False
+
+    def __call__(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
+        self.cancelled = True
+        return trio.lowlevel.Abort.SUCCEEDED
+
+
+def _armed_for(handle: RunHandle | None, token: int) -> bool:
+    """Whether a watchdog entry with ``token`` is still live for ``handle``."""
+    if handle is None or handle.done:
+        return False
+    return token == (handle._deadline_token if token < 0 else handle._tool_token)
 
 
 class RunHandle:
@@ -104,6 +117,7 @@ class RunHandle:
         "_asked",
         "_cancelled",
         "_deadline_passed",
+        "_deadline_token",
         "_done",
         "_error",
         "_in_provider",
@@ -129,6 +143,8 @@ class RunHandle:
         """cancel_run cancelled the scope (not the deadline)."""
         self._deadline_passed = False
         """The run's deadline has passed (set by the supervisor's watchdog)."""
+        self._deadline_token = 0
+        """The watchdog's token of the run's deadline (negative); 0 before it is armed."""
         self._in_provider = False
         """The actor is waiting for the model: the watchdog may cut the wait."""
         self._model = ""
@@ -141,7 +157,9 @@ class RunHandle:
         self._validated: tuple[str, Any] = ("", None)
         """The key of the run's latest accepted call and its validated args."""
 
-    def _deadline(self) -> None:
+    def _deadline(self, token: int) -> None:
+        if self._deadline_token != token:
+            return
         self._deadline_passed = True
         if self._in_provider:
             self._scope.cancel()
@@ -218,7 +236,7 @@ class Supervisor:
         self._next_id = 0
         # The runs' deadlines and tool timeouts, earliest first, and the watchdog's wait
         # for the earliest (see arm_deadline, arm_timeout, _arm).
-        self._deadlines: list[tuple[float, int, RunHandle]] = []
+        self._deadlines: list[tuple[float, int, str]] = []
         self._deadline_wait: trio.CancelScope | None = None
         self._armed = 0
 
@@ -270,11 +288,9 @@ class Supervisor:
             self._idle = None
             trio.lowlevel.reschedule(idle)
 
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            pending.cancelled = True
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        result: Verdict = await trio.lowlevel.wait_task_rescheduled(abort)
+        # The pending request is its own abort function: a closure would be two more
+        # objects per request for the garbage collector to walk while the run waits.
+        result: Verdict = await trio.lowlevel.wait_task_rescheduled(pending)
         return result
 
     def submit_nowait(self, msg: Request) -> Verdict:
@@ -364,7 +380,8 @@ class Supervisor:
             # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin,
             # so the supervisor's own check (on self.clock) agrees that it passed.
             self._armed += 1
-            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, -self._armed, handle)
+            token = handle._deadline_token = -self._armed
+            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, token, handle)
 
     def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
         """Have the watchdog cut ``handle``'s tool attempt after ``seconds``.
@@ -378,20 +395,21 @@ class Supervisor:
         return token
 
     def _arm(self, at: float, token: int, handle: RunHandle) -> None:
-        # An entry is (trio time, token, handle): a tool attempt's token is positive, a
-        # run deadline's negative; unique either way, so ties never compare handles.
+        # An entry is (trio time, token, run id): a tool attempt's token is positive, a
+        # run deadline's negative; unique either way, so ties never compare run ids. The
+        # run id, not the handle: a tuple of a float, an int and a str is untracked by the
+        # garbage collector after its first pass, and the heap holds one per live step.
+        # The handle is looked up when the entry fires; its token says whether the entry
+        # is still its own (a resumed run has a new handle under the same id).
         heap = self._deadlines
         if len(heap) > 3 * len(self.runs) + 64:
             # Each live run has at most two live entries (its deadline, its tool attempt):
             # drop the rest, so the heap stays O(live runs) however many calls finished.
             # Pruning at 3x leaves room for at least one push per live run before the next.
-            heap[:] = [
-                entry
-                for entry in heap
-                if not entry[2].done and (entry[1] < 0 or entry[1] == entry[2]._tool_token)
-            ]
+            handles = self.handles
+            heap[:] = [entry for entry in heap if _armed_for(handles.get(entry[2]), entry[1])]
             heapq.heapify(heap)
-        heapq.heappush(heap, (at, token, handle))
+        heapq.heappush(heap, (at, token, handle.run_id))
         waiting = self._deadline_wait
         if waiting is not None and at < waiting.deadline:
             waiting.deadline = at
@@ -404,13 +422,14 @@ class Supervisor:
         while True:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
-                _at, token, handle = heapq.heappop(heap)
-                if handle.done:
+                _at, token, run_id = heapq.heappop(heap)
+                handle = self.handles.get(run_id)
+                if handle is None or handle.done:
                     continue
                 if token > 0:
                     handle._timeout(token)
                 else:
-                    handle._deadline()
+                    handle._deadline(token)
             with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
                 self._deadline_wait = waiting
                 await trio.sleep_forever()
