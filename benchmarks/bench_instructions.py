@@ -13,9 +13,11 @@ differenced, so the interpreter's start-up and imports cancel out:
 
 An instruction is not a nanosecond (a cache miss costs more than an add), so these ratios
 complement the timed sections rather than replace them. One skew is large: valgrind's
-virtual CPU does not offer the SHA extensions, so OpenSSL hashes in software under it, and
-the SHA-256 of each model call's prompt (about 3 µs natively for the loop's 3 KB prompts)
-counts as about 85k of the loop's instructions per step. What the counts are for is
+virtual CPU does not offer the SHA extensions, so OpenSSL hashes in software under it: the
+SHA-256 of what each model call adds to its prompt (a few hundred bytes, the hash resuming
+from the previous prompt's state) counts as about 23k of the loop's instructions per step,
+several times its native share (it was about 85k while each prompt was hashed whole). What
+the counts are for is
 comparing the same workload before and after a change. Needs ``valgrind`` on the PATH
 (``apt-get install -y valgrind``); without it the section says so and measures nothing.
 """
@@ -161,8 +163,9 @@ def render(results: dict[str, Any]) -> str:
             "differenced, divided by the steps or proposals between them. The loop and the plain "
             "loop are bench_loop's concurrent case and msgspec loop; the proposals are "
             "bench_verify's (5% malformed). Valgrind hides the CPU's SHA extensions, so the "
-            "SHA-256 of each step's ~3 KB prompt (~3 µs natively) counts as ~85k of the loop's "
-            "instructions; the counts are for comparing one workload across changes.",
+            "SHA-256 of what each step adds to its prompt (a few hundred bytes; the hash resumes "
+            "from the previous prompt's state) counts as ~23k of the loop's instructions, several "
+            "times its native share; the counts are for comparing one workload across changes.",
             "",
             table(
                 ["workload", "per", "counted over", "thousand instructions", "× baseline"],
