@@ -355,6 +355,7 @@ class RunState:
         self._compacted = (size, result, group)
         return result
 
+
 def fold(machine: Machine, events: Iterable[Event]) -> RunState:
     """Rebuild a run's state from its journal events, in seq order."""
     run: RunState | None = None
