@@ -211,14 +211,14 @@ def _loop_closing(results: Results) -> str:
     plain = find(loop, "plain Python: msgspec parse + validate + append")["us_per_step"]
     switches = next((r for r in loop["rows"] if r.get("kind") == "floor"), None)
     floor = (
-        f"trio's scheduler alone, the same two task switches per step in bare trio with "
+        f"Trio's scheduler alone, the same two task switches per step in bare trio with "
         f"nothing else, costs {switches['us_per_step']:.1f} µs per step, so "
         f"{base - switches['us_per_step']:.0f} µs of the {base:.0f} are interlock's own work. "
         if switches is not None
         else ""
     )
     return (
-        f"{floor[:1].upper()}{floor[1:]}"
+        f"{floor}"
         f"Measured variants (medians of fresh processes): without rendering and journaling a "
         f"prompt {prompt_free:.0f} µs per step ({prompt_free - base:+.0f}); with the tuned "
         f"collector {tuned:.0f} µs ({tuned - base:+.0f}); both {both:.0f} µs — still "

@@ -141,8 +141,8 @@ cdef inline uint64_t _fnv1a64(
 
 cdef extern from *:
     """
-    /* The value of an exact int that fits in one digit (every table id does),
-       else -1: no call, no overflow bookkeeping. Exact ints only. */
+    /* The value of an exact int that fits in one digit (every table id does), else
+       -1, which is out of range for any id: no call, no overflow bookkeeping. */
     #if PY_VERSION_HEX >= 0x030C0000
     static inline long long __pyx_ilk_small_id(PyObject* value) {
         return PyUnstable_Long_IsCompact((PyLongObject*)value)
@@ -157,13 +157,8 @@ cdef extern from *:
     }
     #endif
     """
-    long long _compact_value "__pyx_ilk_small_id" (object value) noexcept
-
-
-cdef inline long long _small_id(object value) noexcept:
-    """Return an exact int as a C integer; -1 (out of range for any id) if it is
-    negative or does not fit in one digit (every id is below 64)."""
-    return _compact_value(value)
+    # Exact ints only (callers check the type first); a negative id reads as < 0 either way.
+    long long _small_id "__pyx_ilk_small_id" (object value) noexcept
 
 
 cdef bint _byte_buffer(object data, Py_buffer* view) except -1:

@@ -27,7 +27,7 @@ from .._exceptions import JournalCorrupt, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
     from types import TracebackType
 
 #: Run outcomes, as the runs index and metrics name them.
@@ -177,6 +177,17 @@ def check_batch(events: Sequence[Event], last_seqs: Mapping[str, int]) -> None:
             keys.add(event.key)
 
 
+#: What an event changes in its run's index row beyond ``seq`` and ``updated``, by event
+#: type; the types not here change nothing else. Every store's index follows this one map.
+INDEX_CHANGES: dict[type[Event], Callable[[Any], dict[str, str]]] = {
+    Transitioned: lambda event: {"state": event.dst},
+    Completed: lambda event: {"outcome": COMPLETED},
+    Escalated: lambda event: {"outcome": ESCALATED, "reason": event.reason, "detail": event.detail},
+    Failed: lambda event: {"outcome": FAILED, "reason": event.reason, "detail": ""},
+    Resumed: lambda event: {"outcome": RUNNING, "reason": "", "detail": ""},
+}
+
+
 def index_updates(events: Sequence[Event], current: dict[str, RunRecord]) -> dict[str, RunRecord]:
     """Return the runs-index rows that ``events`` change.
 
@@ -215,16 +226,9 @@ def index_updates(events: Sequence[Event], current: dict[str, RunRecord]) -> dic
             row = fields[run_id] = msgspec.structs.asdict(record)
         row["seq"] = event.seq
         row["updated"] = event.ts
-        if kind is Transitioned:
-            row["state"] = event.dst  # type: ignore[attr-defined]
-        elif kind is Completed:
-            row["outcome"] = COMPLETED
-        elif kind is Escalated:
-            row.update(outcome=ESCALATED, reason=event.reason, detail=event.detail)  # type: ignore[attr-defined]
-        elif kind is Failed:
-            row.update(outcome=FAILED, reason=event.reason, detail="")  # type: ignore[attr-defined]
-        elif kind is Resumed:
-            row.update(outcome=RUNNING, reason="", detail="")
+        change = INDEX_CHANGES.get(kind)
+        if change is not None:
+            row.update(change(event))
     return {run_id: RunRecord(**row) for run_id, row in fields.items()}
 
 

@@ -33,10 +33,7 @@ from .._events import (
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
 from ._base import (
-    COMPLETED,
-    ESCALATED,
-    FAILED,
-    RUNNING,
+    INDEX_CHANGES,
     RunRecord,
     Store,
     check_batch,
@@ -136,6 +133,8 @@ _ADVANCE_RUN = (
     "outcome = COALESCE(?, outcome), reason = COALESCE(?, reason), "
     "detail = COALESCE(?, detail) WHERE run_id = ? AND seq = ?"
 )
+#: Where each field of INDEX_CHANGES goes in a move of _index_fast (the SET of _ADVANCE_RUN).
+_MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
@@ -523,16 +522,10 @@ class SQLiteStore(Store):
                 return False  # a run started twice: let the checked path say so
             move[0] = event.seq
             move[1] = event.ts
-            if kind is Transitioned:
-                move[2] = event.dst  # type: ignore[attr-defined]
-            elif kind is Completed:
-                move[3] = COMPLETED
-            elif kind is Escalated:
-                move[3:6] = [ESCALATED, event.reason, event.detail]  # type: ignore[attr-defined]
-            elif kind is Failed:
-                move[3:6] = [FAILED, event.reason, ""]  # type: ignore[attr-defined]
-            elif kind is Resumed:
-                move[3:6] = [RUNNING, "", ""]
+            change = INDEX_CHANGES.get(kind)
+            if change is not None:
+                for field, value in change(event).items():
+                    move[_MOVE_FIELDS[field]] = value
         conn.execute("SAVEPOINT index_fast")
         inserted = moved = 0
         if started:
