@@ -123,7 +123,9 @@ class RunState:
     """Everything the supervisor knows of one run; rebuilt by folding its events.
 
     Mutated only by :meth:`apply`, so that a live run and a run folded from the
-    journal after a crash are the same object state.
+    journal after a crash are the same object state. The exceptions are the caches
+    (``_compacted``, ``_rendered``, ``_hash_state``): derived from that state, each
+    checked against it before use, so a folded run simply starts them empty.
     """
 
     __slots__ = (
