@@ -209,6 +209,18 @@ cdef tuple _select_object(object names, object mask):
     return tuple(name for i, name in enumerate(names) if (mask >> i) & 1)
 
 
+cdef inline int _bit_code(
+    const uint64_t* masks, int rows, int columns, long long row, long long column,
+    int unknown, int refused,
+) noexcept:
+    """OK if bit ``column`` of ``masks[row]`` is set; ``unknown`` for an id out of range."""
+    if column < 0 or column >= columns or row < 0 or row >= rows:
+        return unknown
+    if (masks[row] >> column) & 1:
+        return _OK
+    return refused
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class Tables:
@@ -323,18 +335,16 @@ cdef class Tables:
     # unknown.
 
     cdef inline int _transition_code(self, long long source, long long target) noexcept:
-        if target < 0 or target >= self._n_states or source < 0 or source >= self._n_states:
-            return _UNKNOWN_STATE
-        if (self._edges[source] >> target) & 1:
-            return _OK
-        return _ILLEGAL_TRANSITION
+        return _bit_code(
+            self._edges, self._n_states, self._n_states, source, target,
+            _UNKNOWN_STATE, _ILLEGAL_TRANSITION,
+        )
 
     cdef inline int _tool_code(self, long long state_id, long long tool_id) noexcept:
-        if tool_id < 0 or tool_id >= self._n_tools or state_id < 0 or state_id >= self._n_states:
-            return _UNKNOWN_TOOL
-        if (self._tool_masks[state_id] >> tool_id) & 1:
-            return _OK
-        return _TOOL_NOT_ALLOWED
+        return _bit_code(
+            self._tool_masks, self._n_states, self._n_tools, state_id, tool_id,
+            _UNKNOWN_TOOL, _TOOL_NOT_ALLOWED,
+        )
 
     # The _*_object methods are _hot_py's code on Python objects, for ids that
     # are not exact ints (bools, floats, ...): same results, same errors.
