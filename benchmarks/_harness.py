@@ -156,6 +156,8 @@ class Profile:
     rows: list[dict[str, Any]] = field(default_factory=list)
     areas: dict[str, float] = field(default_factory=dict)
     """Share of all own time by area (an interlock module, trio, msgspec, sqlite3, ...)."""
+    calls: int = 0
+    """Every call cProfile saw: Python functions and the C functions called from Python."""
 
 
 def profile(fn: Callable[[], object], *, top: int = 12, sort: str = "tottime") -> Profile:
@@ -186,7 +188,8 @@ def profile(fn: Callable[[], object], *, top: int = 12, sort: str = "tottime") -
             }
         )
     ordered = dict(sorted(areas.items(), key=lambda kv: kv[1], reverse=True))
-    return Profile(total, rows, ordered)
+    calls = sum(entry[1] for entry in raw.values())
+    return Profile(total, rows, ordered, calls)
 
 
 def area_of(filename: str, name: str) -> str:

@@ -124,6 +124,7 @@ def measure_runtime(
             prof = profile(lambda: trio.run(main), top=profile_top)
             extra["profile"] = prof.rows
             extra["profile_areas"] = prof.areas
+            extra["profile_calls"] = prof.calls
         else:
             trio.run(main)
         wall = time.perf_counter() - wall
@@ -360,6 +361,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         "profile": profiled["profile"],
         "profile_areas": profiled["profile_areas"],
         "profile_runs": concurrent_runs,
+        "calls_per_step": profiled["profile_calls"] / (concurrent_runs * STEPS),
     }
 
 
