@@ -896,21 +896,31 @@ def test_verify_never_raises_on_json_objects(proposal: dict[str, Any], run_index
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "shallow"),
     [
-        b"[" * 100_000,
-        b'{"tool": "refund", "args": ' + b"[" * 5_000,
-        b'{"tool": "refund", "args": {"order_id": ' + b"[" * 3_000 + b"]" * 3_000 + b"}}",
-        b'{"next": "COMPLETED", "data": ' + b'{"a":' * 3_000,
+        (b"[" * 100_000, None),
+        (b'{"tool": "refund", "args": ' + b"[" * 5_000, None),
+        (
+            b'{"tool": "refund", "args": {"order_id": ' + b"[" * 3_000 + b"]" * 3_000 + b"}}",
+            b'{"tool": "refund", "args": {"order_id": [[]]}}',
+        ),
+        (b'{"next": "COMPLETED", "data": ' + b'{"a":' * 3_000, None),
     ],
     ids=["array", "call-args", "call-arg-value", "transition-data"],
 )
 @pytest.mark.parametrize("run_index", [0, 1])
-def test_verify_never_raises_on_deeply_nested_json(raw: bytes, run_index: int) -> None:
+def test_verify_never_raises_on_deeply_nested_json(
+    raw: bytes, shallow: bytes | None, run_index: int
+) -> None:
     # The decoders recurse; nesting past their limit used to raise RecursionError.
     _check_never_raises(raw, run_index)
     decision = verify(MACHINE, RUNS[run_index], raw, 1000.0, CircuitBoard())
-    assert decision.violations[0].code == "malformed"
+    expected = {"malformed"}
+    if shallow is not None:
+        # Well-formed JSON 3,000 deep parses where the interpreter gives C code the stack
+        # for it (Python 3.13); then it gets the answer the same proposal gets shallow.
+        expected.add(verify(MACHINE, RUNS[run_index], shallow, 1000.0).violations[0].code)
+    assert decision.violations[0].code in expected
 
 
 # -- the single-decode path ---------------------------------------------------------------

@@ -107,7 +107,11 @@ def test_truncated_recording_and_wrong_machine_are_reported():
     report = replay(events[:-1], machines)
     (run,) = report.runs
     assert run.divergence.kind == "end"
-    other = replay(events, WORKFLOWS["refund"].build(Backend(":memory:")))
+    backend = Backend(":memory:")
+    try:
+        other = replay(events, WORKFLOWS["refund"].build(backend))
+    finally:
+        backend.close()
     assert other.runs[0].divergence.seq == 1
 
 

@@ -306,14 +306,25 @@ async def test_wal_is_checkpointed_and_the_thread_ends_on_close(
             assert await store.load(run_id) == events
 
 
+def _drop(held: list[object]) -> None:
+    """Drop the last reference to what ``held`` holds, and collect."""
+    held.clear()
+    gc.collect()
+
+
 async def test_store_dropped_without_close_ends_its_thread(tmp_path: Path) -> None:
     store = await open_sqlite_store(tmp_path / "j.db")
     name = f"interlock checkpoint of {tmp_path / 'j.db'}"
     thread = next(t for t in threading.enumerate() if t.name == name)
+    held = [store]
     del store
-    gc.collect()
+    with pytest.warns(ResourceWarning, match=r"SQLite store .*j\.db was not closed"):
+        _drop(held)
     await trio.to_thread.run_sync(thread.join, 5.0)
     assert not thread.is_alive()
+    # Its connection was closed then and there: nothing holds the file's write lock.
+    with contextlib.closing(sqlite3.connect(tmp_path / "j.db", timeout=0)) as conn, conn:
+        conn.execute("BEGIN IMMEDIATE")
 
 
 async def test_random_bytes_file_is_refused_and_left_unchanged(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import os
 import sqlite3
 import threading
 import urllib.parse
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -404,9 +405,9 @@ class SQLiteStore(Store):
         self._readonly = readonly
         self._lock = trio.Lock()
         self._checkpointer = checkpointer
-        if checkpointer is not None:
-            # A store dropped without aclose() still ends its checkpoint thread.
-            weakref.finalize(self, checkpointer.stop)
+        # A store dropped without aclose() still ends its checkpoint thread and closes
+        # its connection, then and there, with a ResourceWarning (as an unclosed file).
+        self._dropped = weakref.finalize(self, _dropped, conn, checkpointer, path)
 
     @classmethod
     async def open(
@@ -626,6 +627,7 @@ class SQLiteStore(Store):
             async with self._lock:
                 conn, self._conn = self._conn, None
                 checkpointer, self._checkpointer = self._checkpointer, None
+                self._dropped.detach()
                 if conn is not None:
                     await trio.to_thread.run_sync(_close, conn, checkpointer)
 
@@ -636,6 +638,19 @@ def _close(conn: sqlite3.Connection, checkpointer: _Checkpointer | None) -> None
     if checkpointer is not None:
         checkpointer.close()
     conn.close()
+
+
+def _dropped(conn: sqlite3.Connection, checkpointer: _Checkpointer | None, path: str) -> None:
+    """What aclose() would have done, for a store garbage-collected (or left at exit) open."""
+    if checkpointer is not None:
+        checkpointer.stop()  # not joined: this may run inside the garbage collector
+    warnings.warn(
+        f"SQLite store {path} was not closed; closing it now (use `async with` or aclose())",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    with contextlib.suppress(sqlite3.Error):
+        conn.close()
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
