@@ -27,7 +27,20 @@ def interlock(*args, cwd=None):
 @pytest.fixture(scope="module")
 def demo_db(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo") / "journal.db"
-    done = interlock("demo", "--runs", "90", "--db", str(path), "--seed", "3", "--chaos-rate", "0.3", "--latency", "0,1", "--json")
+    done = interlock(
+        "demo",
+        "--runs",
+        "90",
+        "--db",
+        str(path),
+        "--seed",
+        "3",
+        "--chaos-rate",
+        "0.3",
+        "--latency",
+        "0,1",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     return path, json.loads(done.stdout)
 
@@ -35,12 +48,28 @@ def demo_db(tmp_path_factory):
 def test_demo_json_has_stable_keys_and_consistent_counts(demo_db):
     _path, summary = demo_db
     assert summary["runs"] == 90
-    assert set(summary) >= {"runs", "wall_seconds", "outcomes", "verification_us", "workflows", "hotpath", "db"}
+    assert set(summary) >= {
+        "runs",
+        "wall_seconds",
+        "outcomes",
+        "verification_us",
+        "workflows",
+        "hotpath",
+        "db",
+    }
     assert set(summary["workflows"]) == {"refund", "extraction", "router"}
     for name, row in summary["workflows"].items():
         assert row["runs"] == 30
         assert sum(row["outcomes"].values()) == 30
-        assert set(row) >= {"outcomes", "states", "rejections", "breaker_trips", "tokens", "verification_us", "side_effects"}
+        assert set(row) >= {
+            "outcomes",
+            "states",
+            "rejections",
+            "breaker_trips",
+            "tokens",
+            "verification_us",
+            "side_effects",
+        }
         assert row["tokens"]["total"] == row["tokens"]["prompt"] + row["tokens"]["completion"] > 0
         assert row["verification_us"]["p50"] <= row["verification_us"]["p99"]
         for counts in row["side_effects"].values():
@@ -52,17 +81,25 @@ def test_runs_lists_every_demo_run_and_filters(demo_db):
     path, summary = demo_db
     listed = json.loads(interlock("runs", "--db", str(path), "--json").stdout)
     assert listed["count"] == 90
-    escalated = json.loads(interlock("runs", "--db", str(path), "--outcome", "escalated", "--json").stdout)
+    escalated = json.loads(
+        interlock("runs", "--db", str(path), "--outcome", "escalated", "--json").stdout
+    )
     expected = sum(r["outcomes"].get("escalated", 0) for r in summary["workflows"].values())
     assert escalated["count"] == expected
-    refunds = json.loads(interlock("runs", "--db", str(path), "--workflow", "refund", "--json").stdout)
+    refunds = json.loads(
+        interlock("runs", "--db", str(path), "--workflow", "refund", "--json").stdout
+    )
     assert {r["machine"] for r in refunds["runs"]} == {"refund"}
     assert refunds["count"] == 30
 
 
 def test_show_prints_timeline_and_json(demo_db):
     path, _summary = demo_db
-    listed = json.loads(interlock("runs", "--db", str(path), "--workflow", "refund", "--limit", "1", "--json").stdout)
+    listed = json.loads(
+        interlock(
+            "runs", "--db", str(path), "--workflow", "refund", "--limit", "1", "--json"
+        ).stdout
+    )
     run_id = listed["runs"][0]["run_id"]
     shown = interlock("show", run_id, "--db", str(path), "--json")
     assert shown.returncode == 0
@@ -88,7 +125,9 @@ def test_show_prints_timeline_and_json(demo_db):
 def test_escalations_lists_reasons(demo_db):
     path, _summary = demo_db
     queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
-    runs = json.loads(interlock("runs", "--db", str(path), "--outcome", "escalated", "--json").stdout)
+    runs = json.loads(
+        interlock("runs", "--db", str(path), "--outcome", "escalated", "--json").stdout
+    )
     assert queue["count"] == runs["count"]
     assert all(item["reason"] for item in queue["escalations"])
 
@@ -160,17 +199,27 @@ def escalated_db(tmp_path):
 def test_malformed_payload_is_refused_and_store_unchanged(escalated_db):
     path, run_id = escalated_db
     before = _digest(path)
-    done = interlock("escalations", "--db", str(path), "resume", run_id, "--payload", '{"tool": "refund",}')
+    done = interlock(
+        "escalations", "--db", str(path), "resume", run_id, "--payload", '{"tool": "refund",}'
+    )
     assert done.returncode == 1
     assert done.stderr == (
         "interlock: error: --payload is not valid JSON (JSON is malformed: trailing comma in object "
-        "(byte 18)); pass one proposal like '{\"tool\": \"refund\", \"args\": {...}}' or '{\"next\": \"STATE\"}'\n"
+        '(byte 18)); pass one proposal like \'{"tool": "refund", "args": {...}}\' or \'{"next": "STATE"}\'\n'
     )
     rejected = interlock(
-        "escalations", "--db", str(path), "resume", run_id, "--payload", '{"tool": "refund", "args": {"amount": "10"}}'
+        "escalations",
+        "--db",
+        str(path),
+        "resume",
+        run_id,
+        "--payload",
+        '{"tool": "refund", "args": {"amount": "10"}}',
     )
     assert rejected.returncode == 1
-    assert rejected.stderr.startswith(f"interlock: error: payload for run '{run_id}' was rejected: [schema] ")
+    assert rejected.stderr.startswith(
+        f"interlock: error: payload for run '{run_id}' was rejected: [schema] "
+    )
     assert rejected.stderr.count("\n") == 1
     illegal = interlock("escalations", "--db", str(path), "resume", run_id, "--to", "COMPLETED")
     assert illegal.returncode == 1
@@ -188,7 +237,18 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
     queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)["escalations"]
     shown = interlock("escalations", "--db", str(path), "show", run_id, "--json")
     assert json.loads(shown.stdout)["run"]["reason"] == queue[0]["reason"]
-    resumed = interlock("escalations", "--db", str(path), "resume", run_id, "--note", "checked", "--by", "ada", "--json")
+    resumed = interlock(
+        "escalations",
+        "--db",
+        str(path),
+        "resume",
+        run_id,
+        "--note",
+        "checked",
+        "--by",
+        "ada",
+        "--json",
+    )
     assert resumed.returncode == 0, resumed.stderr
     outcome = json.loads(resumed.stdout)
     assert outcome["run_id"] == run_id
@@ -198,11 +258,25 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
     assert resumes[0]["note"] == "checked"
     if len(queue) > 1:
         other = queue[1]["run_id"]
-        aborted = interlock("escalations", "--db", str(path), "abort", other, "--note", "duplicate", "--by", "ada", "--json")
+        aborted = interlock(
+            "escalations",
+            "--db",
+            str(path),
+            "abort",
+            other,
+            "--note",
+            "duplicate",
+            "--by",
+            "ada",
+            "--json",
+        )
         assert json.loads(aborted.stdout)["reason"] == "aborted by ada: duplicate"
         again = interlock("escalations", "--db", str(path), "abort", other)
         assert again.returncode == 1
-        assert again.stderr == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+        assert (
+            again.stderr
+            == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+        )
     replayed = interlock("replay", "--all", "--db", str(path), "--json")
     assert replayed.returncode == 0, replayed.stdout
     missing = interlock("escalations", "--db", str(path), "resume", "no-such-run")
@@ -245,13 +319,18 @@ def test_corrupt_event_is_reported_by_show_and_replay(tmp_path):
         seq += 1
     flipped = bytearray(body)
     flipped[end - 1] ^= 0x55
-    db.execute("UPDATE chunks SET body = ? WHERE run_id = ? AND first_seq = ?", (bytes(flipped), run_id, first))
+    db.execute(
+        "UPDATE chunks SET body = ? WHERE run_id = ? AND first_seq = ?",
+        (bytes(flipped), run_id, first),
+    )
     db.commit()
     db.close()
     snapshot = _digest(path)
     shown = interlock("show", run_id, "--db", str(path))
     assert shown.returncode == 1
-    assert shown.stderr.startswith(f"interlock: error: journal of run '{run_id}' is corrupt (checksum mismatch) at seq {seq}")
+    assert shown.stderr.startswith(
+        f"interlock: error: journal of run '{run_id}' is corrupt (checksum mismatch) at seq {seq}"
+    )
     replayed = interlock("replay", run_id, "--db", str(path))
     assert replayed.returncode == 1
     assert replayed.stderr == shown.stderr

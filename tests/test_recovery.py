@@ -37,7 +37,9 @@ class Calls:
 
 def limit_100(args, view):
     if args.amount > 100:
-        return Reject(f"args.amount: {args.amount} exceeds 100", "propose amount <= 100", "args.amount")
+        return Reject(
+            f"args.amount: {args.amount} exceeds 100", "propose amount <= 100", "args.amount"
+        )
     return None
 
 
@@ -53,14 +55,20 @@ def machine(pay, notify):
     )
 
 
-SCRIPT = ['{"tool": "pay", "args": {"amount": 5}}', '{"tool": "notify", "args": {"amount": 5}}', '{"next": "COMPLETED"}']
+SCRIPT = [
+    '{"tool": "pay", "args": {"amount": 5}}',
+    '{"tool": "notify", "args": {"amount": 5}}',
+    '{"next": "COMPLETED"}',
+]
 
 
 async def crash_after(store, events_kept, script=SCRIPT):
     """Record a full run, then rebuild a store holding only its first ``events_kept`` events."""
     pay, notify = Calls(), Calls()
     full = MemoryStore()
-    async with open_supervisor([machine(pay, notify)], full, provider=ScriptedProvider(script)) as sup:
+    async with open_supervisor(
+        [machine(pay, notify)], full, provider=ScriptedProvider(script)
+    ) as sup:
         await sup.start_run("pay", run_id="r-1")
     events = await full.load("r-1")
     await store.append(events[:events_kept])
@@ -77,7 +85,9 @@ async def test_in_doubt_idempotent_call_is_reexecuted_with_the_same_key():
     cut = position(recorded, lambda e: isinstance(e, IntentRecorded) and e.tool == "pay")
     await crash_after(store, cut)
     pay, notify = Calls(), Calls()
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True):
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True
+    ):
         pass
     key = recorded[cut - 1].key
     assert pay.keys == [key]
@@ -94,7 +104,9 @@ async def test_in_doubt_non_idempotent_call_is_escalated_not_rerun():
     cut = position(recorded, lambda e: isinstance(e, IntentRecorded) and e.tool == "notify")
     await crash_after(store, cut)
     pay, notify = Calls(), Calls()
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True):
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True
+    ):
         pass
     assert notify.keys == []
     assert pay.keys == []
@@ -119,7 +131,9 @@ async def test_committed_call_is_never_executed_again():
     cut = position(recorded, lambda e: isinstance(e, ToolCommitted) and e.tool == "pay")
     await crash_after(store, cut)
     pay, notify = Calls(), Calls()
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True):
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider(SCRIPT[1:]), resume=True
+    ):
         pass
     assert pay.keys == []
     assert len(notify.keys) == 1
@@ -144,7 +158,9 @@ async def test_resume_from_every_cut_point_completes(cut):
                 return raw
         return SCRIPT[-1]
 
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(oracle), resume=True):
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider(oracle), resume=True
+    ):
         pass
     record = await store.get_run("r-1")
     assert record.outcome in ("completed", "escalated")
@@ -152,47 +168,76 @@ async def test_resume_from_every_cut_point_completes(cut):
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     keys = [e.key for e in events if isinstance(e, IntentRecorded)]
     assert len(keys) == len(set(keys))
-    assert all(sum(1 for e in events if isinstance(e, ToolCommitted) and e.key == k) <= 1 for k in keys)
+    assert all(
+        sum(1 for e in events if isinstance(e, ToolCommitted) and e.key == k) <= 1 for k in keys
+    )
 
 
 async def test_resume_escalated_with_corrected_payload_goes_through_the_gate():
     store = MemoryStore()
     pay, notify = Calls(), Calls()
     script = ['{"tool": "pay", "args": {"amount": 500}}'] * 3
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(script)) as sup:
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider(script)
+    ) as sup:
         handle = await sup.start_run("pay", run_id="r-1")
     assert (await handle.wait()).reason == "consecutive_failures"
     before = await store.load("r-1")
     provider = ScriptedProvider(['{"next": "COMPLETED"}'])
     async with open_supervisor([machine(pay, notify)], store, provider=provider) as sup:
         with pytest.raises(InterlockError) as bad:
-            await sup.resume_escalated("r-1", by="ada", payload='{"tool": "pay", "args": {"amount": 500}}')
+            await sup.resume_escalated(
+                "r-1", by="ada", payload='{"tool": "pay", "args": {"amount": 500}}'
+            )
         assert str(bad.value) == (
             "payload for run 'r-1' was rejected: [guard] args.amount: 500.0 exceeds 100 (propose amount <= 100)"
         )
         assert await store.load("r-1") == before  # a rejected payload journals nothing
-        with pytest.raises(InterlockError, match=r"^cannot resume run 'r-1' in state 'DONE'; it escalated from 'WORK' and may resume in: WORK$"):
+        with pytest.raises(
+            InterlockError,
+            match=r"^cannot resume run 'r-1' in state 'DONE'; it escalated from 'WORK' and may resume in: WORK$",
+        ):
             await sup.resume_escalated("r-1", by="ada", to="DONE")
-        handle = await sup.resume_escalated("r-1", by="ada", note="verified with the bank", payload='{"tool": "pay", "args": {"amount": 50}}')
+        handle = await sup.resume_escalated(
+            "r-1",
+            by="ada",
+            note="verified with the bank",
+            payload='{"tool": "pay", "args": {"amount": 50}}',
+        )
     result = await handle.wait()
     assert result.outcome == "completed"
     assert pay.keys == [f"r-1:WORK:{len(before) + 4}"]
     events = await store.load("r-1")
     resumed = events[len(before)]
-    assert (type(resumed).__name__, resumed.by, resumed.note, resumed.to) == ("Resumed", "ada", "verified with the bank", "WORK")
-    kinds = [type(e).__name__ for e in events[len(before):]]
-    assert kinds[:5] == ["Resumed", "Transitioned", "StepProposed", "IntentRecorded", "ToolCommitted"]
+    assert (type(resumed).__name__, resumed.by, resumed.note, resumed.to) == (
+        "Resumed",
+        "ada",
+        "verified with the bank",
+        "WORK",
+    )
+    kinds = [type(e).__name__ for e in events[len(before) :]]
+    assert kinds[:5] == [
+        "Resumed",
+        "Transitioned",
+        "StepProposed",
+        "IntentRecorded",
+        "ToolCommitted",
+    ]
 
 
 async def test_abort_escalated_and_errors():
     store = MemoryStore()
     pay, notify = Calls(), Calls()
-    async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider(['{"next": "ESCALATE"}'])) as sup:
+    async with open_supervisor(
+        [machine(pay, notify)], store, provider=ScriptedProvider(['{"next": "ESCALATE"}'])
+    ) as sup:
         await sup.start_run("pay", run_id="r-1")
     async with open_supervisor([machine(pay, notify)], store) as sup:
         result = await sup.abort_escalated("r-1", by="ada", note="duplicate ticket")
         assert (result.outcome, result.reason) == ("failed", "aborted by ada: duplicate ticket")
-        with pytest.raises(InterlockError, match=r"^run 'r-1' is not escalated; it is failed in state 'FAILED'$"):
+        with pytest.raises(
+            InterlockError, match=r"^run 'r-1' is not escalated; it is failed in state 'FAILED'$"
+        ):
             await sup.abort_escalated("r-1", by="ada")
         with pytest.raises(RunNotFound, match=r"^run 'nope' not found$"):
             await sup.resume_escalated("nope", by="ada")
@@ -208,8 +253,12 @@ async def test_corrupt_tail_is_reported_on_resume(tmp_path):
 
     db = sqlite3.connect(path)
     # Seq 4 is the last frame of its chunk (one row per run per batch): cut the chunk short.
-    first, body = db.execute("SELECT first_seq, body FROM chunks WHERE run_id = 'r-1' AND last_seq = 4").fetchone()
-    db.execute("UPDATE chunks SET body = ? WHERE run_id = 'r-1' AND first_seq = ?", (body[:-3], first))
+    first, body = db.execute(
+        "SELECT first_seq, body FROM chunks WHERE run_id = 'r-1' AND last_seq = 4"
+    ).fetchone()
+    db.execute(
+        "UPDATE chunks SET body = ? WHERE run_id = 'r-1' AND first_seq = ?", (body[:-3], first)
+    )
     db.commit()
     db.close()
     snapshot = path.read_bytes()
@@ -217,8 +266,15 @@ async def test_corrupt_tail_is_reported_on_resume(tmp_path):
     pay, notify = Calls(), Calls()
     from interlock import JournalCorrupt
 
-    with pytest.RaisesGroup(pytest.RaisesExc(JournalCorrupt, match=r"^journal of run 'r-1' is torn \(cut short\) at seq 4"), flatten_subgroups=True):
-        async with open_supervisor([machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True):
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(
+            JournalCorrupt, match=r"^journal of run 'r-1' is torn \(cut short\) at seq 4"
+        ),
+        flatten_subgroups=True,
+    ):
+        async with open_supervisor(
+            [machine(pay, notify)], store, provider=ScriptedProvider([]), resume=True
+        ):
             pass
     await store.aclose()
     assert pay.keys == notify.keys == []

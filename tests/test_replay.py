@@ -23,7 +23,10 @@ async def record(workflows, runs, rate, seed, kinds=CHAOS_KINDS):
     backend = Backend(":memory:")
     store = MemoryStore()
     machines = [WORKFLOWS[w].build(backend) for w in workflows]
-    providers = {w: ChaosProvider(ScriptedProvider(WORKFLOWS[w].oracle), rate=rate, seed=seed, kinds=kinds) for w in workflows}
+    providers = {
+        w: ChaosProvider(ScriptedProvider(WORKFLOWS[w].oracle), rate=rate, seed=seed, kinds=kinds)
+        for w in workflows
+    }
     import random
 
     rng = random.Random(seed)
@@ -65,10 +68,17 @@ def test_large_demo_journal_replays_every_run():
 def stricter_refund(machine, limit):
     def at_most(args, view):
         if args.amount > limit:
-            return Reject(f"args.amount: {args.amount} exceeds the new limit {limit}", f"propose amount <= {limit}", "args.amount")
+            return Reject(
+                f"args.amount: {args.amount} exceeds the new limit {limit}",
+                f"propose amount <= {limit}",
+                "args.amount",
+            )
         return None
 
-    tools = [dataclasses.replace(t, guards=[*t.guards, at_most]) if t.name == "refund" else t for t in machine.tools]
+    tools = [
+        dataclasses.replace(t, guards=[*t.guards, at_most]) if t.name == "refund" else t
+        for t in machine.tools
+    ]
     return dataclasses.replace(machine, tools=tools)
 
 
@@ -123,7 +133,10 @@ def test_cli_replay_all_and_what_if(tmp_path):
     )  # fmt: skip
     assert demo.returncode == 0, demo.stderr
     done = subprocess.run(
-        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--json"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stdout
     assert json.loads(done.stdout)["reproduced"] == 60
@@ -145,7 +158,10 @@ def test_cli_replay_all_and_what_if(tmp_path):
     document = json.loads(what_if.stdout)
     assert document["what_if"] == ["refund"]
     assert document["diverged"]
-    assert {d["divergence"]["kind"] for d in document["diverged"]} <= {"intent_recorded", "proposal_rejected"}
+    assert {d["divergence"]["kind"] for d in document["diverged"]} <= {
+        "intent_recorded",
+        "proposal_rejected",
+    }
     text = subprocess.run(
         [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--machine", "strict_machine:machine"],
         capture_output=True, text=True, check=False, cwd=tmp_path, env={"COLUMNS": "200", "PATH": ""},
@@ -157,4 +173,6 @@ def test_cli_replay_all_and_what_if(tmp_path):
         capture_output=True, text=True, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert bad.returncode == 1
-    assert bad.stderr.startswith("interlock: error: --machine 'nomodule:x': cannot import 'nomodule'")
+    assert bad.stderr.startswith(
+        "interlock: error: --machine 'nomodule:x': cannot import 'nomodule'"
+    )

@@ -24,7 +24,9 @@ def backend():
 async def run_one(backend, workflow, inputs, script, run_id="r-1"):
     store = MemoryStore()
     provider = ScriptedProvider(script, model="test")
-    async with open_supervisor([WORKFLOWS[workflow].build(backend)], store, provider=provider) as sup:
+    async with open_supervisor(
+        [WORKFLOWS[workflow].build(backend)], store, provider=provider
+    ) as sup:
         handle = await sup.start_run(workflow, inputs, run_id=run_id)
     return await handle.wait(), await store.load(run_id)
 
@@ -49,7 +51,12 @@ async def test_refund_over_total_is_rejected_then_corrected_commits_once(backend
         call("send_email", to="a@example.com", subject="Refund", lines=["done"]),
         '{"next": "COMPLETED", "data": {"answer": "refunded 100"}}',
     ]
-    result, events = await run_one(backend, "refund", {"order_id": ORDER_100, "customer": "a@example.com", "requested": 150.0}, script)
+    result, events = await run_one(
+        backend,
+        "refund",
+        {"order_id": ORDER_100, "customer": "a@example.com", "requested": 150.0},
+        script,
+    )
     assert result.outcome == "completed"
     assert result.output == {"answer": "refunded 100"}
     rejected = [e for e in events if type(e).__name__ == "ProposalRejected"]
@@ -81,7 +88,12 @@ async def test_refund_guard_counts_what_was_already_refunded(backend):
         call("refund", order_id=ORDER_100, amount=60, currency="USD", reason="part two"),
         '{"next": "ESCALATE"}',
     ]
-    result, events = await run_one(backend, "refund", {"order_id": ORDER_100, "customer": "a@example.com", "requested": 120.0}, script)
+    result, events = await run_one(
+        backend,
+        "refund",
+        {"order_id": ORDER_100, "customer": "a@example.com", "requested": 120.0},
+        script,
+    )
     rejected = [e for e in events if type(e).__name__ == "ProposalRejected"]
     assert rejected[0].violations[0].message == (
         "args.amount: 60.0 exceeds the order total 100.0 minus 60.0 already refunded"
@@ -98,7 +110,12 @@ async def test_refund_schema_refuses_string_amount_and_bad_currency(backend):
         call("refund", order_id=ORDER_100, amount=10, currency="usd", reason="broken"),
         call("refund", order_id="100", amount=10, currency="USD", reason="broken"),
     ]
-    result, events = await run_one(backend, "refund", {"order_id": ORDER_100, "customer": "a@example.com", "requested": 1.0}, script)
+    result, events = await run_one(
+        backend,
+        "refund",
+        {"order_id": ORDER_100, "customer": "a@example.com", "requested": 1.0},
+        script,
+    )
     violations = [e.violations[0] for e in events if type(e).__name__ == "ProposalRejected"]
     assert [(v.code, v.path) for v in violations] == [
         ("schema", "args.amount"),
@@ -108,7 +125,9 @@ async def test_refund_schema_refuses_string_amount_and_bad_currency(backend):
     assert violations[0].message == "args.amount: expected `float`, got `str`"
     assert violations[1].message == "args.currency: invalid enum value 'usd'"
     assert violations[1].hint == "use one of: EUR, USD"
-    assert violations[2].message == "args.order_id: expected `str` matching regex '^ord-[0-9]{3,10}$'"
+    assert (
+        violations[2].message == "args.order_id: expected `str` matching regex '^ord-[0-9]{3,10}$'"
+    )
     assert result.outcome == "escalated"
     assert result.reason == "consecutive_failures"
     assert backend.counts()["refund"]["executions"] == 0
@@ -157,7 +176,9 @@ async def test_extraction_rejects_empty_document(backend):
 
 async def test_extraction_escalates_after_repair_budget(backend):
     bad = '{"next": "VALIDATING", "data": {"entities": [{"id": "", "category": "alien", "confidence": 0.1}]}}'
-    result, events = await run_one(backend, "extraction", {"document": "x", "terms": ["x"]}, [bad, bad, bad])
+    result, events = await run_one(
+        backend, "extraction", {"document": "x", "terms": ["x"]}, [bad, bad, bad]
+    )
     assert result.outcome == "escalated"
     assert result.state == "ESCALATE"
     last = [e for e in events if type(e).__name__ == "Transitioned"][-1]
@@ -177,7 +198,12 @@ async def test_extraction_commit_is_idempotent_on_key(backend):
     again = await backend.write_entities("k-1", "r-1", entities)
     assert first == {"written": 1, "entities": 1}
     assert again == {"written": 0, "entities": 1}
-    assert backend.counts()["write_entities"] == {"executions": 2, "keys": 1, "applied": 1, "duplicates": 0}
+    assert backend.counts()["write_entities"] == {
+        "executions": 2,
+        "keys": 1,
+        "applied": 1,
+        "duplicates": 0,
+    }
 
 
 async def test_router_rejects_illegal_pick_then_routes(backend):
@@ -186,7 +212,9 @@ async def test_router_rejects_illegal_pick_then_routes(backend):
         '{"next": "QUERY_DB", "data": {"category": "billing", "summary": "charged twice"}}',
         '{"next": "DONE", "data": {"response": "ticket opened"}}',
     ]
-    result, events = await run_one(backend, "router", {"ticket": "charged twice", "category": "billing"}, script)
+    result, events = await run_one(
+        backend, "router", {"ticket": "charged twice", "category": "billing"}, script
+    )
     assert result.outcome == "completed"
     assert result.state == "DONE"
     rejection = next(e for e in events if type(e).__name__ == "ProposalRejected")
@@ -204,7 +232,12 @@ async def test_router_retried_commit_does_not_write_twice(backend):
     assert first["new"] is True
     assert retry["new"] is False
     assert first["ticket"] == retry["ticket"]
-    assert backend.counts()["record_ticket"] == {"executions": 2, "keys": 2, "applied": 1, "duplicates": 0}
+    assert backend.counts()["record_ticket"] == {
+        "executions": 2,
+        "keys": 2,
+        "applied": 1,
+        "duplicates": 0,
+    }
 
 
 async def test_router_rejects_wrong_category_enum(backend):
@@ -213,9 +246,14 @@ async def test_router_rejects_wrong_category_enum(backend):
         '{"next": "QUERY_DB", "data": {"category": "billing"}}',
         '{"next": "DONE", "data": {"response": "ok"}}',
     ]
-    result, events = await run_one(backend, "router", {"ticket": "t", "category": "billing"}, script)
+    result, events = await run_one(
+        backend, "router", {"ticket": "t", "category": "billing"}, script
+    )
     rejection = next(e for e in events if type(e).__name__ == "ProposalRejected")
-    assert (rejection.violations[0].code, rejection.violations[0].path) == ("schema", "data.category")
+    assert (rejection.violations[0].code, rejection.violations[0].path) == (
+        "schema",
+        "data.category",
+    )
     assert rejection.violations[0].hint == "use one of: account, billing, technical"
     assert result.outcome == "completed"
 
@@ -233,7 +271,11 @@ async def test_workflow_oracles_complete_many_runs(backend, workflow):
         async with trio.open_nursery() as nursery:
 
             async def start(i):
-                handles.append(await sup.start_run(workflow, module.make_inputs(i, rng), run_id=f"{workflow}-{i}"))
+                handles.append(
+                    await sup.start_run(
+                        workflow, module.make_inputs(i, rng), run_id=f"{workflow}-{i}"
+                    )
+                )
 
             for i in range(60):
                 nursery.start_soon(start, i)

@@ -218,9 +218,11 @@ def test_common_affixes_agree(head: str, old_middle: str, new_middle: str, tail:
 
 # Long runs of few characters, so the compiled scan's word-at-a-time loops (8 bytes: 8, 4
 # or 2 characters by the strings' storage width) run and stop at every offset in a word.
-long_texts = st.text(alphabet=st.sampled_from("ab"), max_size=200) | st.text(
-    alphabet=st.sampled_from("aé"), max_size=200
-) | st.text(alphabet=st.sampled_from("a😀"), max_size=200)
+long_texts = (
+    st.text(alphabet=st.sampled_from("ab"), max_size=200)
+    | st.text(alphabet=st.sampled_from("aé"), max_size=200)
+    | st.text(alphabet=st.sampled_from("a😀"), max_size=200)
+)
 
 
 @given(long_texts, long_texts, st.text(alphabet="ab\u0101\U0001f600", max_size=3), long_texts)
