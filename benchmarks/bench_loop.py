@@ -311,30 +311,13 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         samples[SWITCHES].append(
             run_child("benchmarks.bench_loop", {"switches": True, "runs": concurrent_runs})
         )
-    rows = []
-    for label, concurrent, _provider_kind, _tuned in PLAN:
-        ordered = sorted(samples[label], key=lambda r: r["us_per_step"])
-        row = dict(ordered[len(ordered) // 2])
-        row.update(
-            label=label,
-            mode="concurrent" if concurrent else "sequential",
-            kind="interlock",
-            repeats=len(ordered),
-            us_per_step_min=ordered[0]["us_per_step"],
-            us_per_step_max=ordered[-1]["us_per_step"],
+    rows = [
+        _median_row(
+            samples[label], label, "concurrent" if concurrent else "sequential", "interlock"
         )
-        rows.append(row)
-    ordered = sorted(samples[SWITCHES], key=lambda r: r["us_per_step"])
-    row = dict(ordered[len(ordered) // 2])
-    row.update(
-        label=SWITCHES,
-        mode="concurrent",
-        kind="floor",
-        repeats=len(ordered),
-        us_per_step_min=ordered[0]["us_per_step"],
-        us_per_step_max=ordered[-1]["us_per_step"],
-    )
-    rows.append(row)
+        for label, concurrent, _provider_kind, _tuned in PLAN
+    ]
+    rows.append(_median_row(samples[SWITCHES], SWITCHES, "concurrent", "floor"))
     progress("plain-Python loops", (total - 2) / total)
     plain_runs = 2_000 if quick else 50_000
     for label, fn in (
@@ -363,6 +346,21 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         "profile_runs": concurrent_runs,
         "calls_per_step": profiled["profile_calls"] / (concurrent_runs * STEPS),
     }
+
+
+def _median_row(samples: list[dict[str, Any]], label: str, mode: str, kind: str) -> dict[str, Any]:
+    """The median of fresh-process repetitions, with their range."""
+    ordered = sorted(samples, key=lambda r: r["us_per_step"])
+    row = dict(ordered[len(ordered) // 2])
+    row.update(
+        label=label,
+        mode=mode,
+        kind=kind,
+        repeats=len(ordered),
+        us_per_step_min=ordered[0]["us_per_step"],
+        us_per_step_max=ordered[-1]["us_per_step"],
+    )
+    return row
 
 
 def find(results: dict[str, Any], label: str) -> dict[str, Any]:

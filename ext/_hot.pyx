@@ -158,7 +158,8 @@ cdef extern from *:
     #endif
     """
     # Exact ints only (callers check the type first); a negative id reads as < 0 either way.
-    long long _small_id "__pyx_ilk_small_id" (object value) noexcept
+    # Takes a borrowed pointer, so the fast entry points below call it without a reference.
+    long long _small_id "__pyx_ilk_small_id" (PyObject* value) noexcept
 
 
 cdef bint _byte_buffer(object data, Py_buffer* view) except -1:
@@ -298,13 +299,13 @@ cdef class Tables:
         """Return OK, UNKNOWN_STATE (``dst`` < 0 or out of range) or ILLEGAL_TRANSITION."""
         if type(src) is not int or type(dst) is not int:
             return self._check_transition_object(src, dst)
-        return self._transition_code(_small_id(src), _small_id(dst))
+        return self._transition_code(_small_id(<PyObject*>src), _small_id(<PyObject*>dst))
 
     cpdef int check_tool(self, state, tool) except -1:
         """Return OK, UNKNOWN_TOOL (``tool`` < 0 or out of range) or TOOL_NOT_ALLOWED."""
         if type(state) is not int or type(tool) is not int:
             return self._check_tool_object(state, tool)
-        return self._tool_code(_small_id(state), _small_id(tool))
+        return self._tool_code(_small_id(<PyObject*>state), _small_id(<PyObject*>tool))
 
     cpdef int check_call(self, state, tool) except -1:
         """Return ``check_tool(state_id(state), tool_id(tool))``: the tool check by name."""
@@ -319,7 +320,7 @@ cdef class Tables:
         cdef long long state_id
         if type(state) is not int:
             return self._is_terminal_object(state)
-        state_id = _small_id(state)
+        state_id = _small_id(<PyObject*>state)
         return 0 <= state_id < self._n_states and (self._terminal >> state_id) & 1
 
     cpdef tuple legal_next(self, state):
@@ -404,10 +405,9 @@ cdef extern from "Python.h":
     PyTypeObject* _type_of "Py_TYPE" (PyObject* value)
     # Borrowed; for an exact str key it cannot fail (the hash is the string's own).
     PyObject* _dict_get "PyDict_GetItem" (object mapping, PyObject* key)
-    long long _small_id_of "__pyx_ilk_small_id" (PyObject* value) noexcept
 
 
-cdef PyObject* _codes[3]  # the result codes 0, 1, 2 as Python ints (kept alive below)
+cdef PyObject* _codes[3]  # _CODES as pointers, for _code
 
 
 cdef inline PyObject* _code(int code) noexcept:
@@ -450,7 +450,7 @@ cdef PyObject* _fast_check_transition(
 ) except NULL:
     if _two_of(&PyLong_Type, args, nargs, kwnames):
         return _code(
-            (<Tables>self)._transition_code(_small_id_of(args[0]), _small_id_of(args[1]))
+            (<Tables>self)._transition_code(_small_id(args[0]), _small_id(args[1]))
         )
     return _delegate(0, self, args, nargs, kwnames)
 
@@ -459,7 +459,7 @@ cdef PyObject* _fast_check_tool(
     PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames
 ) except NULL:
     if _two_of(&PyLong_Type, args, nargs, kwnames):
-        return _code((<Tables>self)._tool_code(_small_id_of(args[0]), _small_id_of(args[1])))
+        return _code((<Tables>self)._tool_code(_small_id(args[0]), _small_id(args[1])))
     return _delegate(1, self, args, nargs, kwnames)
 
 
@@ -474,8 +474,8 @@ cdef PyObject* _fast_check_call(
         tool_id = _dict_get((<Tables>self)._tool_ids, args[1])
         return _code(
             (<Tables>self)._tool_code(
-                _small_id_of(state_id) if state_id != NULL else -1,
-                _small_id_of(tool_id) if tool_id != NULL else -1,
+                _small_id(state_id) if state_id != NULL else -1,
+                _small_id(tool_id) if tool_id != NULL else -1,
             )
         )
     return _delegate(2, self, args, nargs, kwnames)
@@ -484,24 +484,23 @@ cdef PyObject* _fast_check_call(
 cdef PyMethodDef _fast_methods[3]
 _FAST_NAMES = ("check_transition", "check_tool", "check_call")
 _GENERIC = tuple([Tables.__dict__[name] for name in _FAST_NAMES])
-_FAST_KEEP = (
-    (_OK, _UNKNOWN_STATE, _ILLEGAL_TRANSITION),
-    tuple([name.encode() for name in _FAST_NAMES]),
-    tuple([(method.__doc__ or "").encode() for method in _GENERIC]),
-)
+# What the C structures point into, kept alive with the module.
+_CODES = (_OK, _UNKNOWN_STATE, _ILLEGAL_TRANSITION)
+_FAST_NAME_BYTES = tuple([name.encode() for name in _FAST_NAMES])
+_FAST_DOCS = tuple([(method.__doc__ or "").encode() for method in _GENERIC])
 
 
 cdef _install_fast_methods():
     cdef int i
     cdef object type_dict = <object>(<PyTypeObject*>Tables).tp_dict
     for i in range(3):
-        _codes[i] = <PyObject*>_FAST_KEEP[0][i]
+        _codes[i] = <PyObject*>_CODES[i]
     _fast_methods[0].ml_meth = <void*>_fast_check_transition
     _fast_methods[1].ml_meth = <void*>_fast_check_tool
     _fast_methods[2].ml_meth = <void*>_fast_check_call
     for i in range(3):
-        _fast_methods[i].ml_name = <const char*>_FAST_KEEP[1][i]
-        _fast_methods[i].ml_doc = <const char*>_FAST_KEEP[2][i]
+        _fast_methods[i].ml_name = <const char*>_FAST_NAME_BYTES[i]
+        _fast_methods[i].ml_doc = <const char*>_FAST_DOCS[i]
         _fast_methods[i].ml_flags = METH_FASTCALL | METH_KEYWORDS
         type_dict[_FAST_NAMES[i]] = PyDescr_NewMethod(<PyTypeObject*>Tables, &_fast_methods[i])
     PyType_Modified(<PyTypeObject*>Tables)

@@ -395,7 +395,7 @@ class AnswersAsCut:
         self.calls += 1
         if self.calls == 1:
             handle = self.sup.handles[view.run_id]
-            handle._deadline(handle._deadline_token)  # what the watchdog does
+            handle._fire(handle._deadline_token)  # what the watchdog does
             return Proposal(CHARGE, USAGE, self.model, "prompt")
         raise AssertionError("past the deadline the model must not be asked again")
 
@@ -442,12 +442,12 @@ async def test_a_watchdog_entry_acts_only_on_the_handle_that_armed_it() -> None:
     old._deadline_token, new._deadline_token = -1, -7
     new._tool_token = 8
     new._in_provider = True
-    new._deadline(-1)  # the old handle's deadline fires
-    new._timeout(3)  # an attempt that already finished
+    new._fire(-1)  # the old handle's deadline fires
+    new._fire(3)  # an attempt that already finished
     assert (new._deadline_passed, new._tool_cut, new._scope.cancel_called) == (False, 0, False)
     assert [_armed_for(new, token) for token in (-1, -7, 3, 8)] == [False, True, False, True]
     assert not _armed_for(None, -7)
-    new._deadline(-7)
+    new._fire(-7)
     assert new._deadline_passed
     assert new._scope.cancel_called
 

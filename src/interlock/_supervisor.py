@@ -157,17 +157,17 @@ class RunHandle:
         self._validated: tuple[str, Any] = ("", None)
         """The key of the run's latest accepted call and its validated args."""
 
-    def _deadline(self, token: int) -> None:
-        if self._deadline_token != token:
+    def _fire(self, token: int) -> None:
+        """The watchdog's entry ``token`` is due: act on it if it is still this handle's."""
+        if not _armed_for(self, token):
             return
-        self._deadline_passed = True
-        if self._in_provider:
-            self._scope.cancel()
-
-    def _timeout(self, token: int) -> None:
-        if self._tool_token == token:
+        if token > 0:  # the tool attempt's timeout: cut the attempt
             self._tool_cut = token
             self._scope.cancel()
+        else:  # the run's deadline: cut the wait for the model, if that is what runs
+            self._deadline_passed = True
+            if self._in_provider:
+                self._scope.cancel()
 
     @property
     def done(self) -> bool:
@@ -424,12 +424,8 @@ class Supervisor:
             while heap and heap[0][0] <= now:
                 _at, token, run_id = heapq.heappop(heap)
                 handle = self.handles.get(run_id)
-                if handle is None or handle.done:
-                    continue
-                if token > 0:
-                    handle._timeout(token)
-                else:
-                    handle._deadline(token)
+                if handle is not None:
+                    handle._fire(token)
             with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
                 self._deadline_wait = waiting
                 await trio.sleep_forever()

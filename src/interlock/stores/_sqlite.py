@@ -21,16 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import trio
 
-from .._events import (
-    ENCODING_ERRORS,
-    Completed,
-    Escalated,
-    Failed,
-    IntentRecorded,
-    Resumed,
-    RunStarted,
-    Transitioned,
-)
+from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted
 from .._exceptions import JournalCorrupt, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
 from ._base import (
@@ -139,9 +130,7 @@ _MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
-_INDEXED: frozenset[type[Event]] = frozenset(
-    {RunStarted, Transitioned, Completed, Escalated, Failed, Resumed}
-)
+_INDEXED: frozenset[type[Event]] = frozenset({RunStarted, *INDEX_CHANGES})
 _encode = msgspec.msgpack.Encoder().encode
 
 
