@@ -191,10 +191,6 @@ class RunHandle:
         self._done.set()
 
 
-def _outcome_of(machine: Machine, state: str) -> str:
-    return machine.outcome(state)
-
-
 class Supervisor:
     """Owns every run's state and the journal writer. Make one with :func:`open_supervisor`.
 
@@ -499,7 +495,7 @@ class Supervisor:
             seq=run.seq,
             accepted=accepted,
             state=run.state,
-            outcome=_outcome_of(run.machine, run.state),
+            outcome=run.machine.outcome(run.state),
             **fields,
         )
 
@@ -550,7 +546,7 @@ class Supervisor:
             )
         if run.terminal:
             raise ProtocolError(
-                f"run {run.run_id!r} is {_outcome_of(run.machine, run.state)} in state "
+                f"run {run.run_id!r} is {run.machine.outcome(run.state)} in state "
                 f"{run.state!r}; it takes no more proposals"
             )
 
@@ -767,7 +763,7 @@ class Supervisor:
         self._finished(run)
 
     def _finished(self, run: RunState) -> None:
-        self.stats.runs_finished[(run.machine.name, _outcome_of(run.machine, run.state))] += 1
+        self.stats.runs_finished[(run.machine.name, run.machine.outcome(run.state))] += 1
 
     def _on_report(self, msg: Report, events: list[Event]) -> Verdict:
         run = self._run(msg.run_id)
@@ -826,7 +822,7 @@ class Supervisor:
         run = self._run(run_id)
         if run.state != ESCALATE or run.escalation is None:
             raise InterlockError(
-                f"run {run_id!r} is not escalated; it is {_outcome_of(run.machine, run.state)} "
+                f"run {run_id!r} is not escalated; it is {run.machine.outcome(run.state)} "
                 f"in state {run.state!r}"
             )
         return run
@@ -1002,7 +998,7 @@ class Supervisor:
             run.run_id,
             run.machine.name,
             run.state,
-            _outcome_of(run.machine, run.state),
+            run.machine.outcome(run.state),
             run.output,
             reason,
             run.seq,
