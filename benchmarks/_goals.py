@@ -161,7 +161,7 @@ def _verify_closing(results: Results) -> str:
         "decoded once, through a per-state tagged union of one envelope Struct per allowed tool "
         "(anything the union refuses goes through the two-pass path, which explains the "
         "rejection with the same text as before); the table check is one compiled call; the "
-        "repeat hash is FNV-1a over the args' sorted msgpack encoding (msgpack, not JSON: a float "
+        "repeat hash is XXH64 over the args' sorted msgpack encoding (msgpack, not JSON: a float "
         "is copied, not formatted; and being the journal's encoding it also refuses what the "
         "journal cannot hold, so the supervisor no longer encodes the args a second time); the "
         "repeat breaker's text is built only when it trips. What is left on the accepted path is "

@@ -17,6 +17,7 @@ on every platform.
 cimport cython
 from cpython.buffer cimport (
     PyBUF_FULL_RO,
+    PyBuffer_IsContiguous,
     PyBUF_SIMPLE,
     PyBuffer_Release,
     PyObject_CheckBuffer,
@@ -66,15 +67,11 @@ MAX_IDS = _MAX_IDS
 # Python ints for the object fallbacks, which follow _hot_py line by line.
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
 _TWO_TO_64 = 2**64
 
 # C copies for the fast paths. NOTE: never mix Python int literals into C
 # arithmetic; they would turn the expression into Python-object arithmetic.
 cdef uint32_t _ALL_ONES32 = <uint32_t>0xFFFFFFFF
-cdef uint64_t _FNV_OFFSET64 = <uint64_t>0xCBF29CE484222325
-cdef uint64_t _FNV_PRIME64 = <uint64_t>0x100000001B3
 cdef uint32_t _CRC_POLY = <uint32_t>0xEDB88320
 cdef uint32_t _CRC_TABLE[8][256]
 
@@ -130,13 +127,78 @@ cdef uint32_t _crc32(const unsigned char* p, Py_ssize_t size) noexcept nogil:
     return crc ^ _ALL_ONES32
 
 
-cdef inline uint64_t _fnv1a64(
-    const unsigned char* p, Py_ssize_t size, uint64_t value
-) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(size):
-        value = (value ^ p[i]) * _FNV_PRIME64
-    return value
+cdef extern from *:
+    """
+    /* XXH64 (https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md), as
+       _hot_py.hash64 spells it out. Words are read little-endian on every host. */
+    #define __PYX_ILK_P1 0x9E3779B185EBCA87ULL
+    #define __PYX_ILK_P2 0xC2B2AE3D27D4EB4FULL
+    #define __PYX_ILK_P3 0x165667B19E3779F9ULL
+    #define __PYX_ILK_P4 0x85EBCA77C2B2AE63ULL
+    #define __PYX_ILK_P5 0x27D4EB2F165667C5ULL
+    static inline uint64_t __pyx_ilk_rotl(uint64_t x, int r) {
+        return (x << r) | (x >> (64 - r));
+    }
+    static inline uint64_t __pyx_ilk_read64(const unsigned char* p) {
+        return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16)
+            | ((uint64_t)p[3] << 24) | ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40)
+            | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+    }
+    static inline uint64_t __pyx_ilk_round(uint64_t acc, uint64_t word) {
+        return __pyx_ilk_rotl(acc + word * __PYX_ILK_P2, 31) * __PYX_ILK_P1;
+    }
+    static inline uint64_t __pyx_ilk_merge(uint64_t acc, uint64_t lane) {
+        return (acc ^ __pyx_ilk_round(0, lane)) * __PYX_ILK_P1 + __PYX_ILK_P4;
+    }
+    static uint64_t __pyx_ilk_xxh64(const unsigned char* p, Py_ssize_t size, uint64_t seed) {
+        const unsigned char* end = p + size;
+        uint64_t value;
+        if (size >= 32) {
+            const unsigned char* limit = end - 32;
+            uint64_t v1 = seed + __PYX_ILK_P1 + __PYX_ILK_P2, v2 = seed + __PYX_ILK_P2;
+            uint64_t v3 = seed, v4 = seed - __PYX_ILK_P1;
+            do {
+                v1 = __pyx_ilk_round(v1, __pyx_ilk_read64(p));
+                v2 = __pyx_ilk_round(v2, __pyx_ilk_read64(p + 8));
+                v3 = __pyx_ilk_round(v3, __pyx_ilk_read64(p + 16));
+                v4 = __pyx_ilk_round(v4, __pyx_ilk_read64(p + 24));
+                p += 32;
+            } while (p <= limit);
+            value = __pyx_ilk_rotl(v1, 1) + __pyx_ilk_rotl(v2, 7) + __pyx_ilk_rotl(v3, 12)
+                + __pyx_ilk_rotl(v4, 18);
+            value = __pyx_ilk_merge(value, v1);
+            value = __pyx_ilk_merge(value, v2);
+            value = __pyx_ilk_merge(value, v3);
+            value = __pyx_ilk_merge(value, v4);
+        } else {
+            value = seed + __PYX_ILK_P5;
+        }
+        value += (uint64_t)size;
+        while (end - p >= 8) {
+            value ^= __pyx_ilk_round(0, __pyx_ilk_read64(p));
+            value = __pyx_ilk_rotl(value, 27) * __PYX_ILK_P1 + __PYX_ILK_P4;
+            p += 8;
+        }
+        if (end - p >= 4) {
+            uint64_t half = (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16)
+                | ((uint64_t)p[3] << 24);
+            value ^= half * __PYX_ILK_P1;
+            value = __pyx_ilk_rotl(value, 23) * __PYX_ILK_P2 + __PYX_ILK_P3;
+            p += 4;
+        }
+        while (p < end) {
+            value ^= (uint64_t)(*p) * __PYX_ILK_P5;
+            value = __pyx_ilk_rotl(value, 11) * __PYX_ILK_P1;
+            p++;
+        }
+        value ^= value >> 33;
+        value *= __PYX_ILK_P2;
+        value ^= value >> 29;
+        value *= __PYX_ILK_P3;
+        return value ^ (value >> 32);
+    }
+    """
+    uint64_t _xxh64 "__pyx_ilk_xxh64" (const unsigned char* p, Py_ssize_t size, uint64_t seed) noexcept nogil
 
 
 cdef extern from *:
@@ -788,49 +850,48 @@ cdef list _compact_object(object signatures):
     return groups
 
 
-def fnv1a64(data, seed=_FNV_OFFSET):
-    """Return the 64-bit FNV-1a hash of ``data``, starting from ``seed``."""
+def hash64(data, seed=0):
+    """Return the XXH64 hash of ``data`` (a bytes-like object), starting from ``seed``.
+
+    This is xxHash's 64-bit variant, bit for bit: ``hash64(b"") == 0xEF46DB3751D8E999``.
+    ``seed`` is reduced to 64 bits (``seed & (2**64 - 1)``).
+
+    Raises:
+      TypeError: if ``data`` is not a bytes-like object or ``seed`` is not an int.
+    """
     cdef Py_buffer view
     cdef uint64_t value
-    if type(seed) is int or type(seed) is bool:
-        value = PyLong_AsUnsignedLongLongMask(seed)  # == seed & _MASK64
-        if type(data) is bytes:
-            return _fnv1a64(
-                <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), value
-            )
-        if _byte_buffer(data, &view):
-            value = _fnv1a64(<const unsigned char*>view.buf, view.len, value)
-            PyBuffer_Release(&view)
-            return value
-    return _fnv1a64_object(data, seed)
-
-
-cdef object _fnv1a64_object(object data, object seed):
-    """``_hot_py.fnv1a64`` for anything but a byte buffer and an int seed."""
-    value = seed & _MASK64
-    for byte in data:
-        value = ((value ^ byte) * _FNV_PRIME) & _MASK64
-    return value
+    if type(seed) is not int and type(seed) is not bool:
+        raise TypeError(f"hash64() seed must be an int, not {type(seed).__name__!r}")
+    value = PyLong_AsUnsignedLongLongMask(seed)  # == seed & _MASK64
+    if type(data) is bytes:
+        return _xxh64(
+            <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), value
+        )
+    if not PyObject_CheckBuffer(data):
+        raise TypeError(f"hash64() needs a bytes-like object, not {type(data).__name__!r}")
+    PyObject_GetBuffer(data, &view, PyBUF_FULL_RO)
+    try:
+        if not PyBuffer_IsContiguous(&view, b"C"):
+            raise TypeError("hash64() needs a contiguous buffer; copy it with bytes() first")
+        return _xxh64(<const unsigned char*>view.buf, view.len, value)
+    finally:
+        PyBuffer_Release(&view)
 
 
 def proposal_hash(tool, canonical_args):
-    """Return the repeat breaker's hash of a tool call: FNV-1a of ``tool``, a NUL, then the args.
+    """Return the repeat breaker's hash of a tool call: XXH64 of the args, seeded with the tool's.
 
     ``canonical_args`` must already be canonical (sorted keys, as _view.canonical_args), so that
     equal calls hash equal whatever their key order.
     """
-    cdef uint64_t value
     if type(tool) is bytes and type(canonical_args) is bytes:
-        value = _fnv1a64(
-            <const unsigned char*>PyBytes_AS_STRING(tool), PyBytes_GET_SIZE(tool), _FNV_OFFSET64
-        )
-        value = value * _FNV_PRIME64  # the NUL separator: value ^ 0 == value
-        return _fnv1a64(
+        return _xxh64(
             <const unsigned char*>PyBytes_AS_STRING(canonical_args),
             PyBytes_GET_SIZE(canonical_args),
-            value,
+            _xxh64(<const unsigned char*>PyBytes_AS_STRING(tool), PyBytes_GET_SIZE(tool), 0),
         )
-    return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))
+    return hash64(canonical_args, hash64(tool))
 
 
 cdef inline Py_ssize_t _common_prefix(

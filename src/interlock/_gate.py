@@ -14,7 +14,7 @@ import msgspec.structs
 
 from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
 from ._events import ENCODING_ERRORS, Violation, unjournalable, unjournalable_violation
-from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, fnv1a64
+from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64
 from ._tools import _MsgspecValidator
 from ._view import RunView, canonical_encoder
 
@@ -47,8 +47,8 @@ _UNSET = msgspec.UNSET
 class _Call:
     """What the gate needs of one tool, computed once per machine and state.
 
-    ``seed`` is the repeat hash of the tool name and the NUL after it, so that
-    ``fnv1a64(canonical, seed) == proposal_hash(name.encode(), canonical)``: the hash
+    ``seed`` is the hash of the tool's name, so that
+    ``hash64(canonical, seed) == proposal_hash(name.encode(), canonical)``: the hash
     ``_view._call_hash`` recomputes from the journal.
     """
 
@@ -58,7 +58,7 @@ class _Call:
         self.tool = tool
         self.name = tool.name
         self.guards = tuple(tool.guards)
-        self.seed: int = fnv1a64(b"\x00", fnv1a64(tool.name.encode()))
+        self.seed: int = hash64(tool.name.encode())
         validator = tool.validator
         # A plain Struct's fields are its builtins (see _tools.plain_struct): asdict
         # gives to_builtins' dict, and the sorted encoding of the Struct itself is
@@ -362,7 +362,7 @@ def _checked_call(
         canonical = canonical_encoder.encode(args if call.plain else builtins)
     except ENCODING_ERRORS as exc:
         return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
-    call_hash = fnv1a64(canonical, call.seed)
+    call_hash = hash64(canonical, call.seed)
     policy = machine.breakers
     if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
         # The message text (the args as JSON) is built only for a trip.

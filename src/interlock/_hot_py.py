@@ -12,13 +12,14 @@ Three jobs live here:
   so that a torn tail (the buffer ends inside a frame) and a corrupt frame (any
   single changed byte) are both detected;
 * failure compaction over a run's history, and the canonical proposal hash
-  used by the repeat breaker (64-bit FNV-1a);
+  used by the repeat breaker (XXH64, the 64-bit xxHash);
 * prompt deltas: the lengths of the prefix and suffix two prompts share, so
   that a model call journals only the part of its prompt that changed.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from typing import TYPE_CHECKING
 
@@ -44,8 +45,15 @@ MAX_IDS = 64
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
+# XXH64's primes (https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
+_P1 = 0x9E3779B185EBCA87
+_P2 = 0xC2B2AE3D27D4EB4F
+_P3 = 0x165667B19E3779F9
+_P4 = 0x85EBCA77C2B2AE63
+_P5 = 0x27D4EB2F165667C5
+_WORDS = struct.Struct("<4Q")
+_WORD = struct.Struct("<Q")
+_HALF = struct.Struct("<I")
 
 
 class Tables:
@@ -216,21 +224,91 @@ def compact_failures(signatures: Sequence[int]) -> list[tuple[int, int, int]]:
     return groups
 
 
-def fnv1a64(data: bytes, seed: int = _FNV_OFFSET) -> int:
-    """Return the 64-bit FNV-1a hash of ``data``, starting from ``seed``."""
-    value = seed & _MASK64
-    for byte in data:
-        value = ((value ^ byte) * _FNV_PRIME) & _MASK64
-    return value
+def _round(acc: int, word: int) -> int:
+    acc = (acc + word * _P2) & _MASK64
+    return (((acc << 31) | (acc >> 33)) * _P1) & _MASK64
+
+
+def _merge(acc: int, lane: int) -> int:
+    return (((acc ^ _round(0, lane)) * _P1) + _P4) & _MASK64
+
+
+def hash64(data: bytes, seed: int = 0) -> int:
+    """Return the XXH64 hash of ``data`` (a bytes-like object), starting from ``seed``.
+
+    This is xxHash's 64-bit variant, bit for bit: ``hash64(b"") == 0xEF46DB3751D8E999``.
+    ``seed`` is reduced to 64 bits (``seed & (2**64 - 1)``).
+
+    Raises:
+      TypeError: if ``data`` is not a bytes-like object or ``seed`` is not an int.
+    """
+    if type(seed) is not int and type(seed) is not bool:
+        raise TypeError(f"hash64() seed must be an int, not {type(seed).__name__!r}")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"hash64() needs a bytes-like object, not {type(data).__name__!r}"
+        ) from None
+    with view:
+        if not view.c_contiguous:
+            raise TypeError("hash64() needs a contiguous buffer; copy it with bytes() first")
+        raw = view.tobytes()
+    seed &= _MASK64
+    size = len(raw)
+    end = size - size % 32
+    if size >= 32:
+        v1 = (seed + _P1 + _P2) & _MASK64
+        v2 = (seed + _P2) & _MASK64
+        v3 = seed
+        v4 = (seed - _P1) & _MASK64
+        for w1, w2, w3, w4 in _WORDS.iter_unpack(raw[:end]):  # _round, inlined
+            v1 = (v1 + w1 * _P2) & _MASK64
+            v1 = (((v1 << 31) | (v1 >> 33)) * _P1) & _MASK64
+            v2 = (v2 + w2 * _P2) & _MASK64
+            v2 = (((v2 << 31) | (v2 >> 33)) * _P1) & _MASK64
+            v3 = (v3 + w3 * _P2) & _MASK64
+            v3 = (((v3 << 31) | (v3 >> 33)) * _P1) & _MASK64
+            v4 = (v4 + w4 * _P2) & _MASK64
+            v4 = (((v4 << 31) | (v4 >> 33)) * _P1) & _MASK64
+        value = (
+            ((v1 << 1) | (v1 >> 63))
+            + ((v2 << 7) | (v2 >> 57))
+            + ((v3 << 12) | (v3 >> 52))
+            + ((v4 << 18) | (v4 >> 46))
+        ) & _MASK64
+        for lane in (v1, v2, v3, v4):
+            value = _merge(value, lane)
+    else:
+        end = 0
+        value = (seed + _P5) & _MASK64
+    value = (value + size) & _MASK64
+    words = (size - end) // 8
+    for (word,) in _WORD.iter_unpack(raw[end : end + 8 * words]):
+        value ^= _round(0, word)
+        value = (((value << 27) | (value >> 37)) * _P1 + _P4) & _MASK64
+    at = end + 8 * words
+    if size - at >= 4:
+        value ^= (_HALF.unpack_from(raw, at)[0] * _P1) & _MASK64
+        value = (((value << 23) | (value >> 41)) * _P2 + _P3) & _MASK64
+        at += 4
+    for byte in raw[at:]:
+        value ^= (byte * _P5) & _MASK64
+        value = (((value << 11) | (value >> 53)) * _P1) & _MASK64
+    value ^= value >> 33
+    value = (value * _P2) & _MASK64
+    value ^= value >> 29
+    value = (value * _P3) & _MASK64
+    return value ^ (value >> 32)
 
 
 def proposal_hash(tool: bytes, canonical_args: bytes) -> int:
-    """Return the repeat breaker's hash of a tool call: FNV-1a of ``tool``, a NUL, then the args.
+    """Return the repeat breaker's hash of a tool call: XXH64 of the args, seeded with the tool's.
 
     ``canonical_args`` must already be canonical (sorted keys, as _view.canonical_args), so that
     equal calls hash equal whatever their key order.
     """
-    return fnv1a64(canonical_args, fnv1a64(b"\x00", fnv1a64(tool)))
+    return hash64(canonical_args, hash64(tool))
 
 
 def common_affixes(old: str, new: str) -> tuple[int, int]:

@@ -29,9 +29,9 @@ if TYPE_CHECKING or NO_EXTENSIONS:
         Tables,
         common_affixes,
         compact_failures,
-        fnv1a64,
         frame_event,
         frame_events,
+        hash64,
         proposal_hash,
         unframe,
     )
@@ -53,9 +53,9 @@ else:
             Tables,
             common_affixes,
             compact_failures,
-            fnv1a64,
             frame_event,
             frame_events,
+            hash64,
             proposal_hash,
             unframe,
         )
@@ -76,9 +76,9 @@ else:
             Tables,
             common_affixes,
             compact_failures,
-            fnv1a64,
             frame_event,
             frame_events,
+            hash64,
             proposal_hash,
             unframe,
         )
@@ -100,9 +100,9 @@ __all__ = [
     "Tables",
     "common_affixes",
     "compact_failures",
-    "fnv1a64",
     "frame_event",
     "frame_events",
+    "hash64",
     "proposal_hash",
     "unframe",
 ]

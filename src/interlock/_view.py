@@ -27,7 +27,7 @@ from ._events import (
     expand_prompt,
 )
 from ._exceptions import ProtocolError
-from ._hotpath import compact_failures, fnv1a64, proposal_hash
+from ._hotpath import compact_failures, hash64, proposal_hash
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -116,7 +116,7 @@ class Frame(msgspec.Struct, frozen=True, gc=False):
 def violation_signature(violations: Iterable[Violation]) -> int:
     """Hash of the codes and paths of ``violations``: equal for 'the same mistake again'."""
     text = "|".join(f"{v.code}:{v.path}" for v in violations)
-    return fnv1a64(text.encode()) or 1
+    return hash64(text.encode()) or 1
 
 
 class RunState:

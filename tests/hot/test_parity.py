@@ -143,10 +143,11 @@ def test_compaction_of_other_numbers_agrees(items: list[object]) -> None:
 
 
 @given(st.binary(max_size=300), st.integers(min_value=-(2**70), max_value=2**70))
-def test_fnv1a64_agrees(data: bytes, seed: int) -> None:
-    same(lambda m: m.fnv1a64(data))
-    same(lambda m: m.fnv1a64(data, seed))
-    same(lambda m: m.fnv1a64(bytearray(data), seed))
+def test_hash64_agrees(data: bytes, seed: int) -> None:
+    same(lambda m: m.hash64(data))
+    same(lambda m: m.hash64(data, seed))
+    same(lambda m: m.hash64(bytearray(data), seed))
+    same(lambda m: m.hash64(memoryview(data), seed))
 
 
 @given(st.binary(max_size=60), st.binary(max_size=300))
@@ -191,11 +192,16 @@ MISUSE: list[Callable[[ModuleType], Any]] = [
     lambda m: m.unframe(memoryview(bytes(24)).cast("B", (2, 12))),
     lambda m: m.compact_failures(iter([1, 1])),
     lambda m: m.compact_failures([1, "a", "a", None]),
-    lambda m: m.fnv1a64("text"),
-    lambda m: m.fnv1a64([1, 2, 300], 7),
-    lambda m: m.fnv1a64(b"x", 1.5),
-    lambda m: m.fnv1a64(memoryview(b"abc").cast("c")),
-    lambda m: m.fnv1a64(array("i", [1, -2])),
+    lambda m: m.hash64("text"),
+    lambda m: m.hash64([1, 2, 300], 7),
+    lambda m: m.hash64(None),
+    lambda m: m.hash64(b"x", 1.5),
+    lambda m: m.hash64(b"x", "7"),
+    lambda m: m.hash64(b"x", True),
+    lambda m: m.hash64(memoryview(b"abc").cast("c")),
+    lambda m: m.hash64(memoryview(b"abcd")[::2]),
+    lambda m: m.hash64(array("i", [1, -2])),
+    lambda m: m.hash64(data=b"x", seed=3),
     lambda m: m.proposal_hash("tool", b"{}"),
     lambda m: m.proposal_hash(b"tool", None),
 ]
