@@ -52,8 +52,8 @@ def test_other_sequences(hot: ModuleType) -> None:
 
 
 # From the reference implementation (the xxhash package wraps xxHash's C code). The
-# lengths cover each part of the algorithm: the 1-byte tail, the 4-byte word, the 8-byte
-# words, and the 32-byte stripes of four lanes.
+# lengths cover each part of the algorithm: the 32-byte stripes of four lanes, then the
+# tail's 8-byte words, its 4-byte word and its last bytes.
 @pytest.mark.parametrize(
     ("data", "seed", "expected"),
     [
@@ -61,7 +61,9 @@ def test_other_sequences(hot: ModuleType) -> None:
         (b"a", 0, 0xD24EC4F1A98C6E5B),
         (b"abc", 0, 0x44BC2CF5AD770999),
         (b"foobar", 0, 0xA2AA05ED9085AAF9),
+        (bytes(range(15)), 0, 0xA948F5F0F6ABAC2D),  # an 8-byte word, a 4-byte one, 3 bytes
         (bytes(range(32)), 0, 0xCBF59C5116FF32B4),
+        (bytes(range(47)), 3, 0x104A5DBFA27C69EF),  # a stripe, then all three tails
         (bytes(range(100)), 7, 0x80653E7E9B887CDD),
         (b"x", TOP, 0x464C3A4DBE662870),
     ],
