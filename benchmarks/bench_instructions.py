@@ -17,8 +17,9 @@ virtual CPU does not offer the SHA extensions, so OpenSSL hashes in software und
 SHA-256 of what each model call adds to its prompt (a few hundred bytes, the hash resuming
 from the previous prompt's state) counts as about 23k of the loop's instructions per step,
 several times its native share (it was about 85k while each prompt was hashed whole). What
-the counts are for is comparing the same workload before and after a change. Needs ``valgrind`` on the PATH
-(``apt-get install -y valgrind``); without it the section says so and measures nothing.
+the counts are for is comparing the same workload before and after a change. Needs
+``valgrind`` on the PATH (``apt-get install -y valgrind``); without it the section says so
+and measures nothing.
 """
 
 from __future__ import annotations

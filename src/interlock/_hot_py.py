@@ -4,7 +4,7 @@ The compiled module (``ext/_hot.pyx``) implements the same names with the same
 results and the same error text; ``interlock._hotpath`` picks one. Rejections are
 return codes, never exceptions; exceptions here mean the caller misused the API.
 
-Three jobs live here:
+Four jobs live here:
 
 * the transition and tool-permission checks on a machine's integer tables;
 * journal framing: encoded events are framed as
@@ -262,15 +262,8 @@ def hash64(data: bytes, seed: int = 0) -> int:
         v2 = (seed + _P2) & _MASK64
         v3 = seed
         v4 = (seed - _P1) & _MASK64
-        for w1, w2, w3, w4 in _WORDS.iter_unpack(raw[:end]):  # _round, inlined
-            v1 = (v1 + w1 * _P2) & _MASK64
-            v1 = (((v1 << 31) | (v1 >> 33)) * _P1) & _MASK64
-            v2 = (v2 + w2 * _P2) & _MASK64
-            v2 = (((v2 << 31) | (v2 >> 33)) * _P1) & _MASK64
-            v3 = (v3 + w3 * _P2) & _MASK64
-            v3 = (((v3 << 31) | (v3 >> 33)) * _P1) & _MASK64
-            v4 = (v4 + w4 * _P2) & _MASK64
-            v4 = (((v4 << 31) | (v4 >> 33)) * _P1) & _MASK64
+        for w1, w2, w3, w4 in _WORDS.iter_unpack(raw[:end]):
+            v1, v2, v3, v4 = _round(v1, w1), _round(v2, w2), _round(v3, w3), _round(v4, w4)
         value = (
             ((v1 << 1) | (v1 >> 63))
             + ((v2 << 7) | (v2 >> 57))
