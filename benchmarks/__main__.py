@@ -174,7 +174,9 @@ def write_markdown(
     charts: dict[str, str],
     meta: dict[str, Any],
     out: Path,
+    no_charts: str = "matplotlib is not installed (`pip install -e '.[bench]'`)",
 ) -> None:
+    """Write RESULTS.md; ``no_charts`` says why, if no chart is linked."""
     mode = "quick (small N: checks the runner, not figures to quote)" if meta["quick"] else "full"
     parts = [
         "# interlock benchmarks",
@@ -192,7 +194,7 @@ def write_markdown(
     if not charts and any(name in CHARTS for name in meta["benchmarks"]):
         parts += [
             "",
-            "*Charts skipped: matplotlib is not installed (`pip install -e '.[bench]'`).*",
+            f"*Charts skipped: {no_charts}.*",
         ]
     for name in meta["benchmarks"]:
         module = load(name)
@@ -242,7 +244,14 @@ def render_again(out: Path, console: Console) -> int:
     charts = {name: entry[0] for name, entry in CHARTS.items() if (out / entry[0]).exists()}
     recorded["goals"] = goals
     path.write_text(json.dumps(recorded, indent=1, default=str) + "\n", encoding="utf-8")
-    write_markdown(results, goals, charts, meta, out)
+    write_markdown(
+        results,
+        goals,
+        charts,
+        meta,
+        out,
+        no_charts=f"none of the charts is in {out}; a run of the benchmarks draws them",
+    )
     console.print(f"rewrote {out / 'RESULTS.md'} from {path} (figures of {meta['date']})")
     return 0
 

@@ -9,7 +9,8 @@ differenced, so the interpreter's start-up and imports cancel out:
   with an instant scripted provider, a no-op tool and a MemoryStore), per step; against
   the plain-Python msgspec loop of the same section, per step;
 - *verify*: the gate on ``bench_verify``'s proposals (5% malformed), per proposal; against
-  msgspec decoding the same bytes alone, and the hand-written pydantic check.
+  msgspec decoding the same bytes alone, the hand-written pydantic check, and the
+  design's floor (decode + guard + repeat hash, nothing else; see ``bench_verify``).
 
 An instruction is not a nanosecond (a cache miss costs more than an add), so these ratios
 complement the timed sections rather than replace them. One skew is large: valgrind's
@@ -30,6 +31,7 @@ import subprocess
 import sys
 from typing import Any
 
+from benchmarks._goals import MINIMAL_ROW
 from benchmarks._harness import ROOT, Progress, child_env, child_main, no_progress
 
 NAME = "instructions"
@@ -44,6 +46,7 @@ PLAN: tuple[tuple[str, str, str, tuple[tuple[int, int], tuple[int, int]], int, s
     ("interlock gate (compiled)", "gate", "proposal", ((1, 2), (2, 12)), 1_000, "msgspec alone"),
     ("msgspec alone", "floor", "proposal", ((1, 2), (2, 12)), 1_000, "msgspec alone"),
     ("pydantic v2 by hand", "pydantic", "proposal", ((0, 0), (2, 12)), 1_000, "msgspec alone"),
+    (MINIMAL_ROW, "minimal", "proposal", ((0, 0), (2, 12)), 1_000, "msgspec alone"),
 )
 """Quick mode (which only checks that the section works) counts the gate and its floor,
 the rows whose sizes are not (0, 0): each count is a process start under valgrind."""
@@ -63,9 +66,14 @@ def _workload(kind: str, size: int) -> None:
             plain_msgspec(raws)
     else:
         from benchmarks._workload import proposals
-        from benchmarks.bench_verify import _gate, msgspec_floor, pydantic_check
+        from benchmarks.bench_verify import _gate, _minimal, msgspec_floor, pydantic_check
 
-        fn = {"gate": _gate(), "floor": msgspec_floor, "pydantic": pydantic_check}[kind]
+        fn = {
+            "gate": _gate,
+            "floor": lambda: msgspec_floor,
+            "pydantic": lambda: pydantic_check,
+            "minimal": _minimal,
+        }[kind]()
         raws = proposals(1_000, 0.05)
         for _ in range(size):
             for raw in raws:

@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -84,4 +85,76 @@ def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "unknown benchmark 'nosuch'" in proc.stderr
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_verification_floor_does_the_gates_work_on_every_proposal() -> None:
+    """The floor row accepts exactly what the gate accepts, with the gate's repeat hash.
+
+    A floor that skipped part of the work would understate it, and the report reads the
+    1.3x goal against it.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import bench_verify
+    from benchmarks._workload import TOTAL, call_args, call_raw, proposals
+
+    gate = bench_verify._gate()
+    floor = bench_verify._minimal()
+    over_total = {**call_args(random.Random(1), 3), "amount": TOTAL + 1}
+    items = [*proposals(400), call_raw(over_total)]
+    accepted = 0
+    for raw in items:
+        decision = gate(raw)
+        got = floor(raw)
+        if decision.accepted:
+            accepted += 1
+            assert got == decision.call_hash, raw
+        else:
+            assert not isinstance(got, int), raw
+    assert 0 < accepted < len(items)
+
+
+def test_render_rewrites_results_from_recorded_figures(tmp_path: Path) -> None:
+    """``--render`` re-evaluates the goals from results.json alone; it runs nothing."""
+    recorded = json.loads((BENCHMARKS / "results.json").read_text(encoding="utf-8"))
+    recorded["goals"] = []
+    (tmp_path / "results.json").write_text(json.dumps(recorded), encoding="utf-8")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--render", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rewritten = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert rewritten["goals"], "the goals were not evaluated again"
+    assert rewritten["benchmarks"] == recorded["benchmarks"]
+    markdown = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+    assert "## Goals" in markdown
+    assert f"none of the charts is in {tmp_path}" in markdown
+    assert recorded["meta"]["date"] in markdown
+
+
+def test_render_without_results_says_what_to_do(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--render", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    said = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
+    assert "cannot render" in said
+    assert "run the benchmarks first" in said
     assert not (tmp_path / "RESULTS.md").exists()
