@@ -195,7 +195,7 @@ def chart_verify(results: dict[str, Any], path: Path) -> None:
     fig, (bars, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
     p50 = [rows[k]["batch"]["p50"] for k in labels]
     p99 = [rows[k]["batch"]["p99"] for k in labels]
-    colors = ["#1f77b4", "#aec7e8", "#ff7f0e", "#2ca02c"]
+    colors = ["#1f77b4", "#aec7e8", "#ff7f0e", "#2ca02c", "#9467bd"]
     bars.barh(
         labels,
         p50,
