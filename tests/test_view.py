@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -53,3 +54,39 @@ def test_tool_result_is_immutable_and_unhashable() -> None:
     assert repr(result) == "ToolResult(tool='t', args={'a': 1}, result={'x': 2}, key='k', seq=7)"
     assert result != ToolResult("t", {"a": 2}, {"x": 2}, "k", 7)
     assert result != "t"
+
+
+@given(_values)
+def test_result_reads_back_equal_and_fresh(value: Any) -> None:
+    result = ToolResult("t", {}, value, "k", 1)
+    assert result.result == value
+    assert result == ToolResult("t", {}, value, "k", 1)
+    if isinstance(value, (dict, list)):
+        # Held packed: each read is a fresh copy, so a caller's change cannot reach it.
+        assert result.result is not result.result
+        copy = result.result
+        if isinstance(copy, list):
+            copy.append("x")
+        else:
+            copy["x"] = 1
+        assert result.result == value
+    else:
+        assert result.result is value  # a scalar is held as it is
+
+
+def test_container_result_is_held_smaller_than_the_dict() -> None:
+    value = {"ok": True, "id": "order-1234", "items": [1, 2, 3]}
+    held = ToolResult("t", {}, value, "k", 1)._result
+    assert isinstance(held, bytes)
+    assert sys.getsizeof(held) < sys.getsizeof(value)
+
+
+def test_result_msgpack_cannot_hold_is_kept_as_given() -> None:
+    # Not from the journal (which holds only what msgpack can): kept, not refused.
+    value = {"big": 2**70, "set": {1, 2}}
+    result = ToolResult("t", {}, value, "k", 1)
+    assert result.result is value
+    assert repr(result) == (
+        "ToolResult(tool='t', args={}, result={'big': 1180591620717411303424, 'set': {1, 2}}, "
+        "key='k', seq=1)"
+    )

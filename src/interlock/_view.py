@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ._events import (
+    ENCODING_ERRORS,
     BreakerTripped,
     Completed,
     Escalated,
@@ -37,23 +38,27 @@ if TYPE_CHECKING:
 
 _pack = msgspec.msgpack.Encoder().encode
 _unpack = msgspec.msgpack.Decoder(dict[str, Any]).decode
+_unpack_any = msgspec.msgpack.Decoder().decode
 
 
 class ToolResult:
     """A committed tool call, as the run's history holds it.
 
     A run keeps every committed call for its guards and steps (``view.results``), so
-    the call's ``args`` are held as their msgpack encoding, a fraction of the size of a
-    dict of strings, and decoded (to an equal, fresh dict) each time they are read.
+    the call's ``args``, and its ``result`` when that is an object or an array, are held
+    as their msgpack encoding, a fraction of the size of a dict of strings, and decoded
+    (to an equal, fresh value) each time they are read. A scalar result is held as it
+    is: packing would make ``None``, a bool or a short string bigger.
     """
 
-    __slots__ = ("_args", "key", "result", "seq", "tool")
+    __slots__ = ("_args", "_packed", "_result", "key", "seq", "tool")
 
     tool: str
-    result: Any
     key: str
     seq: int
     _args: bytes
+    _result: Any
+    _packed: bool
 
     def __init__(self, tool: str, args: dict[str, Any], result: Any, key: str, seq: int) -> None:
         # The journal held these args (the supervisor refuses what msgpack cannot hold),
@@ -61,7 +66,14 @@ class ToolResult:
         setattr_ = object.__setattr__
         setattr_(self, "tool", tool)
         setattr_(self, "_args", _pack(args))
-        setattr_(self, "result", result)
+        packed = type(result) is dict or type(result) is list
+        if packed:
+            try:
+                result = _pack(result)
+            except ENCODING_ERRORS:  # not from the journal: keep it as it was given
+                packed = False
+        setattr_(self, "_result", result)
+        setattr_(self, "_packed", packed)
         setattr_(self, "key", key)
         setattr_(self, "seq", seq)
 
@@ -69,6 +81,11 @@ class ToolResult:
     def args(self) -> dict[str, Any]:
         """The call's args, as journaled."""
         return _unpack(self._args)
+
+    @property
+    def result(self) -> Any:
+        """The tool's result, as journaled."""
+        return _unpack_any(self._result) if self._packed else self._result
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ToolResult is immutable; cannot set {name!r}")
