@@ -25,20 +25,25 @@ def expected_benchmarks() -> set[str]:
     return names
 
 
-@pytest.mark.slow
-def test_quick_run_writes_every_section(tmp_path: Path) -> None:
+def run_benchmarks(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks ARGS`` from the checkout, with the compiled hot path allowed."""
     env = dict(os.environ)
     env.pop("INTERLOCK_NO_EXTENSIONS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_section(tmp_path: Path) -> None:
+    proc = run_benchmarks("--quick", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
@@ -72,17 +77,7 @@ def _title_of(name: str) -> str:
 
 
 def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "nosuch", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_benchmarks("--only", "nosuch", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "unknown benchmark 'nosuch'" in proc.stderr
     assert not (tmp_path / "RESULTS.md").exists()
@@ -120,17 +115,7 @@ def test_render_rewrites_results_from_recorded_figures(tmp_path: Path) -> None:
     recorded = json.loads((BENCHMARKS / "results.json").read_text(encoding="utf-8"))
     recorded["goals"] = []
     (tmp_path / "results.json").write_text(json.dumps(recorded), encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--render", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_benchmarks("--render", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rewritten = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     assert rewritten["goals"], "the goals were not evaluated again"
@@ -142,17 +127,7 @@ def test_render_rewrites_results_from_recorded_figures(tmp_path: Path) -> None:
 
 
 def test_render_without_results_says_what_to_do(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--render", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_benchmarks("--render", "--out", str(tmp_path))
     assert proc.returncode == 2
     said = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
     assert "cannot render" in said
