@@ -48,11 +48,17 @@ def _missed_by(measured: float, target: float, *, lower_is_better: bool, unit: s
     return f"{target / measured:.1f}× short ({measured:,.0f}{unit} of {target:,.0f}{unit})"
 
 
-def _counted(results: Results, label: str) -> list[str]:
-    """The note quoting the instruction count of ``label``, if that section ran."""
+def _counted_row(results: Results, label: str) -> dict[str, Any] | None:
+    """The instruction-count row of ``label``, if that section ran and counted it."""
     section = results.get("instructions") or {}
     row = next((r for r in section.get("rows", []) if r["label"] == label), None)
-    if row is None or row["ratio"] is None:
+    return row if row is not None and row["ratio"] is not None else None
+
+
+def _counted(results: Results, label: str) -> list[str]:
+    """The note quoting the instruction count of ``label``, if that section ran."""
+    row = _counted_row(results, label)
+    if row is None:
         return []
     return [
         f"Counted in instructions (cachegrind, no timing noise): "
@@ -128,20 +134,6 @@ def _verify_floor(results: Results) -> Outcome:
     value = gate / floor
     met = value <= 1.3
     notes = _counted(results, "interlock gate (compiled)")
-    minimal = rows.get(MINIMAL_ROW)
-    if minimal is not None:
-        counted = next(
-            (
-                f"; counted, {r['instructions'] / 1000:.1f}k instructions, {r['ratio']:.2f}×"
-                for r in (results.get("instructions") or {}).get("rows", [])
-                if r["label"] == MINIMAL_ROW and r["ratio"] is not None
-            ),
-            "",
-        )
-        notes.append(
-            f"The design's floor, {MINIMAL_ROW} (see bench_verify): {minimal['us']:.2f} µs, "
-            f"{minimal['us'] / floor:.2f}× msgspec alone{counted}."
-        )
     return Outcome(
         f"{gate:.2f} µs vs {floor:.2f} µs: {value:.2f}× msgspec alone",
         met,
@@ -166,9 +158,9 @@ def _verify_pydantic(results: Results) -> Outcome:
     )
 
 
-def _design_floor(rows: dict[str, Any], floor: float) -> str:
+def _design_floor(results: Results, floor: float) -> str:
     """What the floor row measured, as a sentence; a results.json from before it had none."""
-    minimal = rows.get(MINIMAL_ROW)
+    minimal = results["verify"]["rows"].get(MINIMAL_ROW)
     if minimal is None:
         return (
             "The reachable floor with a Python guard and a hash per call is about decode + "
@@ -180,10 +172,16 @@ def _design_floor(rows: dict[str, Any], floor: float) -> str:
         if value > 1.3
         else "within the 1.3× allowance, leaving the rest for the gate's own work"
     )
+    counted = _counted_row(results, MINIMAL_ROW)
+    instructions = (
+        f" ({counted['instructions'] / 1000:.1f}k instructions, {counted['ratio']:.2f}× counted)"
+        if counted is not None
+        else ""
+    )
     return (
         "The design's own floor, measured in this run (the gate's decoder, the guard given a "
         "`RunView` made in advance and the hash of the canonical encoding, nothing else), "
-        f"takes {minimal['us']:.2f} µs, {value:.2f}× msgspec alone: {verdict}. "
+        f"takes {minimal['us']:.2f} µs, {value:.2f}× msgspec alone{instructions}: {verdict}. "
     )
 
 
@@ -208,7 +206,7 @@ def _verify_closing(results: Results) -> str:
         "the budget and circuit checks. Compiling the gate's module unchanged with Cython was "
         "tried and gave nothing (4.2 against 3.9 µs per proposal): Python 3.11's specializing "
         "interpreter already caches the attribute lookups that Cython's generic object code "
-        f"repeats. {_design_floor(verify['rows'], floor)}1.3× (and 3× faster than pydantic, "
+        f"repeats. {_design_floor(results, floor)}1.3× (and 3× faster than pydantic, "
         f"which is itself only {by_hand / floor:.1f}× slower than msgspec alone) needs the "
         "accepted path written "
         "as typed Cython: one compiled call that checks the tables, hashes the decoded args and "

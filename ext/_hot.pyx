@@ -224,26 +224,6 @@ cdef extern from *:
     long long _small_id "__pyx_ilk_small_id" (PyObject* value) noexcept
 
 
-cdef bint _byte_buffer(object data, Py_buffer* view) except -1:
-    """Acquire ``data`` as a contiguous 1-D buffer of unsigned bytes, or return False.
-
-    Only then does iterating ``data`` in Python yield exactly its raw bytes.
-    """
-    if not PyObject_CheckBuffer(data):
-        return False
-    PyObject_GetBuffer(data, view, PyBUF_FULL_RO)
-    if (
-        view.ndim == 1
-        and view.itemsize == 1
-        and view.suboffsets == NULL
-        and (view.strides == NULL or view.strides[0] == 1)
-        and (view.format == NULL or (view.format[0] == b"B" and view.format[1] == 0))
-    ):
-        return True
-    PyBuffer_Release(view)
-    return False
-
-
 cdef tuple _select(tuple names, object mask):
     """Return the names whose bit is set in ``mask``, in id order."""
     cdef uint64_t bits
