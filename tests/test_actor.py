@@ -296,30 +296,6 @@ async def test_retry_after_is_capped(memory_store: MemoryStore, autojump_clock: 
     assert tool.gaps == [10.0]
 
 
-class HTTPStatusError(Exception):
-    """Looks like an httpx.HTTPStatusError: a ``response`` with a status and headers."""
-
-    def __init__(self, status: int, headers: dict[str, str]) -> None:
-        super().__init__(f"server answered {status}")
-        self.response = type("Response", (), {"status_code": status, "headers": headers})()
-
-
-async def test_http_status_errors_use_status_and_retry_after(
-    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
-) -> None:
-    statuses = iter([HTTPStatusError(503, {"retry-after": "4"}), HTTPStatusError(404, {})])
-    tool = Recorder(lambda ctx: next(statuses))
-    spec = worker_machine(tool, retry=RetryPolicy(attempts=5))
-    await run_one(spec, ScriptedProvider([CALL, DONE]), memory_store)
-    assert tool.gaps == [4.0]
-    _, failed = tool_outcome(await events_of(memory_store, "r-1"))
-    assert (failed["error"], failed["retryable"], failed["attempts"]) == (
-        "HTTPStatusError: server answered 404",
-        False,
-        2,
-    )
-
-
 async def test_result_that_cannot_be_journaled_is_a_failure(
     memory_store: MemoryStore, events_of: Any
 ) -> None:
