@@ -92,6 +92,7 @@ from ._exceptions import (
 from ._exceptions import (
     ProtocolError as ProtocolError,
 )
+from ._exceptions import ProviderError as ProviderError
 from ._exceptions import (
     ReplayDivergence as ReplayDivergence,
 )
@@ -127,6 +128,7 @@ from ._machine import (
 from ._machine import (
     Machine as Machine,
 )
+from ._machine import ProviderPolicy as ProviderPolicy
 from ._machine import (
     Step as Step,
 )
@@ -186,6 +188,8 @@ from ._supervisor import (
 from ._supervisor import (
     open_supervisor as open_supervisor,
 )
+from ._tools import Applied as Applied
+from ._tools import NotApplied as NotApplied
 from ._tools import (
     Reject as Reject,
 )
@@ -201,6 +205,7 @@ from ._tools import (
 from ._tools import (
     ToolContext as ToolContext,
 )
+from ._tools import ToolError as ToolError
 from ._version import __version__ as __version__
 from ._view import Frame as Frame
 from ._view import RunState as RunState
@@ -228,6 +233,7 @@ __all__ = [
     "BREAKERS",
     "ESCALATE",
     "FAILED",
+    "Applied",
     "BreakerPolicy",
     "BreakerTripped",
     "Budgets",
@@ -252,9 +258,12 @@ __all__ = [
     "MachineDefinitionError",
     "Message",
     "ModelCalled",
+    "NotApplied",
     "ProposalRejected",
     "Propose",
     "ProtocolError",
+    "ProviderError",
+    "ProviderPolicy",
     "Reject",
     "ReplayDivergence",
     "ReplayReport",
@@ -283,6 +292,7 @@ __all__ = [
     "ToolCommitted",
     "ToolContext",
     "ToolDefinitionError",
+    "ToolError",
     "ToolFailed",
     "ToolResult",
     "Transitioned",

@@ -27,6 +27,35 @@ class RunNotFound(InterlockError, LookupError):
         self.run_id = run_id
 
 
+class ProviderError(InterlockError):
+    """Raise from a provider for a failure to answer (not a bad answer).
+
+    Any exception a provider raises is a provider failure: journaled, retried under the
+    machine's :class:`ProviderPolicy`, never counted as the model's mistake. This one
+    says more: whether retrying can help and how long the provider asked us to wait.
+
+    Args:
+      message: what failed (never include an API key).
+      retryable: False for a failure that retrying cannot fix (a bad API key, a model
+        that does not exist): the run escalates with ``provider_unavailable`` at once.
+      retry_after: seconds the provider asked us to wait (Retry-After), if it said.
+      status: the HTTP status, if there was one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = True,
+        retry_after: float | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.status = status
+
+
 class StoreError(InterlockError):
     """The store cannot be opened, read or written (corrupt file, torn journal, lost connection)."""
 

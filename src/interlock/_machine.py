@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -9,9 +10,10 @@ import msgspec
 
 from ._exceptions import MachineDefinitionError
 from ._hotpath import MAX_IDS, Tables
-from ._tools import Tool, compile_schema
+from ._tools import Tool, backoff_delay, compile_schema
 
 if TYPE_CHECKING:
+    import random
     from collections.abc import Callable, Mapping, Sequence
 
     from ._tools import Validator
@@ -114,6 +116,41 @@ class BreakerPolicy:
     circuit_cooldown: float = 30.0
 
 
+@dataclass(frozen=True)
+class ProviderPolicy:
+    """How a run waits for its model, and when it stops asking.
+
+    A provider's failure (it raised, timed out, or answered 429/5xx) is not the model's
+    mistake: it is journaled as ``provider_failed``, never counted as a rejection, and
+    the call is retried with exponential backoff and jitter (a Retry-After the provider
+    reports wins). When ``attempts`` calls in a row have failed, or retrying would go
+    past ``max_elapsed`` seconds since the first of them, or the provider says the
+    failure is permanent (``ProviderError(retryable=False)``), the run escalates with
+    reason ``provider_unavailable``.
+
+    Attributes:
+      timeout: seconds one model call may take; past it the call is a provider failure.
+      attempts: model calls in a row that may fail before the run escalates.
+      base: seconds before the first retry, doubled after each.
+      cap: the longest wait in seconds between two calls, Retry-After included.
+      max_elapsed: seconds from the first failure of a row to the last retry.
+      jitter: draw each wait uniformly from [wait/2, wait].
+    """
+
+    timeout: float = 120.0
+    attempts: int = 5
+    base: float = 1.0
+    cap: float = 30.0
+    max_elapsed: float = 300.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
+        """Return the seconds to wait after failed call number ``attempt`` (1-based)."""
+        return backoff_delay(
+            attempt, retry_after, rng, base=self.base, cap=self.cap, jitter=self.jitter
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Machine:
     """A run's state machine. Compiled once, when constructed.
@@ -129,6 +166,7 @@ class Machine:
       budgets: per-run limits.
       breakers: breaker thresholds.
       inputs: optional schema the run's inputs must satisfy at start.
+      provider_policy: the model call's timeout and how provider failures are retried.
 
     Raises:
       MachineDefinitionError: the definition is inconsistent (the message names the
@@ -144,6 +182,7 @@ class Machine:
     budgets: Budgets = field(default_factory=Budgets)
     breakers: BreakerPolicy = field(default_factory=BreakerPolicy)
     inputs: Any = None
+    provider_policy: ProviderPolicy = field(default_factory=ProviderPolicy)
     tables: Tables = field(init=False, repr=False)
     tool_by_name: Mapping[str, Tool] = field(init=False, repr=False)
     success_states: frozenset[str] = field(init=False, repr=False)
@@ -224,6 +263,7 @@ class Machine:
                     f"machine {self.name!r}: on_breaker must be 'ESCALATE' or the name of a Step "
                     f"state; got {self.on_breaker!r}"
                 )
+        _check_provider_policy(self.name, self.provider_policy)
         reachable = _reachable(self.initial, self.states)
         if self.on_breaker != ESCALATE:
             reachable |= _reachable(self.on_breaker, self.states)
@@ -271,6 +311,25 @@ class Machine:
         if state == FAILED:
             return "failed"
         return "running"
+
+
+def _check_provider_policy(machine: str, policy: ProviderPolicy) -> None:
+    if not isinstance(policy, ProviderPolicy):
+        raise MachineDefinitionError(
+            f"machine {machine!r}: provider_policy must be a ProviderPolicy; got {policy!r}"
+        )
+    for name in ("timeout", "base", "cap", "max_elapsed"):
+        value = getattr(policy, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise MachineDefinitionError(
+                f"machine {machine!r}: provider_policy.{name} must be a positive number of "
+                f"seconds; got {value!r}"
+            )
+    if not isinstance(policy.attempts, int) or policy.attempts < 1:
+        raise MachineDefinitionError(
+            f"machine {machine!r}: provider_policy.attempts must be at least 1; "
+            f"got {policy.attempts!r}"
+        )
 
 
 def _reachable(initial: str, states: Mapping[str, Worker | Step]) -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,22 +39,83 @@ Guard = Callable[[Any, "RunView"], Reject | None]
 """A pure function of the validated args and a read-only run view. No I/O."""
 
 
-class RetryableToolError(Exception):
+class ToolError(Exception):
+    """Raise from a tool to say what its failure means for a retry.
+
+    Any other exception from a tool is a failure whose effect is unknown: for a tool
+    that is not idempotent the call is then in doubt (reconciled, or escalated), never
+    run again blindly.
+
+    Args:
+      message: what failed.
+      retryable: whether trying again may succeed (HTTP 429/5xx, a dropped connection).
+      retry_after: seconds the downstream asked us to wait, if it said (Retry-After).
+      applied: ``False`` when the downstream certainly did not apply the call (the
+        request was refused before it acted, or never left): only that lets a tool that
+        is not idempotent be retried, or its failure be handed back to the model.
+        ``None`` (the default) means unknown; ``True``, applied and then failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        applied: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.applied = applied
+
+
+class RetryableToolError(ToolError):
     """Raise from a tool for a failure worth retrying (HTTP 429/5xx, a dropped connection).
 
     Args:
       message: what failed.
       retry_after: seconds the downstream asked us to wait, if it said (Retry-After).
+      applied: ``False`` when the downstream certainly did not apply the call; see
+        :class:`ToolError`.
     """
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, applied: bool | None = None
+    ) -> None:
+        super().__init__(message, retryable=True, retry_after=retry_after, applied=applied)
+
+
+def backoff_delay(
+    attempt: int,
+    retry_after: float | None,
+    rng: random.Random,
+    *,
+    base: float,
+    cap: float,
+    jitter: bool,
+) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (1-based).
+
+    Exponential (``base * 2**(attempt-1)``), capped at ``cap``; with ``jitter`` drawn
+    uniformly from [wait/2, wait]. A Retry-After the other side sent wins, capped too.
+    """
+    if retry_after is not None and retry_after >= 0:
+        return float(min(retry_after, cap))
+    wait = float(min(cap, base * (2 ** (attempt - 1))))
+    if jitter:
+        wait = rng.uniform(wait / 2, wait)
+    return wait
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """How a tool's retryable failures are retried: exponential backoff with full jitter.
+
+    Only a tool that is safe to repeat (idempotent or read-only) is retried after a
+    failure whose effect is unknown; one that is not is retried only after a failure
+    that says it was not applied (:class:`ToolError` ``applied=False``, or an exception
+    type the tool lists in ``not_applied``).
 
     Attributes:
       attempts: total attempts, the first included (1 disables retries).
@@ -69,12 +131,32 @@ class RetryPolicy:
 
     def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
         """Return the seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        if retry_after is not None and retry_after >= 0:
-            return min(retry_after, self.cap)
-        wait = float(min(self.cap, self.base * (2 ** (attempt - 1))))
-        if self.jitter:
-            wait = rng.uniform(wait / 2, wait)
-        return wait
+        return backoff_delay(
+            attempt, retry_after, rng, base=self.base, cap=self.cap, jitter=self.jitter
+        )
+
+
+class Applied(msgspec.Struct, frozen=True):
+    """What a tool's ``reconcile`` returns when the downstream did apply the key.
+
+    ``result`` is committed as the call's result (as if ``execute`` had returned it);
+    the call is not executed again.
+    """
+
+    result: Any = None
+
+
+class NotApplied(msgspec.Struct, frozen=True):
+    """What a tool's ``reconcile`` returns when the downstream never applied the key.
+
+    The call is then executed once, with the same key. Return the class or an instance.
+    """
+
+
+Reconcile = Callable[
+    [str, Any, "ToolContext"], Awaitable["Applied | NotApplied | type[NotApplied]"]
+]
+"""``async def reconcile(key, args, ctx) -> Applied(result) | NotApplied``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,6 +574,12 @@ def compile_schema(spec: Any, tool: str) -> Validator:
     )
 
 
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
+
+
 class _NoArgs(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
@@ -510,8 +598,19 @@ class Tool:
       timeout: seconds one attempt may take before it counts as a retryable failure.
       retry: how retryable failures are retried.
       idempotent: the tool honours ``ctx.key``, so it is safe to run again with the same
-        key after a crash. A non-idempotent tool whose outcome is in doubt is escalated.
+        key after a crash or a failed attempt. A call of a tool that is not idempotent
+        whose outcome is in doubt is reconciled (below) or escalated, never run again.
       read_only: the tool changes nothing anywhere (always safe to run again).
+      not_applied: exception types that mean the call was certainly not applied (the
+        request never reached the downstream, or was refused before it acted); only such
+        a failure (or a :class:`ToolError` with ``applied=False``) lets a tool that is
+        not idempotent be retried or its failure be handed back to the model.
+      reconcile: ``async def reconcile(key, args, ctx)`` asks the downstream whether the
+        call with idempotency key ``key`` was applied, and returns :class:`Applied` with
+        the recorded result or :class:`NotApplied`. Called for a call in doubt (after a
+        crash, or after an attempt that failed after dispatch): applied commits the
+        result without executing, not applied executes once, and a reconcile that raises
+        or times out escalates the run as in doubt.
     """
 
     name: str
@@ -523,6 +622,8 @@ class Tool:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     idempotent: bool = False
     read_only: bool = False
+    not_applied: tuple[type[BaseException], ...] = ()
+    reconcile: Reconcile | None = None
     validator: Validator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -543,6 +644,23 @@ class Tool:
         if self.retry.attempts < 1:
             raise ToolDefinitionError(
                 f"tool {self.name!r}: retry.attempts must be at least 1; got {self.retry.attempts}"
+            )
+        not_applied = self.not_applied
+        if isinstance(not_applied, type):
+            not_applied = (not_applied,)
+        if not isinstance(not_applied, tuple | list) or not all(
+            isinstance(cls, type) and issubclass(cls, BaseException) for cls in not_applied
+        ):
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: not_applied must be a tuple of exception types; "
+                f"got {self.not_applied!r}"
+            )
+        object.__setattr__(self, "not_applied", tuple(not_applied))
+        if self.reconcile is not None and not _is_async(self.reconcile):
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: reconcile must be an async function "
+                "(async def reconcile(key, args, ctx)); got "
+                f"{getattr(self.reconcile, '__name__', self.reconcile)!r}"
             )
         object.__setattr__(self, "guards", tuple(self.guards))
         object.__setattr__(self, "validator", compile_schema(self.args, self.name))
