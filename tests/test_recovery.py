@@ -43,14 +43,15 @@ def limit_100(args, view):
     return None
 
 
-def machine(pay, notify):
+def machine(pay, notify, quote=None):
     return Machine(
         "pay",
         initial="WORK",
-        states={"WORK": Worker(next=["COMPLETED", "ESCALATE"], tools=["pay", "notify"])},
+        states={"WORK": Worker(next=["COMPLETED", "ESCALATE"], tools=["pay", "notify", "quote"])},
         tools=[
             Tool("pay", pay, Pay, guards=[limit_100], idempotent=True),
             Tool("notify", notify, Pay),  # not idempotent
+            Tool("quote", quote or Calls(), Pay, read_only=True),  # not idempotent either
         ],
     )
 
@@ -62,15 +63,15 @@ SCRIPT = [
 ]
 
 
-async def crash_after(store, events_kept, script=SCRIPT):
+async def crash_after(store, events_kept, script=SCRIPT, run_id="r-1"):
     """Record a full run, then rebuild a store holding only its first ``events_kept`` events."""
     pay, notify = Calls(), Calls()
     full = MemoryStore()
     async with open_supervisor(
         [machine(pay, notify)], full, provider=ScriptedProvider(script)
     ) as sup:
-        await sup.start_run("pay", run_id="r-1")
-    events = await full.load("r-1")
+        await sup.start_run("pay", run_id=run_id)
+    events = await full.load(run_id)
     await store.append(events[:events_kept])
     return events
 
@@ -123,6 +124,31 @@ async def test_in_doubt_non_idempotent_call_is_escalated_not_rerun():
     )
     record = await store.get_run("r-1")
     assert (record.outcome, record.reason) == ("escalated", "in_doubt_side_effect")
+
+
+async def test_in_doubt_read_only_call_is_reexecuted_with_the_same_key():
+    """A read-only tool is safe to repeat though it is not idempotent: recovery re-runs it (#14)."""
+    script = ['{"tool": "quote", "args": {"amount": 5}}', '{"next": "COMPLETED"}']
+    store = MemoryStore()
+    recorded = await crash_after(MemoryStore(), 0, script)
+    cut = position(recorded, lambda e: isinstance(e, IntentRecorded) and e.tool == "quote")
+    await crash_after(store, cut, script)
+    pay, notify, quote = Calls(), Calls(), Calls()
+    async with open_supervisor(
+        [machine(pay, notify, quote)], store, provider=ScriptedProvider(script[1:]), resume=True
+    ):
+        pass
+    key = recorded[cut - 1].key
+    assert quote.keys == [key]
+    events = await store.load("r-1")
+    assert [type(e).__name__ for e in events[cut:]] == [
+        "ToolCommitted",
+        "ModelCalled",
+        "Transitioned",
+        "Completed",
+    ]
+    assert (events[cut].key, events[cut].result) == (key, {"paid": 5.0, "key": key})
+    assert (await store.get_run("r-1")).outcome == "completed"
 
 
 async def test_committed_call_is_never_executed_again():
