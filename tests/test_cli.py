@@ -185,14 +185,15 @@ def _digest(path):
 
 @pytest.fixture
 def escalated_db(tmp_path):
+    # Every model answer corrupted: each run is rejected three times in a row and escalates.
     path = tmp_path / "esc.db"
     done = interlock(
-        "demo", "--runs", "60", "--workflow", "refund", "--db", str(path), "--chaos-rate", "0.6",
+        "demo", "--runs", "3", "--workflow", "refund", "--db", str(path), "--chaos-rate", "1",
         "--seed", "5", "--latency", "0,1", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
-    assert queue["count"] > 0, "the demo escalated nothing; raise the chaos rate"
+    assert [item["reason"] for item in queue["escalations"]] == ["consecutive_failures"] * 3
     return path, queue["escalations"][0]["run_id"]
 
 
@@ -256,27 +257,35 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
     resumes = [e for e in events if e["kind"] == "resumed"]
     assert resumes[0]["by"] == "ada"
     assert resumes[0]["note"] == "checked"
-    if len(queue) > 1:
-        other = queue[1]["run_id"]
-        aborted = interlock(
-            "escalations",
-            "--db",
-            str(path),
-            "abort",
-            other,
-            "--note",
-            "duplicate",
-            "--by",
-            "ada",
-            "--json",
-        )
-        assert json.loads(aborted.stdout)["reason"] == "aborted by ada: duplicate"
-        again = interlock("escalations", "--db", str(path), "abort", other)
-        assert again.returncode == 1
-        assert (
-            again.stderr
-            == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
-        )
+    other = queue[1]["run_id"]
+    aborted = interlock(
+        "escalations", "--db", str(path), "abort", other, "--note", "duplicate", "--by", "ada",
+        "--json",
+    )  # fmt: skip
+    assert aborted.returncode == 0, aborted.stderr
+    ended = json.loads(aborted.stdout)
+    assert (ended["run_id"], ended["outcome"], ended["state"], ended["reason"]) == (
+        other,
+        "failed",
+        "FAILED",
+        "aborted by ada: duplicate",
+    )
+    events = json.loads(interlock("show", other, "--db", str(path), "--json").stdout)["events"]
+    assert [e["kind"] for e in events[-3:]] == ["resumed", "transitioned", "failed"]
+    assert (events[-3]["by"], events[-3]["note"], events[-3]["to"]) == (
+        "ada",
+        "duplicate",
+        "FAILED",
+    )
+    again = interlock("escalations", "--db", str(path), "abort", other)
+    assert again.returncode == 1
+    assert (
+        again.stderr
+        == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+    )
+    left = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
+    assert other not in {item["run_id"] for item in left["escalations"]}
+    assert queue[2]["run_id"] in {item["run_id"] for item in left["escalations"]}
     replayed = interlock("replay", "--all", "--db", str(path), "--json")
     assert replayed.returncode == 0, replayed.stdout
     missing = interlock("escalations", "--db", str(path), "resume", "no-such-run")
