@@ -30,9 +30,14 @@ from cpython.object cimport Py_LT, PyObject, PyObject_RichCompareBool, PyTypeObj
 from cpython.ref cimport Py_INCREF
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
-from cpython.unicode cimport PyUnicode_1BYTE_KIND, PyUnicode_DATA, PyUnicode_KIND
+from cpython.unicode cimport (
+    PyUnicode_1BYTE_KIND,
+    PyUnicode_DATA,
+    PyUnicode_DecodeUTF8,
+    PyUnicode_KIND,
+)
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 
 cdef extern from "Python.h":
@@ -945,3 +950,581 @@ def common_affixes(old, new):
     while suffix < limit and a[len_a - 1 - suffix] == b[len_b - 1 - suffix]:
         suffix += 1
     return prefix, suffix
+
+
+# -- reading a proposal exactly: _hot_py.scan_json and its helpers, in C --------------
+
+cdef enum:
+    _JSON_EMPTY = 1
+    _JSON_TRUNCATED = 2
+    _JSON_TRAILING_TEXT = 3
+    _JSON_EXPECTED_VALUE = 4
+    _JSON_EXPECTED_KEY = 5
+    _JSON_EXPECTED_COLON = 6
+    _JSON_EXPECTED_COMMA = 7
+    _JSON_TRAILING_COMMA = 8
+    _JSON_BAD_NUMBER = 9
+    _JSON_BAD_ESCAPE = 10
+    _JSON_LONE_SURROGATE = 11
+    _JSON_BAD_UTF8 = 12
+    _JSON_CONTROL_CHARACTER = 13
+    _JSON_DUPLICATE_KEY = 14
+    # The parser's states, as in _hot_py.
+    _VALUE = 0
+    _FIRST_ITEM = 1
+    _ITEM = 2
+    _FIRST_KEY = 3
+    _KEY = 4
+    _COLON = 5
+    _AFTER = 6
+    # Frames and key slots that live in the scanner itself, before any allocation.
+    _SMALL = 16
+
+JSON_EMPTY = _JSON_EMPTY
+JSON_TRUNCATED = _JSON_TRUNCATED
+JSON_TRAILING_TEXT = _JSON_TRAILING_TEXT
+JSON_EXPECTED_VALUE = _JSON_EXPECTED_VALUE
+JSON_EXPECTED_KEY = _JSON_EXPECTED_KEY
+JSON_EXPECTED_COLON = _JSON_EXPECTED_COLON
+JSON_EXPECTED_COMMA = _JSON_EXPECTED_COMMA
+JSON_TRAILING_COMMA = _JSON_TRAILING_COMMA
+JSON_BAD_NUMBER = _JSON_BAD_NUMBER
+JSON_BAD_ESCAPE = _JSON_BAD_ESCAPE
+JSON_LONE_SURROGATE = _JSON_LONE_SURROGATE
+JSON_BAD_UTF8 = _JSON_BAD_UTF8
+JSON_CONTROL_CHARACTER = _JSON_CONTROL_CHARACTER
+JSON_DUPLICATE_KEY = _JSON_DUPLICATE_KEY
+
+
+cdef struct _Frame:
+    # An open object (index -1) or array. An object's current key, as UTF-8 (NULL
+    # until its first key is read), and its serial number, which seeds its keys'
+    # hashes so that one table holds the keys of every object.
+    const unsigned char* key
+    Py_ssize_t key_size
+    Py_ssize_t index
+    uint64_t serial
+
+
+cdef struct _Key:
+    # A slot of the key table (open addressing, linear probing); empty while text is NULL.
+    const unsigned char* text
+    Py_ssize_t size
+    uint64_t hash
+    uint64_t serial
+
+
+cdef struct _Scanner:
+    const unsigned char* data
+    Py_ssize_t size
+    int code
+    Py_ssize_t offset
+    _Frame* frames
+    Py_ssize_t depth
+    Py_ssize_t frames_room
+    _Key* keys
+    Py_ssize_t keys_used
+    Py_ssize_t keys_room  # a power of two
+    uint64_t serials
+    unsigned char* decoded  # the escaped keys, unescaped (at most len(data) bytes in all)
+    Py_ssize_t decoded_size
+    _Frame small_frames[_SMALL]
+    _Key small_keys[_SMALL]
+
+
+cdef inline Py_ssize_t _defect(_Scanner* s, int code, Py_ssize_t offset) noexcept nogil:
+    """Record the first defect; the helpers return its -1."""
+    s.code = code
+    s.offset = offset
+    return -1
+
+
+cdef inline bint _is_space(unsigned char byte) noexcept nogil:
+    return byte == 32 or byte == 9 or byte == 10 or byte == 13
+
+
+cdef inline bint _is_digit(unsigned char byte) noexcept nogil:
+    return 48 <= byte <= 57
+
+
+cdef inline int _hex_value(unsigned char byte) noexcept nogil:
+    if 48 <= byte <= 57:
+        return byte - 48
+    if 97 <= byte <= 102:
+        return byte - 87
+    if 65 <= byte <= 70:
+        return byte - 55
+    return -1
+
+
+def scan_json(data):
+    """Find the first defect that keeps ``data`` from reading as exactly one JSON value.
+
+    Same contract as ``_hot_py.scan_json``: None, or ``(code, offset, path)`` of the
+    defect that starts first.
+    """
+    cdef _Scanner s
+    cdef Py_ssize_t i
+    if type(data) is not bytes:
+        data = _as_bytes(data)
+    s.data = <const unsigned char*>PyBytes_AS_STRING(data)
+    s.size = PyBytes_GET_SIZE(data)
+    s.code = 0
+    s.offset = 0
+    s.frames = s.small_frames
+    s.depth = 0
+    s.frames_room = _SMALL
+    s.keys = s.small_keys
+    s.keys_used = 0
+    s.keys_room = _SMALL
+    s.serials = 0
+    s.decoded = NULL
+    s.decoded_size = 0
+    for i in range(_SMALL):
+        s.small_keys[i].text = NULL
+    try:
+        if _scan(&s) == 0:
+            return None
+        return s.code, s.offset, _path(&s)
+    finally:
+        if s.frames != s.small_frames:
+            PyMem_Free(s.frames)
+        if s.keys != s.small_keys:
+            PyMem_Free(s.keys)
+        PyMem_Free(s.decoded)
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+cdef bytes _as_bytes(object data):
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"scan_json() needs a bytes-like object, not {type(data).__name__!r}"
+        ) from None
+    with view:
+        return view.tobytes()
+
+
+cdef tuple _path(_Scanner* s):
+    """The keys and indices of the open frames, as _hot_py's path."""
+    cdef Py_ssize_t i
+    cdef _Frame* frame
+    parts = []
+    for i in range(s.depth):
+        frame = &s.frames[i]
+        if frame.index >= 0:
+            parts.append(frame.index)
+        elif frame.key != NULL:
+            parts.append(PyUnicode_DecodeUTF8(<const char*>frame.key, frame.key_size, NULL))
+    return tuple(parts)
+
+
+cdef int _scan(_Scanner* s) except -2:
+    """_hot_py._scan: 0 for one JSON value without a defect, else -1 with the defect recorded."""
+    cdef const unsigned char* data = s.data
+    cdef Py_ssize_t size = s.size
+    cdef Py_ssize_t at = 0
+    cdef Py_ssize_t end
+    cdef int state = _VALUE
+    cdef unsigned char byte
+    cdef bint escaped
+    cdef _Frame* frame
+    while True:
+        while at < size and _is_space(data[at]):
+            at += 1
+        if at == size:
+            if state == _AFTER and s.depth == 0:
+                return 0
+            return <int>_defect(
+                s, _JSON_EMPTY if state == _VALUE and s.depth == 0 else _JSON_TRUNCATED, at
+            )
+        byte = data[at]
+        if state == _AFTER:
+            if s.depth == 0:
+                return <int>_defect(s, _JSON_TRAILING_TEXT, at)
+            frame = &s.frames[s.depth - 1]
+            if byte == 44:  # ,
+                if frame.index < 0:
+                    frame.key = NULL
+                    state = _KEY
+                else:
+                    frame.index += 1
+                    state = _ITEM
+                at += 1
+            elif byte == (125 if frame.index < 0 else 93):  # } or ]
+                s.depth -= 1
+                at += 1
+            else:
+                return <int>_defect(s, _JSON_EXPECTED_COMMA, at)
+        elif state == _COLON:
+            if byte != 58:  # :
+                return <int>_defect(s, _JSON_EXPECTED_COLON, at)
+            state = _VALUE
+            at += 1
+        elif state == _FIRST_KEY or state == _KEY:
+            if byte == 125:  # }
+                if state == _KEY:
+                    return <int>_defect(s, _JSON_TRAILING_COMMA, at)
+                s.depth -= 1
+                state = _AFTER
+                at += 1
+                continue
+            if byte != 34:  # "
+                return <int>_defect(s, _JSON_EXPECTED_KEY, at)
+            end = _string(s, at, &escaped)
+            if end < 0:
+                return -1
+            if _read_key(s, at, end, escaped) != 0:
+                return <int>_defect(s, _JSON_DUPLICATE_KEY, at)
+            state = _COLON
+            at = end
+        elif byte == 93 and (state == _FIRST_ITEM or state == _ITEM):  # ]
+            if state == _ITEM:
+                return <int>_defect(s, _JSON_TRAILING_COMMA, at)
+            s.depth -= 1
+            state = _AFTER
+            at += 1
+        elif byte == 123:  # {
+            frame = _push(s)
+            s.serials += 1
+            frame.index = -1
+            frame.serial = s.serials
+            state = _FIRST_KEY
+            at += 1
+        elif byte == 91:  # [
+            frame = _push(s)
+            frame.index = 0
+            state = _FIRST_ITEM
+            at += 1
+        else:
+            at = _scalar(s, at)
+            if at < 0:
+                return -1
+            state = _AFTER
+
+
+cdef _Frame* _push(_Scanner* s) except NULL:
+    """A new innermost frame, with no key yet."""
+    cdef _Frame* frames
+    cdef _Frame* frame
+    if s.depth == s.frames_room:
+        frames = <_Frame*>PyMem_Malloc(<size_t>(2 * s.frames_room) * sizeof(_Frame))
+        if frames == NULL:
+            raise MemoryError()
+        memcpy(frames, s.frames, <size_t>s.depth * sizeof(_Frame))
+        if s.frames != s.small_frames:
+            PyMem_Free(s.frames)
+        s.frames = frames
+        s.frames_room *= 2
+    frame = &s.frames[s.depth]
+    s.depth += 1
+    frame.key = NULL
+    frame.key_size = 0
+    return frame
+
+
+cdef int _read_key(_Scanner* s, Py_ssize_t start, Py_ssize_t end, bint escaped) except -2:
+    """Make the string at ``start`` the innermost object's key: 1 if it already had it."""
+    cdef _Frame* frame = &s.frames[s.depth - 1]
+    cdef const unsigned char* text = s.data + start + 1
+    cdef Py_ssize_t size = end - start - 2
+    cdef unsigned char* out
+    if escaped:
+        if s.decoded == NULL:
+            s.decoded = <unsigned char*>PyMem_Malloc(<size_t>s.size)
+            if s.decoded == NULL:
+                raise MemoryError()
+        out = s.decoded + s.decoded_size
+        size = _unescape(text, size, out)
+        s.decoded_size += size
+        text = out
+    frame.key = text
+    frame.key_size = size
+    return _add_key(s, text, size, frame.serial)
+
+
+cdef int _add_key(
+    _Scanner* s, const unsigned char* text, Py_ssize_t size, uint64_t serial
+) except -2:
+    """Put a key of object ``serial`` in the table: 1 if it was there already."""
+    cdef uint64_t hash = _xxh64(text, size, serial)
+    cdef Py_ssize_t mask, slot
+    cdef _Key* key
+    if 2 * (s.keys_used + 1) > s.keys_room:
+        _grow_keys(s)
+    mask = s.keys_room - 1
+    slot = <Py_ssize_t>(hash & <uint64_t>mask)
+    while True:
+        key = &s.keys[slot]
+        if key.text == NULL:
+            break
+        if (
+            key.hash == hash
+            and key.serial == serial
+            and key.size == size
+            and (size == 0 or memcmp(key.text, text, <size_t>size) == 0)
+        ):
+            return 1
+        slot = (slot + 1) & mask
+    key.text = text
+    key.size = size
+    key.hash = hash
+    key.serial = serial
+    s.keys_used += 1
+    return 0
+
+
+cdef int _grow_keys(_Scanner* s) except -1:
+    """Double the key table (the keys of closed objects stay: they can never match)."""
+    cdef Py_ssize_t room = 2 * s.keys_room
+    cdef Py_ssize_t mask = room - 1
+    cdef Py_ssize_t i, slot
+    cdef _Key* keys = <_Key*>PyMem_Malloc(<size_t>room * sizeof(_Key))
+    if keys == NULL:
+        raise MemoryError()
+    for i in range(room):
+        keys[i].text = NULL
+    for i in range(s.keys_room):
+        if s.keys[i].text != NULL:
+            slot = <Py_ssize_t>(s.keys[i].hash & <uint64_t>mask)
+            while keys[slot].text != NULL:
+                slot = (slot + 1) & mask
+            keys[slot] = s.keys[i]
+    if s.keys != s.small_keys:
+        PyMem_Free(s.keys)
+    s.keys = keys
+    s.keys_room = room
+    return 0
+
+
+cdef Py_ssize_t _unescape(
+    const unsigned char* text, Py_ssize_t size, unsigned char* out
+) noexcept nogil:
+    """Write the UTF-8 of a string body that _string accepted; return its length."""
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t n = 0
+    cdef unsigned char kind
+    cdef uint32_t code
+    while i < size:
+        if text[i] != 92:  # not a backslash
+            out[n] = text[i]
+            n += 1
+            i += 1
+            continue
+        kind = text[i + 1]
+        if kind != 117:  # a one-character escape
+            out[n] = (
+                8 if kind == 98 else 12 if kind == 102 else 10 if kind == 110
+                else 13 if kind == 114 else 9 if kind == 116 else kind
+            )
+            n += 1
+            i += 2
+            continue
+        code = _hex4_value(text + i + 2)
+        i += 6
+        if 0xD800 <= code <= 0xDBFF:  # the low half follows (_escape checked)
+            code = 0x10000 + ((code - 0xD800) << 10) + (_hex4_value(text + i + 2) - 0xDC00)
+            i += 6
+        if code < 0x80:
+            out[n] = <unsigned char>code
+            n += 1
+        elif code < 0x800:
+            out[n] = <unsigned char>(0xC0 | (code >> 6))
+            out[n + 1] = <unsigned char>(0x80 | (code & 0x3F))
+            n += 2
+        elif code < 0x10000:
+            out[n] = <unsigned char>(0xE0 | (code >> 12))
+            out[n + 1] = <unsigned char>(0x80 | ((code >> 6) & 0x3F))
+            out[n + 2] = <unsigned char>(0x80 | (code & 0x3F))
+            n += 3
+        else:
+            out[n] = <unsigned char>(0xF0 | (code >> 18))
+            out[n + 1] = <unsigned char>(0x80 | ((code >> 12) & 0x3F))
+            out[n + 2] = <unsigned char>(0x80 | ((code >> 6) & 0x3F))
+            out[n + 3] = <unsigned char>(0x80 | (code & 0x3F))
+            n += 4
+    return n
+
+
+cdef inline uint32_t _hex4_value(const unsigned char* digits) noexcept nogil:
+    return <uint32_t>(
+        (_hex_value(digits[0]) << 12) | (_hex_value(digits[1]) << 8)
+        | (_hex_value(digits[2]) << 4) | _hex_value(digits[3])
+    )
+
+
+cdef Py_ssize_t _scalar(_Scanner* s, Py_ssize_t at) noexcept nogil:
+    """Read the string, number or literal at ``at``; return the offset just past it."""
+    cdef unsigned char byte = s.data[at]
+    cdef const char* word
+    cdef Py_ssize_t length, end
+    cdef bint escaped
+    if byte == 34:  # "
+        return _string(s, at, &escaped)
+    if byte == 45 or _is_digit(byte):  # - or a digit
+        return _number(s, at)
+    if byte == 116:
+        word, length = b"true", 4
+    elif byte == 102:
+        word, length = b"false", 5
+    elif byte == 110:
+        word, length = b"null", 4
+    else:
+        return _defect(s, _JSON_EXPECTED_VALUE, at)
+    end = at + length if at + length < s.size else s.size
+    if memcmp(s.data + at, word, <size_t>(end - at)) != 0:
+        return _defect(s, _JSON_EXPECTED_VALUE, at)
+    if end - at < length:
+        return _defect(s, _JSON_TRUNCATED, s.size)
+    return end
+
+
+cdef Py_ssize_t _number(_Scanner* s, Py_ssize_t start) noexcept nogil:
+    """Read the number at ``start``: ``-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?``."""
+    cdef const unsigned char* data = s.data
+    cdef Py_ssize_t size = s.size
+    cdef Py_ssize_t at = start + 1 if data[start] == 45 else start
+    if at < size and data[at] == 48:  # 0
+        at += 1
+        if at < size and _is_digit(data[at]):
+            return _defect(s, _JSON_BAD_NUMBER, start)  # a leading zero, as in 01
+    else:
+        at = _digits(s, at, start)
+        if at < 0:
+            return -1
+    if at < size and data[at] == 46:  # .
+        at = _digits(s, at + 1, start)
+        if at < 0:
+            return -1
+    if at < size and (data[at] == 101 or data[at] == 69):  # e or E
+        at += 1
+        if at < size and (data[at] == 43 or data[at] == 45):  # + or -
+            at += 1
+        at = _digits(s, at, start)
+    return at
+
+
+cdef Py_ssize_t _digits(_Scanner* s, Py_ssize_t at, Py_ssize_t start) noexcept nogil:
+    """Read the one or more digits at ``at`` of the number at ``start``."""
+    if at == s.size:
+        return _defect(s, _JSON_TRUNCATED, at)
+    if not _is_digit(s.data[at]):
+        return _defect(s, _JSON_BAD_NUMBER, start)
+    while at < s.size and _is_digit(s.data[at]):
+        at += 1
+    return at
+
+
+cdef Py_ssize_t _string(_Scanner* s, Py_ssize_t start, bint* escaped) noexcept nogil:
+    """Read the string at ``start``; return the offset past it, and whether it has escapes."""
+    cdef const unsigned char* data = s.data
+    cdef Py_ssize_t size = s.size
+    cdef Py_ssize_t at = start + 1
+    cdef unsigned char byte
+    escaped[0] = False
+    while True:
+        if at == size:
+            return _defect(s, _JSON_TRUNCATED, size)
+        byte = data[at]
+        if byte == 34:  # "
+            return at + 1
+        if byte == 92:  # a backslash
+            escaped[0] = True
+            at = _escape(s, at)
+            if at < 0:
+                return -1
+        elif byte < 32:
+            return _defect(s, _JSON_CONTROL_CHARACTER, at)
+        elif byte < 128:
+            at += 1
+        else:
+            at = _utf8(s, at)
+            if at < 0:
+                return -1
+
+
+cdef Py_ssize_t _utf8(_Scanner* s, Py_ssize_t at) noexcept nogil:
+    """Read the UTF-8 sequence that starts at ``at`` (Unicode's table 3-7 of well-formed ones)."""
+    cdef const unsigned char* data = s.data
+    cdef unsigned char lead = data[at]
+    cdef unsigned char low = 0x80
+    cdef unsigned char high = 0xBF
+    cdef Py_ssize_t follow, k
+    if 0xC2 <= lead <= 0xDF:
+        follow = 1
+    elif 0xE0 <= lead <= 0xEF:
+        follow = 2
+        if lead == 0xE0:
+            low = 0xA0
+        elif lead == 0xED:
+            high = 0x9F  # no surrogates
+    elif 0xF0 <= lead <= 0xF4:
+        follow = 3
+        if lead == 0xF0:
+            low = 0x90
+        elif lead == 0xF4:
+            high = 0x8F  # nothing past U+10FFFF
+    else:
+        return _defect(s, _JSON_BAD_UTF8, at)
+    if at + follow >= s.size or not low <= data[at + 1] <= high:
+        return _defect(s, _JSON_BAD_UTF8, at)
+    for k in range(2, follow + 1):
+        if not 0x80 <= data[at + k] <= 0xBF:
+            return _defect(s, _JSON_BAD_UTF8, at)
+    return at + follow + 1
+
+
+cdef Py_ssize_t _escape(_Scanner* s, Py_ssize_t at) noexcept nogil:
+    """Read the escape at ``at`` (a backslash); return the offset past it."""
+    cdef const unsigned char* data = s.data
+    cdef unsigned char kind
+    cdef int code
+    if at + 1 == s.size:
+        return _defect(s, _JSON_TRUNCATED, at + 1)
+    kind = data[at + 1]
+    if (
+        kind == 34 or kind == 92 or kind == 47 or kind == 98 or kind == 102
+        or kind == 110 or kind == 114 or kind == 116
+    ):
+        return at + 2
+    if kind != 117:  # u
+        return _defect(s, _JSON_BAD_ESCAPE, at)
+    code = _hex4(s, at)
+    if code < 0:
+        return -1
+    if 0xDC00 <= code <= 0xDFFF:
+        return _defect(s, _JSON_LONE_SURROGATE, at)
+    if code < 0xD800 or code > 0xDBFF:
+        return at + 6
+    # A high surrogate: only a low one may follow, as \uDC00-\uDFFF.
+    if at + 6 == s.size:
+        return _defect(s, _JSON_TRUNCATED, s.size)
+    if data[at + 6] != 92:
+        return _defect(s, _JSON_LONE_SURROGATE, at)
+    if at + 7 == s.size:
+        return _defect(s, _JSON_TRUNCATED, s.size)
+    if data[at + 7] != 117:
+        return _defect(s, _JSON_LONE_SURROGATE, at)
+    code = _hex4(s, at + 6)
+    if code < 0:
+        return -1
+    if not 0xDC00 <= code <= 0xDFFF:
+        return _defect(s, _JSON_LONE_SURROGATE, at)
+    return at + 12
+
+
+cdef int _hex4(_Scanner* s, Py_ssize_t at) noexcept nogil:
+    """The value of the \\uXXXX escape at ``at``, or -1 for a defect."""
+    cdef Py_ssize_t digit
+    cdef int value = 0
+    cdef int nibble
+    for digit in range(at + 2, at + 6):
+        if digit == s.size:
+            return <int>_defect(s, _JSON_TRUNCATED, digit)
+        nibble = _hex_value(s.data[digit])
+        if nibble < 0:
+            return <int>_defect(s, _JSON_BAD_ESCAPE, at)
+        value = value * 16 + nibble
+    return value

@@ -13,6 +13,20 @@ FRAMES_OK: int
 FRAMES_TORN: int
 FRAMES_CORRUPT: int
 HEADER_SIZE: int
+JSON_EMPTY: int
+JSON_TRUNCATED: int
+JSON_TRAILING_TEXT: int
+JSON_EXPECTED_VALUE: int
+JSON_EXPECTED_KEY: int
+JSON_EXPECTED_COLON: int
+JSON_EXPECTED_COMMA: int
+JSON_TRAILING_COMMA: int
+JSON_BAD_NUMBER: int
+JSON_BAD_ESCAPE: int
+JSON_LONE_SURROGATE: int
+JSON_BAD_UTF8: int
+JSON_CONTROL_CHARACTER: int
+JSON_DUPLICATE_KEY: int
 MAX_IDS: int
 
 @disjoint_base
@@ -51,3 +65,4 @@ def compact_failures(signatures: Sequence[int]) -> list[tuple[int, int, int]]: .
 def hash64(data: bytes, seed: int = ...) -> int: ...
 def proposal_hash(tool: bytes, canonical_args: bytes) -> int: ...
 def common_affixes(old: str, new: str) -> tuple[int, int]: ...
+def scan_json(data: bytes) -> tuple[int, int, tuple[str | int, ...]] | None: ...

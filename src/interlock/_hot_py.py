@@ -4,7 +4,7 @@ The compiled module (``ext/_hot.pyx``) implements the same names with the same
 results and the same error text; ``interlock._hotpath`` picks one. Rejections are
 return codes, never exceptions; exceptions here mean the caller misused the API.
 
-Four jobs live here:
+Five jobs live here:
 
 * the transition and tool-permission checks on a machine's integer tables;
 * journal framing: encoded events are framed as
@@ -14,14 +14,18 @@ Four jobs live here:
 * failure compaction over a run's history, and the canonical proposal hash
   used by the repeat breaker (XXH64, the 64-bit xxHash);
 * prompt deltas: the lengths of the prefix and suffix two prompts share, so
-  that a model call journals only the part of its prompt that changed.
+  that a model call journals only the part of its prompt that changed;
+* reading a proposal exactly: the first defect (a syntax error, or a key named
+  twice in one object) that keeps raw bytes from being one JSON value.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -37,6 +41,21 @@ TOOL_NOT_ALLOWED = 2
 FRAMES_OK = 0
 FRAMES_TORN = 1
 FRAMES_CORRUPT = 2
+#: Defect codes of :func:`scan_json`.
+JSON_EMPTY = 1  # nothing but whitespace
+JSON_TRUNCATED = 2  # the data ends inside a value
+JSON_TRAILING_TEXT = 3  # more than whitespace after the value
+JSON_EXPECTED_VALUE = 4
+JSON_EXPECTED_KEY = 5  # a quoted key
+JSON_EXPECTED_COLON = 6
+JSON_EXPECTED_COMMA = 7  # or the end of the array or object
+JSON_TRAILING_COMMA = 8
+JSON_BAD_NUMBER = 9
+JSON_BAD_ESCAPE = 10
+JSON_LONE_SURROGATE = 11  # a \u escape of half a surrogate pair
+JSON_BAD_UTF8 = 12
+JSON_CONTROL_CHARACTER = 13  # unescaped, in a string
+JSON_DUPLICATE_KEY = 14
 
 #: Bytes of frame header before each payload.
 HEADER_SIZE = 12
@@ -337,3 +356,268 @@ def common_affixes(old: str, new: str) -> tuple[int, int]:
         else:
             high = middle - 1
     return prefix, low
+
+
+# -- reading a proposal exactly -------------------------------------------------------
+
+_SPACE = b" \t\n\r"
+_DIGIT = b"0123456789"
+_HEX = b"0123456789abcdefABCDEF"
+_SIMPLE_ESCAPES = b'"\\/bfnrt'
+_LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
+# A run of string bytes with nothing to look at: no quote, backslash or control character.
+_PLAIN = re.compile(rb'[^"\\\x00-\x1f]*')
+# What the parser expects next (the states of scan_json's loop).
+_VALUE, _FIRST_ITEM, _ITEM, _FIRST_KEY, _KEY, _COLON, _AFTER = range(7)
+
+
+class _Defect(Exception):
+    """The first defect, raised out of the helpers to scan_json's loop."""
+
+    def __init__(self, code: int, offset: int) -> None:
+        self.code = code
+        self.offset = offset
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> None:
+    if len(dict(pairs)) != len(pairs):
+        raise _Duplicate
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(name)
+
+
+def scan_json(data: bytes) -> tuple[int, int, tuple[str | int, ...]] | None:
+    """Find the first defect that keeps ``data`` from reading as exactly one JSON value.
+
+    The grammar is RFC 8259's, in UTF-8, and a defect is what a decoder either
+    refuses or reads in more than one way: a syntax error, invalid UTF-8, an
+    unpaired surrogate escape (``"\\ud800"``), or an object that names a key twice
+    (decoders keep the first or the last; keys compare as decoded text, so
+    ``"tool"`` and ``"\\u0074ool"`` are the same key). Nesting has no limit here.
+
+    Returns:
+      None when ``data`` is one JSON value (with optional surrounding whitespace)
+      without a defect. Otherwise ``(code, offset, path)`` for the defect that
+      starts first: one of the ``JSON_*`` codes; the byte offset where it starts
+      (``len(data)`` for JSON_EMPTY and JSON_TRUNCATED); and the keys (str) and
+      array indices (int) from the top-level value down to the member being read
+      or just read there. The path of a JSON_DUPLICATE_KEY ends with the key.
+
+    Raises:
+      TypeError: if ``data`` is not a bytes-like object.
+    """
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"scan_json() needs a bytes-like object, not {type(data).__name__!r}"
+        ) from None
+    with view:
+        raw = view.tobytes()
+    if b"\\u" not in raw:
+        # A shortcut, not the definition: the json module (in C) reads the text the
+        # way _scan does except for \u escapes (it takes unpaired surrogates) and
+        # NaN/Infinity (refused here). Whatever it cannot vouch for, _scan decides.
+        try:
+            json.loads(raw.decode(), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except (ValueError, RecursionError, _Duplicate):
+            pass
+        else:
+            return None
+    return _scan(raw)
+
+
+def _scan(data: bytes) -> tuple[int, int, tuple[str | int, ...]] | None:
+    # One frame per open array or object: [key or index, keys seen] (keys is None for
+    # an array). The key is None until an object's first key has been read.
+    frames: list[list[Any]] = []
+    size = len(data)
+    state = _VALUE
+    at = 0
+    try:
+        while True:
+            while at < size and data[at] in _SPACE:
+                at += 1
+            if at == size:
+                if state == _AFTER and not frames:
+                    return None
+                raise _Defect(JSON_EMPTY if state == _VALUE and not frames else JSON_TRUNCATED, at)
+            byte = data[at]
+            if state == _AFTER:
+                if not frames:
+                    raise _Defect(JSON_TRAILING_TEXT, at)
+                frame = frames[-1]
+                is_object = frame[1] is not None
+                if byte == ord(","):
+                    if is_object:
+                        frame[0] = None
+                        state = _KEY
+                    else:
+                        frame[0] += 1
+                        state = _ITEM
+                    at += 1
+                elif byte == (ord("}") if is_object else ord("]")):
+                    frames.pop()
+                    at += 1
+                else:
+                    raise _Defect(JSON_EXPECTED_COMMA, at)
+            elif state == _COLON:
+                if byte != ord(":"):
+                    raise _Defect(JSON_EXPECTED_COLON, at)
+                state = _VALUE
+                at += 1
+            elif state in (_FIRST_KEY, _KEY):
+                if byte == ord("}"):
+                    if state == _KEY:
+                        raise _Defect(JSON_TRAILING_COMMA, at)
+                    frames.pop()
+                    state = _AFTER
+                    at += 1
+                    continue
+                if byte != ord('"'):
+                    raise _Defect(JSON_EXPECTED_KEY, at)
+                end, escaped = _string(data, at)
+                key = (
+                    json.loads(data[at:end].decode())
+                    if escaped
+                    else data[at + 1 : end - 1].decode()
+                )
+                frame = frames[-1]
+                frame[0] = key
+                if key in frame[1]:
+                    raise _Defect(JSON_DUPLICATE_KEY, at)
+                frame[1].add(key)
+                state = _COLON
+                at = end
+            elif byte == ord("]") and state in (_FIRST_ITEM, _ITEM):
+                if state == _ITEM:
+                    raise _Defect(JSON_TRAILING_COMMA, at)
+                frames.pop()
+                state = _AFTER
+                at += 1
+            elif byte == ord("{"):
+                frames.append([None, set()])
+                state = _FIRST_KEY
+                at += 1
+            elif byte == ord("["):
+                frames.append([0, None])
+                state = _FIRST_ITEM
+                at += 1
+            else:
+                at = _scalar(data, at)
+                state = _AFTER
+    except _Defect as defect:
+        path = tuple(frame[0] for frame in frames if frame[0] is not None)
+        return defect.code, defect.offset, path
+
+
+def _scalar(data: bytes, at: int) -> int:
+    """Read the string, number or literal at ``at``; return the offset just past it."""
+    byte = data[at]
+    if byte == ord('"'):
+        return _string(data, at)[0]
+    if byte == ord("-") or byte in _DIGIT:
+        return _number(data, at)
+    word = _LITERALS.get(byte)
+    if word is None:
+        raise _Defect(JSON_EXPECTED_VALUE, at)
+    end = min(at + len(word), len(data))
+    if data[at:end] != word[: end - at]:
+        raise _Defect(JSON_EXPECTED_VALUE, at)
+    if end - at < len(word):
+        raise _Defect(JSON_TRUNCATED, len(data))
+    return end
+
+
+def _number(data: bytes, start: int) -> int:
+    """Read the number at ``start``: ``-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?``."""
+    size = len(data)
+    at = start + 1 if data[start] == ord("-") else start
+    if at < size and data[at] == ord("0"):
+        at += 1
+        if at < size and data[at] in _DIGIT:
+            raise _Defect(JSON_BAD_NUMBER, start)  # a leading zero, as in 01
+    else:
+        at = _digits(data, at, start)
+    if at < size and data[at] == ord("."):
+        at = _digits(data, at + 1, start)
+    if at < size and data[at] in b"eE":
+        at += 1
+        if at < size and data[at] in b"+-":
+            at += 1
+        at = _digits(data, at, start)
+    return at
+
+
+def _digits(data: bytes, at: int, start: int) -> int:
+    """Read the one or more digits at ``at`` of the number at ``start``."""
+    size = len(data)
+    if at == size:
+        raise _Defect(JSON_TRUNCATED, at)
+    if data[at] not in _DIGIT:
+        raise _Defect(JSON_BAD_NUMBER, start)
+    while at < size and data[at] in _DIGIT:
+        at += 1
+    return at
+
+
+def _string(data: bytes, start: int) -> tuple[int, bool]:
+    """Read the string at ``start``; return the offset past it and whether it has escapes."""
+    size = len(data)
+    at = start + 1
+    escaped = False
+    while True:
+        end = _PLAIN.match(data, at).end()  # type: ignore[union-attr]
+        try:
+            data[at:end].decode()
+        except UnicodeDecodeError as error:
+            raise _Defect(JSON_BAD_UTF8, at + error.start) from None
+        if end == size:
+            raise _Defect(JSON_TRUNCATED, size)
+        if data[end] == ord('"'):
+            return end + 1, escaped
+        if data[end] != ord("\\"):
+            raise _Defect(JSON_CONTROL_CHARACTER, end)
+        escaped = True
+        at = _escape(data, end)
+
+
+def _escape(data: bytes, at: int) -> int:
+    """Read the escape at ``at`` (a backslash); return the offset past it."""
+    if at + 1 == len(data):
+        raise _Defect(JSON_TRUNCATED, at + 1)
+    kind = data[at + 1]
+    if kind in _SIMPLE_ESCAPES:
+        return at + 2
+    if kind != ord("u"):
+        raise _Defect(JSON_BAD_ESCAPE, at)
+    code = _hex4(data, at)
+    if 0xDC00 <= code <= 0xDFFF:
+        raise _Defect(JSON_LONE_SURROGATE, at)
+    if code < 0xD800 or code > 0xDBFF:
+        return at + 6
+    # A high surrogate: only a low one may follow, as \uDC00-\uDFFF.
+    follow = data[at + 6 : at + 8]
+    if follow != b"\\u":
+        if len(follow) < 2 and b"\\u".startswith(follow):
+            raise _Defect(JSON_TRUNCATED, len(data))
+        raise _Defect(JSON_LONE_SURROGATE, at)
+    if not 0xDC00 <= _hex4(data, at + 6) <= 0xDFFF:
+        raise _Defect(JSON_LONE_SURROGATE, at)
+    return at + 12
+
+
+def _hex4(data: bytes, at: int) -> int:
+    """The value of the \\uXXXX escape at ``at``."""
+    for digit in range(at + 2, at + 6):
+        if digit == len(data):
+            raise _Defect(JSON_TRUNCATED, digit)
+        if data[digit] not in _HEX:
+            raise _Defect(JSON_BAD_ESCAPE, at)
+    return int(data[at + 2 : at + 6], 16)

@@ -10,8 +10,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.json import encode as msgspec_json_encode
 
 if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
     pytest.skip(
@@ -156,6 +157,66 @@ def test_proposal_hash_agrees(tool: bytes, args: bytes) -> None:
     same(lambda m: m.proposal_hash(bytearray(tool), memoryview(args)))
 
 
+json_tokens = st.sampled_from(
+    [
+        *'{}[],:"',
+        "\\",
+        '"a"',
+        '"a":',
+        "1",
+        "0",
+        "-",
+        ".",
+        "e",
+        "true",
+        "nul",
+        " ",
+        "\\u00e9",
+        "\\ud800",
+        "\\udc00",
+        "\\u0061",
+        "é",
+        "😀",
+        "\n",
+        "\\n",
+        "\t",
+    ]
+)
+near_json = st.lists(json_tokens, max_size=40).map(lambda parts: "".join(parts).encode())
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["a", "b", "é"]) | st.text(max_size=2), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@st.composite
+def damaged_json(draw: st.DrawFn) -> bytes:
+    """A JSON document with one byte changed, dropped or added (and some keys doubled)."""
+    document = bytearray(draw(json_values.map(msgspec_json_encode)))
+    document = document.replace(b'{"a":', b'{"a":1,"a":', draw(st.integers(0, 1)))
+    at = draw(st.integers(min_value=0, max_value=len(document)))
+    how = draw(st.sampled_from(["change", "drop", "add"]))
+    byte = draw(st.integers(min_value=0, max_value=255))
+    if how == "add" or at == len(document):
+        document.insert(at, byte)
+    elif how == "drop":
+        del document[at]
+    else:
+        document[at] = byte
+    return bytes(document)
+
+
+@settings(max_examples=600)
+@given(st.binary(max_size=80) | near_json | damaged_json() | json_values.map(msgspec_json_encode))
+def test_scan_json_agrees(data: bytes) -> None:
+    same(lambda m: m.scan_json(data))
+    same(lambda m: m.scan_json(bytearray(data)))
+
+
 MISUSE: list[Callable[[ModuleType], Any]] = [
     lambda m: m.Tables(["a"], [], [0], [0], 0).check_transition(0.0, 0),
     lambda m: m.Tables(["a"], [], [0], [0], 0).check_transition(-1.5, 0),
@@ -204,6 +265,11 @@ MISUSE: list[Callable[[ModuleType], Any]] = [
     lambda m: m.hash64(data=b"x", seed=3),
     lambda m: m.proposal_hash("tool", b"{}"),
     lambda m: m.proposal_hash(b"tool", None),
+    lambda m: m.scan_json('{"a": 1}'),
+    lambda m: m.scan_json(None),
+    lambda m: m.scan_json(array("i", [1, 2])),
+    lambda m: m.scan_json(memoryview(b'{"a": 1, "a": 2}')[::2]),
+    lambda m: m.scan_json(data=b"{}"),
 ]
 
 
