@@ -1,10 +1,16 @@
-"""Crash safety: a real demo process killed with SIGKILL at random points, then resumed.
+"""Crash safety: a real demo process killed with SIGKILL mid-flight, then resumed.
+
+Each side effect of the demo answers only a while after it is applied, and each kill
+lands in that window, just after the downstream executed a refund (idempotent) or an
+email (not): so every kill leaves calls in doubt, applied but not committed, whatever
+the machine's speed.
 
 Asserts, for SQLite and PostgreSQL: every run ends terminal; no committed event is lost
 or duplicated; every side effect counted by the downstream systems (a separate SQLite
 file) happened exactly once per key for idempotent tools and at most once for the
-non-idempotent email, with every in-doubt email escalated and none silently re-run;
-and every recorded run replays without divergence.
+non-idempotent email; every call in doubt at a kill ended re-run (a safe tool), reconciled
+or escalated as in doubt, and an applied refund in doubt was re-run with its key and paid
+once; and every recorded run replays without divergence.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 KILLS = int(os.environ.get("INTERLOCK_CRASH_KILLS", "6"))
 IDEMPOTENT = ("refund", "write_entities", "record_ticket")
+SAFE = (*IDEMPOTENT, "lookup_order", "lookup_category")  # idempotent or read-only
 
 
 def interlock(*args, **kwargs):
@@ -55,50 +62,63 @@ def journal_url(request, tmp_path):
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def count_runs(url, where=""):
-    """Runs in the journal now, read from outside the process under test (0 if none yet)."""
-    try:
-        if url.startswith("postgresql://"):
-            import psycopg
+#: Seconds each side-effecting call of the demo holds its answer back once its effect is
+#: applied: the call stays in doubt (intent durable, no commit) that long, a window that
+#: the kill below cannot miss.
+SLOW_WRITE = 1.0
+#: ``python -c SLOW_CLI ARGS`` is ``interlock ARGS`` with every side effect SLOW_WRITE slower.
+SLOW_CLI = f"""
+import runpy
+import trio
+from interlock.workflows import Backend
 
-            dsn, _, query = url.partition("?")
-            schema = dict(part.split("=", 1) for part in query.split("&") if part)["schema"]
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                return conn.execute(f'SELECT count(*) FROM "{schema}".runs {where}').fetchone()[0]
-        db = sqlite3.connect(f"file:{url}?mode=ro", uri=True, timeout=1)
+def slow(effect):
+    async def slowed(self, *args):
+        result = await effect(self, *args)
+        await trio.sleep({SLOW_WRITE})
+        return result
+    return slowed
+
+for name in ("refund", "send_email", "write_entities", "record_ticket"):
+    setattr(Backend, name, slow(getattr(Backend, name)))
+runpy.run_module("interlock", run_name="__main__", alter_sys=True)
+"""
+
+
+def slow_interlock(*args):
+    return [sys.executable, "-c", SLOW_CLI, *args]
+
+
+def executions(effects):
+    """How many times the downstream has executed each ``(tool, key)`` (none before it exists)."""
+    try:
+        db = sqlite3.connect(f"file:{effects}?mode=ro", uri=True, timeout=1)
         try:
-            return db.execute(f"SELECT count(*) FROM runs {where}").fetchone()[0]
+            rows = db.execute("SELECT tool, key, COUNT(*) FROM executions GROUP BY tool, key")
+            return Counter({(tool, key): count for tool, key, count in rows})
         finally:
             db.close()
-    except Exception:
-        return 0
+    except sqlite3.Error:
+        return Counter()
 
 
-def kill_at_random(cmd, rng, url, window, *, finishing=False):
-    """Start ``cmd``, wait until it made progress, then SIGKILL it within ``window`` seconds.
+def kill_in_doubt(cmd, rng, effects, tool, spread):
+    """Start ``cmd`` and SIGKILL it just after it has executed ``tool`` 1 to ``spread`` more times.
 
-    Progress is new runs in the journal, or (``finishing``) fewer unfinished runs.
-
-    Kills are timed by progress, not wall time, so a fast or a slow machine alike is
-    killed mid-flight. Returns whether the process was still running when killed.
+    The latest execution is then applied but, held back SLOW_WRITE seconds, not committed:
+    the kill leaves at least one call of ``tool`` in doubt, whatever the machine's speed.
+    Returns whether the process was still running when killed.
     """
-    where = "WHERE outcome = 'running'" if finishing else ""
 
-    def progressed(now, then):
-        return now < then if finishing else now > then
+    def count():
+        return sum(n for (name, _key), n in executions(effects).items() if name == tool)
 
-    before = count_runs(url, where)
+    target = count() + rng.randint(1, spread)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     give_up = time.monotonic() + 60
-    while (
-        proc.poll() is None
-        and not progressed(count_runs(url, where), before)
-        and time.monotonic() < give_up
-    ):
-        time.sleep(0.02)
-    deadline = time.monotonic() + rng.uniform(0.0, window)
-    while time.monotonic() < deadline and proc.poll() is None:
+    while proc.poll() is None and count() < target and time.monotonic() < give_up:
         time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, SLOW_WRITE / 5))
     killed = proc.poll() is None
     if killed:
         proc.send_signal(signal.SIGKILL)
@@ -106,6 +126,22 @@ def kill_at_random(cmd, rng, url, window, *, finishing=False):
     if not killed:
         assert proc.returncode == 0, err
     return killed
+
+
+async def in_doubt_now(url):
+    """The calls in doubt in the journal now: intents without an outcome, by key."""
+    store = await open_store(url, readonly=True)
+    try:
+        pending = {}
+        for record in await store.unfinished():
+            for event in await store.load(record.run_id):
+                if isinstance(event, IntentRecorded):
+                    pending[event.key] = event
+                elif isinstance(event, ToolCommitted | ToolFailed):
+                    pending.pop(event.key, None)
+        return pending
+    finally:
+        await store.aclose()
 
 
 async def load_journal(url):
@@ -121,17 +157,39 @@ def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
     effects = str(tmp_path / "effects.db")
     rng = random.Random(20261130)
     kills = 0
+    doubted: dict[str, IntentRecorded] = {}  # every call in doubt at the moment of a kill
+    applied: dict[str, set[str]] = {"refund": set(), "send_email": set()}  # ... and applied
+
+    def kill(cmd, spread):
+        # Kills alternate between a refund (idempotent) and an email (not) left in doubt.
+        nonlocal kills
+        tool = ("refund", "send_email")[kills % 2]
+        if not kill_in_doubt(cmd, rng, effects, tool, spread):
+            return
+        kills += 1
+        now = trio.run(in_doubt_now, journal_url)
+        ran = executions(effects)
+        landed = {key for key, e in now.items() if e.tool == tool and ran[(tool, key)]}
+        assert landed, f"kill {kills} left no applied {tool} in doubt; in doubt: {sorted(now)[:5]}"
+        doubted.update(now)
+        applied[tool] |= landed
+
     for seed in range(KILLS):
-        demo = interlock(
-            "demo", "--runs", "300", "--db", journal_url, "--effects", effects,
-            "--seed", str(seed), "--chaos-rate", "0.2", "--latency", "20,60", "--json",
+        kill(
+            slow_interlock(
+                "demo", "--runs", "150", "--db", journal_url, "--effects", effects,
+                "--seed", str(seed), "--chaos-rate", "0.2", "--latency", "20,60", "--json",
+            ),
+            30,
         )  # fmt: skip
-        kills += kill_at_random(demo, rng, journal_url, 0.4)
         if seed % 2:
-            resume = interlock(
-                "resume", "--db", journal_url, "--effects", effects, "--latency", "20,60", "--json"
-            )
-            kills += kill_at_random(resume, rng, journal_url, 0.3, finishing=True)
+            kill(
+                slow_interlock(
+                    "resume", "--db", journal_url, "--effects", effects, "--latency", "20,60",
+                    "--json",
+                ),
+                10,
+            )  # fmt: skip
     final = subprocess.run(
         interlock("resume", "--db", journal_url, "--effects", effects, "--latency", "1,8", "--json"),
         capture_output=True, text=True, timeout=300, check=False,
@@ -171,35 +229,56 @@ def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
             )
     assert all(count == 1 for count in committed.values()), "a key was committed twice"
 
+    ran = executions(effects)
+    for tool, key in ran:
+        assert key in intents, f"{tool} ran with key {key} but no intent was journaled first"
+        assert intents[key].tool == tool
     db = sqlite3.connect(effects)
     try:
-        executed = db.execute(
-            "SELECT tool, key, COUNT(*) FROM executions GROUP BY tool, key"
-        ).fetchall()
-        for tool, key, _count in executed:
-            assert key in intents, f"{tool} ran with key {key} but no intent was journaled first"
-            assert intents[key].tool == tool
         payments = dict(db.execute("SELECT key, COUNT(*) FROM payments GROUP BY key").fetchall())
-        assert all(count == 1 for count in payments.values())
-        for key in committed:
-            if intents[key].tool == "refund":
-                assert payments.get(key) == 1, f"committed refund {key} has no payment"
         emails = dict(db.execute("SELECT key, COUNT(*) FROM emails GROUP BY key").fetchall())
-        assert all(count == 1 for count in emails.values()), "an email was sent twice for one key"
-        for event in in_doubt:
-            assert event.tool == "send_email", "an idempotent tool was escalated as in doubt"
-            assert committed[event.key] == 0
         entity_keys = db.execute(
             "SELECT key, idx, COUNT(*) FROM entities GROUP BY key, idx HAVING COUNT(*) > 1"
         ).fetchall()
-        assert entity_keys == []
         tickets = db.execute(
             "SELECT db_key, COUNT(*) FROM tickets GROUP BY db_key HAVING COUNT(*) > 1"
         ).fetchall()
-        assert tickets == []
-        reexecuted = sum(c - 1 for tool, _k, c in executed if tool in IDEMPOTENT and c > 1)
     finally:
         db.close()
+    assert all(count == 1 for count in payments.values())
+    for key in committed:
+        if intents[key].tool == "refund":
+            assert payments.get(key) == 1, f"committed refund {key} has no payment"
+    assert all(count == 1 for count in emails.values()), "an email was sent twice for one key"
+    for event in in_doubt:
+        assert event.tool == "send_email", "an idempotent tool was escalated as in doubt"
+        assert committed[event.key] == 0
+    assert entity_keys == []
+    assert tickets == []
+
+    # Every call a kill left in doubt ended re-run (a safe tool), reconciled (committed
+    # once, executed at most once) or escalated as in doubt; none ran twice unless safe.
+    for key, intent in doubted.items():
+        events = journal[intent.run_id]
+        if intent.tool not in SAFE:
+            assert ran[(intent.tool, key)] <= 1, f"{intent.tool} {key} ran again after a crash"
+        if committed[key]:
+            continue
+        assert intent.tool not in SAFE, f"{intent.tool} {key} was in doubt and never re-run"
+        assert any(isinstance(e, ToolFailed) and e.key == key for e in events), key
+        assert (type(events[-1]), events[-1].reason) == (Escalated, "in_doubt_side_effect"), key
+    # The kills left applied refunds and emails in doubt: each refund was re-run and paid
+    # once; each email was sent once (reconciled, or escalated; never sent again).
+    refunds, sent = applied["refund"], applied["send_email"]
+    assert refunds
+    assert sent
+    assert {key: (ran[("refund", key)] > 1, payments.get(key)) for key in refunds} == dict.fromkeys(
+        refunds, (True, 1)
+    )
+    assert {key: (ran[("send_email", key)], emails.get(key)) for key in sent} == dict.fromkeys(
+        sent, (1, 1)
+    )
+    reexecuted = sum(c - 1 for (tool, _key), c in ran.items() if tool in IDEMPOTENT and c > 1)
 
     replayed = subprocess.run(
         interlock("replay", "--all", "--db", journal_url, "--json"),
@@ -213,7 +292,7 @@ def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
     assert report["reproduced"] == len(records)
     print(
         f"\ncrash test ({journal_url.split('?')[0].rsplit('/', 1)[-1]}): kills={kills} runs={len(records)} "
-        f"side_effects={sum(c for _t, _k, c in executed)} keys={len(executed)} "
+        f"side_effects={sum(ran.values())} keys={len(ran)} in_doubt_at_kills={len(doubted)} "
         f"idempotent_reexecutions={reexecuted} in_doubt_escalations={len(in_doubt)} "
         f"outcomes={dict(Counter(r.outcome for r in records))}"
     )
