@@ -18,6 +18,7 @@ from interlock import (
     Event,
     IntentRecorded,
     Machine,
+    MachineDefinitionError,
     ModelCalled,
     ProtocolError,
     Reject,
@@ -217,75 +218,366 @@ def rejected(decision: Decision) -> list[tuple[str, str, str, str]]:
 # -- malformed ---------------------------------------------------------------------
 
 
+CUT_HINT = "send the whole proposal, with every string, array and object closed"
+GOOD = b'{"tool": "lookup_order", "args": {"order_id": "o1"}}'
+
+
 @pytest.mark.parametrize(
-    ("raw", "path", "message"),
+    ("raw", "path", "message", "hint"),
     [
+        pytest.param(b"", "$", "empty proposal", SHAPE_HINT, id="empty-text"),
         pytest.param(
-            b'{"tool": "lookup_order", "args": {"order_id": "o1"}',
+            b" \n\t", "$", "empty proposal: 3 bytes of whitespace", SHAPE_HINT, id="whitespace"
+        ),
+        pytest.param(
+            GOOD[:-1],
             "$",
-            "proposal is not valid JSON: Input data was truncated",
-            id="invalid-json",
+            "proposal is cut off: the text ends at byte 51, in args, before the JSON is complete",
+            CUT_HINT,
+            id="truncated",
+        ),
+        pytest.param(
+            GOOD[:-4],
+            "$",
+            "proposal is cut off: the text ends at byte 48, in args.order_id, "
+            "before the JSON is complete",
+            CUT_HINT,
+            id="truncated-in-a-string",
         ),
         pytest.param(
             b'{"tool": "lookup_order", "args": {"order_id": "o1"},}',
             "$",
-            "proposal is not valid JSON: JSON is malformed: trailing comma in object (byte 52)",
+            "proposal is not valid JSON: a trailing comma before '}' at byte 52 (in $)",
+            SHAPE_HINT,
             id="trailing-comma",
         ),
         pytest.param(
             b'```json\n{"tool": "lookup_order", "args": {"order_id": "o1"}}\n```',
             "$",
-            "proposal is not valid JSON: JSON is malformed: invalid character (byte 0)",
+            "proposal is not JSON: it starts with "
+            '\'```json\\n{"tool": "lookup_order", "args":\'...',
+            SHAPE_HINT,
             id="markdown-fence",
+        ),
+        pytest.param(
+            b"Sure! Here it is:",
+            "$",
+            "proposal is not JSON: it starts with 'Sure! Here it is:'",
+            SHAPE_HINT,
+            id="prose",
+        ),
+        pytest.param(
+            b"[this is no JSON",
+            "$",
+            "proposal is not valid JSON: expected a value at byte 1 (in [0]): 'this is no JSON'",
+            SHAPE_HINT,
+            id="not-json-that-starts-like-an-array",
+        ),
+        pytest.param(
+            GOOD + b" Let me know if you need more!",
+            "$",
+            "proposal has text after its JSON value, at byte 53: 'Let me know if you need more!'",
+            SHAPE_HINT,
+            id="text-after",
+        ),
+        pytest.param(
+            GOOD + b'{"next": "COMPLETED"}',
+            "$",
+            'proposal has text after its JSON value, at byte 52: \'{"next": "COMPLETED"}\'',
+            SHAPE_HINT,
+            id="two-objects",
+        ),
+        pytest.param(
+            b"{'tool': 'lookup_order'}",
+            "$",
+            "proposal is not valid JSON: expected a key in double quotes at byte 1 (in $): "
+            "\"'tool': 'lookup_order'}\"",
+            SHAPE_HINT,
+            id="single-quotes",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order" "args": {}}',
+            "$",
+            "proposal is not valid JSON: expected ',' or '}' after tool at byte 24, "
+            "found '\"args\": {}}'",
+            SHAPE_HINT,
+            id="missing-comma",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id" "o1"}}',
+            "$",
+            "proposal is not valid JSON: expected ':' after the key at byte 45 "
+            "(in args.order_id): '\"o1\"}}'",
+            SHAPE_HINT,
+            id="missing-colon",
+        ),
+        pytest.param(
+            b'{"tool": "refund", "args": {"order_id": "o1", "amount": True}}',
+            "$",
+            "proposal is not valid JSON: expected a value at byte 56 (in args.amount): 'True}}'",
+            SHAPE_HINT,
+            id="python-literal",
+        ),
+        pytest.param(
+            b'{"tool": "refund", "args": {"order_id": "o1", "amount": 05}}',
+            "$",
+            "proposal is not valid JSON: invalid number at byte 56 (in args.amount): '05}}'",
+            "write numbers as JSON does (42, -0.5, 1e3): no leading zeros, '+' or bare '.'",
+            id="leading-zero",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "\\q"}}',
+            "$",
+            "proposal is not valid JSON: invalid escape at byte 47 (in args.order_id): '\\\\q\"}}'",
+            'escape only \\" \\\\ \\/ \\b \\f \\n \\r \\t and \\uXXXX in a string',
+            id="bad-escape",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "\\ud800"}}',
+            "$",
+            "proposal is not valid JSON: unpaired surrogate escape at byte 47 "
+            "(in args.order_id): '\\\\ud800\"}}'",
+            "write the character itself, or a character past U+FFFF as a pair (\\ud83d\\ude00)",
+            id="lone-surrogate",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "caf\xe9"}}',
+            "$",
+            "proposal is not valid JSON: invalid UTF-8 at byte 50 (in args.order_id): "
+            "'\\\\xe9\"}}'",
+            "send the text encoded as UTF-8",
+            id="latin-1",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o\n1"}}',
+            "$",
+            "proposal is not valid JSON: unescaped control character in a string at byte 48 "
+            "(in args.order_id): '\\n1\"}}'",
+            "escape control characters in strings: \\n for a newline, \\t for a tab",
+            id="raw-newline",
         ),
         pytest.param(
             b'[{"tool": "lookup_order"}]',
             "$",
             "proposal has the wrong shape: Expected `object`, got `array`",
+            SHAPE_HINT,
             id="array",
         ),
         pytest.param(
             b'"lookup_order"',
             "$",
             "proposal has the wrong shape: Expected `object`, got `str`",
+            SHAPE_HINT,
             id="string",
         ),
         pytest.param(
             b'{"tool": "lookup_order", "arguments": {"order_id": "o1"}}',
             "arguments",
             "proposal has the wrong shape: Object contains unknown field `arguments`",
+            SHAPE_HINT,
             id="unknown-field",
         ),
         pytest.param(
             b'{"tool": 7}',
             "$",
             "proposal has the wrong shape: Expected `str | null`, got `int` - at `$.tool`",
+            SHAPE_HINT,
             id="tool-not-a-string",
         ),
         pytest.param(
             b'{"tool": "lookup_order", "args": {"order_id": "o1"}, "next": "COMPLETED"}',
             "$",
             'proposal has both of "tool" and "next"; it needs exactly one',
+            SHAPE_HINT,
             id="both",
         ),
         pytest.param(
             b'{"args": {"order_id": "o1"}}',
             "$",
             'proposal has neither of "tool" and "next"; it needs exactly one',
+            SHAPE_HINT,
             id="neither",
         ),
         pytest.param(
             b"{}",
             "$",
             'proposal has neither of "tool" and "next"; it needs exactly one',
-            id="empty",
+            SHAPE_HINT,
+            id="empty-object",
         ),
     ],
 )
-def test_malformed(raw: bytes, path: str, message: str) -> None:
+def test_malformed(raw: bytes, path: str, message: str, hint: str) -> None:
     decision = verify(MACHINE, run_in(), raw, 1000.0)
-    assert rejected(decision) == [("malformed", path, message, SHAPE_HINT)]
+    assert rejected(decision) == [("malformed", path, message, hint)]
     assert decision.trip is None
+
+
+def _duplicate(path: str, key: str, inside: str) -> tuple[str, str, str, str]:
+    return (
+        "malformed",
+        path,
+        f'duplicate key "{key}" at {inside}: a JSON object may name each key once',
+        f'send "{key}" once in {inside}, with the one value you mean',
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o1"}, "tool": "refund"}',
+            _duplicate("tool", "tool", "$"),
+            id="envelope",
+        ),
+        pytest.param(
+            # the same key, escaped: a decoder reads both as "tool"
+            b'{"tool": "lookup_order", "args": {"order_id": "o1"}, "\\u0074ool": "refund"}',
+            _duplicate("tool", "tool", "$"),
+            id="envelope-escaped",
+        ),
+        pytest.param(
+            b'{"tool": "lookup_order", "args": {"order_id": "o1", "order_id": "o2"}}',
+            _duplicate("args.order_id", "order_id", "args"),
+            id="struct-args",
+        ),
+        pytest.param(
+            b'{"tool": "refund_json", "args": {"order_id": "o1", "amount": 5, "amount": 500}}',
+            _duplicate("args.amount", "amount", "args"),
+            id="json-schema-args",
+        ),
+        pytest.param(
+            b'{"tool": "refund_pydantic", "args": {"order_id": "o1", "amount": 5, "amount": 5}}',
+            _duplicate("args.amount", "amount", "args"),
+            id="pydantic-args",
+        ),
+        pytest.param(
+            b'{"args": {}, "args": {"order_id": "o1"}, "tool": "lookup_order"}',
+            _duplicate("args", "args", "$"),
+            id="args-twice",
+        ),
+        pytest.param(
+            b'{"next": "COMPLETED", "data": {"notes": [{"a": 1}, {"a": 1, "a": 2}]}}',
+            _duplicate("data.notes[1].a", "a", "data.notes[1]"),
+            id="deep-in-data",
+        ),
+    ],
+)
+def test_a_key_named_twice_is_malformed(raw: bytes, expected: tuple[str, str, str, str]) -> None:
+    decision = verify(MACHINE, run_in(), raw, 1000.0)
+    assert rejected(decision) == [expected]
+    assert decision.trip is None
+    assert verify(MACHINE, run_in(), raw, 1000.0, CircuitBoard()).violations == decision.violations
+
+
+def test_a_key_named_twice_is_no_call_of_either_tool() -> None:
+    # msgspec keeps the last of two equal keys: this read as a call of refund
+    raw = b'{"tool": "lookup_order", "tool": "refund", "args": {"order_id": "o1", "amount": 5}}'
+    decision = verify(MACHINE, run_in(), raw, 1000.0)
+    assert decision.tool is None
+    assert rejected(decision) == [_duplicate("tool", "tool", "$")]
+
+
+def test_the_same_key_in_two_objects_is_no_duplicate() -> None:
+    raw = b'{"next": "COMPLETED", "data": {"a": {"next": 1}, "b": {"next": 2}}}'
+    decision = verify(MACHINE, run_in(), raw, 1000.0)
+    assert decision.accepted
+    assert decision.data == {"a": {"next": 1}, "b": {"next": 2}}
+
+
+def test_a_key_that_only_looks_alike_is_no_duplicate() -> None:
+    raw = b'{"tool": "lookup_order", "args": {"order_id": "o1", "order_\\u00efd": "o2"}}'
+    assert rejected(verify(MACHINE, run_in(), raw, 1000.0)) == [
+        (
+            "schema",
+            "args",
+            "args: object contains unknown field `order_\u00efd`",
+            "remove the field; allowed fields: order_id",
+        )
+    ]
+
+
+def _capped(machine_cap: int | None = None, state_cap: int | None = None) -> Machine:
+    caps = {} if machine_cap is None else {"max_proposal_bytes": machine_cap}
+    return Machine(
+        "refund",
+        initial="WORK",
+        states={
+            "WORK": Worker(next=["COMPLETED"], tools=["lookup_order"], max_proposal_bytes=state_cap)
+        },
+        tools=[Tool("lookup_order", nop, LookupArgs)],
+        **caps,
+    )
+
+
+def test_the_default_cap_is_256_kib() -> None:
+    machine = _capped()
+    run = fold(machine, started())
+    padded = GOOD[:-2] + b" " * (256 * 1024 - len(GOOD)) + b"}}"
+    assert len(padded) == 256 * 1024
+    assert verify(machine, run, padded, 1000.0).accepted
+    over = padded[:-2] + b" }}"
+    assert rejected(verify(machine, run, over, 1000.0)) == [
+        (
+            "malformed",
+            "$",
+            "proposal is 262,145 bytes, over the cap of 262,144 bytes in state 'WORK'; "
+            "it was not read",
+            "send a proposal of at most 262,144 bytes: leave out what this step does not need",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("machine_cap", "state_cap", "cap"), [(60, None, 60), (None, 60, 60), (1000, 60, 60)]
+)
+def test_the_cap_is_checked_before_parsing(
+    machine_cap: int | None, state_cap: int | None, cap: int
+) -> None:
+    machine = _capped(machine_cap, state_cap)
+    run = fold(machine, started())
+    assert verify(machine, run, GOOD.ljust(cap), 1000.0).accepted
+    for raw in (GOOD.ljust(cap + 1), b"x" * (cap + 1), b"[" * 1_000_000):
+        violation = verify(machine, run, raw, 1000.0).violations[0]
+        assert violation.message == (
+            f"proposal is {len(raw):,} bytes, over the cap of {cap} bytes in state 'WORK'; "
+            "it was not read"
+        )
+
+
+@pytest.mark.parametrize(
+    ("where", "cap", "message"),
+    [
+        (
+            "machine",
+            0,
+            "machine 'refund': max_proposal_bytes must be a positive int, a number of bytes; "
+            "got 0 (the default is 262144, 256 KiB)",
+        ),
+        (
+            "machine",
+            1.5,
+            "machine 'refund': max_proposal_bytes must be a positive int, a number of bytes; "
+            "got 1.5 (the default is 262144, 256 KiB)",
+        ),
+        (
+            "state",
+            -1,
+            "machine 'refund', state 'WORK': max_proposal_bytes must be a positive int, a number "
+            "of bytes; got -1 (leave it None for the machine's cap)",
+        ),
+        (
+            "state",
+            True,
+            "machine 'refund', state 'WORK': max_proposal_bytes must be a positive int, a number "
+            "of bytes; got True (leave it None for the machine's cap)",
+        ),
+    ],
+)
+def test_the_cap_is_checked_at_definition(where: str, cap: Any, message: str) -> None:
+    with pytest.raises(MachineDefinitionError) as raised:
+        _capped(cap, None) if where == "machine" else _capped(None, cap)
+    assert str(raised.value) == message
 
 
 # -- tools and transitions -------------------------------------------------------------
@@ -643,6 +935,74 @@ def test_guard_that_raises_is_a_guard_violation() -> None:
             "the guard itself failed; this call cannot be verified",
         )
     ]
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no")
+
+
+def _guarded(guard: Any) -> Machine:
+    return Machine(
+        "guarded",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order"])},
+        tools=[Tool("lookup_order", nop, LookupArgs, guards=[guard])],
+    )
+
+
+def _grouped(args: Any, view: RunView) -> Reject | None:
+    raise ExceptionGroup(
+        "checks failed", [ValueError("a"), ExceptionGroup("inner", [KeyError("b")])]
+    )
+
+
+def _empty(args: Any, view: RunView) -> Reject | None:
+    raise ValueError
+
+
+def _unprintable(args: Any, view: RunView) -> Reject | None:
+    raise Unprintable
+
+
+def _text(args: Any, view: RunView) -> Reject | None:
+    return "no"  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("guard", "what"),
+    [
+        (
+            _grouped,
+            "raised ExceptionGroup: checks failed (2 sub-exceptions) "
+            "[ValueError: a; ExceptionGroup: inner (1 sub-exception) [KeyError: 'b']]",
+        ),
+        (_empty, "raised ValueError"),
+        (_unprintable, "raised Unprintable: (its message cannot be shown)"),
+        (_text, "returned str, not a Reject or None"),
+    ],
+    ids=["exception-group", "no-message", "unprintable", "not-a-reject"],
+)
+def test_a_guard_that_fails_is_a_guard_violation(guard: Any, what: str) -> None:
+    machine = _guarded(guard)
+    decision = verify(machine, fold(machine, started()), LOOKUP, 1000.0)
+    assert rejected(decision) == [
+        (
+            "guard",
+            "args",
+            f"guard {guard.__name__!r} of tool 'lookup_order' {what}",
+            "the guard itself failed; this call cannot be verified",
+        )
+    ]
+
+
+def test_a_guard_cannot_swallow_an_interrupt() -> None:
+    def interrupted(args: Any, view: RunView) -> Reject | None:
+        raise KeyboardInterrupt
+
+    machine = _guarded(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        verify(machine, fold(machine, started()), LOOKUP, 1000.0)
 
 
 def test_guard_gets_a_read_only_view() -> None:

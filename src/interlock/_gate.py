@@ -7,15 +7,17 @@ never raises for bad input; it returns violations.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 import msgspec.structs
 
+from . import _hotpath as hot
 from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
 from ._events import ENCODING_ERRORS, Violation, unjournalable, unjournalable_violation
-from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64
-from ._tools import _MsgspecValidator
+from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64, scan_json
+from ._tools import Reject, _MsgspecValidator
 from ._view import RunView, canonical_encoder
 
 if TYPE_CHECKING:
@@ -82,7 +84,7 @@ class _NoTool(msgspec.Struct, tag_field="tool", tag="", forbid_unknown_fields=Tr
 
 
 class _Plan:
-    """Per machine and state: the single-decode path and the tools allowed there.
+    """Per machine and state: the proposal cap, the single-decode path and the tools allowed there.
 
     ``decoder`` decodes a whole call proposal in one pass, through a tagged union of
     one envelope Struct per allowed tool whose schema is a msgspec Struct
@@ -92,11 +94,14 @@ class _Plan:
     path, which explains the rejection. None when no such tool is allowed.
     """
 
-    __slots__ = ("by_name", "by_type", "decoder")
+    __slots__ = ("by_name", "by_type", "decoder", "max_bytes")
 
     def __init__(self, machine: Machine, state: str) -> None:
         tables = machine.tables
         state_id = tables.state_id(state)
+        spec = machine.states.get(state)
+        cap = None if spec is None else spec.max_proposal_bytes
+        self.max_bytes: int = machine.max_proposal_bytes if cap is None else cap
         self.by_name: dict[str, _Call] = {}
         self.by_type: dict[type, _Call] = {}
         self.decoder: msgspec.json.Decoder[Any] | None = None
@@ -195,27 +200,26 @@ def verify(
     Returns:
       A :class:`Decision`; never raises for bad input.
     """
-    budgets = machine.budgets
+    budget = check_budgets(run, machine.budgets, now)
+    if budget is not None:
+        return Decision((budget[0],), budget[1])
+    plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
+    if len(raw) > plan.max_bytes:
+        return Decision((_oversized(len(raw), plan.max_bytes, run.state),))
     try:
-        if not (
-            run.tokens > budgets.tokens
-            or run.steps > budgets.steps
-            or now - run.started_ts > budgets.deadline
-        ):
-            # No budget is exhausted (check_budgets would return None): try the
-            # single-decode path for a call. Whatever it refuses, _verify explains.
-            plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
-            decoder = plan.decoder
-            if decoder is not None:
-                try:
-                    envelope = decoder.decode(raw)
-                except msgspec.DecodeError:
-                    pass
-                else:
-                    call = plan.by_type.get(type(envelope))
-                    args = envelope.args
-                    if call is not None and args is not _UNSET:
-                        return _checked_call(machine, run, call, args, now, circuits)
+        # The single-decode path for a call; whatever it refuses, _verify explains. What
+        # it accepts is read once more for what msgspec cannot see: a key named twice.
+        decoder = plan.decoder
+        if decoder is not None:
+            try:
+                envelope = decoder.decode(raw)
+            except msgspec.DecodeError:
+                pass
+            else:
+                call = plan.by_type.get(type(envelope))
+                args = envelope.args
+                if call is not None and args is not _UNSET and scan_json(raw) is None:
+                    return _checked_call(machine, run, call, args, now, circuits)
         return _verify(machine, run, raw, now, circuits)
     except RecursionError:
         # msgspec (and pydantic) decode nested JSON recursively; a proposal nested
@@ -238,12 +242,12 @@ def _verify(
     now: float,
     circuits: CircuitBoard | None,
 ) -> Decision:
-    """The two-pass path: the envelope with raw args, then the args; every rejection."""
+    """The two-pass path, within the budgets and the cap: the exact reading of the bytes,
+    the envelope with raw args, then the args; every rejection."""
     decision = Decision()
-    budget = check_budgets(run, machine.budgets, now)
-    if budget is not None:
-        decision.trip = budget[1]
-        return _reject(decision, budget[0])
+    defect = scan_json(raw)
+    if defect is not None:
+        return _reject(decision, _unreadable(raw, *defect))
     tables = machine.tables
     state_id = tables.state_id(run.state)
     try:
@@ -257,7 +261,7 @@ def _verify(
             decision,
             Violation("malformed", path, f"proposal has the wrong shape: {text}", _SHAPE_HINT),
         )
-    except msgspec.DecodeError as exc:
+    except msgspec.DecodeError as exc:  # pragma: no cover - scan_json refuses all msgspec does
         return _reject(
             decision, Violation("malformed", "$", f"proposal is not valid JSON: {exc}", _SHAPE_HINT)
         )
@@ -339,21 +343,16 @@ def _checked_call(
         for guard in call.guards:
             try:
                 rejected = guard(args, view)
-            except Exception as exc:
-                guard_violations.append(
-                    Violation(
-                        "guard",
-                        "args",
-                        f"guard {getattr(guard, '__name__', guard)!r} of tool {name!r} raised "
-                        f"{type(exc).__name__}: {exc}",
-                        "the guard itself failed; this call cannot be verified",
-                    )
-                )
+            except Exception as exc:  # an ExceptionGroup too
+                guard_violations.append(_guard_failed(guard, name, f"raised {_described(exc)}"))
                 continue
-            if rejected is not None:
+            if isinstance(rejected, Reject):
                 guard_violations.append(
                     Violation("guard", rejected.path, rejected.message, rejected.hint)
                 )
+            elif rejected is not None:
+                returned = f"returned {type(rejected).__name__}, not a Reject or None"
+                guard_violations.append(_guard_failed(guard, name, returned))
         if guard_violations:
             return Decision(tuple(guard_violations))
     builtins = call.to_builtins(args)
@@ -376,6 +375,27 @@ def _checked_call(
         if circuit is not None:
             return Decision((circuit[0],), circuit[1])
     return Decision(tool=call.tool, args=builtins, call_hash=call_hash, value=args)
+
+
+def _guard_failed(guard: Callable[..., Any], tool: str, what: str) -> Violation:
+    return Violation(
+        "guard",
+        "args",
+        f"guard {getattr(guard, '__name__', guard)!r} of tool {tool!r} {what}",
+        "the guard itself failed; this call cannot be verified",
+    )
+
+
+def _described(exc: BaseException) -> str:
+    """``Type: message``, and a group's leaves after it."""
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not break the gate
+        text = "(its message cannot be shown)"
+    described = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if isinstance(exc, BaseExceptionGroup):
+        described += " [" + "; ".join(map(_described, exc.exceptions)) + "]"
+    return described
 
 
 def _next_hint(machine: Machine, state_id: int) -> str:
@@ -437,3 +457,113 @@ def _verify_transition(
         return _reject(decision, unjournalable_violation("data", problem))
     decision.target = target
     return decision
+
+
+# -- what keeps a proposal from being read exactly ------------------------------------
+
+_QUOTED = 40  # characters of the text quoted in a message, at most
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CUT_HINT = "send the whole proposal, with every string, array and object closed"
+_SYNTAX: dict[int, tuple[str, str]] = {
+    # code: (what is wrong at "byte N (in PATH)", the hint)
+    hot.JSON_EXPECTED_VALUE: ("expected a value", _SHAPE_HINT),
+    hot.JSON_EXPECTED_KEY: ("expected a key in double quotes", _SHAPE_HINT),
+    hot.JSON_EXPECTED_COLON: ("expected ':' after the key", _SHAPE_HINT),
+    hot.JSON_BAD_NUMBER: (
+        "invalid number",
+        "write numbers as JSON does (42, -0.5, 1e3): no leading zeros, '+' or bare '.'",
+    ),
+    hot.JSON_BAD_ESCAPE: (
+        "invalid escape",
+        'escape only \\" \\\\ \\/ \\b \\f \\n \\r \\t and \\uXXXX in a string',
+    ),
+    hot.JSON_LONE_SURROGATE: (
+        "unpaired surrogate escape",
+        "write the character itself, or a character past U+FFFF as a pair (\\ud83d\\ude00)",
+    ),
+    hot.JSON_BAD_UTF8: ("invalid UTF-8", "send the text encoded as UTF-8"),
+    hot.JSON_CONTROL_CHARACTER: (
+        "unescaped control character in a string",
+        "escape control characters in strings: \\n for a newline, \\t for a tab",
+    ),
+}
+
+
+def _oversized(size: int, cap: int, state: str) -> Violation:
+    return Violation(
+        "malformed",
+        "$",
+        f"proposal is {size:,} bytes, over the cap of {cap:,} bytes in state {state!r}; "
+        "it was not read",
+        f"send a proposal of at most {cap:,} bytes: leave out what this step does not need",
+    )
+
+
+def _unreadable(raw: bytes, code: int, offset: int, path: tuple[str | int, ...]) -> Violation:
+    """The violation for the first defect ``scan_json`` found in ``raw``."""
+    where = _where(path)
+    if code == hot.JSON_DUPLICATE_KEY:
+        key, inside = _key(path[-1]), _where(path[:-1])
+        return Violation(
+            "malformed",
+            where,
+            f"duplicate key {key} at {inside}: a JSON object may name each key once",
+            f"send {key} once in {inside}, with the one value you mean",
+        )
+    hint = _SHAPE_HINT
+    found = _quote(raw, offset)
+    if code == hot.JSON_EMPTY:
+        message = f"empty proposal: {len(raw)} bytes of whitespace" if raw else "empty proposal"
+    elif code == hot.JSON_TRUNCATED:
+        message = (
+            f"proposal is cut off: the text ends at byte {offset}, in {where}, "
+            "before the JSON is complete"
+        )
+        hint = _CUT_HINT
+    elif code == hot.JSON_TRAILING_TEXT:
+        message = f"proposal has text after its JSON value, at byte {offset}: {found}"
+    elif code == hot.JSON_EXPECTED_VALUE and not raw[:offset].strip():
+        message = f"proposal is not JSON: it starts with {found}"
+    elif code == hot.JSON_TRAILING_COMMA:
+        before = chr(raw[offset])
+        message = (
+            f"proposal is not valid JSON: a trailing comma before {before!r} at byte {offset} "
+            f"(in {where})"
+        )
+    elif code == hot.JSON_EXPECTED_COMMA:
+        close = "]" if type(path[-1]) is int else "}"
+        message = (
+            f"proposal is not valid JSON: expected ',' or {close!r} after {where} "
+            f"at byte {offset}, found {found}"
+        )
+    else:
+        what, hint = _SYNTAX[code]
+        message = f"proposal is not valid JSON: {what} at byte {offset} (in {where}): {found}"
+    return Violation("malformed", "$", message, hint)
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    """``args.items[2].sku`` for a path of keys and indices; ``$`` for the whole proposal."""
+    parts = []
+    for part in path:
+        if type(part) is int:
+            parts.append(f"[{part}]")
+        elif _IDENTIFIER.fullmatch(str(part)):
+            parts.append(f".{part}")
+        else:
+            parts.append(f"[{_key(part)}]")
+    return "".join(parts).removeprefix(".") or "$"
+
+
+def _key(key: str | int) -> str:
+    """A key as JSON writes it, cut to the first characters."""
+    text = str(key)
+    shown = msgspec.json.encode(text[:_QUOTED]).decode()
+    return shown if len(text) <= _QUOTED else shown[:-1] + '..."'
+
+
+def _quote(raw: bytes, offset: int) -> str:
+    """The text from ``offset``, escaped and cut to the first characters."""
+    text = raw[offset : offset + 4 * _QUOTED].decode(errors="backslashreplace")
+    more = len(text) > _QUOTED or offset + 4 * _QUOTED < len(raw)
+    return repr(text[:_QUOTED]) + ("..." if more else "")

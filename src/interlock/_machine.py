@@ -24,6 +24,8 @@ ESCALATE = "ESCALATE"
 FAILED = "FAILED"
 #: Success terminal states a machine may move to without declaring them.
 SUCCESS_STATES = ("COMPLETED", "DONE")
+#: The default cap on one proposal's raw bytes (``Machine.max_proposal_bytes``).
+MAX_PROPOSAL_BYTES = 256 * 1024
 
 
 class Call(msgspec.Struct, frozen=True):
@@ -62,12 +64,14 @@ class Worker:
       tools: the tools the model may call here.
       instructions: what the model is told to do in this state.
       data: optional schema for the ``data`` a transition out of this state carries.
+      max_proposal_bytes: the largest proposal accepted here; None for the machine's.
     """
 
     next: Sequence[str]
     tools: Sequence[str] = ()
     instructions: str = ""
     data: Any = None
+    max_proposal_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,12 +79,14 @@ class Step:
     """A deterministic state: ``fn(view)`` returns the next :class:`Call` or :class:`Go`.
 
     ``fn`` must be pure: the same view gives the same action, no I/O (side effects go
-    through a tool, by returning a :class:`Call`).
+    through a tool, by returning a :class:`Call`). ``max_proposal_bytes`` caps the
+    encoded action, as for a :class:`Worker`; None for the machine's cap.
     """
 
     fn: Callable[[RunView], Action]
     next: Sequence[str]
     tools: Sequence[str] = ()
+    max_proposal_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ class Machine:
       breakers: breaker thresholds.
       inputs: optional schema the run's inputs must satisfy at start.
       provider_policy: the model call's timeout and how provider failures are retried.
+      max_proposal_bytes: the largest proposal (raw bytes) the gate reads, in every
+        state that does not set its own; a larger one is rejected before parsing.
 
     Raises:
       MachineDefinitionError: the definition is inconsistent (the message names the
@@ -183,6 +191,7 @@ class Machine:
     breakers: BreakerPolicy = field(default_factory=BreakerPolicy)
     inputs: Any = None
     provider_policy: ProviderPolicy = field(default_factory=ProviderPolicy)
+    max_proposal_bytes: int = MAX_PROPOSAL_BYTES
     tables: Tables = field(init=False, repr=False)
     tool_by_name: Mapping[str, Tool] = field(init=False, repr=False)
     success_states: frozenset[str] = field(init=False, repr=False)
@@ -264,6 +273,10 @@ class Machine:
                     f"state; got {self.on_breaker!r}"
                 )
         _check_provider_policy(self.name, self.provider_policy)
+        _check_proposal_cap(self.name, "", self.max_proposal_bytes)
+        for name, spec in self.states.items():
+            if spec.max_proposal_bytes is not None:
+                _check_proposal_cap(self.name, name, spec.max_proposal_bytes)
         reachable = _reachable(self.initial, self.states)
         if self.on_breaker != ESCALATE:
             reachable |= _reachable(self.on_breaker, self.states)
@@ -311,6 +324,20 @@ class Machine:
         if state == FAILED:
             return "failed"
         return "running"
+
+
+def _check_proposal_cap(machine: str, state: str, cap: object) -> None:
+    if type(cap) is not int or cap < 1:
+        where = f"machine {machine!r}" + (f", state {state!r}" if state else "")
+        fix = (
+            "leave it None for the machine's cap"
+            if state
+            else f"the default is {MAX_PROPOSAL_BYTES}, 256 KiB"
+        )
+        raise MachineDefinitionError(
+            f"{where}: max_proposal_bytes must be a positive int, a number of bytes; "
+            f"got {cap!r} ({fix})"
+        )
 
 
 def _check_provider_policy(machine: str, policy: ProviderPolicy) -> None:
