@@ -41,7 +41,11 @@ def summarize(events: list[Event]) -> list[EventSummary]:
     return [
         (
             type(e).__name__,
-            {k: v for k, v in msgspec.structs.asdict(e).items() if k not in VOLATILE_FIELDS},
+            {
+                k: v
+                for k, v in msgspec.structs.asdict(e).items()
+                if k not in VOLATILE_FIELDS and v is not msgspec.UNSET  # absent: not written
+            },
         )
         for e in events
     ]

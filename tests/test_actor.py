@@ -13,6 +13,7 @@ from interlock import (
     Call,
     Go,
     Machine,
+    ProviderPolicy,
     RetryableToolError,
     RetryPolicy,
     RunResult,
@@ -21,6 +22,7 @@ from interlock import (
     TokenUsage,
     Tool,
     ToolContext,
+    ToolError,
     Violation,
     Worker,
     open_supervisor,
@@ -59,13 +61,24 @@ _HANG = object()
 
 
 def worker_machine(
-    execute: Any, *, timeout: float = 30.0, retry: RetryPolicy | None = None
+    execute: Any,
+    *,
+    timeout: float = 30.0,
+    retry: RetryPolicy | None = None,
+    idempotent: bool = True,
 ) -> Machine:
+    """A one-tool machine. The tool is idempotent unless said otherwise: these tests are
+    about retries, which only a tool that is safe to repeat gets after any failure (see
+    test_exactly_once.py for the others)."""
     return Machine(
         "job",
         initial="WORK",
         states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
-        tools=[Tool("work", execute, timeout=timeout, retry=retry or RetryPolicy())],
+        tools=[
+            Tool(
+                "work", execute, timeout=timeout, retry=retry or RetryPolicy(), idempotent=idempotent
+            )
+        ],
     )
 
 
@@ -88,9 +101,9 @@ def tool_outcome(events: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[st
 async def test_tool_that_raises_is_journaled_and_the_run_continues(
     memory_store: MemoryStore, events_of: Any
 ) -> None:
-    jammed = Recorder(lambda ctx: RuntimeError("label printer jammed"))
+    jammed = Recorder(lambda ctx: ToolError("label printer jammed", applied=False))
     fine = Recorder(lambda ctx: {"printed": True})
-    spec = worker_machine(jammed)
+    spec = worker_machine(jammed, idempotent=False)
     other = Machine(
         "other",
         initial="WORK",
@@ -112,7 +125,7 @@ async def test_tool_that_raises_is_journaled_and_the_run_continues(
             {
                 "tool": "work",
                 "key": "r-1:WORK:3",
-                "error": "RuntimeError: label printer jammed",
+                "error": "ToolError: label printer jammed",
                 "retryable": False,
                 "attempts": 1,
             },
@@ -334,66 +347,88 @@ class Flaky:
 PROVIDER_ERROR = "provider raised RuntimeError: model overloaded"
 
 
-async def test_provider_that_raises_is_a_rejected_proposal(
-    memory_store: MemoryStore, events_of: Any
+async def test_provider_that_raises_is_retried_not_rejected(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
 ) -> None:
-    result = await run_one(worker_machine(Recorder(lambda ctx: None)), Flaky(1), memory_store)
+    """A provider's failure is journaled as its own event and retried after a backoff; it is
+    never a rejection of the model (#14)."""
+    result = await run_one(worker_machine(Recorder(lambda ctx: None)), Flaky(2), memory_store)
     assert result.outcome == "completed"
-    assert await events_of(memory_store, "r-1") == [
-        ("RunStarted", {"machine": "job", "state": "WORK", "inputs": {}}),
-        ("ModelCalled", {"state": "WORK", "model": "flaky", "raw": "", "error": PROVIDER_ERROR}),
-        (
-            "ProposalRejected",
-            {
-                "state": "WORK",
-                "violations": (
-                    Violation(
-                        "malformed",
-                        "$",
-                        f"no proposal: {PROVIDER_ERROR}",
-                        "the proposer failed; it will be asked again",
-                    ),
-                ),
-            },
-        ),
-        ("ModelCalled", {"state": "WORK", "model": "flaky", "raw": DONE, "error": ""}),
-        ("Transitioned", {"src": "WORK", "dst": "COMPLETED", "delta": {}, "reason": "proposal"}),
-        ("Completed", {"state": "COMPLETED", "output": None}),
-    ]
-
-
-async def test_provider_that_keeps_raising_escalates(
-    memory_store: MemoryStore, events_of: Any
-) -> None:
-    result = await run_one(worker_machine(Recorder(lambda ctx: None)), Flaky(99), memory_store)
-    assert (result.outcome, result.reason) == ("escalated", "consecutive_failures")
     events = await events_of(memory_store, "r-1")
+    assert [kind for kind, _ in events] == [
+        "RunStarted",
+        "ProviderFailed",
+        "ProviderFailed",
+        "ModelCalled",
+        "Transitioned",
+        "Completed",
+    ]
+    first, second = events[1][1], events[2][1]
+    assert {k: v for k, v in first.items() if k != "retry_in"} == {
+        "state": "WORK",
+        "model": "flaky",
+        "error": PROVIDER_ERROR,
+        "attempt": 1,
+        "retryable": True,
+        "retry_after": None,
+    }
+    assert second["attempt"] == 2
+    # the default policy: 1 s doubled, jittered into [wait/2, wait]
+    assert 0.5 <= first["retry_in"] <= 1.0
+    assert 1.0 <= second["retry_in"] <= 2.0
+
+
+async def test_provider_that_keeps_raising_escalates_as_unavailable(
+    memory_store: MemoryStore, events_of: Any, autojump_clock: Any
+) -> None:
+    spec = Machine(
+        "job",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"])},
+        provider_policy=ProviderPolicy(attempts=4, base=1.0, jitter=False),
+    )
+    result = await run_one(spec, Flaky(99), memory_store)
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    events = await events_of(memory_store, "r-1")
+    failed = [fields for kind, fields in events if kind == "ProviderFailed"]
+    assert [(f["attempt"], f["retry_in"]) for f in failed] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 4.0),
+        (4, None),
+    ]
+    assert not [kind for kind, _ in events if kind == "ProposalRejected"]
     assert events[-1] == (
         "Escalated",
         {
             "state": "WORK",
-            "reason": "consecutive_failures",
-            "detail": "3 consecutive failures in state 'WORK' (limit 3); last: "
-            f"no proposal: {PROVIDER_ERROR}",
+            "reason": "provider_unavailable",
+            "detail": "model 'flaky' did not answer in state 'WORK': 4 calls in a row failed "
+            f"(provider_policy.attempts=4); last error: {PROVIDER_ERROR}. Check the provider, "
+            "then resume the run",
         },
     )
 
 
-async def test_exhausted_script_is_a_provider_error(
+async def test_exhausted_script_escalates_at_once(
     memory_store: MemoryStore, events_of: Any
 ) -> None:
     await run_one(worker_machine(Recorder(lambda ctx: None)), ScriptedProvider(["{"]), memory_store)
     events = await events_of(memory_store, "r-1")
     assert events[3] == (
-        "ModelCalled",
+        "ProviderFailed",
         {
             "state": "WORK",
             "model": "scripted",
-            "raw": "",
             "error": "provider raised ScriptExhausted: script for run 'r-1' has 1 outputs; "
             "all were used",
+            "attempt": 1,
+            "retryable": False,
+            "retry_after": None,
+            "retry_in": None,
         },
     )
+    assert events[-1][1]["reason"] == "provider_unavailable"
 
 
 class Order(msgspec.Struct):

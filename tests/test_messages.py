@@ -35,6 +35,8 @@ from interlock import (
     ProposalRejected,
     Propose,
     ProtocolError,
+    ProviderFailed,
+    Reconciled,
     Report,
     Resumed,
     RunStarted,
@@ -44,6 +46,7 @@ from interlock import (
     ToolCall,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
     Transitioned,
     Verdict,
     Violation,
@@ -85,6 +88,9 @@ MESSAGES: dict[str, Any] = {
         retryable=True,
         attempts=3,
         latency=1.5,
+    ),
+    "Reconciliation": _messages.Reconciliation(
+        run_id="r-1", seq=6, key="r-1:WORK:5", applied=True, result={"sent": True}, latency=0.5
     ),
     "Cancel": Cancel(run_id="r-1", seq=6, reason="the customer withdrew"),
     "Resume": _messages.Resume(
@@ -146,6 +152,7 @@ def test_messages_carry_their_tags() -> None:
         "Start": "start",
         "Propose": "propose",
         "Report": "report",
+        "Reconciliation": "reconciliation",
         "Cancel": "cancel",
         "Resume": "resume",
         "Abort": "abort",
@@ -334,6 +341,59 @@ GOLDEN_EVENTS.append(
     )
 )
 GOLDEN_0_1 = GOLDEN.with_name("events-0.1.0.msgpack")
+#: What journals written before #14 hold: the events above, with none of its fields set.
+GOLDEN_EVENTS_0_2 = list(GOLDEN_EVENTS)
+GOLDEN_0_2 = GOLDEN.with_name("events-0.2.0.msgpack")
+#: The kinds #14 added, and events of each (and of the fields it added to older kinds).
+NEW_IN_0_3 = {"ProviderFailed", "ToolInDoubt", "Reconciled"}
+GOLDEN_EVENTS += [
+    ProviderFailed(
+        run_id="r-3",
+        seq=2,
+        ts=TS + 70,
+        state="WORK",
+        model="gpt-test",
+        error="provider raised ProviderError: 429 too many requests",
+        attempt=2,
+        retryable=True,
+        retry_after=4.0,
+        retry_in=4.0,
+        latency=0.75,
+    ),
+    msgspec.structs.replace(
+        GOLDEN_EVENTS[1],
+        run_id="r-3",
+        seq=3,
+        raw="bad \\udcff byte",
+        defect="the proposal holds U+DCFF at character 4 (byte offset 4): the invalid UTF-8 "
+        "byte 0xFF, decoded with surrogateescape, which UTF-8 cannot encode",
+    ),
+    ToolInDoubt(
+        run_id="r-3",
+        seq=5,
+        ts=TS + 71,
+        tool="notify",
+        key="r-3:WORK:4",
+        error="timed out after 5 s",
+        attempts=1,
+        latency=5.0,
+    ),
+    Reconciled(run_id="r-3", seq=6, ts=TS + 72, tool="notify", key="r-3:WORK:4", applied=True),
+    ToolCommitted(
+        run_id="r-3",
+        seq=7,
+        ts=TS + 72,
+        tool="notify",
+        key="r-3:WORK:4",
+        result={"sent": True},
+        attempts=0,
+        reconciled=True,
+    ),
+    Transitioned(
+        run_id="r-3", seq=9, ts=TS + 73, src="WORK", dst="COMPLETED", delta_in_proposal=True
+    ),
+    Completed(run_id="r-3", seq=10, ts=TS + 73, state="COMPLETED", output_in_delta=True),
+]
 
 
 def golden_bytes() -> bytes:
@@ -341,9 +401,15 @@ def golden_bytes() -> bytes:
 
 
 def test_golden_events_cover_every_kind() -> None:
-    kinds = {type(e).__name__ for e in GOLDEN_EVENTS_0_1}
+    kinds = {type(e).__name__ for e in GOLDEN_EVENTS}
     assert kinds == {cls.__name__ for cls in typing.get_args(JournalEvent)}
-    assert len(GOLDEN_EVENTS_0_1) == len(kinds)  # one of each, plus a prompt delta after them
+    assert {type(e).__name__ for e in GOLDEN_EVENTS_0_1} == kinds - NEW_IN_0_3
+
+
+def test_journals_from_before_provider_failures_still_decode() -> None:
+    """Events written before the fields and kinds of #14 read as they did."""
+    payloads = msgspec.msgpack.decode(GOLDEN_0_2.read_bytes(), type=list[msgspec.Raw])
+    assert [decode_event(bytes(payload)) for payload in payloads] == GOLDEN_EVENTS_0_2
 
 
 def test_events_carry_their_tags() -> None:
@@ -357,6 +423,9 @@ def test_events_carry_their_tags() -> None:
         "IntentRecorded": "intent_recorded",
         "ToolCommitted": "tool_committed",
         "ToolFailed": "tool_failed",
+        "ToolInDoubt": "tool_in_doubt",
+        "Reconciled": "reconciled",
+        "ProviderFailed": "provider_failed",
         "BreakerTripped": "breaker_tripped",
         "Escalated": "escalated",
         "Resumed": "resumed",

@@ -67,6 +67,10 @@ FAMILIES = {
     "interlock_escalations_pending": "gauge",
     "interlock_tool_calls": "counter",
     "interlock_tool_errors": "counter",
+    "interlock_provider_failures": "counter",
+    "interlock_tool_in_doubt": "counter",
+    "interlock_reconciliations": "counter",
+    "interlock_escalations": "counter",
     "interlock_tool_call_seconds": "histogram",
     "interlock_side_effects": "counter",
     "interlock_journal_flush_seconds": "histogram",
@@ -509,7 +513,9 @@ def test_dashboard_panels_use_the_provisioned_datasource() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] == "interlock-overview"
     titles = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
-    assert titles == {"Token burn", "Breakers", "Verification", "Runs", "Tools", "Journal"}
+    assert titles == {
+        "Token burn", "Breakers", "Verification", "Runs", "Tools", "Journal", "Reliability",
+    }  # fmt: skip
     for panel in _panels(dashboard):
         assert panel["datasource"] == DATASOURCE, panel["title"]
         for target in panel.get("targets", []):

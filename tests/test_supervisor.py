@@ -761,7 +761,7 @@ async def test_statistics(memory_store: MemoryStore) -> None:
         tools=[
             Tool("lookup_order", lookup_order, LookupArgs, read_only=True),
             Tool("refund", refund, RefundArgs),
-            Tool("ship", ship, retry=RetryPolicy(attempts=1)),
+            Tool("ship", ship, retry=RetryPolicy(attempts=1), not_applied=(RuntimeError,)),
         ],
     )
     bad = '{"next": "NOWHERE"}'

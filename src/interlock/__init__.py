@@ -35,6 +35,8 @@ from ._events import (
 from ._events import (
     ProposalRejected as ProposalRejected,
 )
+from ._events import ProviderFailed as ProviderFailed
+from ._events import Reconciled as Reconciled
 from ._events import (
     Resumed as Resumed,
 )
@@ -53,6 +55,7 @@ from ._events import (
 from ._events import (
     ToolFailed as ToolFailed,
 )
+from ._events import ToolInDoubt as ToolInDoubt
 from ._events import (
     Transitioned as Transitioned,
 )
@@ -144,6 +147,7 @@ from ._messages import (
 from ._messages import (
     Propose as Propose,
 )
+from ._messages import Reconciliation as Reconciliation
 from ._messages import (
     Report as Report,
 )
@@ -263,7 +267,10 @@ __all__ = [
     "Propose",
     "ProtocolError",
     "ProviderError",
+    "ProviderFailed",
     "ProviderPolicy",
+    "Reconciled",
+    "Reconciliation",
     "Reject",
     "ReplayDivergence",
     "ReplayReport",
@@ -294,6 +301,7 @@ __all__ = [
     "ToolDefinitionError",
     "ToolError",
     "ToolFailed",
+    "ToolInDoubt",
     "ToolResult",
     "Transitioned",
     "Verdict",

@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
+import email.utils
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
-from ._events import unjournalable
-from ._exceptions import InterlockError
+from ._events import TokenUsage, unjournalable
+from ._exceptions import InterlockError, InternalError, ProviderError
 from ._machine import Step, encode_action
-from ._messages import Propose, Report, Sync, ToolCall, Verdict
-from ._tools import RetryableToolError, ToolContext
+from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
+from ._tools import Applied, NotApplied, ToolContext, ToolError
 from ._view import RunView
+from .providers._base import Proposal
 
 if TYPE_CHECKING:
     from ._supervisor import RunHandle, Supervisor
     from ._tools import Tool
     from .providers import Provider
 
-_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 529})
+
+#: What a run never contains: these end the task (trio's cancellation, Ctrl-C, exit).
+_PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class _Attempts:
     """A verified call's attempts so far. It outlives a cut (see execute_call)."""
 
     __slots__ = (
+        "applied",
         "attempt",
         "call",
         "error",
@@ -48,12 +54,14 @@ class _Attempts:
         self.error = ""
         self.retryable = False
         self.retry_after: float | None = None
+        self.applied: bool | None = None
+        """Whether the latest failed attempt was applied downstream (None: unknown)."""
         self.rng: random.Random | None = None
 
 
 #: What a cut carries out of the run's cancelled scope: the model's answer, a call's
-#: attempts so far (its latest one timed out), or a call's finished report.
-_Carried = Propose | _Attempts | Report
+#: attempts so far (its latest one timed out), or a finished report or reconciliation.
+_Carried = Propose | _Attempts | Report | Reconciliation
 
 
 class _Cut(Exception):  # a signal inside the actor, never raised out of it
@@ -63,19 +71,64 @@ class _Cut(Exception):  # a signal inside the actor, never raised out of it
         self.carried = carried
 
 
+def _passes_through(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a leaf of it, for a group) must leave the run's task as it is."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(_PASS_THROUGH) is not None
+    return isinstance(exc, _PASS_THROUGH)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(trio.Cancelled) is not None
+    return isinstance(exc, trio.Cancelled)
+
+
+def describe_exception(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message``; for an exception group, its leaves, each as ``Type: message``."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves: list[str] = []
+
+        def walk(group: BaseExceptionGroup[BaseException]) -> None:
+            for inner in group.exceptions:
+                if isinstance(inner, BaseExceptionGroup):
+                    walk(inner)
+                else:
+                    leaves.append(_one(inner))
+
+        walk(exc)
+        text = f"{type(exc).__name__} ({len(leaves)} leaves): {'; '.join(leaves)}"
+    else:
+        text = _one(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one(exc: BaseException) -> str:
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ raises still gets named
+        message = "<its message could not be read>"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 async def run_actor(
     supervisor: Supervisor, handle: RunHandle, verdict: Verdict, provider: Provider | None
 ) -> None:
-    """Drive one run until it is terminal or escalated. Never raises for a tool's failure.
+    """Drive one run until it is terminal or escalated. Never raises for a run's fault.
 
     The run lives in one cancel scope, ``handle._scope``, not one per model call and
     one per tool attempt: entering a trio scope costs as much as the rest of a step's
     bookkeeping. Timeouts are kept by the supervisor's watchdog (one heap entry each),
     which cancels the run's scope only while the actor waits for what timed out: the
-    model, past the run's deadline, or a tool attempt, past the tool's timeout. The
-    actor then carries what it was doing out of the cancelled scope and goes on in a
-    fresh one. So a tool call is never cut by the run's deadline, only by its own
-    timeout or by cancel_run.
+    model, past its call timeout or the run's deadline, or a tool attempt, past the
+    tool's timeout. The actor then carries what it was doing out of the cancelled scope
+    and goes on in a fresh one. So a tool call is never cut by the run's deadline, only
+    by its own timeout or by cancel_run.
+
+    Whatever a provider or a tool does (returns garbage, raises anything, opens a
+    nursery that fails) ends up journaled for this run alone; only trio's cancellation,
+    KeyboardInterrupt and SystemExit leave the task. A bug in interlock itself ends this
+    run with an :class:`InternalError` on its handle, never its neighbours.
     """
     run_id = handle.run_id
     try:
@@ -99,6 +152,14 @@ async def run_actor(
         _finish(supervisor, handle, None)
     except InterlockError as exc:
         _finish(supervisor, handle, exc)
+    except Exception as exc:
+        error = InternalError(
+            f"run {run_id!r} was stopped by a bug in interlock: {describe_exception(exc)}; "
+            "its journal is intact, and `interlock resume` continues it"
+        )
+        error.__cause__ = exc
+        supervisor.runs.pop(run_id, None)
+        _finish(supervisor, handle, error)
     finally:
         if not handle.done:
             handle._finish(None, InterlockError(f"run {run_id!r} was cancelled before it finished"))
@@ -115,23 +176,28 @@ async def _drive(
     run_id = handle.run_id
     durable = True
     proposal = carried if isinstance(carried, Propose) else None
-    report = carried if isinstance(carried, Report) else None
+    told = carried if isinstance(carried, Report | Reconciliation) else None
     attempts = carried if isinstance(carried, _Attempts) else None
-    while proposal is not None or report is not None or verdict.outcome == "running":
+    while proposal is not None or told is not None or verdict.outcome == "running":
         if proposal is None:
-            if report is None and attempts is None and verdict.execute is not None:
-                attempts = _Attempts(verdict.state, verdict.seq, verdict.execute)
+            if told is None and attempts is None:
+                if verdict.execute is not None:
+                    attempts = _Attempts(verdict.state, verdict.seq, verdict.execute)
+                elif verdict.reconcile is not None:
+                    told = await reconcile_call(supervisor, handle, verdict)
             if attempts is not None:
-                report = await execute_call(supervisor, handle, attempts)
+                told = await execute_call(supervisor, handle, attempts)
                 attempts = None
-            if report is not None:
+            if told is not None:
                 # NOTE: the commit need not be durable before the next model call:
                 # the next verdict is sent only after a flush that holds it, and a
                 # crash before then leaves the call in doubt, which recovery handles.
-                verdict = supervisor.submit_nowait(report)
-                report = None
+                verdict = supervisor.submit_nowait(told)
+                told = None
                 durable = False
                 continue
+            if verdict.retry_in > 0:
+                await _backoff(handle, verdict.retry_in)
             proposal = await _next_proposal(supervisor, handle, provider)
         verdict = await supervisor.request(proposal)
         proposal = None
@@ -140,7 +206,18 @@ async def _drive(
         await supervisor.request(Sync(run_id=run_id))
 
 
-def _finish(supervisor: Supervisor, handle: RunHandle, error: InterlockError | None) -> None:
+async def _backoff(handle: RunHandle, seconds: float) -> None:
+    """Wait before asking a provider that failed again; the run's deadline cuts the wait."""
+    if handle._deadline_passed:
+        return  # the next call is refused at once (see _next_proposal)
+    handle._in_provider = True
+    try:
+        await trio.sleep(seconds)
+    finally:
+        handle._in_provider = False
+
+
+def _finish(supervisor: Supervisor, handle: RunHandle, error: Exception | None) -> None:
     # NOTE: an operator may end the run (cancel_run) while its actor waits; then the
     # actor's own request is refused, but the run did end, with a journaled result.
     run = supervisor.runs.get(handle.run_id)
@@ -160,8 +237,89 @@ def _deadline_cut(supervisor: Supervisor, handle: RunHandle) -> Propose:
         raw="",
         model=handle._model,
         error=f"no answer before the run's deadline of {run.machine.budgets.deadline:g} s",
+        retryable=False,
         latency=time.perf_counter() - handle._asked,
     )
+
+
+def _text(value: Any) -> str:
+    return value if type(value) is str else ""
+
+
+def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> Propose:
+    """The proposal message for what a provider returned, whatever it returned.
+
+    A provider may return anything; only a :class:`Proposal` whose fields have their
+    types is a proposal. Anything else is journaled as a defect of that answer, and
+    the gate rejects it as ``malformed`` naming the type; the run goes on.
+    """
+    if not isinstance(answer, Proposal):
+        return Propose(
+            run_id=run_id,
+            seq=seq,
+            raw="",
+            model=model,
+            latency=latency,
+            defect=f"the provider returned {type(answer).__name__}, not a Proposal",
+        )
+    raw, usage = answer.raw, answer.usage
+    defect = ""
+    if type(raw) is not str:
+        defect = f"the provider's Proposal.raw is {type(raw).__name__}, not str"
+        raw = ""
+    elif not (
+        type(usage) is TokenUsage
+        and type(usage.prompt) is int
+        and type(usage.completion) is int
+        and usage.prompt >= 0
+        and usage.completion >= 0
+    ):
+        defect = (
+            f"the provider's Proposal.usage is {usage!r}, not a TokenUsage of two non-negative ints"
+        )
+        usage = TokenUsage()
+    return Propose(
+        run_id=run_id,
+        seq=seq,
+        raw=raw,
+        model=_text(answer.model) or model,
+        prompt=_text(answer.prompt),
+        usage=usage if type(usage) is TokenUsage else TokenUsage(),
+        latency=latency,
+        defect=defect,
+    )
+
+
+def _retry_after_header(headers: Any) -> float | None:
+    """Seconds from a ``retry-after-ms`` or ``Retry-After`` header (seconds or an HTTP date)."""
+    if headers is None:
+        return None
+    try:
+        millis = headers.get("retry-after-ms")
+        if millis is not None:
+            return max(0.0, float(millis) / 1000)
+        header = headers.get("retry-after")
+        if header is None:
+            return None
+        try:
+            return max(0.0, float(header))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(header)
+            return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+def _provider_failure(exc: BaseException) -> tuple[bool, float | None]:
+    """Whether retrying a provider that raised ``exc`` can help, and its Retry-After."""
+    if isinstance(exc, ProviderError):
+        return exc.retryable, exc.retry_after
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+        retryable = status in _RETRYABLE_STATUS or status >= 500
+        return retryable, _retry_after_header(getattr(response, "headers", None))
+    return True, None  # anything else a provider raises: a failure to answer, retried
 
 
 async def _next_proposal(
@@ -175,67 +333,89 @@ async def _next_proposal(
         try:
             raw = encode_action(spec.fn(view)).decode()
         except Exception as exc:
-            error = f"step {run.state!r} raised {type(exc).__name__}: {exc}"
+            error = f"step {run.state!r} raised {describe_exception(exc)}"
             return Propose(run_id=run_id, seq=run.seq, raw="", source="step", error=error)
         return Propose(run_id=run_id, seq=run.seq, raw=raw, source="step")
     assert provider is not None
     seq = run.seq  # the state this proposal answers; a stale one is refused
-    model = getattr(provider, "model", "")
+    model = _text(getattr(provider, "model", ""))
     started = time.perf_counter()
     handle._model, handle._asked = model, started
     if handle._deadline_passed:
         # Past the deadline the wait would be cut at once: do not start the call.
         return _deadline_cut(supervisor, handle)
+    timeout = run.machine.provider_policy.timeout
     handle._in_provider = True
+    token = supervisor.arm_timeout(handle, timeout)
     try:
-        proposal = await provider.propose(view)
-    except Exception as exc:
+        answer = await provider.propose(view)
+    except BaseException as exc:
+        timed_out = handle._tool_cut == token
+        if _passes_through(exc) and not (timed_out and _cancelled(exc)):
+            raise
+        if timed_out:  # its call timeout: leave the cancelled scope with the failure
+            raise _Cut(
+                Propose(
+                    run_id=run_id,
+                    seq=seq,
+                    raw="",
+                    model=model,
+                    error=f"the model call timed out after {timeout:g} s",
+                    latency=time.perf_counter() - started,
+                )
+            ) from None
+        retryable, retry_after = _provider_failure(exc)
         return Propose(
             run_id=run_id,
             seq=seq,
             raw="",
             model=model,
-            error=f"provider raised {type(exc).__name__}: {exc}",
+            error=f"provider raised {describe_exception(exc)}",
+            retryable=retryable,
+            retry_after=retry_after,
             latency=time.perf_counter() - started,
         )
     finally:
         handle._in_provider = False
-    answer = Propose(
-        run_id=run_id,
-        seq=seq,
-        raw=proposal.raw,
-        model=proposal.model,
-        prompt=proposal.prompt,
-        usage=proposal.usage,
-        latency=time.perf_counter() - started,
-    )
+        handle._tool_token = 0
+    message = _answer(run_id, seq, model, answer, time.perf_counter() - started)
     if handle._scope.cancel_called:
         # The answer came as the scope was cancelled: the next checkpoint would raise.
-        raise _Cut(answer)
-    return answer
+        raise _Cut(message)
+    return message
 
 
-def _retry_after(exc: BaseException) -> tuple[bool, float | None]:
-    """Return whether ``exc`` is worth retrying, and the Retry-After it carries."""
-    if isinstance(exc, RetryableToolError):
-        return True, exc.retry_after
+def _tool_failure(exc: BaseException, tool: Tool) -> tuple[bool, float | None, bool | None]:
+    """Whether a failed attempt is worth retrying, its Retry-After, and whether it was applied."""
+    if isinstance(exc, ToolError):
+        return exc.retryable, exc.retry_after, exc.applied
+    applied: bool | None = False if isinstance(exc, tool.not_applied) else None
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
     if isinstance(status, int):
-        header = None
-        headers = getattr(response, "headers", None)
-        if headers is not None:
-            header = headers.get("retry-after")
-        try:
-            after = float(header) if header is not None else None
-        except ValueError:
-            after = None
-        return status in _RETRYABLE_STATUS, after
-    return isinstance(exc, ConnectionError | TimeoutError), None
+        after = _retry_after_header(getattr(response, "headers", None))
+        return status in _RETRYABLE_STATUS, after, applied
+    return isinstance(exc, ConnectionError | TimeoutError), None, applied
+
+
+def _may_retry(tool: Tool, attempts: _Attempts) -> bool:
+    """Whether the latest failed attempt may be tried again.
+
+    NOTE: a tool that is not safe to repeat is retried only after a failure that says
+    it was not applied: an attempt that may have reached the downstream is in doubt.
+    """
+    if not attempts.retryable or attempts.attempt >= tool.retry.attempts:
+        return False
+    return tool.safe_to_repeat or attempts.applied is False
 
 
 async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Attempts) -> Report:
     """Run a verified call with its timeout and retry policy; return the report to journal.
+
+    A tool that is safe to repeat (idempotent or read-only) is retried with the same key
+    after a retryable failure. One that is not is retried only after a failure that says
+    it was not applied; after any other failure (a timeout included) the report leaves
+    the call in doubt, and the supervisor reconciles or escalates it.
 
     Raises:
       _Cut: the watchdog cut an attempt at the tool's timeout (``attempts`` says how far
@@ -253,7 +433,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
     policy = tool.retry
     while True:
         if attempts.attempt:  # the latest attempt failed: retry it, or report the failure
-            if not attempts.retryable or attempts.attempt >= policy.attempts:
+            if not _may_retry(tool, attempts):
                 break
             if attempts.rng is None:  # jitter that replays the same for the same key
                 attempts.rng = random.Random(call.key)
@@ -266,17 +446,17 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
         token = supervisor.arm_timeout(handle, tool.timeout)
         try:
             result = await tool.execute(args, ctx)
-        except (trio.Cancelled, BaseExceptionGroup):
-            if handle._tool_cut == token:  # its timeout, not cancel_run or a shutdown
+        except BaseException as exc:
+            timed_out = handle._tool_cut == token  # its timeout, not cancel_run or a shutdown
+            if _passes_through(exc) and not (timed_out and _cancelled(exc)):
+                raise
+            if timed_out:  # cut, or the tool turned the cut into an error of its own
                 attempts.error = f"timed out after {tool.timeout:g} s"
                 attempts.retryable = True
+                attempts.applied = None
                 raise _Cut(attempts) from None
-            raise
-        except Exception as exc:
-            attempts.retryable, attempts.retry_after = _retry_after(exc)
-            attempts.error = f"{type(exc).__name__}: {exc}"
-            if handle._tool_cut == token:  # the tool turned the cut into an error
-                raise _Cut(attempts) from None
+            attempts.retryable, attempts.retry_after, attempts.applied = _tool_failure(exc, tool)
+            attempts.error = describe_exception(exc)
             continue
         finally:
             handle._tool_token = 0
@@ -293,6 +473,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
                 f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
             )
             attempts.retryable = False
+            attempts.applied = True
             report = _failure(run_id, attempts)
         else:
             report = Report(
@@ -318,6 +499,78 @@ def _failure(run_id: str, attempts: _Attempts) -> Report:
         ok=False,
         error=attempts.error,
         retryable=attempts.retryable,
+        applied=attempts.applied,
         attempts=attempts.attempt,
         latency=time.perf_counter() - attempts.started,
     )
+
+
+async def reconcile_call(
+    supervisor: Supervisor, handle: RunHandle, verdict: Verdict
+) -> Reconciliation:
+    """Ask the downstream of a call in doubt whether its key was applied.
+
+    The tool's ``reconcile`` runs under the tool's timeout. Whatever it does, the answer
+    is a :class:`Reconciliation`: applied (with the result it reported), not applied, or
+    unknown (it raised, timed out, or returned something else), with the reason.
+
+    Raises:
+      _Cut: the watchdog cut reconcile at the tool's timeout, or it finished as it was cut.
+    """
+    call = verdict.reconcile
+    assert call is not None
+    run_id = handle.run_id
+    tool: Tool = supervisor.runs[run_id].machine.tool_by_name[call.tool]
+    assert tool.reconcile is not None
+    started = time.perf_counter()
+
+    def answer(applied: bool | None, result: Any = None, error: str = "") -> Reconciliation:
+        return Reconciliation(
+            run_id=run_id,
+            seq=verdict.seq,
+            key=call.key,
+            applied=applied,
+            result=result,
+            error=error,
+            latency=time.perf_counter() - started,
+        )
+
+    token = supervisor.arm_timeout(handle, tool.timeout)
+    try:
+        args = tool.validator.from_builtins(call.args)
+        ctx = ToolContext(run_id=run_id, state=verdict.state, key=call.key, attempt=0)
+        found = await tool.reconcile(call.key, args, ctx)
+    except BaseException as exc:
+        timed_out = handle._tool_cut == token
+        if _passes_through(exc) and not (timed_out and _cancelled(exc)):
+            raise
+        if timed_out:
+            raise _Cut(
+                answer(None, error=f"reconcile timed out after {tool.timeout:g} s")
+            ) from None
+        return answer(None, error=f"reconcile raised {describe_exception(exc)}")
+    finally:
+        handle._tool_token = 0
+    if found is NotApplied or isinstance(found, NotApplied):
+        message = answer(False)
+    elif isinstance(found, Applied):
+        try:
+            payload = msgspec.to_builtins(found.result)
+        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+            problem: str | None = str(exc) or type(exc).__name__
+        else:
+            problem = unjournalable(payload)
+        if problem is None:
+            message = answer(True, payload)
+        else:
+            message = answer(
+                None, error=f"reconcile returned a result that cannot be journaled: {problem}"
+            )
+    else:
+        message = answer(
+            None,
+            error=f"reconcile returned {type(found).__name__}, not Applied(result) or NotApplied",
+        )
+    if handle._tool_cut == token:  # it finished as it was cut: leave the scope first
+        raise _Cut(message)
+    return message

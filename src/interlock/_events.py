@@ -88,7 +88,12 @@ class ModelCalled(Event, frozen=True, tag="model_called"):
     latency: float = 0.0
     """Seconds the provider took."""
     error: str = ""
-    """Set when the provider failed to answer (``raw`` is then empty)."""
+    """Set when the provider failed to answer (``raw`` is then empty). Journals written
+    since ``provider_failed`` exists record such a failure as that event instead."""
+    defect: str | msgspec.UnsetType = msgspec.UNSET
+    """Set when the provider's answer could not be read as text (not a string, or a
+    string with code points UTF-8 cannot hold); ``raw`` then shows it escaped, and
+    the proposal is rejected as ``malformed`` with this text. Absent (UNSET) otherwise."""
     prompt_base: int = 0
     """Seq of the earlier model call ``prompt`` is a delta against; 0: ``prompt`` is whole."""
     prompt_prefix: int = 0
@@ -123,7 +128,12 @@ class Transitioned(Event, frozen=True, tag="transitioned"):
     delta: dict[str, Any] = {}
     """Changes to the run's data carried by the transition."""
     reason: str = "proposal"
-    """``proposal``, ``step``, ``breaker``, ``fallback`` or ``operator``."""
+    """``proposal``, ``step``, ``breaker``, ``fallback``, ``operator``, ``recovery``,
+    ``in_doubt`` or ``provider``."""
+    delta_in_proposal: bool | msgspec.UnsetType = msgspec.UNSET
+    """True when ``delta`` is left out because it is exactly the ``data`` of the proposal
+    journaled just before (the ``raw`` of that ``model_called`` or ``step_proposed``):
+    the journal holds it once, and a fold reads it from there. Absent otherwise."""
 
 
 class IntentRecorded(Event, frozen=True, tag="intent_recorded"):
@@ -146,6 +156,68 @@ class ToolCommitted(Event, frozen=True, tag="tool_committed"):
     latency: float = 0.0
     reused: bool = False
     """True when the result was taken from an earlier commit of the same key."""
+    reconciled: bool | msgspec.UnsetType = msgspec.UNSET
+    """True when the downstream reported the key applied (``reconcile``) and ``result``
+    is what it reported; the call was not executed again. Absent (UNSET, falsy) otherwise:
+    fields added to an existing event are left out unless set, so the bytes of every
+    event written before them stay as they were."""
+
+
+class ToolInDoubt(Event, frozen=True, tag="tool_in_doubt"):
+    """A call of a tool that is not safe to repeat may or may not have been applied.
+
+    An attempt failed after it may have reached the downstream (a timeout, a dropped
+    connection, any exception that does not say "not applied"), or a crash came between
+    the intent and the outcome. The call stays pending: it is reconciled with the
+    downstream if its tool can (``reconciled`` follows), otherwise the run escalates
+    with reason ``in_doubt_side_effect``. It is never executed again blindly.
+    """
+
+    tool: str
+    key: str
+    error: str
+    attempts: int = 0
+    """Attempts made in this process (0 after a crash)."""
+    latency: float = 0.0
+    after_crash: bool = False
+
+
+class Reconciled(Event, frozen=True, tag="reconciled"):
+    """The tool's ``reconcile`` was asked whether the call with ``key`` was applied.
+
+    ``applied`` is True (a ``tool_committed`` with the reported result follows), False
+    (the call is executed once, with the same key) or None (reconcile raised or timed
+    out: ``error`` says how; the run escalates as in doubt).
+    """
+
+    tool: str
+    key: str
+    applied: bool | None
+    error: str = ""
+    latency: float = 0.0
+
+
+class ProviderFailed(Event, frozen=True, tag="provider_failed"):
+    """The provider failed to answer a model call: it raised, timed out or was unavailable.
+
+    Not the model's mistake: it counts toward no rejection, step or breaker. The run
+    asks again after ``retry_in`` seconds, or, when the machine's provider policy is
+    exhausted (``retry_in`` is None), escalates with reason ``provider_unavailable``
+    (or trips the deadline breaker, if the run's deadline has passed).
+    """
+
+    state: str
+    model: str
+    error: str
+    attempt: int = 1
+    """Failed model calls in a row, this one included."""
+    retryable: bool = True
+    """False when the provider said retrying cannot help."""
+    retry_after: float | None = None
+    """Seconds the provider asked to wait (Retry-After), if it said."""
+    retry_in: float | None = None
+    """Seconds the run waits before it asks again; None when it gave up."""
+    latency: float = 0.0
 
 
 class ToolFailed(Event, frozen=True, tag="tool_failed"):
@@ -193,6 +265,9 @@ class Completed(Event, frozen=True, tag="completed"):
 
     state: str
     output: Any = None
+    output_in_delta: bool | msgspec.UnsetType = msgspec.UNSET
+    """True when ``output`` is left out because it is the delta of the ``transitioned``
+    event just before (the journal holds it once); a fold restores it. Absent otherwise."""
 
 
 class Failed(Event, frozen=True, tag="failed"):
@@ -211,6 +286,9 @@ JournalEvent: TypeAlias = (
     | IntentRecorded
     | ToolCommitted
     | ToolFailed
+    | ToolInDoubt
+    | Reconciled
+    | ProviderFailed
     | BreakerTripped
     | Escalated
     | Resumed
@@ -227,6 +305,9 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     IntentRecorded,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
+    Reconciled,
+    ProviderFailed,
     BreakerTripped,
     Escalated,
     Resumed,

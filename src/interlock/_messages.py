@@ -41,6 +41,13 @@ class Propose(Msg, frozen=True, tag="propose"):
     latency: float = 0.0
     error: str = ""
     """Set when the provider or step failed to produce anything; ``raw`` is then empty."""
+    retryable: bool = True
+    """For a provider failure (``error``): False when retrying cannot help."""
+    retry_after: float | None = None
+    """For a provider failure: seconds the provider asked to wait, if it said."""
+    defect: str = ""
+    """Set when the provider answered something that cannot be read as a proposal (not
+    text, or text UTF-8 cannot hold); ``raw`` then shows it escaped."""
 
 
 class Report(Msg, frozen=True, tag="report"):
@@ -52,6 +59,25 @@ class Report(Msg, frozen=True, tag="report"):
     error: str = ""
     retryable: bool = False
     attempts: int = 1
+    latency: float = 0.0
+    applied: bool | None = None
+    """For a failure: whether the downstream applied the call. ``False`` (certainly not)
+    hands the failure back to the model; ``None`` (unknown, the default) or ``True``
+    leave a call of a tool that is not safe to repeat in doubt (reconciled or escalated).
+    Ignored for idempotent and read-only tools."""
+
+
+class Reconciliation(Msg, frozen=True, tag="reconciliation"):
+    """What the tool's ``reconcile`` said of the call in doubt with idempotency key ``key``.
+
+    ``applied``: True (``result`` is the call's result), False (not applied), or None
+    (reconcile raised or timed out; ``error`` says how).
+    """
+
+    key: str
+    applied: bool | None
+    result: Any = None
+    error: str = ""
     latency: float = 0.0
 
 
@@ -106,10 +132,18 @@ class Verdict(Msg, frozen=True, tag="verdict"):
     """For an accepted tool call: what to run now."""
     result: Any = None
     """For a call whose key was already committed: the recorded result, reused."""
+    reconcile: ToolCall | None = None
+    """For a call in doubt whose tool can reconcile: ask its downstream now."""
+    retry_in: float = 0.0
+    """After a provider failure: seconds to wait before asking the model again."""
 
 
-Request: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Sync
-Message: TypeAlias = Start | Propose | Report | Cancel | Resume | Abort | Recover | Sync | Verdict
+Request: TypeAlias = (
+    Start | Propose | Report | Reconciliation | Cancel | Resume | Abort | Recover | Sync
+)
+Message: TypeAlias = (
+    Start | Propose | Report | Reconciliation | Cancel | Resume | Abort | Recover | Sync | Verdict
+)
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder(Message)

@@ -190,6 +190,17 @@ class RuntimeCollector(Collector):
         for model, histogram in sorted(_copy(stats.model_latency).items()):
             latency.add_metric((model,), *_buckets(histogram, CALL_BOUNDS))
         yield latency
+        failures = CounterMetricFamily(
+            "interlock_provider_failures",
+            "Model calls the provider failed to answer (raised, timed out, 429/5xx), by "
+            "machine and model; never counted as the model's mistakes",
+            labels=("machine", "model"),
+        )
+        # Every machine and model that was called starts at 0, so a rate has a series.
+        zeros = dict.fromkeys(_copy(stats.model_calls), 0)
+        for key, count in sorted({**zeros, **_copy(stats.provider_failures)}.items()):
+            failures.add_metric(key, float(count))
+        yield failures
 
     def _verification(self, stats: RuntimeStats, supervisor: Supervisor | None) -> Iterator[Metric]:
         verdicts = CounterMetricFamily(
@@ -294,6 +305,15 @@ class RuntimeCollector(Collector):
             "Runs parked in ESCALATE waiting for an operator",
             value=float(stats.escalations_pending),
         )
+        reasons = CounterMetricFamily(
+            "interlock_escalations",
+            "Runs escalated, by machine and reason (a breaker, in_doubt_side_effect, "
+            "provider_unavailable, ...)",
+            labels=("machine", "reason"),
+        )
+        for key, count in sorted(_copy(stats.escalation_reasons).items()):
+            reasons.add_metric(key, float(count))
+        yield reasons
 
     def _tools(self, stats: RuntimeStats, supervisor: Supervisor | None) -> Iterator[Metric]:
         # Every tool the machines declare starts at 0, so rates and ratios have a series.
@@ -311,6 +331,31 @@ class RuntimeCollector(Collector):
             for tool, count in sorted({**known, **_copy(counter)}.items()):
                 family.add_metric((tool,), float(count))
             yield family
+        in_doubt = CounterMetricFamily(
+            "interlock_tool_in_doubt",
+            "Calls of tools that are not safe to repeat whose outcome was in doubt (an attempt "
+            "that failed after dispatch, or a crash), by tool",
+            labels=("tool",),
+        )
+        for tool, count in sorted({**known, **_copy(stats.in_doubt)}.items()):
+            in_doubt.add_metric((tool,), float(count))
+        yield in_doubt
+        reconciled = CounterMetricFamily(
+            "interlock_reconciliations",
+            "Calls in doubt reconciled with their downstream, by tool and outcome "
+            "(applied, not_applied, failed)",
+            labels=("tool", "outcome"),
+        )
+        reconciling = {
+            (tool.name, outcome): 0
+            for machine in (supervisor.machines.values() if supervisor is not None else ())
+            for tool in machine.tools
+            if tool.reconcile is not None
+            for outcome in ("applied", "not_applied", "failed")
+        }
+        for key, count in sorted({**reconciling, **_copy(stats.reconciliations)}.items()):
+            reconciled.add_metric(key, float(count))
+        yield reconciled
         latency = HistogramMetricFamily(
             "interlock_tool_call_seconds",
             "Tool call latency in seconds (all attempts), by tool",

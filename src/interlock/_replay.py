@@ -23,18 +23,21 @@ from ._events import (
     Failed,
     ModelCalled,
     ProposalRejected,
+    ProviderFailed,
+    Reconciled,
     Resumed,
     RunStarted,
     StepProposed,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
     Transitioned,
     Violation,
     expand_prompt,
 )
 from ._exceptions import InterlockError, ProtocolError, ReplayDivergence
 from ._machine import ESCALATE, FAILED, Step, encode_action
-from ._messages import Abort, Cancel, Propose, Recover, Report, Resume, Start
+from ._messages import Abort, Cancel, Propose, Reconciliation, Recover, Report, Resume, Start
 from ._supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -259,8 +262,43 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 isinstance(upcoming, ToolFailed)
                 and isinstance(follows, Transitioned)
                 and follows.reason == "recovery"
-            ):
+            ) or (isinstance(upcoming, ToolInDoubt) and upcoming.after_crash):
                 msg = Recover(run_id=run_id, seq=run.seq)
+            elif isinstance(upcoming, ToolInDoubt):
+                msg = Report(
+                    run_id=run_id,
+                    seq=run.seq,
+                    key=key,
+                    ok=False,
+                    error=upcoming.error,
+                    attempts=upcoming.attempts,
+                    latency=upcoming.latency,
+                )
+            elif (
+                isinstance(upcoming, ToolFailed)
+                and isinstance(follows, Transitioned)
+                and follows.reason == "in_doubt"
+            ):
+                msg = Report(
+                    run_id=run_id,
+                    seq=run.seq,
+                    key=key,
+                    ok=False,
+                    error=upcoming.error.removeprefix("in doubt: "),
+                    attempts=upcoming.attempts,
+                    latency=upcoming.latency,
+                )
+            elif isinstance(upcoming, Reconciled):
+                committed = follows if isinstance(follows, ToolCommitted) else None
+                msg = Reconciliation(
+                    run_id=run_id,
+                    seq=run.seq,
+                    key=key,
+                    applied=upcoming.applied,
+                    result=committed.result if committed is not None else None,
+                    error=upcoming.error,
+                    latency=upcoming.latency,
+                )
             else:
                 outcome = _outcome_of_key(recorded, position, key)
                 if outcome is None:
@@ -268,7 +306,12 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 told: dict[str, Any] = (
                     {"ok": True, "result": outcome.result}
                     if isinstance(outcome, ToolCommitted)
-                    else {"ok": False, "error": outcome.error, "retryable": outcome.retryable}
+                    else {
+                        "ok": False,
+                        "error": outcome.error,
+                        "retryable": outcome.retryable,
+                        "applied": False,  # an in-doubt failure would show as one
+                    }
                 )
                 msg = Report(
                     run_id=run_id,
@@ -303,6 +346,18 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     usage=upcoming.usage,
                     latency=upcoming.latency,
                     error=upcoming.error,
+                    defect=upcoming.defect or "",
+                )
+            elif isinstance(upcoming, ProviderFailed):
+                msg = Propose(
+                    run_id=run_id,
+                    seq=run.seq,
+                    raw="",
+                    model=upcoming.model,
+                    latency=upcoming.latency,
+                    error=upcoming.error,
+                    retryable=upcoming.retryable,
+                    retry_after=upcoming.retry_after,
                 )
             elif isinstance(upcoming, StepProposed) and upcoming.source == "operator":
                 msg = Propose(run_id=run_id, seq=run.seq, raw=upcoming.raw, source="operator")

@@ -104,6 +104,10 @@ class RuntimeStats:
         self.tool_errors: Counter[str] = Counter()
         self.tool_latency: dict[str, LatencyHistogram] = {}
         self.side_effects: Counter[str] = Counter()  # non-read-only tool commits, by tool
+        self.provider_failures: Counter[tuple[str, str]] = Counter()  # machine, model
+        self.in_doubt: Counter[str] = Counter()  # calls found in doubt, by tool
+        self.reconciliations: Counter[tuple[str, str]] = Counter()  # tool, outcome
+        self.escalation_reasons: Counter[tuple[str, str]] = Counter()  # machine, reason
         self.flush_latency = LatencyHistogram()
         self.flush_events: Counter[str] = Counter()  # "batches", "events", "bytes"
         self.batch_sizes = LatencyHistogram()  # reused as a size histogram (events, not seconds)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import random
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -27,17 +29,20 @@ from ._events import (
     IntentRecorded,
     ModelCalled,
     ProposalRejected,
+    ProviderFailed,
+    Reconciled,
     Resumed,
     RunStarted,
     StepProposed,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
     Transitioned,
     Violation,
     hash_prompt_after,
     unjournalable,
 )
-from ._exceptions import InterlockError, ProtocolError, RunNotFound, StoreError
+from ._exceptions import InterlockError, InternalError, ProtocolError, RunNotFound, StoreError
 from ._gate import verify
 from ._hotpath import common_affixes
 from ._machine import ESCALATE, FAILED, Machine, Step, Worker
@@ -45,6 +50,7 @@ from ._messages import (
     Abort,
     Cancel,
     Propose,
+    Reconciliation,
     Recover,
     Report,
     Request,
@@ -55,9 +61,10 @@ from ._messages import (
     Verdict,
 )
 from ._stats import RuntimeStats, SupervisorStatistics
-from ._view import RunState, RunView, fold
+from ._view import RunState, RunView, fold, proposal_data
 
 if TYPE_CHECKING:
+    from ._tools import Tool
     from .providers import Provider
     from .stores import Store
 
@@ -72,6 +79,38 @@ GC_THRESHOLD = (200_000, 20, 100)
 #: A model call journals its prompt as a delta against the run's previous one when the two
 #: share at least this many characters; otherwise whole (a delta would save next to nothing).
 _MIN_SHARED_PROMPT = 64
+
+#: A transition whose data is at least this many bytes of proposal refers to the
+#: proposal instead of holding a second copy (``Transitioned.delta_in_proposal``).
+_DELTA_BY_REFERENCE = 1024
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable_text(text: str, what: str) -> tuple[str, str]:
+    """``text`` as the journal can hold it, and the defect that made it unreadable ('' if none).
+
+    A lone surrogate (``json.loads`` of an HTTP body can produce one, and so does text
+    decoded with ``surrogateescape`` from invalid UTF-8) cannot be encoded as UTF-8: such
+    text is kept with each bad code point escaped (``\\udcff``), and the defect names the
+    first one and where it is.
+    """
+    bad = _SURROGATE.search(text)
+    if bad is None:
+        return text, ""
+    at = bad.start()
+    offset = len(text[:at].encode("utf-8", "surrogatepass"))
+    code = ord(bad.group())
+    kind = (
+        f"the invalid UTF-8 byte 0x{code - 0xDC00:02X}, decoded with surrogateescape"
+        if 0xDC80 <= code <= 0xDCFF
+        else "a lone surrogate"
+    )
+    defect = (
+        f"{what} holds U+{code:04X} at character {at} (byte offset {offset}): {kind}, "
+        "which UTF-8 cannot encode"
+    )
+    return text.encode("utf-8", "backslashreplace").decode("utf-8"), defect
 
 
 class RunResult(msgspec.Struct, frozen=True, gc=False):
@@ -235,6 +274,9 @@ class Supervisor:
         self._deadlines: list[tuple[float, int, str]] = []
         self._deadline_wait: trio.CancelScope | None = None
         self._armed = 0
+        # Runs whose in-memory state was dropped because a batch holding their events
+        # could not be written (see _forget): their later requests get that error.
+        self._lost: dict[str, Exception] = {}
 
     def provider_for(self, machine: str) -> Provider | None:
         if isinstance(self._provider, Mapping):
@@ -303,7 +345,15 @@ class Supervisor:
         """
         if self._closed:
             raise trio.ClosedResourceError("supervisor is closed")
-        verdict = self._decide(msg, self._inline)
+        inline = self._inline
+        mark = len(inline)
+        try:
+            verdict = self._decide(msg, inline)
+        except InterlockError:
+            raise
+        except Exception as exc:
+            del inline[mark:]
+            raise self._contain(msg, exc) from exc
         idle = self._idle
         if idle is not None and self._inline:
             self._idle = None
@@ -336,11 +386,15 @@ class Supervisor:
             self._inline = []
             replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
             for pending in batch:
+                mark = len(events)
                 try:
                     verdict = self._decide(pending.msg, events)
                     replies.append((pending, outcome.Value(verdict)))
                 except InterlockError as exc:
                     replies.append((pending, outcome.Error(exc)))
+                except Exception as exc:
+                    replies.append((pending, outcome.Error(self._contain(pending.msg, exc))))
+                    del events[mark:]
             if events:
                 started = time.perf_counter()
                 try:
@@ -351,7 +405,7 @@ class Supervisor:
                         if isinstance(exc, StoreError)
                         else StoreError(f"journal write failed: {exc}")
                     )
-                    self._forget({e.run_id for e in events})
+                    self._forget({e.run_id for e in events}, error)
                     replies = [(p, outcome.Error(error)) for p, _ in replies]
                 else:
                     self.stats.flush_latency.record(time.perf_counter() - started)
@@ -427,11 +481,29 @@ class Supervisor:
                 await trio.sleep_forever()
             self._deadline_wait = None
 
-    def _forget(self, run_ids: set[str]) -> None:
+    def _forget(self, run_ids: set[str], error: StoreError) -> None:
         # NOTE: the in-memory state ran ahead of a batch that was never written; drop
         # it so nothing acts on decisions the journal does not hold. Recovery refolds.
         for run_id in run_ids:
             self.runs.pop(run_id, None)
+            self._lost[run_id] = error
+
+    def _contain(self, msg: Request, exc: Exception) -> InternalError:
+        """A bug met while deciding ``msg``: it ends that run only, never the supervisor.
+
+        The events decided for the request are dropped (the caller truncates the batch),
+        and so is the run's in-memory state, which may hold half of them; the journal
+        holds only what came before, and a resume refolds from there.
+        """
+        error = InternalError(
+            f"run {msg.run_id!r} was stopped by a bug in interlock while deciding a "
+            f"{type(msg).__name__} request: {type(exc).__name__}: {exc}; its journal is "
+            "intact up to the previous batch, and `interlock resume` continues it"
+        )
+        error.__cause__ = exc
+        self.runs.pop(msg.run_id, None)
+        self._lost[msg.run_id] = error
+        return error
 
     # -- deciding -----------------------------------------------------------------
 
@@ -441,6 +513,8 @@ class Supervisor:
                 return self._on_propose(msg, events)
             case Report():
                 return self._on_report(msg, events)
+            case Reconciliation():
+                return self._on_reconciliation(msg, events)
             case Start():
                 return self._on_start(msg, events)
             case Recover():
@@ -459,6 +533,9 @@ class Supervisor:
     def _run(self, run_id: str) -> RunState:
         run = self.runs.get(run_id)
         if run is None:
+            lost = self._lost.get(run_id)
+            if lost is not None:
+                raise lost
             handle = self.handles.get(run_id)
             if handle is not None and handle._result is not None:
                 ended = handle._result
@@ -538,7 +615,7 @@ class Supervisor:
             self._finished(run)
         return self._verdict(run, True)
 
-    def _check_seq(self, run: RunState, msg: Propose | Report) -> None:
+    def _check_seq(self, run: RunState, msg: Propose | Report | Reconciliation) -> None:
         if msg.seq and msg.seq != run.seq:
             raise ProtocolError(
                 f"run {run.run_id!r} is at seq {run.seq}, the request was made at seq {msg.seq}; "
@@ -560,8 +637,15 @@ class Supervisor:
         machine = run.machine
         now = self.clock()
         state = run.state
+        if msg.source == "model" and msg.error:
+            return self._on_provider_failure(run, msg, events, now)
+        # Text the journal cannot hold (UTF-8 cannot encode a lone surrogate) is kept
+        # escaped, and the proposal is rejected naming where the bad code point was.
+        raw, defect = readable_text(msg.raw, "the proposal")
+        defect = msg.defect or defect
         if msg.source == "model":
-            prompt = msg.prompt
+            prompt = readable_text(msg.prompt, "the prompt")[0]
+            model = readable_text(msg.model, "the model name")[0]
             base = prefix = suffix = 0
             text = prompt
             shared, tail = 0, len(prompt)
@@ -581,13 +665,13 @@ class Supervisor:
                 seq=run.seq + 1,
                 ts=now,
                 state=state,
-                model=msg.model,
+                model=model,
                 prompt_hash=prompt_hash,
                 prompt=text,
-                raw=msg.raw,
+                raw=raw,
                 usage=msg.usage,
                 latency=msg.latency,
-                error=msg.error,
+                defect=defect or msgspec.UNSET,
                 prompt_base=base,
                 prompt_prefix=prefix,
                 prompt_suffix=suffix,
@@ -596,10 +680,10 @@ class Supervisor:
             self._record(run, events, called, prompt=prompt)
             run._hash_state = hash_state  # the state of run.prompt, which is now this prompt
             tokens = self.stats.tokens
-            tokens[(machine.name, state, msg.model, "prompt")] += msg.usage.prompt
-            tokens[(machine.name, state, msg.model, "completion")] += msg.usage.completion
-            self.stats.model_calls[(machine.name, msg.model)] += 1
-            self.stats.histogram(self.stats.model_latency, msg.model).record(msg.latency)
+            tokens[(machine.name, state, model, "prompt")] += msg.usage.prompt
+            tokens[(machine.name, state, model, "completion")] += msg.usage.completion
+            self.stats.model_calls[(machine.name, model)] += 1
+            self.stats.histogram(self.stats.model_latency, model).record(msg.latency)
         else:
             self._emit(
                 run,
@@ -607,11 +691,11 @@ class Supervisor:
                 StepProposed,
                 now,
                 state=state,
-                raw=msg.raw,
+                raw=raw,
                 source=msg.source,
-                error=msg.error,
+                error=readable_text(msg.error, "the error")[0],
             )
-        if msg.error:
+        if msg.error:  # a step that raised
             budget = check_budgets(run, machine.budgets, now)
             if budget is not None:
                 return self._reject(run, events, now, (budget[0],), budget[1])
@@ -622,8 +706,16 @@ class Supervisor:
                 "the proposer failed; it will be asked again",
             )
             return self._reject(run, events, now, (violation,), None)
+        if defect:
+            violation = Violation(
+                "malformed",
+                "$",
+                f"proposal cannot be read: {defect}",
+                "send the proposal as UTF-8 JSON text with no lone surrogates or invalid bytes",
+            )
+            return self._reject(run, events, now, (violation,), None)
         started = time.perf_counter()
-        decision = verify(machine, run, msg.raw.encode(), now, self.circuits)
+        decision = verify(machine, run, raw.encode(), now, self.circuits)
         self.stats.histogram(self.stats.verify_latency, machine.name).record(
             time.perf_counter() - started
         )
@@ -655,8 +747,84 @@ class Supervisor:
         )
         if msg.source == "operator":
             reason = "operator"
-        self._transition(run, events, now, decision.target, decision.data, reason)
+        # NOTE: a large data object is journaled once, in the proposal: the transition
+        # refers to it when it is exactly the proposal's data (a schema may add defaults).
+        by_reference = (
+            len(raw) >= _DELTA_BY_REFERENCE
+            and bool(decision.data)
+            and proposal_data(run.run_id, run.seq + 1, raw) == decision.data
+        )
+        self._transition(
+            run, events, now, decision.target, decision.data, reason, by_reference=by_reference
+        )
         return self._verdict(run, True)
+
+    def _on_provider_failure(
+        self, run: RunState, msg: Propose, events: list[Event], now: float
+    ) -> Verdict:
+        """A model call that got no answer: journal it, then ask again later or give up.
+
+        Never a rejection: the model made no mistake. The wait follows the machine's
+        provider policy, with jitter drawn from the run id and seq, so replay decides it
+        again exactly.
+        """
+        machine = run.machine
+        policy = machine.provider_policy
+        attempt = run.provider_failures + 1
+        elapsed = now - run.provider_failures_since if run.provider_failures else 0.0
+        model = readable_text(msg.model, "the model name")[0]
+        error = readable_text(msg.error, "the error")[0]
+        budget = check_budgets(run, machine.budgets, now)
+        retry_in: float | None = None
+        if budget is None and msg.retryable and attempt < policy.attempts:
+            wait = policy.delay(
+                attempt, msg.retry_after, random.Random(f"{run.run_id}:{run.seq + 1}")
+            )
+            if elapsed + wait <= policy.max_elapsed:
+                retry_in = round(wait, 6)
+        self._emit(
+            run,
+            events,
+            ProviderFailed,
+            now,
+            state=run.state,
+            model=model,
+            error=error,
+            attempt=attempt,
+            retryable=msg.retryable,
+            retry_after=msg.retry_after,
+            retry_in=retry_in,
+            latency=msg.latency,
+        )
+        self.stats.provider_failures[(machine.name, model)] += 1
+        if budget is not None:
+            self._trip(run, events, now, budget[1])
+            return self._verdict(run, False, violations=(budget[0],))
+        if retry_in is not None:
+            return self._verdict(run, False, retry_in=retry_in)
+        if not msg.retryable:
+            why = "the provider says retrying cannot help"
+        elif attempt >= policy.attempts:
+            why = f"{attempt} calls in a row failed (provider_policy.attempts={policy.attempts})"
+        else:
+            why = (
+                f"retrying would go past {policy.max_elapsed:g} s since the first failure "
+                "(provider_policy.max_elapsed)"
+            )
+        detail = (
+            f"model {model!r} did not answer in state {run.state!r}: {why}; last error: {error}. "
+            "Check the provider, then resume the run"
+        )
+        self._transition(
+            run,
+            events,
+            now,
+            ESCALATE,
+            {},
+            "provider",
+            escalation=("provider_unavailable", detail),
+        )
+        return self._verdict(run, False)
 
     def _reject(
         self,
@@ -720,12 +888,26 @@ class Supervisor:
         data: dict[str, Any],
         reason: str,
         escalation: tuple[str, str] | None = None,
+        *,
+        by_reference: bool = False,
     ) -> None:
         src = run.state
-        self._emit(run, events, Transitioned, now, src=src, dst=dst, delta=data, reason=reason)
+        if by_reference:
+            self._emit(
+                run,
+                events,
+                Transitioned,
+                now,
+                src=src,
+                dst=dst,
+                reason=reason,
+                delta_in_proposal=True,
+            )
+        else:
+            self._emit(run, events, Transitioned, now, src=src, dst=dst, delta=data, reason=reason)
         self.stats.transitions[(run.machine.name, src, dst)] += 1
         if run.terminal:
-            self._close(run, events, now, reason, src, data, escalation)
+            self._close(run, events, now, reason, src, data, escalation, by_reference)
 
     def _close(
         self,
@@ -736,12 +918,20 @@ class Supervisor:
         src: str = "",
         data: dict[str, Any] | None = None,
         escalation: tuple[str, str] | None = None,
+        by_reference: bool = False,
     ) -> None:
-        """Journal the terminal event of a run that has just entered a terminal state."""
+        """Journal the terminal event of a run that has just entered a terminal state.
+
+        ``by_reference``: ``data`` is the delta of the transition just journaled, which
+        holds it by reference to its proposal; the output then refers to that delta.
+        """
         dst = run.state
         data = data if data is not None else dict(run.data)
         if dst in run.machine.success_states:
-            self._emit(run, events, Completed, now, state=dst, output=data or None)
+            if by_reference:
+                self._emit(run, events, Completed, now, state=dst, output_in_delta=True)
+            else:
+                self._emit(run, events, Completed, now, state=dst, output=data or None)
         elif dst == ESCALATE:
             why, detail = escalation or (
                 f"{reason}_escalated",
@@ -751,6 +941,7 @@ class Supervisor:
                 run, events, Escalated, now, state=src or run.previous, reason=why, detail=detail
             )
             self.stats.escalations_pending += 1
+            self.stats.escalation_reasons[(run.machine.name, why)] += 1
         else:
             self._emit(
                 run,
@@ -802,6 +993,10 @@ class Supervisor:
                 self.stats.side_effects[tool.name] += 1
             return self._verdict(run, True)
         self.stats.tool_errors[tool.name] += 1
+        error = readable_text(msg.error, "the error")[0]
+        if msg.applied is not False and not tool.safe_to_repeat:
+            # An attempt may have reached the downstream: never run it again blindly.
+            return self._in_doubt(run, tool, events, now, error, msg.attempts, msg.latency)
         self._emit(
             run,
             events,
@@ -809,7 +1004,7 @@ class Supervisor:
             now,
             tool=tool.name,
             key=msg.key,
-            error=msg.error,
+            error=error,
             retryable=msg.retryable,
             attempts=msg.attempts,
             latency=msg.latency,
@@ -817,6 +1012,128 @@ class Supervisor:
         if run.consecutive_failures >= machine.breakers.consecutive_failures:
             self._trip(run, events, now, self._consecutive_trip(run))
         return self._verdict(run, False)
+
+    def _in_doubt(
+        self,
+        run: RunState,
+        tool: Tool,
+        events: list[Event],
+        now: float,
+        error: str,
+        attempts: int = 0,
+        latency: float = 0.0,
+        after_crash: bool = False,
+    ) -> Verdict:
+        """The pending call of ``tool`` (not safe to repeat) may or may not have been applied.
+
+        A tool that can reconcile is asked (the verdict says so), up to its retry
+        policy's attempts for one call; any other is escalated as in doubt.
+        """
+        pending = run.pending
+        assert pending is not None
+        self.stats.in_doubt[tool.name] += 1
+        if tool.reconcile is None or run.doubts >= tool.retry.attempts:
+            if tool.reconcile is None:
+                why = (
+                    "it is not idempotent and cannot reconcile (give the Tool reconcile= to "
+                    "ask its downstream whether the key was applied)"
+                )
+            else:
+                why = f"it was still in doubt after {run.doubts} reconciliations"
+            return self._escalate_in_doubt(run, tool, events, now, error, why, "in_doubt")
+        self._emit(
+            run,
+            events,
+            ToolInDoubt,
+            now,
+            tool=tool.name,
+            key=pending.key,
+            error=error,
+            attempts=attempts,
+            latency=latency,
+            after_crash=after_crash,
+        )
+        return self._verdict(
+            run, False, reconcile=ToolCall(pending.tool, pending.args, pending.key)
+        )
+
+    def _escalate_in_doubt(
+        self,
+        run: RunState,
+        tool: Tool,
+        events: list[Event],
+        now: float,
+        error: str,
+        why: str,
+        reason: str,
+    ) -> Verdict:
+        pending = run.pending
+        assert pending is not None
+        detail = (
+            f"tool {tool.name!r} with key {pending.key!r} may or may not have been applied "
+            f"({error}), and {why}; check the downstream system, then resume or abort"
+        )
+        self._emit(
+            run,
+            events,
+            ToolFailed,
+            now,
+            tool=tool.name,
+            key=pending.key,
+            error=f"in doubt: {error}",
+        )
+        self._transition(
+            run, events, now, ESCALATE, {}, reason, escalation=("in_doubt_side_effect", detail)
+        )
+        return self._verdict(run, False)
+
+    def _on_reconciliation(self, msg: Reconciliation, events: list[Event]) -> Verdict:
+        run = self._run(msg.run_id)
+        self._check_seq(run, msg)
+        pending = run.pending
+        if pending is None or pending.key != msg.key:
+            expected = pending.key if pending is not None else "no call"
+            raise ProtocolError(
+                f"run {run.run_id!r} reconciled key {msg.key!r} but is waiting for {expected!r}"
+            )
+        tool = run.machine.tool_by_name[pending.tool]
+        now = self.clock()
+        error = readable_text(msg.error, "the error")[0]
+        applied = msg.applied
+        self._emit(
+            run,
+            events,
+            Reconciled,
+            now,
+            tool=tool.name,
+            key=msg.key,
+            applied=applied,
+            error=error,
+            latency=msg.latency,
+        )
+        outcome = "applied" if applied else ("not_applied" if applied is False else "failed")
+        self.stats.reconciliations[(tool.name, outcome)] += 1
+        if applied:
+            self._emit(
+                run,
+                events,
+                ToolCommitted,
+                now,
+                tool=tool.name,
+                key=msg.key,
+                result=msg.result,
+                attempts=0,
+                reconciled=True,
+            )
+            self.stats.side_effects[tool.name] += 1
+            return self._verdict(run, True)
+        if applied is False:  # never applied: execute it once, with the same key
+            return self._verdict(
+                run, True, execute=ToolCall(pending.tool, pending.args, pending.key)
+            )
+        return self._escalate_in_doubt(
+            run, tool, events, now, "in doubt", f"its reconcile failed: {error}", "in_doubt"
+        )
 
     def _escalated(self, run_id: str) -> RunState:
         run = self._run(run_id)
@@ -900,6 +1217,10 @@ class Supervisor:
                 run, True, execute=ToolCall(pending.tool, pending.args, pending.key)
             )
         now = self.clock()
+        if tool is not None and tool.reconcile is not None:
+            return self._in_doubt(
+                run, tool, events, now, "in doubt after a crash", after_crash=True
+            )
         detail = (
             f"tool {pending.tool!r} with key {pending.key!r} may or may not have run before the "
             "crash, and it is not idempotent; check the downstream system, then resume or abort"

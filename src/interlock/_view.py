@@ -18,11 +18,14 @@ from ._events import (
     ModelCalled,
     PromptHashState,
     ProposalRejected,
+    ProviderFailed,
+    Reconciled,
     Resumed,
     RunStarted,
     StepProposed,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
     Transitioned,
     Violation,
     expand_prompt,
@@ -149,12 +152,14 @@ class RunState:
         "_compacted",
         "_data_version",
         "_data_view",
+        "_final_delta",
         "_hash_state",
         "_inputs_view",
         "_rendered",
         "closed",
         "consecutive_failures",
         "data",
+        "doubts",
         "escalation",
         "history",
         "inputs",
@@ -165,6 +170,9 @@ class RunState:
         "previous",
         "prompt",
         "prompt_seq",
+        "proposal_raw",
+        "provider_failures",
+        "provider_failures_since",
         "repeat_counts",
         "results",
         "run_id",
@@ -196,6 +204,17 @@ class RunState:
         self.signatures: list[int] = []
         self.results: list[ToolResult] = []
         self.pending: IntentRecorded | None = None
+        self.doubts = 0
+        """How many times the pending call was found in doubt (``tool_in_doubt``)."""
+        self.provider_failures = 0
+        """Failed model calls in a row (``provider_failed`` since the last ``model_called``)."""
+        self.provider_failures_since = 0.0
+        """When the first of those failed (its event's ts)."""
+        self.proposal_raw = ""
+        """The raw text of the proposal just journaled, until the decision on it is: a
+        transition whose delta is that proposal's data refers to it (store once)."""
+        self._final_delta: dict[str, Any] | None = None
+        """The delta of a transition into a success state, for its ``completed`` event."""
         self.escalation: Escalated | None = None
         self.output: Any = None
         self.previous = ""
@@ -258,6 +277,8 @@ class RunState:
             case ModelCalled(usage=usage):
                 self.tokens += usage.prompt + usage.completion
                 self.steps += 1
+                self.provider_failures = 0
+                self.proposal_raw = event.raw
                 if prompt is None:
                     try:
                         prompt = expand_prompt(self.prompt_seq, self.prompt, event)
@@ -268,7 +289,9 @@ class RunState:
             case StepProposed(source=source):
                 if source != "operator":
                     self.steps += 1
+                self.proposal_raw = event.raw
             case ProposalRejected(violations=violations):
+                self.proposal_raw = ""
                 self.consecutive_failures += 1
                 text = "; ".join(v.message for v in violations)
                 self._push(
@@ -276,7 +299,9 @@ class RunState:
                     violation_signature(violations),
                 )
             case IntentRecorded():
+                self.proposal_raw = ""
                 self.pending = event
+                self.doubts = 0
                 call = call_hash or _call_hash(event.tool, event.args)
                 self.repeat_counts[call] = self.repeat_counts.get(call, 0) + 1
             case ToolCommitted(key=key, result=result):
@@ -305,6 +330,11 @@ class RunState:
                     )
                 )
             case Transitioned(src=src, dst=dst, delta=delta):
+                if event.delta_in_proposal:
+                    delta = proposal_data(self.run_id, event.seq, self.proposal_raw)
+                self.proposal_raw = ""
+                if dst in self.machine.success_states:
+                    self._final_delta = delta
                 self.previous = src
                 self.state = dst
                 self.consecutive_failures = 0
@@ -333,8 +363,17 @@ class RunState:
                     )
                 )
             case Completed(output=output):
-                self.output = output
+                self.output = self._final_delta or None if event.output_in_delta else output
+                self._final_delta = None
                 self.closed = True
+            case ToolInDoubt():
+                self.doubts += 1
+            case Reconciled():
+                pass  # the call stays pending: a commit, an execution or an escalation follows
+            case ProviderFailed():
+                if not self.provider_failures:
+                    self.provider_failures_since = event.ts
+                self.provider_failures += 1
             case Failed(reason=reason):
                 self.output = {"reason": reason}
                 self.closed = True
@@ -373,6 +412,29 @@ class RunState:
         result = cached[:-1] + tuple(frames) if cached else tuple(frames)
         self._compacted = (size, result, group)
         return result
+
+
+class _ProposalData(msgspec.Struct):
+    data: dict[str, Any] = {}
+
+
+_proposal_data_decoder = msgspec.json.Decoder(_ProposalData)
+
+
+def proposal_data(run_id: str, seq: int, raw: str) -> dict[str, Any]:
+    """The ``data`` of the proposal ``raw``: a ``transitioned`` event with
+    ``delta_in_proposal`` refers to it instead of holding a second copy.
+
+    Raises:
+      ProtocolError: ``raw`` has no such data (the journal is damaged or out of order).
+    """
+    try:
+        return _proposal_data_decoder.decode(raw).data
+    except msgspec.DecodeError:
+        raise ProtocolError(
+            f"run {run_id!r}: transitioned {seq} takes its delta from the proposal before it, "
+            "which holds no data object; the journal is damaged or out of order"
+        ) from None
 
 
 def fold(machine: Machine, events: Iterable[Event]) -> RunState:

@@ -8,14 +8,19 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._events import TokenUsage
+from .._exceptions import ProviderError
 from ._base import Proposal, estimate_tokens, render_prompt
 
 if TYPE_CHECKING:
     from .._view import RunView
 
 
-class ScriptExhausted(Exception):
-    """The script has no more outputs for this run."""
+class ScriptExhausted(ProviderError):
+    """The script has no more outputs for this run. Retrying cannot help: the run
+    escalates with ``provider_unavailable`` at once."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
 
 
 class ScriptedProvider:

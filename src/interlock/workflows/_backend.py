@@ -146,6 +146,46 @@ class Backend:
         )
         return {"ticket": f"t-{zlib.crc32(db_key.encode()):08x}", "new": inserted == 1}
 
+    async def applied(self, tool: str, key: str) -> dict[str, Any] | None:
+        """What the downstream recorded for the call of ``tool`` with idempotency ``key``:
+        the result that call returned, or None if it was never applied.
+
+        Every table is keyed by the idempotency key (the ticket table by ``run_id:state``,
+        the key's first two parts), so a call in doubt can be reconciled.
+        """
+
+        def read() -> dict[str, Any] | None:
+            db = self._db
+            if tool == "refund":
+                row = db.execute("SELECT amount FROM payments WHERE key = ?", (key,)).fetchone()
+                if row is None:
+                    return None
+                refund_id = f"rf-{zlib.crc32(key.encode()):08x}"
+                return {"refund_id": refund_id, "amount": row[0], "new": True}
+            if tool == "send_email":
+                row = db.execute(
+                    "SELECT recipient FROM emails WHERE key = ? ORDER BY id LIMIT 1", (key,)
+                ).fetchone()
+                return None if row is None else {"sent": True, "to": row[0]}
+            if tool == "write_entities":
+                (written,) = db.execute(
+                    "SELECT COUNT(*) FROM entities WHERE key = ?", (key,)
+                ).fetchone()
+                return None if not written else {"written": written, "entities": written}
+            if tool == "record_ticket":
+                db_key = key.rsplit(":", 1)[0]
+                row = db.execute("SELECT 1 FROM tickets WHERE db_key = ?", (db_key,)).fetchone()
+                if row is None:
+                    return None
+                return {"ticket": f"t-{zlib.crc32(db_key.encode()):08x}", "new": True}
+            raise ValueError(
+                f"tool {tool!r} has no table here; known: refund, send_email, "
+                "write_entities, record_ticket"
+            )
+
+        async with self._lock:
+            return await trio.to_thread.run_sync(read)
+
     def counts(self, batch: str | None = None) -> dict[str, dict[str, int]]:
         """Side effects as the downstream systems saw them, per tool.
 

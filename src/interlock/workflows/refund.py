@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from .._machine import Machine, Worker
-from .._tools import Reject, Tool, ToolContext
+from .._tools import Applied, NotApplied, Reject, Tool, ToolContext
 
 if TYPE_CHECKING:
     import random
@@ -79,6 +79,11 @@ def build(backend: Backend) -> Machine:
     async def send_email(args: SendEmail, ctx: ToolContext) -> dict[str, Any]:
         return await backend.send_email(ctx.key, ctx.run_id, args.to, args.subject)
 
+    async def email_sent(key: str, args: SendEmail, ctx: ToolContext) -> Applied | NotApplied:
+        # The email table is keyed by the idempotency key: ask it whether this one went out.
+        sent = await backend.applied("send_email", key)
+        return NotApplied() if sent is None else Applied(sent)
+
     return Machine(
         NAME,
         initial="WORK",
@@ -109,7 +114,11 @@ def build(backend: Backend) -> Machine:
                 idempotent=True,
             ),
             Tool(
-                "send_email", send_email, SendEmail, "Email the customer. Sends every time it runs."
+                "send_email",
+                send_email,
+                SendEmail,
+                "Email the customer. Sends every time it runs.",
+                reconcile=email_sent,
             ),
         ],
     )
