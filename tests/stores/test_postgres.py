@@ -75,7 +75,7 @@ async def test_schema_and_tables_are_created(schema: str) -> None:
             )
         ).fetchone()
     assert tables == {"meta", "events", "runs"}
-    assert version == ("1",)
+    assert version == ("2",)
 
 
 @pytest.mark.postgres

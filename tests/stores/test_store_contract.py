@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import typing
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,10 +32,28 @@ from interlock._events import (
     Violation,
 )
 from interlock._exceptions import JournalCorrupt, RunNotFound, StoreError
-from interlock.stores import COMPLETED, ESCALATED, FAILED, RUNNING, RunRecord, Store
-from interlock.stores._base import index_updates
+from interlock.stores import (
+    COMPLETED,
+    ESCALATED,
+    FAILED,
+    RUNNING,
+    CheckReport,
+    IndexDamaged,
+    Problem,
+    RunRecord,
+    Store,
+)
+from interlock.stores._base import index_updates, record_checksum
 
-from .conftest import STORE_PARAMS, fresh_store
+from .conftest import (
+    STORE_PARAMS,
+    delete_event,
+    fresh_store,
+    index_sql,
+    open_twice,
+    rewrite_event,
+    set_index_column,
+)
 
 
 def every_kind(run_id: str, *, ts: float = 1000.0) -> list[JournalEvent]:
@@ -406,10 +426,16 @@ async def test_commits_and_failures_may_share_an_intent_key(store: Store) -> Non
     assert await store.load("r-1") == events
 
 
+ANOTHER_WRITER = (
+    "another process advanced the run; keep one writer per journal (leases for several "
+    "writers come with scale-out, issue #18); nothing was written"
+)
+
+
 async def test_duplicate_seq_rejects_the_whole_batch(store: Store) -> None:
     await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
     before = await snapshot(store, ["r-1", "r-2"])
-    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 2; cannot append seq 2$"):
+    with pytest.raises(StoreError) as info:
         await store.append(
             [
                 started("r-2", ts=3.0),
@@ -417,7 +443,42 @@ async def test_duplicate_seq_rejects_the_whole_batch(store: Store) -> None:
                 moved("r-1", 2, "TRIAGE", "DONE", ts=5.0),
             ]
         )
+    assert str(info.value) == (
+        f"run 'r-1' is already at seq 2 in the store, so this batch cannot append seq 2: "
+        f"{ANOTHER_WRITER}"
+    )
     assert await snapshot(store, ["r-1", "r-2"]) == before
+
+
+async def test_a_gap_after_the_stored_seq_rejects_the_whole_batch(store: Store) -> None:
+    """Regression (#14): the memory and PostgreSQL stores accepted a gap SQLite refuses."""
+    await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
+    before = await snapshot(store, ["r-1", "r-2"])
+    with pytest.raises(
+        StoreError,
+        match=r"^run 'r-1' is at seq 2; cannot append seq 4 \(seqs must follow one another "
+        r"without gaps\)$",
+    ):
+        await store.append([started("r-2", ts=3.0), moved("r-1", 4, "PAY", "DONE", ts=4.0)])
+    assert await snapshot(store, ["r-1", "r-2"]) == before
+    await store.append([moved("r-1", 3, "PAY", "DONE", ts=4.0)])
+    assert [e.seq for e in await store.load("r-1")] == [1, 2, 3]
+
+
+async def test_another_writer_advancing_a_run_is_named(
+    store_kind: str, tmp_path: os.PathLike[str]
+) -> None:
+    """Regression (#14): a second store object on the same journal stands for another process."""
+    async with open_twice(store_kind, tmp_path) as (first, second):
+        await first.append([started("r-1", ts=1.0)])
+        await second.append([moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
+        with pytest.raises(StoreError) as info:
+            await first.append([moved("r-1", 2, "TRIAGE", "DONE", ts=3.0)])
+        assert str(info.value) == (
+            "run 'r-1' is already at seq 2 in the store, so this batch cannot append seq 2: "
+            f"{ANOTHER_WRITER}"
+        )
+        assert [e.seq for e in await first.load("r-1")] == [1, 2]
 
 
 async def test_an_event_msgpack_cannot_encode_rejects_the_whole_batch(store: Store) -> None:
@@ -443,30 +504,50 @@ async def test_an_event_msgpack_cannot_encode_rejects_the_whole_batch(store: Sto
 async def test_restarting_a_stored_run_is_rejected(store: Store) -> None:
     await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
     before = await snapshot(store, ["r-1"])
-    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 2; cannot append seq 1$"):
+    with pytest.raises(
+        StoreError,
+        match=r"^run 'r-1' already exists \(at seq 2\); run ids name one run each: start it "
+        r"under another id; nothing was written$",
+    ):
         await store.append([started("r-1", ts=9.0)])
     assert await snapshot(store, ["r-1"]) == before
 
 
-async def test_seqs_out_of_order_within_a_batch_are_rejected(store: Store) -> None:
-    with pytest.raises(StoreError, match=r"^run 'r-1' already has seq 3; cannot append seq 2$"):
-        await store.append(
-            [
-                started("r-1", ts=1.0),
-                moved("r-1", 3, "TRIAGE", "PAY", ts=2.0),
-                moved("r-1", 2, "PAY", "DONE", ts=3.0),
-            ]
-        )
+@pytest.mark.parametrize(
+    ("seqs", "message"),
+    [
+        ((1, 2, 2), r"^run 'r-1' already has seq 2; cannot append seq 2$"),
+        ((1, 3, 2), r"^run 'r-1' is at seq 1; cannot append seq 3 \(seqs must follow one "),
+        ((1, 2, 1), r"^run 'r-1' already exists \(at seq 2\); run ids name one run each"),
+    ],
+    ids=["repeat", "gap", "second start"],
+)
+async def test_seqs_out_of_order_within_a_batch_are_rejected(
+    store: Store, seqs: tuple[int, ...], message: str
+) -> None:
+    events = [
+        started("r-1", ts=1.0) if seq == 1 else moved("r-1", seq, "A", "B", ts=2.0) for seq in seqs
+    ]
+    with pytest.raises(StoreError, match=message):
+        await store.append(events)
     assert await snapshot(store, ["r-1"]) == ([], {"r-1": None}, {"r-1": None})
 
 
-async def test_event_before_run_started_is_rejected(store: Store) -> None:
+@pytest.mark.parametrize(
+    "first",
+    [moved("r-2", 2, "A", "B", ts=2), moved("r-2", 1, "A", "B", ts=2), started("r-2", ts=2, seq=2)],
+    ids=["transitioned seq 2", "transitioned seq 1", "run_started seq 2"],
+)
+async def test_a_run_starts_with_run_started_at_seq_1(store: Store, first: Event) -> None:
     await store.append([started("r-1", ts=1.0)])
     before = await snapshot(store, ["r-1", "r-2"])
-    with pytest.raises(JournalCorrupt, match=r"before the run's run_started event$"):
-        await store.append(
-            [moved("r-1", 2, "TRIAGE", "PAY", ts=2.0), moved("r-2", 2, "A", "B", ts=2)]
-        )
+    with pytest.raises(StoreError) as info:
+        await store.append([moved("r-1", 2, "TRIAGE", "PAY", ts=2.0), first])
+    kind = "run_started" if isinstance(first, RunStarted) else "transitioned"
+    assert str(info.value) == (
+        "run 'r-2' is not stored yet, so its first event must be run_started seq 1, not "
+        f"{kind} seq {first.seq}; nothing was written"
+    )
     assert await snapshot(store, ["r-1", "r-2"]) == before
 
 
@@ -475,6 +556,222 @@ async def test_append_after_close_is_refused(store: Store) -> None:
     await store.aclose()
     with pytest.raises(StoreError, match=r"^store is closed$"):
         await store.append([started("r-1", ts=1.0)])
+
+
+# --- integrity: damage behind the store's back is reported, never returned ------------------
+
+RESTORE = (
+    "the store was written outside interlock or a write was cut short; restore it from a backup"
+)
+
+
+def flip_last_byte(frame: bytes) -> bytes:
+    return frame[:-1] + bytes([frame[-1] ^ 0x01])
+
+
+async def two_runs(store: Store, *, one_per_batch: bool = False) -> list[JournalEvent]:
+    """Store r-1 (every kind of event) and r-2 (two events); return r-1's events."""
+    events = every_kind("r-1")
+    other = [started("r-2", ts=5.0), moved("r-2", 2, "TRIAGE", "PAY", ts=6.0)]
+    if one_per_batch:
+        for event in events + other:
+            await store.append([event])
+    else:
+        await store.append(events[:4])
+        await store.append(events[4:])  # a chunk of seqs 5 to 13 in SQLite
+        await store.append(other)
+    return events
+
+
+async def test_an_intact_store_checks_ok(store: Store) -> None:
+    await two_runs(store)
+    assert await store.check() == CheckReport(runs=2, events=15, problems=())
+    assert (await store.check()).ok
+
+
+@pytest.mark.parametrize(
+    ("seq", "change", "what"),
+    [
+        (7, flip_last_byte, "corrupt (checksum mismatch)"),
+        (7, lambda frame: bytes([frame[0] ^ 0x10]) + frame[1:], "corrupt (checksum mismatch)"),
+        # The last event of its batch (in SQLite, cut short inside a chunk reads as corrupt).
+        (13, lambda frame: frame[:-3], "torn (cut short)"),
+    ],
+    ids=["payload", "length", "cut short"],
+)
+async def test_a_damaged_event_is_refused_with_its_run_and_seq(
+    store: Store, seq: int, change: typing.Callable[[bytes], bytes], what: str
+) -> None:
+    """Regression (#14): no test corrupted a PostgreSQL or memory row, so their CRC check
+    could be turned off unnoticed."""
+    events = await two_runs(store)
+    rewrite_event(store, "r-1", seq, change)
+    message = f"journal of run 'r-1' is {what} at seq {seq}; {RESTORE}"
+    with pytest.raises(JournalCorrupt) as info:
+        await store.load("r-1")
+    assert str(info.value) == message
+    # The other run is untouched, and so is the index.
+    assert [e.seq for e in await store.load("r-2")] == [1, 2]
+    assert (await store.get_run("r-1")).seq == len(events)
+    assert await store.check() == CheckReport(
+        runs=2, events=15, problems=(Problem(run_id="r-1", seq=seq, message=message),)
+    )
+
+
+async def test_another_runs_event_in_place_is_refused(store: Store) -> None:
+    await two_runs(store)
+    rewrite_event(store, "r-1", 2, lambda _frame: frame_of(store, "r-2", 2))
+    with pytest.raises(
+        JournalCorrupt,
+        match=r"^journal of run 'r-1' holds an event of run 'r-2' seq 2 where seq 2 belongs$",
+    ):
+        await store.load("r-1")
+
+
+def frame_of(store: Store, run_id: str, seq: int) -> bytes:
+    """A stored frame, read by rewriting it unchanged."""
+    found: list[bytes] = []
+    rewrite_event(store, run_id, seq, lambda frame: found.append(frame) or frame)  # type: ignore[func-returns-value]
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    ("seq", "message"),
+    [
+        (1, "journal of run 'r-1' starts at seq 2, not seq 1; restore it from a backup"),
+        (
+            7,
+            "journal of run 'r-1' is missing or repeating events: seq 8 follows seq 6; "
+            "restore it from a backup",
+        ),
+        (
+            13,
+            "journal of run 'r-1' ends at seq 12, but the runs index says the run reached "
+            "seq 13: events are missing; restore it from a backup",
+        ),
+    ],
+    ids=["first", "middle", "last"],
+)
+async def test_a_missing_event_is_reported(store: Store, seq: int, message: str) -> None:
+    """Regression (#14): the memory and PostgreSQL stores returned a journal with a hole."""
+    await two_runs(store, one_per_batch=True)
+    delete_event(store, "r-1", seq)
+    with pytest.raises(JournalCorrupt) as info:
+        await store.load("r-1")
+    assert str(info.value) == message
+    assert await store.check() == CheckReport(
+        runs=2, events=14, problems=(Problem(run_id="r-1", seq=seq, message=message),)
+    )
+
+
+async def test_a_journal_without_its_index_row_and_the_reverse_are_reported(
+    store: Store,
+) -> None:
+    await two_runs(store, one_per_batch=True)
+    for seq in (1, 2):
+        delete_event(store, "r-2", seq)
+    message = (
+        "journal of run 'r-2' is missing, but the runs index says the run reached seq 2; "
+        "restore it from a backup"
+    )
+    with pytest.raises(JournalCorrupt) as info:
+        await store.load("r-2")
+    assert str(info.value) == message
+    assert (await store.check()).problems == (Problem(run_id="r-2", seq=None, message=message),)
+
+
+DAMAGED_ROW = (
+    "runs index row of run 'r-1' is damaged (checksum mismatch); the store was written "
+    "outside interlock or its file is damaged; restore it from a backup"
+)
+durable = pytest.mark.parametrize(
+    "store_kind", [p for p in STORE_PARAMS if p.values != ("memory",)]
+)
+
+
+@durable
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("outcome", "completed"),
+        ("state", "DONE"),
+        ("seq", 14),
+        ("machine", "refunds"),
+        ("started", 1000.5),
+        ("detail", "x"),
+    ],
+)
+async def test_a_damaged_index_row_is_reported_by_every_read(
+    store: Store, column: str, value: object
+) -> None:
+    """Regression (#14): a changed index row made listing skip a run (its outcome no longer
+    matched the filter) or show a garbled one, with no error."""
+    await two_runs(store)
+    set_index_column(store, "r-1", column, value)
+    for read in (
+        lambda: store.list_runs(),
+        lambda: store.list_runs(outcome=FAILED),
+        lambda: store.list_runs(outcome=RUNNING),
+        store.unfinished,
+        store.escalations,
+        lambda: store.list_runs(machine="refund", limit=1),
+        lambda: store.get_run("r-1"),
+        lambda: store.load("r-1"),
+    ):
+        with pytest.raises(IndexDamaged) as info:
+            await read()
+        assert str(info.value) == DAMAGED_ROW
+        assert info.value.run_id == "r-1"
+    # The journal is sound and so is the other run.
+    assert [e.seq for e in await store.load("r-2")] == [1, 2]
+    assert await store.get_run("r-2") == index_updates(await store.load("r-2"), {})["r-2"]
+    report = await store.check()
+    assert report.problems == (Problem(run_id="r-1", seq=None, message=DAMAGED_ROW),)
+    # A batch continuing the run is refused, and nothing of it is written.
+    with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-1' is damaged "):
+        await store.append(
+            [started("r-3", ts=9.0), Failed(run_id="r-1", seq=14, ts=9.0, state="X", reason="r")]
+        )
+    with pytest.raises(RunNotFound):
+        await store.get_run("r-3")
+
+
+@durable
+async def test_an_index_row_that_agrees_with_its_checksum_but_not_its_journal_is_reported(
+    store: Store,
+) -> None:
+    """What another program could write: a consistent row that the journal contradicts."""
+    await store.append([started("r-1", ts=1.0), moved("r-1", 2, "TRIAGE", "PAY", ts=2.0)])
+    record = await store.get_run("r-1")
+    damaged = msgspec.structs.replace(record, state="DONE", outcome=COMPLETED)
+    set_index_column(store, "r-1", "state", "DONE")
+    set_index_column(store, "r-1", "outcome", COMPLETED)
+    set_index_column(store, "r-1", "crc", record_checksum(damaged))
+    assert await store.get_run("r-1") == damaged
+    [problem] = (await store.check()).problems
+    assert problem == Problem(
+        run_id="r-1",
+        seq=None,
+        message="runs index row of run 'r-1' is damaged (state 'DONE' where the journal says "
+        "'PAY', outcome 'completed' where the journal says 'running'); the store was written "
+        "outside interlock or its file is damaged; restore it from a backup",
+    )
+
+
+@durable
+async def test_an_index_row_missing_beside_its_journal_is_reported(store: Store) -> None:
+    await two_runs(store)
+    index_sql(store, "DELETE FROM runs WHERE run_id = ?", ("r-2",))
+    message = (
+        "runs index row of run 'r-2' is damaged (the row is missing, but the run's journal "
+        "holds events); the store was written outside interlock or its file is damaged; "
+        "restore it from a backup"
+    )
+    for read in (store.get_run, store.load):
+        with pytest.raises(IndexDamaged) as info:
+            await read("r-2")
+        assert str(info.value) == message
+    assert (await store.check()).problems == (Problem(run_id="r-2", seq=None, message=message),)
 
 
 # --- property: random well-formed journals come back unchanged ---------------------------

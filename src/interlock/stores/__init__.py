@@ -18,11 +18,16 @@ from ._base import (
     RUNNING as RUNNING,
 )
 from ._base import (
+    IndexDamaged as IndexDamaged,
+)
+from ._base import (
     RunRecord as RunRecord,
 )
 from ._base import (
     Store as Store,
 )
+from ._check import CheckReport as CheckReport
+from ._check import Problem as Problem
 from ._memory import MemoryStore as MemoryStore
 from ._open import open_store as open_store
 from ._sqlite import SQLiteStore as SQLiteStore
@@ -38,8 +43,11 @@ __all__ = [
     "FAILED",
     "OUTCOMES",
     "RUNNING",
+    "CheckReport",
+    "IndexDamaged",
     "MemoryStore",
     "PostgresStore",
+    "Problem",
     "RunRecord",
     "SQLiteStore",
     "Store",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping, Sequence
     from types import TracebackType
 
+    from ._check import CheckReport
+
 #: Run outcomes, as the runs index and metrics name them.
 RUNNING = "running"
 COMPLETED = "completed"
@@ -53,6 +56,115 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     reason: str = ""
     """For an escalated run, why (the breaker or the cause); for a failed run, the reason."""
     detail: str = ""
+
+
+class IndexDamaged(StoreError):
+    """A row of the runs index fails its checksum or disagrees with its run's journal.
+
+    The index is derived from the journal, so the journal may well be intact; but no
+    answer built on the damaged row is given.
+
+    Attributes:
+      run_id: the run the damaged row names (as stored, so itself possibly damaged).
+    """
+
+    def __init__(self, run_id: str, what: str) -> None:
+        super().__init__(
+            f"runs index row of run {run_id!r} is damaged ({what}); the store was written "
+            "outside interlock or its file is damaged; restore it from a backup"
+        )
+        self.run_id = run_id
+
+
+_encode_index_row = msgspec.msgpack.Encoder().encode
+
+
+def row_checksum(
+    run_id: str,
+    machine: str,
+    state: str,
+    outcome: str,
+    seq: int,
+    started: float,
+    updated: float,
+    reason: str,
+    detail: str,
+) -> int:
+    """The crc32 a runs-index row is stored with: of its fields, msgpack-encoded in order.
+
+    The types count (a seq read back as a float does not match), except that the two
+    times are taken as floats, as the stores keep them.
+    """
+    fields = (run_id, machine, state, outcome, seq, float(started), float(updated), reason, detail)
+    return zlib.crc32(_encode_index_row(fields))
+
+
+def record_checksum(record: RunRecord) -> int:
+    """:func:`row_checksum` of a record."""
+    return row_checksum(*msgspec.structs.astuple(record))
+
+
+def verified_record(row: Sequence[Any]) -> RunRecord:
+    """The record of a stored index row ``(run_id, ..., detail, crc)`` that passes its checksum.
+
+    Raises:
+      IndexDamaged: the row's checksum does not match its fields (or a field has a
+        type no interlock writes).
+    """
+    try:
+        intact = row_checksum(*row[:9]) == row[9]
+    except (TypeError, ValueError, msgspec.EncodeError):
+        intact = False
+    if not intact:
+        raise IndexDamaged(str(row[0]), "checksum mismatch")
+    return RunRecord(
+        run_id=row[0],
+        machine=row[1],
+        state=row[2],
+        outcome=row[3],
+        seq=row[4],
+        started=row[5],
+        updated=row[6],
+        reason=row[7],
+        detail=row[8],
+    )
+
+
+def missing_index_row(run_id: str) -> IndexDamaged:
+    """The error for a run whose journal holds events but whose index row is missing."""
+    return IndexDamaged(run_id, "the row is missing, but the run's journal holds events")
+
+
+def missing_journal(run_id: str, seq: int) -> JournalCorrupt:
+    """The error for a run the runs index holds (at ``seq``) whose journal is missing."""
+    return JournalCorrupt(
+        f"journal of run {run_id!r} is missing, but the runs index says the run reached seq "
+        f"{seq}; restore it from a backup"
+    )
+
+
+def select_runs(
+    records: Iterable[RunRecord],
+    *,
+    machine: str | None,
+    state: str | None,
+    outcome: str | None,
+    limit: int | None,
+) -> list[RunRecord]:
+    """What :meth:`Store.list_runs` returns from every row of the index.
+
+    The filters run here, on verified rows, rather than in SQL: a row whose damaged
+    outcome no longer matches would otherwise be left out silently.
+    """
+    rows = [
+        r
+        for r in records
+        if (machine is None or r.machine == machine)
+        and (state is None or r.state == state)
+        and (outcome is None or r.outcome == outcome)
+    ]
+    rows.sort(key=lambda r: (r.started, r.run_id))
+    return rows if limit is None else rows[:limit]
 
 
 Row = tuple[str, int, str, float, str | None, bytes]
@@ -111,21 +223,111 @@ def _encode_rows(events: Iterable[Event]) -> list[Row]:
     ]
 
 
-def decode_body(run_id: str, seq: int, body: bytes) -> JournalEvent:
-    """Check a stored frame and decode its event.
+Damage = tuple[int, str]
+"""Damage found in a journal: ``(seq, message)``, the message a :class:`JournalCorrupt` carries."""
 
-    Raises:
-      JournalCorrupt: the frame is torn or its checksum does not match, or the payload
-        is not an event.
+_RESTORE = (
+    "the store was written outside interlock or a write was cut short; restore it from a backup"
+)
+
+
+def read_chunk(
+    run_id: str, first_seq: int, last_seq: int, body: bytes
+) -> tuple[list[JournalEvent], Damage | None]:
+    """Check a stored chunk's frames (seqs first_seq..last_seq) and decode its events.
+
+    A store that keeps a row per event reads each as a chunk of one.
+
+    Returns:
+      the events up to the first damage, and that damage (None if there is none).
     """
     payloads, _end, status = unframe(body)
-    if status != FRAMES_OK or len(payloads) != 1:
-        what = "torn (cut short)" if status == FRAMES_TORN else "corrupt (checksum mismatch)"
-        raise JournalCorrupt(
-            f"journal of run {run_id!r} is {what} at seq {seq}; the store was written outside "
-            "interlock or a write was cut short; restore it from a backup"
+    count = last_seq - first_seq + 1
+    if status == FRAMES_OK and len(payloads) < count:
+        # Cut short exactly at a frame boundary: the frames left are all good.
+        status = FRAMES_TORN
+    events: list[JournalEvent] = []
+    seq = first_seq
+    for payload in payloads[:count]:
+        try:
+            events.append(decode_payload(run_id, seq, payload))
+        except JournalCorrupt as exc:
+            return events, (seq, str(exc))
+        seq += 1
+    if len(payloads) > count:
+        return events, (
+            last_seq,
+            f"journal of run {run_id!r} holds more events than seqs {first_seq} to {last_seq} "
+            "in one chunk; the store was written outside interlock; restore it from a backup",
         )
-    return decode_payload(run_id, seq, payloads[0])
+    if status != FRAMES_OK:
+        what = "torn (cut short)" if status == FRAMES_TORN else "corrupt (checksum mismatch)"
+        return events, (seq, f"journal of run {run_id!r} is {what} at seq {seq}; {_RESTORE}")
+    return events, None
+
+
+def read_chunks(
+    run_id: str, rows: Iterable[tuple[int, int, bytes]]
+) -> tuple[list[JournalEvent], list[Damage]]:
+    """Check a run's chunks, in first_seq order: each one's frames, and that they start at
+    seq 1 and follow one another.
+
+    Returns:
+      the events (all of them only if there is no damage), and every damage found:
+      each chunk is checked on its own, so one damaged chunk does not hide another.
+    """
+    events: list[JournalEvent] = []
+    damages: list[Damage] = []
+    expected = 1
+    for first_seq, last_seq, body in rows:
+        if first_seq != expected:
+            damages.append(
+                (
+                    min(first_seq, expected),
+                    f"journal of run {run_id!r} starts at seq {first_seq}, not seq 1; "
+                    "restore it from a backup"
+                    if expected == 1
+                    else f"journal of run {run_id!r} is missing or repeating events: seq "
+                    f"{first_seq} follows seq {expected - 1}; restore it from a backup",
+                )
+            )
+        chunk, damage = read_chunk(run_id, first_seq, last_seq, body)
+        if damage is not None:
+            damages.append(damage)
+        if not damages:
+            events += chunk
+        expected = last_seq + 1
+    return events, damages
+
+
+def decode_chunks(
+    run_id: str, rows: Iterable[tuple[int, int, bytes]], indexed_seq: int
+) -> list[JournalEvent]:
+    """Decode a run's chunks (see :func:`read_chunks`), raising on the first damage.
+
+    Args:
+      indexed_seq: the seq of the run's last event by its runs-index row, read before
+        the journal (so the journal, which only grows, can only be longer).
+
+    Raises:
+      JournalCorrupt: a frame is torn or fails its checksum, events are missing or
+        repeated, or the journal ends before the seq the runs index gives.
+    """
+    events, damages = read_chunks(run_id, rows)
+    if damages:
+        raise JournalCorrupt(damages[0][1])
+    last = events[-1].seq if events else 0
+    if last < indexed_seq:
+        raise cut_short(run_id, last, indexed_seq)
+    return events
+
+
+def cut_short(run_id: str, last: int, indexed_seq: int) -> JournalCorrupt:
+    """The error for a journal that ends at ``last``, before its index row's ``indexed_seq``."""
+    return JournalCorrupt(
+        f"journal of run {run_id!r} ends at seq {last}, but the runs index says the run "
+        f"reached seq {indexed_seq}: events are missing; restore it from a backup"
+    )
 
 
 def decode_payload(run_id: str, seq: int, payload: bytes) -> JournalEvent:
@@ -151,30 +353,70 @@ def decode_payload(run_id: str, seq: int, payload: bytes) -> JournalEvent:
 def check_batch(events: Sequence[Event], last_seqs: Mapping[str, int]) -> None:
     """Check a batch's seqs and intent keys before anything of it is written.
 
+    Each run's events must follow one another by one, from the last stored seq (or from
+    a ``run_started`` at seq 1 for a run the store does not hold yet).
+
     Args:
       events: one batch, in order.
       last_seqs: for each run of the batch that is already stored, the seq of its
         last stored event.
 
     Raises:
-      StoreError: a run's seqs do not increase past the last stored one and along
-        the batch, or two intents of the batch share an idempotency key.
+      StoreError: a seq repeats one or leaves a gap, another process advanced a run
+        past the batch, a run does not start with ``run_started`` at seq 1, or two
+        intents of the batch share an idempotency key.
     """
     last = dict(last_seqs)
     keys: set[str] = set()
     for event in events:
-        previous = last.get(event.run_id)
-        if previous is not None and event.seq <= previous:
-            raise StoreError(
-                f"run {event.run_id!r} already has seq {previous}; cannot append seq {event.seq}"
-            )
-        last[event.run_id] = event.seq
+        run_id = event.run_id
+        seq = event.seq
+        previous = last.get(run_id)
+        if previous is None:
+            if seq != 1 or type(event) is not RunStarted:
+                raise StoreError(
+                    f"run {run_id!r} is not stored yet, so its first event must be run_started "
+                    f"seq 1, not {_TAGS.get(type(event), type(event).__name__)} seq {seq}; "
+                    "nothing was written"
+                )
+        elif seq != previous + 1 or type(event) is RunStarted:
+            raise _out_of_sequence(event, previous, stored=last_seqs.get(run_id) == previous)
+        last[run_id] = seq
         if isinstance(event, IntentRecorded):
             if event.key in keys:
                 raise StoreError(
                     f"idempotency key {event.key!r} was already recorded; nothing was written"
                 )
             keys.add(event.key)
+
+
+def _out_of_sequence(event: Event, previous: int, *, stored: bool) -> StoreError:
+    """The error for ``event`` when its run is at ``previous`` (``stored``, or in the batch)."""
+    run_id = event.run_id
+    if type(event) is RunStarted:
+        return StoreError(
+            f"run {run_id!r} already exists (at seq {previous}); run ids name one run each: "
+            "start it under another id; nothing was written"
+        )
+    if stored and event.seq <= previous:
+        return another_writer(run_id, previous, event.seq)
+    if event.seq <= previous:
+        return StoreError(
+            f"run {run_id!r} already has seq {previous}; cannot append seq {event.seq}"
+        )
+    return StoreError(
+        f"run {run_id!r} is at seq {previous}; cannot append seq {event.seq} "
+        "(seqs must follow one another without gaps)"
+    )
+
+
+def another_writer(run_id: str, stored: int, appended: int) -> StoreError:
+    """The error for a batch appending ``appended`` to a run stored up to ``stored``."""
+    return StoreError(
+        f"run {run_id!r} is already at seq {stored} in the store, so this batch cannot append "
+        f"seq {appended}: another process advanced the run; keep one writer per journal (leases "
+        "for several writers come with scale-out, issue #18); nothing was written"
+    )
 
 
 #: What an event changes in its run's index row beyond ``seq`` and ``updated``, by event
@@ -232,33 +474,6 @@ def index_updates(events: Sequence[Event], current: dict[str, RunRecord]) -> dic
     return {run_id: RunRecord(**row) for run_id, row in fields.items()}
 
 
-def runs_query(
-    columns: str,
-    placeholder: str,
-    *,
-    machine: str | None,
-    state: str | None,
-    outcome: str | None,
-    limit: int | None,
-) -> tuple[str, list[object]]:
-    """The SQL and parameters of :meth:`Store.list_runs` for a store whose driver uses
-    ``placeholder`` (``?`` for sqlite3, ``%s`` for psycopg)."""
-    clauses: list[str] = []
-    params: list[object] = []
-    for column, value in (("machine", machine), ("state", state), ("outcome", outcome)):
-        if value is not None:
-            clauses.append(f"{column} = {placeholder}")
-            params.append(value)
-    sql = f"SELECT {columns} FROM runs"
-    if clauses:
-        sql += " WHERE " + " AND ".join(clauses)
-    sql += " ORDER BY started, run_id"
-    if limit is not None:
-        sql += f" LIMIT {placeholder}"
-        params.append(limit)
-    return sql, params
-
-
 class Store(abc.ABC):
     """Where the journal and the runs index live. One writer: the supervisor.
 
@@ -286,7 +501,9 @@ class Store(abc.ABC):
 
         Raises:
           RunNotFound: no such run.
-          JournalCorrupt: a stored event fails its checksum.
+          JournalCorrupt: a stored event fails its checksum, events are missing or
+            repeated, or the journal ends before the seq its runs-index row gives.
+          IndexDamaged: the run's index row is damaged or missing.
         """
 
     @abc.abstractmethod
@@ -295,6 +512,8 @@ class Store(abc.ABC):
 
         Raises:
           RunNotFound: no such run.
+          IndexDamaged: the row fails its checksum, or it is missing while the run's
+            journal holds events.
         """
 
     @abc.abstractmethod
@@ -306,7 +525,14 @@ class Store(abc.ABC):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        """Return runs-index rows matching every filter given, oldest first."""
+        """Return runs-index rows matching every filter given, oldest first.
+
+        Every row is read and checked, whatever the filters, so a damaged row is
+        reported rather than silently left out.
+
+        Raises:
+          IndexDamaged: a row fails its checksum.
+        """
 
     async def escalations(self) -> list[RunRecord]:
         """The escalation queue: runs parked in ESCALATE, oldest first."""
@@ -315,6 +541,18 @@ class Store(abc.ABC):
     async def unfinished(self) -> list[RunRecord]:
         """Runs that are neither terminal nor escalated, oldest first."""
         return await self.list_runs(outcome=RUNNING)
+
+    @abc.abstractmethod
+    async def check(self) -> CheckReport:
+        """Check the whole store for damage, reading everything in it; write nothing.
+
+        Every frame's checksum, each run's seqs (from 1, no gap, no repeat), every
+        runs-index row against its checksum and against its run's journal, and what
+        else the backend keeps (SQLite: ``PRAGMA integrity_check`` and the intents table).
+
+        Returns:
+          what was checked and every problem found; damage is reported, not raised.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None:

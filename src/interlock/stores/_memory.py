@@ -7,7 +7,18 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._exceptions import RunNotFound, StoreError
-from ._base import RunRecord, Store, check_batch, decode_body, encode_rows, index_updates
+from ._base import (
+    RunRecord,
+    Store,
+    check_batch,
+    decode_chunks,
+    encode_rows,
+    index_updates,
+    missing_index_row,
+    missing_journal,
+    select_runs,
+)
+from ._check import Checker, CheckReport
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -19,7 +30,8 @@ class MemoryStore(Store):
     """Keeps the framed journal and the runs index in dicts.
 
     Events go through the same encode/frame/decode path as the durable stores, so
-    what a test sees is what SQLite would have returned.
+    what a test sees is what SQLite would have returned. The index rows are the records
+    themselves, with no bytes to damage, so they carry no checksum.
     """
 
     kind = "memory"
@@ -57,9 +69,14 @@ class MemoryStore(Store):
     async def load(self, run_id: str) -> list[JournalEvent]:
         await trio.lowlevel.checkpoint()
         journal = self._journal.get(run_id)
+        record = self._runs.get(run_id)
         if journal is None:
+            if record is not None:
+                raise missing_journal(run_id, record.seq)
             raise RunNotFound(run_id)
-        return [decode_body(run_id, seq, body) for seq, body in journal]
+        if record is None:
+            raise missing_index_row(run_id)
+        return decode_chunks(run_id, [(seq, seq, body) for seq, body in journal], record.seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
         await trio.lowlevel.checkpoint()
@@ -77,15 +94,16 @@ class MemoryStore(Store):
         limit: int | None = None,
     ) -> list[RunRecord]:
         await trio.lowlevel.checkpoint()
-        rows = [
-            r
-            for r in self._runs.values()
-            if (machine is None or r.machine == machine)
-            and (state is None or r.state == state)
-            and (outcome is None or r.outcome == outcome)
-        ]
-        rows.sort(key=lambda r: (r.started, r.run_id))
-        return rows if limit is None else rows[:limit]
+        return select_runs(
+            self._runs.values(), machine=machine, state=state, outcome=outcome, limit=limit
+        )
+
+    async def check(self) -> CheckReport:
+        await trio.lowlevel.checkpoint()
+        checker = Checker(self._runs, ())
+        for run_id, journal in self._journal.items():
+            checker.run(run_id, [(seq, seq, body) for seq, body in journal])
+        return checker.report()
 
     async def aclose(self) -> None:
         self._closed = True

@@ -1,7 +1,12 @@
-"""The PostgreSQL store: the journal for runs spread over several processes or hosts."""
+"""The PostgreSQL store: the journal for runs spread over several processes or hosts.
+
+Each runs-index row carries the crc32 of its fields (:func:`row_checksum`), as in the
+SQLite store: a row that fails it is reported (:class:`IndexDamaged`), never believed.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -13,14 +18,22 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._exceptions import RunNotFound, StoreError
 from ._base import (
+    IndexDamaged,
     RunRecord,
     Store,
+    another_writer,
     check_batch,
-    decode_body,
+    decode_chunks,
     encode_rows,
     index_updates,
-    runs_query,
+    missing_index_row,
+    missing_journal,
+    record_checksum,
+    row_checksum,
+    select_runs,
+    verified_record,
 )
+from ._check import Checker, CheckReport
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -29,8 +42,10 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-#: The schema version this module writes. A database from a newer version is refused.
-SCHEMA_VERSION = 1
+#: The schema version this module writes. A database from a newer version is refused;
+#: one from version 1 (no checksums in the runs index) is upgraded when opened for
+#: writing, and read as it is when opened read-only.
+SCHEMA_VERSION = 2
 
 #: Seconds to wait for the server when connecting, unless the DSN sets ``connect_timeout``.
 CONNECT_TIMEOUT = 10
@@ -52,6 +67,9 @@ _SCHEMA = (
     # records them, so a recovered intent can never be recorded twice.
     "CREATE UNIQUE INDEX IF NOT EXISTS events_intent_key ON events (key) "
     "WHERE kind = 'intent_recorded'",
+    # crc: row_checksum of the other columns. No index beyond the key: listing reads
+    # every row anyway, to check each one (a filter in SQL would silently skip a row
+    # whose damage unmatched it).
     """CREATE TABLE IF NOT EXISTS runs (
         run_id text COLLATE "C" PRIMARY KEY,
         machine text NOT NULL,
@@ -61,42 +79,56 @@ _SCHEMA = (
         started double precision NOT NULL,
         updated double precision NOT NULL,
         reason text NOT NULL DEFAULT '',
-        detail text NOT NULL DEFAULT ''
+        detail text NOT NULL DEFAULT '',
+        crc bigint
     )""",
-    "CREATE INDEX IF NOT EXISTS runs_started ON runs (started, run_id)",
-    "CREATE INDEX IF NOT EXISTS runs_outcome ON runs (outcome, started, run_id)",
-    "CREATE INDEX IF NOT EXISTS runs_machine ON runs (machine, started, run_id)",
+)
+#: Version 1 to 2: checksums in the runs index (filled in by _checksum_index), and
+#: none of the indexes listing no longer uses.
+_UPGRADE_FROM_1 = (
+    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS crc bigint",
+    "DROP INDEX IF EXISTS runs_started",
+    "DROP INDEX IF EXISTS runs_outcome",
+    "DROP INDEX IF EXISTS runs_machine",
 )
 
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail"
 _COPY_EVENTS = "COPY events (run_id, seq, kind, ts, key, body) FROM STDIN (FORMAT BINARY)"
 _COPY_TYPES = ("text", "int8", "text", "float8", "text", "bytea")
 _UPSERT_RUNS = (
-    f"INSERT INTO runs ({_RUN_COLUMNS}) "
+    f"INSERT INTO runs ({_RUN_COLUMNS}, crc) "
     "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::int8[], "
-    "%s::float8[], %s::float8[], %s::text[], %s::text[]) "
+    "%s::float8[], %s::float8[], %s::text[], %s::text[], %s::int8[]) "
     "ON CONFLICT (run_id) DO UPDATE SET machine = EXCLUDED.machine, state = EXCLUDED.state, "
     "outcome = EXCLUDED.outcome, seq = EXCLUDED.seq, started = EXCLUDED.started, "
-    "updated = EXCLUDED.updated, reason = EXCLUDED.reason, detail = EXCLUDED.detail"
+    "updated = EXCLUDED.updated, reason = EXCLUDED.reason, detail = EXCLUDED.detail, "
+    "crc = EXCLUDED.crc"
 )
-_SELECT_RUNS_IN = f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ANY(%s::text[])"
+_SELECT_RUNS_IN = f"SELECT {_RUN_COLUMNS}, crc FROM runs WHERE run_id = ANY(%s::text[])"
+_LAST_SEQS_IN = "SELECT run_id, max(seq) FROM events WHERE run_id = ANY(%s::text[]) GROUP BY run_id"
 _SELECT_KEYS_IN = (
     "SELECT key FROM events WHERE kind = 'intent_recorded' AND key = ANY(%s::text[]) LIMIT 1"
 )
 
 
-def _record(row: Sequence[Any]) -> RunRecord:
-    return RunRecord(
-        run_id=row[0],
-        machine=row[1],
-        state=row[2],
-        outcome=row[3],
-        seq=row[4],
-        started=row[5],
-        updated=row[6],
-        reason=row[7],
-        detail=row[8],
-    )
+def _unverified(row: Sequence[Any]) -> RunRecord:
+    """The record of a version 1 index row, which has no checksum to check."""
+    return verified_record([*row, row_checksum(*row)])
+
+
+def _checksum_index(conn: psycopg.Connection[Any]) -> None:
+    """Give every runs-index row that has none its checksum (upgrading from version 1).
+
+    A row damaged before this gets a checksum of its damage: :meth:`PostgresStore.check`
+    still finds it, by comparing the row with its run's journal.
+    """
+    rows = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE crc IS NULL").fetchall()
+    if rows:
+        conn.execute(
+            "UPDATE runs SET crc = u.crc FROM unnest(%s::text[], %s::int8[]) AS u(run_id, crc) "
+            "WHERE runs.run_id = u.run_id",
+            ([row[0] for row in rows], [row_checksum(*row) for row in rows]),
+        )
 
 
 def _reason(exc: BaseException) -> str:
@@ -117,7 +149,8 @@ def describe_dsn(dsn: str) -> str:
     return f"PostgreSQL database {dbname!r} at {where}"
 
 
-def _connect(dsn: str, schema: str, readonly: bool) -> psycopg.Connection[Any]:
+def _connect(dsn: str, schema: str, readonly: bool) -> tuple[psycopg.Connection[Any], int]:
+    """Connect and prepare the schema; also return its version (after any upgrade)."""
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.Error:
@@ -136,14 +169,13 @@ def _connect(dsn: str, schema: str, readonly: bool) -> psycopg.Connection[Any]:
             "and that the DSN's host, port, user, password and database are right"
         ) from None
     try:
-        _prepare(conn, where, schema, readonly=readonly)
+        return conn, _prepare(conn, where, schema, readonly=readonly)
     except Exception:
         conn.close()
         raise
-    return conn
 
 
-def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly: bool) -> None:
+def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly: bool) -> int:
     ident = sql.Identifier(schema)
     try:
         with conn.transaction():
@@ -177,7 +209,16 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
                     (str(SCHEMA_VERSION),),
                 )
             row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
-        version = int(row[0]) if row is not None else None
+            version = int(row[0]) if row is not None else None
+            if version == 1 and not readonly:
+                for statement in _UPGRADE_FROM_1:
+                    conn.execute(statement)
+                _checksum_index(conn)
+                conn.execute(
+                    "UPDATE meta SET value = %s WHERE name = 'schema_version'",
+                    (str(SCHEMA_VERSION),),
+                )
+                version = SCHEMA_VERSION
         if version is None:
             raise StoreError(
                 f"schema {schema!r} of {where} has no schema version; "
@@ -193,6 +234,7 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
             conn.execute("SET default_transaction_read_only = on")
     except psycopg.Error as exc:
         raise StoreError(f"cannot set up schema {schema!r} in {where}: {_reason(exc)}") from exc
+    return version
 
 
 class PostgresStore(Store):
@@ -212,15 +254,26 @@ class PostgresStore(Store):
     kind = "postgresql"
 
     def __init__(
-        self, conn: psycopg.Connection[Any], dsn: str, *, schema: str, readonly: bool
+        self,
+        conn: psycopg.Connection[Any],
+        dsn: str,
+        *,
+        schema: str,
+        readonly: bool,
+        checksums: bool = True,
     ) -> None:
-        """Wrap an open, prepared connection; use :func:`open_postgres_store` instead."""
+        """Wrap an open, prepared connection; use :func:`open_postgres_store` instead.
+
+        ``checksums`` is False only for a version 1 schema opened read-only.
+        """
         self._conn: psycopg.Connection[Any] | None = conn
         self._dsn = dsn
         self._where = describe_dsn(dsn)
         self._schema = schema
         self._readonly = readonly
         self._lock = trio.Lock()
+        self._columns = f"{_RUN_COLUMNS}, crc" if checksums else _RUN_COLUMNS
+        self._read = verified_record if checksums else _unverified
 
     @classmethod
     async def open(
@@ -249,6 +302,12 @@ class PostgresStore(Store):
                 raise StoreError("store is closed")
             try:
                 return await trio.to_thread.run_sync(self._with_connection, fn)
+            except errors.DiskFull as exc:
+                raise StoreError(
+                    f"journal {self._where}, schema {self._schema!r}: disk is full on the "
+                    f"server ({_reason(exc)}), so {what} wrote nothing; free space there, "
+                    "then retry"
+                ) from exc
             except psycopg.Error as exc:
                 if self._conn is not None and self._conn.broken:
                     raise StoreError(
@@ -262,7 +321,7 @@ class PostgresStore(Store):
         assert conn is not None
         if conn.broken or conn.closed:
             conn.close()
-            self._conn = conn = _connect(self._dsn, self._schema, self._readonly)
+            self._conn = conn = _connect(self._dsn, self._schema, self._readonly)[0]
         return fn(conn)
 
     async def append(self, events: Sequence[Event]) -> None:
@@ -270,8 +329,9 @@ class PostgresStore(Store):
 
         Raises:
           StoreError: the store is closed or read-only, a seq or an idempotency key
-            is already stored, or the server failed or went away; nothing of the
-            batch was written.
+            is already stored (another process advanced a run, say), or the server
+            failed or went away; nothing of the batch was written.
+          IndexDamaged: the index row of a run the batch continues is damaged.
         """
         if self._readonly:
             raise StoreError(
@@ -288,28 +348,44 @@ class PostgresStore(Store):
         self.bytes_written += sum(len(row[5]) for row in params)
 
     async def load(self, run_id: str) -> list[JournalEvent]:
-        def fetch(conn: psycopg.Connection[Any]) -> list[tuple[int, bytes]]:
+        select_run = f"SELECT {self._columns} FROM runs WHERE run_id = %s"
+
+        def fetch(conn: psycopg.Connection[Any]) -> tuple[Any, list[tuple[int, int, bytes]]]:
+            # The index row first: the journal only grows, so it cannot then be shorter.
+            row = conn.execute(select_run, (run_id,)).fetchone()
             with conn.cursor(binary=True) as cursor:
                 cursor.execute(
-                    "SELECT seq, body FROM events WHERE run_id = %s ORDER BY seq", (run_id,)
+                    "SELECT seq, seq, body FROM events WHERE run_id = %s ORDER BY seq", (run_id,)
                 )
-                return cursor.fetchall()
+                return row, cursor.fetchall()
 
-        rows = await self._call("load", fetch)
-        if not rows:
+        row, events = await self._call("load", fetch)
+        if row is None:
+            if events:
+                raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return [decode_body(run_id, seq, body) for seq, body in rows]
+        record = self._read(row)
+        if not events:
+            raise missing_journal(run_id, record.seq)
+        return decode_chunks(run_id, events, record.seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
-        row = await self._call(
-            "get_run",
-            lambda conn: conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone(),
-        )
+        select_run = f"SELECT {self._columns} FROM runs WHERE run_id = %s"
+
+        def fetch(conn: psycopg.Connection[Any]) -> tuple[Any, bool]:
+            row = conn.execute(select_run, (run_id,)).fetchone()
+            journaled = row is None and (
+                conn.execute("SELECT 1 FROM events WHERE run_id = %s LIMIT 1", (run_id,)).fetchone()
+                is not None
+            )
+            return row, journaled
+
+        row, journaled = await self._call("get_run", fetch)
         if row is None:
+            if journaled:
+                raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return _record(row)
+        return self._read(row)
 
     async def list_runs(
         self,
@@ -319,14 +395,39 @@ class PostgresStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        query, params = runs_query(
-            _RUN_COLUMNS, "%s", machine=machine, state=state, outcome=outcome, limit=limit
+        select = f"SELECT {self._columns} FROM runs"
+        rows = await self._call("list_runs", lambda conn: conn.execute(select).fetchall())
+        read = self._read
+        return select_runs(
+            [read(row) for row in rows], machine=machine, state=state, outcome=outcome, limit=limit
         )
-        rows = await self._call(
-            "list_runs",
-            lambda conn: conn.execute(query, params).fetchall(),
-        )
-        return [_record(row) for row in rows]
+
+    async def check(self) -> CheckReport:
+        return await self._call("check", self._check_sync)
+
+    def _check_sync(self, conn: psycopg.Connection[Any]) -> CheckReport:
+        # One snapshot of every table, even while writers go on.
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            index: dict[str, RunRecord] = {}
+            damaged: list[IndexDamaged] = []
+            for row in conn.execute(f"SELECT {self._columns} FROM runs"):
+                try:
+                    record = self._read(row)
+                except IndexDamaged as exc:
+                    damaged.append(exc)
+                else:
+                    index[record.run_id] = record
+            checker = Checker(index, damaged)
+            with conn.cursor("interlock_check", binary=True) as cursor:
+                cursor.execute("SELECT run_id, seq, seq, body FROM events ORDER BY run_id, seq")
+                for run_id, rows in itertools.groupby(cursor, key=lambda row: row[0]):
+                    checker.run(run_id, [row[1:] for row in rows])
+            intents = conn.execute(
+                "SELECT key, run_id, seq FROM events WHERE kind = 'intent_recorded'"
+            )
+            checker.intents_table(intents, "the events table's intent keys")
+        return checker.report()
 
     async def aclose(self) -> None:
         # NOTE: shielded, so a cancelled caller still closes the connection.
@@ -349,15 +450,15 @@ def _append_sync(
             # NOTE: never a prepared statement: its generic plan for ANY(array) scans
             # the whole runs table once PostgreSQL switches to it.
             cursor.execute(_SELECT_RUNS_IN, (run_ids,), prepare=False)
-            current = {row[0]: _record(row) for row in cursor.fetchall()}
+            current = {row[0]: verified_record(row) for row in cursor.fetchall()}
             check_batch(events, {run_id: record.seq for run_id, record in current.items()})
             updates = index_updates(events, current)
             with cursor.copy(_COPY_EVENTS) as copy:
                 copy.set_types(list(_COPY_TYPES))
                 for row in params:
                     copy.write_row(row)
-            columns = zip(*(msgspec.structs.astuple(r) for r in updates.values()), strict=True)
-            cursor.execute(_UPSERT_RUNS, [list(column) for column in columns])
+            rows = [(*msgspec.structs.astuple(r), record_checksum(r)) for r in updates.values()]
+            cursor.execute(_UPSERT_RUNS, [list(column) for column in zip(*rows, strict=True)])
     except errors.UniqueViolation as exc:
         if exc.diag.constraint_name == "events_intent_key" and keys:
             found = conn.execute(_SELECT_KEYS_IN, (keys,)).fetchone()
@@ -365,6 +466,14 @@ def _append_sync(
             raise StoreError(
                 f"idempotency key {key!r} was already recorded; nothing was written"
             ) from exc
+        if exc.diag.constraint_name == "events_pkey":
+            # Another writer committed events of a run after this batch read its row.
+            first: dict[str, int] = {}
+            for event in events:
+                first.setdefault(event.run_id, event.seq)
+            for run_id, stored in conn.execute(_LAST_SEQS_IN, (run_ids,)).fetchall():
+                if stored >= first[run_id]:
+                    raise another_writer(run_id, stored, first[run_id]) from exc
         raise StoreError(
             f"the batch breaks a constraint ({_reason(exc)}); nothing was written"
         ) from exc
@@ -390,5 +499,7 @@ async def open_postgres_store(
     """
     if not schema:
         raise ValueError("schema must be a non-empty PostgreSQL schema name")
-    conn = await trio.to_thread.run_sync(_connect, dsn, schema, readonly)
-    return PostgresStore(conn, dsn, schema=schema, readonly=readonly)
+    conn, version = await trio.to_thread.run_sync(_connect, dsn, schema, readonly)
+    return PostgresStore(
+        conn, dsn, schema=schema, readonly=readonly, checksums=version >= SCHEMA_VERSION
+    )

@@ -5,11 +5,16 @@ run's consecutive events of the batch as one buffer of frames (``frame_events`` 
 their msgpack payloads). A batch of 1,000 events of a few runs is a few rows, not a
 thousand, which is what makes the group commit fast. Idempotency keys of intents
 have a table of their own, so they stay unique in the whole database.
+
+The runs index is derived from the journal, and each of its rows carries the crc32 of
+its fields (:func:`row_checksum`): a row that fails it is reported (:class:`IndexDamaged`),
+never believed. Listing runs therefore reads every row, whatever the filters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sqlite3
 import threading
@@ -22,29 +27,39 @@ import msgspec
 import trio
 
 from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted
-from .._exceptions import JournalCorrupt, RunNotFound, StoreError
-from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_events, unframe
+from .._exceptions import RunNotFound, StoreError
+from .._hotpath import FRAMES_OK, frame_events, unframe
 from ._base import (
     INDEX_CHANGES,
+    IndexDamaged,
     RunRecord,
     Store,
+    another_writer,
     check_batch,
-    decode_payload,
+    decode_chunks,
     index_updates,
-    runs_query,
+    missing_index_row,
+    missing_journal,
+    record_checksum,
+    row_checksum,
+    select_runs,
     unencodable,
+    verified_record,
 )
+from ._check import Checker, CheckReport
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Sequence
 
     from .._events import Event, JournalEvent
 
 _T = TypeVar("_T")
 
-#: The schema this module writes. A database from a newer version is refused; one
-#: from version 1 (a row per event) is upgraded in place when opened for writing.
-SCHEMA_VERSION = 2
+#: The schema this module writes. A database from a newer version is refused; one from
+#: version 1 (a row per event) or 2 (no checksums in the runs index) is upgraded in place
+#: when opened for writing. Opened read-only, a version 2 database is read as it is: its
+#: index rows have no checksum to check.
+SCHEMA_VERSION = 3
 
 #: Milliseconds a connection waits for another process's write lock before failing.
 BUSY_TIMEOUT_MS = 5000
@@ -85,9 +100,13 @@ _JOURNAL = (
         seq INTEGER NOT NULL
     ) WITHOUT ROWID""",
 )
+# NOTE: no index on the runs table beyond its key: listing reads every row anyway, to
+# check each one (a filter in SQL would silently skip a row whose damage unmatched it).
 _SCHEMA = (
     _META,
     *_JOURNAL,
+    # crc: row_checksum of the other columns. NULL only where the upgrade from version 2
+    # found a row it could not checksum; that row is reported as damaged.
     """CREATE TABLE IF NOT EXISTS runs (
         run_id TEXT PRIMARY KEY,
         machine TEXT NOT NULL,
@@ -97,37 +116,52 @@ _SCHEMA = (
         started REAL NOT NULL,
         updated REAL NOT NULL,
         reason TEXT NOT NULL DEFAULT '',
-        detail TEXT NOT NULL DEFAULT ''
+        detail TEXT NOT NULL DEFAULT '',
+        crc INTEGER
     ) WITHOUT ROWID""",
-    "CREATE INDEX IF NOT EXISTS runs_started ON runs (started, run_id)",
-    "CREATE INDEX IF NOT EXISTS runs_outcome ON runs (outcome, started, run_id)",
-    "CREATE INDEX IF NOT EXISTS runs_machine ON runs (machine, started, run_id)",
 )
 
-_RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail"
+_RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail, crc"
+#: The index columns as read: text as BLOBs, so that text damaged into invalid UTF-8
+#: is reported with its row instead of failing the whole query.
+_READ_COLUMNS = (
+    "CAST(run_id AS BLOB), CAST(machine AS BLOB), CAST(state AS BLOB), CAST(outcome AS BLOB), "
+    "seq, started, updated, CAST(reason AS BLOB), CAST(detail AS BLOB)"
+)
 _INSERT_CHUNK = "INSERT INTO chunks (run_id, first_seq, last_seq, body) VALUES (?, ?, ?, ?)"
 _INSERT_INTENT = "INSERT INTO intents (key, run_id, seq) VALUES (?, ?, ?)"
 _UPSERT_RUN = (
-    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO UPDATE SET machine = excluded.machine, state = excluded.state, "
     "outcome = excluded.outcome, seq = excluded.seq, started = excluded.started, "
-    "updated = excluded.updated, reason = excluded.reason, detail = excluded.detail"
+    "updated = excluded.updated, reason = excluded.reason, detail = excluded.detail, "
+    "crc = excluded.crc"
 )
-_SELECT_RUN = f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?"
+_SELECT_RUN = f"SELECT {_READ_COLUMNS}, crc FROM runs WHERE run_id = ?"
+_SELECT_RUNS = f"SELECT {_READ_COLUMNS}, crc FROM runs"
 _INSERT_RUN = (
-    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO NOTHING"
 )
-#: A continuing run's index row moves on only from the seq before the batch's first:
-#: the row count tells whether every run was where the batch says it was.
+#: The name of :func:`row_checksum` in the SQL of a writing connection.
+_CHECKSUM_SQL = "interlock_row_checksum"
+_STORED_CHECKSUM = f"{_CHECKSUM_SQL}({_READ_COLUMNS})"
+#: A continuing run's index row moves on only from the seq before the batch's first, and
+#: only if it passes its checksum (a damaged row must not be re-checksummed as good): the
+#: row count tells whether every run was where the batch says it was.
 _ADVANCE_RUN = (
-    "UPDATE runs SET seq = ?, updated = ?, state = COALESCE(?, state), "
-    "outcome = COALESCE(?, outcome), reason = COALESCE(?, reason), "
-    "detail = COALESCE(?, detail) WHERE run_id = ? AND seq = ?"
+    "UPDATE runs SET seq = ?1, updated = ?2, state = COALESCE(?3, state), "
+    "outcome = COALESCE(?4, outcome), reason = COALESCE(?5, reason), "
+    "detail = COALESCE(?6, detail), "
+    f"crc = {_CHECKSUM_SQL}(run_id, machine, COALESCE(?3, state), COALESCE(?4, outcome), "
+    "?1, started, ?2, COALESCE(?5, reason), COALESCE(?6, detail)) "
+    f"WHERE run_id = ?7 AND seq = ?8 AND crc = {_STORED_CHECKSUM}"
 )
 #: Where each field of INDEX_CHANGES goes in a move of _index_fast (the SET of _ADVANCE_RUN).
 _MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
+_HAS_CHUNKS = "SELECT 1 FROM chunks WHERE run_id = ? LIMIT 1"
+_LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
 _INDEXED: frozenset[type[Event]] = frozenset({RunStarted, *INDEX_CHANGES})
@@ -182,101 +216,61 @@ class _Batch:
         self.contiguous = contiguous and len({row[0] for row in intents}) == len(intents)
         self.size = sum(len(row[3]) for row in self.chunks)
 
-    def check(self, current: dict[str, RunRecord]) -> None:
-        """Check seqs and keys against the stored runs, as :func:`check_batch` does.
 
-        Beyond :func:`check_batch`, a run's seqs must follow one another without
-        gaps: a chunk holds seqs first_seq..last_seq.
-
-        Raises:
-          StoreError: a seq does not follow the one before it, or two intents of the
-            batch share an idempotency key.
-        """
-        contiguous = self.contiguous
-        if contiguous:
-            for run_id, first, _last, _body in self.chunks:
-                record = current.get(run_id)
-                if record is not None and first != record.seq + 1:
-                    contiguous = False
-                    break
-        if contiguous:
-            return
-        last = {run_id: record.seq for run_id, record in current.items()}
-        # The shared check words every error but a gap the way every store does.
-        check_batch(self.events, last)
-        for event in self.events:
-            previous = last.get(event.run_id)
-            if previous is not None and event.seq != previous + 1:
-                raise StoreError(
-                    f"run {event.run_id!r} is at seq {previous}; cannot append seq {event.seq} "
-                    "(seqs must follow one another without gaps)"
-                )
-            last[event.run_id] = event.seq
+def _text(value: Any) -> str:
+    """A text column read as a BLOB."""
+    if type(value) is not bytes:
+        raise TypeError("not text")  # NULL, or a number where text belongs
+    return value.decode()
 
 
-def decode_chunk(run_id: str, first_seq: int, last_seq: int, body: bytes) -> list[JournalEvent]:
-    """Check a stored chunk's frames and decode its events, seqs first_seq..last_seq.
+def _fields(row: Sequence[Any]) -> list[Any]:
+    """The fields of an index row read with _READ_COLUMNS, text decoded (the crc after, if read).
 
     Raises:
-      JournalCorrupt: a frame is torn or fails its checksum, the chunk holds fewer or
-        more events than its seqs say, or an event is undecodable or out of place.
+      IndexDamaged: a text column is not valid UTF-8 or not text at all.
     """
-    payloads, _end, status = unframe(body)
-    count = last_seq - first_seq + 1
-    if status == FRAMES_OK and len(payloads) < count:
-        # Cut short exactly at a frame boundary: the frames left are all good.
-        status = FRAMES_TORN
-    events: list[JournalEvent] = []
-    seq = first_seq
-    for payload in payloads[:count]:
-        events.append(decode_payload(run_id, seq, payload))
-        seq += 1
-    if len(payloads) > count:
-        raise JournalCorrupt(
-            f"journal of run {run_id!r} holds more events than seqs {first_seq} to {last_seq} "
-            "in one chunk; the store was written outside interlock; restore it from a backup"
-        )
-    if status != FRAMES_OK:
-        what = "torn (cut short)" if status == FRAMES_TORN else "corrupt (checksum mismatch)"
-        raise JournalCorrupt(
-            f"journal of run {run_id!r} is {what} at seq {seq}; the store was written outside "
-            "interlock or a write was cut short; restore it from a backup"
-        )
-    return events
+    try:
+        return [
+            _text(row[0]),
+            _text(row[1]),
+            _text(row[2]),
+            _text(row[3]),
+            row[4],
+            row[5],
+            row[6],
+            _text(row[7]),
+            _text(row[8]),
+            *row[9:],
+        ]
+    except (TypeError, UnicodeDecodeError):
+        run_id = row[0].decode(errors="replace") if type(row[0]) is bytes else str(row[0])
+        raise IndexDamaged(run_id, "a text field is not valid text") from None
 
 
-def decode_chunks(run_id: str, rows: Iterable[tuple[int, int, bytes]]) -> list[JournalEvent]:
-    """Decode a run's chunks, in first_seq order, checking that they follow one another.
-
-    Raises:
-      JournalCorrupt: see :func:`decode_chunk`; or a chunk does not start where the one
-        before it ends (events are missing or repeated).
-    """
-    events: list[JournalEvent] = []
-    expected: int | None = None
-    for first_seq, last_seq, body in rows:
-        if expected is not None and first_seq != expected:
-            raise JournalCorrupt(
-                f"journal of run {run_id!r} is missing or repeating events: seq {first_seq} "
-                f"follows seq {expected - 1}; restore it from a backup"
-            )
-        events += decode_chunk(run_id, first_seq, last_seq, body)
-        expected = last_seq + 1
-    return events
+def _verified(row: Sequence[Any]) -> RunRecord:
+    """The record of an index row read with ``_READ_COLUMNS, crc``, checked."""
+    return verified_record(_fields(row))
 
 
-def _record(row: Sequence[Any]) -> RunRecord:
-    return RunRecord(
-        run_id=row[0],
-        machine=row[1],
-        state=row[2],
-        outcome=row[3],
-        seq=row[4],
-        started=row[5],
-        updated=row[6],
-        reason=row[7],
-        detail=row[8],
-    )
+def _unverified(row: Sequence[Any]) -> RunRecord:
+    """The record of a version 2 index row, which has no checksum to check."""
+    fields = _fields(row)
+    return verified_record([*fields, row_checksum(*fields)])
+
+
+def _checksum_sql(*fields: Any) -> int | None:
+    """:func:`row_checksum` in SQL: text may come as BLOBs; NULL for a row that is not text."""
+    try:
+        text: list[Any] = [f.decode() if type(f) is bytes else f for f in fields]
+        return row_checksum(*text)
+    except (TypeError, ValueError, msgspec.EncodeError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+def _index_row(record: RunRecord) -> tuple[Any, ...]:
+    """The parameters of _INSERT_RUN and _UPSERT_RUN for ``record``."""
+    return (*msgspec.structs.astuple(record), record_checksum(record))
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -372,6 +366,11 @@ class SQLiteStore(Store):
     - ``FULL``: the WAL is synced at every commit, so a batch survives a power
       loss once :meth:`append` returns. It costs an fsync per batch.
 
+    Either way, committed batches live in the ``-wal`` file beside the database until
+    a checkpoint copies them in: a ``-wal`` lost or damaged before that (a copy of the
+    database file alone, say) silently drops them, as SQLite does. :meth:`check`
+    cannot see what is gone; it finds damage to what is there.
+
     Other processes may read the file while the store writes it (WAL); a second
     writer waits up to ``BUSY_TIMEOUT_MS`` for the write lock, then fails.
     """
@@ -386,11 +385,18 @@ class SQLiteStore(Store):
         synchronous: str,
         readonly: bool,
         checkpointer: _Checkpointer | None = None,
+        checksums: bool = True,
     ) -> None:
-        """Wrap an open, checked connection; use :func:`open_sqlite_store` instead."""
+        """Wrap an open, checked connection; use :func:`open_sqlite_store` instead.
+
+        ``checksums`` is False only for a version 2 database opened read-only.
+        """
         self._conn: sqlite3.Connection | None = conn
         self._path = path
+        self._folder = os.path.dirname(os.path.abspath(path))
         self._synchronous = synchronous
+        self._crc = ", crc" if checksums else ""
+        self._read = _verified if checksums else _unverified
         self._readonly = readonly
         self._lock = trio.Lock()
         self._checkpointer = checkpointer
@@ -435,6 +441,11 @@ class SQLiteStore(Store):
                 # thread has let go of the connection.
                 return await trio.to_thread.run_sync(fn, conn)
             except sqlite3.Error as exc:
+                if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                    raise StoreError(
+                        f"journal {self._path}: disk is full ({exc}), so {what} wrote nothing; "
+                        f"free space on the disk holding {self._folder}, then retry"
+                    ) from exc
                 raise StoreError(f"{self._path}: {what} failed: {exc}") from exc
 
     async def append(self, events: Sequence[Event]) -> None:
@@ -442,8 +453,9 @@ class SQLiteStore(Store):
 
         Raises:
           StoreError: the store is closed or read-only, a seq or an idempotency key
-            is already stored, or SQLite failed (disk full, locked by another
-            writer); nothing of the batch was written.
+            is already stored (another process advanced a run, say), or SQLite failed
+            (disk full, locked by another writer); nothing of the batch was written.
+          IndexDamaged: the index row of a run the batch continues is damaged.
         """
         if self._readonly:
             raise StoreError(
@@ -504,6 +516,8 @@ class SQLiteStore(Store):
             move = moves.get(run_id)
             if move is None:
                 if kind is RunStarted:
+                    if event.seq != 1:
+                        return False  # let the checked path say what is wrong
                     starting.add(run_id)
                     started.append(event)
                     continue
@@ -519,7 +533,7 @@ class SQLiteStore(Store):
         conn.execute("SAVEPOINT index_fast")
         inserted = moved = 0
         if started:
-            rows = [msgspec.structs.astuple(r) for r in index_updates(started, {}).values()]
+            rows = [_index_row(r) for r in index_updates(started, {}).values()]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
         if moves:
             moved = conn.executemany(
@@ -540,10 +554,10 @@ class SQLiteStore(Store):
         for run_id, *_ in batch.chunks:
             row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
             if row is not None:
-                current[run_id] = _record(row)
-        batch.check(current)
+                current[run_id] = _verified(row)
+        check_batch(batch.events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(batch.marks, current)
-        conn.executemany(_UPSERT_RUN, [msgspec.structs.astuple(r) for r in updates.values()])
+        conn.executemany(_UPSERT_RUN, [_index_row(r) for r in updates.values()])
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
@@ -553,26 +567,45 @@ class SQLiteStore(Store):
             for key, _run_id, _seq in batch.intents:
                 if conn.execute("SELECT 1 FROM intents WHERE key = ?", (key,)).fetchone():
                     return f"idempotency key {key!r} was already recorded; nothing was written"
+        if "chunks.run_id" in str(exc):
+            # The journal holds the run further than its index row said.
+            for run_id, first, _last, _body in batch.chunks:
+                stored = conn.execute(_LAST_SEQ, (run_id,)).fetchone()[0]
+                if stored is not None and stored >= first:
+                    return str(another_writer(run_id, stored, first))
         return f"{self._path}: the batch breaks a constraint ({exc}); nothing was written"
 
     async def load(self, run_id: str) -> list[JournalEvent]:
-        rows: list[tuple[int, int, bytes]] = await self._call(
-            "load", lambda conn: conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
-        )
-        if not rows:
+        select_run = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs WHERE run_id = ?"
+
+        def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
+            # The index row first: the journal only grows, so it cannot then be shorter.
+            row = conn.execute(select_run, (run_id,)).fetchone()
+            return row, conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
+
+        row, chunks = await self._call("load", read)
+        if row is None:
+            if chunks:
+                raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return decode_chunks(run_id, rows)
+        record = self._read(row)
+        if not chunks:
+            raise missing_journal(run_id, record.seq)
+        return decode_chunks(run_id, chunks, record.seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
-        row = await self._call(
-            "get_run",
-            lambda conn: conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
-            ).fetchone(),
-        )
+        select_run = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs WHERE run_id = ?"
+
+        def read(conn: sqlite3.Connection) -> tuple[Any, bool]:
+            row = conn.execute(select_run, (run_id,)).fetchone()
+            return row, row is None and conn.execute(_HAS_CHUNKS, (run_id,)).fetchone() is not None
+
+        row, journaled = await self._call("get_run", read)
         if row is None:
+            if journaled:
+                raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return _record(row)
+        return self._read(row)
 
     async def list_runs(
         self,
@@ -582,11 +615,46 @@ class SQLiteStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        sql, params = runs_query(
-            _RUN_COLUMNS, "?", machine=machine, state=state, outcome=outcome, limit=limit
+        select = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs"
+        rows = await self._call("list_runs", lambda conn: conn.execute(select).fetchall())
+        read = self._read
+        return select_runs(
+            [read(row) for row in rows], machine=machine, state=state, outcome=outcome, limit=limit
         )
-        rows = await self._call("list_runs", lambda conn: conn.execute(sql, params).fetchall())
-        return [_record(row) for row in rows]
+
+    async def check(self) -> CheckReport:
+        return await self._call("check", self._check_sync)
+
+    def _check_sync(self, conn: sqlite3.Connection) -> CheckReport:
+        # One read transaction: every table as of one moment, even while a writer goes on.
+        conn.execute("BEGIN")
+        checker = Checker({}, ())
+        try:
+            index: dict[str, RunRecord] = {}
+            damaged: list[IndexDamaged] = []
+            for row in conn.execute(f"SELECT {_READ_COLUMNS}{self._crc} FROM runs"):
+                try:
+                    record = self._read(row)
+                except IndexDamaged as exc:
+                    damaged.append(exc)
+                else:
+                    index[record.run_id] = record
+            checker = Checker(index, damaged)
+            for (line,) in conn.execute("PRAGMA integrity_check"):
+                if line != "ok":
+                    checker.problem(None, None, f"{self._path}: SQLite integrity check: {line}")
+            chunks = conn.execute(
+                "SELECT run_id, first_seq, last_seq, body FROM chunks ORDER BY run_id, first_seq"
+            )
+            for run_id, rows in itertools.groupby(chunks, key=lambda row: row[0]):
+                checker.run(run_id, [row[1:] for row in rows])
+            intents = conn.execute("SELECT key, run_id, seq FROM intents")
+            checker.intents_table(intents, "the intents table")
+        except sqlite3.DatabaseError as exc:
+            checker.stopped(f"{self._path}: cannot read on past the damage: {exc}")
+        finally:
+            _rollback(conn)
+        return checker.report()
 
     async def pragmas(self) -> dict[str, object]:
         """Return the settings in effect on the store's connection, for diagnostics.
@@ -688,7 +756,8 @@ def _check_file(path: str, *, readonly: bool) -> None:
 
 def _connect(
     path: str, synchronous: str, readonly: bool
-) -> tuple[sqlite3.Connection, _Checkpointer | None]:
+) -> tuple[sqlite3.Connection, _Checkpointer | None, int]:
+    """Open and prepare the database; also return its schema version (after any upgrade)."""
     _check_file(path, readonly=readonly)
     try:
         if readonly:
@@ -696,14 +765,15 @@ def _connect(
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         else:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            conn.create_function(_CHECKSUM_SQL, 9, _checksum_sql, deterministic=True)
     except sqlite3.Error as exc:
         raise StoreError(f"{path}: cannot open the database: {exc}") from exc
     try:
-        _prepare(conn, path, synchronous, readonly=readonly)
+        version = _prepare(conn, path, synchronous, readonly=readonly)
         if readonly:
-            return conn, None
+            return conn, None, version
         try:
-            return conn, _Checkpointer(path, synchronous)
+            return conn, _Checkpointer(path, synchronous), version
         except sqlite3.Error as exc:
             raise StoreError(f"{path}: cannot open the database: {exc}") from exc
     except Exception:
@@ -711,7 +781,7 @@ def _connect(
         raise
 
 
-def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly: bool) -> None:
+def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly: bool) -> int:
     # Everything up to the version check only reads, so a foreign file is refused
     # before the first write (even switching to WAL writes the header).
     try:
@@ -731,9 +801,9 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
             f"supports ({SCHEMA_VERSION}); upgrade interlock to open it"
         )
     if version is not None and version < SCHEMA_VERSION:
-        if version != 1:
+        if version not in (1, 2):
             raise StoreError(f"{path}: database schema version {version} is not supported")
-        if readonly:
+        if readonly and version == 1:
             raise StoreError(
                 f"{path}: database schema version 1 was written by an older interlock; open it "
                 f"once without readonly=True to upgrade it in place to version {SCHEMA_VERSION} "
@@ -743,7 +813,8 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA synchronous = {synchronous}")
         if readonly:
-            return
+            assert version is not None
+            return version
         if version is None and not has_tables:
             # Only a database not yet written takes a page size; it is a no-op otherwise.
             conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
@@ -770,71 +841,93 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
                 raise
         elif version < SCHEMA_VERSION:
             try:
-                _upgrade_from_v1(conn)
+                _upgrade(conn)
             except sqlite3.Error as exc:
                 raise StoreError(
-                    f"{path}: cannot upgrade the database from schema version 1: {exc}; "
+                    f"{path}: cannot upgrade the database from schema version {version}: {exc}; "
                     "nothing was changed"
                 ) from exc
     except sqlite3.Error as exc:
         raise StoreError(f"{path}: cannot set up the database: {exc}") from exc
+    return SCHEMA_VERSION
 
 
-def _upgrade_from_v1(conn: sqlite3.Connection) -> None:
-    """Upgrade a version-1 database (a row per event) to chunks, in one transaction.
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Upgrade a version 1 or 2 database to this version, in one transaction.
+
+    A failure rolls everything back.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Another process may have upgraded the file between the check and the lock.
+        version = _schema_version(conn)
+        if version == 1:
+            _chunks_from_events(conn)
+        if version in (1, 2):
+            _checksum_index(conn)
+            conn.execute(
+                "UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
+            )
+        conn.execute("COMMIT")
+    except Exception:
+        _rollback(conn)
+        raise
+
+
+def _checksum_index(conn: sqlite3.Connection) -> None:
+    """Version 2 to 3: give every runs-index row its checksum; drop the indexes on it.
+
+    A row damaged before this gets a checksum of its damage: :meth:`SQLiteStore.check`
+    still finds it, by comparing the row with its run's journal.
+    """
+    conn.execute("ALTER TABLE runs ADD COLUMN crc INTEGER")
+    conn.execute(f"UPDATE runs SET crc = {_STORED_CHECKSUM}")
+    for index in ("runs_started", "runs_outcome", "runs_machine"):
+        conn.execute(f"DROP INDEX IF EXISTS {index}")
+
+
+def _chunks_from_events(conn: sqlite3.Connection) -> None:
+    """Version 1 to 2: a row per event becomes chunks (a row per run and batch).
 
     Every event's frame is copied byte for byte; nothing is decoded, so the upgraded
     journal reads back as the old one did, damage included: a chunk ends after a frame
     that fails its check, so the damage is still reported at its own seq. (A gap in a
     run's seqs, which no interlock writes, ends a chunk too and now reads as missing
-    events.) A failure rolls everything back.
+    events.)
     """
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        # Another process may have upgraded the file between the check and the lock.
-        if _schema_version(conn) != 1:
-            conn.execute("ROLLBACK")
-            return
-        for statement in _JOURNAL:
-            conn.execute(statement)
-        conn.execute(
-            "INSERT INTO intents (key, run_id, seq) SELECT key, run_id, seq FROM events "
-            "WHERE kind = 'intent_recorded' AND key IS NOT NULL"
-        )
-        chunk: list[Any] | None = None  # [run_id, first seq, last seq, frames, size]
+    for statement in _JOURNAL:
+        conn.execute(statement)
+    conn.execute(
+        "INSERT INTO intents (key, run_id, seq) SELECT key, run_id, seq FROM events "
+        "WHERE kind = 'intent_recorded' AND key IS NOT NULL"
+    )
+    chunk: list[Any] | None = None  # [run_id, first seq, last seq, frames, size]
 
-        def flush() -> None:
-            if chunk is not None:
-                conn.execute(_INSERT_CHUNK, (chunk[0], chunk[1], chunk[2], b"".join(chunk[3])))
+    def flush() -> None:
+        if chunk is not None:
+            conn.execute(_INSERT_CHUNK, (chunk[0], chunk[1], chunk[2], b"".join(chunk[3])))
 
-        rows = conn.execute("SELECT run_id, seq, body FROM events ORDER BY run_id, seq")
-        for run_id, seq, body in rows:
-            if (
-                chunk is None
-                or chunk[0] != run_id
-                or seq != chunk[2] + 1
-                or chunk[4] >= _MIGRATION_CHUNK_BYTES
-            ):
-                flush()
-                chunk = [run_id, seq, seq, [body], len(body)]
-            else:
-                chunk[2] = seq
-                chunk[3].append(body)
-                chunk[4] += len(body)
-            payloads, _end, status = unframe(body)
-            if status != FRAMES_OK or len(payloads) != 1:
-                # A damaged frame ends its chunk, so nothing after it hides behind it.
-                flush()
-                chunk = None
-        flush()
-        conn.execute("DROP TABLE events")
-        conn.execute(
-            "UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
-        )
-        conn.execute("COMMIT")
-    except Exception:
-        _rollback(conn)
-        raise
+    rows = conn.execute("SELECT run_id, seq, body FROM events ORDER BY run_id, seq")
+    for run_id, seq, body in rows:
+        if (
+            chunk is None
+            or chunk[0] != run_id
+            or seq != chunk[2] + 1
+            or chunk[4] >= _MIGRATION_CHUNK_BYTES
+        ):
+            flush()
+            chunk = [run_id, seq, seq, [body], len(body)]
+        else:
+            chunk[2] = seq
+            chunk[3].append(body)
+            chunk[4] += len(body)
+        payloads, _end, status = unframe(body)
+        if status != FRAMES_OK or len(payloads) != 1:
+            # A damaged frame ends its chunk, so nothing after it hides behind it.
+            flush()
+            chunk = None
+    flush()
+    conn.execute("DROP TABLE events")
 
 
 async def open_sqlite_store(
@@ -863,5 +956,12 @@ async def open_sqlite_store(
     level = synchronous.upper()
     if level not in _SYNCHRONOUS:
         raise ValueError(f"synchronous must be 'NORMAL' or 'FULL'; got {synchronous!r}")
-    conn, checkpointer = await trio.to_thread.run_sync(_connect, path, level, readonly)
-    return SQLiteStore(conn, path, synchronous=level, readonly=readonly, checkpointer=checkpointer)
+    conn, checkpointer, version = await trio.to_thread.run_sync(_connect, path, level, readonly)
+    return SQLiteStore(
+        conn,
+        path,
+        synchronous=level,
+        readonly=readonly,
+        checkpointer=checkpointer,
+        checksums=version >= 3,
+    )
