@@ -1086,51 +1086,115 @@ LOOKUP = b'{"tool": "lookup_order", "args": {"order_id": "o1"}}'
 NO_MORE = "no further proposals are accepted"
 
 
-def test_token_budget() -> None:
-    machine = _budget_machine(tokens=100)
-    at_limit = fold(machine, [*started(), _model_called(2, 80, 20)])
-    assert verify(machine, at_limit, LOOKUP, 1000.0).accepted
-    over = fold(machine, [*started(), _model_called(2, 80, 21)])
-    decision = verify(machine, over, b"not even JSON", 1000.0)
-    detail = "run used 101 tokens; the budget is 100"
-    assert rejected(decision) == [("budget", "$", f"token budget exhausted: {detail}", NO_MORE)]
-    assert decision.trip is not None
-    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
-        "token_budget",
-        101,
-        100,
-    )
-    assert decision.trip.detail == detail
-
-
-def test_step_budget() -> None:
-    machine = _budget_machine(steps=2)
-    calls = [_model_called(seq, 1, 1) for seq in (2, 3, 4)]
-    assert verify(machine, fold(machine, [*started(), *calls[:2]]), LOOKUP, 1000.0).accepted
-    decision = verify(machine, fold(machine, [*started(), *calls]), LOOKUP, 1000.0)
-    detail = "run made 3 proposals; the budget is 2"
-    assert rejected(decision) == [("budget", "$", f"step budget exhausted: {detail}", NO_MORE)]
-    assert decision.trip is not None
-    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
-        "step_budget",
-        3,
-        2,
+def _budgeted(**budgets: Any) -> Machine:
+    """A call state with a Struct tool (the single-decode path) and a JSON Schema tool."""
+    return Machine(
+        "refund",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup_order", "lookup_json"])},
+        tools=[
+            Tool("lookup_order", nop, LookupArgs),
+            Tool(
+                "lookup_json",
+                nop,
+                {"type": "object", "properties": {"order_id": {"type": "string"}}},
+            ),
+        ],
+        budgets=Budgets(**budgets),
     )
 
 
-def test_deadline() -> None:
-    machine = _budget_machine(deadline=60.0)
-    run = fold(machine, started(ts=1000.0))
-    assert verify(machine, run, LOOKUP, 1060.0).accepted
-    decision = verify(machine, run, LOOKUP, 1060.5)
-    detail = "run has been going for 60.500 s; the deadline is 60 s"
-    assert rejected(decision) == [("budget", "$", f"deadline passed: {detail}", NO_MORE)]
-    assert decision.trip is not None
-    assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
-        "deadline",
-        60.5,
-        60.0,
-    )
+BUDGETED_PROPOSALS = [
+    pytest.param(LOOKUP, id="struct-call"),
+    pytest.param(b'{"tool": "lookup_json", "args": {"order_id": "o1"}}', id="json-schema-call"),
+    pytest.param(b'{"next": "COMPLETED"}', id="transition"),
+]
+
+
+def _run_using(machine: Machine, tokens: int | None = None, steps: int = 1) -> RunState:
+    """A run whose model calls used ``tokens`` tokens (2 a call by default) in ``steps`` proposals."""
+    tokens = 2 * steps if tokens is None else tokens
+    calls = [_model_called(2 + i, 1, 1) for i in range(steps - 1)]
+    calls.append(_model_called(1 + steps, tokens - 2 * (steps - 1) - 1, 1))
+    run = fold(machine, [*started(), *calls])
+    assert (run.tokens, run.steps) == (tokens, steps)
+    return run
+
+
+@pytest.mark.parametrize(
+    ("budget", "run", "now", "breaker", "value", "limit", "message"),
+    [
+        (
+            {"tokens": 100},
+            {"tokens": 101},
+            1000.0,
+            "token_budget",
+            101,
+            100,
+            "token budget exhausted: run used 101 tokens; the budget is 100",
+        ),
+        (
+            {"steps": 2},
+            {"steps": 3},
+            1000.0,
+            "step_budget",
+            3,
+            2,
+            "step budget exhausted: run made 3 proposals; the budget is 2",
+        ),
+        (
+            {"deadline": 60.0},
+            {},
+            1060.5,
+            "deadline",
+            60.5,
+            60.0,
+            "deadline passed: run has been going for 60.500 s; the deadline is 60 s",
+        ),
+    ],
+    ids=["tokens", "steps", "deadline"],
+)
+@pytest.mark.parametrize("raw", BUDGETED_PROPOSALS)
+def test_a_budget_past_its_limit_refuses_every_proposal(
+    budget: dict[str, Any],
+    run: dict[str, int],
+    now: float,
+    breaker: str,
+    value: float,
+    limit: float,
+    message: str,
+    raw: bytes,
+) -> None:
+    machine = _budgeted(**budget)
+    for proposal in (raw, b"not even JSON", b"x" * 300_000):
+        decision = verify(machine, _run_using(machine, **run), proposal, now)
+        assert rejected(decision) == [("budget", "$", message, NO_MORE)]
+        assert decision.trip is not None
+        assert (decision.trip.breaker, decision.trip.value, decision.trip.limit) == (
+            breaker,
+            value,
+            limit,
+        )
+        assert decision.trip.detail == message.split(": ", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("budget", "runs", "times"),
+    [
+        ({"tokens": 100}, [{"tokens": 99}, {"tokens": 100}], [1000.0]),
+        ({"steps": 2}, [{"steps": 1}, {"steps": 2}], [1000.0]),
+        ({"deadline": 60.0}, [{}], [1059.5, 1060.0]),
+    ],
+    ids=["tokens", "steps", "deadline"],
+)
+@pytest.mark.parametrize("raw", BUDGETED_PROPOSALS)
+def test_a_budget_at_or_below_its_limit_lets_every_proposal_through(
+    budget: dict[str, Any], runs: list[dict[str, int]], times: list[float], raw: bytes
+) -> None:
+    machine = _budgeted(**budget)
+    for run in runs:
+        for now in times:
+            assert verify(machine, _run_using(machine, **run), raw, now).accepted
 
 
 def test_circuit_open_then_one_trial_call_after_the_cooldown() -> None:

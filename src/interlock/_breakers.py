@@ -34,7 +34,12 @@ class Trip:
 
 
 def check_budgets(run: RunState, budgets: Budgets, now: float) -> tuple[Violation, Trip] | None:
-    """Return the first exhausted budget of ``run`` as a violation and a trip, or None."""
+    """Return the first exhausted budget of ``run`` as a violation and a trip, or None.
+
+    The one budget predicate: the gate asks it before reading any proposal, a call or
+    a move alike, and the supervisor for a proposal that never came. A budget is
+    exhausted once the run has gone past it; at the limit, proposals still pass.
+    """
     if run.tokens > budgets.tokens:
         detail = f"run used {run.tokens} tokens; the budget is {budgets.tokens}"
         return (
