@@ -1313,6 +1313,27 @@ def test_verify_never_raises_on_text(text: str, run_index: int) -> None:
     _check_never_raises(text.encode(), run_index)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    inner=st.binary(max_size=120)
+    | st.text(max_size=120).map(str.encode)
+    | _json.map(msgspec.json.encode),
+    wrapper=st.sampled_from(
+        [
+            *(b'{"tool": "%s", "args": ' % name.encode() for name in MACHINE.tables.tools),
+            b'{"next": "COMPLETED", "data": ',
+            b'{"next": "ARCHIVE", "data": ',
+        ]
+    ),
+    run_index=st.sampled_from([0, 1]),
+)
+def test_verify_never_raises_on_bytes_inside_a_proposal(
+    inner: bytes, wrapper: bytes, run_index: int
+) -> None:
+    # Past the envelope: args and data of every kind of schema, guards included.
+    _check_never_raises(wrapper + inner + b"}", run_index)
+
+
 @settings(max_examples=200, deadline=None)
 @given(proposal=_proposals, run_index=st.sampled_from([0, 1]))
 def test_verify_never_raises_on_json_objects(proposal: dict[str, Any], run_index: int) -> None:
