@@ -392,6 +392,10 @@ def _no_constant(name: str) -> None:
     raise ValueError(name)
 
 
+# scan_json's shortcut: the json module's C scanner, refusing what _scan refuses.
+_strict_json = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
 def scan_json(data: bytes) -> tuple[int, int, tuple[str | int, ...]] | None:
     """Find the first defect that keeps ``data`` from reading as exactly one JSON value.
 
@@ -425,7 +429,7 @@ def scan_json(data: bytes) -> tuple[int, int, tuple[str | int, ...]] | None:
         # way _scan does except for \u escapes (it takes unpaired surrogates) and
         # NaN/Infinity (refused here). Whatever it cannot vouch for, _scan decides.
         try:
-            json.loads(raw.decode(), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+            _strict_json.decode(raw.decode())
         except (ValueError, RecursionError, _Duplicate):
             pass
         else:
