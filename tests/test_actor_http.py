@@ -219,12 +219,6 @@ async def test_a_client_error_status_is_not_retried(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_actor._retry_after retries only builtin ConnectionError/TimeoutError; httpx's "
-    "transport errors (RemoteProtocolError, ConnectError, ReadTimeout) subclass neither, so an "
-    "idempotent tool whose connection dropped fails on its first attempt",
-)
 async def test_a_dropped_connection_is_retried_with_the_same_key(
     memory_store: MemoryStore, events_of: Any, idle_clock: trio.testing.MockClock
 ) -> None:

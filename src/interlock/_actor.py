@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import random
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -395,7 +396,15 @@ def _tool_failure(exc: BaseException, tool: Tool) -> tuple[bool, float | None, b
     if isinstance(status, int):
         after = _retry_after_header(getattr(response, "headers", None))
         return status in _RETRYABLE_STATUS, after, applied
-    return isinstance(exc, ConnectionError | TimeoutError), None, applied
+    return _transport_error(exc), None, applied
+
+
+def _transport_error(exc: BaseException) -> bool:
+    """A dropped or refused connection, or a timeout: worth retrying for a safe tool."""
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    httpx = sys.modules.get("httpx")  # only if the tool uses it: never imported for this
+    return httpx is not None and isinstance(exc, httpx.TransportError)
 
 
 def _may_retry(tool: Tool, attempts: _Attempts) -> bool:

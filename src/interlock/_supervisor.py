@@ -1496,6 +1496,8 @@ async def open_supervisor(
         try:
             async with trio.open_nursery() as actors:
                 supervisor._actors = actors
+                # The gauge is store-wide: count the runs already parked before this one.
+                supervisor.stats.escalations_pending = len(await store.escalations())
                 if resume:
                     await supervisor.resume_unfinished()
                 yield supervisor

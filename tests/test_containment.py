@@ -1,0 +1,229 @@
+"""One run's fault stays in that run: bad providers and tools beside 50 healthy runs (#14)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from interlock import (
+    Machine,
+    ProviderPolicy,
+    RunView,
+    TokenUsage,
+    Tool,
+    ToolContext,
+    Worker,
+    open_supervisor,
+    replay,
+)
+from interlock.providers import Proposal, ScriptedProvider
+from interlock.stores import MemoryStore
+
+CALL = '{"tool": "work", "args": {}}'
+DONE = '{"next": "COMPLETED"}'
+HEALTHY = 50
+
+
+async def work(args: Any, ctx: ToolContext) -> Any:
+    await trio.lowlevel.checkpoint()
+    return {"ok": True}
+
+
+def job(name: str, execute: Any = work, **tool: Any) -> Machine:
+    return Machine(
+        name,
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
+        tools=[Tool("work", execute, **tool)],
+        provider_policy=ProviderPolicy(attempts=2, base=0.01, cap=0.01, jitter=False),
+    )
+
+
+class Answers:
+    """A provider whose every answer is ``answer`` (or raises it, if it is an exception)."""
+
+    model = "bad"
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    async def propose(self, view: RunView) -> Any:
+        await trio.lowlevel.checkpoint()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+class Custom(BaseException):
+    """Not an Exception: a provider or tool may still raise it."""
+
+
+def surrogate_escaped() -> str:
+    return b'{"next": "COMPLETED", "data": {"name": "caf\xe9"}}'.decode("utf-8", "surrogateescape")
+
+
+BAD_ANSWERS = [
+    pytest.param("just text", "the provider returned str, not a Proposal", id="str"),
+    pytest.param(None, "the provider returned NoneType, not a Proposal", id="none"),
+    pytest.param(b"{}", "the provider returned bytes, not a Proposal", id="bytes"),
+    pytest.param(Proposal(raw=123), "the provider's Proposal.raw is int, not str", id="raw-int"),  # type: ignore[arg-type]
+    pytest.param(
+        Proposal(raw=DONE, usage=None),  # type: ignore[arg-type]
+        "the provider's Proposal.usage is None, not a TokenUsage of two non-negative ints",
+        id="usage-none",
+    ),
+    pytest.param(
+        Proposal(raw='{"next": "\ud800"}'),
+        "the proposal holds U+D800 at character 10 (byte offset 10): a lone surrogate, "
+        "which UTF-8 cannot encode",
+        id="lone-surrogate",
+    ),
+    pytest.param(
+        Proposal(raw=surrogate_escaped()),
+        "the proposal holds U+DCE9 at character 43 (byte offset 43): the invalid UTF-8 byte "
+        "0xE9, decoded with surrogateescape, which UTF-8 cannot encode",
+        id="surrogateescape",
+    ),
+]
+
+
+async def with_healthy_runs(bad: Machine, provider: Any, store: MemoryStore) -> Any:
+    """Run one run of ``bad`` with ``provider`` beside 50 healthy runs; return its result."""
+    healthy = job("healthy")
+    providers = {"healthy": ScriptedProvider([CALL, DONE]), bad.name: provider}
+    async with open_supervisor([healthy, bad], store, provider=providers) as sup:
+        runs = [await sup.start_run("healthy", run_id=f"h-{i}") for i in range(HEALTHY)]
+        faulty = await sup.start_run(bad.name, run_id="bad-1")
+        results = [await run.wait() for run in runs]
+        result = await faulty.wait()
+    assert [r.outcome for r in results] == ["completed"] * HEALTHY
+    return result
+
+
+@pytest.mark.parametrize(("answer", "defect"), BAD_ANSWERS)
+async def test_a_provider_answer_that_is_not_a_proposal_is_rejected_for_its_run_only(
+    answer: Any, defect: str
+) -> None:
+    store = MemoryStore()
+    result = await with_healthy_runs(job("bad"), Answers(answer), store)
+    assert (result.outcome, result.reason) == ("escalated", "consecutive_failures")
+    events = await store.load("bad-1")
+    rejected = [e for e in events if type(e).__name__ == "ProposalRejected"]
+    assert len(rejected) == 3
+    (violation,) = rejected[0].violations
+    assert (violation.code, violation.message) == (
+        "malformed",
+        f"proposal cannot be read: {defect}",
+    )
+    called = [e for e in events if type(e).__name__ == "ModelCalled"]
+    assert called[0].defect == defect
+    if isinstance(answer, Proposal) and isinstance(answer.raw, str):  # kept, escaped
+        assert called[0].raw == answer.raw.encode("utf-8", "backslashreplace").decode()
+    assert replay(events, job("bad")).ok
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        pytest.param(RuntimeError("model overloaded"), id="exception"),
+        pytest.param(
+            ExceptionGroup("fan-out failed", [ValueError("a"), KeyError("b")]), id="group"
+        ),
+        pytest.param(Custom("not an Exception"), id="base-exception"),
+    ],
+)
+async def test_a_provider_that_raises_anything_fails_only_its_run(raised: BaseException) -> None:
+    store = MemoryStore()
+    result = await with_healthy_runs(job("bad"), Answers(raised), store)
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    events = await store.load("bad-1")
+    failed = [e for e in events if type(e).__name__ == "ProviderFailed"]
+    assert [f.attempt for f in failed] == [1, 2]
+    assert failed[0].error.startswith(f"provider raised {type(raised).__name__}")
+    assert not [e for e in events if type(e).__name__ == "ProposalRejected"]
+    assert replay(events, job("bad")).ok
+
+
+async def test_a_tool_that_raises_an_exception_group_is_a_tool_failure_with_its_leaves() -> None:
+    async def fan_out(args: Any, ctx: ToolContext) -> Any:
+        async def fail(exc: Exception) -> None:
+            raise exc  # before any checkpoint: both fail before either is cancelled
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail, ValueError("shard 1 refused"))
+            nursery.start_soon(fail, KeyError("shard 2"))
+
+    store = MemoryStore()
+    bad = job("bad", fan_out, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
+    assert failed.error.startswith("ExceptionGroup (2 leaves): ")
+    assert "ValueError: shard 1 refused" in failed.error
+    assert "KeyError: 'shard 2'" in failed.error
+    assert replay(events, bad).ok
+
+
+async def test_a_tool_that_raises_a_base_exception_is_a_tool_failure() -> None:
+    async def odd(args: Any, ctx: ToolContext) -> Any:
+        raise Custom("odd")
+
+    store = MemoryStore()
+    result = await with_healthy_runs(
+        job("bad", odd, idempotent=True), ScriptedProvider([CALL, DONE]), store
+    )
+    assert result.outcome == "completed"
+    (failed,) = [e for e in await store.load("bad-1") if type(e).__name__ == "ToolFailed"]
+    assert failed.error == "Custom: odd"
+
+
+async def test_system_exit_from_a_tool_is_not_contained() -> None:
+    async def interrupted(args: Any, ctx: ToolContext) -> Any:
+        raise SystemExit(3)
+
+    with pytest.RaisesGroup(SystemExit, flatten_subgroups=True):
+        async with open_supervisor(
+            [job("bad", interrupted, idempotent=True)], provider=ScriptedProvider([CALL, DONE])
+        ) as sup:
+            await sup.start_run("bad", run_id="bad-1")
+            await trio.sleep_forever()  # SystemExit ends the supervisor, and this with it
+
+
+async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: Any) -> None:
+    """A bug met while deciding one run's request (here, a provider's usage whose counts
+    break the arithmetic) ends that run with an InternalError; the others go on."""
+    from interlock import InternalError, _supervisor
+
+    original = _supervisor.Supervisor._on_propose
+
+    def broken(self: Any, msg: Any, events: Any) -> Any:
+        if msg.run_id == "bad-1":
+            raise ZeroDivisionError("a bug")
+        return original(self, msg, events)
+
+    monkeypatch.setattr(_supervisor.Supervisor, "_on_propose", broken)
+    store = MemoryStore()
+    healthy = job("healthy")
+    async with open_supervisor([healthy], store, provider=ScriptedProvider([CALL, DONE])) as sup:
+        runs = [await sup.start_run("healthy", run_id=f"h-{i}") for i in range(HEALTHY)]
+        bad = await sup.start_run("healthy", run_id="bad-1")
+        assert [(await r.wait()).outcome for r in runs] == ["completed"] * HEALTHY
+        with pytest.raises(InternalError, match=r"^run 'bad-1' was stopped by a bug in interlock"):
+            await bad.wait()
+    # its journal holds what was durable before the bug, nothing of the failed decision
+    assert [type(e).__name__ for e in await store.load("bad-1")] == ["RunStarted"]
+
+
+async def test_usage_is_counted_from_valid_proposals_only() -> None:
+    store = MemoryStore()
+    provider = Answers(Proposal(raw=DONE, usage=TokenUsage(-5, 2)))
+    result = await with_healthy_runs(job("bad"), provider, store)
+    assert result.reason == "consecutive_failures"
+    assert all(
+        e.usage == TokenUsage()
+        for e in await store.load("bad-1")
+        if type(e).__name__ == "ModelCalled"
+    )

@@ -1,0 +1,360 @@
+"""Exactly-once under retries: a call that may have reached the downstream is reconciled or
+escalated, never executed again; provider failures retried, never counted as mistakes (#14)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from interlock import (
+    Applied,
+    IntentRecorded,
+    Machine,
+    ModelCalled,
+    NotApplied,
+    ProviderError,
+    ProviderPolicy,
+    RetryableToolError,
+    RetryPolicy,
+    RunStarted,
+    RunView,
+    TokenUsage,
+    Tool,
+    ToolContext,
+    ToolError,
+    Worker,
+    hash_prompt,
+    open_supervisor,
+    replay,
+)
+from interlock.providers import Proposal, ScriptedProvider
+from interlock.stores import MemoryStore
+
+CALL = '{"tool": "send", "args": {}}'
+DONE = '{"next": "COMPLETED"}'
+
+
+class Downstream:
+    """A non-idempotent downstream (an email service) keyed by idempotency key."""
+
+    def __init__(self, failures: list[BaseException | None], *, hang: bool = False) -> None:
+        self.failures = failures
+        self.hang = hang
+        self.executed: list[str] = []
+        self.applied: dict[str, dict[str, Any]] = {}
+        self.reconciled: list[str] = []
+
+    async def execute(self, args: Any, ctx: ToolContext) -> Any:
+        self.executed.append(ctx.key)
+        failure = self.failures.pop(0) if self.failures else None
+        if self.hang and len(self.executed) == 1:
+            self.applied[ctx.key] = {"sent": 1}
+            await trio.sleep_forever()
+        if failure is not None:
+            if getattr(failure, "applied", None) is not False and not isinstance(
+                failure, ConnectionRefusedError
+            ):
+                self.applied[ctx.key] = {"sent": len(self.executed)}  # it went out, then failed
+            raise failure
+        self.applied[ctx.key] = {"sent": len(self.executed)}
+        return self.applied[ctx.key]
+
+    async def reconcile(self, key: str, args: Any, ctx: ToolContext) -> Any:
+        self.reconciled.append(key)
+        found = self.applied.get(key)
+        return NotApplied if found is None else Applied(found)
+
+
+def machine(downstream: Downstream, **tool: Any) -> Machine:
+    tool.setdefault("retry", RetryPolicy(attempts=3, base=1.0))
+    return Machine(
+        "mail",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["send"])},
+        tools=[Tool("send", downstream.execute, **tool)],
+    )
+
+
+async def run(spec: Machine, store: MemoryStore, script: list[str] | None = None) -> Any:
+    provider = ScriptedProvider(script or [CALL, DONE])
+    async with open_supervisor([spec], store, provider=provider, clock=trio.current_time) as sup:
+        return await (await sup.start_run("mail", run_id="r-1")).wait()
+
+
+def kinds(events: list[Any]) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param(ConnectionResetError("connection reset by peer"), id="connection-reset"),
+        pytest.param(TimeoutError("read timed out"), id="timeout-error"),
+        pytest.param(RetryableToolError("503 after the send"), id="retryable-unknown"),
+        pytest.param(ValueError("bad response body"), id="any-exception"),
+    ],
+)
+async def test_a_non_idempotent_tool_is_never_executed_twice_after_a_failed_attempt(
+    failure: Exception, autojump_clock: Any
+) -> None:
+    downstream = Downstream([failure])
+    store = MemoryStore()
+    result = await run(machine(downstream), store)
+    assert downstream.executed == ["r-1:WORK:3"]  # once, though the policy allows 3
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+    events = await store.load("r-1")
+    escalated = events[-1]
+    assert escalated.detail == (
+        f"tool 'send' with key 'r-1:WORK:3' may or may not have been applied "
+        f"({type(failure).__name__}: {failure}), and it is not idempotent and cannot "
+        "reconcile (give the Tool reconcile= to ask its downstream whether the key was "
+        "applied); check the downstream system, then resume or abort"
+    )
+    assert replay(events, machine(Downstream([]))).ok
+
+
+async def test_a_timed_out_attempt_is_in_doubt_not_retried(autojump_clock: Any) -> None:
+    downstream = Downstream([], hang=True)
+    store = MemoryStore()
+    result = await run(machine(downstream, timeout=5.0), store)
+    assert downstream.executed == ["r-1:WORK:3"]
+    assert result.reason == "in_doubt_side_effect"
+    assert "(timed out after 5 s)" in (await store.load("r-1"))[-1].detail
+
+
+@pytest.mark.parametrize(
+    ("failure", "declared"),
+    [
+        pytest.param(
+            RetryableToolError("429", retry_after=2.0, applied=False), (), id="applied-false"
+        ),
+        pytest.param(
+            ConnectionRefusedError("refused"), (ConnectionRefusedError,), id="not-applied-type"
+        ),
+    ],
+)
+async def test_a_failure_that_says_not_applied_permits_a_retry(
+    failure: Exception, declared: tuple[type[BaseException], ...], autojump_clock: Any
+) -> None:
+    downstream = Downstream([failure])
+    store = MemoryStore()
+    result = await run(machine(downstream, not_applied=declared), store)
+    assert result.outcome == "completed"
+    assert downstream.executed == ["r-1:WORK:3", "r-1:WORK:3"]  # the same key
+    assert len(downstream.applied) == 1
+    committed = [e for e in await store.load("r-1") if type(e).__name__ == "ToolCommitted"]
+    assert [(c.attempts, c.result) for c in committed] == [(2, {"sent": 2})]
+
+
+async def test_a_definite_failure_goes_back_to_the_model(autojump_clock: Any) -> None:
+    downstream = Downstream([ToolError("recipient unknown", applied=False)])
+    store = MemoryStore()
+    result = await run(machine(downstream), store)
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    assert kinds(events)[2:5] == ["IntentRecorded", "ToolFailed", "ModelCalled"]
+    assert downstream.executed == ["r-1:WORK:3"]
+
+
+async def test_idempotent_tools_still_retry_with_the_same_key(autojump_clock: Any) -> None:
+    downstream = Downstream([ConnectionResetError("reset"), TimeoutError("slow")])
+    store = MemoryStore()
+    result = await run(machine(downstream, idempotent=True), store)
+    assert result.outcome == "completed"
+    assert downstream.executed == ["r-1:WORK:3"] * 3
+
+
+async def test_in_doubt_and_applied_commits_the_reconciled_result_without_executing(
+    autojump_clock: Any,
+) -> None:
+    downstream = Downstream([ConnectionResetError("reset after send")])
+    store = MemoryStore()
+    spec = machine(downstream, reconcile=downstream.reconcile)
+    result = await run(spec, store)
+    assert result.outcome == "completed"
+    assert downstream.executed == ["r-1:WORK:3"]
+    assert downstream.reconciled == ["r-1:WORK:3"]
+    events = await store.load("r-1")
+    assert kinds(events)[2:6] == ["IntentRecorded", "ToolInDoubt", "Reconciled", "ToolCommitted"]
+    assert events[4].applied is True
+    assert (events[5].result, events[5].reconciled, events[5].attempts) == ({"sent": 1}, True, 0)
+    assert replay(events, machine(Downstream([]), reconcile=downstream.reconcile)).ok
+
+
+async def test_in_doubt_and_not_applied_executes_once_more(autojump_clock: Any) -> None:
+    downstream = Downstream([ConnectionRefusedError("never left")])  # not recorded as applied
+    store = MemoryStore()
+    result = await run(machine(downstream, reconcile=downstream.reconcile), store)
+    assert result.outcome == "completed"
+    assert downstream.executed == ["r-1:WORK:3", "r-1:WORK:3"]
+    events = await store.load("r-1")
+    assert kinds(events)[2:6] == ["IntentRecorded", "ToolInDoubt", "Reconciled", "ToolCommitted"]
+    assert events[4].applied is False
+    assert replay(events, machine(Downstream([]), reconcile=downstream.reconcile)).ok
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs", "returns-garbage"])
+async def test_a_reconcile_that_fails_escalates_as_in_doubt(how: str, autojump_clock: Any) -> None:
+    async def reconcile(key: str, args: Any, ctx: ToolContext) -> Any:
+        if how == "raises":
+            raise ConnectionError("mail API down")
+        if how == "hangs":
+            await trio.sleep_forever()
+        return {"sent": True}
+
+    downstream = Downstream([ConnectionResetError("reset")])
+    store = MemoryStore()
+    result = await run(machine(downstream, reconcile=reconcile, timeout=5.0), store)
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+    assert downstream.executed == ["r-1:WORK:3"]
+    events = await store.load("r-1")
+    (reconciled,) = [e for e in events if type(e).__name__ == "Reconciled"]
+    assert reconciled.applied is None
+    assert (
+        reconciled.error
+        == {
+            "raises": "reconcile raised ConnectionError: mail API down",
+            "hangs": "reconcile timed out after 5 s",
+            "returns-garbage": "reconcile returned dict, not Applied(result) or NotApplied",
+        }[how]
+    )
+    assert f"its reconcile failed: {reconciled.error}" in events[-1].detail
+
+
+async def crashed_journal(store: MemoryStore) -> None:
+    """A run whose intent is durable but whose outcome is not: a crash in between."""
+    now = time.time()
+    await store.append(
+        [
+            RunStarted(run_id="r-1", seq=1, ts=now, machine="mail", state="WORK"),
+            ModelCalled(
+                run_id="r-1",
+                seq=2,
+                ts=now,
+                state="WORK",
+                model="scripted",
+                prompt_hash=hash_prompt(""),
+                prompt="",
+                raw=CALL,
+                usage=TokenUsage(),
+            ),
+            IntentRecorded(
+                run_id="r-1", seq=3, ts=now, state="WORK", tool="send", args={}, key="r-1:WORK:3"
+            ),
+        ]
+    )
+
+
+@pytest.mark.parametrize("applied", [True, False])
+async def test_recovery_reconciles_a_call_in_doubt(applied: bool) -> None:
+    store = MemoryStore()
+    await crashed_journal(store)
+    downstream = Downstream([])
+    if applied:
+        downstream.applied["r-1:WORK:3"] = {"sent": "before the crash"}
+    spec = machine(downstream, reconcile=downstream.reconcile)
+    async with open_supervisor([spec], store, provider=ScriptedProvider([DONE])) as sup:
+        (handle,) = await sup.resume_unfinished()
+        assert (await handle.wait()).outcome == "completed"
+    assert downstream.reconciled == ["r-1:WORK:3"]
+    assert downstream.executed == ([] if applied else ["r-1:WORK:3"])
+    events = await store.load("r-1")
+    assert kinds(events)[3:6] == ["ToolInDoubt", "Reconciled", "ToolCommitted"]
+    assert events[3].after_crash
+    assert replay(events, spec).ok
+
+
+class Unavailable:
+    """Fails with ``errors`` in turn, then answers DONE."""
+
+    model = "remote"
+
+    def __init__(self, *errors: BaseException, hang: bool = False) -> None:
+        self.errors = list(errors)
+        self.hang = hang
+        self.calls: list[float] = []
+
+    async def propose(self, view: RunView) -> Proposal:
+        self.calls.append(trio.current_time())
+        if self.hang and len(self.calls) == 1:
+            await trio.sleep_forever()
+        await trio.lowlevel.checkpoint()
+        if self.errors:
+            raise self.errors.pop(0)
+        return Proposal(DONE, TokenUsage(1, 1), self.model)
+
+
+def plain(policy: ProviderPolicy) -> Machine:
+    return Machine(
+        "mail", initial="WORK", states={"WORK": Worker(next=["COMPLETED"])}, provider_policy=policy
+    )
+
+
+async def test_provider_retry_after_is_honoured_and_never_counts_as_a_rejection(
+    autojump_clock: Any,
+) -> None:
+    errors = [ProviderError("429 too many requests", retry_after=7.0, status=429)] * 4
+    provider = Unavailable(*errors)
+    store = MemoryStore()
+    spec = plain(ProviderPolicy(attempts=5, base=0.5, cap=10.0))
+    async with open_supervisor([spec], store, provider=provider, clock=trio.current_time) as sup:
+        result = await (await sup.start_run("mail", run_id="r-1")).wait()
+    # four 429s in a row would have tripped consecutive_failures (3) as model mistakes
+    assert result.outcome == "completed"
+    assert [round(b - a, 6) for a, b in itertools.pairwise(provider.calls)] == [7.0] * 4
+    events = await store.load("r-1")
+    assert [e.retry_in for e in events if type(e).__name__ == "ProviderFailed"] == [7.0] * 4
+    assert replay(events, spec).ok
+
+
+async def test_a_model_call_past_its_timeout_is_a_provider_failure(autojump_clock: Any) -> None:
+    provider = Unavailable(hang=True)
+    store = MemoryStore()
+    spec = plain(ProviderPolicy(timeout=20.0, base=1.0, jitter=False))
+    async with open_supervisor([spec], store, provider=provider, clock=trio.current_time) as sup:
+        result = await (await sup.start_run("mail", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    (failed,) = [e for e in await store.load("r-1") if type(e).__name__ == "ProviderFailed"]
+    assert (failed.error, failed.retry_in) == ("the model call timed out after 20 s", 1.0)
+    assert provider.calls == [0.0, 21.0]
+
+
+async def test_provider_retries_stop_at_the_elapsed_cap(autojump_clock: Any) -> None:
+    provider = Unavailable(*[ProviderError("503", status=503)] * 10)
+    store = MemoryStore()
+    spec = plain(ProviderPolicy(attempts=10, base=10.0, cap=10.0, max_elapsed=25.0, jitter=False))
+    async with open_supervisor([spec], store, provider=provider, clock=trio.current_time) as sup:
+        result = await (await sup.start_run("mail", run_id="r-1")).wait()
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    failed = [e for e in await store.load("r-1") if type(e).__name__ == "ProviderFailed"]
+    assert [f.retry_in for f in failed] == [10.0, 10.0, None]
+    assert (
+        "retrying would go past 25 s since the first failure"
+        in (await store.load("r-1"))[-1].detail
+    )
+
+
+async def test_large_data_is_journaled_once() -> None:
+    """A 200 KB answer used to be stored three times: the raw, the delta, the output."""
+    answer = "x" * 200_000
+    raw = msgspec.json.encode({"next": "COMPLETED", "data": {"answer": answer}}).decode()
+    store = MemoryStore()
+    spec = plain(ProviderPolicy())
+    async with open_supervisor([spec], store, provider=ScriptedProvider([raw])) as sup:
+        result = await (await sup.start_run("mail", run_id="r-1")).wait()
+    assert result.output == {"answer": answer}
+    events = await store.load("r-1")
+    size = sum(len(msgspec.msgpack.encode(e)) for e in events)
+    assert len(raw) < size < len(raw) + 2_000
+    transitioned, completed = events[-2:]
+    assert (transitioned.delta, transitioned.delta_in_proposal) == ({}, True)
+    assert (completed.output, completed.output_in_delta) == (None, True)
+    assert replay(events, spec).ok
+    from interlock import fold
+
+    assert fold(spec, events).output == {"answer": answer}
