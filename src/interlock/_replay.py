@@ -153,6 +153,12 @@ class _RecordedCircuits:
 
     def check(self, tool: str, now: float, policy: BreakerPolicy) -> tuple[Violation, Trip] | None:
         position = self.clock.position
+        # The proposal's own event (model_called, step_proposed) is decided in the same
+        # request, before the clock moves past it: the verdict is the event after it.
+        while position < len(self.recorded) and isinstance(
+            self.recorded[position], ModelCalled | StepProposed
+        ):
+            position += 1
         rejected = self.recorded[position] if position < len(self.recorded) else None
         if not isinstance(rejected, ProposalRejected):
             return None
