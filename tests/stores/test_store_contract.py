@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from interlock import ProviderFailed, Reconciled, ToolInDoubt
 from interlock._events import (
     EVENT_TYPES,
     BreakerTripped,
@@ -190,9 +191,46 @@ async def snapshot(store: Store, run_ids: list[str]) -> tuple[object, ...]:
     return (await store.list_runs(), journals, records)
 
 
+def later_kinds(run_id: str, *, ts: float = 2000.0) -> list[JournalEvent]:
+    """One event of each kind added after ``every_kind`` was written (#14), as one run."""
+    key = f"{run_id}:PAY:3"
+    return [
+        started(run_id, ts=ts),
+        ProviderFailed(
+            run_id=run_id,
+            seq=2,
+            ts=ts + 1,
+            state="TRIAGE",
+            model="gpt-test",
+            error="provider raised ProviderError: 429",
+            retry_after=2.0,
+            retry_in=2.0,
+        ),
+        intent(run_id, 3, key, ts=ts + 2),
+        ToolInDoubt(run_id=run_id, seq=4, ts=ts + 3, tool="refund", key=key, error="reset"),
+        Reconciled(run_id=run_id, seq=5, ts=ts + 4, tool="refund", key=key, applied=True),
+        ToolCommitted(
+            run_id=run_id,
+            seq=6,
+            ts=ts + 4,
+            tool="refund",
+            key=key,
+            result={"ok": True},
+            attempts=0,
+            reconciled=True,
+        ),
+    ]
+
+
 def test_samples_cover_every_event_type() -> None:
-    kinds = {type(event) for event in every_kind("r")}
+    kinds = {type(event) for event in every_kind("r") + later_kinds("r")}
     assert kinds == set(EVENT_TYPES) == set(typing.get_args(JournalEvent))
+
+
+async def test_later_event_kinds_round_trip(store: Store) -> None:
+    events = later_kinds("r-9")
+    await store.append(events)
+    assert await store.load("r-9") == events
 
 
 async def test_every_event_kind_round_trips(store: Store) -> None:
