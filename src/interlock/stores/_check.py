@@ -58,7 +58,7 @@ class Checker:
         """Start from the verified index rows and the rows that failed their checksum."""
         self.index = index
         self.problems = [Problem(run_id=e.run_id, seq=None, message=str(e)) for e in damaged]
-        self.damaged = {e.run_id for e in damaged}
+        self.damaged = {e.run_id for e in damaged if e.run_id is not None}
         self.journaled: set[str] = set()
         self.intact: set[str] = set()
         self.complete = True

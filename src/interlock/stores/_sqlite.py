@@ -8,7 +8,9 @@ have a table of their own, so they stay unique in the whole database.
 
 The runs index is derived from the journal, and each of its rows carries the crc32 of
 its fields (:func:`row_checksum`): a row that fails it is reported (:class:`IndexDamaged`),
-never believed. Listing runs therefore reads every row, whatever the filters.
+never believed. Listing runs therefore reads every row, whatever the filters, and counts
+them against the number of runs started, kept in ``meta``: one flipped byte in a page
+header can hide a row from SQLite itself.
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ _INSERT_RUN = (
 )
 #: The name of :func:`row_checksum` in the SQL of a writing connection.
 _CHECKSUM_SQL = "interlock_row_checksum"
+#: The number of runs started, so that a row missing from the index is noticed.
+_RUNS_COUNTED = "SELECT value FROM meta WHERE name = 'runs'"
+_COUNT_RUNS = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'runs'"
 _STORED_CHECKSUM = f"{_CHECKSUM_SQL}({_READ_COLUMNS})"
 #: A continuing run's index row moves on only from the seq before the batch's first, and
 #: only if it passes its checksum (a damaged row must not be re-checksummed as good): the
@@ -540,6 +545,8 @@ class SQLiteStore(Store):
                 _ADVANCE_RUN, [(*move[:6], run_id, move[6]) for run_id, move in moves.items()]
             ).rowcount
         if inserted == len(starting) and moved == len(moves):
+            if inserted:
+                conn.execute(_COUNT_RUNS, (inserted,))
             conn.execute("RELEASE index_fast")
             return True
         conn.execute("ROLLBACK TO index_fast")
@@ -558,6 +565,7 @@ class SQLiteStore(Store):
         check_batch(batch.events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(batch.marks, current)
         conn.executemany(_UPSERT_RUN, [_index_row(r) for r in updates.values()])
+        conn.execute(_COUNT_RUNS, (len(updates) - len(current),))
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
@@ -616,11 +624,36 @@ class SQLiteStore(Store):
         limit: int | None = None,
     ) -> list[RunRecord]:
         select = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs"
-        rows = await self._call("list_runs", lambda conn: conn.execute(select).fetchall())
-        read = self._read
+
+        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
+            conn.execute("BEGIN")  # the rows and their count as of one moment
+            try:
+                return conn.execute(select).fetchall(), conn.execute(_RUNS_COUNTED).fetchone()
+            finally:
+                conn.execute("COMMIT")
+
+        rows, counted = await self._call("list_runs", read)
+        records = {}
+        for row in rows:
+            record = self._read(row)
+            if record.run_id in records:
+                # A damaged page can point twice at one row (and at another never).
+                raise IndexDamaged(record.run_id, "SQLite reads the row twice")
+            records[record.run_id] = record
+        if self._crc:
+            self._check_count(len(records), counted)
         return select_runs(
-            [read(row) for row in rows], machine=machine, state=state, outcome=outcome, limit=limit
+            records.values(), machine=machine, state=state, outcome=outcome, limit=limit
         )
+
+    @staticmethod
+    def _check_count(rows: int, counted: Any) -> None:
+        """Raise IndexDamaged unless the index holds a row per run started."""
+        if counted is None or counted[0] != str(rows):
+            started = "an unknown number" if counted is None else counted[0]
+            if not str(started).isdigit():
+                started = repr(started)
+            raise IndexDamaged(None, f"row count {rows}, but {started} runs were started")
 
     async def check(self) -> CheckReport:
         return await self._call("check", self._check_sync)
@@ -640,6 +673,13 @@ class SQLiteStore(Store):
                 else:
                     index[record.run_id] = record
             checker = Checker(index, damaged)
+            if self._crc:
+                try:
+                    self._check_count(
+                        len(index) + len(damaged), conn.execute(_RUNS_COUNTED).fetchone()
+                    )
+                except IndexDamaged as exc:
+                    checker.problem(None, None, str(exc))
             for (line,) in conn.execute("PRAGMA integrity_check"):
                 if line != "ok":
                     checker.problem(None, None, f"{self._path}: SQLite integrity check: {line}")
@@ -835,6 +875,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
                     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
+                conn.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('runs', '0')")
                 conn.execute("COMMIT")
             except Exception:
                 _rollback(conn)
@@ -875,13 +916,15 @@ def _upgrade(conn: sqlite3.Connection) -> None:
 
 
 def _checksum_index(conn: sqlite3.Connection) -> None:
-    """Version 2 to 3: give every runs-index row its checksum; drop the indexes on it.
+    """Version 2 to 3: give every runs-index row its checksum, count the rows, and drop
+    the indexes on them.
 
     A row damaged before this gets a checksum of its damage: :meth:`SQLiteStore.check`
     still finds it, by comparing the row with its run's journal.
     """
     conn.execute("ALTER TABLE runs ADD COLUMN crc INTEGER")
     conn.execute(f"UPDATE runs SET crc = {_STORED_CHECKSUM}")
+    conn.execute("INSERT INTO meta (name, value) SELECT 'runs', count(*) FROM runs")
     for index in ("runs_started", "runs_outcome", "runs_machine"):
         conn.execute(f"DROP INDEX IF EXISTS {index}")
 
