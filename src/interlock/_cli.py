@@ -1,4 +1,4 @@
-"""The ``interlock`` command line: demo, runs, show, escalations."""
+"""The ``interlock`` command line: demo, runs, show, escalations, resume, replay, check."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from ._events import (
     event_to_builtins,
     whole_prompts,
 )
-from ._exceptions import InterlockError
+from ._exceptions import InterlockError, JournalCorrupt
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._version import __version__
 from ._view import violation_signature
-from .stores import OUTCOMES, RunRecord
+from .stores import OUTCOMES, IndexDamaged, RunRecord
 from .stores._open import open_store
 from .workflows import WORKFLOWS
 
@@ -236,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    check = commands.add_parser(
+        "check",
+        help="check a journal for damage: every frame's checksum, each run's seqs, the runs "
+        "index against the journal (and SQLite's own integrity check); writes nothing",
+    )
+    check.add_argument(
+        "--db", default=DEFAULT_DB, help=f"SQLite path or postgresql:// DSN (default {DEFAULT_DB})"
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -751,6 +761,45 @@ async def _replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+async def _check(args: argparse.Namespace) -> int:
+    store = await open_store(args.db, readonly=True)
+    try:
+        report = await store.check()
+    finally:
+        await store.aclose()
+    if args.json:
+        _print_json(
+            {
+                "db": args.db,
+                "ok": report.ok,
+                "runs": report.runs,
+                "events": report.events,
+                "problems": [msgspec.to_builtins(p) for p in report.problems],
+            }
+        )
+    elif report.ok:
+        sys.stdout.write(
+            f"ok: {_count(report.runs, 'run')}, {_count(report.events, 'event')}, no damage\n"
+        )
+    else:
+        lines = [f"damaged: {_count(len(report.problems), 'problem')}"]
+        lines += [f"  {problem.message}" for problem in report.problems]
+        sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if report.ok else 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def _error(exc: BaseException, args: argparse.Namespace) -> str:
+    """The one line an error ends a command with; damage points at ``interlock check``."""
+    text = f"interlock: error: {exc}"
+    if isinstance(exc, JournalCorrupt | IndexDamaged):
+        text += f" ('interlock check --db {args.db}' lists all the damage)"
+    return text + "\n"
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Any:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
@@ -766,6 +815,7 @@ _COMMANDS = {
     "escalations": _escalations,
     "resume": _resume,
     "replay": _replay,
+    "check": _check,
 }
 
 
@@ -775,14 +825,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return trio.run(_COMMANDS[args.command], args)
     except (InterlockError, ValueError, OSError) as exc:
-        sys.stderr.write(f"interlock: error: {exc}\n")
+        sys.stderr.write(_error(exc, args))
         return 1
     except BaseExceptionGroup as group:
         leaves = list(_leaves(group))
         expected = [e for e in leaves if isinstance(e, InterlockError | ValueError | OSError)]
         if not expected or len(expected) != len(leaves):
             raise
-        sys.stderr.write(f"interlock: error: {expected[0]}\n")
+        sys.stderr.write(_error(expected[0], args))
         return 1
     except KeyboardInterrupt:
         sys.stderr.write("interlock: interrupted\n")

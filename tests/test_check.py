@@ -1,0 +1,257 @@
+"""``interlock check`` and how the other commands report damage, on real files damaged on
+purpose: a flipped byte in a frame, a flipped byte in a runs-index row, a deleted event."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+PG_DSN = os.environ.get("INTERLOCK_PG_DSN", "")
+RESTORE = (
+    "the store was written outside interlock or a write was cut short; restore it from a backup"
+)
+
+
+def interlock(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "interlock", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+        timeout=120,
+        check=False,
+    )
+
+
+def query(path: Path, statement: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        return conn.execute(statement, params).fetchall()
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def hint(path: Path) -> str:
+    return f" ('interlock check --db {path}' lists all the damage)\n"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A demo journal whose every run has finished, so ``resume`` has nothing to do."""
+    path = tmp_path_factory.mktemp("check") / "journal.db"
+    done = interlock("demo", "--runs", "6", "--db", str(path), "--latency", "0,1", "--json")
+    assert done.returncode == 0, done.stderr
+    # The demo's store closed its connection last, so the file holds everything (no -wal).
+    assert not Path(f"{path}-wal").exists()
+    return path
+
+
+@pytest.fixture
+def journal(pristine: Path, tmp_path: Path) -> Path:
+    """A copy of the demo journal to damage."""
+    path = tmp_path / "journal.db"
+    shutil.copyfile(pristine, path)
+    return path
+
+
+def test_an_intact_journal_checks_ok(journal: Path) -> None:
+    [(events,)] = query(journal, "SELECT sum(last_seq - first_seq + 1) FROM chunks")
+    before = digest(journal)
+    done = interlock("check", "--db", str(journal))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"ok: 6 runs, {events:,} events, no damage\n"
+    as_json = interlock("check", "--db", str(journal), "--json")
+    assert as_json.returncode == 0
+    assert json.loads(as_json.stdout) == {
+        "db": str(journal),
+        "ok": True,
+        "runs": 6,
+        "events": events,
+        "problems": [],
+    }
+    assert digest(journal) == before
+
+
+def test_a_flipped_byte_in_a_frame_is_reported_by_run_and_seq(journal: Path) -> None:
+    [(run_id, first, body)] = query(
+        journal,
+        "SELECT run_id, first_seq, body FROM chunks WHERE last_seq > first_seq "
+        "ORDER BY run_id, first_seq LIMIT 1",
+    )
+    assert isinstance(body, bytes)
+    data = journal.read_bytes()
+    assert data.count(body[:64]) == 1
+    # A byte inside the payload of the chunk's first frame (12 bytes of header before it).
+    flip(journal, data.index(body[:64]) + 20)
+    message = f"journal of run {run_id!r} is corrupt (checksum mismatch) at seq {first}; {RESTORE}"
+    before = digest(journal)
+    done = interlock("check", "--db", str(journal))
+    assert done.returncode == 1
+    assert done.stdout == f"damaged: 1 problem\n  {message}\n"
+    report = json.loads(interlock("check", "--db", str(journal), "--json").stdout)
+    assert (report["ok"], report["problems"]) == (
+        False,
+        [{"run_id": run_id, "seq": first, "message": message}],
+    )
+    for command in (["show", str(run_id)], ["replay", "--all"], ["replay", str(run_id)]):
+        failed = interlock(*command, "--db", str(journal))
+        assert failed.returncode == 1, command
+        assert failed.stderr == f"interlock: error: {message}" + hint(journal)
+    assert digest(journal) == before
+
+
+def runs_row(path: Path) -> tuple[str, int]:
+    """The first run id of the runs index and the file offset of its row's outcome text."""
+    [(run_id, outcome)] = query(path, "SELECT run_id, outcome FROM runs ORDER BY run_id LIMIT 1")
+    [(root,)] = query(path, "SELECT rootpage FROM sqlite_master WHERE name = 'runs'")
+    [(page_size,)] = query(path, "PRAGMA page_size")
+    assert isinstance(run_id, str)
+    assert isinstance(outcome, str)
+    assert isinstance(root, int)
+    assert isinstance(page_size, int)
+    page = path.read_bytes()[(root - 1) * page_size : root * page_size]
+    # A leaf holding every row; the run id occurs once in it, its outcome soon after.
+    assert page[0] == 0x0A
+    at = page.index(run_id.encode())
+    assert page.count(run_id.encode()) == 1
+    return run_id, (root - 1) * page_size + page.index(outcome.encode(), at)
+
+
+def test_a_flipped_byte_in_a_runs_index_row_fails_every_command_naming_the_run(
+    journal: Path,
+) -> None:
+    """Regression (#14): one flipped byte in the runs index made ``runs``, ``resume`` and
+    ``replay --all`` skip a run or show a garbled outcome, all exiting 0."""
+    run_id, offset = runs_row(journal)
+    flip(journal, offset)
+    message = (
+        f"runs index row of run {run_id!r} is damaged (checksum mismatch); the store was "
+        "written outside interlock or its file is damaged; restore it from a backup"
+    )
+    before = digest(journal)
+    for command in (
+        ["runs"],
+        ["runs", "--outcome", "completed"],
+        ["runs", "--json"],
+        ["escalations"],
+        ["show", run_id],
+        ["replay", "--all"],
+    ):
+        failed = interlock(*command, "--db", str(journal))
+        assert (failed.returncode, failed.stdout) == (1, ""), command
+        assert failed.stderr == f"interlock: error: {message}" + hint(journal), command
+    assert digest(journal) == before
+    done = interlock("check", "--db", str(journal))
+    assert done.returncode == 1
+    assert done.stdout == f"damaged: 1 problem\n  {message}\n"
+    assert digest(journal) == before
+    resumed = interlock("resume", "--db", str(journal), "--latency", "0,1")
+    assert resumed.returncode == 1
+    assert resumed.stderr == f"interlock: error: {message}" + hint(journal)
+
+
+def test_a_deleted_event_row_is_a_gap(journal: Path) -> None:
+    # A run with at least three chunks: delete the middle one.
+    [(run_id,)] = query(
+        journal,
+        "SELECT run_id FROM chunks GROUP BY run_id HAVING count(*) >= 3 ORDER BY run_id LIMIT 1",
+    )
+    chunks = query(
+        journal,
+        "SELECT first_seq, last_seq FROM chunks WHERE run_id = ? ORDER BY first_seq",
+        (run_id,),
+    )
+    first, last = chunks[1]
+    query(journal, "DELETE FROM chunks WHERE run_id = ? AND first_seq = ?", (run_id, first))
+    assert isinstance(first, int)
+    assert isinstance(last, int)
+    message = (
+        f"journal of run {run_id!r} is missing or repeating events: seq {last + 1} follows "
+        f"seq {first - 1}; restore it from a backup"
+    )
+    done = interlock("check", "--db", str(journal), "--json")
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert report["problems"] == [{"run_id": run_id, "seq": first, "message": message}]
+    shown = interlock("show", str(run_id), "--db", str(journal))
+    assert shown.returncode == 1
+    assert shown.stderr == f"interlock: error: {message}" + hint(journal)
+
+
+def test_check_of_a_missing_file_creates_nothing(tmp_path: Path) -> None:
+    done = interlock("check", "--db", str(tmp_path / "typo.db"))
+    assert done.returncode == 1
+    assert done.stderr == f"interlock: error: database {tmp_path / 'typo.db'} does not exist\n"
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    name = f"interlock_test_{secrets.token_hex(6)}"
+    yield name
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not PG_DSN, reason="INTERLOCK_PG_DSN is not set")
+def test_check_works_on_postgresql(pg_schema: str) -> None:
+    dsn = f"{PG_DSN}?schema={pg_schema}"
+    done = interlock("demo", "--runs", "4", "--db", dsn, "--latency", "0,1", "--json")
+    assert done.returncode == 0, done.stderr
+    ok = interlock("check", "--db", dsn)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ok: 4 runs, ")
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(pg_schema)))
+        run_id, seq = conn.execute(
+            "SELECT run_id, max(seq) FROM events GROUP BY run_id ORDER BY run_id LIMIT 1"
+        ).fetchone()
+        conn.execute(
+            "UPDATE events SET body = overlay(body placing '\\xff'::bytea from 20 for 1) "
+            "WHERE run_id = %s AND seq = 2",
+            (run_id,),
+        )
+        conn.execute("UPDATE runs SET state = 'DONE' WHERE run_id = %s", (run_id,))
+        conn.execute("DELETE FROM events WHERE run_id = %s AND seq = %s", (run_id, seq - 1))
+    damaged = interlock("check", "--db", dsn, "--json")
+    assert damaged.returncode == 1
+    assert json.loads(damaged.stdout)["problems"] == [
+        {
+            "run_id": run_id,
+            "seq": None,
+            "message": f"runs index row of run {run_id!r} is damaged (checksum mismatch); the "
+            "store was written outside interlock or its file is damaged; restore it from a backup",
+        },
+        {
+            "run_id": run_id,
+            "seq": 2,
+            "message": f"journal of run {run_id!r} is corrupt (checksum mismatch) at seq 2; {RESTORE}",
+        },
+        {
+            "run_id": run_id,
+            "seq": seq - 1,
+            "message": f"journal of run {run_id!r} is missing or repeating events: seq {seq} "
+            f"follows seq {seq - 2}; restore it from a backup",
+        },
+    ]
