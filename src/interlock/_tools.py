@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import msgspec.inspect
@@ -330,15 +330,29 @@ def _field_schema(schema: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     return node if isinstance(node, Mapping) else {}
 
 
+_FORMAT_EXAMPLES = {
+    "date-time": "2024-05-01T12:00:00Z",
+    "date": "2024-05-01",
+    "time": "12:00:00",
+    "duration": "P1DT2H",
+    "uuid": "123e4567-e89b-12d3-a456-426614174000",
+}
+
+
 def _schema_hint(text: str, path: str, schema: Mapping[str, Any]) -> str:
     """Turn a validator's complaint into an instruction the model can follow."""
     if text.startswith("Object missing required field"):
         name = text.split("`")[1] if "`" in text else "?"
         return f"include the required field {path}.{name}".replace("args.", "args.", 1)
-    if text.startswith("Object contains unknown field"):
-        allowed = sorted(schema.get("properties", {}))
-        return f"remove the field; allowed fields: {', '.join(allowed) or 'none'}"
     field_schema = _field_schema(schema, path)
+    if text.startswith("Object contains unknown field"):
+        if "properties" not in field_schema:
+            return "remove the field"
+        allowed = sorted(field_schema["properties"])
+        return f"remove the field; allowed fields: {', '.join(allowed) or 'none'}"
+    if field_schema.get("format") in _FORMAT_EXAMPLES:
+        example = _FORMAT_EXAMPLES[field_schema["format"]]
+        return f"send {path} as a {field_schema['format']} string, like {example!r}"
     if "enum" in field_schema:
         return f"use one of: {', '.join(map(str, field_schema['enum']))}"
     rules = []
@@ -352,6 +366,7 @@ def _schema_hint(text: str, path: str, schema: Mapping[str, Any]) -> str:
         ("minItems", "items >="),
         ("maxItems", "items <="),
         ("pattern", "matching"),
+        ("multipleOf", "a multiple of"),
     ):
         if key in field_schema:
             rules.append(f"{word} {field_schema[key]}")
@@ -429,109 +444,6 @@ def _pydantic_hint(error: Mapping[str, Any], path: str) -> str:
     return f"fix {path}: {_lower_first(error['msg'])}"
 
 
-_JSON_TYPES: dict[str, Any] = {
-    "string": str,
-    "integer": int,
-    "number": float,
-    "boolean": bool,
-    "null": type(None),
-}
-_SUPPORTED = {
-    "type",
-    "properties",
-    "required",
-    "additionalProperties",
-    "items",
-    "enum",
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
-    "minLength",
-    "maxLength",
-    "pattern",
-    "minItems",
-    "maxItems",
-    "description",
-    "title",
-    "default",
-    "$schema",
-}
-
-
-def _json_schema_type(schema: Mapping[str, Any], where: str, tool: str) -> Any:
-    unknown = set(schema) - _SUPPORTED
-    if unknown:
-        raise ToolDefinitionError(
-            f"tool {tool!r}: JSON Schema keyword {sorted(unknown)[0]!r} at {where} is not "
-            f"supported; use {', '.join(sorted(_SUPPORTED - {'$schema'}))}, or a msgspec Struct"
-        )
-    meta: dict[str, Any] = {}
-    for key, name in (
-        ("minimum", "ge"),
-        ("maximum", "le"),
-        ("exclusiveMinimum", "gt"),
-        ("exclusiveMaximum", "lt"),
-        ("minLength", "min_length"),
-        ("maxLength", "max_length"),
-        ("pattern", "pattern"),
-        ("minItems", "min_length"),
-        ("maxItems", "max_length"),
-    ):
-        if key in schema:
-            meta[name] = schema[key]
-    if "enum" in schema:
-        values = tuple(schema["enum"])
-        if not values:
-            raise ToolDefinitionError(f"tool {tool!r}: empty enum at {where}")
-        base: Any = Literal[values]
-    else:
-        kind = schema.get("type")
-        if kind == "object":
-            base = _json_schema_struct(schema, where, tool)
-        elif kind == "array":
-            item = _json_schema_type(schema.get("items", {"type": "string"}), where + "[]", tool)
-            base = list.__class_getitem__(item)
-        elif kind in _JSON_TYPES:
-            base = _JSON_TYPES[kind]
-        else:
-            raise ToolDefinitionError(
-                f"tool {tool!r}: JSON Schema at {where} needs a 'type' of object, array, string, "
-                f"integer, number, boolean or null (or an 'enum'); got {kind!r}"
-            )
-    if meta:
-        return Annotated[base, msgspec.Meta(**meta)]
-    return base
-
-
-def _json_schema_struct(schema: Mapping[str, Any], where: str, tool: str) -> Any:
-    properties = schema.get("properties", {})
-    required = set(schema.get("required", ()))
-    missing = required - set(properties)
-    if missing:
-        raise ToolDefinitionError(
-            f"tool {tool!r}: required field {sorted(missing)[0]!r} at {where} has no entry in 'properties'"
-        )
-    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    for name, sub in properties.items():
-        typ = _json_schema_type(sub, f"{where}.{name}", tool)
-        if name in required:
-            fields.append((name, typ))
-        else:
-            if "default" in sub:
-                fields.append((name, typ, sub["default"]))
-            else:
-                # Absent stays absent (not null, and not journaled as null).
-                fields.append((name, typ | msgspec.UnsetType, msgspec.UNSET))
-    fields.sort(key=len)  # required fields first, as defstruct wants
-    return msgspec.defstruct(
-        f"{tool}_{where.replace('.', '_')}",
-        fields,
-        forbid_unknown_fields=schema.get("additionalProperties", True) is False,
-        kw_only=True,
-    )
-
-
 def compile_schema(spec: Any, tool: str) -> Validator:
     """Compile an argument schema once.
 
@@ -556,10 +468,9 @@ def compile_schema(spec: Any, tool: str) -> Validator:
     if isinstance(spec, Mapping):
         kind = spec.get("type")
         if kind == "object" or "properties" in spec or "$schema" in spec:
-            struct = _json_schema_type(spec, "args", tool)
-            validator = _MsgspecValidator(struct)
-            validator._schema = dict(spec)
-            return validator
+            from ._schema import compile_json_schema  # it builds on _MsgspecValidator
+
+            return compile_json_schema(spec, tool)
         if SchemaValidator is not None and isinstance(kind, str):
             try:
                 compiled = SchemaValidator(dict(spec))
