@@ -190,6 +190,11 @@ def verify(
 ) -> Decision:
     """Verify one proposal for ``run`` in its current state.
 
+    In order: the run's budgets; the state's cap on the proposal's size, before any
+    parsing; an exact reading of the bytes (one JSON value, no key named twice in an
+    object); the envelope; the tool or transition; the schema; the guards; the repeat
+    breaker and the tool's circuit. The first failure is the answer.
+
     Args:
       machine: the run's machine.
       run: the run's folded state (budgets count the model call being verified).
