@@ -358,3 +358,49 @@ async def test_large_data_is_journaled_once() -> None:
     from interlock import fold
 
     assert fold(spec, events).output == {"answer": answer}
+
+
+def test_a_journal_from_before_provider_failed_still_replays() -> None:
+    """Journals written before #14 record a failed model call as ``model_called`` with
+    ``error``, then a ``malformed`` rejection: replay decides them as they were then."""
+    from interlock import Completed, ProposalRejected, Transitioned, Violation
+
+    error = "provider raised RuntimeError: model overloaded"
+
+    def called(seq: int, raw: str, failed: str = "") -> ModelCalled:
+        return ModelCalled(
+            run_id="r-1",
+            seq=seq,
+            ts=10.0,
+            state="WORK",
+            model="flaky",
+            prompt_hash=hash_prompt(""),
+            prompt="",
+            raw=raw,
+            usage=TokenUsage(),
+            error=failed,
+        )
+
+    events = [
+        RunStarted(run_id="r-1", seq=1, ts=10.0, machine="mail", state="WORK"),
+        called(2, "", error),
+        ProposalRejected(
+            run_id="r-1",
+            seq=3,
+            ts=10.0,
+            state="WORK",
+            violations=(
+                Violation(
+                    "malformed",
+                    "$",
+                    f"no proposal: {error}",
+                    "the proposer failed; it will be asked again",
+                ),
+            ),
+        ),
+        called(4, DONE),
+        Transitioned(run_id="r-1", seq=5, ts=10.0, src="WORK", dst="COMPLETED"),
+        Completed(run_id="r-1", seq=6, ts=10.0, state="COMPLETED"),
+    ]
+    report = replay(events, plain(ProviderPolicy()))
+    assert report.diverged == ()

@@ -48,6 +48,10 @@ class Propose(Msg, frozen=True, tag="propose"):
     defect: str = ""
     """Set when the provider answered something that cannot be read as a proposal (not
     text, or text UTF-8 cannot hold); ``raw`` then shows it escaped."""
+    legacy: bool = False
+    """Replay of a journal written before ``provider_failed`` existed: a failed model
+    call is decided as it was then (a ``model_called`` with ``error``, then a
+    ``malformed`` rejection), so old runs still reproduce."""
 
 
 class Report(Msg, frozen=True, tag="report"):

@@ -353,6 +353,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     latency=upcoming.latency,
                     error=upcoming.error,
                     defect=upcoming.defect or "",
+                    legacy=bool(upcoming.error),
                 )
             elif isinstance(upcoming, ProviderFailed):
                 msg = Propose(

@@ -637,7 +637,7 @@ class Supervisor:
         machine = run.machine
         now = self.clock()
         state = run.state
-        if msg.source == "model" and msg.error:
+        if msg.source == "model" and msg.error and not msg.legacy:
             return self._on_provider_failure(run, msg, events, now)
         # Text the journal cannot hold (UTF-8 cannot encode a lone surrogate) is kept
         # escaped, and the proposal is rejected naming where the bad code point was.
@@ -671,6 +671,7 @@ class Supervisor:
                 raw=raw,
                 usage=msg.usage,
                 latency=msg.latency,
+                error=readable_text(msg.error, "the error")[0],
                 defect=defect or msgspec.UNSET,
                 prompt_base=base,
                 prompt_prefix=prefix,
@@ -695,7 +696,7 @@ class Supervisor:
                 source=msg.source,
                 error=readable_text(msg.error, "the error")[0],
             )
-        if msg.error:  # a step that raised
+        if msg.error:  # a step that raised (or a legacy model call that failed)
             budget = check_budgets(run, machine.budgets, now)
             if budget is not None:
                 return self._reject(run, events, now, (budget[0],), budget[1])
