@@ -5,14 +5,16 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
+import msgspec
 import psycopg
 import pytest
 import trio
 from psycopg import sql
 
-from interlock._events import RunStarted
+from interlock._events import RunStarted, Transitioned
 from interlock._exceptions import StoreError
-from interlock.stores import PostgresStore, open_postgres_store, open_store
+from interlock.stores import IndexDamaged, PostgresStore, open_postgres_store, open_store
+from interlock.stores._base import index_updates
 
 from .conftest import PG_DSN, PG_SKIP_REASON
 
@@ -137,3 +139,86 @@ async def test_lost_connection_fails_one_call_then_reconnects(schema: str) -> No
         ):
             await store.load("r-1")
         assert await store.load("r-1") == [event]
+
+
+_V1_RUNS = """CREATE TABLE {}.runs (
+    run_id text COLLATE "C" PRIMARY KEY, machine text NOT NULL, state text NOT NULL,
+    outcome text NOT NULL, seq bigint NOT NULL, started double precision NOT NULL,
+    updated double precision NOT NULL, reason text NOT NULL DEFAULT '',
+    detail text NOT NULL DEFAULT '')"""
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_version_1_schema_is_read_as_it_is_then_upgraded(schema: str) -> None:
+    """A schema written before the runs index had checksums (version 1)."""
+    one = [
+        RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A"),
+        Transitioned(run_id="r-1", seq=2, ts=2.0, src="A", dst="B"),
+    ]
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        await store.append(one)
+    # Back to version 1: its runs table, its three indexes, its version.
+    ident = sql.Identifier(schema)
+    admin(sql.SQL("DROP TABLE {}.runs").format(ident))
+    admin(sql.SQL(_V1_RUNS).format(ident))
+    for name, columns in [
+        ("runs_started", "started, run_id"),
+        ("runs_outcome", "outcome, started, run_id"),
+        ("runs_machine", "machine, started, run_id"),
+    ]:
+        admin(sql.SQL(f"CREATE INDEX {name} ON {{}}.runs ({columns})").format(ident))
+    record = index_updates(one, {})["r-1"]
+    admin(
+        sql.SQL("INSERT INTO {}.runs VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)").format(ident),
+        msgspec.structs.astuple(record),
+    )
+    admin(sql.SQL("UPDATE {}.meta SET value = '1' WHERE name = 'schema_version'").format(ident))
+    async with await open_postgres_store(PG_DSN, schema=schema, readonly=True) as store:
+        assert await store.list_runs() == [record]
+        assert await store.load("r-1") == one
+        assert (await store.check()).ok
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        assert await store.get_run("r-1") == record
+        await store.append([Transitioned(run_id="r-1", seq=3, ts=3.0, src="B", dst="C")])
+        assert (await store.get_run("r-1")).state == "C"
+    with psycopg.connect(PG_DSN) as conn:
+        indexes = conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = %s AND tablename = 'runs'",
+            (schema,),
+        ).fetchall()
+        version = conn.execute(
+            sql.SQL("SELECT value FROM {}.meta WHERE name = 'schema_version'").format(ident)
+        ).fetchone()
+    assert indexes == [("runs_pkey",)]
+    assert version == ("2",)
+    # Every row has its checksum now: a change behind the store's back is found.
+    admin(sql.SQL("UPDATE {}.runs SET outcome = 'completed'").format(ident))
+    async with await open_postgres_store(PG_DSN, schema=schema, readonly=True) as store:
+        with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-1' is damaged "):
+            await store.unfinished()
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_an_event_another_writer_committed_first_is_named(schema: str) -> None:
+    """Two writers read a run's row at the same seq; the second one's COPY then breaks the
+    key (run_id, seq). Here the first writer's event is inserted behind the store's back."""
+    events = [
+        RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A"),
+        Transitioned(run_id="r-1", seq=2, ts=2.0, src="A", dst="B"),
+    ]
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        await store.append(events[:1])
+        admin(
+            sql.SQL(
+                "INSERT INTO {}.events VALUES ('r-1', 2, 'transitioned', 2.0, NULL, '')"
+            ).format(sql.Identifier(schema))
+        )
+        with pytest.raises(StoreError) as info:
+            await store.append(events[1:])
+        assert str(info.value) == (
+            "run 'r-1' is already at seq 2 in the store, so this batch cannot append seq 2: "
+            "another process advanced the run; keep one writer per journal (leases for several "
+            "writers come with scale-out, issue #18); nothing was written"
+        )

@@ -133,6 +133,18 @@ def verified_record(row: Sequence[Any]) -> RunRecord:
     )
 
 
+def looked_up(run_id: str, record: RunRecord) -> RunRecord:
+    """``record``, found by looking ``run_id`` up, if it is that run's.
+
+    Raises:
+      IndexDamaged: it is another run's row (a damaged b-tree page can lead a lookup to
+        another, intact, row).
+    """
+    if record.run_id != run_id:
+        raise IndexDamaged(run_id, f"looking it up finds the row of run {record.run_id!r}")
+    return record
+
+
 def missing_index_row(run_id: str) -> IndexDamaged:
     """The error for a run whose journal holds events but whose index row is missing."""
     return IndexDamaged(run_id, "the row is missing, but the run's journal holds events")

@@ -26,6 +26,7 @@ from ._base import (
     decode_chunks,
     encode_rows,
     index_updates,
+    looked_up,
     missing_index_row,
     missing_journal,
     record_checksum,
@@ -364,7 +365,7 @@ class PostgresStore(Store):
             if events:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        record = self._read(row)
+        record = looked_up(run_id, self._read(row))
         if not events:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, events, record.seq)
@@ -385,7 +386,7 @@ class PostgresStore(Store):
             if journaled:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return self._read(row)
+        return looked_up(run_id, self._read(row))
 
     async def list_runs(
         self,

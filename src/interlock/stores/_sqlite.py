@@ -40,6 +40,7 @@ from ._base import (
     check_batch,
     decode_chunks,
     index_updates,
+    looked_up,
     missing_index_row,
     missing_journal,
     record_checksum,
@@ -561,7 +562,7 @@ class SQLiteStore(Store):
         for run_id, *_ in batch.chunks:
             row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
             if row is not None:
-                current[run_id] = _verified(row)
+                current[run_id] = looked_up(run_id, _verified(row))
         check_batch(batch.events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(batch.marks, current)
         conn.executemany(_UPSERT_RUN, [_index_row(r) for r in updates.values()])
@@ -596,7 +597,7 @@ class SQLiteStore(Store):
             if chunks:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        record = self._read(row)
+        record = looked_up(run_id, self._read(row))
         if not chunks:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, chunks, record.seq)
@@ -613,7 +614,7 @@ class SQLiteStore(Store):
             if journaled:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return self._read(row)
+        return looked_up(run_id, self._read(row))
 
     async def list_runs(
         self,
@@ -633,13 +634,8 @@ class SQLiteStore(Store):
                 conn.execute("COMMIT")
 
         rows, counted = await self._call("list_runs", read)
-        records = {}
-        for row in rows:
-            record = self._read(row)
-            if record.run_id in records:
-                # A damaged page can point twice at one row (and at another never).
-                raise IndexDamaged(record.run_id, "SQLite reads the row twice")
-            records[record.run_id] = record
+        # Counted once each: a damaged page can point twice at one row (and at another never).
+        records = {record.run_id: record for record in map(self._read, rows)}
         if self._crc:
             self._check_count(len(records), counted)
         return select_runs(
