@@ -665,13 +665,21 @@ async def test_text_that_is_not_utf8_is_reported_with_its_row(tmp_path: Path) ->
     path = tmp_path / "j.db"
     await five_runs(path)
     raw_sql(path, "UPDATE runs SET state = CAST(x'c328' AS TEXT) WHERE run_id = 'r-3'")
+    message = (
+        "runs index row of run 'r-3' is damaged (a text field is not valid text); the "
+        "store was written outside interlock or its file is damaged; restore it from a backup"
+    )
     async with await open_sqlite_store(path) as store:
+        for read in (lambda: store.list_runs(outcome=COMPLETED), lambda: store.get_run("r-3")):
+            with pytest.raises(IndexDamaged) as info:
+                await read()
+            assert str(info.value) == message
+        # Appending to the run: SQLite cannot even hand the text to the checksum.
         with pytest.raises(IndexDamaged) as info:
-            await store.list_runs(outcome=COMPLETED)
-        assert str(info.value) == (
-            "runs index row of run 'r-3' is damaged (a text field is not valid text); the "
-            "store was written outside interlock or its file is damaged; restore it from a backup"
-        )
+            await store.append([run_events("r-3", 3.0)[2], run_events("r-9", 9.0)[0]])
+        assert str(info.value) == message
+        with pytest.raises(RunNotFound):
+            await store.get_run("r-9")
 
 
 async def test_integrity_check_findings_are_problems(tmp_path: Path) -> None:

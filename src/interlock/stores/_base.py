@@ -120,6 +120,11 @@ def verified_record(row: Sequence[Any]) -> RunRecord:
         intact = False
     if not intact:
         raise IndexDamaged(str(row[0]), "checksum mismatch")
+    return stored_record(row)
+
+
+def stored_record(row: Sequence[Any]) -> RunRecord:
+    """The record of a stored index row ``(run_id, ..., detail)``, as it is: unchecked."""
     return RunRecord(
         run_id=row[0],
         machine=row[1],

@@ -32,6 +32,7 @@ from ._base import (
     record_checksum,
     row_checksum,
     select_runs,
+    stored_record,
     verified_record,
 )
 from ._check import Checker, CheckReport
@@ -110,11 +111,6 @@ _LAST_SEQS_IN = "SELECT run_id, max(seq) FROM events WHERE run_id = ANY(%s::text
 _SELECT_KEYS_IN = (
     "SELECT key FROM events WHERE kind = 'intent_recorded' AND key = ANY(%s::text[]) LIMIT 1"
 )
-
-
-def _unverified(row: Sequence[Any]) -> RunRecord:
-    """The record of a version 1 index row, which has no checksum to check."""
-    return verified_record([*row, row_checksum(*row)])
 
 
 def _checksum_index(conn: psycopg.Connection[Any]) -> None:
@@ -274,7 +270,7 @@ class PostgresStore(Store):
         self._readonly = readonly
         self._lock = trio.Lock()
         self._columns = f"{_RUN_COLUMNS}, crc" if checksums else _RUN_COLUMNS
-        self._read = verified_record if checksums else _unverified
+        self._read = verified_record if checksums else stored_record
 
     @classmethod
     async def open(

@@ -46,6 +46,7 @@ from ._base import (
     record_checksum,
     row_checksum,
     select_runs,
+    stored_record,
     unencodable,
     verified_record,
 )
@@ -151,7 +152,12 @@ _CHECKSUM_SQL = "interlock_row_checksum"
 #: The number of runs started, so that a row missing from the index is noticed.
 _RUNS_COUNTED = "SELECT value FROM meta WHERE name = 'runs'"
 _COUNT_RUNS = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'runs'"
-_STORED_CHECKSUM = f"{_CHECKSUM_SQL}({_READ_COLUMNS})"
+_STORED_CHECKSUM = (
+    f"{_CHECKSUM_SQL}(run_id, machine, state, outcome, seq, started, updated, reason, detail)"
+)
+#: What sqlite3 says when a function's argument cannot be converted (text that is not
+#: UTF-8) or the function raises (a field of a type no interlock writes): a damaged row.
+_FUNCTION_FAILED = "user-defined function raised exception"
 #: A continuing run's index row moves on only from the seq before the batch's first, and
 #: only if it passes its checksum (a damaged row must not be re-checksummed as good): the
 #: row count tells whether every run was where the batch says it was.
@@ -261,17 +267,7 @@ def _verified(row: Sequence[Any]) -> RunRecord:
 
 def _unverified(row: Sequence[Any]) -> RunRecord:
     """The record of a version 2 index row, which has no checksum to check."""
-    fields = _fields(row)
-    return verified_record([*fields, row_checksum(*fields)])
-
-
-def _checksum_sql(*fields: Any) -> int | None:
-    """:func:`row_checksum` in SQL: text may come as BLOBs; NULL for a row that is not text."""
-    try:
-        text: list[Any] = [f.decode() if type(f) is bytes else f for f in fields]
-        return row_checksum(*text)
-    except (TypeError, ValueError, msgspec.EncodeError):  # UnicodeDecodeError is a ValueError
-        return None
+    return stored_record(_fields(row))
 
 
 def _index_row(record: RunRecord) -> tuple[Any, ...]:
@@ -542,9 +538,14 @@ class SQLiteStore(Store):
             rows = [_index_row(r) for r in index_updates(started, {}).values()]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
         if moves:
-            moved = conn.executemany(
-                _ADVANCE_RUN, [(*move[:6], run_id, move[6]) for run_id, move in moves.items()]
-            ).rowcount
+            try:
+                moved = conn.executemany(
+                    _ADVANCE_RUN, [(*move[:6], run_id, move[6]) for run_id, move in moves.items()]
+                ).rowcount
+            except sqlite3.OperationalError as exc:
+                if str(exc) != _FUNCTION_FAILED:
+                    raise
+                moved = -1  # a stored row cannot be checksummed: the checked path says which
         if inserted == len(starting) and moved == len(moves):
             if inserted:
                 conn.execute(_COUNT_RUNS, (inserted,))
@@ -801,7 +802,7 @@ def _connect(
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         else:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            conn.create_function(_CHECKSUM_SQL, 9, _checksum_sql, deterministic=True)
+            conn.create_function(_CHECKSUM_SQL, 9, row_checksum, deterministic=True)
     except sqlite3.Error as exc:
         raise StoreError(f"{path}: cannot open the database: {exc}") from exc
     try:
@@ -919,7 +920,12 @@ def _checksum_index(conn: sqlite3.Connection) -> None:
     still finds it, by comparing the row with its run's journal.
     """
     conn.execute("ALTER TABLE runs ADD COLUMN crc INTEGER")
-    conn.execute(f"UPDATE runs SET crc = {_STORED_CHECKSUM}")
+    checksums = []
+    for row in conn.execute(f"SELECT {_READ_COLUMNS} FROM runs").fetchall():
+        with contextlib.suppress(IndexDamaged, TypeError, ValueError):  # NULL: damaged
+            fields = _fields(row)
+            checksums.append((row_checksum(*fields), fields[0]))
+    conn.executemany("UPDATE runs SET crc = ? WHERE run_id = ?", checksums)
     conn.execute("INSERT INTO meta (name, value) SELECT 'runs', count(*) FROM runs")
     for index in ("runs_started", "runs_outcome", "runs_machine"):
         conn.execute(f"DROP INDEX IF EXISTS {index}")
