@@ -11,9 +11,9 @@ import pytest
 import trio
 from psycopg import sql
 
-from interlock._events import RunStarted, Transitioned
+from interlock._events import IntentRecorded, RunStarted, Transitioned
 from interlock._exceptions import StoreError
-from interlock.stores import IndexDamaged, PostgresStore, open_postgres_store, open_store
+from interlock.stores import IndexDamaged, PostgresStore, Problem, open_postgres_store, open_store
 from interlock.stores._base import index_updates
 
 from .conftest import PG_DSN, PG_SKIP_REASON
@@ -221,4 +221,31 @@ async def test_an_event_another_writer_committed_first_is_named(schema: str) -> 
             "run 'r-1' is already at seq 2 in the store, so this batch cannot append seq 2: "
             "another process advanced the run; keep one writer per journal (leases for several "
             "writers come with scale-out, issue #18); nothing was written"
+        )
+
+
+@pytest.mark.postgres
+@needs_postgres
+async def test_the_intent_keys_are_checked_against_the_journal(schema: str) -> None:
+    """The kind and key columns of the events table make the keys unique; they are derived
+    from the frames, and checked against them."""
+    events = [
+        RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A"),
+        IntentRecorded(run_id="r-1", seq=2, ts=2.0, state="A", tool="pay", args={}, key="k-1"),
+    ]
+    async with await open_postgres_store(PG_DSN, schema=schema) as store:
+        await store.append(events)
+        admin(
+            sql.SQL("UPDATE {}.events SET kind = 'transitioned' WHERE seq = 2").format(
+                sql.Identifier(schema)
+            )
+        )
+        assert (await store.check()).problems == (
+            Problem(
+                run_id="r-1",
+                seq=2,
+                message="the events table's key column lacks idempotency key 'k-1' of run 'r-1' "
+                "seq 2, so a second intent with that key would not be refused; restore it from "
+                "a backup",
+            ),
         )

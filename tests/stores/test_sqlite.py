@@ -23,6 +23,7 @@ from interlock.stores import (
     CheckReport,
     IndexDamaged,
     MemoryStore,
+    Problem,
     SQLiteStore,
     Store,
     open_sqlite_store,
@@ -753,3 +754,52 @@ async def test_a_full_disk_is_reported_as_a_full_disk(tmp_path: Path) -> None:
         await store._call("test", lambda conn: conn.execute("PRAGMA max_page_count = 1000000"))
         await store.append(big)
         assert (await store.check()).ok
+
+
+async def test_the_intents_table_is_checked_against_the_journal(tmp_path: Path) -> None:
+    """The intents table is derived too: a key missing from it would let a second intent
+    with that key through."""
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        await store.append(with_intent("r-1", 1.0))
+    raw_sql(path, "DELETE FROM intents")
+    raw_sql(path, "INSERT INTO intents VALUES ('r-1:X:4', 'r-1', 4)")
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert (await store.check()).problems == (
+            Problem(
+                run_id="r-1",
+                seq=3,
+                message="the intents table lacks idempotency key 'r-1:B:3' of run 'r-1' seq 3, "
+                "so a second intent with that key would not be refused; restore it from a backup",
+            ),
+            Problem(
+                run_id="r-1",
+                seq=4,
+                message="the intents table holds idempotency key 'r-1:X:4' for run 'r-1' seq 4, "
+                "which the run's journal does not record; restore it from a backup",
+            ),
+        )
+
+
+async def test_a_check_that_cannot_read_on_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    await five_runs(path)
+    [(root,)] = raw_sql(path, "SELECT rootpage FROM sqlite_master WHERE name = 'chunks'")
+    assert isinstance(root, int)
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * 8192] = 0x00  # no b-tree page type: SQLite refuses to read the table
+    path.write_bytes(data)
+    async with await open_sqlite_store(path, readonly=True) as store:
+        report = await store.check()
+    # The five runs' journals were not read, and are not reported missing for that.
+    assert report == CheckReport(
+        runs=5,
+        events=0,
+        problems=(
+            Problem(
+                run_id=None,
+                seq=None,
+                message=f"{path}: cannot read on past the damage: database disk image is malformed",
+            ),
+        ),
+    )

@@ -33,6 +33,7 @@ from interlock._events import (
     Violation,
 )
 from interlock._exceptions import JournalCorrupt, RunNotFound, StoreError
+from interlock._hotpath import frame_event
 from interlock.stores import (
     COMPLETED,
     ESCALATED,
@@ -665,6 +666,20 @@ async def test_another_runs_event_in_place_is_refused(store: Store) -> None:
         match=r"^journal of run 'r-1' holds an event of run 'r-2' seq 2 where seq 2 belongs$",
     ):
         await store.load("r-1")
+
+
+async def test_a_journal_that_does_not_start_with_run_started_is_reported(store: Store) -> None:
+    await two_runs(store)
+    other = msgspec.msgpack.encode(moved("r-2", 1, "A", "B", ts=5.0))
+    rewrite_event(store, "r-2", 1, lambda _frame: frame_event(other))
+    assert (await store.check()).problems == (
+        Problem(
+            run_id="r-2",
+            seq=1,
+            message="event Transitioned seq 1 of run 'r-2' arrived before the run's "
+            "run_started event",
+        ),
+    )
 
 
 def frame_of(store: Store, run_id: str, seq: int) -> bytes:

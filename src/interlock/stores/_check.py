@@ -20,7 +20,6 @@ from ._base import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from .._events import JournalEvent
     from ._base import RunRecord
 
 
@@ -66,23 +65,19 @@ class Checker:
         self.intents: set[tuple[str, str, int]] = set()
         """``(key, run_id, seq)`` of every intent in the intact journals."""
 
-    def run(self, run_id: str, rows: list[tuple[int, int, bytes]]) -> list[JournalEvent] | None:
-        """Check one run's journal (chunks in first_seq order) and its index row.
-
-        Returns:
-          its events, or None if its journal is damaged.
-        """
+    def run(self, run_id: str, rows: list[tuple[int, int, bytes]]) -> None:
+        """Check one run's journal (chunks in first_seq order) and its index row."""
         self.journaled.add(run_id)
         self.events += sum(last - first + 1 for first, last, _body in rows)
         events, damages = read_chunks(run_id, rows)
         self.problems += [Problem(run_id=run_id, seq=seq, message=m) for seq, m in damages]
         if damages:
-            return None
+            return
         try:
             expected = index_updates(events, {})[run_id]
-        except JournalCorrupt as exc:
-            self.problems.append(Problem(run_id=run_id, seq=events[0].seq, message=str(exc)))
-            return None
+        except JournalCorrupt as exc:  # its first event is not run_started
+            self.problem(run_id, 1, str(exc))
+            return
         self.intact.add(run_id)
         self.intents.update((e.key, run_id, e.seq) for e in events if isinstance(e, IntentRecorded))
         record = self.index.get(run_id)
@@ -101,7 +96,6 @@ class Checker:
                 if stored[name] != derived[name]
             )
             self.problem(run_id, None, str(IndexDamaged(run_id, what)))
-        return events
 
     def problem(self, run_id: str | None, seq: int | None, message: str) -> None:
         """Add a problem a store found on its own."""

@@ -423,7 +423,7 @@ class PostgresStore(Store):
             intents = conn.execute(
                 "SELECT key, run_id, seq FROM events WHERE kind = 'intent_recorded'"
             )
-            checker.intents_table(intents, "the events table's intent keys")
+            checker.intents_table(intents, "the events table's key column")
         return checker.report()
 
     async def aclose(self) -> None:
