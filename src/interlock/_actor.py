@@ -268,24 +268,25 @@ def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> P
     if type(raw) is not str:
         defect = f"the provider's Proposal.raw is {type(raw).__name__}, not str"
         raw = ""
-    elif not (
+    if not (
         type(usage) is TokenUsage
         and type(usage.prompt) is int
         and type(usage.completion) is int
         and usage.prompt >= 0
         and usage.completion >= 0
     ):
-        defect = (
+        defect = defect or (
             f"the provider's Proposal.usage is {usage!r}, not a TokenUsage of two non-negative ints"
         )
         usage = TokenUsage()
+    name, prompt = answer.model, answer.prompt
     return Propose(
         run_id=run_id,
         seq=seq,
         raw=raw,
-        model=_text(answer.model) or model,
-        prompt=_text(answer.prompt),
-        usage=usage if type(usage) is TokenUsage else TokenUsage(),
+        model=name if type(name) is str and name else model,
+        prompt=prompt if type(prompt) is str else "",
+        usage=usage,
         latency=latency,
         defect=defect,
     )

@@ -95,6 +95,8 @@ def readable_text(text: str, what: str) -> tuple[str, str]:
     text is kept with each bad code point escaped (``\\udcff``), and the defect names the
     first one and where it is.
     """
+    if text.isascii():  # O(1) for a str: CPython knows its widest character
+        return text, ""
     bad = _SURROGATE.search(text)
     if bad is None:
         return text, ""
@@ -641,11 +643,16 @@ class Supervisor:
             return self._on_provider_failure(run, msg, events, now)
         # Text the journal cannot hold (UTF-8 cannot encode a lone surrogate) is kept
         # escaped, and the proposal is rejected naming where the bad code point was.
-        raw, defect = readable_text(msg.raw, "the proposal")
-        defect = msg.defect or defect
+        raw, defect = msg.raw, msg.defect
+        if not raw.isascii():  # isascii is O(1); only other text can hold a surrogate
+            raw, bad = readable_text(raw, "the proposal")
+            defect = defect or bad
         if msg.source == "model":
-            prompt = readable_text(msg.prompt, "the prompt")[0]
-            model = readable_text(msg.model, "the model name")[0]
+            prompt, model = msg.prompt, msg.model
+            if not prompt.isascii():
+                prompt = readable_text(prompt, "the prompt")[0]
+            if not model.isascii():
+                model = readable_text(model, "the model name")[0]
             base = prefix = suffix = 0
             text = prompt
             shared, tail = 0, len(prompt)
@@ -671,7 +678,7 @@ class Supervisor:
                 raw=raw,
                 usage=msg.usage,
                 latency=msg.latency,
-                error=readable_text(msg.error, "the error")[0],
+                error=msg.error if msg.error.isascii() else readable_text(msg.error, "")[0],
                 defect=defect or msgspec.UNSET,
                 prompt_base=base,
                 prompt_prefix=prefix,
