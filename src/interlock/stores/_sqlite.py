@@ -142,7 +142,6 @@ _UPSERT_RUN = (
     "crc = excluded.crc"
 )
 _SELECT_RUN = f"SELECT {_READ_COLUMNS}, crc FROM runs WHERE run_id = ?"
-_SELECT_RUNS = f"SELECT {_READ_COLUMNS}, crc FROM runs"
 _INSERT_RUN = (
     f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO NOTHING"
@@ -397,7 +396,8 @@ class SQLiteStore(Store):
         self._path = path
         self._folder = os.path.dirname(os.path.abspath(path))
         self._synchronous = synchronous
-        self._crc = ", crc" if checksums else ""
+        self._checksums = checksums
+        self._select = f"SELECT {_READ_COLUMNS}{', crc' if checksums else ''} FROM runs"
         self._read = _verified if checksums else _unverified
         self._readonly = readonly
         self._lock = trio.Lock()
@@ -586,7 +586,7 @@ class SQLiteStore(Store):
         return f"{self._path}: the batch breaks a constraint ({exc}); nothing was written"
 
     async def load(self, run_id: str) -> list[JournalEvent]:
-        select_run = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs WHERE run_id = ?"
+        select_run = f"{self._select} WHERE run_id = ?"
 
         def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
             # The index row first: the journal only grows, so it cannot then be shorter.
@@ -604,7 +604,7 @@ class SQLiteStore(Store):
         return decode_chunks(run_id, chunks, record.seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
-        select_run = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs WHERE run_id = ?"
+        select_run = f"{self._select} WHERE run_id = ?"
 
         def read(conn: sqlite3.Connection) -> tuple[Any, bool]:
             row = conn.execute(select_run, (run_id,)).fetchone()
@@ -625,19 +625,17 @@ class SQLiteStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        select = f"SELECT {_READ_COLUMNS}{self._crc} FROM runs"
-
         def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
             conn.execute("BEGIN")  # the rows and their count as of one moment
             try:
-                return conn.execute(select).fetchall(), conn.execute(_RUNS_COUNTED).fetchone()
+                return conn.execute(self._select).fetchall(), conn.execute(_RUNS_COUNTED).fetchone()
             finally:
                 conn.execute("COMMIT")
 
         rows, counted = await self._call("list_runs", read)
         # Counted once each: a damaged page can point twice at one row (and at another never).
         records = {record.run_id: record for record in map(self._read, rows)}
-        if self._crc:
+        if self._checksums:
             self._check_count(len(records), counted)
         return select_runs(
             records.values(), machine=machine, state=state, outcome=outcome, limit=limit
@@ -662,7 +660,7 @@ class SQLiteStore(Store):
         try:
             index: dict[str, RunRecord] = {}
             damaged: list[IndexDamaged] = []
-            for row in conn.execute(f"SELECT {_READ_COLUMNS}{self._crc} FROM runs"):
+            for row in conn.execute(self._select):
                 try:
                     record = self._read(row)
                 except IndexDamaged as exc:
@@ -670,7 +668,7 @@ class SQLiteStore(Store):
                 else:
                     index[record.run_id] = record
             checker = Checker(index, damaged)
-            if self._crc:
+            if self._checksums:
                 try:
                     self._check_count(
                         len(index) + len(damaged), conn.execute(_RUNS_COUNTED).fetchone()
