@@ -77,6 +77,7 @@ from ._events import (
 from ._events import (
     whole_prompts as whole_prompts,
 )
+from ._exceptions import IndexDamaged as IndexDamaged
 from ._exceptions import (
     InterlockError as InterlockError,
 )
@@ -252,6 +253,7 @@ __all__ = [
     "Failed",
     "Frame",
     "Go",
+    "IndexDamaged",
     "IntentRecorded",
     "InterlockError",
     "InternalError",

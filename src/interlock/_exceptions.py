@@ -64,6 +64,27 @@ class JournalCorrupt(StoreError):
     """A journal frame failed its length or checksum check."""
 
 
+class IndexDamaged(StoreError):
+    """The runs index is damaged: a row fails its checksum or disagrees with its run's
+    journal, or rows are missing.
+
+    The index is derived from the journal, so the journal may well be intact; but no
+    answer built on the damaged index is given.
+
+    Attributes:
+      run_id: the run the damaged row names (as stored, so itself possibly damaged), or
+        None when the damage is not one row's (rows are missing).
+    """
+
+    def __init__(self, run_id: str | None, what: str) -> None:
+        where = "runs index" if run_id is None else f"runs index row of run {run_id!r}"
+        super().__init__(
+            f"{where} is damaged ({what}); the store was written outside interlock or its "
+            "file is damaged; restore it from a backup"
+        )
+        self.run_id = run_id
+
+
 class LeaseLost(StoreError):
     """Another worker took over a run this worker had leased."""
 

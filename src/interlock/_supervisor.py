@@ -1342,23 +1342,36 @@ class Supervisor:
         """Rebuild every unfinished run in the store by folding its journal, and resume it.
 
         A call whose intent is durable but whose outcome is not (in doubt) is re-executed
-        with the same key if its tool is idempotent or read-only; otherwise the run is
-        escalated with reason ``in_doubt_side_effect``.
+        with the same key if its tool is idempotent or read-only, reconciled if its tool
+        can reconcile, and otherwise escalated with reason ``in_doubt_side_effect``.
+
+        Raises:
+          JournalCorrupt, IndexDamaged: a journal or the runs index is damaged; no run
+            was resumed (``interlock check`` lists the damage).
         """
-        handles = []
+        # Fold every journal before resuming any run: a damaged one (JournalCorrupt,
+        # IndexDamaged) then stops the resume before it has started anything.
+        folded = []
         for record in await self.store.unfinished():
             if record.run_id in self.runs:
                 continue
             machine = self.machines.get(record.machine)
             if machine is None:
                 continue
-            events = await self.store.load(record.run_id)
-            run = fold(machine, events)
+            folded.append(fold(machine, await self.store.load(record.run_id)))
+        if not folded:
+            return []
+        # Decide every recovery now and make them durable with one flush, not one each.
+        verdicts = []
+        for run in folded:
             self.runs[run.run_id] = run
-            handle = RunHandle(run.run_id, machine.name)
+            verdicts.append(self.submit_nowait(Recover(run_id=run.run_id)))
+        await self.request(Sync(run_id=folded[-1].run_id))
+        handles = []
+        for run, verdict in zip(folded, verdicts, strict=True):
+            handle = RunHandle(run.run_id, run.machine.name)
             self.handles[run.run_id] = handle
-            verdict = await self.request(Recover(run_id=run.run_id))
-            self._spawn(handle, verdict, provider or self.provider_for(machine.name))
+            self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
             handles.append(handle)
         return handles
 

@@ -24,7 +24,7 @@ from .._events import (
     Transitioned,
     decode_event,
 )
-from .._exceptions import JournalCorrupt, StoreError
+from .._exceptions import IndexDamaged, JournalCorrupt, StoreError
 from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
 
 if TYPE_CHECKING:
@@ -56,27 +56,6 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     reason: str = ""
     """For an escalated run, why (the breaker or the cause); for a failed run, the reason."""
     detail: str = ""
-
-
-class IndexDamaged(StoreError):
-    """The runs index is damaged: a row fails its checksum or disagrees with its run's
-    journal, or rows are missing.
-
-    The index is derived from the journal, so the journal may well be intact; but no
-    answer built on the damaged index is given.
-
-    Attributes:
-      run_id: the run the damaged row names (as stored, so itself possibly damaged), or
-        None when the damage is not one row's (rows are missing).
-    """
-
-    def __init__(self, run_id: str | None, what: str) -> None:
-        where = "runs index" if run_id is None else f"runs index row of run {run_id!r}"
-        super().__init__(
-            f"{where} is damaged ({what}); the store was written outside interlock or its "
-            "file is damaged; restore it from a backup"
-        )
-        self.run_id = run_id
 
 
 _encode_index_row = msgspec.msgpack.Encoder().encode
