@@ -404,3 +404,76 @@ def test_a_journal_from_before_provider_failed_still_replays() -> None:
     ]
     report = replay(events, plain(ProviderPolicy()))
     assert report.diverged == ()
+
+
+async def test_a_thread_abandoned_at_its_timeout_is_in_doubt_and_its_late_result_ignored() -> None:
+    """Timeouts are cooperative: a tool doing blocking work in a thread is cut only if the
+    thread is abandoned on cancel; its outcome is then in doubt, and whatever the thread
+    returns later is never committed."""
+    import threading
+
+    release = threading.Event()
+    finished = threading.Event()
+
+    def blocking_send() -> dict[str, Any]:
+        release.wait(10)
+        finished.set()
+        return {"sent": "late"}
+
+    async def send(args: Any, ctx: ToolContext) -> Any:
+        return await trio.to_thread.run_sync(blocking_send, abandon_on_cancel=True)
+
+    spec = Machine(
+        "mail",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["send"])},
+        tools=[Tool("send", send, timeout=0.2)],
+    )
+    store = MemoryStore()
+    async with open_supervisor([spec], store, provider=ScriptedProvider([CALL, DONE])) as sup:
+        result = await (await sup.start_run("mail", run_id="r-1")).wait()
+    release.set()
+    finished.wait(10)
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+    events = await store.load("r-1")
+    assert not [e for e in events if type(e).__name__ == "ToolCommitted"]
+    assert "(timed out after 0.2 s)" in events[-1].detail
+
+
+async def test_a_damaged_journal_stops_a_resume_before_any_run_starts(tmp_path: Any) -> None:
+    """Two unfinished runs, the second one's journal damaged: the resume refuses before it
+    has started the first (it used to start runs one by one, then stop part-way)."""
+    import sqlite3
+
+    from interlock import JournalCorrupt
+    from interlock.stores import open_sqlite_store
+
+    path = str(tmp_path / "j.db")
+    store = await open_sqlite_store(path)
+    await crashed_journal(store)
+    await store.append(
+        [
+            RunStarted(run_id="r-2", seq=1, ts=time.time(), machine="mail", state="WORK"),
+            IntentRecorded(
+                run_id="r-2", seq=2, ts=time.time(), state="WORK", tool="send", args={},
+                key="r-2:WORK:2",
+            ),
+        ]
+    )  # fmt: skip
+    await store.aclose()
+    with sqlite3.connect(path) as conn:  # flip one byte inside r-2's frames
+        (body,) = conn.execute("SELECT body FROM chunks WHERE run_id = 'r-2'").fetchone()
+        damaged = body[:-3] + bytes([body[-3] ^ 0x20]) + body[-2:]
+        conn.execute("UPDATE chunks SET body = ? WHERE run_id = 'r-2'", (damaged,))
+    downstream = Downstream([])
+    store = await open_sqlite_store(path)
+    try:
+        spec = machine(downstream, reconcile=downstream.reconcile)
+        async with open_supervisor([spec], store, provider=ScriptedProvider([DONE])) as sup:
+            with pytest.raises(JournalCorrupt):
+                await sup.resume_unfinished()
+            assert sup.handles == {}
+        assert downstream.reconciled == []
+        assert [type(e).__name__ for e in await store.load("r-1")][-1] == "IntentRecorded"
+    finally:
+        await store.aclose()
