@@ -2,6 +2,7 @@
 
 import typing as _typing
 
+from .._exceptions import IndexDamaged as IndexDamaged
 from ._base import (
     COMPLETED as COMPLETED,
 )
@@ -16,9 +17,6 @@ from ._base import (
 )
 from ._base import (
     RUNNING as RUNNING,
-)
-from ._base import (
-    IndexDamaged as IndexDamaged,
 )
 from ._base import (
     RunRecord as RunRecord,

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._events import IntentRecorded
-from .._exceptions import JournalCorrupt
+from .._exceptions import IndexDamaged, JournalCorrupt
 from ._base import (
-    IndexDamaged,
     cut_short,
     index_updates,
     missing_index_row,

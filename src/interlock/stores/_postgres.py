@@ -16,9 +16,8 @@ import trio
 from psycopg import errors, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .._exceptions import RunNotFound, StoreError
+from .._exceptions import IndexDamaged, RunNotFound, StoreError
 from ._base import (
-    IndexDamaged,
     RunRecord,
     Store,
     another_writer,

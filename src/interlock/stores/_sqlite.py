@@ -29,11 +29,10 @@ import msgspec
 import trio
 
 from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted
-from .._exceptions import RunNotFound, StoreError
+from .._exceptions import IndexDamaged, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, frame_events, unframe
 from ._base import (
     INDEX_CHANGES,
-    IndexDamaged,
     RunRecord,
     Store,
     another_writer,
