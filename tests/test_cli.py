@@ -344,3 +344,69 @@ def test_corrupt_event_is_reported_by_show_and_replay(tmp_path):
     assert replayed.returncode == 1
     assert replayed.stderr == shown.stderr
     assert _digest(path) == snapshot
+
+
+def test_show_tells_provider_failures_doubt_and_reconciliation(tmp_path):
+    """show names what #14 journals: a provider failure, a call in doubt and how it was
+    reconciled, and a rejection's code in brackets (not eaten as terminal markup)."""
+    import trio
+
+    from interlock import (
+        Applied,
+        Machine,
+        ProviderError,
+        ProviderPolicy,
+        Tool,
+        Worker,
+        open_supervisor,
+    )
+    from interlock.providers import Proposal
+    from interlock.stores import open_sqlite_store
+
+    applied = {}
+
+    async def wire(args, ctx):
+        applied[ctx.key] = {"wired": True}
+        raise ConnectionResetError("dropped after the write")
+
+    async def wired(key, args, ctx):
+        return Applied(applied[key])
+
+    class Model:
+        model = "m-1"
+        answers = [ProviderError("503 upstream", status=503), "{", '{"tool": "wire", "args": {}}']
+
+        async def propose(self, view):
+            await trio.lowlevel.checkpoint()
+            answer = self.answers.pop(0) if self.answers else '{"next": "COMPLETED"}'
+            if isinstance(answer, Exception):
+                raise answer
+            return Proposal(answer)
+
+    spec = Machine(
+        "bank",
+        initial="PAY",
+        states={"PAY": Worker(next=["COMPLETED"], tools=["wire"])},
+        tools=[Tool("wire", wire, reconcile=wired)],
+        provider_policy=ProviderPolicy(base=0.01, cap=0.01),
+    )
+    db = tmp_path / "bank.db"
+
+    async def main():
+        store = await open_sqlite_store(str(db))
+        async with open_supervisor([spec], store, provider=Model()) as sup:
+            await (await sup.start_run("bank", run_id="b-1")).wait()
+        await store.aclose()
+
+    trio.run(main)
+    shown = interlock("show", "b-1", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    for expected in (
+        "model m-1 did not answer (failure 1 in a row): provider raised ProviderError: 503",
+        "rejected: [malformed] proposal is cut off",
+        "in doubt: wire key=b-1:PAY:",
+        "reconciled wire key=b-1:PAY:",
+        "(as reconciled, not executed again)",
+    ):
+        assert expected in text, expected

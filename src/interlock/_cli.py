@@ -20,11 +20,14 @@ from ._events import (
     IntentRecorded,
     ModelCalled,
     ProposalRejected,
+    ProviderFailed,
+    Reconciled,
     Resumed,
     RunStarted,
     StepProposed,
     ToolCommitted,
     ToolFailed,
+    ToolInDoubt,
     Transitioned,
     event_to_builtins,
     whole_prompts,
@@ -469,9 +472,22 @@ def _describe(event: Any) -> str:
         case RunStarted(machine=machine, state=state, inputs=inputs):
             return f"started {machine} in {state} with {_short(inputs)}"
         case ModelCalled(model=model, raw=raw, usage=usage):
-            return (
-                f"model {model} proposed {_short(raw)} ({usage.prompt}+{usage.completion} tokens)"
-            )
+            tokens = f"({usage.prompt}+{usage.completion} tokens)"
+            if event.error:  # a journal from before provider_failed
+                return f"model {model} failed: {event.error} {tokens}"
+            if event.defect:
+                return f"model {model} answered what is not a proposal: {event.defect} {tokens}"
+            return f"model {model} proposed {_short(raw)} {tokens}"
+        case ProviderFailed(model=model, error=error, attempt=attempt, retry_in=retry_in):
+            then = "gave up" if retry_in is None else f"asks again in {retry_in:g} s"
+            return f"model {model} did not answer (failure {attempt} in a row): {error}; {then}"
+        case ToolInDoubt(tool=tool, key=key, error=error):
+            cause = "a crash" if event.after_crash else error
+            return f"in doubt: {tool} key={key} may or may not have been applied ({cause})"
+        case Reconciled(tool=tool, key=key, applied=applied, error=error):
+            if applied is None:
+                return f"reconcile of {tool} key={key} failed: {error}"
+            return f"reconciled {tool} key={key}: " + ("applied" if applied else "not applied")
         case StepProposed(source=source, raw=raw):
             return f"{source} proposed {_short(raw)}"
         case ProposalRejected(violations=violations):
@@ -481,11 +497,16 @@ def _describe(event: Any) -> str:
         case IntentRecorded(tool=tool, args=args, key=key):
             return f"intent {tool}({_short(args)}) key={key}"
         case ToolCommitted(tool=tool, result=result, attempts=attempts):
-            return f"committed {tool} -> {_short(result)} (attempts {attempts})"
+            how = (
+                "as reconciled, not executed again" if event.reconciled else f"attempts {attempts}"
+            )
+            return f"committed {tool} -> {_short(result)} ({how})"
         case ToolFailed(tool=tool, error=error, attempts=attempts):
             return f"failed {tool}: {error} (attempts {attempts})"
         case Transitioned(src=src, dst=dst, reason=reason, delta=delta):
             extra = f" data {_short(delta)}" if delta else ""
+            if event.delta_in_proposal:
+                extra = " data: the proposal's (journaled once, above)"
             return f"{src} -> {dst} ({reason}){extra}"
         case BreakerTripped(breaker=breaker, detail=detail):
             return f"breaker {breaker} tripped: {detail}"
@@ -494,6 +515,8 @@ def _describe(event: Any) -> str:
         case Resumed(by=by, note=note, to=to):
             return f"resumed by {by}" + (f" to {to}" if to else "") + (f": {note}" if note else "")
         case Completed(output=output):
+            if event.output_in_delta:
+                return "completed with the transition's data"
             return f"completed with {_short(output)}"
         case Failed(reason=reason):
             return f"failed: {reason}"
@@ -538,6 +561,7 @@ async def _show(args: argparse.Namespace) -> int:
         _print_json({"run": _record_json(record), "events": timeline})
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     title = f"run {record.run_id} ({record.machine}): {record.outcome} in {record.state}"
@@ -551,7 +575,8 @@ async def _show(args: argparse.Namespace) -> int:
         mark = ""
         if i in groups and groups[i][1] > 1:
             mark = f" [compacted {groups[i][0]}/{groups[i][1]}]"
-        table.add_row(str(event.seq), _when(event.ts), f"{kind}{mark}", _describe(event))
+        # escape: a violation's "[code]" (and any text a model sent) is not Rich markup
+        table.add_row(str(event.seq), _when(event.ts), f"{kind}{mark}", escape(_describe(event)))
     Console().print(table)
     return 0
 
