@@ -374,7 +374,13 @@ def test_show_tells_provider_failures_doubt_and_reconciliation(tmp_path):
 
     class Model:
         model = "m-1"
-        answers = [ProviderError("503 upstream", status=503), "{", '{"tool": "wire", "args": {}}']
+
+        def __init__(self):
+            self.answers = [
+                ProviderError("503 upstream", status=503),
+                "{",
+                '{"tool": "wire", "args": {}}',
+            ]
 
         async def propose(self, view):
             await trio.lowlevel.checkpoint()
