@@ -76,7 +76,11 @@ def worker_machine(
         states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
         tools=[
             Tool(
-                "work", execute, timeout=timeout, retry=retry or RetryPolicy(), idempotent=idempotent
+                "work",
+                execute,
+                timeout=timeout,
+                retry=retry or RetryPolicy(),
+                idempotent=idempotent,
             )
         ],
     )
