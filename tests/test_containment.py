@@ -227,3 +227,31 @@ async def test_usage_is_counted_from_valid_proposals_only() -> None:
         for e in await store.load("bad-1")
         if type(e).__name__ == "ModelCalled"
     )
+
+
+async def test_a_batch_the_store_cannot_write_fails_its_runs_with_the_store_error() -> None:
+    """After a failed write (a full disk, say) the runs of that batch are told why, on every
+    later request too: never 'run ... not found' (#14)."""
+    from interlock import StoreError
+
+    class FullDisk(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.appends = 0
+
+        async def append(self, events: Any) -> None:
+            self.appends += 1
+            if self.appends > 1:
+                raise StoreError("journal /data/j.db: disk is full, so append wrote nothing")
+            await super().append(events)
+
+    store = FullDisk()
+    async with open_supervisor(
+        [job("healthy")], store, provider=ScriptedProvider([CALL, DONE])
+    ) as sup:
+        handle = await sup.start_run("healthy", run_id="r-1")
+        with pytest.raises(StoreError, match=r"^journal /data/j\.db: disk is full"):
+            await handle.wait()
+        with pytest.raises(StoreError, match=r"^journal /data/j\.db: disk is full"):
+            await sup.cancel_run("r-1")
+    assert [type(e).__name__ for e in await store.load("r-1")] == ["RunStarted"]
