@@ -974,8 +974,7 @@ def _text(args: Any, view: RunView) -> Reject | None:
     [
         (
             _grouped,
-            "raised ExceptionGroup: checks failed (2 sub-exceptions) "
-            "[ValueError: a; ExceptionGroup: inner (1 sub-exception) [KeyError: 'b']]",
+            "raised ExceptionGroup: checks failed (2 leaves: ValueError: a; KeyError: 'b')",
         ),
         (_empty, "raised ValueError"),
         (_unprintable, "raised Unprintable: (its message cannot be shown)"),

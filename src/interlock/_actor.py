@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from ._events import TokenUsage, unjournalable
+from ._events import TokenUsage, describe_exception, unjournalable
 from ._exceptions import InterlockError, InternalError, ProviderError
 from ._machine import Step, encode_action
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
@@ -83,33 +83,6 @@ def _cancelled(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return exc.subgroup(trio.Cancelled) is not None
     return isinstance(exc, trio.Cancelled)
-
-
-def describe_exception(exc: BaseException, limit: int = 500) -> str:
-    """``Type: message``; for an exception group, its leaves, each as ``Type: message``."""
-    if isinstance(exc, BaseExceptionGroup):
-        leaves: list[str] = []
-
-        def walk(group: BaseExceptionGroup[BaseException]) -> None:
-            for inner in group.exceptions:
-                if isinstance(inner, BaseExceptionGroup):
-                    walk(inner)
-                else:
-                    leaves.append(_one(inner))
-
-        walk(exc)
-        text = f"{type(exc).__name__} ({len(leaves)} leaves): {'; '.join(leaves)}"
-    else:
-        text = _one(exc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _one(exc: BaseException) -> str:
-    try:
-        message = str(exc)
-    except Exception:  # an exception whose __str__ raises still gets named
-        message = "<its message could not be read>"
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 async def run_actor(
@@ -316,11 +289,9 @@ def _provider_failure(exc: BaseException) -> tuple[bool, float | None]:
     """Whether retrying a provider that raised ``exc`` can help, and its Retry-After."""
     if isinstance(exc, ProviderError):
         return exc.retryable, exc.retry_after
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):
-        retryable = status in _RETRYABLE_STATUS or status >= 500
-        return retryable, _retry_after_header(getattr(response, "headers", None))
+    status, after = _http_status(exc)
+    if status is not None:
+        return status in _RETRYABLE_STATUS or status >= 500, after
     return True, None  # anything else a provider raises: a failure to answer, retried
 
 
@@ -392,10 +363,8 @@ def _tool_failure(exc: BaseException, tool: Tool) -> tuple[bool, float | None, b
     if isinstance(exc, ToolError):
         return exc.retryable, exc.retry_after, exc.applied
     applied: bool | None = False if isinstance(exc, tool.not_applied) else None
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):
-        after = _retry_after_header(getattr(response, "headers", None))
+    status, after = _http_status(exc)
+    if status is not None:
         return status in _RETRYABLE_STATUS, after, applied
     return _transport_error(exc), None, applied
 
@@ -470,14 +439,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
             continue
         finally:
             handle._tool_token = 0
-        try:
-            payload = msgspec.to_builtins(result)
-        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-            problem: str | None = str(exc) or type(exc).__name__
-        else:
-            # What the store will do with it: a result it cannot encode must fail
-            # this call, not the batch (and every run in it).
-            problem = unjournalable(payload)
+        payload, problem = _journalable(result)
         if problem is not None:
             attempts.error = (
                 f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
@@ -499,6 +461,29 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
             raise _Cut(report)
         return report
     return _failure(run_id, attempts)
+
+
+def _journalable(result: Any) -> tuple[Any, str | None]:
+    """A tool's result as JSON builtins, or why the journal cannot hold it.
+
+    NOTE: what the store will do with it: a result it cannot encode must fail this
+    call, not the batch (and every run in it).
+    """
+    try:
+        payload = msgspec.to_builtins(result)
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
+        return None, str(exc) or type(exc).__name__
+    return payload, unjournalable(payload)
+
+
+def _http_status(exc: BaseException) -> tuple[int | None, float | None]:
+    """The HTTP status an exception carries (httpx's ``HTTPStatusError`` and the SDKs'
+    errors hold a ``response``), and the Retry-After its headers give."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if not isinstance(status, int):
+        return None, None
+    return status, _retry_after_header(getattr(response, "headers", None))
 
 
 def _failure(run_id: str, attempts: _Attempts) -> Report:
@@ -564,12 +549,7 @@ async def reconcile_call(
     if found is NotApplied or isinstance(found, NotApplied):
         message = answer(False)
     elif isinstance(found, Applied):
-        try:
-            payload = msgspec.to_builtins(found.result)
-        except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-            problem: str | None = str(exc) or type(exc).__name__
-        else:
-            problem = unjournalable(payload)
+        payload, problem = _journalable(found.result)
         if problem is None:
             message = answer(True, payload)
         else:

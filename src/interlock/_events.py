@@ -344,6 +344,36 @@ def unjournalable(value: Any) -> str | None:
     return None
 
 
+def describe_exception(exc: BaseException, limit: int = 500) -> str:
+    """How a failure is journaled: ``Type: message``; for an exception group, its own
+    message and every leaf, flattened (``ExceptionGroup: fan-out (2 leaves: ValueError: a;
+    KeyError: 'b')``). An exception whose ``__str__`` raises is still named. At most
+    ``limit`` characters."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves: list[str] = []
+
+        def walk(group: BaseExceptionGroup[BaseException]) -> None:
+            for inner in group.exceptions:
+                if isinstance(inner, BaseExceptionGroup):
+                    walk(inner)
+                else:
+                    leaves.append(_one_exception(inner))
+
+        walk(exc)
+        text = f"{type(exc).__name__}: {exc.message} ({len(leaves)} leaves: {'; '.join(leaves)})"
+    else:
+        text = _one_exception(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_exception(exc: BaseException) -> str:
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ raises must not break the caller
+        message = "(its message cannot be shown)"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 def unjournalable_violation(where: str, problem: str) -> Violation:
     """The rejection of a proposal whose ``args`` or ``data`` the journal cannot hold."""
     return Violation(

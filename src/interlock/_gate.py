@@ -15,7 +15,13 @@ import msgspec.structs
 
 from . import _hotpath as hot
 from ._breakers import CircuitBoard, Trip, check_budgets, check_repeat
-from ._events import ENCODING_ERRORS, Violation, unjournalable, unjournalable_violation
+from ._events import (
+    ENCODING_ERRORS,
+    Violation,
+    describe_exception,
+    unjournalable,
+    unjournalable_violation,
+)
 from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64, scan_json
 from ._tools import Reject, _MsgspecValidator
 from ._view import RunView, canonical_encoder
@@ -349,7 +355,9 @@ def _checked_call(
             try:
                 rejected = guard(args, view)
             except Exception as exc:  # an ExceptionGroup too
-                guard_violations.append(_guard_failed(guard, name, f"raised {_described(exc)}"))
+                guard_violations.append(
+                    _guard_failed(guard, name, f"raised {describe_exception(exc)}")
+                )
                 continue
             if isinstance(rejected, Reject):
                 guard_violations.append(
@@ -389,18 +397,6 @@ def _guard_failed(guard: Callable[..., Any], tool: str, what: str) -> Violation:
         f"guard {getattr(guard, '__name__', guard)!r} of tool {tool!r} {what}",
         "the guard itself failed; this call cannot be verified",
     )
-
-
-def _described(exc: BaseException) -> str:
-    """``Type: message``, and a group's leaves after it."""
-    try:
-        text = str(exc)
-    except Exception:  # a broken __str__ must not break the gate
-        text = "(its message cannot be shown)"
-    described = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    if isinstance(exc, BaseExceptionGroup):
-        described += " [" + "; ".join(map(_described, exc.exceptions)) + "]"
-    return described
 
 
 def _next_hint(machine: Machine, state_id: int) -> str:
