@@ -34,7 +34,7 @@ async def open_store(url: str | None, *, readonly: bool = False) -> Store:
     if url is None or url == ":memory:":
         return MemoryStore()
     if url.startswith(_POSTGRES_SCHEMES):
-        from ._postgres import open_postgres_store  # psycopg takes ~0.3 s to import
+        from ._postgres import open_postgres_store  # psycopg is slow to import, and optional
 
         dsn, schema = _split_schema(url)
         return await open_postgres_store(dsn, schema=schema, readonly=readonly)

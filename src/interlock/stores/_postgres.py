@@ -11,12 +11,20 @@ import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-import psycopg
 import trio
-from psycopg import errors, sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._exceptions import IndexDamaged, RunNotFound, StoreError
+
+try:
+    import psycopg
+    from psycopg import errors, sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+except ImportError as exc:
+    raise StoreError(
+        "a postgresql:// store needs psycopg, which is not installed; "
+        "install it with pip install 'interlock[postgres]'"
+    ) from exc
+
 from ._base import (
     RunRecord,
     Store,
