@@ -14,6 +14,7 @@ from interlock import (
     Go,
     Machine,
     MachineDefinitionError,
+    ProviderPolicy,
     RetryPolicy,
     Step,
     Tool,
@@ -108,6 +109,35 @@ def test_compile_accepts_a_fallback_reachable_only_through_on_breaker() -> None:
 
 
 MACHINE_ERRORS = [
+    pytest.param(
+        lambda: Machine("m", "A", {"A": Worker(next="COMPLETED")}),
+        "machine 'm': state 'A': next must be a list of names, not the string 'COMPLETED'; "
+        "write next=['COMPLETED']",
+        id="next-a-string",
+    ),
+    pytest.param(
+        lambda: Machine("m", "A", {"A": Worker(next=["COMPLETED"], tools="t")}, tools=[tool("t")]),
+        "machine 'm': state 'A': tools must be a list of names, not the string 't'; "
+        "write tools=['t']",
+        id="tools-a-string",
+    ),
+    pytest.param(
+        lambda: Machine("m", "A", {"A": Worker(next=["COMPLETED", 3])}),
+        "machine 'm': state 'A': next must be a list of names (str); got ['COMPLETED', 3]",
+        id="next-not-names",
+    ),
+    pytest.param(
+        lambda: Machine("m", "A", {"A": Step("finish", next=["DONE"])}),
+        "machine 'm': state 'A': Step needs a function view -> Call | Go; got 'finish'",
+        id="step-fn-a-string",
+    ),
+    pytest.param(
+        lambda: Machine(
+            "m", "A", {"A": Worker(next=["COMPLETED"])}, provider_policy=ProviderPolicy(timeout=0)
+        ),
+        "machine 'm': provider_policy.timeout must be a positive number of seconds; got 0",
+        id="provider-timeout",
+    ),
     pytest.param(
         lambda: Machine("m", "A", {"A": Worker(next=["B"])}),
         "machine 'm': edge A -> B names an unknown state 'B'; known states: A, ESCALATE, FAILED",
@@ -256,7 +286,39 @@ TOOL_ERRORS = [
         {"name": "x" * 65}, f"tool name '{'x' * 65}' is invalid; {_NAME_RULE}", id="65-chars"
     ),
     pytest.param(
-        {"execute": 5}, "tool 't': execute must be an async callable", id="execute-not-callable"
+        {"execute": 5},
+        "tool 't': execute must be an async function (async def execute(args, ctx)); got 5",
+        id="execute-not-callable",
+    ),
+    pytest.param(
+        {"execute": lambda args, ctx: None},
+        "tool 't': execute must be an async function (async def execute(args, ctx)); got the "
+        "plain function '<lambda>': make it async, or run blocking work in it with "
+        "trio.to_thread.run_sync(..., abandon_on_cancel=True)",
+        id="execute-plain-def",
+    ),
+    pytest.param(
+        {"guards": ["within_total"]},
+        "tool 't': guards must be functions (args, view) -> Reject | None; got 'within_total': "
+        "pass the function itself, not its name",
+        id="guard-as-string",
+    ),
+    pytest.param(
+        {"guards": "within_total"},
+        "tool 't': guards must be functions (args, view) -> Reject | None; got 'within_total': "
+        "pass the function itself, not its name",
+        id="guards-a-string",
+    ),
+    pytest.param(
+        {"reconcile": lambda key, args, ctx: None},
+        "tool 't': reconcile must be an async function (async def reconcile(key, args, ctx)); "
+        "got '<lambda>'",
+        id="reconcile-plain-def",
+    ),
+    pytest.param(
+        {"not_applied": ("ConnectionError",)},
+        "tool 't': not_applied must be a tuple of exception types; got ('ConnectionError',)",
+        id="not-applied-names",
     ),
     pytest.param(
         {"timeout": 0},

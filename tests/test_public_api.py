@@ -76,3 +76,13 @@ def test_the_cli_and_the_sqlite_store_do_not_import_psycopg() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_help_renders_the_whole_package() -> None:
+    """help(interlock) and `python -m pydoc interlock` used to fail: NameError: name 'Tool'
+    is not defined, from interlock.Decision's annotations (#15)."""
+    import pydoc
+
+    text = pydoc.render_doc(interlock, renderer=pydoc.plaintext)
+    assert "class Decision" in text
+    assert "open_supervisor" in text

@@ -23,14 +23,16 @@ from ._events import (
     unjournalable_violation,
 )
 from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64, scan_json
-from ._tools import Reject, _MsgspecValidator
+
+# NOTE: Tool at run time: Decision is a msgspec Struct, and help() / pydoc resolve a
+# Struct's annotations (it used to fail with "name 'Tool' is not defined").
+from ._tools import Reject, Tool, _MsgspecValidator
 from ._view import RunView, canonical_encoder
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._machine import Machine
-    from ._tools import Tool
     from ._view import RunState
 
 _EMPTY_OBJECT = msgspec.Raw(b"{}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from ._tools import Tool, backoff_delay, compile_schema
 
 if TYPE_CHECKING:
     import random
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Mapping
 
     from ._tools import Validator
     from ._view import RunView
@@ -247,6 +248,13 @@ class Machine:
         edges = [0] * len(names)
         tool_masks = [0] * len(names)
         for name, spec in self.states.items():
+            _check_names(self.name, name, "next", spec.next)
+            _check_names(self.name, name, "tools", spec.tools)
+            if isinstance(spec, Step) and not callable(spec.fn):
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r}: Step needs a function view -> "
+                    f"Call | Go; got {spec.fn!r}"
+                )
             if not spec.next:
                 raise MachineDefinitionError(
                     f"machine {self.name!r}: state {name!r} has no way out; give it at least one next state"
@@ -337,6 +345,22 @@ def _check_proposal_cap(machine: str, state: str, cap: object) -> None:
         raise MachineDefinitionError(
             f"{where}: max_proposal_bytes must be a positive int, a number of bytes; "
             f"got {cap!r} ({fix})"
+        )
+
+
+def _check_names(machine: str, state: str, field: str, names: Any) -> None:
+    """``next`` and ``tools`` are lists of names; a bare string would read as its letters."""
+    if isinstance(names, str):
+        raise MachineDefinitionError(
+            f"machine {machine!r}: state {state!r}: {field} must be a list of names, not the "
+            f"string {names!r}; write {field}=[{names!r}]"
+        )
+    if not isinstance(names, Sequence | frozenset | set) or not all(
+        isinstance(item, str) for item in names
+    ):
+        raise MachineDefinitionError(
+            f"machine {machine!r}: state {state!r}: {field} must be a list of names (str); "
+            f"got {names!r}"
         )
 
 

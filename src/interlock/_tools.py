@@ -544,7 +544,17 @@ class Tool:
                 "starting with a letter or '_'"
             )
         if not callable(self.execute):
-            raise ToolDefinitionError(f"tool {self.name!r}: execute must be an async callable")
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: execute must be an async function "
+                f"(async def execute(args, ctx)); got {self.execute!r}"
+            )
+        if not _is_async(self.execute):
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: execute must be an async function "
+                f"(async def execute(args, ctx)); got the plain function "
+                f"{getattr(self.execute, '__name__', self.execute)!r}: make it async, or run "
+                "blocking work in it with trio.to_thread.run_sync(..., abandon_on_cancel=True)"
+            )
         if (
             not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout))
             or self.timeout <= 0
@@ -573,7 +583,18 @@ class Tool:
                 "(async def reconcile(key, args, ctx)); got "
                 f"{getattr(self.reconcile, '__name__', self.reconcile)!r}"
             )
-        object.__setattr__(self, "guards", tuple(self.guards))
+        guards = (self.guards,) if callable(self.guards) else self.guards
+        # a string is a sequence too: of one-letter "guards"
+        if isinstance(guards, str | bytes) or not isinstance(guards, Sequence):
+            bad: Any = guards
+        else:
+            bad = next((guard for guard in guards if not callable(guard)), None)
+        if bad is not None:
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: guards must be functions (args, view) -> Reject | None; "
+                f"got {bad!r}: pass the function itself, not its name"
+            )
+        object.__setattr__(self, "guards", tuple(guards))
         object.__setattr__(self, "validator", compile_schema(self.args, self.name))
 
     @property
