@@ -1,6 +1,7 @@
 """Run the benchmark suite and write RESULTS.md, results.json and the charts.
 
-Usage: ``python -m benchmarks [--quick] [--only NAME,...] [--out DIR]``
+Usage: ``python -m benchmarks [--quick] [--only NAME,...] [--out DIR]``; a quick run writes to
+:data:`QUICK_OUT` unless ``--out`` says otherwise, so it never overwrites the committed figures.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import datetime
 import importlib.util
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -40,6 +42,9 @@ CHARTS = {
     "journal": ("journal.png", "Journal throughput against batch size", chart_journal),
 }
 
+#: Where ``--quick`` writes without ``--out``: smoke-run figures must not replace RESULTS.md.
+QUICK_OUT = Path(tempfile.gettempdir()) / "interlock-benchmarks-quick"
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -56,9 +61,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run nothing: re-evaluate the goals and rewrite RESULTS.md from OUT/results.json",
     )
     parser.add_argument(
-        "--out", type=Path, default=HERE, help="output directory (default: benchmarks/)"
+        "--out",
+        type=Path,
+        help=f"output directory (default: benchmarks/; for --quick, {QUICK_OUT})",
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick and not args.render else HERE
     names = available()
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -133,6 +142,8 @@ def goals_markdown(goals: list[dict[str, Any]]) -> str:
         if goal["met"] is not False and not goal["notes"]:
             continue
         lines += ["", f"**{goal['goal']}** — {_status(goal['met'])}"]
+        if goal.get("how"):
+            lines.append(f"- Measured: {goal['how']}.")
         lines += [f"- {note}" for note in goal["notes"]]
         closing = goal.get("closing")
         if closing in seen:
@@ -273,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"[bold]interlock benchmarks[/bold] ({'quick' if args.quick else 'full'}): {', '.join(args.names)}"
     )
+    if out == QUICK_OUT:
+        console.print(f"quick run: writing to {out}, not benchmarks/ (--out DIR to choose)")
     started = time.perf_counter()
     results = run_all(args.names, args.quick, console)
     meta["seconds"] = time.perf_counter() - started

@@ -25,9 +25,11 @@ def expected_benchmarks() -> set[str]:
     return names
 
 
-def run_benchmarks(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_benchmarks(
+    *args: str, timeout: float = 120, **variables: str
+) -> subprocess.CompletedProcess[str]:
     """``python -m benchmarks ARGS`` from the checkout, with the compiled hot path allowed."""
-    env = dict(os.environ)
+    env = dict(os.environ, COLUMNS="500", **variables)
     env.pop("INTERLOCK_NO_EXTENSIONS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(
@@ -67,6 +69,19 @@ def test_quick_run_writes_every_section(tmp_path: Path) -> None:
         if importlib.util.find_spec("matplotlib") is not None:
             assert (tmp_path / chart).stat().st_size > 0
             assert f"]({chart})" in markdown
+
+
+def test_quick_run_without_out_writes_to_a_scratch_directory(tmp_path: Path) -> None:
+    """Smoke-run figures never replace the committed RESULTS.md and results.json."""
+    committed = {name: (BENCHMARKS / name).read_bytes() for name in ("RESULTS.md", "results.json")}
+    proc = run_benchmarks("--quick", "--only", "transition", TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scratch = tmp_path / "interlock-benchmarks-quick"
+    assert f"quick run: writing to {scratch}, not benchmarks/ (--out DIR to choose)" in proc.stderr
+    written = json.loads((scratch / "results.json").read_text(encoding="utf-8"))
+    assert written["meta"]["quick"] is True
+    assert (scratch / "RESULTS.md").exists()
+    assert {name: (BENCHMARKS / name).read_bytes() for name in committed} == committed
 
 
 def _title_of(name: str) -> str:
