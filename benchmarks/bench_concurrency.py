@@ -55,9 +55,8 @@ NAME = "concurrency"
 TITLE = "Concurrent runs: wall time, CPU and memory against bare trio and asyncio sleeps"
 
 STEPS = 10
-#: Generation thresholds of the tuned variant: young collections every 50,000 net
-#: allocations instead of 700; the older generations keep their defaults.
-TUNED_THRESHOLD = GC_THRESHOLD  # what open_supervisor sets
+#: Generation thresholds of the tuned variant: the ones open_supervisor sets.
+TUNED_THRESHOLD = GC_THRESHOLD
 FULL_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (100, 400)
 

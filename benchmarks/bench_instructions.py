@@ -1,7 +1,7 @@
 """Instructions per step and per proposal, counted by valgrind (cachegrind): ratios without noise.
 
-Wall and CPU time on this shared host swing by 2× between runs; a count of executed
-instructions does not (two counts of the same workload agree within ~0.2%). Each figure
+Wall and CPU time on a shared host swing between runs; a count of executed instructions
+barely moves. Each figure
 here is the instruction count of a child process running the workload at two sizes,
 differenced, so the interpreter's start-up and imports cancel out:
 
@@ -16,9 +16,9 @@ An instruction is not a nanosecond (a cache miss costs more than an add), so the
 complement the timed sections rather than replace them. One skew is large: valgrind's
 virtual CPU does not offer the SHA extensions, so OpenSSL hashes in software under it: the
 SHA-256 of what each model call adds to its prompt (a few hundred bytes, the hash resuming
-from the previous prompt's state) counts as about 23k of the loop's instructions per step,
-several times its native share (it was about 85k while each prompt was hashed whole). What
-the counts are for is comparing the same workload before and after a change. Needs
+from the previous prompt's state) counts for several times its native share of the loop's
+instructions per step. What the counts are for is comparing the same workload before and
+after a change. Needs
 ``valgrind`` on the PATH (``apt-get install -y valgrind``); without it the section says so
 and measures nothing.
 """
@@ -172,8 +172,8 @@ def render(results: dict[str, Any]) -> str:
             "loop are bench_loop's concurrent case and msgspec loop; the proposals are "
             "bench_verify's (5% malformed). Valgrind hides the CPU's SHA extensions, so the "
             "SHA-256 of what each step adds to its prompt (a few hundred bytes; the hash resumes "
-            "from the previous prompt's state) counts as ~23k of the loop's instructions, several "
-            "times its native share; the counts are for comparing one workload across changes.",
+            "from the previous prompt's state) counts for several times its native share of "
+            "the loop's instructions; the counts are for comparing one workload across changes.",
             "",
             table(
                 ["workload", "per", "counted over", "thousand instructions", "× baseline"],
