@@ -185,7 +185,7 @@ async def test_system_exit_from_a_tool_is_not_contained() -> None:
     async def interrupted(args: Any, ctx: ToolContext) -> Any:
         raise SystemExit(3)
 
-    with pytest.RaisesGroup(SystemExit, flatten_subgroups=True):
+    with pytest.raises(SystemExit):
         async with open_supervisor(
             [job("bad", interrupted, idempotent=True)], provider=ScriptedProvider([CALL, DONE])
         ) as sup:

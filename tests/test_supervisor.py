@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio.testing import wait_all_tasks_blocked
@@ -1099,3 +1100,54 @@ async def test_start_run_refuses_inputs_the_journal_cannot_hold(memory_store: Me
         ):
             await sup.start_run("refund", {"order": HUGE}, run_id="r-1")
         assert sup.runs == {}
+
+
+async def test_an_error_in_the_block_reaches_the_caller_unwrapped() -> None:
+    """It used to arrive in two nested ExceptionGroups, so ``except InterlockError`` never
+    caught the clear "no provider" message (#15)."""
+    from interlock import InterlockError
+
+    with pytest.raises(
+        InterlockError, match=r"^machine 'refund' has worker states but no provider"
+    ):
+        async with open_supervisor([refund_machine()]) as sup:
+            await sup.start_run("refund", {"order_id": "o1"})
+
+
+async def test_two_errors_at_once_stay_a_group() -> None:
+    async def fail_later() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("second")
+
+    with pytest.RaisesGroup(ValueError, KeyError, flatten_subgroups=True):
+        async with open_supervisor([refund_machine()]) as sup:
+            assert sup._actors is not None
+            sup._actors.start_soon(fail_later)
+            raise ValueError("first")
+
+
+async def test_nested_and_interleaved_supervisors_restore_the_collector() -> None:
+    """The first supervisor to open saves the thresholds, the last to close restores them;
+    one closing early used to restore them under the other, or leave them changed (#15)."""
+    import gc
+
+    from interlock._supervisor import GC_THRESHOLD
+
+    before = gc.get_threshold()
+    opened: list[trio.Event] = [trio.Event(), trio.Event()]
+    close_first = trio.Event()
+
+    async def first() -> None:
+        async with open_supervisor([refund_machine()]):
+            opened[0].set()
+            await close_first.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await opened[0].wait()
+        assert gc.get_threshold() == GC_THRESHOLD
+        async with open_supervisor([refund_machine()]):
+            close_first.set()
+            await trio.sleep(0.01)  # the first one has closed: the second still tunes
+            assert gc.get_threshold() == GC_THRESHOLD
+    assert gc.get_threshold() == before

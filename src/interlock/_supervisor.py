@@ -1468,6 +1468,40 @@ def _is_fallback(machine: Machine, state: str) -> bool:
     return machine.on_breaker == state and isinstance(machine.states.get(state), Step)
 
 
+def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception inside ``group`` (however deeply nested), or None if several."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+#: How many supervisors hold the collector tuned, and the thresholds from before the first.
+_gc_tuning: list[Any] = [0, None]
+
+
+def _tune_gc(threshold: tuple[int, int, int]) -> None:
+    # Supervisors nest and interleave: the first to open saves the thresholds and sets
+    # its own, the last to close restores what the first saved.
+    if _gc_tuning[0] == 0:
+        _gc_tuning[1] = gc.get_threshold()
+        gc.set_threshold(*threshold)
+    _gc_tuning[0] += 1
+
+
+def _untune_gc() -> None:
+    _gc_tuning[0] -= 1
+    if _gc_tuning[0] == 0:
+        gc.set_threshold(*_gc_tuning[1])
+
+
 @asynccontextmanager
 async def open_supervisor(
     machines: Sequence[Machine],
@@ -1484,7 +1518,9 @@ async def open_supervisor(
 
     Leaving the block waits for every run to end (complete, fail or escalate);
     cancelling it cancels every run. Either way each journal batch is written whole
-    or not at all, so the store stays consistent.
+    or not at all, so the store stays consistent. An error that ends the block (one of
+    the caller's, a store error, KeyboardInterrupt) reaches the caller as it was raised,
+    not wrapped in the nurseries' exception groups; several at once stay a group.
 
     Args:
       machines: the machines runs may use.
@@ -1494,16 +1530,17 @@ async def open_supervisor(
       resume: resume every unfinished run in the store on entry.
       stats: counters to update (the metrics collector reads them).
       max_batch: the most requests decided per journal write.
-      gc_threshold: the cyclic garbage collector's thresholds while the supervisor runs
-        (restored on exit), or None to leave them alone. Thousands of long-lived run
-        tasks make the default thresholds spend up to half the CPU walking them; see
+      gc_threshold: the cyclic garbage collector's thresholds while the supervisor runs,
+        or None to leave them alone. Restored when the last supervisor that set them
+        closes (they nest and interleave; the first one's thresholds hold meanwhile).
+        Thousands of long-lived run tasks make the default thresholds spend up to half
+        the CPU walking them; see
         benchmarks/RESULTS.md. After a burst of start_run calls, ``gc.freeze()`` halves
         the remaining collection work (frozen garbage is never collected, so freeze
         only once the start-up garbage is gone).
     """
-    previous_threshold = gc.get_threshold()
     if gc_threshold is not None:
-        gc.set_threshold(*gc_threshold)
+        _tune_gc(gc_threshold)
     if store is None:
         from .stores import MemoryStore
 
@@ -1511,20 +1548,30 @@ async def open_supervisor(
     supervisor = Supervisor(
         machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch
     )
-    async with trio.open_nursery() as outer:
-        await outer.start(supervisor.serve)
-        await outer.start(supervisor._watch_deadlines)
-        try:
-            async with trio.open_nursery() as actors:
-                supervisor._actors = actors
-                # The gauge is store-wide: count the runs already parked before this one.
-                supervisor.stats.escalations_pending = len(await store.escalations())
-                if resume:
-                    await supervisor.resume_unfinished()
-                yield supervisor
-        finally:
-            supervisor._actors = None
-            supervisor._closed = True
-            outer.cancel_scope.cancel()
-            if gc_threshold is not None:
-                gc.set_threshold(*previous_threshold)
+    try:
+        async with trio.open_nursery() as outer:
+            await outer.start(supervisor.serve)
+            await outer.start(supervisor._watch_deadlines)
+            try:
+                async with trio.open_nursery() as actors:
+                    supervisor._actors = actors
+                    # The gauge is store-wide: count the runs already parked before this one.
+                    supervisor.stats.escalations_pending = len(await store.escalations())
+                    if resume:
+                        await supervisor.resume_unfinished()
+                    yield supervisor
+            finally:
+                supervisor._actors = None
+                supervisor._closed = True
+                outer.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The two nurseries wrap whatever ended the block (the caller's own error, a
+        # store error, Ctrl-C) in two groups; one error alone reaches the caller as it
+        # was raised, so ``except InterlockError`` catches it. Several stay a group.
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+    finally:
+        if gc_threshold is not None:
+            _untune_gc()
