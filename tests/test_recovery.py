@@ -515,3 +515,34 @@ async def test_resume_unfinished_drives_every_unfinished_run_to_its_end(how):
     assert sorted(pay.keys) == ["r-pay:WORK:3", "r-started:WORK:3"]
     assert sorted(notify.keys) == ["r-pay:WORK:6", "r-started:WORK:6"]
     assert await store.load("r-done") == finished
+
+
+async def test_a_run_resumed_with_a_payload_replays() -> None:
+    """Resuming with a payload read the clock twice in one request (the resume, then the
+    proposal), so replay, which gives one request one reading, diverged at the payload's
+    step_proposed with the same text on both sides: its timestamp differed (#15)."""
+    from interlock import Machine, Tool, Worker, replay
+
+    async def work(args: object, ctx: object) -> dict[str, int]:
+        return {"ok": 1}
+
+    spec = Machine(
+        "m",
+        "W",
+        {"W": Worker(next=["COMPLETED"], tools=["work"])},
+        tools=[Tool("work", work, idempotent=True)],
+    )
+    ticks = iter(range(1_000_000_000, 1_000_001_000))  # every reading a new second
+
+    def clock() -> float:
+        return float(next(ticks))
+
+    store = MemoryStore()
+    script = ['{"next": "X"}'] * 3 + ['{"next": "COMPLETED"}']
+    async with open_supervisor(
+        [spec], store, provider=ScriptedProvider(script), clock=clock
+    ) as sup:
+        assert (await (await sup.start_run("m", run_id="r-1")).wait()).outcome == "escalated"
+        handle = await sup.resume_escalated("r-1", by="ada", payload='{"tool": "work", "args": {}}')
+        assert (await handle.wait()).outcome == "completed"
+    assert replay(await store.load("r-1"), spec).diverged == ()

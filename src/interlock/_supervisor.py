@@ -629,7 +629,9 @@ class Supervisor:
                 f"{run.state!r}; it takes no more proposals"
             )
 
-    def _on_propose(self, msg: Propose, events: list[Event]) -> Verdict:
+    def _on_propose(self, msg: Propose, events: list[Event], now: float | None = None) -> Verdict:
+        """Decide a proposal. ``now``: the clock reading of the request it is part of (a
+        resume with a payload): one request, one reading, so replay reproduces it."""
         run = self._run(msg.run_id)
         self._check_seq(run, msg)
         if run.pending is not None:
@@ -637,7 +639,7 @@ class Supervisor:
                 f"run {run.run_id!r} is waiting for the outcome of {run.pending.key!r}; report it first"
             )
         machine = run.machine
-        now = self.clock()
+        now = self.clock() if now is None else now
         state = run.state
         if msg.source == "model" and msg.error and not msg.legacy:
             return self._on_provider_failure(run, msg, events, now)
@@ -1188,7 +1190,9 @@ class Supervisor:
         if not msg.payload:
             return self._verdict(run, True)
         return self._on_propose(
-            Propose(run_id=run.run_id, seq=run.seq, raw=msg.payload, source="operator"), events
+            Propose(run_id=run.run_id, seq=run.seq, raw=msg.payload, source="operator"),
+            events,
+            now,
         )
 
     def _on_abort(self, msg: Abort, events: list[Event]) -> Verdict:
