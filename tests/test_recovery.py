@@ -546,3 +546,59 @@ async def test_a_run_resumed_with_a_payload_replays() -> None:
         handle = await sup.resume_escalated("r-1", by="ada", payload='{"tool": "work", "args": {}}')
         assert (await handle.wait()).outcome == "completed"
     assert replay(await store.load("r-1"), spec).diverged == ()
+
+
+async def test_expected_refusals_are_typed_errors_users_can_catch() -> None:
+    """Each expected refusal is its own InterlockError subclass, with the fields a caller
+    needs, instead of a bare InterlockError (#15)."""
+    from interlock import (
+        IllegalResumeTarget,
+        IndexDamaged,
+        InterlockError,
+        InvalidInputs,
+        JournalCorrupt,
+        Machine,
+        NoProvider,
+        NotEscalated,
+        PayloadRejected,
+        StoreDamaged,
+        UnknownMachine,
+        Worker,
+    )
+
+    assert issubclass(JournalCorrupt, StoreDamaged)
+    assert issubclass(IndexDamaged, StoreDamaged)
+    spec = Machine(
+        "m",
+        "W",
+        {"W": Worker(next=["REVIEW"]), "REVIEW": Worker(next=["COMPLETED"])},
+        inputs={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+    )
+    store = MemoryStore()
+    async with open_supervisor(
+        [spec], store, provider=ScriptedProvider(['{"next": "X"}'] * 3)
+    ) as sup:
+        with pytest.raises(UnknownMachine, match=r"^machine 'nope' is not registered") as unknown:
+            await sup.start_run("nope")
+        assert isinstance(unknown.value, LookupError)
+        assert unknown.value.machine == "nope"
+        with pytest.raises(InvalidInputs, match=r"^inputs of machine 'm' are invalid"):
+            await sup.start_run("m", {"n": "one"})
+        assert (await (await sup.start_run("m", {"n": 1}, run_id="r-1")).wait()).reason == (
+            "consecutive_failures"
+        )
+        with pytest.raises(IllegalResumeTarget) as illegal:
+            await sup.resume_escalated("r-1", by="ada", to="COMPLETED")
+        assert (illegal.value.target, illegal.value.legal) == ("COMPLETED", ("W", "REVIEW"))
+        with pytest.raises(PayloadRejected) as rejected:
+            await sup.resume_escalated("r-1", by="ada", payload='{"next": "NOWHERE"}')
+        assert [v.code for v in rejected.value.violations] == ["illegal_transition"]
+        await sup.abort_escalated("r-1", by="ada")
+        with pytest.raises(NotEscalated, match=r"^run 'r-1' is not escalated; it is failed") as n:
+            await sup.abort_escalated("r-1", by="ada")
+        assert n.value.state == "FAILED"
+    async with open_supervisor([spec], store) as sup:
+        with pytest.raises(NoProvider, match=r"^machine 'm' has worker states but no provider"):
+            await sup.start_run("m", {"n": 1})
+    for error in (UnknownMachine, InvalidInputs, NoProvider, NotEscalated, IllegalResumeTarget):
+        assert issubclass(error, InterlockError)

@@ -6,6 +6,7 @@ state machine; only a verified action is committed to an append-only journal.
 
 import typing as _typing
 
+from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
 from ._breakers import CircuitBoard as CircuitBoard
 from ._events import (
@@ -77,6 +78,7 @@ from ._events import (
 from ._events import (
     whole_prompts as whole_prompts,
 )
+from ._exceptions import IllegalResumeTarget as IllegalResumeTarget
 from ._exceptions import IndexDamaged as IndexDamaged
 from ._exceptions import (
     InterlockError as InterlockError,
@@ -84,6 +86,7 @@ from ._exceptions import (
 from ._exceptions import (
     InternalError as InternalError,
 )
+from ._exceptions import InvalidInputs as InvalidInputs
 from ._exceptions import (
     JournalCorrupt as JournalCorrupt,
 )
@@ -93,6 +96,9 @@ from ._exceptions import (
 from ._exceptions import (
     MachineDefinitionError as MachineDefinitionError,
 )
+from ._exceptions import NoProvider as NoProvider
+from ._exceptions import NotEscalated as NotEscalated
+from ._exceptions import PayloadRejected as PayloadRejected
 from ._exceptions import (
     ProtocolError as ProtocolError,
 )
@@ -103,12 +109,14 @@ from ._exceptions import (
 from ._exceptions import (
     RunNotFound as RunNotFound,
 )
+from ._exceptions import StoreDamaged as StoreDamaged
 from ._exceptions import (
     StoreError as StoreError,
 )
 from ._exceptions import (
     ToolDefinitionError as ToolDefinitionError,
 )
+from ._exceptions import UnknownMachine as UnknownMachine
 from ._gate import Decision as Decision
 from ._gate import verify as verify
 from ._machine import (
@@ -238,6 +246,7 @@ __all__ = [
     "BREAKERS",
     "ESCALATE",
     "FAILED",
+    "App",
     "Applied",
     "BreakerPolicy",
     "BreakerTripped",
@@ -253,10 +262,12 @@ __all__ = [
     "Failed",
     "Frame",
     "Go",
+    "IllegalResumeTarget",
     "IndexDamaged",
     "IntentRecorded",
     "InterlockError",
     "InternalError",
+    "InvalidInputs",
     "JournalCorrupt",
     "JournalEvent",
     "LeaseLost",
@@ -264,7 +275,10 @@ __all__ = [
     "MachineDefinitionError",
     "Message",
     "ModelCalled",
+    "NoProvider",
     "NotApplied",
+    "NotEscalated",
+    "PayloadRejected",
     "ProposalRejected",
     "Propose",
     "ProtocolError",
@@ -292,6 +306,7 @@ __all__ = [
     "Start",
     "Step",
     "StepProposed",
+    "StoreDamaged",
     "StoreError",
     "Supervisor",
     "SupervisorStatistics",
@@ -306,6 +321,7 @@ __all__ = [
     "ToolInDoubt",
     "ToolResult",
     "Transitioned",
+    "UnknownMachine",
     "Verdict",
     "Violation",
     "Worker",

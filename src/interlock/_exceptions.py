@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InterlockError(Exception):
     """Something interlock refused, by design."""
@@ -13,6 +15,77 @@ class MachineDefinitionError(InterlockError, ValueError):
 
 class ToolDefinitionError(InterlockError, ValueError):
     """A tool definition is inconsistent; raised when it is compiled."""
+
+
+class UnknownMachine(InterlockError, LookupError):
+    """No machine of this name is registered (with the supervisor, or in the application).
+
+    Attributes:
+      machine: the name asked for.
+    """
+
+    def __init__(self, machine: str, known: list[str] | tuple[str, ...]) -> None:
+        super().__init__(
+            f"machine {machine!r} is not registered; registered: {', '.join(known) or 'none'}"
+        )
+        self.machine = machine
+
+
+class InvalidInputs(InterlockError, ValueError):
+    """A run's inputs break its machine's ``inputs`` schema, or cannot be journaled."""
+
+
+class NoProvider(InterlockError):
+    """A machine with worker states was started with no provider to ask."""
+
+
+class NotEscalated(InterlockError):
+    """An operator action (resume, abort) named a run that is not in the escalation queue.
+
+    Attributes:
+      run_id: the run.
+      state: the state it is in.
+    """
+
+    def __init__(self, run_id: str, outcome: str, state: str) -> None:
+        super().__init__(f"run {run_id!r} is not escalated; it is {outcome} in state {state!r}")
+        self.run_id = run_id
+        self.state = state
+
+
+class IllegalResumeTarget(InterlockError, ValueError):
+    """An escalated run may resume only where it escalated from or in a legal next state.
+
+    Attributes:
+      run_id: the run.
+      target: the state asked for.
+      legal: the states it may resume in.
+    """
+
+    def __init__(self, run_id: str, target: str, origin: str, legal: list[str]) -> None:
+        super().__init__(
+            f"cannot resume run {run_id!r} in state {target!r}; it escalated from {origin!r} "
+            f"and may resume in: {', '.join(legal)}"
+        )
+        self.run_id = run_id
+        self.target = target
+        self.legal = tuple(legal)
+
+
+class PayloadRejected(InterlockError):
+    """The corrected payload an operator resumed a run with was rejected by the gate; nothing
+    was journaled.
+
+    Attributes:
+      run_id: the run.
+      violations: the gate's violations (``code``, ``path``, ``message``, ``hint``).
+    """
+
+    def __init__(self, run_id: str, violations: tuple[Any, ...]) -> None:
+        text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in violations)
+        super().__init__(f"payload for run {run_id!r} was rejected: {text}")
+        self.run_id = run_id
+        self.violations = violations
 
 
 class ProtocolError(InterlockError):
@@ -60,11 +133,16 @@ class StoreError(InterlockError):
     """The store cannot be opened, read or written (corrupt file, torn journal, lost connection)."""
 
 
-class JournalCorrupt(StoreError):
+class StoreDamaged(StoreError):
+    """What the store holds is damaged (a journal frame or the runs index): reported, never
+    believed. ``interlock check`` lists all the damage. Catch this for either kind."""
+
+
+class JournalCorrupt(StoreDamaged):
     """A journal frame failed its length or checksum check."""
 
 
-class IndexDamaged(StoreError):
+class IndexDamaged(StoreDamaged):
     """The runs index is damaged: a row fails its checksum or disagrees with its run's
     journal, or rows are missing.
 

@@ -42,7 +42,19 @@ from ._events import (
     hash_prompt_after,
     unjournalable,
 )
-from ._exceptions import InterlockError, InternalError, ProtocolError, RunNotFound, StoreError
+from ._exceptions import (
+    IllegalResumeTarget,
+    InterlockError,
+    InternalError,
+    InvalidInputs,
+    NoProvider,
+    NotEscalated,
+    PayloadRejected,
+    ProtocolError,
+    RunNotFound,
+    StoreError,
+    UnknownMachine,
+)
 from ._gate import verify
 from ._hotpath import common_affixes
 from ._machine import ESCALATE, FAILED, Machine, Step, Worker
@@ -289,10 +301,7 @@ class Supervisor:
         try:
             return self.machines[name]
         except KeyError:
-            known = ", ".join(self.machines) or "none"
-            raise InterlockError(
-                f"machine {name!r} is not registered; registered: {known}"
-            ) from None
+            raise UnknownMachine(name, list(self.machines)) from None
 
     def view(self, run_id: str) -> RunView:
         """A read-only view of a live run.
@@ -1148,10 +1157,7 @@ class Supervisor:
     def _escalated(self, run_id: str) -> RunState:
         run = self._run(run_id)
         if run.state != ESCALATE or run.escalation is None:
-            raise InterlockError(
-                f"run {run_id!r} is not escalated; it is {run.machine.outcome(run.state)} "
-                f"in state {run.state!r}"
-            )
+            raise NotEscalated(run_id, run.machine.outcome(run.state), run.state)
         return run
 
     def resume_target(self, run: RunState, to: str) -> str:
@@ -1159,7 +1165,7 @@ class Supervisor:
         legal next state of it.
 
         Raises:
-          InterlockError: ``to`` is not a legal target (the message lists the legal ones).
+          IllegalResumeTarget: ``to`` is not a legal target (the message lists the legal ones).
         """
         assert run.escalation is not None
         origin = run.escalation.state
@@ -1172,10 +1178,7 @@ class Supervisor:
             *(s for s in tables.legal_next(tables.state_id(origin)) if s in machine.states),
         ]
         if to not in legal:
-            raise InterlockError(
-                f"cannot resume run {run.run_id!r} in state {to!r}; it escalated from {origin!r} "
-                f"and may resume in: {', '.join(legal)}"
-            )
+            raise IllegalResumeTarget(run.run_id, to, origin, legal)
         return to
 
     def _on_resume(self, msg: Resume, events: list[Event]) -> Verdict:
@@ -1277,8 +1280,10 @@ class Supervisor:
           provider: the provider for this run; defaults to the supervisor's.
 
         Raises:
-          InterlockError: unknown machine, invalid inputs, or no provider for a machine
-            with worker states.
+          UnknownMachine: ``machine`` names no registered machine.
+          InvalidInputs: the inputs break the machine's ``inputs`` schema, or cannot be
+            journaled.
+          NoProvider: the machine has worker states and no provider was given.
           ProtocolError: ``run_id`` is already in use.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
@@ -1286,7 +1291,7 @@ class Supervisor:
         payload = dict(inputs or {})
         problem = unjournalable(payload)
         if problem is not None:
-            raise InterlockError(
+            raise InvalidInputs(
                 f"inputs of machine {machine!r} cannot be journaled: {problem}; pass JSON-like "
                 "values (str, int within 64 bits, float, bool, None, lists and dicts of them)"
             )
@@ -1294,10 +1299,10 @@ class Supervisor:
             _, violations = spec.input_validator.validate_json(msgspec.json.encode(payload))
             if violations:
                 text = "; ".join(v.message.replace("args", "inputs", 1) for v in violations)
-                raise InterlockError(f"inputs of machine {machine!r} are invalid: {text}")
+                raise InvalidInputs(f"inputs of machine {machine!r} are invalid: {text}")
         chosen = provider or self.provider_for(machine)
         if chosen is None and any(isinstance(s, Worker) for s in spec.states.values()):
-            raise InterlockError(
+            raise NoProvider(
                 f"machine {machine!r} has worker states but no provider; pass provider= to "
                 "open_supervisor() or start_run()"
             )
@@ -1414,8 +1419,10 @@ class Supervisor:
 
         Raises:
           RunNotFound: no such run.
-          InterlockError: the run is not escalated, ``to`` is not a legal target, or the
-            payload was rejected (the message lists the violations).
+          NotEscalated: the run is not in the escalation queue.
+          IllegalResumeTarget: ``to`` is not a legal target.
+          PayloadRejected: the gate rejected the payload (``.violations``); nothing was
+            journaled.
         """
         run = await self._load(run_id)
         self._escalated(run_id)
@@ -1428,8 +1435,7 @@ class Supervisor:
             request = Resume(run_id=run_id, by=by, note=note, to=target, payload=payload)
             attempt = trial._decide(request, [])
             if attempt.violations:
-                text = "; ".join(f"[{v.code}] {v.message} ({v.hint})" for v in attempt.violations)
-                raise InterlockError(f"payload for run {run_id!r} was rejected: {text}")
+                raise PayloadRejected(run_id, attempt.violations)
         verdict = await self.request(
             Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or "")
         )
@@ -1447,7 +1453,7 @@ class Supervisor:
 
         Raises:
           RunNotFound: no such run.
-          InterlockError: the run is not escalated.
+          NotEscalated: the run is not in the escalation queue.
         """
         await self._load(run_id)
         await self.request(Abort(run_id=run_id, by=by, note=note))
