@@ -6,7 +6,6 @@ state machine; only a verified action is committed to an append-only journal.
 
 import typing as _typing
 
-from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
 from ._breakers import CircuitBoard as CircuitBoard
 from ._events import (
@@ -246,7 +245,6 @@ __all__ = [
     "BREAKERS",
     "ESCALATE",
     "FAILED",
-    "App",
     "Applied",
     "BreakerPolicy",
     "BreakerTripped",
