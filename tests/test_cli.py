@@ -11,14 +11,13 @@ import sys
 import pytest
 
 
-def interlock(*args, cwd=None):
-    env = dict(os.environ, COLUMNS="200")
+def interlock(*args, cwd=None, env=None):
     return subprocess.run(
         [sys.executable, "-m", "interlock", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=env,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
         timeout=120,
         check=False,
     )
@@ -79,10 +78,10 @@ def test_demo_json_has_stable_keys_and_consistent_counts(demo_db):
 
 def test_runs_lists_every_demo_run_and_filters(demo_db):
     path, summary = demo_db
-    listed = json.loads(interlock("runs", "--db", str(path), "--json").stdout)
-    assert listed["count"] == 90
+    listed = json.loads(interlock("runs", "--db", str(path), "--all", "--json").stdout)
+    assert (listed["count"], listed["left_out"]) == (90, 0)
     escalated = json.loads(
-        interlock("runs", "--db", str(path), "--outcome", "escalated", "--json").stdout
+        interlock("runs", "--db", str(path), "--outcome", "escalated", "--all", "--json").stdout
     )
     expected = sum(r["outcomes"].get("escalated", 0) for r in summary["workflows"].values())
     assert escalated["count"] == expected
@@ -91,6 +90,55 @@ def test_runs_lists_every_demo_run_and_filters(demo_db):
     )
     assert {r["machine"] for r in refunds["runs"]} == {"refund"}
     assert refunds["count"] == 30
+
+
+def test_runs_shows_the_newest_50_and_says_how_many_it_left_out(demo_db):
+    """Regression: ``runs`` printed every run of a 20,000-run journal (no default limit)."""
+    path, _summary = demo_db
+    every = json.loads(interlock("runs", "--db", str(path), "--all", "--json").stdout)["runs"]
+    assert [r["started"] for r in every] == sorted((r["started"] for r in every), reverse=True)
+    default = json.loads(interlock("runs", "--db", str(path), "--json").stdout)
+    assert (default["count"], default["left_out"]) == (50, 40)
+    assert default["runs"] == every[:50]
+    three = json.loads(interlock("runs", "--db", str(path), "--limit", "3", "--json").stdout)
+    assert (three["runs"], three["left_out"]) == (every[:3], 87)
+    text = interlock("runs", "--db", str(path), "--limit", "3")
+    assert text.returncode == 0
+    assert text.stdout.rstrip().endswith("87 older runs left out; --limit N or --all shows more")
+
+
+def test_tables_never_cut_run_ids_even_narrow_or_piped(demo_db):
+    """Regression: tables cut run ids at 80 columns or when piped (``refund-d…``)."""
+    path, _summary = demo_db
+    ids = [
+        r["run_id"]
+        for r in json.loads(interlock("runs", "--db", str(path), "--all", "--json").stdout)["runs"]
+    ]
+    queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)["escalations"]
+    for columns in ("40", "80"):
+        env = {"COLUMNS": columns}
+        listed = interlock("runs", "--db", str(path), "--all", env=env).stdout
+        assert [i for i in ids if i not in listed] == [], columns
+        escalated = interlock("escalations", "list", "--db", str(path), env=env).stdout
+        assert [e["run_id"] for e in queue if e["run_id"] not in escalated] == [], columns
+
+
+def test_db_and_json_after_the_subcommand(demo_db):
+    """Regression: ``escalations list --db journal.db`` (as the README writes it) failed,
+    and ``escalations --json show ID`` ignored --json."""
+    path, _summary = demo_db
+    before = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
+    after = interlock("escalations", "list", "--db", str(path), "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout) == before
+    run_id = before["escalations"][0]["run_id"]
+    for args in (
+        ("escalations", "--json", "show", run_id, "--db", str(path)),
+        ("escalations", "--db", "elsewhere.db", "show", run_id, "--db", str(path), "--json"),
+    ):
+        shown = interlock(*args)
+        assert shown.returncode == 0, (args, shown.stderr)
+        assert json.loads(shown.stdout)["run"]["run_id"] == run_id
 
 
 def test_show_prints_timeline_and_json(demo_db):

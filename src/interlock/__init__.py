@@ -6,6 +6,7 @@ state machine; only a verified action is committed to an append-only journal.
 
 import typing as _typing
 
+from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
 from ._breakers import CircuitBoard as CircuitBoard
 from ._events import (
@@ -245,6 +246,7 @@ __all__ = [
     "BREAKERS",
     "ESCALATE",
     "FAILED",
+    "App",
     "Applied",
     "BreakerPolicy",
     "BreakerTripped",

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import trio
 
-from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, run_demo
+from ._app import DEMO_REF, App, AppRefError, find_ref, load_app
+from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
 from ._events import (
     BreakerTripped,
     Completed,
@@ -35,6 +39,7 @@ from ._events import (
 from ._exceptions import InterlockError, JournalCorrupt
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
+from ._machine import Machine, Worker
 from ._version import __version__
 from ._view import violation_signature
 from .stores import OUTCOMES, IndexDamaged, RunRecord
@@ -44,7 +49,12 @@ from .workflows import WORKFLOWS
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from rich.table import Table
+
+
 _json = msgspec.json.Encoder(order="sorted")
+#: How many runs ``interlock runs`` lists unless told otherwise (the newest).
+RUNS_LIMIT = 50
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +94,51 @@ def _latency(text: str) -> tuple[float, float]:
     if not 0 <= low <= high:
         raise argparse.ArgumentTypeError(f"need 0 <= LOW <= HIGH; got {text!r}")
     return low, high
+
+
+def _journal(parser: argparse.ArgumentParser, *, sub: bool = False, app: bool = False) -> None:
+    """``--db``; on a subcommand it overrides the one given before the subcommand."""
+    default = "the app's store, else " if app else ""
+    parser.add_argument(
+        "--db",
+        default=argparse.SUPPRESS if sub else (None if app else DEFAULT_DB),
+        help=f"journal: SQLite path or postgresql:// DSN (default {default}{DEFAULT_DB})",
+    )
+
+
+def _app(parser: argparse.ArgumentParser, *, sub: bool = False) -> None:
+    parser.add_argument(
+        "--app",
+        default=argparse.SUPPRESS if sub else None,
+        metavar="REF",
+        help="the application whose machines to run: module:attribute or "
+        "path/to/file.py:attribute (default $INTERLOCK_APP, else [tool.interlock] app in "
+        f"pyproject.toml, else {DEMO_REF})",
+    )
+
+
+def _demo_options(parser: argparse.ArgumentParser, *, chaos: bool) -> None:
+    """The built-in demo application's knobs (refused with any other application)."""
+    parser.add_argument(
+        "--effects", default=None, help="demo app: SQLite file of its downstream systems"
+    )
+    if not chaos:
+        return
+    parser.add_argument(
+        "--chaos-rate",
+        type=_rate,
+        default=None,
+        help="demo app: share of corrupted model answers (default 0.1)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="demo app: seed of the chaos dice (default 0)"
+    )
+    parser.add_argument(
+        "--latency",
+        type=_latency,
+        default=None,
+        help="demo app: simulated model latency LOW,HIGH in ms (default 5,20)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,34 +204,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --metrics-port: keep serving /metrics after the runs finish, until Ctrl-C or SIGTERM",
     )
 
-    runs = commands.add_parser("runs", help="list runs in a journal")
-    runs.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    runs = commands.add_parser("runs", help="list runs in a journal, newest first")
+    _journal(runs)
     runs.add_argument("--state", default=None, help="only runs in this state")
     runs.add_argument("--workflow", default=None, help="only runs of this workflow (machine)")
     runs.add_argument(
         "--outcome", choices=OUTCOMES, default=None, help="only runs with this outcome"
     )
-    runs.add_argument("--limit", type=_positive_int, default=None, help="at most this many runs")
+    shown_runs = runs.add_mutually_exclusive_group()
+    shown_runs.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=RUNS_LIMIT,
+        help=f"at most this many runs, the newest (default {RUNS_LIMIT})",
+    )
+    shown_runs.add_argument("--all", action="store_true", help="every matching run")
     runs.add_argument("--json", action="store_true", help="print as JSON")
 
     show = commands.add_parser("show", help="print one run's timeline")
     show.add_argument("run_id", metavar="RUN")
-    show.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    _journal(show)
     show.add_argument("--json", action="store_true", help="print as JSON")
 
     escalations = commands.add_parser(
         "escalations", help="work the escalation queue: list, show, resume, abort"
     )
-    escalations.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    _journal(escalations, app=True)
     escalations.add_argument("--json", action="store_true", help="print as JSON")
+    _app(escalations)
     actions = escalations.add_subparsers(dest="action", parser_class=_Parser)
     listing = actions.add_parser(
         "list", help="list escalated runs with their reasons (the default)"
     )
-    listing.add_argument("--json", action="store_true", help="print as JSON")
     shown = actions.add_parser("show", help="print an escalated run's reason and timeline")
     shown.add_argument("run_id", metavar="ID")
-    shown.add_argument("--json", action="store_true", help="print as JSON")
     resumed = actions.add_parser("resume", help="resume an escalated run through the gate")
     resumed.add_argument("run_id", metavar="ID")
     target = resumed.add_mutually_exclusive_group()
@@ -188,38 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="resume in this state (where it escalated from, or a legal next one)",
     )
-    resumed.add_argument("--note", default="", help="why (journaled)")
-    resumed.add_argument("--by", default=None, help="who (journaled; default: $USER)")
-    resumed.add_argument(
-        "--effects", default=None, help="SQLite file of the demo's downstream systems"
-    )
-    resumed.add_argument("--json", action="store_true", help="print the outcome as JSON")
     aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
     aborted.add_argument("run_id", metavar="ID")
-    aborted.add_argument("--note", default="", help="why (journaled)")
-    aborted.add_argument("--by", default=None, help="who (journaled; default: $USER)")
-    aborted.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    for action in (resumed, aborted):
+        action.add_argument("--note", default="", help="why (journaled)")
+        action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
+        _app(action, sub=True)
+    _demo_options(resumed, chaos=False)
+    for action in (listing, shown, resumed, aborted):
+        _journal(action, sub=True)
+        action.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="print as JSON"
+        )
 
     resume = commands.add_parser(
-        "resume", help="resume every unfinished demo run in a journal after a crash"
+        "resume", help="resume every unfinished run in a journal after a crash"
     )
-    resume.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
-    resume.add_argument(
-        "--effects", default=None, help="SQLite file of the demo's downstream systems"
-    )
-    resume.add_argument(
-        "--chaos-rate",
-        type=_rate,
-        default=0.1,
-        help="share of corrupted model answers (default 0.1)",
-    )
-    resume.add_argument("--seed", type=int, default=0, help="seed of the chaos dice (default 0)")
-    resume.add_argument(
-        "--latency",
-        type=_latency,
-        default=(0.005, 0.02),
-        help="simulated model latency LOW,HIGH in ms (default 5,20)",
-    )
+    _journal(resume, app=True)
+    _app(resume)
+    _demo_options(resume, chaos=True)
     resume.add_argument(
         "--json", action="store_true", help="print the summary as one JSON document"
     )
@@ -230,14 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("run_ids", metavar="RUN", nargs="*", help="runs to replay")
     replay.add_argument("--all", action="store_true", help="replay every run in the journal")
     replay.add_argument("--workflow", default=None, help="with --all: only runs of this workflow")
+    _app(replay)
     replay.add_argument(
         "--machine",
         action="append",
         default=[],
-        metavar="MODULE:ATTR",
-        help="replay against this machine instead of the recorded workflow's (what-if); repeatable",
+        metavar="REF",
+        help="replay against this machine instead of the app's (what-if); module:attribute "
+        "or path/to/file.py:attribute; repeatable",
     )
-    replay.add_argument("--db", default=DEFAULT_DB, help=f"journal (default {DEFAULT_DB})")
+    _journal(replay, app=True)
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
 
     check = commands.add_parser(
@@ -245,9 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check a journal for damage: every frame's checksum, each run's seqs, the runs "
         "index against the journal (and SQLite's own integrity check); writes nothing",
     )
-    check.add_argument(
-        "--db", default=DEFAULT_DB, help=f"SQLite path or postgresql:// DSN (default {DEFAULT_DB})"
-    )
+    _journal(check)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -350,7 +398,11 @@ async def _demo(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(summary)
         else:
-            _print_summary(summary)
+            _print_summary(
+                summary,
+                f"interlock demo: {summary['runs']} runs in {summary['wall_seconds']} s "
+                f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']})",
+            )
         if server is not None and args.hold:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 sys.stdout.flush()
@@ -367,17 +419,14 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _print_summary(summary: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     workflows = summary["workflows"]
     names = list(workflows)
-    outcomes = Table(
-        title=f"interlock demo: {summary['runs']} runs in {summary['wall_seconds']} s "
-        f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']})"
-    )
+    outcomes = Table(title=title)
     for column in (
         "workflow",
         "runs",
@@ -402,12 +451,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"{row['verification_us']['p99']:.1f}",
         )
     console.print(outcomes)
-    for title, key in (
+    for heading, key in (
+        ("escalations by reason", "escalation_reasons"),
         ("rejections by code", "rejections"),
         ("breaker trips by kind", "breaker_trips"),
     ):
         kinds = sorted({kind for row in workflows.values() for kind in row[key]})
-        table = Table(title=title)
+        table = Table(title=heading)
         table.add_column("kind")
         for name in names:
             table.add_column(name, justify="right")
@@ -428,8 +478,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 str(counts["applied"]),
                 str(counts["duplicates"]),
             )
-    console.print(effects)
-    console.print(f"journal: {summary['db']}   side effects: {summary['effects_db']}")
+    if summary["effects_db"]:
+        console.print(effects)
+        console.print(f"journal: {summary['db']}   side effects: {summary['effects_db']}")
 
 
 # -- runs / show / escalations --------------------------------------------------------
@@ -440,30 +491,58 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return result
 
 
+def _table(title: str, *columns: str) -> Table:
+    """A table whose first column (a run id) is never cut: it folds the others instead."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column(columns[0], no_wrap=True, min_width=len(columns[0]))
+    for column in columns[1:]:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def _print_table(table: Table) -> None:
+    """Print ``table``; piped, as wide as it needs, so no run id is cut."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, console.measure(table).maximum))
+    console.print(table)
+
+
 async def _runs(args: argparse.Namespace) -> int:
     store = await open_store(args.db, readonly=True)
     try:
-        records = await store.list_runs(
-            machine=args.workflow, state=args.state, outcome=args.outcome, limit=args.limit
+        matching = await store.list_runs(
+            machine=args.workflow, state=args.state, outcome=args.outcome
         )
     finally:
         await store.aclose()
+    records = matching[::-1] if args.all else matching[: -args.limit - 1 : -1]
+    left_out = len(matching) - len(records)
     if args.json:
         _print_json(
-            {"db": args.db, "count": len(records), "runs": [_record_json(r) for r in records]}
+            {
+                "db": args.db,
+                "count": len(records),
+                "left_out": left_out,
+                "runs": [_record_json(r) for r in records],
+            }
         )
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{len(records)} runs in {args.db}")
-    for column in ("run", "workflow", "state", "outcome", "events", "started", "reason"):
-        table.add_column(column)
+    table = _table(
+        f"{_count(len(records), 'run')} in {args.db}, newest first",
+        *("run", "workflow", "state", "outcome", "events", "started", "reason"),
+    )
     for r in records:
         table.add_row(
             r.run_id, r.machine, r.state, r.outcome, str(r.seq), _when(r.started), r.reason
         )
-    Console().print(table)
+    if left_out:
+        table.caption = f"{_count(left_out, 'older run')} left out; --limit N or --all shows more"
+    _print_table(table)
     return 0
 
 
@@ -560,16 +639,12 @@ async def _show(args: argparse.Namespace) -> int:
             timeline.append(item)
         _print_json({"run": _record_json(record), "events": timeline})
         return 0
-    from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     title = f"run {record.run_id} ({record.machine}): {record.outcome} in {record.state}"
     if record.reason:
         title += f" - {record.reason}"
-    table = Table(title=title)
-    for column in ("seq", "time", "event", "what"):
-        table.add_column(column)
+    table = _table(title, "seq", "time", "event", "what")
     for i, event in enumerate(events):
         kind = type(event).__struct_config__.tag
         mark = ""
@@ -577,16 +652,17 @@ async def _show(args: argparse.Namespace) -> int:
             mark = f" [compacted {groups[i][0]}/{groups[i][1]}]"
         # escape: a violation's "[code]" (and any text a model sent) is not Rich markup
         table.add_row(str(event.seq), _when(event.ts), f"{kind}{mark}", escape(_describe(event)))
-    Console().print(table)
+    _print_table(table)
     return 0
 
 
 async def _escalations(args: argparse.Namespace) -> int:
     action = args.action or "list"
-    if action == "show":
-        return await _show(args)
     if action in ("resume", "abort"):
         return await _operate(args, action)
+    args.db = args.db or DEFAULT_DB  # the app's store is for the commands that run machines
+    if action == "show":
+        return await _show(args)
     store = await open_store(args.db, readonly=True)
     try:
         records = await store.escalations()
@@ -601,17 +677,15 @@ async def _escalations(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{len(records)} escalated runs in {args.db}")
-    for column in ("run", "workflow", "state", "reason", "detail", "since"):
-        table.add_column(column)
+    table = _table(
+        f"{_count(len(records), 'escalated run')} in {args.db}",
+        *("run", "workflow", "state", "reason", "detail", "since"),
+    )
     for r in records:
         table.add_row(
             r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated)
         )
-    Console().print(table)
+    _print_table(table)
     return 0
 
 
@@ -626,10 +700,55 @@ def _operator(args: argparse.Namespace) -> str:
         return "operator"
 
 
+_DEMO_OPTIONS = ("effects", "chaos_rate", "seed", "latency")
+
+
+def _application(args: argparse.Namespace) -> tuple[App, str, str]:
+    """The application a command runs, what names it (for errors), and its journal."""
+    where, ref = find_ref(args.app)
+    options = {k: getattr(args, k) for k in _DEMO_OPTIONS if getattr(args, k, None) is not None}
+    if options and ref != DEMO_REF:
+        flag = "--" + next(iter(options)).replace("_", "-")
+        raise InterlockError(
+            f"{flag} tunes the built-in demo application, but {where} names {ref!r}; drop {flag}"
+        )
+    app = build_app(DemoConfig(**options)) if options else load_app(ref, where)
+    named = ref if where == "--app" else f"{ref} ({where})"
+    return app, named, args.db or app.store or DEFAULT_DB
+
+
+def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = True) -> None:
+    """Refuse, in one line, runs of a machine the application does not have, or (to
+    ``run`` them) has no provider for."""
+    missing = Counter(r.machine for r in records if r.machine not in app.machines)
+    if missing:
+        machine, count = missing.most_common(1)[0]
+        first = next(r.run_id for r in records if r.machine == machine)
+        runs = f"run {first!r}" if count == 1 else f"{count} runs, e.g. {first!r}"
+        raise InterlockError(
+            f"the app {named} has no machine {machine!r} ({runs}); pass the application that "
+            "defines it: --app module:attribute or --app path/to/file.py:attribute"
+        )
+    if not run:
+        return
+    for name in sorted({r.machine for r in records}):
+        mapping = app.provider if isinstance(app.provider, Mapping) else None
+        provider = mapping.get(name) if mapping is not None else app.provider
+        if provider is None and any(
+            isinstance(s, Worker) for s in app.machines[name].states.values()
+        ):
+            raise InterlockError(
+                f"the app {named} has no provider for machine {name!r}, whose worker states "
+                "need one; name an App with provider= (a bare Machine has none)"
+            )
+
+
+def _lifespan(app: App, db: str) -> AbstractAsyncContextManager[object]:
+    return app.lifespan(db) if app.lifespan is not None else nullcontext()
+
+
 async def _operate(args: argparse.Namespace, action: str) -> int:
-    from ._demo import DemoConfig, build_machines, build_providers
     from ._supervisor import open_supervisor
-    from .workflows import Backend
 
     if action == "resume" and args.payload is not None:
         try:
@@ -639,21 +758,25 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 f"--payload is not valid JSON ({exc}); pass one proposal like "
                 '\'{"tool": "refund", "args": {...}}\' or \'{"next": "STATE"}\''
             ) from None
-    store = await open_store(args.db, readonly=True)
-    await store.aclose()  # fails fast, creating nothing, if the journal does not exist
-    config = DemoConfig(db=args.db, effects=getattr(args, "effects", None))
-    store = await open_store(args.db)
-    backend = Backend(config.effects_path())
+    app, named, db = _application(args)
+    # Read-only first: a missing journal fails fast, creating nothing, and so does a run
+    # of a machine the app does not have.
+    store = await open_store(db, readonly=True)
     try:
-        async with open_supervisor(
-            build_machines(backend), store, provider=build_providers(config)
-        ) as supervisor:
+        record = await store.get_run(args.run_id)
+    finally:
+        await store.aclose()
+    _require(app, named, [record])
+    store = await open_store(db)
+    try:
+        async with (
+            _lifespan(app, db),
+            open_supervisor(list(app.machines.values()), store, provider=app.provider) as sup,
+        ):
             if action == "abort":
-                result = await supervisor.abort_escalated(
-                    args.run_id, by=_operator(args), note=args.note
-                )
+                result = await sup.abort_escalated(args.run_id, by=_operator(args), note=args.note)
             else:
-                handle = await supervisor.resume_escalated(
+                handle = await sup.resume_escalated(
                     args.run_id,
                     by=_operator(args),
                     note=args.note,
@@ -662,7 +785,6 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 )
                 result = await handle.wait()
     finally:
-        backend.close()
         await store.aclose()
     document = msgspec.to_builtins(result)
     if args.json:
@@ -674,90 +796,72 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
 
 
 async def _resume(args: argparse.Namespace) -> int:
-    from ._demo import DemoConfig, resume_demo
+    from ._demo import resume_app, summarize_store
 
-    store = await open_store(args.db, readonly=True)
-    await store.aclose()  # a missing journal is an error, not a new empty one
-    config = DemoConfig(
-        db=args.db,
-        effects=args.effects,
-        chaos_rate=args.chaos_rate,
-        seed=args.seed,
-        latency=args.latency,
-    )
-    summary = await resume_demo(config)
+    app, named, db = _application(args)
+    store = await open_store(db, readonly=True)  # a missing journal is an error, not a new one
+    try:
+        unfinished = await store.unfinished()
+        _require(app, named, unfinished)
+        if not unfinished:
+            if args.json:
+                _print_json(await summarize_store(store, list(app.machines), db=db))
+            else:
+                total = len(await store.list_runs())
+                sys.stdout.write(
+                    f"nothing to resume in {db}: {_count(total, 'run')}, none unfinished\n"
+                )
+            return 0
+    finally:
+        await store.aclose()
+    summary = await resume_app(app, db)
     if args.json:
         _print_json(summary)
     else:
-        _print_summary(summary)
+        _print_summary(
+            summary,
+            f"interlock resume: {summary['resumed']} runs resumed in {summary['wall_seconds']} s "
+            f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']}); "
+            f"{summary['runs']} runs in the journal",
+        )
     return 0
 
 
-def _load_machines(specs: Sequence[str]) -> list[Any]:
-    import importlib
-
-    from ._machine import Machine
-
-    machines: list[Any] = []
-    for spec in specs:
-        module_name, _, attr = spec.partition(":")
-        if not module_name or not attr:
-            raise InterlockError(
-                f"--machine {spec!r} must look like module:attribute, e.g. examples.strict_refund:machine"
-            )
-        sys.path.insert(0, ".")
+def _what_if(refs: Sequence[str]) -> list[Machine]:
+    """The machines ``--machine`` names, each REF as ``--app`` takes it."""
+    machines: list[Machine] = []
+    for ref in refs:
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise InterlockError(
-                f"--machine {spec!r}: cannot import {module_name!r}: {exc}"
-            ) from None
-        finally:
-            sys.path.pop(0)
-        try:
-            value = getattr(module, attr)
-        except AttributeError:
-            raise InterlockError(
-                f"--machine {spec!r}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
-        if callable(value) and not isinstance(value, Machine):
-            value = value()
-        items = value if isinstance(value, list | tuple) else [value]
-        for item in items:
-            if not isinstance(item, Machine):
-                raise InterlockError(
-                    f"--machine {spec!r} is a {type(item).__name__}, not an interlock Machine"
-                )
-            machines.append(item)
+            machines += load_app(ref, "--machine").machines.values()
+        except AppRefError as exc:  # exit 1, as before --app existed
+            raise InterlockError(str(exc)) from None
     return machines
 
 
 async def _replay(args: argparse.Namespace) -> int:
     from ._replay import replay
-    from .workflows import Backend
 
     if not args.all and not args.run_ids:
         raise InterlockError("name the runs to replay, or pass --all")
-    store = await open_store(args.db, readonly=True)
-    backend = Backend(":memory:")  # replay executes nothing; the tools are never called
+    app, named, db = _application(args)
+    overrides = _what_if(args.machine)
+    machines = {**app.machines, **{m.name: m for m in overrides}}
+    store = await open_store(db, readonly=True)
     try:
-        overrides = _load_machines(args.machine)
-        machines = {m.name: m for m in (w.build(backend) for w in WORKFLOWS.values())}
-        machines.update({m.name: m for m in overrides})
         if args.all:
-            run_ids = [r.run_id for r in await store.list_runs(machine=args.workflow)]
+            records = await store.list_runs(machine=args.workflow)
         else:
-            run_ids = list(args.run_ids)
-        journal = {run_id: await store.load(run_id) for run_id in run_ids}
+            records = [await store.get_run(run_id) for run_id in args.run_ids]
+        _require(App(list(machines.values())), named, records, run=False)
+        journal = {r.run_id: await store.load(r.run_id) for r in records}
     finally:
-        backend.close()
         await store.aclose()
     report = replay(journal, list(machines.values()))
     diverged = report.diverged
     if args.json:
         _print_json(
             {
-                "db": args.db,
+                "db": db,
                 "runs": len(report.runs),
                 "reproduced": report.reproduced,
                 "diverged": [msgspec.to_builtins(r) for r in diverged],
@@ -766,18 +870,15 @@ async def _replay(args: argparse.Namespace) -> int:
         )
     else:
         from rich.console import Console
-        from rich.table import Table
 
         console = Console()
         console.print(
-            f"replayed {len(report.runs)} runs from {args.db}: {report.reproduced} reproduced, "
+            f"replayed {len(report.runs)} runs from {db}: {report.reproduced} reproduced, "
             f"{len(diverged)} diverged"
             + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
         )
         if diverged:
-            table = Table(title="first divergence per run")
-            for column in ("run", "seq", "event", "expected", "got"):
-                table.add_column(column)
+            table = _table("first divergence per run", "run", "seq", "event", "expected", "got")
             for run in diverged:
                 d = run.divergence
                 assert d is not None
@@ -849,6 +950,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return trio.run(_COMMANDS[args.command], args)
+    except AppRefError as exc:
+        sys.stderr.write(_error(exc, args))
+        return 2
     except (InterlockError, ValueError, OSError) as exc:
         sys.stderr.write(_error(exc, args))
         return 1

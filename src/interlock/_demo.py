@@ -7,11 +7,14 @@ import os
 import random
 import time
 from collections import Counter
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ._app import App
+from ._exceptions import InterlockError
 from ._hotpath import IMPLEMENTATION
 from ._stats import LatencyHistogram, RuntimeStats
 from ._supervisor import RunResult, Supervisor, open_supervisor
@@ -20,7 +23,7 @@ from .stores._open import open_store
 from .workflows import WORKFLOWS, Backend
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from .stores import Store
 
@@ -58,18 +61,61 @@ class DemoConfig:
     run_prefix: str = field(default="")
 
     def effects_path(self) -> str:
-        if self.effects:
-            return self.effects
-        if self.db == ":memory:":
-            return ":memory:"
-        if self.db.startswith(("postgresql://", "postgres://")):
-            return "interlock-effects.db"
-        root, ext = os.path.splitext(self.db.removeprefix("sqlite:///"))
-        return f"{root}-effects{ext or '.db'}"
+        return self.effects or effects_path(self.db)
 
 
-def build_machines(backend: Backend, workflows: Sequence[str] = tuple(WORKFLOWS)) -> list[Any]:
+def effects_path(db: str) -> str:
+    """The demo's downstream systems beside the journal ``db``: ``X.db`` -> ``X-effects.db``."""
+    if db == ":memory:":
+        return ":memory:"
+    if db.startswith(("postgresql://", "postgres://")):
+        return "interlock-effects.db"
+    root, ext = os.path.splitext(db.removeprefix("sqlite:///"))
+    return f"{root}-effects{ext or '.db'}"
+
+
+class _Effects:
+    """The downstream systems as the demo's tools see them: the Backend its lifespan opened."""
+
+    def __init__(self) -> None:
+        self.backend: Backend | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.backend is None:
+            raise InterlockError(
+                "the demo's downstream systems are not open; enter the app's lifespan first"
+            )
+        return getattr(self.backend, name)
+
+
+def build_machines(backend: Any, workflows: Sequence[str] = tuple(WORKFLOWS)) -> list[Any]:
     return [WORKFLOWS[name].build(backend) for name in workflows]
+
+
+def build_app(config: DemoConfig | None = None) -> App:
+    """The demo as an application: the seed workflows under the chaos provider.
+
+    Its lifespan opens the downstream systems (``config.effects``, else beside the journal).
+    """
+    config = config if config is not None else DemoConfig()
+    effects = _Effects()
+
+    @asynccontextmanager
+    async def lifespan(db: str) -> AsyncIterator[Backend]:
+        backend = Backend(config.effects or effects_path(db))
+        effects.backend = backend
+        try:
+            yield backend
+        finally:
+            effects.backend = None
+            backend.close()
+
+    return App(
+        build_machines(effects, config.workflows),
+        provider=build_providers(config),
+        store=DEFAULT_DB,
+        lifespan=lifespan,
+    )
 
 
 def build_providers(config: DemoConfig) -> dict[str, ChaosProvider]:
@@ -114,7 +160,7 @@ def _workflow_row(
         "tokens": {"prompt": prompt, "completion": completion, "total": prompt + completion},
         "verifications": latency.total,
         "verification_us": _latency_us(latency),
-        "side_effects": {tool: effects[tool] for tool in EFFECT_TOOLS.get(name, ())},
+        "side_effects": {t: effects[t] for t in EFFECT_TOOLS.get(name, ()) if t in effects},
     }
 
 
@@ -190,60 +236,65 @@ async def run_demo(
             f"unknown workflow {unknown[0]!r}; choose from {', '.join(WORKFLOWS)} or all"
         )
     stats = stats if stats is not None else RuntimeStats()
+    app = build_app(config)
+    assert app.lifespan is not None
     own_store = store is None
     store = store if store is not None else await open_store(config.db)
-    backend = Backend(config.effects_path())
     prefix = config.run_prefix or f"d{int(time.time() * 1000):x}"
     rng = random.Random(config.seed)
     handles = []
     started = time.perf_counter()
     try:
-        machines = build_machines(backend, config.workflows)
-        async with open_supervisor(
-            machines, store, provider=build_providers(config), stats=stats
-        ) as supervisor:
-            if on_start is not None:
-                on_start(supervisor)
+        async with app.lifespan(config.db) as backend:
+            assert isinstance(backend, Backend)
+            async with open_supervisor(
+                list(app.machines.values()), store, provider=app.provider, stats=stats
+            ) as supervisor:
+                if on_start is not None:
+                    on_start(supervisor)
 
-            async def start(index: int, workflow: str, inputs: dict[str, Any]) -> None:
-                run_id = f"{workflow}-{prefix}-{index:06d}"
-                handles.append(await supervisor.start_run(workflow, inputs, run_id=run_id))
+                async def start(index: int, workflow: str, inputs: dict[str, Any]) -> None:
+                    run_id = f"{workflow}-{prefix}-{index:06d}"
+                    handles.append(await supervisor.start_run(workflow, inputs, run_id=run_id))
 
-            async with trio.open_nursery() as nursery:
-                for index in range(config.runs):
-                    workflow = config.workflows[index % len(config.workflows)]
-                    inputs = WORKFLOWS[workflow].make_inputs(index, rng)
-                    nursery.start_soon(start, index, workflow, inputs)
-            # Every run is started: its long-lived objects need no more collection passes.
-            gc.collect()
-            gc.freeze()
-        gc.unfreeze()
-        results = [await handle.wait() for handle in handles]
-        wall = time.perf_counter() - started
-        return summarize(results, stats, backend, run_prefix=prefix, wall=wall, config=config)
+                async with trio.open_nursery() as nursery:
+                    for index in range(config.runs):
+                        workflow = config.workflows[index % len(config.workflows)]
+                        inputs = WORKFLOWS[workflow].make_inputs(index, rng)
+                        nursery.start_soon(start, index, workflow, inputs)
+                # Every run is started: its long-lived objects need no more collection passes.
+                gc.collect()
+                gc.freeze()
+            gc.unfreeze()
+            results = [await handle.wait() for handle in handles]
+            wall = time.perf_counter() - started
+            return summarize(results, stats, backend, run_prefix=prefix, wall=wall, config=config)
     finally:
-        backend.close()
         if own_store:
             await store.aclose()
 
 
 async def summarize_store(
     store: Store,
-    backend: Backend,
+    machines: Sequence[str],
+    effects: object = None,
     *,
     stats: RuntimeStats | None = None,
     wall: float = 0.0,
     db: str = "",
+    resumed: int = 0,
 ) -> dict[str, Any]:
-    """The demo summary computed from everything in the journal (every run, every process).
+    """The summary of everything in the journal (every run, every process) per machine.
 
-    Verification latency is not journaled, so it covers what ``stats`` saw in this process.
+    Verification latency is not journaled, so it covers what ``stats`` saw in this process;
+    side effects are counted when ``effects`` is the demo's downstream systems.
     """
     from ._events import BreakerTripped, ModelCalled, ProposalRejected
 
     records = await store.list_runs()
+    counts = effects.counts() if isinstance(effects, Backend) else {}
     per: dict[str, dict[str, Any]] = {}
-    for name in WORKFLOWS:
+    for name in machines:
         mine = [r for r in records if r.machine == name]
         if not mine:
             continue
@@ -262,17 +313,18 @@ async def summarize_store(
         latency = (stats.verify_latency.get(name) if stats else None) or LatencyHistogram()
         ended = [(r.outcome, r.state, r.reason) for r in mine]
         per[name] = _workflow_row(
-            name, ended, rejections, trips, prompt, completion, latency, backend.counts()
+            name, ended, rejections, trips, prompt, completion, latency, counts
         )
     overall = (
         LatencyHistogram.merged(stats.verify_latency.values()) if stats else LatencyHistogram()
     )
     return {
         "runs": len(records),
+        "resumed": resumed,
         "wall_seconds": round(wall, 3),
-        "runs_per_second": round(len(records) / wall, 1) if wall else 0.0,
+        "runs_per_second": round(resumed / wall, 1) if wall else 0.0,
         "db": db,
-        "effects_db": backend.path,
+        "effects_db": effects.path if isinstance(effects, Backend) else None,
         "hotpath": IMPLEMENTATION,
         "outcomes": dict(sorted(Counter(r.outcome for r in records).items())),
         "verification_us": _latency_us(overall),
@@ -280,33 +332,31 @@ async def summarize_store(
     }
 
 
-async def resume_demo(config: DemoConfig, *, stats: RuntimeStats | None = None) -> dict[str, Any]:
-    """Resume every unfinished demo run in ``config.db``, wait for all, summarize the whole journal."""
+async def resume_app(app: App, db: str, *, stats: RuntimeStats | None = None) -> dict[str, Any]:
+    """Resume every unfinished run in the journal ``db`` with ``app``'s machines, wait for
+    all, and summarize the whole journal (see :func:`summarize_store`)."""
     stats = stats if stats is not None else RuntimeStats()
-    store = (
-        await open_store(config.db, readonly=False)
-        if config.db != ":memory:"
-        else await open_store(None)
-    )
-    backend = Backend(config.effects_path())
+    store = await open_store(db) if db != ":memory:" else await open_store(None)
     started = time.perf_counter()
+    lifespan: AbstractAsyncContextManager[object] = (
+        app.lifespan(db) if app.lifespan is not None else nullcontext()
+    )
     try:
-        machines = build_machines(backend)
-        providers = build_providers(
-            DemoConfig(
-                workflows=tuple(WORKFLOWS),
-                chaos_rate=config.chaos_rate,
-                seed=config.seed,
-                latency=config.latency,
+        async with lifespan as effects:
+            async with open_supervisor(
+                list(app.machines.values()), store, provider=app.provider, stats=stats
+            ) as supervisor:
+                handles = await supervisor.resume_unfinished()
+            for handle in handles:
+                await handle.wait()  # raises what ended a run abnormally (a store error, say)
+            return await summarize_store(
+                store,
+                list(app.machines),
+                effects,
+                stats=stats,
+                wall=time.perf_counter() - started,
+                db=db,
+                resumed=len(handles),
             )
-        )
-        async with open_supervisor(machines, store, provider=providers, stats=stats) as supervisor:
-            handles = await supervisor.resume_unfinished()
-        for handle in handles:
-            await handle.wait()  # raises what ended a run abnormally (a store error, say)
-        return await summarize_store(
-            store, backend, stats=stats, wall=time.perf_counter() - started, db=config.db
-        )
     finally:
-        backend.close()
         await store.aclose()

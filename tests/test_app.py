@@ -1,0 +1,312 @@
+"""Applications: ``interlock.App`` and the CLI operating a user's own machine through
+``--app``, as real processes, from a directory that is not the one holding the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from interlock import App, InterlockError, Machine, Worker
+from interlock.providers import ScriptedProvider
+
+BANK = textwrap.dedent(
+    '''
+    """A user's application: one machine that wires money, its model a script."""
+    import os
+    import sys
+    from typing import Annotated
+
+    import msgspec
+    import trio
+
+    from interlock import App, Machine, Tool, Worker, open_supervisor
+    from interlock.providers import ScriptedProvider
+    from interlock.stores import open_sqlite_store
+
+
+    class Wire(msgspec.Struct, forbid_unknown_fields=True):
+        amount: Annotated[int, msgspec.Meta(gt=0)]
+
+
+    async def wire(args, ctx):
+        await trio.sleep(float(os.environ.get("BANK_TOOL_SECONDS", "0")))
+        return {"wired": args.amount}
+
+
+    def oracle(view):
+        if view.last_result("wire") is None:
+            return '{"tool": "wire", "args": {"amount": %d}}' % view.inputs["amount"]
+        return '{"next": "COMPLETED"}'
+
+
+    machine = Machine(
+        "bank",
+        initial="PAY",
+        states={"PAY": Worker(next=["COMPLETED"], tools=["wire"])},
+        tools=[Tool("wire", wire, Wire, "Wire money.", idempotent=True)],
+    )
+    app = App([machine], provider=ScriptedProvider(oracle, model="bank-1"))
+    not_an_app = 42
+
+
+    async def start(db, amounts):
+        """Start one run per amount, say so once all are durable, then wait for a SIGKILL."""
+        store = await open_sqlite_store(db)
+        async with open_supervisor([machine], store, provider=app.provider) as supervisor:
+            for i, amount in enumerate(amounts):
+                await supervisor.start_run("bank", {"amount": amount}, run_id=f"bank-{i}")
+            print("started", flush=True)
+            await trio.sleep_forever()
+
+
+    if __name__ == "__main__":
+        trio.run(start, sys.argv[1], [int(a) for a in sys.argv[2:]])
+    '''
+)
+
+
+def interlock(*args, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "interlock", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def crashed(tmp_path):
+    """A user's app in its own directory and a journal of its runs, killed mid-run: three
+    runs in doubt in the tool, two escalated (a negative amount, rejected three times)."""
+    home = tmp_path / "project"
+    home.mkdir()
+    (home / "bank.py").write_text(BANK)
+    db = tmp_path / "journal.db"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with subprocess.Popen(
+        [sys.executable, str(home / "bank.py"), str(db), "5", "6", "7", "-1", "-2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, BANK_TOOL_SECONDS="60"),
+    ) as starter:
+        try:
+            assert starter.stdout.readline() == "started\n"
+            listed = {}
+            while sorted(listed.values()) != ["escalated"] * 2 + ["running"] * 3:
+                done = interlock("runs", "--db", str(db), "--json", cwd=elsewhere)
+                listed = {r["run_id"]: r["outcome"] for r in json.loads(done.stdout)["runs"]}
+        finally:
+            starter.send_signal(signal.SIGKILL)
+    return home / "bank.py", db, elsewhere
+
+
+def outcomes(db, cwd):
+    done = interlock("runs", "--db", str(db), "--all", "--json", cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return {r["run_id"]: (r["outcome"], r["state"]) for r in json.loads(done.stdout)["runs"]}
+
+
+def test_without_the_app_resume_names_the_missing_machine_and_touches_nothing(crashed):
+    """Regression: ``resume`` exited 0 leaving every run of a user's machine running and
+    created a stray X-effects.db; ``escalations resume|abort`` said 'not registered'."""
+    _bank, db, cwd = crashed
+    hint = "pass the application that defines it: --app module:attribute or --app path/to/file.py:attribute"
+    before = db.read_bytes()
+    done = interlock("resume", "--db", str(db), cwd=cwd)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "interlock: error: the app interlock.demo:app (the default) has no machine 'bank' "
+        f"(3 runs, e.g. 'bank-0'); {hint}\n"
+    )
+    for action in ("resume", "abort"):
+        done = interlock("escalations", action, "bank-3", "--db", str(db), cwd=cwd)
+        assert (done.returncode, done.stdout) == (1, ""), action
+        assert done.stderr == (
+            "interlock: error: the app interlock.demo:app (the default) has no machine "
+            f"'bank' (run 'bank-3'); {hint}\n"
+        )
+    done = interlock("replay", "--all", "--db", str(db), cwd=cwd)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "interlock: error: the app interlock.demo:app (the default) has no machine 'bank' "
+        f"(5 runs, e.g. 'bank-0'); {hint}\n"
+    )
+    assert db.read_bytes() == before
+    assert not list(db.parent.rglob("*effects*"))
+    assert list(cwd.iterdir()) == []
+
+
+def test_crash_resume_escalations_replay_and_check_through_app(crashed):
+    bank, db, cwd = crashed
+    app = f"{bank}:app"
+    resumed = interlock("resume", "--db", str(db), "--app", app, "--json", cwd=cwd)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout)
+    assert (summary["resumed"], summary["runs"]) == (3, 5)
+    assert summary["workflows"]["bank"]["escalation_reasons"] == {"consecutive_failures": 2}
+    assert outcomes(db, cwd) == {
+        "bank-0": ("completed", "COMPLETED"),
+        "bank-1": ("completed", "COMPLETED"),
+        "bank-2": ("completed", "COMPLETED"),
+        "bank-3": ("escalated", "ESCALATE"),
+        "bank-4": ("escalated", "ESCALATE"),
+    }
+    again = interlock("resume", "--db", str(db), "--app", app, cwd=cwd)
+    assert (again.returncode, again.stdout) == (
+        0,
+        f"nothing to resume in {db}: 5 runs, none unfinished\n",
+    )
+
+    payload = '{"tool": "wire", "args": {"amount": 3}}'
+    fixed = interlock(
+        "escalations", "resume", "bank-3", "--payload", payload, "--by", "ada", "--app", app,
+        "--db", str(db), "--json", cwd=cwd,
+    )  # fmt: skip
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads(fixed.stdout)["outcome"] == "completed"
+    aborted = interlock(
+        "escalations", "--db", str(db), "--app", app, "abort", "bank-4", "--by", "ada", "--note", "typo",
+        cwd=cwd,
+    )  # fmt: skip
+    assert (aborted.returncode, aborted.stderr) == (0, "")
+    assert aborted.stdout == "run bank-4: failed in FAILED (aborted by ada: typo)\n"
+    assert outcomes(db, cwd)["bank-3"] == ("completed", "COMPLETED")
+    shown = json.loads(interlock("show", "bank-3", "--db", str(db), "--json", cwd=cwd).stdout)
+    wires = [e["result"] for e in shown["events"] if e["kind"] == "tool_committed"]
+    assert wires == [{"wired": 3}]
+
+    replayed = interlock("replay", "--all", "--db", str(db), "--app", app, "--json", cwd=cwd)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert json.loads(replayed.stdout)["reproduced"] == 5
+    checked = interlock("check", "--db", str(db), cwd=cwd)
+    assert (checked.returncode, checked.stderr) == (0, "")
+    assert checked.stdout.startswith("ok: 5 runs, ")
+
+
+def test_app_named_by_environment_and_pyproject(crashed):
+    bank, db, cwd = crashed
+    by_env = interlock(
+        "replay", "bank-0", "--db", str(db), cwd=cwd, env={"INTERLOCK_APP": f"{bank}:app"}
+    )
+    assert (by_env.returncode, by_env.stderr) == (0, "")
+    assert by_env.stdout == f"replayed 1 runs from {db}: 1 reproduced, 0 diverged\n"
+    (cwd / "bank.py").write_text(BANK)  # module:attribute imports from the current directory
+    (cwd / "pyproject.toml").write_text('[tool.interlock]\napp = "bank:machine"\n')
+    bare = interlock("resume", "--db", str(db), cwd=cwd)
+    assert (bare.returncode, bare.stdout) == (1, "")
+    assert bare.stderr == (
+        "interlock: error: the app bank:machine "
+        f"({cwd / 'pyproject.toml'} [tool.interlock] app) has no provider for machine 'bank', "
+        "whose worker states need one; name an App with provider= (a bare Machine has none)\n"
+    )
+    (cwd / "pyproject.toml").write_text('[tool.interlock]\napp = "bank:app"\n')
+    sub = cwd / "sub"  # the nearest pyproject.toml is a parent's; the import is from the cwd
+    sub.mkdir()
+    (sub / "bank.py").write_text(BANK)
+    done = interlock("resume", "--db", str(db), cwd=sub)
+    assert done.returncode == 0, done.stderr
+    assert set(outcomes(db, cwd).values()) == {
+        ("completed", "COMPLETED"),
+        ("escalated", "ESCALATE"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ("bank", "--app 'bank' must look like module:attribute or path/to/file.py:attribute"),
+        (
+            "nosuchmodule:app",
+            "--app 'nosuchmodule:app': cannot import 'nosuchmodule': No module named "
+            "'nosuchmodule'; run from the directory that holds it, or name the file: "
+            "path/to/nosuchmodule.py:app",
+        ),
+        ("{bank}:nope", "--app '{bank}:nope': '{bank}' has no attribute 'nope'; name its App, "
+         "Machine or list of Machines"),
+        ("{bank}:not_an_app", "--app '{bank}:not_an_app' is a int, not an interlock App, Machine "
+         "or list of Machines; point it at one"),
+        ("{missing}:app", "--app '{missing}:app': no file '{missing}'; give the path of a Python file"),
+    ],
+)  # fmt: skip
+def test_a_bad_app_reference_is_one_line_and_exit_2(tmp_path, ref, message):
+    bank = tmp_path / "bank.py"
+    bank.write_text(BANK)
+    names = {"bank": bank, "missing": tmp_path / "missing.py"}
+    done = interlock("resume", "--app", ref.format(**names), "--db", "x.db", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"interlock: error: {message.format(**names)}\n"
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_a_module_that_raises_is_named(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no config')\n")
+    done = interlock("replay", "--all", "--app", f"{broken}:app", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"interlock: error: --app '{broken}:app': importing it raised RuntimeError: no config; "
+        "fix the module\n"
+    )
+
+
+def test_demo_options_are_refused_for_another_app(tmp_path):
+    (tmp_path / "bank.py").write_text(BANK)
+    done = interlock("resume", "--app", "bank:app", "--chaos-rate", "0.5", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "interlock: error: --chaos-rate tunes the built-in demo application, but --app names "
+        "'bank:app'; drop --chaos-rate\n"
+    )
+
+
+def _machine(name):
+    return Machine(name, initial="W", states={"W": Worker(next=["COMPLETED"])})
+
+
+def test_app_validates_what_it_is_given():
+    provider = ScriptedProvider([])
+    app = App(_machine("a"), provider={"a": provider}, prices={"m": (1.0, 2)}, store="x.db")
+    assert (list(app.machines), app.store, app.prices) == (["a"], "x.db", {"m": (1.0, 2)})
+    for args, kwargs, message in (
+        ([[]], {}, "App needs at least one Machine; pass App([machine, ...])"),
+        ([["a"]], {}, "App machines must be Machines, got a str; pass App([machine, ...])"),
+        (
+            [[_machine("a"), _machine("a")]],
+            {},
+            "App has two machines named 'a'; give each machine its own name",
+        ),
+        (
+            [[_machine("a")]],
+            {"provider": {"b": provider}},
+            "App provider is given for machine 'b', which the app does not have; its machines: a",
+        ),
+        (
+            [[_machine("a")]],
+            {"provider": "gpt"},
+            "App provider must have an async propose(view), got a str",
+        ),
+        (
+            [[_machine("a")]],
+            {"prices": {"m": (1.0, -1)}},
+            "App prices['m'] must be (prompt, completion) USD per million tokens, both at "
+            "least 0; got (1.0, -1)",
+        ),
+        (
+            [[_machine("a")]],
+            {"store": ""},
+            "App store must be a SQLite path or postgresql:// DSN, got ''",
+        ),
+    ):
+        with pytest.raises(InterlockError) as caught:
+            App(*args, **kwargs)
+        assert str(caught.value) == message
