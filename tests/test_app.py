@@ -188,6 +188,20 @@ def test_crash_resume_escalations_replay_and_check_through_app(crashed):
     replayed = interlock("replay", "--all", "--db", str(db), "--app", app, "--json", cwd=cwd)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert json.loads(replayed.stdout)["reproduced"] == 5
+    strict = cwd.parent / "strict.py"  # a what-if: the same machine, amounts of at most 4
+    strict.write_text(
+        BANK.replace("msgspec.Meta(gt=0)", "msgspec.Meta(gt=0, le=4)").replace(
+            'if __name__ == "__main__"', "if False"
+        )
+    )
+    what_if = interlock(
+        "replay", "--all", "--db", str(db), "--app", app, "--machine", f"{strict}:machine",
+        "--json", cwd=cwd,
+    )  # fmt: skip
+    assert what_if.returncode == 1
+    document = json.loads(what_if.stdout)
+    assert document["what_if"] == ["bank"]
+    assert sorted(d["run_id"] for d in document["diverged"]) == ["bank-0", "bank-1", "bank-2"]
     checked = interlock("check", "--db", str(db), cwd=cwd)
     assert (checked.returncode, checked.stderr) == (0, "")
     assert checked.stdout.startswith("ok: 5 runs, ")

@@ -245,6 +245,23 @@ def escalated_db(tmp_path):
     return path, queue["escalations"][0]["run_id"]
 
 
+def test_summary_breaks_escalations_down_by_reason(tmp_path):
+    """Regression: after a crash the summary showed "322 escalated" beside 6 breaker trips,
+    with no breakdown of the escalation reasons."""
+    path = tmp_path / "esc.db"
+    done = interlock(
+        "demo", "--runs", "3", "--workflow", "refund", "--db", str(path), "--chaos-rate", "1",
+        "--latency", "0,1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [" ".join(line.strip("│ ").split()) for line in done.stdout.splitlines()]
+    at = lines.index("escalations by reason")
+    assert "consecutive_failures │ 3" in lines[at + 1 : at + 6]
+    nothing = interlock("resume", "--db", str(path))
+    assert (nothing.returncode, nothing.stderr) == (0, "")
+    assert nothing.stdout == f"nothing to resume in {path}: 3 runs, none unfinished\n"
+
+
 def test_malformed_payload_is_refused_and_store_unchanged(escalated_db):
     path, run_id = escalated_db
     before = _digest(path)

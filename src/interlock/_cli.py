@@ -491,24 +491,29 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return result
 
 
-def _table(title: str, *columns: str) -> Table:
-    """A table whose first column (a run id) is never cut: it folds the others instead."""
+def _table(
+    title: str, *columns: str, folds: tuple[str, ...] = ("reason", "detail", "what")
+) -> Table:
+    """A table whose first column (a run id) is never cut: the columns in ``folds`` fold
+    to make room (the others keep a line each)."""
     from rich.table import Table
 
     table = Table(title=title)
     table.add_column(columns[0], no_wrap=True, min_width=len(columns[0]))
     for column in columns[1:]:
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", no_wrap=column not in folds)
     return table
 
 
 def _print_table(table: Table) -> None:
     """Print ``table``; piped, as wide as it needs, so no run id is cut."""
     from rich.console import Console
+    from rich.measure import Measurement
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, console.measure(table).maximum))
+        wide = console.options.update(max_width=1 << 16)
+        console = Console(width=max(console.width, Measurement.get(console, wide, table).maximum))
     console.print(table)
 
 
