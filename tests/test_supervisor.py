@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio.testing import wait_all_tasks_blocked
@@ -1150,3 +1151,29 @@ async def test_nested_and_interleaved_supervisors_restore_the_collector() -> Non
             await trio.sleep(0.01)  # the first one has closed: the second still tunes
             assert gc.get_threshold() == GC_THRESHOLD
     assert gc.get_threshold() == before
+
+
+async def test_finished_runs_are_released_and_only_the_latest_results_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long-lived supervisor kept every finished run's handle forever (#15)."""
+    from interlock import _supervisor
+
+    monkeypatch.setattr(_supervisor, "ENDED_KEPT", 5)
+    spec = Machine("m", "W", {"W": Worker(next=["COMPLETED"])})
+    provider = ScriptedProvider(['{"next": "COMPLETED"}'])
+    async with open_supervisor([spec], provider=provider) as sup:
+        handles = [await sup.start_run("m", run_id=f"r-{i}") for i in range(12)]
+        results = [await handle.wait() for handle in handles]
+        await trio.testing.wait_all_tasks_blocked()
+        assert [r.outcome for r in results] == ["completed"] * 12  # the caller keeps its own
+        assert sup.handles == {}
+        assert sup.runs == {}
+        assert list(sup._ended) == [f"r-{i}" for i in range(7, 12)]
+        # a late request about a recent run gets the clear answer ...
+        assert (await sup.cancel_run("r-11")).outcome == "completed"
+        with pytest.raises(ProtocolError, match=r"^run 'r-10' is completed in state 'COMPLETED'"):
+            await sup.request(Propose(run_id="r-10", raw="{}"))
+        # ... and about a forgotten one, that it is not here
+        with pytest.raises(RunNotFound):
+            await sup.request(Propose(run_id="r-0", raw="{}"))

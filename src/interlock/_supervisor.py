@@ -92,6 +92,9 @@ GC_THRESHOLD = (200_000, 20, 100)
 #: share at least this many characters; otherwise whole (a delta would save next to nothing).
 _MIN_SHARED_PROMPT = 64
 
+#: How many released runs' results a supervisor keeps to answer late requests clearly.
+ENDED_KEPT = 10_000
+
 #: A transition whose data is at least this many bytes of proposal refers to the
 #: proposal instead of holding a second copy (``Transitioned.delta_in_proposal``).
 _DELTA_BY_REFERENCE = 1024
@@ -291,6 +294,9 @@ class Supervisor:
         # Runs whose in-memory state was dropped because a batch holding their events
         # could not be written (see _forget): their later requests get that error.
         self._lost: dict[str, Exception] = {}
+        # How the latest released runs ended, so a late request gets a clear answer; the
+        # oldest are forgotten, so a process that runs millions of runs stays flat.
+        self._ended: dict[str, RunResult] = {}
 
     def provider_for(self, machine: str) -> Provider | None:
         if isinstance(self._provider, Mapping):
@@ -498,6 +504,8 @@ class Supervisor:
         for run_id in run_ids:
             self.runs.pop(run_id, None)
             self._lost[run_id] = error
+            if len(self._lost) > ENDED_KEPT:
+                del self._lost[next(iter(self._lost))]
 
     def _contain(self, msg: Request, exc: Exception) -> InternalError:
         """A bug met while deciding ``msg``: it ends that run only, never the supervisor.
@@ -547,9 +555,8 @@ class Supervisor:
             lost = self._lost.get(run_id)
             if lost is not None:
                 raise lost
-            handle = self.handles.get(run_id)
-            if handle is not None and handle._result is not None:
-                ended = handle._result
+            ended = self._ended.get(run_id)
+            if ended is not None:
                 raise ProtocolError(
                     f"run {run_id!r} is {ended.outcome} in state {ended.state!r}; "
                     "it takes no more proposals"
@@ -607,9 +614,9 @@ class Supervisor:
         return self._verdict(run, True)
 
     def _on_cancel(self, msg: Cancel, events: list[Event]) -> Verdict:
-        handle = self.handles.get(msg.run_id)
-        if msg.run_id not in self.runs and handle is not None and handle._result is not None:
-            ended = handle._result  # already finished and released: nothing to cancel
+        ended = self._ended.get(msg.run_id)
+        if msg.run_id not in self.runs and ended is not None:
+            # already finished and released: nothing to cancel
             return Verdict(
                 run_id=ended.run_id,
                 seq=ended.seq,
@@ -1343,9 +1350,16 @@ class Supervisor:
         )
 
     def release(self, run_id: str) -> None:
-        """Drop a finished run's in-memory state (its journal stays in the store; its
-        handle, which holds only the result, stays so late requests get a clear answer)."""
+        """Drop a finished run's in-memory state and its handle (its journal stays in the
+        store; whoever holds the handle keeps its result). How it ended is kept for the
+        latest :data:`ENDED_KEPT` runs, so a late request gets a clear answer."""
         self.runs.pop(run_id, None)
+        handle = self.handles.pop(run_id, None)
+        if handle is not None and handle._result is not None:
+            ended = self._ended
+            ended[run_id] = handle._result
+            if len(ended) > ENDED_KEPT:
+                del ended[next(iter(ended))]  # dicts keep insertion order: the oldest
 
     async def resume_unfinished(self, *, provider: Provider | None = None) -> list[RunHandle]:
         """Rebuild every unfinished run in the store by folding its journal, and resume it.
