@@ -65,6 +65,9 @@ class RunStarted(Event, frozen=True, tag="run_started"):
     machine: str
     state: str
     inputs: dict[str, Any] = {}
+    external: bool | msgspec.UnsetType = msgspec.UNSET
+    """True for a run its caller drives (no actor: the caller proposes and reports, see
+    ``Supervisor.submit``); absent for a run the runtime drives."""
 
 
 class ModelCalled(Event, frozen=True, tag="model_called"):

@@ -28,6 +28,8 @@ class Start(Msg, frozen=True, tag="start"):
 
     machine: str
     inputs: dict[str, Any] = {}
+    external: bool = False
+    """The caller drives the run (proposes and reports) instead of an actor."""
 
 
 class Propose(Msg, frozen=True, tag="propose"):

@@ -228,7 +228,14 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
 
     if first.machine != machine.name:
         return divergence(0, f"run_started of machine {machine.name!r}")
-    result = feed(Start(run_id=run_id, machine=first.machine, inputs=dict(first.inputs)))
+    result = feed(
+        Start(
+            run_id=run_id,
+            machine=first.machine,
+            inputs=dict(first.inputs),
+            external=first.external is True,
+        )
+    )
     while result is None and len(produced) < len(recorded):
         run = supervisor.runs[run_id]
         position = len(produced)

@@ -609,6 +609,7 @@ class Supervisor:
             machine=machine.name,
             state=machine.initial,
             inputs=msg.inputs,
+            external=True if msg.external else msgspec.UNSET,
         )
         self.stats.runs_started[machine.name] += 1
         return self._verdict(run, True)
@@ -1274,17 +1275,20 @@ class Supervisor:
         *,
         run_id: str | None = None,
         provider: Provider | None = None,
+        external: bool = False,
     ) -> RunHandle:
         """Start a run and return once its ``run_started`` event is durable.
 
         The run's actor lives in the supervisor's nursery; cancelling the supervisor
-        cancels every run.
+        cancels every run. An ``external`` run has no actor: its caller owns the model and
+        the tools, and drives it with :meth:`submit` (the gateway's external runs).
 
         Args:
           machine: the name of a registered machine.
           inputs: the run's inputs (checked against the machine's ``inputs`` schema).
           run_id: the run's id; generated if omitted. Must be unique in the store.
           provider: the provider for this run; defaults to the supervisor's.
+          external: the caller drives the run (no provider needed).
 
         Raises:
           UnknownMachine: ``machine`` names no registered machine.
@@ -1308,7 +1312,11 @@ class Supervisor:
                 text = "; ".join(v.message.replace("args", "inputs", 1) for v in violations)
                 raise InvalidInputs(f"inputs of machine {machine!r} are invalid: {text}")
         chosen = provider or self.provider_for(machine)
-        if chosen is None and any(isinstance(s, Worker) for s in spec.states.values()):
+        if (
+            not external
+            and chosen is None
+            and any(isinstance(s, Worker) for s in spec.states.values())
+        ):
             raise NoProvider(
                 f"machine {machine!r} has worker states but no provider; pass provider= to "
                 "open_supervisor() or start_run()"
@@ -1318,11 +1326,47 @@ class Supervisor:
         run_id = run_id or self._new_run_id()
         if run_id in self.runs:
             raise ProtocolError(f"run {run_id!r} already exists; run ids must be unique")
-        verdict = await self.request(Start(run_id=run_id, machine=machine, inputs=payload))
+        verdict = await self.request(
+            Start(run_id=run_id, machine=machine, inputs=payload, external=external)
+        )
         handle = RunHandle(run_id, machine)
         self.handles[run_id] = handle
-        self._spawn(handle, verdict, chosen)
+        if not external:
+            self._spawn(handle, verdict, chosen)
         return handle
+
+    async def submit(self, msg: Propose | Report | Reconciliation) -> Verdict:
+        """Drive an external run one request further: a proposal (the model's raw text, as
+        the caller's model produced it), a tool call's outcome, or a reconciliation.
+
+        The same gate, journal, breakers, budgets and in-doubt rules as for a run the
+        runtime drives; the verdict is sent once its events are durable. For an accepted
+        call, ``verdict.execute`` holds the idempotency key to pass downstream; report the
+        outcome with that key (``Report(ok=False, applied=False)`` for a failure that
+        certainly was not applied; any other failure of a tool that is not idempotent is
+        in doubt, and a tool that can reconcile is asked through ``verdict.reconcile``).
+        Once the run ends, its handle's :meth:`RunHandle.wait` returns.
+
+        Raises:
+          ProtocolError: the run is driven by its actor, the request is stale (its ``seq``
+            is not the run's) or out of order, or the run has ended.
+          RunNotFound: no such run is live here.
+          StoreError: the batch holding the request's events could not be written.
+        """
+        run = self.runs.get(msg.run_id)
+        if run is not None and not run.external:
+            raise ProtocolError(
+                f"run {msg.run_id!r} is driven by its actor; submit is for runs started with "
+                "start_run(..., external=True)"
+            )
+        verdict = await self.request(msg)
+        run = self.runs.get(msg.run_id)
+        if run is not None and run.terminal and run.closed:
+            handle = self.handles.get(msg.run_id)
+            if handle is not None and not handle.done:
+                handle._finish(self.result_of(msg.run_id))
+            self.release(msg.run_id)
+        return verdict
 
     def _spawn(self, handle: RunHandle, verdict: Verdict, provider: Provider | None) -> None:
         from ._actor import run_actor
@@ -1385,16 +1429,21 @@ class Supervisor:
         if not folded:
             return []
         # Decide every recovery now and make them durable with one flush, not one each.
-        verdicts = []
+        verdicts: list[Verdict | None] = []
         for run in folded:
             self.runs[run.run_id] = run
+            if run.external and run.pending is not None:
+                # Its caller ran the call and knows how it went: it reports, with the key.
+                verdicts.append(None)
+                continue
             verdicts.append(self.submit_nowait(Recover(run_id=run.run_id)))
         await self.request(Sync(run_id=folded[-1].run_id))
         handles = []
         for run, verdict in zip(folded, verdicts, strict=True):
             handle = RunHandle(run.run_id, run.machine.name)
             self.handles[run.run_id] = handle
-            self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
+            if verdict is not None and not run.external:  # an external run waits for its caller
+                self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
             handles.append(handle)
         return handles
 

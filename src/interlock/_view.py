@@ -161,6 +161,7 @@ class RunState:
         "data",
         "doubts",
         "escalation",
+        "external",
         "history",
         "inputs",
         "last_ts",
@@ -205,6 +206,8 @@ class RunState:
         self.results: list[ToolResult] = []
         self.pending: IntentRecorded | None = None
         self.doubts = 0
+        self.external = False
+        """The caller drives this run (``run_started.external``): no actor runs it."""
         """How many times the pending call was found in doubt (``tool_in_doubt``)."""
         self.provider_failures = 0
         """Failed model calls in a row (``provider_failed`` since the last ``model_called``)."""
@@ -378,6 +381,7 @@ class RunState:
                 self.output = {"reason": reason}
                 self.closed = True
             case RunStarted(state=state, inputs=inputs):
+                self.external = event.external is True
                 self.state = state
                 self.inputs = dict(inputs)
                 self._inputs_view = MappingProxyType(self.inputs)

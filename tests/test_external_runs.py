@@ -1,0 +1,132 @@
+"""Runs driven from outside, with no actor: the caller owns the model and the tools and
+drives the run with ``Supervisor.submit`` through the same messages (#15; the gateway's
+external runs build on this)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from interlock import (
+    Machine,
+    Propose,
+    ProtocolError,
+    Report,
+    Tool,
+    Worker,
+    open_supervisor,
+    replay,
+)
+from interlock.providers import ScriptedProvider
+from interlock.stores import MemoryStore, open_sqlite_store
+
+
+class Charge(msgspec.Struct, forbid_unknown_fields=True):
+    cents: int
+
+
+async def never(args: Any, ctx: Any) -> Any:  # the caller executes; the runtime never does
+    raise AssertionError("an external run's tool is executed by its caller")
+
+
+def shop() -> Machine:
+    return Machine(
+        "shop",
+        "PAY",
+        {"PAY": Worker(next=["COMPLETED"], tools=["charge"])},
+        tools=[Tool("charge", never, Charge)],
+    )
+
+
+CHARGE = '{"tool": "charge", "args": {"cents": 500}}'
+DONE = '{"next": "COMPLETED", "data": {"receipt": "r-9"}}'
+
+
+async def test_an_external_run_is_proposed_reported_and_completed_by_its_caller() -> None:
+    store = MemoryStore()
+    async with open_supervisor([shop()], store) as sup:  # no provider: none is needed
+        handle = await sup.start_run("shop", run_id="x-1", external=True)
+        view = sup.view("x-1")
+        assert (view.state, view.allowed_tools, view.legal_next) == (
+            "PAY",
+            ("charge",),
+            ("COMPLETED",),
+        )
+        bad = await sup.submit(Propose(run_id="x-1", seq=view.seq, raw='{"tool": "refund"}'))
+        assert (bad.accepted, bad.violations[0].code) == (False, "unknown_tool")
+        verdict = await sup.submit(Propose(run_id="x-1", seq=bad.seq, raw=CHARGE))
+        assert verdict.execute is not None
+        key = verdict.execute.key
+        assert (verdict.execute.tool, verdict.execute.args) == ("charge", {"cents": 500})
+        done = await sup.submit(
+            Report(run_id="x-1", seq=verdict.seq, key=key, ok=True, result={"charged": 500})
+        )
+        assert done.accepted
+        # a retried report of the same key gets the recorded result, not a second commit
+        again = await sup.submit(Report(run_id="x-1", key=key, ok=True, result={"charged": 1}))
+        assert again.result == {"charged": 500}
+        end = await sup.submit(Propose(run_id="x-1", seq=done.seq, raw=DONE))
+        assert end.outcome == "completed"
+        result = await handle.wait()
+        assert (result.outcome, result.output) == ("completed", {"receipt": "r-9"})
+    events = await store.load("x-1")
+    assert events[0].external is True
+    assert [type(e).__name__ for e in events].count("ToolCommitted") == 1
+    assert replay(events, shop()).diverged == ()
+
+
+async def test_a_stale_proposal_is_refused() -> None:
+    async with open_supervisor([shop()]) as sup:
+        await sup.start_run("shop", run_id="x-1", external=True)
+        first = await sup.submit(Propose(run_id="x-1", seq=1, raw='{"next": "NOWHERE"}'))
+        with pytest.raises(ProtocolError, match=r"^run 'x-1' is at seq 3, the request was made"):
+            await sup.submit(Propose(run_id="x-1", seq=1, raw=DONE))
+        assert first.seq == 3
+
+
+async def test_a_failure_the_caller_cannot_rule_out_is_in_doubt() -> None:
+    store = MemoryStore()
+    async with open_supervisor([shop()], store) as sup:
+        handle = await sup.start_run("shop", run_id="x-1", external=True)
+        verdict = await sup.submit(Propose(run_id="x-1", seq=1, raw=CHARGE))
+        assert verdict.execute is not None
+        await sup.submit(
+            Report(run_id="x-1", seq=verdict.seq, key=verdict.execute.key, ok=False, error="reset")
+        )
+        result = await handle.wait()
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+
+
+async def test_submit_refuses_a_run_its_actor_drives() -> None:
+    async with open_supervisor([shop()], provider=ScriptedProvider([DONE])) as sup:
+        handle = await sup.start_run("shop", run_id="a-1")
+        with pytest.raises(ProtocolError, match=r"^run 'a-1' is driven by its actor"):
+            await sup.submit(Propose(run_id="a-1", raw=DONE))
+        await handle.wait()
+
+
+async def test_after_a_restart_an_external_run_waits_for_its_caller(tmp_path: Any) -> None:
+    """Resuming does not drive an external run (no actor, no model call), and its call in
+    flight stays pending until the caller reports it with its key."""
+    path = str(tmp_path / "j.db")
+    store = await open_sqlite_store(path)
+    async with open_supervisor([shop()], store) as sup:
+        await sup.start_run("shop", run_id="x-1", external=True)
+        verdict = await sup.submit(Propose(run_id="x-1", seq=1, raw=CHARGE))
+    await store.aclose()
+    assert verdict.execute is not None
+    store = await open_sqlite_store(path)
+    try:
+        async with open_supervisor([shop()], store, provider=ScriptedProvider([])) as sup:
+            (handle,) = await sup.resume_unfinished()
+            assert not handle.done
+            done = await sup.submit(
+                Report(run_id="x-1", key=verdict.execute.key, ok=True, result={"charged": 500})
+            )
+            await sup.submit(Propose(run_id="x-1", seq=done.seq, raw=DONE))
+            assert (await handle.wait()).outcome == "completed"
+        assert replay(await store.load("x-1"), shop()).diverged == ()
+    finally:
+        await store.aclose()
