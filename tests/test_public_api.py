@@ -86,3 +86,13 @@ def test_help_renders_the_whole_package() -> None:
     text = pydoc.render_doc(interlock, renderer=pydoc.plaintext)
     assert "class Decision" in text
     assert "open_supervisor" in text
+
+
+def test_the_message_union_is_exported_with_every_message_in_it() -> None:
+    """The union and the messages it holds are exported together, or not at all (#15)."""
+    import typing
+
+    for union in (interlock.Message, interlock.Request):
+        for cls in typing.get_args(union):
+            assert getattr(interlock, cls.__name__) is cls
+            assert cls.__name__ in interlock.__all__

@@ -147,6 +147,7 @@ from ._machine import (
 from ._machine import (
     Worker as Worker,
 )
+from ._messages import Abort as Abort
 from ._messages import (
     Cancel as Cancel,
 )
@@ -157,12 +158,16 @@ from ._messages import (
     Propose as Propose,
 )
 from ._messages import Reconciliation as Reconciliation
+from ._messages import Recover as Recover
 from ._messages import (
     Report as Report,
 )
+from ._messages import Request as Request
+from ._messages import Resume as Resume
 from ._messages import (
     Start as Start,
 )
+from ._messages import Sync as Sync
 from ._messages import (
     ToolCall as ToolCall,
 )
@@ -246,6 +251,7 @@ __all__ = [
     "BREAKERS",
     "ESCALATE",
     "FAILED",
+    "Abort",
     "App",
     "Applied",
     "BreakerPolicy",
@@ -287,10 +293,13 @@ __all__ = [
     "ProviderPolicy",
     "Reconciled",
     "Reconciliation",
+    "Recover",
     "Reject",
     "ReplayDivergence",
     "ReplayReport",
     "Report",
+    "Request",
+    "Resume",
     "Resumed",
     "RetryPolicy",
     "RetryableToolError",
@@ -310,6 +319,7 @@ __all__ = [
     "StoreError",
     "Supervisor",
     "SupervisorStatistics",
+    "Sync",
     "TokenUsage",
     "Tool",
     "ToolCall",
