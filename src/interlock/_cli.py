@@ -719,7 +719,8 @@ def _application(args: argparse.Namespace) -> tuple[App, str, str]:
         )
     app = build_app(DemoConfig(**options)) if options else load_app(ref, where)
     named = ref if where == "--app" else f"{ref} ({where})"
-    return app, named, args.db or app.store or DEFAULT_DB
+    args.db = args.db or app.store or DEFAULT_DB  # the journal an error names
+    return app, named, args.db
 
 
 def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = True) -> None:
