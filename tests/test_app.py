@@ -53,6 +53,7 @@ BANK = textwrap.dedent(
     )
     app = App([machine], provider=ScriptedProvider(oracle, model="bank-1"))
     not_an_app = 42
+    stored = App([machine], provider=app.provider, store="bank.db")
 
 
     async def start(db, amounts):
@@ -271,6 +272,16 @@ def test_a_module_that_raises_is_named(tmp_path):
         f"interlock: error: --app '{broken}:app': importing it raised RuntimeError: no config; "
         "fix the module\n"
     )
+
+
+def test_the_apps_store_is_the_default_journal(tmp_path):
+    (tmp_path / "bank.py").write_text(BANK)
+    done = interlock("resume", "--app", "bank:stored", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "interlock: error: database bank.db does not exist\n"
+    assert not (tmp_path / "bank.db").exists()
+    given = interlock("resume", "--app", "bank:stored", "--db", "bank2.db", cwd=tmp_path)
+    assert given.stderr == "interlock: error: database bank2.db does not exist\n"
 
 
 def test_demo_options_are_refused_for_another_app(tmp_path):
