@@ -481,3 +481,29 @@ def test_show_tells_provider_failures_doubt_and_reconciliation(tmp_path):
         "(as reconciled, not executed again)",
     ):
         assert expected in text, expected
+
+
+def test_ctrl_c_during_the_demo_is_one_line_not_a_traceback(tmp_path):
+    """Ctrl-C during `demo` printed a 55-line traceback (#15)."""
+    import signal
+    import time
+
+    db = tmp_path / "j.db"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "interlock", "demo", "--db", str(db), "--runs", "20000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    give_up = time.monotonic() + 60
+    while not db.exists() and time.monotonic() < give_up:  # not a timing: wait for the journal
+        time.sleep(0.05)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert err == (
+        f"interlock: interrupted; `interlock resume --db {db}` continues the unfinished runs\n"
+    )

@@ -185,12 +185,15 @@ async def test_system_exit_from_a_tool_is_not_contained() -> None:
     async def interrupted(args: Any, ctx: ToolContext) -> Any:
         raise SystemExit(3)
 
-    with pytest.raises(SystemExit):
+    async def main() -> None:
         async with open_supervisor(
             [job("bad", interrupted, idempotent=True)], provider=ScriptedProvider([CALL, DONE])
         ) as sup:
             await sup.start_run("bad", run_id="bad-1")
             await trio.sleep_forever()  # SystemExit ends the supervisor, and this with it
+
+    with pytest.raises(SystemExit):
+        await main()
 
 
 async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: Any) -> None:

@@ -602,3 +602,19 @@ async def test_expected_refusals_are_typed_errors_users_can_catch() -> None:
             await sup.start_run("m", {"n": 1})
     for error in (UnknownMachine, InvalidInputs, NoProvider, NotEscalated, IllegalResumeTarget):
         assert issubclass(error, InterlockError)
+
+
+async def test_resume_refuses_a_run_that_needs_a_model_it_has_not_got() -> None:
+    """resume_unfinished started the actor of a worker-state run with no provider, which
+    then died of an internal error; it now refuses before resuming any run (#15)."""
+    import time
+
+    from interlock import Machine, NoProvider, RunStarted, Worker
+
+    store = MemoryStore()
+    await store.append([RunStarted(run_id="r-1", seq=1, ts=time.time(), machine="m", state="W")])
+    spec = Machine("m", "W", {"W": Worker(next=["COMPLETED"])})
+    async with open_supervisor([spec], store) as sup:
+        with pytest.raises(NoProvider, match=r"^machine 'm' has worker states but no provider"):
+            await sup.resume_unfinished()
+        assert sup.handles == {}

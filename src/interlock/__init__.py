@@ -78,6 +78,7 @@ from ._events import (
 from ._events import (
     whole_prompts as whole_prompts,
 )
+from ._exceptions import AppRefError as AppRefError
 from ._exceptions import IllegalResumeTarget as IllegalResumeTarget
 from ._exceptions import IndexDamaged as IndexDamaged
 from ._exceptions import (
@@ -253,6 +254,7 @@ __all__ = [
     "FAILED",
     "Abort",
     "App",
+    "AppRefError",
     "Applied",
     "BreakerPolicy",
     "BreakerTripped",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import InterlockError
+from ._exceptions import AppRefError, InterlockError
 from ._machine import Machine
 
 if TYPE_CHECKING:
@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 
 #: The application a command that needs machines uses when none is named.
 DEMO_REF = "interlock.demo:app"
-
-
-class AppRefError(InterlockError, ValueError):
-    """An application reference (``--app``, ``INTERLOCK_APP``, pyproject) names no application."""
 
 
 class App:

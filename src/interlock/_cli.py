@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgspec
 import trio
 
-from ._app import DEMO_REF, App, AppRefError, find_ref, load_app
+from ._app import DEMO_REF, App, find_ref, load_app
 from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
 from ._events import (
     BreakerTripped,
@@ -36,7 +36,7 @@ from ._events import (
     event_to_builtins,
     whole_prompts,
 )
-from ._exceptions import InterlockError, JournalCorrupt
+from ._exceptions import AppRefError, InterlockError, JournalCorrupt
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._machine import Machine, Worker
@@ -964,11 +964,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BaseExceptionGroup as group:
         leaves = list(_leaves(group))
+        if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+            return _interrupted(args)
         expected = [e for e in leaves if isinstance(e, InterlockError | ValueError | OSError)]
         if not expected or len(expected) != len(leaves):
             raise
         sys.stderr.write(_error(expected[0], args))
         return 1
     except KeyboardInterrupt:
-        sys.stderr.write("interlock: interrupted\n")
-        return 130
+        return _interrupted(args)
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """Ctrl-C: one line, not a traceback; every batch written so far is in the journal."""
+    db = getattr(args, "db", None)
+    resume = f"; `interlock resume --db {db}` continues the unfinished runs" if db else ""
+    sys.stderr.write(f"interlock: interrupted{resume}\n")
+    return 130

@@ -31,6 +31,10 @@ class UnknownMachine(InterlockError, LookupError):
         self.machine = machine
 
 
+class AppRefError(InterlockError, ValueError):
+    """An application reference (``--app``, ``INTERLOCK_APP``, pyproject) names no application."""
+
+
 class InvalidInputs(InterlockError, ValueError):
     """A run's inputs break its machine's ``inputs`` schema, or cannot be journaled."""
 

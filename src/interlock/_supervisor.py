@@ -1415,6 +1415,8 @@ class Supervisor:
         Raises:
           JournalCorrupt, IndexDamaged: a journal or the runs index is damaged; no run
             was resumed (``interlock check`` lists the damage).
+          NoProvider: a run to resume needs a model and there is no provider for its
+            machine; no run was resumed.
         """
         # Fold every journal before resuming any run: a damaged one (JournalCorrupt,
         # IndexDamaged) then stops the resume before it has started anything.
@@ -1426,6 +1428,18 @@ class Supervisor:
             if machine is None:
                 continue
             folded.append(fold(machine, await self.store.load(record.run_id)))
+        for run in folded:
+            name = run.machine.name
+            if (
+                not run.external
+                and (provider or self.provider_for(name)) is None
+                and any(isinstance(spec, Worker) for spec in run.machine.states.values())
+            ):
+                raise NoProvider(
+                    f"machine {name!r} has worker states but no provider, so run "
+                    f"{run.run_id!r} cannot be resumed; pass provider= to open_supervisor() "
+                    "or resume_unfinished()"
+                )
         if not folded:
             return []
         # Decide every recovery now and make them durable with one flush, not one each.
