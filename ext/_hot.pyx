@@ -432,8 +432,7 @@ cdef class Tables:
 # The Python-level entry points of the three checks the gate and the benchmarks call
 # per proposal are written by hand as METH_FASTCALL C functions. Cython's generic
 # wrapper for a two-argument method (keyword parsing set-up, a new reference to each
-# argument, the int result boxed by a call) costs about 5 ns, which is more than the
-# check itself. Each entry point answers the common call (two positional arguments
+# argument, the int result boxed by a call) costs more than the check itself. Each entry point answers the common call (two positional arguments
 # of the exact type) itself and hands every other call to the Cython-generated
 # method it replaces, so keywords, odd types and every error behave as before.
 

@@ -236,7 +236,7 @@ if _typing.TYPE_CHECKING:
     from ._metrics import RuntimeCollector as RuntimeCollector
     from ._metrics import serve_metrics as serve_metrics
 
-#: Public names loaded on first use: prometheus_client costs ~50 ms at start-up.
+#: Public names loaded on first use: importing prometheus_client is slow at start-up.
 _LAZY = ("RuntimeCollector", "serve_metrics")
 
 

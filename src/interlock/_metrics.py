@@ -58,7 +58,7 @@ def _octaves(first: int, last: int) -> tuple[float, ...]:
     return LatencyHistogram.BOUNDS[first : last + 1 : 4]
 
 
-#: Verification: 1 µs .. 131 ms (the gate takes a few µs; a slow guard, milliseconds).
+#: Verification: 1 µs .. 131 ms (a proposal takes microseconds; a slow guard, milliseconds).
 VERIFY_BOUNDS = _octaves(8, 76)
 #: Model and tool calls: 64 µs .. 16.8 s.
 CALL_BOUNDS = _octaves(32, 104)

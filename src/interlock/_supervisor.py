@@ -83,9 +83,8 @@ if TYPE_CHECKING:
 Clock = Callable[[], float]
 
 #: Garbage-collector thresholds while a supervisor runs (see :func:`open_supervisor`).
-#: A young-generation pass costs tens of ms with thousands of live run tasks, and the
-#: loop allocates steadily: 200,000 rather than 50,000 cut the collector's time at 5,000
-#: concurrent runs from 1.7 s to 0.3 s (wall -10%), with the same peak RSS.
+#: A young-generation pass walks every live run task, and the loop allocates steadily:
+#: fewer, larger passes (benchmarks/bench_concurrency.py measures the difference).
 GC_THRESHOLD = (200_000, 20, 100)
 
 #: A model call journals its prompt as a delta against the run's previous one when the two

@@ -55,8 +55,8 @@ __all__ = [
 ]
 
 
-#: Names imported on first use: psycopg takes ~0.3 s to import, which every CLI command
-#: and every SQLite-only program would otherwise pay.
+#: Names imported on first use: importing psycopg is slow, and every CLI command and
+#: every SQLite-only program would otherwise pay for it (and it is an optional extra).
 _LAZY = ("PostgresStore", "open_postgres_store")
 
 

@@ -69,8 +69,7 @@ BUSY_TIMEOUT_MS = 5000
 
 #: Page size of a new database. Chunks are tens of kilobytes, and larger pages mean
 #: fewer WAL frames per batch; but a commit writes whole pages, so a one-event batch
-#: pays for large ones. 8 KiB measured best across batch sizes (16 KiB: a little
-#: faster for batches of 1,000, slower for single events with ``synchronous=FULL``).
+#: pays for large ones. 8 KiB balanced the two best when measured (bench_journal).
 PAGE_SIZE = 8192
 
 #: WAL bytes (estimated) written between two checkpoints of the checkpoint thread.
