@@ -437,7 +437,7 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
         sizes = []
         for i in range(300):
             await (await sup.start_run("shop", run_id=f"r-{i}")).wait()
-            sizes.append(len(sup._deadlines))
+            sizes.append(len(sup._watchdog))
     # one run live at a time: a push prunes the heap once it holds more than 3 * 1 + 64
     assert sizes[:17] == list(range(4, 72, 4))
     assert max(sizes) == 68
@@ -447,7 +447,8 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
 async def test_a_watchdog_entry_acts_only_on_the_handle_that_armed_it() -> None:
     # Entries name the run, not the handle; a resumed run gets a new handle under the
     # same id, and an entry its old handle armed must not cut the new one's wait.
-    from interlock._supervisor import RunHandle, _armed_for
+    from interlock._supervisor import RunHandle
+    from interlock._watchdog import armed_for as _armed_for
 
     old, new = RunHandle("r-1", "shop"), RunHandle("r-1", "shop")
     old._deadline_token, new._deadline_token = -1, -7

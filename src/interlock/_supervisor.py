@@ -4,8 +4,6 @@ group-commits the journal and replies only after the batch is durable."""
 from __future__ import annotations
 
 import gc
-import heapq
-import math
 import random
 import re
 import time
@@ -74,6 +72,7 @@ from ._messages import (
 )
 from ._stats import RuntimeStats, SupervisorStatistics
 from ._view import RunState, RunView, fold, proposal_data
+from ._watchdog import Watchdog, armed_for
 
 if TYPE_CHECKING:
     from ._tools import Tool
@@ -158,13 +157,6 @@ class _Pending:
         return trio.lowlevel.Abort.SUCCEEDED
 
 
-def _armed_for(handle: RunHandle | None, token: int) -> bool:
-    """Whether a watchdog entry with ``token`` is still live for ``handle``."""
-    if handle is None or handle.done:
-        return False
-    return token == (handle._deadline_token if token < 0 else handle._tool_token)
-
-
 class RunHandle:
     """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
 
@@ -214,7 +206,7 @@ class RunHandle:
 
     def _fire(self, token: int) -> None:
         """The watchdog's entry ``token`` is due: act on it if it is still this handle's."""
-        if not _armed_for(self, token):
+        if not armed_for(self, token):
             return
         if token > 0:  # the tool attempt's timeout: cut the attempt
             self._tool_cut = token
@@ -285,11 +277,7 @@ class Supervisor:
         self._actors: trio.Nursery | None = None
         self._closed = False
         self._next_id = 0
-        # The runs' deadlines and tool timeouts, earliest first, and the watchdog's wait
-        # for the earliest (see arm_deadline, arm_timeout, _arm).
-        self._deadlines: list[tuple[float, int, str]] = []
-        self._deadline_wait: trio.CancelScope | None = None
-        self._armed = 0
+        self._watchdog = Watchdog(self.handles, lambda: len(self.runs))
         # Runs whose in-memory state was dropped because a batch holding their events
         # could not be written (see _forget): their later requests get that error.
         self._lost: dict[str, Exception] = {}
@@ -441,61 +429,15 @@ class Supervisor:
         only its wait for the model (see run_actor).
         """
         run = self.runs[handle.run_id]
+        # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin, so
+        # the supervisor's own check (on self.clock) agrees that it passed.
         remaining = run.started_ts + run.machine.budgets.deadline - self.clock()
-        if math.isfinite(remaining):
-            # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin,
-            # so the supervisor's own check (on self.clock) agrees that it passed.
-            self._armed += 1
-            token = handle._deadline_token = -self._armed
-            self._arm(trio.current_time() + max(remaining, 0.0) + 1e-3, token, handle)
+        self._watchdog.arm_deadline(handle, remaining + 1e-3)
 
     def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
-        """Have the watchdog cut ``handle``'s tool attempt after ``seconds``.
-
-        Returns the attempt's token, which the actor holds in ``handle._tool_token``
-        while the attempt runs; the entry of an attempt that finished is ignored.
-        """
-        self._armed += 1
-        token = handle._tool_token = self._armed
-        self._arm(trio.current_time() + seconds, token, handle)
-        return token
-
-    def _arm(self, at: float, token: int, handle: RunHandle) -> None:
-        # An entry is (trio time, token, run id): a tool attempt's token is positive, a
-        # run deadline's negative; unique either way, so ties never compare run ids. The
-        # run id, not the handle: a tuple of a float, an int and a str is untracked by the
-        # garbage collector after its first pass, and the heap holds one per live step.
-        # The handle is looked up when the entry fires; its token says whether the entry
-        # is still its own (a resumed run has a new handle under the same id).
-        heap = self._deadlines
-        if len(heap) > 3 * len(self.runs) + 64:
-            # Each live run has at most two live entries (its deadline, its tool attempt):
-            # drop the rest, so the heap stays O(live runs) however many calls finished.
-            # Pruning at 3x leaves room for at least one push per live run before the next.
-            handles = self.handles
-            heap[:] = [entry for entry in heap if _armed_for(handles.get(entry[2]), entry[1])]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (at, token, handle.run_id))
-        waiting = self._deadline_wait
-        if waiting is not None and at < waiting.deadline:
-            waiting.deadline = at
-
-    async def _watch_deadlines(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        task_status.started()
-        heap = self._deadlines
-        while True:
-            now = trio.current_time()
-            while heap and heap[0][0] <= now:
-                _at, token, run_id = heapq.heappop(heap)
-                handle = self.handles.get(run_id)
-                if handle is not None:
-                    handle._fire(token)
-            with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
-                self._deadline_wait = waiting
-                await trio.sleep_forever()
-            self._deadline_wait = None
+        """Have the watchdog cut ``handle``'s call in flight after ``seconds``; see
+        :meth:`Watchdog.arm_timeout`."""
+        return self._watchdog.arm_timeout(handle, seconds)
 
     def _forget(self, run_ids: set[str], error: StoreError) -> None:
         # NOTE: the in-memory state ran ahead of a batch that was never written; drop
@@ -1637,7 +1579,7 @@ async def open_supervisor(
     try:
         async with trio.open_nursery() as outer:
             await outer.start(supervisor.serve)
-            await outer.start(supervisor._watch_deadlines)
+            await outer.start(supervisor._watchdog.serve)
             try:
                 async with trio.open_nursery() as actors:
                     supervisor._actors = actors

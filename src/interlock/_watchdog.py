@@ -1,0 +1,98 @@
+"""The watchdog: every run's deadline and the timeout of each model call and tool attempt
+in flight, in one heap, so that no step enters a trio cancel scope of its own."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from ._supervisor import RunHandle
+
+
+def armed_for(handle: RunHandle | None, token: int) -> bool:
+    """Whether a watchdog entry with ``token`` is still live for ``handle``."""
+    if handle is None or handle.done:
+        return False
+    return token == (handle._deadline_token if token < 0 else handle._tool_token)
+
+
+class Watchdog:
+    """Tells a run's handle when what its actor waits for has overrun.
+
+    An entry is (trio time, token, run id). A deadline's token is negative, a call's
+    positive; each is unique, so ties never compare run ids. The run id, not the handle:
+    a tuple of a float, an int and a str is untracked by the garbage collector after its
+    first pass, and the heap holds one per live step. The handle is looked up when the
+    entry fires, and its token says whether the entry is still its own (a resumed run has
+    a new handle under the same id, a finished call a new token).
+
+    Args:
+      handles: the live runs' handles by run id (the supervisor's table, read only).
+      live: how many runs are live (bounds the heap).
+    """
+
+    __slots__ = ("_armed", "_handles", "_heap", "_live", "_waiting")
+
+    def __init__(self, handles: Mapping[str, RunHandle], live: Callable[[], int]) -> None:
+        self._handles = handles
+        self._live = live
+        self._heap: list[tuple[float, int, str]] = []
+        self._waiting: trio.CancelScope | None = None
+        self._armed = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def arm_deadline(self, handle: RunHandle, remaining: float) -> None:
+        """Fire ``handle``'s deadline in ``remaining`` seconds (of trio's clock)."""
+        if math.isfinite(remaining):
+            self._armed += 1
+            token = handle._deadline_token = -self._armed
+            self._arm(trio.current_time() + max(remaining, 0.0), token, handle)
+
+    def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
+        """Cut ``handle``'s call in flight (a model call or a tool attempt) after ``seconds``.
+
+        Returns the call's token, which the actor holds in ``handle._tool_token`` while the
+        call runs; the entry of a call that finished is ignored when it fires.
+        """
+        self._armed += 1
+        token = handle._tool_token = self._armed
+        self._arm(trio.current_time() + seconds, token, handle)
+        return token
+
+    def _arm(self, at: float, token: int, handle: RunHandle) -> None:
+        heap = self._heap
+        if len(heap) > 3 * self._live() + 64:
+            # Each live run has at most two live entries (its deadline, its call in
+            # flight): drop the rest, so the heap stays O(live runs) however many calls
+            # finished. Pruning at 3x leaves room for at least one push per live run.
+            handles = self._handles
+            heap[:] = [entry for entry in heap if armed_for(handles.get(entry[2]), entry[1])]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (at, token, handle.run_id))
+        waiting = self._waiting
+        if waiting is not None and at < waiting.deadline:
+            waiting.deadline = at
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Fire entries as they come due, until cancelled."""
+        task_status.started()
+        heap = self._heap
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                _at, token, run_id = heapq.heappop(heap)
+                handle = self._handles.get(run_id)
+                if handle is not None:
+                    handle._fire(token)
+            with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
+                self._waiting = waiting
+                await trio.sleep_forever()
+            self._waiting = None
