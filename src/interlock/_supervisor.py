@@ -7,13 +7,11 @@ import gc
 import random
 import re
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import outcome
 import trio
 
 from . import _breakers
@@ -55,6 +53,7 @@ from ._exceptions import (
 )
 from ._gate import verify
 from ._hotpath import common_affixes
+from ._journal import GroupCommit
 from ._machine import ESCALATE, FAILED, Machine, Step, Worker
 from ._messages import (
     Abort,
@@ -140,21 +139,6 @@ class RunResult(msgspec.Struct, frozen=True, gc=False):
     reason: str = ""
     seq: int = 0
     """The seq of the run's last journal event."""
-
-
-class _Pending:
-    """A request waiting for its verdict; also the wait's abort function (see request)."""
-
-    __slots__ = ("cancelled", "msg", "task")
-
-    def __init__(self, msg: Request, task: trio.lowlevel.Task) -> None:
-        self.msg = msg
-        self.task = task
-        self.cancelled = False
-
-    def __call__(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
-        self.cancelled = True
-        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class RunHandle:
@@ -265,17 +249,15 @@ class Supervisor:
             self.machines[machine.name] = machine
         self.store = store
         self.clock = clock
-        self.max_batch = max_batch
         self.stats = stats if stats is not None else RuntimeStats()
         self.circuits = CircuitBoard()
         self.runs: dict[str, RunState] = {}
         self.handles: dict[str, RunHandle] = {}
-        self._provider = provider
-        self._queue: deque[_Pending] = deque()
-        self._inline: list[Event] = []  # decided by submit_nowait, not yet flushed
-        self._idle: trio.lowlevel.Task | None = None
+        self._journal = GroupCommit(
+            store, self.stats, self._decide, self._contain, self._forget, max_batch
+        )
         self._actors: trio.Nursery | None = None
-        self._closed = False
+        self._provider = provider
         self._next_id = 0
         self._watchdog = Watchdog(self.handles, lambda: len(self.runs))
         # Runs whose in-memory state was dropped because a batch holding their events
@@ -321,19 +303,7 @@ class Supervisor:
           StoreError: the batch holding the request's events could not be written.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("supervisor is closed")
-        pending = _Pending(msg, trio.lowlevel.current_task())
-        self._queue.append(pending)
-        idle = self._idle
-        if idle is not None:
-            self._idle = None
-            trio.lowlevel.reschedule(idle)
-
-        # The pending request is its own abort function: a closure would be two more
-        # objects per request for the garbage collector to walk while the run waits.
-        result: Verdict = await trio.lowlevel.wait_task_rescheduled(pending)
-        return result
+        return await self._journal.request(msg)
 
     def submit_nowait(self, msg: Request) -> Verdict:
         """Decide a request now, in the caller's task, without waiting for the journal.
@@ -347,78 +317,12 @@ class Supervisor:
           ProtocolError: the request is out of order or names no live run.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("supervisor is closed")
-        inline = self._inline
-        mark = len(inline)
-        try:
-            verdict = self._decide(msg, inline)
-        except InterlockError:
-            raise
-        except Exception as exc:
-            del inline[mark:]
-            raise self._contain(msg, exc) from exc
-        idle = self._idle
-        if idle is not None and self._inline:
-            self._idle = None
-            trio.lowlevel.reschedule(idle)
-        return verdict
+        return self._journal.submit_nowait(msg)
 
-    async def _wait_for_work(self) -> None:
-        if self._queue or self._inline:
-            await trio.lowlevel.checkpoint()
-            return
-        self._idle = trio.lowlevel.current_task()
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            self._idle = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Decide and journal requests until cancelled."""
-        task_status.started()
-        queue = self._queue
-        while True:
-            await self._wait_for_work()
-            batch: list[_Pending] = []
-            while queue and len(batch) < self.max_batch:
-                batch.append(queue.popleft())
-            # Events decided inline came first; they are written first.
-            events: list[Event] = self._inline
-            self._inline = []
-            replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
-            for pending in batch:
-                mark = len(events)
-                try:
-                    verdict = self._decide(pending.msg, events)
-                    replies.append((pending, outcome.Value(verdict)))
-                except InterlockError as exc:
-                    replies.append((pending, outcome.Error(exc)))
-                except Exception as exc:
-                    replies.append((pending, outcome.Error(self._contain(pending.msg, exc))))
-                    del events[mark:]
-            if events:
-                started = time.perf_counter()
-                try:
-                    await self.store.append(events)
-                except (StoreError, OSError) as exc:
-                    error = (
-                        exc
-                        if isinstance(exc, StoreError)
-                        else StoreError(f"journal write failed: {exc}")
-                    )
-                    self._forget({e.run_id for e in events}, error)
-                    replies = [(p, outcome.Error(error)) for p, _ in replies]
-                else:
-                    self.stats.flush_latency.record(time.perf_counter() - started)
-                    self.stats.flush_events["batches"] += 1
-                    self.stats.flush_events["events"] += len(events)
-                    self.stats.batch_sizes.record(len(events) * 1e-6)
-            for pending, reply in replies:
-                if not pending.cancelled:
-                    trio.lowlevel.reschedule(pending.task, reply)
+    @property
+    def max_batch(self) -> int:
+        """The most requests decided per journal write."""
+        return self._journal.max_batch
 
     # -- deadlines ----------------------------------------------------------------
 
@@ -1578,7 +1482,7 @@ async def open_supervisor(
     )
     try:
         async with trio.open_nursery() as outer:
-            await outer.start(supervisor.serve)
+            await outer.start(supervisor._journal.serve)
             await outer.start(supervisor._watchdog.serve)
             try:
                 async with trio.open_nursery() as actors:
@@ -1590,7 +1494,7 @@ async def open_supervisor(
                     yield supervisor
             finally:
                 supervisor._actors = None
-                supervisor._closed = True
+                supervisor._journal.closed = True
                 outer.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The two nurseries wrap whatever ended the block (the caller's own error, a
