@@ -447,7 +447,7 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
 async def test_a_watchdog_entry_acts_only_on_the_handle_that_armed_it() -> None:
     # Entries name the run, not the handle; a resumed run gets a new handle under the
     # same id, and an entry its old handle armed must not cut the new one's wait.
-    from interlock._supervisor import RunHandle
+    from interlock._handle import RunHandle
     from interlock._watchdog import armed_for as _armed_for
 
     old, new = RunHandle("r-1", "shop"), RunHandle("r-1", "shop")

@@ -120,6 +120,8 @@ from ._exceptions import (
 from ._exceptions import UnknownMachine as UnknownMachine
 from ._gate import Decision as Decision
 from ._gate import verify as verify
+from ._handle import RunHandle as RunHandle
+from ._handle import RunResult as RunResult
 from ._machine import (
     ESCALATE as ESCALATE,
 )
@@ -195,12 +197,6 @@ from ._replay import (
 )
 from ._stats import RuntimeStats as RuntimeStats
 from ._stats import SupervisorStatistics as SupervisorStatistics
-from ._supervisor import (
-    RunHandle as RunHandle,
-)
-from ._supervisor import (
-    RunResult as RunResult,
-)
 from ._supervisor import (
     Supervisor as Supervisor,
 )

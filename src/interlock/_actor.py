@@ -20,7 +20,8 @@ from ._view import RunView
 from .providers._base import Proposal
 
 if TYPE_CHECKING:
-    from ._supervisor import RunHandle, Supervisor
+    from ._handle import RunHandle
+    from ._supervisor import Supervisor
     from ._tools import Tool
     from .providers import Provider
 

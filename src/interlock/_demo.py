@@ -17,7 +17,7 @@ from ._app import App
 from ._exceptions import InterlockError
 from ._hotpath import IMPLEMENTATION
 from ._stats import LatencyHistogram, RuntimeStats
-from ._supervisor import RunResult, Supervisor, open_supervisor
+from ._supervisor import Supervisor, open_supervisor
 from .providers import ChaosProvider, ScriptedProvider
 from .stores._open import open_store
 from .workflows import WORKFLOWS, Backend
@@ -25,6 +25,7 @@ from .workflows import WORKFLOWS, Backend
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
+    from ._handle import RunResult
     from .stores import Store
 
 #: Which side-effecting tools belong to which workflow, for the summary.

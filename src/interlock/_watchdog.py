@@ -12,7 +12,7 @@ import trio
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._supervisor import RunHandle
+    from ._handle import RunHandle
 
 
 def armed_for(handle: RunHandle | None, token: int) -> bool:
