@@ -71,7 +71,7 @@ BAD_ANSWERS = [
     pytest.param(Proposal(raw=123), "the provider's Proposal.raw is int, not str", id="raw-int"),  # type: ignore[arg-type]
     pytest.param(
         Proposal(raw=DONE, usage=None),  # type: ignore[arg-type]
-        "the provider's Proposal.usage is None, not a TokenUsage of two non-negative ints",
+        "the provider's Proposal.usage is NoneType, not a TokenUsage of two non-negative ints",
         id="usage-none",
     ),
     pytest.param(
@@ -219,6 +219,20 @@ async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: 
             await bad.wait()
     # its journal holds what was durable before the bug, nothing of the failed decision
     assert [type(e).__name__ for e in await store.load("bad-1")] == ["RunStarted"]
+
+
+async def test_a_usage_whose_repr_raises_is_still_a_rejection_of_its_run() -> None:
+    class Broken:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    store = MemoryStore()
+    result = await with_healthy_runs(job("bad"), Answers(Proposal(raw=DONE, usage=Broken())), store)  # type: ignore[arg-type]
+    assert result.reason == "consecutive_failures"
+    (called, *_) = [e for e in await store.load("bad-1") if type(e).__name__ == "ModelCalled"]
+    assert called.defect == (
+        "the provider's Proposal.usage is Broken, not a TokenUsage of two non-negative ints"
+    )
 
 
 async def test_usage_is_counted_from_valid_proposals_only() -> None:

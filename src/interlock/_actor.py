@@ -249,8 +249,10 @@ def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> P
         and usage.prompt >= 0
         and usage.completion >= 0
     ):
+        # the type, or the values of a TokenUsage: a foreign object's repr may raise
+        shown = repr(usage) if type(usage) is TokenUsage else type(usage).__name__
         defect = defect or (
-            f"the provider's Proposal.usage is {usage!r}, not a TokenUsage of two non-negative ints"
+            f"the provider's Proposal.usage is {shown}, not a TokenUsage of two non-negative ints"
         )
         usage = TokenUsage()
     name, prompt = answer.model, answer.prompt

@@ -756,20 +756,16 @@ class Supervisor:
         self.stats.histogram(self.stats.tool_latency, tool.name).record(msg.latency)
         self.circuits.record(tool.name, msg.ok, now, machine.breakers, msg.error)
         if msg.ok:
-            self._emit(
+            return self._commit(
                 run,
                 events,
-                ToolCommitted,
                 now,
-                tool=tool.name,
-                key=msg.key,
-                result=msg.result,
+                tool,
+                msg.key,
+                msg.result,
                 attempts=msg.attempts,
                 latency=msg.latency,
             )
-            if not tool.read_only:
-                self.stats.side_effects[tool.name] += 1
-            return self._verdict(run, True)
         self.stats.tool_errors[tool.name] += 1
         error = readable_text(msg.error, "the error")[0]
         if msg.applied is not False and not tool.safe_to_repeat:
@@ -790,6 +786,24 @@ class Supervisor:
         if run.consecutive_failures >= machine.breakers.consecutive_failures:
             self._trip(run, events, now, self._consecutive_trip(run))
         return self._verdict(run, False)
+
+    def _commit(
+        self,
+        run: RunState,
+        events: list[Event],
+        now: float,
+        tool: Tool,
+        key: str,
+        result: Any,
+        **fields: Any,
+    ) -> Verdict:
+        """Journal the pending call's result (executed, or reported applied by reconcile)."""
+        self._emit(
+            run, events, ToolCommitted, now, tool=tool.name, key=key, result=result, **fields
+        )
+        if not tool.read_only:
+            self.stats.side_effects[tool.name] += 1
+        return self._verdict(run, True)
 
     def _in_doubt(
         self,
@@ -892,19 +906,9 @@ class Supervisor:
         outcome = "applied" if applied else ("not_applied" if applied is False else "failed")
         self.stats.reconciliations[(tool.name, outcome)] += 1
         if applied:
-            self._emit(
-                run,
-                events,
-                ToolCommitted,
-                now,
-                tool=tool.name,
-                key=msg.key,
-                result=msg.result,
-                attempts=0,
-                reconciled=True,
+            return self._commit(
+                run, events, now, tool, msg.key, msg.result, attempts=0, reconciled=True
             )
-            self.stats.side_effects[tool.name] += 1
-            return self._verdict(run, True)
         if applied is False:  # never applied: execute it once, with the same key
             return self._verdict(
                 run, True, execute=ToolCall(pending.tool, pending.args, pending.key)
