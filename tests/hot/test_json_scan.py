@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from interlock import _hot_py
 
+from .conftest import near_json as near_json_of
+
 EMPTY = _hot_py.JSON_EMPTY
 TRUNCATED = _hot_py.JSON_TRUNCATED
 TRAILING_TEXT = _hot_py.JSON_TRAILING_TEXT
@@ -185,30 +187,7 @@ def _dumped(value: Any, ascii_only: bool, indent: int | None) -> bytes:
 _documents = st.builds(
     _dumped, _values, st.booleans(), st.sampled_from([None, 0, 2])
 ) | _values.map(msgspec.json.encode)
-# Bytes that often form JSON, or nearly: structure, escapes, digits, multi-byte characters.
-_tokens = st.sampled_from(
-    [
-        *'{}[],:"',
-        "\\",
-        '"a"',
-        '"a":',
-        "1",
-        "0",
-        "-",
-        ".",
-        "e",
-        "true",
-        "nul",
-        " ",
-        "\\u00e9",
-        "\\ud800",
-        "\\udc00",
-        "é",
-        "\n",
-        "\\n",
-    ]
-)
-_near_json = st.lists(_tokens, max_size=30).map(lambda parts: "".join(parts).encode())
+_near_json = near_json_of(30)
 _damaged = st.tuples(_documents, st.data())
 
 

@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec.json import encode as msgspec_json_encode
 
+from .conftest import near_json as near_json_of
+
 if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
     pytest.skip(
         "INTERLOCK_NO_EXTENSIONS is set: there is no compiled hot path to compare",
@@ -157,32 +159,7 @@ def test_proposal_hash_agrees(tool: bytes, args: bytes) -> None:
     same(lambda m: m.proposal_hash(bytearray(tool), memoryview(args)))
 
 
-json_tokens = st.sampled_from(
-    [
-        *'{}[],:"',
-        "\\",
-        '"a"',
-        '"a":',
-        "1",
-        "0",
-        "-",
-        ".",
-        "e",
-        "true",
-        "nul",
-        " ",
-        "\\u00e9",
-        "\\ud800",
-        "\\udc00",
-        "\\u0061",
-        "é",
-        "😀",
-        "\n",
-        "\\n",
-        "\t",
-    ]
-)
-near_json = st.lists(json_tokens, max_size=40).map(lambda parts: "".join(parts).encode())
+near_json = near_json_of(40)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
     lambda inner: (
