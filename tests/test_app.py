@@ -14,6 +14,7 @@ import pytest
 
 from interlock import App, InterlockError, Machine, Worker
 from interlock.providers import ScriptedProvider
+from tests._cli import interlock
 
 BANK = textwrap.dedent(
     '''
@@ -70,18 +71,6 @@ BANK = textwrap.dedent(
         trio.run(start, sys.argv[1], [int(a) for a in sys.argv[2:]])
     '''
 )
-
-
-def interlock(*args, cwd, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "interlock", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.fixture

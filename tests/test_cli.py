@@ -10,17 +10,7 @@ import sys
 
 import pytest
 
-
-def interlock(*args, cwd=None, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "interlock", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        timeout=120,
-        check=False,
-    )
+from tests._cli import interlock
 
 
 @pytest.fixture(scope="module")
