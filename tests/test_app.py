@@ -52,7 +52,9 @@ BANK = textwrap.dedent(
         states={"PAY": Worker(next=["COMPLETED"], tools=["wire"])},
         tools=[Tool("wire", wire, Wire, "Wire money.", idempotent=True)],
     )
-    app = App([machine], provider=ScriptedProvider(oracle, model="bank-1"))
+    app = App(
+        [machine], provider=ScriptedProvider(oracle, model="bank-1"), prices={"bank-1": (2.0, 10.0)}
+    )
     not_an_app = 42
     stored = App([machine], provider=app.provider, store="bank.db")
 
@@ -324,3 +326,94 @@ def test_app_validates_what_it_is_given():
         with pytest.raises(InterlockError) as caught:
             App(*args, **kwargs)
         assert str(caught.value) == message
+
+
+def _scrape(url):
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _held(command, cwd):
+    """Run ``command`` (with ``--metrics-port 0 --hold``) until its runs finish; return
+    the scrape, its stdout and its exit code after SIGTERM."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "interlock", *command, "--metrics-port", "0", "--hold", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    ) as process:
+        try:
+            serving = process.stderr.readline()
+            assert serving.startswith("interlock: serving metrics at "), serving
+            url = serving.split(" at ")[1].strip()
+            finished = process.stderr.readline()
+            assert finished == f"interlock: runs finished; serving {url} until Ctrl-C or SIGTERM\n"
+            samples = _scrape(url)
+        finally:
+            process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    assert (process.returncode, err) == (0, ""), err
+    return samples, json.loads(out)
+
+
+def test_resume_serves_metrics_costed_with_the_apps_prices(crashed):
+    bank, db, cwd = crashed
+    samples, summary = _held(["resume", "--db", str(db), "--app", f"{bank}:app"], cwd)
+    assert summary["resumed"] == 3
+    tokens = {
+        labels["kind"]: value
+        for (name, pairs), value in samples.items()
+        for labels in [dict(pairs)]
+        if name == "interlock_tokens_total" and labels["model"] == "bank-1"
+    }
+    assert tokens["prompt"] > 0
+    assert tokens["completion"] > 0
+    cost = samples[("interlock_cost_usd_total", (("machine", "bank"), ("model", "bank-1")))]
+    assert cost == pytest.approx((tokens["prompt"] * 2.0 + tokens["completion"] * 10.0) / 1e6)
+    finished = samples[
+        ("interlock_runs_finished_total", (("machine", "bank"), ("outcome", "completed")))
+    ]
+    assert finished == 3
+
+
+def test_demo_serves_metrics_costed_with_the_demo_apps_prices(tmp_path):
+    import interlock.demo
+
+    prices = interlock.demo.app.prices
+    assert prices["chaos:sim-1"] == (3.0, 15.0)
+    samples, summary = _held(
+        ["demo", "--runs", "30", "--latency", "0,1", "--db", str(tmp_path / "d.db")], tmp_path
+    )
+    assert summary["runs"] == 30
+    costed = 0
+    for (name, pairs), value in samples.items():
+        labels = dict(pairs)
+        if name != "interlock_tokens_total":
+            continue
+        price = prices[labels["model"]][0 if labels["kind"] == "prompt" else 1]
+        costed += value * price / 1e6
+    cost = sum(v for (name, _), v in samples.items() if name == "interlock_cost_usd_total")
+    assert costed > 0
+    assert cost == pytest.approx(costed)
+
+
+def test_hold_without_metrics_port_is_refused_before_anything_runs(crashed):
+    bank, db, cwd = crashed
+    before = db.read_bytes()
+    done = interlock("resume", "--db", str(db), "--app", f"{bank}:app", "--hold", cwd=cwd)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "interlock: error: --hold keeps the metrics server open after the runs; pass "
+        "--metrics-port too\n"
+    )
+    assert db.read_bytes() == before

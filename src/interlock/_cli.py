@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
     from rich.table import Table
 
+    from ._supervisor import Supervisor
+
 
 _json = msgspec.json.Encoder(order="sorted")
 #: How many runs ``interlock runs`` lists unless told otherwise (the newest).
@@ -190,19 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated model latency LOW,HIGH in ms (default 5,20)",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON document")
-    demo.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the runs execute "
-        "(off by default; the documented port is 9464, 0 picks a free one)",
-    )
-    demo.add_argument(
-        "--hold",
-        action="store_true",
-        help="with --metrics-port: keep serving /metrics after the runs finish, until Ctrl-C or SIGTERM",
-    )
+    _metrics_options(demo, "the runs")
 
     runs = commands.add_parser("runs", help="list runs in a journal, newest first")
     _journal(runs)
@@ -268,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _journal(resume, app=True)
     _app(resume)
     _demo_options(resume, chaos=True)
+    _metrics_options(resume, "the resumed runs")
     resume.add_argument(
         "--json", action="store_true", help="print the summary as one JSON document"
     )
@@ -311,16 +302,95 @@ def _when(ts: float) -> str:
 # -- demo -------------------------------------------------------------------------------
 
 
-async def _demo(args: argparse.Namespace) -> int:
-    import signal
+def _metrics_options(parser: argparse.ArgumentParser, runs: str) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"serve Prometheus metrics at http://127.0.0.1:PORT/metrics while {runs} execute "
+        "(off by default; the documented port is 9464, 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="with --metrics-port: keep serving /metrics after the runs finish, until Ctrl-C "
+        "or SIGTERM",
+    )
 
-    from prometheus_client import CollectorRegistry
+
+class _Metrics:
+    """``--metrics-port``: the runtime's counters served while the runs execute, costed
+    with the application's prices; ``--hold`` keeps serving them after."""
+
+    def __init__(self, args: argparse.Namespace, prices: Mapping[str, tuple[float, float]]):
+        from ._stats import RuntimeStats
+
+        if args.hold and args.metrics_port is None:
+            raise ValueError(
+                "--hold keeps the metrics server open after the runs; pass --metrics-port too"
+            )
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be between 0 and 65535, got {args.metrics_port}")
+        self.port: int | None = args.metrics_port
+        self.hold: bool = args.hold
+        self.prices = prices
+        self.stats = RuntimeStats()
+        self.supervisor: Supervisor | None = None
+        self.server: Any = None
+        self.url = ""
+
+    def started(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def __enter__(self) -> _Metrics:
+        if self.port is None:
+            return self
+        from prometheus_client import CollectorRegistry
+
+        from ._metrics import RuntimeCollector, serve_metrics
+
+        registry = CollectorRegistry()
+        registry.register(
+            RuntimeCollector(self.stats, supervisor=lambda: self.supervisor, prices=self.prices)
+        )
+        try:
+            self.server = serve_metrics(registry, self.port)
+        except OSError as exc:
+            raise OSError(
+                f"cannot serve metrics on 127.0.0.1:{self.port}: {exc.strerror or exc}; "
+                "choose another --metrics-port"
+            ) from None
+        self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
+        sys.stderr.write(f"interlock: serving metrics at {self.url}\n")
+        sys.stderr.flush()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    async def held(self) -> None:
+        """With ``--hold``, serve until Ctrl-C or SIGTERM."""
+        import signal
+
+        if self.server is None or not self.hold:
+            return
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"interlock: runs finished; serving {self.url} until Ctrl-C or SIGTERM\n"
+            )
+            sys.stderr.flush()
+            async for _ in signals:
+                break
+
+
+async def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
-
-    from ._metrics import RuntimeCollector, serve_metrics
-    from ._stats import RuntimeStats
 
     workflows = tuple(WORKFLOWS) if args.workflow == "all" else (args.workflow,)
     config = DemoConfig(
@@ -333,33 +403,12 @@ async def _demo(args: argparse.Namespace) -> int:
         latency=args.latency,
     )
     console = Console(stderr=True)
-    holder: dict[str, Any] = {}
-    stats = RuntimeStats()
-    server = None
-    if args.hold and args.metrics_port is None:
-        raise ValueError(
-            "--hold keeps the metrics server open after the runs; pass --metrics-port too"
-        )
-    if args.metrics_port is not None:
-        if not 0 <= args.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be between 0 and 65535, got {args.metrics_port}")
-        registry = CollectorRegistry()
-        registry.register(RuntimeCollector(stats, supervisor=lambda: holder.get("supervisor")))
-        try:
-            server = serve_metrics(registry, args.metrics_port)
-        except OSError as exc:
-            raise OSError(
-                f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc.strerror or exc}; "
-                "choose another --metrics-port"
-            ) from None
-        url = f"http://127.0.0.1:{server.server_port}/metrics"
-        sys.stderr.write(f"interlock: serving metrics at {url}\n")
-        sys.stderr.flush()
+    metrics = _Metrics(args, build_app(config).prices)
     started = time.perf_counter()
 
     def progress() -> Table:
         table = Table.grid(padding=(0, 2))
-        supervisor = holder.get("supervisor")
+        supervisor = metrics.supervisor
         if supervisor is None:
             table.add_row("starting...")
             return table
@@ -376,11 +425,9 @@ async def _demo(args: argparse.Namespace) -> int:
         return table
 
     async def run() -> dict[str, Any]:
-        return await run_demo(
-            config, stats=stats, on_start=lambda s: holder.__setitem__("supervisor", s)
-        )
+        return await run_demo(config, stats=metrics.stats, on_start=metrics.started)
 
-    try:
+    with metrics:
         if args.json or not console.is_terminal:
             summary = await run()
         else:
@@ -403,19 +450,7 @@ async def _demo(args: argparse.Namespace) -> int:
                 f"interlock demo: {summary['runs']} runs in {summary['wall_seconds']} s "
                 f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']})",
             )
-        if server is not None and args.hold:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                sys.stdout.flush()
-                sys.stderr.write(
-                    f"interlock: runs finished; serving {url} until Ctrl-C or SIGTERM\n"
-                )
-                sys.stderr.flush()
-                async for _ in signals:
-                    break
-    finally:
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        await metrics.held()
     return 0
 
 
@@ -805,6 +840,7 @@ async def _resume(args: argparse.Namespace) -> int:
     from ._demo import resume_app, summarize_store
 
     app, named, db = _application(args)
+    metrics = _Metrics(args, app.prices)
     store = await open_store(db, readonly=True)  # a missing journal is an error, not a new one
     try:
         unfinished = await store.unfinished()
@@ -820,16 +856,18 @@ async def _resume(args: argparse.Namespace) -> int:
             return 0
     finally:
         await store.aclose()
-    summary = await resume_app(app, db)
-    if args.json:
-        _print_json(summary)
-    else:
-        _print_summary(
-            summary,
-            f"interlock resume: {summary['resumed']} runs resumed in {summary['wall_seconds']} s "
-            f"({summary['runs_per_second']} runs/s, hot path {summary['hotpath']}); "
-            f"{summary['runs']} runs in the journal",
-        )
+    with metrics:
+        summary = await resume_app(app, db, stats=metrics.stats, on_start=metrics.started)
+        if args.json:
+            _print_json(summary)
+        else:
+            _print_summary(
+                summary,
+                f"interlock resume: {summary['resumed']} runs resumed in "
+                f"{summary['wall_seconds']} s ({summary['runs_per_second']} runs/s, hot path "
+                f"{summary['hotpath']}); {summary['runs']} runs in the journal",
+            )
+        await metrics.held()
     return 0
 
 

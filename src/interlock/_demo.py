@@ -111,9 +111,12 @@ def build_app(config: DemoConfig | None = None) -> App:
             effects.backend = None
             backend.close()
 
+    from ._metrics import DEFAULT_PRICES  # the simulated model's prices
+
     return App(
         build_machines(effects, config.workflows),
         provider=build_providers(config),
+        prices=DEFAULT_PRICES,
         store=DEFAULT_DB,
         lifespan=lifespan,
     )
@@ -333,9 +336,22 @@ async def summarize_store(
     }
 
 
-async def resume_app(app: App, db: str, *, stats: RuntimeStats | None = None) -> dict[str, Any]:
+async def resume_app(
+    app: App,
+    db: str,
+    *,
+    stats: RuntimeStats | None = None,
+    on_start: Callable[[Supervisor], None] | None = None,
+) -> dict[str, Any]:
     """Resume every unfinished run in the journal ``db`` with ``app``'s machines, wait for
-    all, and summarize the whole journal (see :func:`summarize_store`)."""
+    all, and summarize the whole journal (see :func:`summarize_store`).
+
+    Args:
+      app: the application whose machines, provider(s) and lifespan run the runs.
+      db: the journal.
+      stats: counters to update (pass one to scrape metrics while it runs).
+      on_start: called with the supervisor once it runs (for metrics and progress).
+    """
     stats = stats if stats is not None else RuntimeStats()
     store = await open_store(db) if db != ":memory:" else await open_store(None)
     started = time.perf_counter()
@@ -347,6 +363,8 @@ async def resume_app(app: App, db: str, *, stats: RuntimeStats | None = None) ->
             async with open_supervisor(
                 list(app.machines.values()), store, provider=app.provider, stats=stats
             ) as supervisor:
+                if on_start is not None:
+                    on_start(supervisor)
                 handles = await supervisor.resume_unfinished()
             for handle in handles:
                 await handle.wait()  # raises what ended a run abnormally (a store error, say)
