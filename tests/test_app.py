@@ -244,13 +244,24 @@ def test_app_named_by_environment_and_pyproject(crashed):
         ("{missing}:app", "--app '{missing}:app': no file '{missing}'; give the path of a Python file"),
     ],
 )  # fmt: skip
-def test_a_bad_app_reference_is_one_line_and_exit_2(tmp_path, ref, message):
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        (["resume"], "--app"),
+        (["escalations", "resume", "r-1"], "--app"),
+        (["escalations", "abort", "r-1"], "--app"),
+        (["replay", "--all"], "--app"),
+        (["replay", "--all"], "--machine"),  # regression: exit 1, unlike --app
+    ],
+)
+def test_a_bad_app_reference_is_one_line_and_exit_2(tmp_path, ref, message, command, flag):
     bank = tmp_path / "bank.py"
     bank.write_text(BANK)
     names = {"bank": bank, "missing": tmp_path / "missing.py"}
-    done = interlock("resume", "--app", ref.format(**names), "--db", "x.db", cwd=tmp_path)
+    done = interlock(*command, flag, ref.format(**names), "--db", "x.db", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == f"interlock: error: {message.format(**names)}\n"
+    expected = message.format(**names).replace("--app", flag)
+    assert done.stderr == f"interlock: error: {expected}\n"
     assert not (tmp_path / "x.db").exists()
 
 

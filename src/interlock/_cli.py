@@ -875,10 +875,7 @@ def _what_if(refs: Sequence[str]) -> list[Machine]:
     """The machines ``--machine`` names, each REF as ``--app`` takes it."""
     machines: list[Machine] = []
     for ref in refs:
-        try:
-            machines += load_app(ref, "--machine").machines.values()
-        except AppRefError as exc:  # exit 1, as before --app existed
-            raise InterlockError(str(exc)) from None
+        machines += load_app(ref, "--machine").machines.values()
     return machines
 
 
@@ -1008,7 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not expected or len(expected) != len(leaves):
             raise
         sys.stderr.write(_error(expected[0], args))
-        return 1
+        return 2 if isinstance(expected[0], AppRefError) else 1
     except KeyboardInterrupt:
         return _interrupted(args)
 
