@@ -286,14 +286,46 @@ def test_the_apps_store_is_the_default_journal(tmp_path):
     assert given.stderr == "interlock: error: database bank2.db does not exist\n"
 
 
-def test_demo_options_are_refused_for_another_app(tmp_path):
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        (["resume"], ["--chaos-rate", "0.5"]),
+        (["resume"], ["--seed", "0"]),
+        (["resume"], ["--latency", "1,2"]),
+        (["resume"], ["--effects", "e.db"]),
+        (["escalations", "resume", "r-1"], ["--effects", "e.db"]),
+    ],
+)
+@pytest.mark.parametrize("named", ["--app", "INTERLOCK_APP", "pyproject"])
+def test_demo_options_are_refused_for_another_app(tmp_path, command, option, named):
     (tmp_path / "bank.py").write_text(BANK)
-    done = interlock("resume", "--app", "bank:app", "--chaos-rate", "0.5", cwd=tmp_path)
+    app, env = [], {}
+    if named == "--app":
+        app, where = ["--app", "bank:app"], "--app"
+    elif named == "INTERLOCK_APP":
+        env, where = {"INTERLOCK_APP": "bank:app"}, "INTERLOCK_APP"
+    else:
+        (tmp_path / "pyproject.toml").write_text('[tool.interlock]\napp = "bank:app"\n')
+        where = f"{tmp_path / 'pyproject.toml'} [tool.interlock] app"
+    done = interlock(*command, *app, *option, "--db", "x.db", cwd=tmp_path, env=env)
     assert (done.returncode, done.stdout) == (1, "")
+    flag = option[0]
     assert done.stderr == (
-        "interlock: error: --chaos-rate tunes the built-in demo application, but --app names "
-        "'bank:app'; drop --chaos-rate\n"
+        f"interlock: error: {flag} tunes the built-in demo application, but {where} names "
+        f"'bank:app'; drop {flag}\n"
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["bank.py", *(["pyproject.toml"] if named == "pyproject" else [])]
+    )
+
+
+def test_demo_options_tune_the_demo_app(tmp_path):
+    """Named explicitly, the demo takes its options (and still refuses a missing journal)."""
+    done = interlock(
+        "resume", "--app", "interlock.demo:app", "--seed", "1", "--db", "x.db", cwd=tmp_path
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "interlock: error: database x.db does not exist\n"
 
 
 def _machine(name):
