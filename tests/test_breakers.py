@@ -399,8 +399,8 @@ class AnswersAsCut:
         await trio.lowlevel.checkpoint()
         self.calls += 1
         if self.calls == 1:
-            handle = self.sup.handles[view.run_id]
-            handle._fire(handle._deadline_token)  # what the watchdog does
+            driver = self.sup._drivers[view.run_id]
+            driver.fire(driver.deadline_token)  # what the watchdog does
             return Proposal(CHARGE, USAGE, self.model, "prompt")
         raise AssertionError("past the deadline the model must not be asked again")
 
@@ -444,24 +444,26 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
     assert min(sizes[17:]) <= 4
 
 
-async def test_a_watchdog_entry_acts_only_on_the_handle_that_armed_it() -> None:
-    # Entries name the run, not the handle; a resumed run gets a new handle under the
-    # same id, and an entry its old handle armed must not cut the new one's wait.
-    from interlock._handle import RunHandle
+async def test_a_watchdog_entry_acts_only_on_the_driver_that_armed_it() -> None:
+    # Entries name the run, not the actor's driver; a resumed run gets a new driver under
+    # the same id, and an entry its old driver armed must not cut the new one's wait.
+    from interlock._actor import Driver
     from interlock._watchdog import armed_for as _armed_for
 
-    old, new = RunHandle("r-1", "shop"), RunHandle("r-1", "shop")
-    old._deadline_token, new._deadline_token = -1, -7
-    new._tool_token = 8
-    new._in_provider = True
-    new._fire(-1)  # the old handle's deadline fires
-    new._fire(3)  # an attempt that already finished
-    assert (new._deadline_passed, new._tool_cut, new._scope.cancel_called) == (False, 0, False)
+    old, new = Driver("r-1"), Driver("r-1")
+    old.deadline_token, new.deadline_token = -1, -7
+    new.tool_token = 8
+    new.in_provider = True
+    new.fire(-1)  # the old driver's deadline fires
+    new.fire(3)  # an attempt that already finished
+    assert (new.deadline_passed, new.tool_cut, new.scope.cancel_called) == (False, 0, False)
     assert [_armed_for(new, token) for token in (-1, -7, 3, 8)] == [False, True, False, True]
     assert not _armed_for(None, -7)
-    new._fire(-7)
-    assert new._deadline_passed
-    assert new._scope.cancel_called
+    new.fire(-7)
+    assert new.deadline_passed
+    assert new.scope.cancel_called
+    new.done = True  # the actor stopped: nothing it armed acts any more
+    assert not _armed_for(new, 8)
 
 
 # -- per-tool circuit ----------------------------------------------------------------------
@@ -486,9 +488,9 @@ async def test_circuit_opens_after_failures_across_runs_and_recovers(
 
         charge.failing = True
         assert (await run("a-1")).outcome == "completed"
-        assert sup.circuits.state("charge") == "closed"
+        assert sup.circuit_state("charge") == "closed"
         assert (await run("a-2")).outcome == "completed"
-        assert sup.circuits.state("charge") == "open"
+        assert sup.circuit_state("charge") == "open"
 
         refused = await run("a-3")
         assert (refused.outcome, refused.reason) == ("escalated", "circuit")
@@ -499,7 +501,7 @@ async def test_circuit_opens_after_failures_across_runs_and_recovers(
         await trio.sleep(1.0)
         charge.failing = False
         assert (await run("a-5")).outcome == "completed"
-        assert sup.circuits.state("charge") == "closed"
+        assert sup.circuit_state("charge") == "closed"
         assert charge.calls == 3
         assert sup.statistics().breaker_trips == {"circuit": 2}
 
@@ -542,11 +544,11 @@ async def test_circuit_opens_again_when_the_trial_call_fails(
 
         await run("b-1")
         await run("b-2")
-        assert sup.circuits.state("charge") == "open"
+        assert sup.circuit_state("charge") == "open"
         await trio.sleep(30.0)
         assert (await run("b-3")).outcome == "completed"  # the trial call ran, and failed
         assert charge.calls == 3
-        assert sup.circuits.state("charge") == "open"
+        assert sup.circuit_state("charge") == "open"
         assert (await run("b-4")).reason == "circuit"
         assert charge.calls == 3
 
@@ -562,17 +564,17 @@ async def test_circuit_lets_one_trial_call_through_while_half_open(
         [spec], memory_store, provider=provider, clock=trio.current_time
     ) as sup:
         await (await sup.start_run("shop", run_id="c-1")).wait()
-        assert sup.circuits.state("charge") == "open"
+        assert sup.circuit_state("charge") == "open"
         await trio.sleep(30.0)
         charge.failing = False
         charge.gate = trio.Event()
         trial = await sup.start_run("shop", run_id="c-2")
         await wait_all_tasks_blocked()
-        assert sup.circuits.state("charge") == "half_open"
+        assert sup.circuit_state("charge") == "half_open"
         assert (await (await sup.start_run("shop", run_id="c-3")).wait()).reason == "circuit"
         charge.gate.set()
         assert (await trial.wait()).outcome == "completed"
-        assert sup.circuits.state("charge") == "closed"
+        assert sup.circuit_state("charge") == "closed"
 
 
 # -- fallback ------------------------------------------------------------------------------

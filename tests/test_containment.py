@@ -199,16 +199,16 @@ async def test_system_exit_from_a_tool_is_not_contained() -> None:
 async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: Any) -> None:
     """A bug met while deciding one run's request (here, a provider's usage whose counts
     break the arithmetic) ends that run with an InternalError; the others go on."""
-    from interlock import InternalError, _supervisor
+    from interlock import InternalError, _decider
 
-    original = _supervisor.Supervisor._on_propose
+    original = _decider._on_propose
 
-    def broken(self: Any, msg: Any, events: Any) -> Any:
+    def broken(run: Any, msg: Any, *rest: Any) -> Any:
         if msg.run_id == "bad-1":
             raise ZeroDivisionError("a bug")
-        return original(self, msg, events)
+        return original(run, msg, *rest)
 
-    monkeypatch.setattr(_supervisor.Supervisor, "_on_propose", broken)
+    monkeypatch.setattr(_decider, "_on_propose", broken)
     store = MemoryStore()
     healthy = job("healthy")
     async with open_supervisor([healthy], store, provider=ScriptedProvider([CALL, DONE])) as sup:

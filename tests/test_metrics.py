@@ -415,7 +415,9 @@ def test_circuit_state_gauge_reads_closed_half_open_and_open() -> None:
     board = CircuitBoard()
     tool = SimpleNamespace(name="pay")
     machine = SimpleNamespace(tools=[tool, SimpleNamespace(name="lookup")], states={})
-    supervisor = SimpleNamespace(machines={"m": machine}, runs={}, circuits=board, store=None)
+    supervisor = SimpleNamespace(
+        machines={"m": machine}, runs={}, circuit_states=board.states, store=None
+    )
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(RuntimeStats(), supervisor=lambda: supervisor))
 

@@ -172,7 +172,7 @@ def test_cli_replay_all_and_what_if(tmp_path):
         [sys.executable, "-m", "interlock", "replay", "--all", "--db", str(db), "--machine", "nomodule:x"],
         capture_output=True, text=True, check=False, cwd=tmp_path,
     )  # fmt: skip
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert bad.stderr.startswith(
         "interlock: error: --machine 'nomodule:x': cannot import 'nomodule'"
     )

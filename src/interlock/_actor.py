@@ -6,23 +6,24 @@ import email.utils
 import random
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 
+from ._decider import step_proposal
 from ._events import TokenUsage, describe_exception, unjournalable
-from ._exceptions import InterlockError, InternalError, ProviderError
-from ._machine import Step, encode_action
+from ._exceptions import ProviderError
+from ._machine import Step
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
 from ._tools import Applied, NotApplied, ToolContext, ToolError
-from ._view import RunView
+from ._watchdog import armed_for
 from .providers._base import Proposal
 
 if TYPE_CHECKING:
-    from ._handle import RunHandle
-    from ._supervisor import Supervisor
+    from ._messages import Request
     from ._tools import Tool
+    from ._view import RunView
     from .providers import Provider
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 529})
@@ -86,69 +87,150 @@ def _cancelled(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
-async def run_actor(
-    supervisor: Supervisor, handle: RunHandle, verdict: Verdict, provider: Provider | None
-) -> None:
-    """Drive one run until it is terminal or escalated. Never raises for a run's fault.
+class ActorPort(Protocol):
+    """All an actor may ask of the runtime: the requests of its run, a read-only view of
+    it, the watchdog's timers, and the args the gate validated. The supervisor is one;
+    nothing else of it (its run table, a handle's internals) is the actor's to touch."""
 
-    The run lives in one cancel scope, ``handle._scope``, not one per model call and
+    async def request(self, msg: Request) -> Verdict:
+        """Decide ``msg`` and return its verdict once its events are durable."""
+        ...
+
+    def submit_nowait(self, msg: Request) -> Verdict:
+        """Decide ``msg`` now; its events are written before any later verdict is sent."""
+        ...
+
+    def view(self, run_id: str) -> RunView:
+        """The read-only view of the live run ``run_id``."""
+        ...
+
+    def arm_deadline(self, driver: Driver) -> None:
+        """Have the watchdog tell ``driver`` when its run's deadline passes."""
+        ...
+
+    def arm_timeout(self, driver: Driver, seconds: float) -> int:
+        """Have the watchdog cut ``driver``'s call in flight after ``seconds``."""
+        ...
+
+    def call_args(self, run_id: str, call: ToolCall) -> Any:
+        """The args to run ``call`` with: as the gate validated them, if it did."""
+        ...
+
+
+class Driver:
+    """What the actor of one run does right now, as far as the watchdog needs to know:
+    the cancel scope the run lives in, and what a timeout would cut.
+
+    The watchdog fires its entries here (:meth:`fire`); ``cancel_run`` calls
+    :meth:`cancel`. Owned by the run's actor, never by the run's handle.
+    """
+
+    __slots__ = (
+        "asked",
+        "cancelled",
+        "deadline_passed",
+        "deadline_token",
+        "done",
+        "in_provider",
+        "model",
+        "run_id",
+        "scope",
+        "tool_cut",
+        "tool_token",
+    )
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.scope = trio.CancelScope()
+        """The scope the run's actor runs in (see run_actor)."""
+        self.done = False
+        """The actor has stopped: the watchdog's entries for it are void."""
+        self.cancelled = False
+        """cancel_run cancelled the scope (not the deadline)."""
+        self.deadline_passed = False
+        """The run's deadline has passed (set by the watchdog)."""
+        self.deadline_token = 0
+        """The watchdog's token of the run's deadline (negative); 0 before it is armed."""
+        self.in_provider = False
+        """The actor is waiting for the model: the watchdog may cut the wait."""
+        self.model = ""
+        self.asked = 0.0
+        """The model asked last, and when (perf_counter), for a call the deadline cuts."""
+        self.tool_token = 0
+        """The watchdog's token of the call in flight; 0 when none is."""
+        self.tool_cut = 0
+        """The token of the latest call the watchdog cut at its timeout."""
+
+    def fire(self, token: int) -> None:
+        """The watchdog's entry ``token`` is due: act on it if it is still this driver's."""
+        if not armed_for(self, token):
+            return
+        if token > 0:  # the call's timeout: cut the call
+            self.tool_cut = token
+            self.scope.cancel()
+        else:  # the run's deadline: cut the wait for the model, if that is what runs
+            self.deadline_passed = True
+            if self.in_provider:
+                self.scope.cancel()
+
+    def cancel(self) -> None:
+        """Stop the actor (cancel_run): a call in flight is cancelled."""
+        self.cancelled = True
+        self.scope.cancel()
+
+
+async def run_actor(
+    port: ActorPort, driver: Driver, verdict: Verdict, provider: Provider | None
+) -> None:
+    """Drive one run from ``verdict`` until it is terminal or escalated, or cancelled.
+
+    The run lives in one cancel scope, ``driver.scope``, not one per model call and
     one per tool attempt: entering a trio scope costs as much as the rest of a step's
-    bookkeeping. Timeouts are kept by the supervisor's watchdog (one heap entry each),
-    which cancels the run's scope only while the actor waits for what timed out: the
-    model, past its call timeout or the run's deadline, or a tool attempt, past the
-    tool's timeout. The actor then carries what it was doing out of the cancelled scope
-    and goes on in a fresh one. So a tool call is never cut by the run's deadline, only
-    by its own timeout or by cancel_run.
+    bookkeeping. Timeouts are kept by the watchdog (one heap entry each), which cancels
+    the run's scope only while the actor waits for what timed out: the model, past its
+    call timeout or the run's deadline, or a tool attempt, past the tool's timeout. The
+    actor then carries what it was doing out of the cancelled scope and goes on in a
+    fresh one. So a tool call is never cut by the run's deadline, only by its own
+    timeout or by cancel_run.
 
     Whatever a provider or a tool does (returns garbage, raises anything, opens a
     nursery that fails) ends up journaled for this run alone; only trio's cancellation,
-    KeyboardInterrupt and SystemExit leave the task. A bug in interlock itself ends this
-    run with an :class:`InternalError` on its handle, never its neighbours.
+    KeyboardInterrupt and SystemExit leave the task as they are.
+
+    Raises:
+      InterlockError: the runtime refused a request of the run (a store error, a run
+        an operator ended meanwhile); whoever started the actor settles the run's handle.
+      Exception: a bug in interlock; the supervisor ends this run with an InternalError.
     """
-    run_id = handle.run_id
-    try:
-        supervisor.arm_deadline(handle)
-        carried: _Carried | None = None
-        while True:
-            scope = handle._scope
-            try:
-                with scope:
-                    await _drive(supervisor, handle, verdict, provider, carried)
-            except _Cut as cut:
-                carried = cut.carried
-            else:
-                if not scope.cancelled_caught:
-                    break  # the run is terminal or escalated
-                # Cancelled, not cut: cancel_run, or the deadline cut the wait for the model.
-                carried = None if handle._cancelled else _deadline_cut(supervisor, handle)
-            if handle._cancelled or carried is None:
-                break
-            handle._scope = trio.CancelScope()
-        _finish(supervisor, handle, None)
-    except InterlockError as exc:
-        _finish(supervisor, handle, exc)
-    except Exception as exc:
-        error = InternalError(
-            f"run {run_id!r} was stopped by a bug in interlock: {describe_exception(exc)}; "
-            "its journal is intact, and `interlock resume` continues it"
-        )
-        error.__cause__ = exc
-        supervisor.runs.pop(run_id, None)
-        _finish(supervisor, handle, error)
-    finally:
-        if not handle.done:
-            handle._finish(None, InterlockError(f"run {run_id!r} was cancelled before it finished"))
+    view = port.view(driver.run_id)
+    port.arm_deadline(driver)
+    carried: _Carried | None = None
+    while True:
+        scope = driver.scope
+        try:
+            with scope:
+                await _drive(port, driver, view, verdict, provider, carried)
+        except _Cut as cut:
+            carried = cut.carried
+        else:
+            if not scope.cancelled_caught:
+                break  # the run is terminal or escalated
+            # Cancelled, not cut: cancel_run, or the deadline cut the wait for the model.
+            carried = None if driver.cancelled else _deadline_cut(driver, view)
+        if driver.cancelled or carried is None:
+            break
+        driver.scope = trio.CancelScope()
 
 
 async def _drive(
-    supervisor: Supervisor,
-    handle: RunHandle,
+    port: ActorPort,
+    driver: Driver,
+    view: RunView,
     verdict: Verdict,
     provider: Provider | None,
     carried: _Carried | None,
 ) -> None:
     """The loop proper: from ``verdict`` (or what a cut carried) until the run stops running."""
-    run_id = handle.run_id
     durable = True
     proposal = carried if isinstance(carried, Propose) else None
     told = carried if isinstance(carried, Report | Reconciliation) else None
@@ -159,61 +241,49 @@ async def _drive(
                 if verdict.execute is not None:
                     attempts = _Attempts(verdict.state, verdict.seq, verdict.execute)
                 elif verdict.reconcile is not None:
-                    told = await reconcile_call(supervisor, handle, verdict)
+                    told = await reconcile_call(port, driver, view, verdict)
             if attempts is not None:
-                told = await execute_call(supervisor, handle, attempts)
+                told = await execute_call(port, driver, view, attempts)
                 attempts = None
             if told is not None:
                 # NOTE: the commit need not be durable before the next model call:
                 # the next verdict is sent only after a flush that holds it, and a
                 # crash before then leaves the call in doubt, which recovery handles.
-                verdict = supervisor.submit_nowait(told)
+                verdict = port.submit_nowait(told)
                 told = None
                 durable = False
                 continue
             if verdict.retry_in > 0:
-                await _backoff(handle, verdict.retry_in)
-            proposal = await _next_proposal(supervisor, handle, provider)
-        verdict = await supervisor.request(proposal)
+                await _backoff(driver, verdict.retry_in)
+            proposal = await _next_proposal(port, driver, view, provider)
+        verdict = await port.request(proposal)
         proposal = None
         durable = True
     if not durable:
-        await supervisor.request(Sync(run_id=run_id))
+        await port.request(Sync(run_id=driver.run_id))
 
 
-async def _backoff(handle: RunHandle, seconds: float) -> None:
+async def _backoff(driver: Driver, seconds: float) -> None:
     """Wait before asking a provider that failed again; the run's deadline cuts the wait."""
-    if handle._deadline_passed:
+    if driver.deadline_passed:
         return  # the next call is refused at once (see _next_proposal)
-    handle._in_provider = True
+    driver.in_provider = True
     try:
         await trio.sleep(seconds)
     finally:
-        handle._in_provider = False
+        driver.in_provider = False
 
 
-def _finish(supervisor: Supervisor, handle: RunHandle, error: Exception | None) -> None:
-    # NOTE: an operator may end the run (cancel_run) while its actor waits; then the
-    # actor's own request is refused, but the run did end, with a journaled result.
-    run = supervisor.runs.get(handle.run_id)
-    if run is not None and run.terminal and run.closed:
-        handle._finish(supervisor.result_of(handle.run_id))
-        supervisor.release(handle.run_id)
-    elif error is not None:
-        handle._finish(None, error)
-
-
-def _deadline_cut(supervisor: Supervisor, handle: RunHandle) -> Propose:
+def _deadline_cut(driver: Driver, view: RunView) -> Propose:
     """The failed model call to journal when the run's deadline cut the wait for it."""
-    run = supervisor.runs[handle.run_id]
     return Propose(
-        run_id=run.run_id,
-        seq=run.seq,
+        run_id=view.run_id,
+        seq=view.seq,
         raw="",
-        model=handle._model,
-        error=f"no answer before the run's deadline of {run.machine.budgets.deadline:g} s",
+        model=driver.model,
+        error=f"no answer before the run's deadline of {view.definition.budgets.deadline:g} s",
         retryable=False,
-        latency=time.perf_counter() - handle._asked,
+        latency=time.perf_counter() - driver.asked,
     )
 
 
@@ -299,34 +369,28 @@ def _provider_failure(exc: BaseException) -> tuple[bool, float | None]:
 
 
 async def _next_proposal(
-    supervisor: Supervisor, handle: RunHandle, provider: Provider | None
+    port: ActorPort, driver: Driver, view: RunView, provider: Provider | None
 ) -> Propose:
-    run_id = handle.run_id
-    run = supervisor.runs[run_id]
-    spec = run.machine.states[run.state]
-    view = RunView(run)
+    run_id = driver.run_id
+    machine = view.definition
+    spec = machine.states[view.state]
     if isinstance(spec, Step):
-        try:
-            raw = encode_action(spec.fn(view)).decode()
-        except Exception as exc:
-            error = f"step {run.state!r} raised {describe_exception(exc)}"
-            return Propose(run_id=run_id, seq=run.seq, raw="", source="step", error=error)
-        return Propose(run_id=run_id, seq=run.seq, raw=raw, source="step")
+        return step_proposal(run_id, view.seq, view.state, spec, view)
     assert provider is not None
-    seq = run.seq  # the state this proposal answers; a stale one is refused
+    seq = view.seq  # the state this proposal answers; a stale one is refused
     model = _text(getattr(provider, "model", ""))
     started = time.perf_counter()
-    handle._model, handle._asked = model, started
-    if handle._deadline_passed:
+    driver.model, driver.asked = model, started
+    if driver.deadline_passed:
         # Past the deadline the wait would be cut at once: do not start the call.
-        return _deadline_cut(supervisor, handle)
-    timeout = run.machine.provider_policy.timeout
-    handle._in_provider = True
-    token = supervisor.arm_timeout(handle, timeout)
+        return _deadline_cut(driver, view)
+    timeout = machine.provider_policy.timeout
+    driver.in_provider = True
+    token = port.arm_timeout(driver, timeout)
     try:
         answer = await provider.propose(view)
     except BaseException as exc:
-        timed_out = handle._tool_cut == token
+        timed_out = driver.tool_cut == token
         if _passes_through(exc) and not (timed_out and _cancelled(exc)):
             raise
         if timed_out:  # its call timeout: leave the cancelled scope with the failure
@@ -352,10 +416,10 @@ async def _next_proposal(
             latency=time.perf_counter() - started,
         )
     finally:
-        handle._in_provider = False
-        handle._tool_token = 0
+        driver.in_provider = False
+        driver.tool_token = 0
     message = _answer(run_id, seq, model, answer, time.perf_counter() - started)
-    if handle._scope.cancel_called:
+    if driver.scope.cancel_called:
         # The answer came as the scope was cancelled: the next checkpoint would raise.
         raise _Cut(message)
     return message
@@ -391,7 +455,9 @@ def _may_retry(tool: Tool, attempts: _Attempts) -> bool:
     return tool.safe_to_repeat or attempts.applied is False
 
 
-async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Attempts) -> Report:
+async def execute_call(
+    port: ActorPort, driver: Driver, view: RunView, attempts: _Attempts
+) -> Report:
     """Run a verified call with its timeout and retry policy; return the report to journal.
 
     A tool that is safe to repeat (idempotent or read-only) is retried with the same key
@@ -404,14 +470,10 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
         the call got; the actor goes on from there in a fresh scope), or an attempt
         finished just as it was cut (the report is carried out).
     """
-    run_id = handle.run_id
-    run = supervisor.runs[run_id]
+    run_id = driver.run_id
     call = attempts.call
-    tool: Tool = run.machine.tool_by_name[call.tool]
-    key, args = handle._validated
-    handle._validated = ("", None)  # held only until the call runs: not for the run's life
-    if key != call.key:  # not decided in this process (recovery): validate from the journal
-        args = tool.validator.from_builtins(call.args)
+    tool: Tool = view.definition.tool_by_name[call.tool]
+    args = port.call_args(run_id, call)
     policy = tool.retry
     while True:
         if attempts.attempt:  # the latest attempt failed: retry it, or report the failure
@@ -425,11 +487,11 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
         ctx = ToolContext(
             run_id=run_id, state=attempts.state, key=call.key, attempt=attempts.attempt
         )
-        token = supervisor.arm_timeout(handle, tool.timeout)
+        token = port.arm_timeout(driver, tool.timeout)
         try:
             result = await tool.execute(args, ctx)
         except BaseException as exc:
-            timed_out = handle._tool_cut == token  # its timeout, not cancel_run or a shutdown
+            timed_out = driver.tool_cut == token  # its timeout, not cancel_run or a shutdown
             if _passes_through(exc) and not (timed_out and _cancelled(exc)):
                 raise
             if timed_out:  # cut, or the tool turned the cut into an error of its own
@@ -441,7 +503,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
             attempts.error = describe_exception(exc)
             continue
         finally:
-            handle._tool_token = 0
+            driver.tool_token = 0
         payload, problem = _journalable(result)
         if problem is not None:
             attempts.error = (
@@ -460,7 +522,7 @@ async def execute_call(supervisor: Supervisor, handle: RunHandle, attempts: _Att
                 attempts=attempts.attempt,
                 latency=time.perf_counter() - attempts.started,
             )
-        if handle._tool_cut == token:  # it finished as it was cut: leave the scope first
+        if driver.tool_cut == token:  # it finished as it was cut: leave the scope first
             raise _Cut(report)
         return report
     return _failure(run_id, attempts)
@@ -504,7 +566,7 @@ def _failure(run_id: str, attempts: _Attempts) -> Report:
 
 
 async def reconcile_call(
-    supervisor: Supervisor, handle: RunHandle, verdict: Verdict
+    port: ActorPort, driver: Driver, view: RunView, verdict: Verdict
 ) -> Reconciliation:
     """Ask the downstream of a call in doubt whether its key was applied.
 
@@ -517,8 +579,8 @@ async def reconcile_call(
     """
     call = verdict.reconcile
     assert call is not None
-    run_id = handle.run_id
-    tool: Tool = supervisor.runs[run_id].machine.tool_by_name[call.tool]
+    run_id = driver.run_id
+    tool: Tool = view.definition.tool_by_name[call.tool]
     assert tool.reconcile is not None
     started = time.perf_counter()
 
@@ -533,13 +595,13 @@ async def reconcile_call(
             latency=time.perf_counter() - started,
         )
 
-    token = supervisor.arm_timeout(handle, tool.timeout)
+    token = port.arm_timeout(driver, tool.timeout)
     try:
         args = tool.validator.from_builtins(call.args)
         ctx = ToolContext(run_id=run_id, state=verdict.state, key=call.key, attempt=0)
         found = await tool.reconcile(call.key, args, ctx)
     except BaseException as exc:
-        timed_out = handle._tool_cut == token
+        timed_out = driver.tool_cut == token
         if _passes_through(exc) and not (timed_out and _cancelled(exc)):
             raise
         if timed_out:
@@ -548,7 +610,7 @@ async def reconcile_call(
             ) from None
         return answer(None, error=f"reconcile raised {describe_exception(exc)}")
     finally:
-        handle._tool_token = 0
+        driver.tool_token = 0
     if found is NotApplied or isinstance(found, NotApplied):
         message = answer(False)
     elif isinstance(found, Applied):
@@ -564,6 +626,6 @@ async def reconcile_call(
             None,
             error=f"reconcile returned {type(found).__name__}, not Applied(result) or NotApplied",
         )
-    if handle._tool_cut == token:  # it finished as it was cut: leave the scope first
+    if driver.tool_cut == token:  # it finished as it was cut: leave the scope first
         raise _Cut(message)
     return message

@@ -406,7 +406,7 @@ def _circuit_states(supervisor: Supervisor) -> dict[str, str]:
     # states() iterates a dict the trio thread may grow; retry on the rare collision.
     for _ in range(3):
         try:
-            return supervisor.circuits.states()
+            return supervisor.circuit_states()
         except RuntimeError:
             continue
     return {}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from . import _decider
 from ._breakers import Trip
 from ._events import (
     BreakerTripped,
@@ -36,9 +37,9 @@ from ._events import (
     expand_prompt,
 )
 from ._exceptions import InterlockError, ProtocolError, ReplayDivergence
-from ._machine import ESCALATE, FAILED, Step, encode_action
+from ._machine import ESCALATE, FAILED, Step
 from ._messages import Abort, Cancel, Propose, Reconciliation, Recover, Report, Resume, Start
-from ._supervisor import Supervisor
+from ._view import RunState, RunView
 
 if TYPE_CHECKING:
     from ._machine import BreakerPolicy, Machine
@@ -195,11 +196,9 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
     assert isinstance(first, RunStarted)
     run_id = first.run_id
     clock = _Clock(recorded)
-    from .stores import MemoryStore
-
-    supervisor = Supervisor([machine], MemoryStore(), clock=clock)
-    supervisor.circuits = _RecordedCircuits(recorded, clock)  # type: ignore[assignment]
+    circuits = _RecordedCircuits(recorded, clock)
     produced: list[Event] = []
+    live: list[RunState] = []  # the run, once its start is decided
 
     def divergence(position: int, got: str) -> RunReplay:
         if position < len(recorded):
@@ -210,9 +209,14 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
         return RunReplay(run_id, machine.name, position, found)
 
     def feed(msg: Request) -> RunReplay | None:
+        # The decider the supervisor runs, with the recording's clock and circuits.
         events: list[Event] = []
+        now = clock()
         try:
-            supervisor._decide(msg, events)
+            if isinstance(msg, Start):
+                live.append(_decider.start(machine, msg, now, events)[0])
+            else:
+                _decider.decide(live[0], msg, now, circuits, events)
         except InterlockError as exc:
             return divergence(len(produced), f"the request was refused: {exc}")
         for event in events:
@@ -237,7 +241,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
         )
     )
     while result is None and len(produced) < len(recorded):
-        run = supervisor.runs[run_id]
+        run = live[0]
         position = len(produced)
         upcoming = recorded[position]
         msg: Request
@@ -336,15 +340,8 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                 )
         else:
             spec = machine.states.get(run.state)
-            if isinstance(spec, Step):
-                from ._view import RunView
-
-                try:
-                    raw = encode_action(spec.fn(RunView(run))).decode()
-                    error = ""
-                except Exception as exc:
-                    raw, error = "", f"step {run.state!r} raised {type(exc).__name__}: {exc}"
-                msg = Propose(run_id=run_id, seq=run.seq, raw=raw, source="step", error=error)
+            if isinstance(spec, Step):  # the step runs again, as the actor runs it
+                msg = _decider.step_proposal(run_id, run.seq, run.state, spec, RunView(run))
             elif isinstance(upcoming, ModelCalled):
                 try:
                     prompt = expand_prompt(run.prompt_seq, run.prompt, upcoming)

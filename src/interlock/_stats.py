@@ -5,10 +5,34 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ._events import (
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    ProviderFailed,
+    Reconciled,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    ToolInDoubt,
+    Transitioned,
+)
+from ._messages import Report
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+    from ._events import Event
+    from ._machine import Machine
+    from ._messages import Request
 
 # Latency histogram: log-spaced bucket bounds in seconds, 4 per octave, from 250 ns to ~17 s.
 _BOUNDS: tuple[float, ...] = tuple(2.5e-7 * 2 ** (i / 4) for i in range(105))
@@ -119,6 +143,80 @@ class RuntimeStats:
         if histogram is None:
             histogram = table[key] = LatencyHistogram()
         return histogram
+
+    def count(self, machine: Machine, msg: Request, events: list[Event], start: int) -> None:
+        """Count what one request of a run of ``machine`` decided: ``events[start:]``.
+
+        The decider keeps no counters; every figure here follows from the events a
+        request made (and, for a tool call, the report that made them), so what the
+        metrics say is what the journal holds.
+        """
+        name = machine.name
+        proposed = False  # a proposal was journaled and its verdict is still to come
+        reconciled = False
+        for index in range(start, len(events)):
+            event: Any = events[index]
+            kind = type(event)
+            if kind is ModelCalled:
+                model, usage = event.model, event.usage
+                self.tokens[(name, event.state, model, "prompt")] += usage.prompt
+                self.tokens[(name, event.state, model, "completion")] += usage.completion
+                self.model_calls[(name, model)] += 1
+                self.histogram(self.model_latency, model).record(event.latency)
+                proposed = True
+            elif kind is IntentRecorded:
+                if proposed:
+                    self.verdicts[(name, "accepted", "")] += 1
+                    proposed = False
+            elif kind is Transitioned:
+                if proposed:
+                    self.verdicts[(name, "accepted", "")] += 1
+                    proposed = False
+                self.transitions[(name, event.src, event.dst)] += 1
+            elif kind is ToolCommitted:
+                tool = machine.tool_by_name.get(event.tool)
+                if tool is not None and not tool.read_only:
+                    self.side_effects[event.tool] += 1
+            elif kind is ProposalRejected:
+                for violation in event.violations:
+                    self.verdicts[(name, "rejected", violation.code)] += 1
+                proposed = False
+            elif kind is StepProposed:
+                proposed = True
+            elif kind is RunStarted:
+                self.runs_started[name] += 1
+            elif kind is Completed:
+                self.runs_finished[(name, "completed")] += 1
+            elif kind is Failed:
+                self.runs_finished[(name, "failed")] += 1
+            elif kind is Escalated:
+                self.runs_finished[(name, "escalated")] += 1
+                self.escalations_pending += 1
+                self.escalation_reasons[(name, event.reason)] += 1
+            elif kind is Resumed:
+                self.escalations_pending -= 1
+            elif kind is ProviderFailed:
+                self.provider_failures[(name, event.model)] += 1
+            elif kind is BreakerTripped:
+                self.breaker_trips[(name, event.breaker, event.tool)] += 1
+            elif kind is ToolInDoubt:
+                self.in_doubt[event.tool] += 1
+            elif kind is Reconciled:
+                applied = event.applied
+                outcome = (
+                    "applied" if applied else ("not_applied" if applied is False else "failed")
+                )
+                self.reconciliations[(event.tool, outcome)] += 1
+                reconciled = True
+            elif kind is ToolFailed and not reconciled and event.error.startswith("in doubt"):
+                self.in_doubt[event.tool] += 1  # escalated as in doubt, not reconciled
+        if type(msg) is Report:
+            first = events[start]
+            tool_name: str = getattr(first, "tool", "")
+            self.tool_calls[tool_name] += 1
+            self.histogram(self.tool_latency, tool_name).record(msg.latency)
+            if not msg.ok:
+                self.tool_errors[tool_name] += 1
 
     def snapshot(self, in_flight: int) -> SupervisorStatistics:
         rejections: Counter[str] = Counter()

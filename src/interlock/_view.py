@@ -144,7 +144,7 @@ class RunState:
 
     Mutated only by :meth:`apply`, so that a live run and a run folded from the
     journal after a crash are the same object state. The exceptions are the caches
-    (``_compacted``, ``_rendered``, ``_hash_state``): derived from that state, each
+    (``_compacted``, ``_hash_state``): derived from that state, each
     checked against it before use, so a folded run simply starts them empty.
     """
 
@@ -155,7 +155,6 @@ class RunState:
         "_final_delta",
         "_hash_state",
         "_inputs_view",
-        "_rendered",
         "closed",
         "consecutive_failures",
         "data",
@@ -183,6 +182,7 @@ class RunState:
         "state",
         "steps",
         "tokens",
+        "validated",
     )
 
     def __init__(self, run_id: str, machine: Machine) -> None:
@@ -205,6 +205,9 @@ class RunState:
         self.signatures: list[int] = []
         self.results: list[ToolResult] = []
         self.pending: IntentRecorded | None = None
+        self.validated: Any = None
+        """The pending call's args as the guards saw them, when it was decided in this
+        process (the tool runs on those); None once folded from the journal."""
         self.doubts = 0
         self.external = False
         """The caller drives this run (``run_started.external``): no actor runs it."""
@@ -235,10 +238,6 @@ class RunState:
         """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
         self._data_version = 0
         """Counts the changes to ``data`` (render_prompt's head shows it)."""
-        self._rendered: tuple[int, str, int, str, int] = (0, "", 0, "", 0)
-        """For render_prompt: how many compacted frames it rendered last, the prompt it
-        returned, where in it the text of all of them but the last one ends, and the
-        state and data version its head shows."""
 
     @property
     def terminal(self) -> bool:
@@ -253,7 +252,14 @@ class RunState:
         self.history.append(frame)
         self.signatures.append(signature)
 
-    def apply(self, event: Event, call_hash: int = 0, prompt: str | None = None) -> None:
+    def apply(
+        self,
+        event: Event,
+        call_hash: int = 0,
+        prompt: str | None = None,
+        *,
+        validated: Any = None,
+    ) -> None:
         """Fold one event into the state.
 
         What the supervisor already has when it emits an event it passes along, so that
@@ -265,6 +271,7 @@ class RunState:
             (the gate computed it); 0 computes it here.
           prompt: for a ``model_called`` event, its whole prompt (what the provider was
             given); None rebuilds it from the event's delta.
+          validated: for an ``intent_recorded`` event, the args the gate validated.
 
         Raises:
           ProtocolError: if the event is out of order for this run.
@@ -304,12 +311,14 @@ class RunState:
             case IntentRecorded():
                 self.proposal_raw = ""
                 self.pending = event
+                self.validated = validated
                 self.doubts = 0
                 call = call_hash or _call_hash(event.tool, event.args)
                 self.repeat_counts[call] = self.repeat_counts.get(call, 0) + 1
             case ToolCommitted(key=key, result=result):
                 intent = self.pending
                 self.pending = None
+                self.validated = None
                 self.consecutive_failures = 0
                 args = intent.args if intent is not None and intent.key == key else {}
                 self.results.append(ToolResult(event.tool, args, result, key, event.seq))
@@ -323,6 +332,7 @@ class RunState:
                 )
             case ToolFailed(error=error):
                 self.pending = None
+                self.validated = None
                 self.consecutive_failures += 1
                 self._push(
                     Frame(
@@ -478,16 +488,29 @@ def _short(value: Any, limit: int = 200) -> str:
 
 
 class RunView:
-    """A read-only view of a run, for guards, steps and providers. Cheap to make."""
+    """A read-only view of a run, for guards, steps and providers. Cheap to make.
 
-    __slots__ = ("_run",)
+    Reading a view never changes the run. A view may remember what rendering the run's
+    prompt produced (``render_prompt``), so the actor keeps one view for a run's life.
+    """
+
+    __slots__ = ("_rendered", "_run")
 
     def __init__(self, run: RunState) -> None:
         self._run = run
+        self._rendered: tuple[int, str, int, str, int] = (0, "", 0, "", 0)
+        """For render_prompt: how many compacted frames it rendered last, the prompt it
+        returned, where in it the text of all of them but the last one ends, and the
+        state and data version its head shows."""
 
     @property
     def run_id(self) -> str:
         return self._run.run_id
+
+    @property
+    def definition(self) -> Machine:
+        """The machine the run follows: its states, tools, budgets and policies."""
+        return self._run.machine
 
     @property
     def machine(self) -> str:

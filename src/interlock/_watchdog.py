@@ -12,35 +12,36 @@ import trio
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._handle import RunHandle
+    from ._actor import Driver
 
 
-def armed_for(handle: RunHandle | None, token: int) -> bool:
-    """Whether a watchdog entry with ``token`` is still live for ``handle``."""
-    if handle is None or handle.done:
+def armed_for(driver: Driver | None, token: int) -> bool:
+    """Whether a watchdog entry with ``token`` is still live for ``driver``."""
+    if driver is None or driver.done:
         return False
-    return token == (handle._deadline_token if token < 0 else handle._tool_token)
+    return token == (driver.deadline_token if token < 0 else driver.tool_token)
 
 
 class Watchdog:
-    """Tells a run's handle when what its actor waits for has overrun.
+    """Tells a run's actor (its :class:`~interlock._actor.Driver`) when what it waits
+    for has overrun.
 
     An entry is (trio time, token, run id). A deadline's token is negative, a call's
-    positive; each is unique, so ties never compare run ids. The run id, not the handle:
+    positive; each is unique, so ties never compare run ids. The run id, not the driver:
     a tuple of a float, an int and a str is untracked by the garbage collector after its
-    first pass, and the heap holds one per live step. The handle is looked up when the
+    first pass, and the heap holds one per live step. The driver is looked up when the
     entry fires, and its token says whether the entry is still its own (a resumed run has
-    a new handle under the same id, a finished call a new token).
+    a new driver under the same id, a finished call a new token).
 
     Args:
-      handles: the live runs' handles by run id (the supervisor's table, read only).
+      drivers: the live actors' drivers by run id (the supervisor's table, read only).
       live: how many runs are live (bounds the heap).
     """
 
-    __slots__ = ("_armed", "_handles", "_heap", "_live", "_waiting")
+    __slots__ = ("_armed", "_drivers", "_heap", "_live", "_waiting")
 
-    def __init__(self, handles: Mapping[str, RunHandle], live: Callable[[], int]) -> None:
-        self._handles = handles
+    def __init__(self, drivers: Mapping[str, Driver], live: Callable[[], int]) -> None:
+        self._drivers = drivers
         self._live = live
         self._heap: list[tuple[float, int, str]] = []
         self._waiting: trio.CancelScope | None = None
@@ -49,34 +50,34 @@ class Watchdog:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def arm_deadline(self, handle: RunHandle, remaining: float) -> None:
-        """Fire ``handle``'s deadline in ``remaining`` seconds (of trio's clock)."""
+    def arm_deadline(self, driver: Driver, remaining: float) -> None:
+        """Fire ``driver``'s deadline in ``remaining`` seconds (of trio's clock)."""
         if math.isfinite(remaining):
             self._armed += 1
-            token = handle._deadline_token = -self._armed
-            self._arm(trio.current_time() + max(remaining, 0.0), token, handle)
+            token = driver.deadline_token = -self._armed
+            self._arm(trio.current_time() + max(remaining, 0.0), token, driver)
 
-    def arm_timeout(self, handle: RunHandle, seconds: float) -> int:
-        """Cut ``handle``'s call in flight (a model call or a tool attempt) after ``seconds``.
+    def arm_timeout(self, driver: Driver, seconds: float) -> int:
+        """Cut ``driver``'s call in flight (a model call or a tool attempt) after ``seconds``.
 
-        Returns the call's token, which the actor holds in ``handle._tool_token`` while the
+        Returns the call's token, which the actor holds in ``driver.tool_token`` while the
         call runs; the entry of a call that finished is ignored when it fires.
         """
         self._armed += 1
-        token = handle._tool_token = self._armed
-        self._arm(trio.current_time() + seconds, token, handle)
+        token = driver.tool_token = self._armed
+        self._arm(trio.current_time() + seconds, token, driver)
         return token
 
-    def _arm(self, at: float, token: int, handle: RunHandle) -> None:
+    def _arm(self, at: float, token: int, driver: Driver) -> None:
         heap = self._heap
         if len(heap) > 3 * self._live() + 64:
             # Each live run has at most two live entries (its deadline, its call in
             # flight): drop the rest, so the heap stays O(live runs) however many calls
             # finished. Pruning at 3x leaves room for at least one push per live run.
-            handles = self._handles
-            heap[:] = [entry for entry in heap if armed_for(handles.get(entry[2]), entry[1])]
+            drivers = self._drivers
+            heap[:] = [entry for entry in heap if armed_for(drivers.get(entry[2]), entry[1])]
             heapq.heapify(heap)
-        heapq.heappush(heap, (at, token, handle.run_id))
+        heapq.heappush(heap, (at, token, driver.run_id))
         waiting = self._waiting
         if waiting is not None and at < waiting.deadline:
             waiting.deadline = at
@@ -89,9 +90,9 @@ class Watchdog:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
                 _at, token, run_id = heapq.heappop(heap)
-                handle = self._handles.get(run_id)
-                if handle is not None:
-                    handle._fire(token)
+                driver = self._drivers.get(run_id)
+                if driver is not None:
+                    driver.fire(token)
             with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as waiting:
                 self._waiting = waiting
                 await trio.sleep_forever()

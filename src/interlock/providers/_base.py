@@ -48,7 +48,7 @@ def render_prompt(view: RunView) -> str:
     # rejection joins it): the text of every frame before the last one rendered stays,
     # and so does the head while the state and the data do. Rendering from there on
     # keeps a step's prompt O(new frames), not O(history).
-    rendered, previous, stable_end, state, version = run._rendered
+    rendered, previous, stable_end, state, version = view._rendered
     if 0 < rendered <= len(frames) and state == run.state and version == run._data_version:
         stable = rendered - 1
         base = previous[:stable_end]  # the head and the text of frames[:stable]
@@ -63,7 +63,7 @@ def render_prompt(view: RunView) -> str:
     prompt = f"{base}{last}\n{_ANSWER}"
     # Where the stable frames' text ends in this prompt, for the next render. The prompt
     # is the string the run keeps as its latest (run.prompt), so this costs no copy.
-    run._rendered = (len(frames), prompt, len(base), run.state, run._data_version)
+    view._rendered = (len(frames), prompt, len(base), run.state, run._data_version)
     return prompt
 
 
