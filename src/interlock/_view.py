@@ -144,12 +144,11 @@ class RunState:
 
     Mutated only by :meth:`apply`, so that a live run and a run folded from the
     journal after a crash are the same object state. The exceptions are the caches
-    (``_compacted``, ``_hash_state``): derived from that state, each
+    (``_hash_state``): derived from that state, each
     checked against it before use, so a folded run simply starts them empty.
     """
 
     __slots__ = (
-        "_compacted",
         "_data_version",
         "_data_view",
         "_final_delta",
@@ -231,9 +230,6 @@ class RunState:
         """The whole prompt of the run's latest model call (the base of the next one's delta)."""
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
-        self._compacted: tuple[int, tuple[Frame, ...], int] = (0, (), 0)
-        """For compacted_history: the history's size then, its frames, and the index of
-        the first item of the last frame's group (the one part that can still change)."""
         self._hash_state: PromptHashState | None = None
         """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
         self._data_version = 0
@@ -399,34 +395,6 @@ class RunState:
             case _:  # pragma: no cover - the union is closed
                 raise ProtocolError(f"unknown event {event!r}")
 
-    def compacted_history(self) -> tuple[Frame, ...]:
-        """The history with runs of identical rejections collapsed into one frame each."""
-        size = len(self.history)
-        cached_size, cached, start = self._compacted
-        if cached_size == size:
-            return cached
-        # The history only grows, and a new item can join only the last group: the
-        # frames before it stay. Compacting from that group's first item on keeps a
-        # step's work O(new items), not O(history).
-        history = self.history
-        frames: list[Frame] = []
-        for first, last, count in compact_failures(self.signatures[start:]):
-            frame = history[start + last]
-            if count > 1:
-                frame = Frame(
-                    frame.kind,
-                    frame.seq,
-                    f"{count} attempts rejected: {frame.text}",
-                    count=count,
-                    first_seq=history[start + first].seq,
-                    violations=frame.violations,
-                )
-            frames.append(frame)
-            group = start + first
-        result = cached[:-1] + tuple(frames) if cached else tuple(frames)
-        self._compacted = (size, result, group)
-        return result
-
 
 class _ProposalData(msgspec.Struct):
     data: dict[str, Any] = {}
@@ -494,10 +462,13 @@ class RunView:
     prompt produced (``render_prompt``), so the actor keeps one view for a run's life.
     """
 
-    __slots__ = ("_rendered", "_run")
+    __slots__ = ("_compacted", "_rendered", "_run")
 
     def __init__(self, run: RunState) -> None:
         self._run = run
+        self._compacted: tuple[int, tuple[Frame, ...], int] = (0, (), 0)
+        """For history: the run's history size then, its frames, and the index of the
+        first item of the last frame's group (the one part that can still change)."""
         self._rendered: tuple[int, str, int, str, int] = (0, "", 0, "", 0)
         """For render_prompt: how many compacted frames it rendered last, the prompt it
         returned, where in it the text of all of them but the last one ends, and the
@@ -561,7 +532,36 @@ class RunView:
     @property
     def history(self) -> tuple[Frame, ...]:
         """The run's history as the model sees it: identical rejections compacted."""
-        return self._run.compacted_history()
+        return self._compact()
+
+    def _compact(self) -> tuple[Frame, ...]:
+        """The history with runs of identical rejections collapsed into one frame each."""
+        run = self._run
+        size = len(run.history)
+        cached_size, cached, start = self._compacted
+        if cached_size == size:
+            return cached
+        # The history only grows, and a new item can join only the last group: the
+        # frames before it stay. Compacting from that group's first item on keeps a
+        # step's work O(new items), not O(history).
+        history = run.history
+        frames: list[Frame] = []
+        for first, last, count in compact_failures(run.signatures[start:]):
+            frame = history[start + last]
+            if count > 1:
+                frame = Frame(
+                    frame.kind,
+                    frame.seq,
+                    f"{count} attempts rejected: {frame.text}",
+                    count=count,
+                    first_seq=history[start + first].seq,
+                    violations=frame.violations,
+                )
+            frames.append(frame)
+            group = start + first
+        result = cached[:-1] + tuple(frames) if cached else tuple(frames)
+        self._compacted = (size, result, group)
+        return result
 
     @property
     def last_violations(self) -> tuple[Violation, ...]:
