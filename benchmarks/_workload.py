@@ -19,12 +19,12 @@ from interlock import (
     Machine,
     Reject,
     RunStarted,
-    RunState,
     RunView,
     Tool,
     ToolContext,
     Worker,
 )
+from interlock._view import RunState
 
 ORDER_PATTERN = r"^ORD-[0-9]{6}$"
 REASONS = ("damaged", "late", "wrong_item", "not_received", "other")

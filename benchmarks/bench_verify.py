@@ -63,6 +63,8 @@ from benchmarks._workload import (
     run_state,
     within_total,
 )
+from interlock._breakers import CircuitBoard
+from interlock._gate import verify
 
 NAME = "verify"
 TITLE = "Proposal verification: the full gate against pydantic and msgspec alone"
@@ -146,8 +148,6 @@ def _minimal() -> Any:
 
 
 def _gate() -> Any:
-    from interlock import CircuitBoard, verify
-
     machine = build_machine()
     run = run_state(machine)
     circuits = CircuitBoard()

@@ -32,6 +32,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
+from interlock._view import fold
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -355,8 +356,6 @@ async def test_large_data_is_journaled_once() -> None:
     assert (transitioned.delta, transitioned.delta_in_proposal) == ({}, True)
     assert (completed.output, completed.output_in_delta) == (None, True)
     assert replay(events, spec).ok
-    from interlock import fold
-
     assert fold(spec, events).output == {"answer": answer}
 
 

@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from interlock import (
     BreakerPolicy,
     Budgets,
-    CircuitBoard,
-    Decision,
     Event,
     IntentRecorded,
     Machine,
@@ -23,7 +21,6 @@ from interlock import (
     ProtocolError,
     Reject,
     RunStarted,
-    RunState,
     RunView,
     TokenUsage,
     Tool,
@@ -32,12 +29,12 @@ from interlock import (
     Violation,
     Worker,
     _gate,
-    fold,
-    verify,
 )
+from interlock._breakers import CircuitBoard
+from interlock._gate import Decision, verify
 from interlock._hotpath import proposal_hash
 from interlock._tools import plain_struct
-from interlock._view import _call_hash, canonical_args
+from interlock._view import RunState, _call_hash, canonical_args, fold
 
 CODES = {
     "malformed",

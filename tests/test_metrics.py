@@ -26,7 +26,6 @@ from prometheus_client.parser import (
 from interlock import (
     BreakerPolicy,
     BreakerTripped,
-    CircuitBoard,
     Completed,
     Escalated,
     Failed,
@@ -42,6 +41,7 @@ from interlock import (
     __version__,
     serve_metrics,
 )
+from interlock._breakers import CircuitBoard
 from interlock._demo import DemoConfig, run_demo
 from interlock._hotpath import IMPLEMENTATION
 from interlock.stores import MemoryStore
@@ -416,7 +416,7 @@ def test_circuit_state_gauge_reads_closed_half_open_and_open() -> None:
     tool = SimpleNamespace(name="pay")
     machine = SimpleNamespace(tools=[tool, SimpleNamespace(name="lookup")], states={})
     supervisor = SimpleNamespace(
-        machines={"m": machine}, runs={}, circuit_states=board.states, store=None
+        machines={"m": machine}, live_states=Counter, circuit_states=board.states, store=None
     )
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(RuntimeStats(), supervisor=lambda: supervisor))
@@ -457,7 +457,7 @@ async def test_runs_in_flight_counts_live_runs_by_state() -> None:
                 # No checkpoint between the two reads, so they see the same runs.
                 live = Counter(
                     (run.machine.name, run.state)
-                    for run in supervisor.runs.values()
+                    for run in supervisor._runs.values()
                     if not run.terminal
                 )
                 gauge = {

@@ -84,8 +84,22 @@ def test_help_renders_the_whole_package() -> None:
     import pydoc
 
     text = pydoc.render_doc(interlock, renderer=pydoc.plaintext)
-    assert "class Decision" in text
+    assert "class Supervisor" in text
+    assert "class RunView" in text
     assert "open_supervisor" in text
+
+
+@pytest.mark.parametrize("name", ["RunState", "Decision", "CircuitBoard", "verify", "fold"])
+def test_mutable_internals_are_private_and_say_what_to_use(name: str) -> None:
+    """RunState, Decision and CircuitBoard hold the runtime's mutable state; they, and the
+    functions that hand them out, are not public, and asking for one says what to use (#15)."""
+    assert name not in interlock.__all__
+    with pytest.raises(AttributeError, match=rf"^interlock\.{name} is internal .*; \w"):
+        getattr(interlock, name)
+    for obj in _public_objects():
+        value = obj.values[0]
+        hints = getattr(value, "__annotations__", {})
+        assert name not in {getattr(h, "__name__", h) for h in hints.values()}, value
 
 
 def test_the_message_union_is_exported_with_every_message_in_it() -> None:

@@ -18,10 +18,10 @@ from interlock import (
     ToolDefinitionError,
     Worker,
     _schema,
-    fold,
-    verify,
 )
 from interlock._events import RunStarted
+from interlock._gate import verify
+from interlock._view import fold
 
 
 async def nop(args: Any, ctx: Any) -> None:

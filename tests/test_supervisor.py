@@ -36,7 +36,6 @@ from interlock import (
     Verdict,
     Violation,
     Worker,
-    fold,
     open_supervisor,
 )
 from interlock._events import (
@@ -47,6 +46,7 @@ from interlock._events import (
     whole_prompts,
 )
 from interlock._hotpath import common_affixes
+from interlock._view import fold
 from interlock.providers import Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
@@ -372,7 +372,7 @@ async def test_live_repeat_counts_equal_the_ones_folded_from_the_journal(
     async with open_supervisor([spec], memory_store, provider=ThenBlock()) as sup:
         handle = await sup.start_run("refund", run_id="r-1")
         await wait_all_tasks_blocked()
-        live = dict(sup.runs["r-1"].repeat_counts)
+        live = dict(sup._runs["r-1"].repeat_counts)
         folded = fold(spec, await memory_store.load("r-1")).repeat_counts
         release.set()
         await handle.wait()
@@ -1101,7 +1101,7 @@ async def test_start_run_refuses_inputs_the_journal_cannot_hold(memory_store: Me
             r"< -2\*\*63 or > 2\*\*64 - 1; pass JSON-like values",
         ):
             await sup.start_run("refund", {"order": HUGE}, run_id="r-1")
-        assert sup.runs == {}
+        assert sup._runs == {}
 
 
 async def test_an_error_in_the_block_reaches_the_caller_unwrapped() -> None:
@@ -1169,7 +1169,7 @@ async def test_finished_runs_are_released_and_only_the_latest_results_kept(
         await trio.testing.wait_all_tasks_blocked()
         assert [r.outcome for r in results] == ["completed"] * 12  # the caller keeps its own
         assert sup.handles == {}
-        assert sup.runs == {}
+        assert sup._runs == {}
         assert list(sup._ended) == [f"r-{i}" for i in range(7, 12)]
         # a late request about a recent run gets the clear answer ...
         assert (await sup.cancel_run("r-11")).outcome == "completed"

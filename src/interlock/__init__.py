@@ -8,7 +8,6 @@ import typing as _typing
 
 from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
-from ._breakers import CircuitBoard as CircuitBoard
 from ._events import (
     BreakerTripped as BreakerTripped,
 )
@@ -118,8 +117,6 @@ from ._exceptions import (
     ToolDefinitionError as ToolDefinitionError,
 )
 from ._exceptions import UnknownMachine as UnknownMachine
-from ._gate import Decision as Decision
-from ._gate import verify as verify
 from ._handle import RunHandle as RunHandle
 from ._handle import RunResult as RunResult
 from ._machine import (
@@ -223,10 +220,8 @@ from ._tools import (
 from ._tools import ToolError as ToolError
 from ._version import __version__ as __version__
 from ._view import Frame as Frame
-from ._view import RunState as RunState
 from ._view import RunView as RunView
 from ._view import ToolResult as ToolResult
-from ._view import fold as fold
 
 if _typing.TYPE_CHECKING:
     from ._metrics import RuntimeCollector as RuntimeCollector
@@ -236,11 +231,25 @@ if _typing.TYPE_CHECKING:
 _LAZY = ("RuntimeCollector", "serve_metrics")
 
 
+#: Internals that were public once: what to use instead.
+_INTERNAL = {
+    "RunState": "read a run through RunView (Supervisor.view) or fold it with replay",
+    "Decision": "the gate's verdict reaches you as a Verdict (Supervisor.submit, request)",
+    "CircuitBoard": "read circuits with Supervisor.circuit_state() or the metrics",
+    "verify": "verify proposals through a run: Supervisor.submit on an external run",
+    "fold": "replay a journal with interlock.replay, or read live runs with Supervisor.view",
+}
+
+
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
         from . import _metrics
 
         return getattr(_metrics, name)
+    if name in _INTERNAL:
+        raise AttributeError(
+            f"interlock.{name} is internal (it holds mutable runtime state); {_INTERNAL[name]}"
+        )
     raise AttributeError(f"module 'interlock' has no attribute {name!r}")
 
 
@@ -257,9 +266,7 @@ __all__ = [
     "Budgets",
     "Call",
     "Cancel",
-    "CircuitBoard",
     "Completed",
-    "Decision",
     "Divergence",
     "Escalated",
     "Event",
@@ -306,7 +313,6 @@ __all__ = [
     "RunReplay",
     "RunResult",
     "RunStarted",
-    "RunState",
     "RunView",
     "RuntimeCollector",
     "RuntimeStats",
@@ -339,11 +345,9 @@ __all__ = [
     "encode_event",
     "encode_message",
     "expand_prompt",
-    "fold",
     "hash_prompt",
     "open_supervisor",
     "replay",
     "serve_metrics",
-    "verify",
     "whole_prompts",
 ]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import operator
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.exposition import start_http_server
@@ -46,7 +44,6 @@ DEFAULT_METRICS_PORT = 9464
 
 #: Breakers whose trips name a tool; the others trip with ``tool=""``.
 _TOOL_BREAKERS = (REPEAT, CIRCUIT)
-_MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
 #: Terminal outcomes, as ``Machine.outcome`` names them.
 _OUTCOMES = ("completed", "escalated", "failed")
 
@@ -291,9 +288,8 @@ class RuntimeCollector(Collector):
                 for name, machine in supervisor.machines.items()
                 for state in machine.states
             }
-            # NOTE: one pass in C (a scrape holds the GIL, so it must stay short at 100k
-            # runs); a state outside ``machine.states`` is terminal and is not counted.
-            live = Counter(map(_MACHINE_AND_STATE, list(supervisor.runs.values())))
+            # A state outside ``machine.states`` is terminal and is not counted.
+            live = supervisor.live_states()
             for key, count in live.items():
                 if key in counts:
                     counts[key] = count

@@ -9,7 +9,9 @@ watchdog (``_watchdog``) keeps the deadlines and timeouts, and each run's actor
 from __future__ import annotations
 
 import gc
+import operator
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,8 @@ Clock = Callable[[], float]
 #: fewer, larger passes (benchmarks/bench_concurrency.py measures the difference).
 GC_THRESHOLD = (200_000, 20, 100)
 
+_MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
+
 #: How many released runs' results a supervisor keeps to answer late requests clearly.
 ENDED_KEPT = 10_000
 
@@ -101,7 +105,7 @@ class Supervisor:
         self.clock = clock
         self.stats = stats if stats is not None else RuntimeStats()
         self._circuits = CircuitBoard()
-        self.runs: dict[str, RunState] = {}
+        self._runs: dict[str, RunState] = {}
         self.handles: dict[str, RunHandle] = {}
         self._drivers: dict[str, Driver] = {}
         self._journal = GroupCommit(
@@ -110,7 +114,7 @@ class Supervisor:
         self._actors: trio.Nursery | None = None
         self._provider = provider
         self._next_id = 0
-        self._watchdog = Watchdog(self._drivers, lambda: len(self.runs))
+        self._watchdog = Watchdog(self._drivers, lambda: len(self._runs))
         # Runs whose in-memory state was dropped because a batch holding their events
         # could not be written (see _forget): their later requests get that error.
         self._lost: dict[str, Exception] = {}
@@ -136,9 +140,18 @@ class Supervisor:
           RunNotFound: the run is not live in this supervisor.
         """
         try:
-            return RunView(self.runs[run_id])
+            return RunView(self._runs[run_id])
         except KeyError:
             raise RunNotFound(run_id) from None
+
+    def live_states(self) -> Counter[tuple[str, str]]:
+        """How many live runs are in each state, by ``(machine, state)``."""
+        # NOTE: one pass in C: a metrics scrape calls this and must stay short at 100k runs.
+        return Counter(map(_MACHINE_AND_STATE, list(self._runs.values())))
+
+    def __len__(self) -> int:
+        """How many runs are live (in memory) in this supervisor."""
+        return len(self._runs)
 
     def circuit_state(self, tool: str) -> str:
         """The state of ``tool``'s circuit: ``closed``, ``open`` or ``half_open``."""
@@ -150,7 +163,7 @@ class Supervisor:
 
     def statistics(self) -> SupervisorStatistics:
         """A snapshot of the supervisor's counters."""
-        return self.stats.snapshot(len(self.runs))
+        return self.stats.snapshot(len(self._runs))
 
     # -- requests ---------------------------------------------------------------
 
@@ -191,7 +204,7 @@ class Supervisor:
         One heap entry per run instead of a cancel scope per model call: the actor cuts
         only its wait for the model (see run_actor).
         """
-        run = self.runs[driver.run_id]
+        run = self._runs[driver.run_id]
         # The clock may be any clock; the watchdog sleeps on trio's. 1 ms of margin, so
         # the decider's own check (on self.clock) agrees that it passed.
         remaining = run.started_ts + run.machine.budgets.deadline - self.clock()
@@ -227,7 +240,7 @@ class Supervisor:
                 time.perf_counter() - started
             )
         else:
-            if type(msg) is Cancel and msg.run_id not in self.runs:
+            if type(msg) is Cancel and msg.run_id not in self._runs:
                 ended = self._ended.get(msg.run_id)
                 if ended is not None:  # already finished and released: nothing to cancel
                     return Verdict(
@@ -245,14 +258,14 @@ class Supervisor:
 
     def _start(self, msg: Start, now: float, events: list[Event]) -> tuple[RunState, Verdict]:
         machine = self.machine(msg.machine)
-        if msg.run_id in self.runs:
+        if msg.run_id in self._runs:
             raise ProtocolError(f"run {msg.run_id!r} already exists; run ids must be unique")
         run, verdict = _decider.start(machine, msg, now, events)
-        self.runs[msg.run_id] = run
+        self._runs[msg.run_id] = run
         return run, verdict
 
     def _run(self, run_id: str) -> RunState:
-        run = self.runs.get(run_id)
+        run = self._runs.get(run_id)
         if run is None:
             lost = self._lost.get(run_id)
             if lost is not None:
@@ -270,7 +283,7 @@ class Supervisor:
         # NOTE: the in-memory state ran ahead of a batch that was never written; drop
         # it so nothing acts on decisions the journal does not hold. Recovery refolds.
         for run_id in run_ids:
-            self.runs.pop(run_id, None)
+            self._runs.pop(run_id, None)
             self._lost[run_id] = error
             if len(self._lost) > ENDED_KEPT:
                 del self._lost[next(iter(self._lost))]
@@ -288,7 +301,7 @@ class Supervisor:
             "intact up to the previous batch, and `interlock resume` continues it"
         )
         error.__cause__ = exc
-        self.runs.pop(msg.run_id, None)
+        self._runs.pop(msg.run_id, None)
         self._lost[msg.run_id] = error
         return error
 
@@ -358,7 +371,7 @@ class Supervisor:
         if self._actors is None:
             raise trio.ClosedResourceError("supervisor is not running")
         run_id = run_id or self._new_run_id()
-        if run_id in self.runs:
+        if run_id in self._runs:
             raise ProtocolError(f"run {run_id!r} already exists; run ids must be unique")
         verdict = await self.request(
             Start(run_id=run_id, machine=machine, inputs=payload, external=external)
@@ -387,14 +400,14 @@ class Supervisor:
           RunNotFound: no such run is live here.
           StoreError: the batch holding the request's events could not be written.
         """
-        run = self.runs.get(msg.run_id)
+        run = self._runs.get(msg.run_id)
         if run is not None and not run.external:
             raise ProtocolError(
                 f"run {msg.run_id!r} is driven by its actor; submit is for runs started with "
                 "start_run(..., external=True)"
             )
         verdict = await self.request(msg)
-        run = self.runs.get(msg.run_id)
+        run = self._runs.get(msg.run_id)
         if run is not None and run.terminal and run.closed:
             handle = self.handles.get(msg.run_id)
             if handle is not None and not handle.done:
@@ -433,7 +446,7 @@ class Supervisor:
                 "its journal is intact, and `interlock resume` continues it"
             )
             error.__cause__ = exc
-            self.runs.pop(run_id, None)
+            self._runs.pop(run_id, None)
         finally:
             driver.done = True
             if self._drivers.get(run_id) is driver:
@@ -443,7 +456,7 @@ class Supervisor:
     def _settle(self, handle: RunHandle, error: Exception | None) -> None:
         # NOTE: an operator may end the run (cancel_run) while its actor waits; then the
         # actor's own request is refused, but the run did end, with a journaled result.
-        run = self.runs.get(handle.run_id)
+        run = self._runs.get(handle.run_id)
         if run is not None and run.terminal and run.closed:
             handle._finish(self.result_of(handle.run_id))
             self.release(handle.run_id)
@@ -475,7 +488,7 @@ class Supervisor:
         """Drop a finished run's in-memory state and its handle (its journal stays in the
         store; whoever holds the handle keeps its result). How it ended is kept for the
         latest :data:`ENDED_KEPT` runs, so a late request gets a clear answer."""
-        self.runs.pop(run_id, None)
+        self._runs.pop(run_id, None)
         driver = self._drivers.pop(run_id, None)
         if driver is not None:
             driver.done = True
@@ -503,7 +516,7 @@ class Supervisor:
         # IndexDamaged) then stops the resume before it has started anything.
         folded = []
         for record in await self.store.unfinished():
-            if record.run_id in self.runs:
+            if record.run_id in self._runs:
                 continue
             machine = self.machines.get(record.machine)
             if machine is None:
@@ -526,7 +539,7 @@ class Supervisor:
         # Decide every recovery now and make them durable with one flush, not one each.
         verdicts: list[Verdict | None] = []
         for run in folded:
-            self.runs[run.run_id] = run
+            self._runs[run.run_id] = run
             if run.external and run.pending is not None:
                 # Its caller ran the call and knows how it went: it reports, with the key.
                 verdicts.append(None)
@@ -543,13 +556,13 @@ class Supervisor:
         return handles
 
     async def _load(self, run_id: str) -> RunState:
-        run = self.runs.get(run_id)
+        run = self._runs.get(run_id)
         if run is not None:
             return run
         record = await self.store.get_run(run_id)
         machine = self.machine(record.machine)
         run = fold(machine, await self.store.load(run_id))
-        self.runs[run_id] = run
+        self._runs[run_id] = run
         return run
 
     async def resume_escalated(
