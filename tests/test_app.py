@@ -205,7 +205,7 @@ def test_app_named_by_environment_and_pyproject(crashed):
         "replay", "bank-0", "--db", str(db), cwd=cwd, env={"INTERLOCK_APP": f"{bank}:app"}
     )
     assert (by_env.returncode, by_env.stderr) == (0, "")
-    assert by_env.stdout == f"replayed 1 runs from {db}: 1 reproduced, 0 diverged\n"
+    assert by_env.stdout == f"replayed 1 run from {db}: 1 reproduced, 0 diverged\n"
     (cwd / "bank.py").write_text(BANK)  # module:attribute imports from the current directory
     (cwd / "pyproject.toml").write_text('[tool.interlock]\napp = "bank:machine"\n')
     bare = interlock("resume", "--db", str(db), cwd=cwd)
@@ -460,3 +460,100 @@ def test_hold_without_metrics_port_is_refused_before_anything_runs(crashed):
         "--metrics-port too\n"
     )
     assert db.read_bytes() == before
+
+
+def test_replay_refuses_what_would_replay_nothing_it_was_asked(crashed):
+    bank, db, cwd = crashed
+    app = f"{bank}:app"
+    other = cwd.parent / "other.py"
+    other.write_text(
+        "from interlock import Machine, Worker\n"
+        'other = Machine("other", initial="W", states={"W": Worker(next=["COMPLETED"])})\n'
+    )
+    for args, message in (
+        (
+            ["--all", "--machine", f"{other}:other"],
+            f"--machine '{other}:other' is machine 'other', which none of the runs replayed "
+            "uses (their machines: bank); name one of theirs",
+        ),
+        (
+            ["bank-0", "--workflow", "bank"],
+            "--workflow chooses among --all; pass --all too, or drop it",
+        ),
+        (
+            ["--all", "--workflow", "bnak"],
+            f"no runs of workflow 'bnak' in {db}; `interlock runs --db {db}` lists the runs "
+            "and their workflows",
+        ),
+    ):
+        done = interlock("replay", *args, "--app", app, "--db", str(db), cwd=cwd)
+        assert (done.returncode, done.stdout) == (1, ""), args
+        assert done.stderr == f"interlock: error: {message}\n"
+
+
+def test_an_unknown_run_says_where_it_looked_and_how_to_list_them(crashed):
+    bank, db, cwd = crashed
+    hint = f"run 'nope' not found in {db}; `interlock runs --db {db}` lists its runs"
+    for command in (
+        ["show", "nope"],
+        ["escalations", "show", "nope"],
+        ["escalations", "resume", "nope", "--app", f"{bank}:app"],
+        ["escalations", "abort", "nope", "--app", f"{bank}:app"],
+        ["replay", "nope", "--app", f"{bank}:app"],
+    ):
+        done = interlock(*command, "--db", str(db), cwd=cwd)
+        assert (done.returncode, done.stdout) == (1, ""), command
+        assert done.stderr == f"interlock: error: {hint}\n", command
+
+
+def test_piped_and_narrow_no_table_cuts_a_run_id_or_a_heading(crashed):
+    bank, db, cwd = crashed
+    app = f"{bank}:app"
+    narrow = {"COLUMNS": "40"}
+    resumed = interlock("resume", "--app", app, "--db", str(db), cwd=cwd, env=narrow)
+    assert resumed.returncode == 0, resumed.stderr
+    header = next(line for line in resumed.stdout.splitlines() if "workflow" in line)
+    for heading in ("runs", "completed", "escalated", "failed", "tokens", "verify p50 µs"):
+        assert f" {heading} ┃" in header, heading
+    strict = cwd.parent / "strict.py"
+    strict.write_text(BANK.replace("msgspec.Meta(gt=0)", "msgspec.Meta(gt=0, le=4)"))
+    what_if = interlock(
+        "replay", "--all", "--app", app, "--machine", f"{strict}:machine", "--db", str(db),
+        cwd=cwd, env=narrow,
+    )  # fmt: skip
+    assert what_if.returncode == 1
+    assert what_if.stdout.startswith(
+        f"replayed 5 runs from {db}: 2 reproduced, 3 diverged (what-if: bank)\n"
+    )
+    rows = [line.split("│")[1].strip() for line in what_if.stdout.splitlines() if "│" in line]
+    assert [row for row in rows if row] == ["bank-0", "bank-1", "bank-2"]
+
+
+def test_ctrl_c_during_resume_says_how_to_continue_with_the_app(crashed):
+    """The line named `interlock resume --db X` alone, which would use the demo app."""
+    bank, db, cwd = crashed
+    before = outcomes(db, cwd)
+    command = ["resume", "--app", f"{bank}:app", "--db", str(db), "--metrics-port", "0"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "interlock", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, BANK_TOOL_SECONDS="60"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as process:
+        try:  # wait until the three runs are resumed (and in the tool, for a minute)
+            url = process.stderr.readline().split(" at ")[1].strip()
+            key = ("interlock_runs_in_flight", (("machine", "bank"), ("state", "PAY")))
+            while _scrape(url).get(key) != 3:
+                pass
+        finally:
+            process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert err == (
+        f"interlock: interrupted; `interlock resume --db {db} --app {bank}:app` continues "
+        "the unfinished runs\n"
+    )
+    assert outcomes(db, cwd) == before  # the runs still in the tool are still running

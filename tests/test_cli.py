@@ -185,7 +185,10 @@ def test_unknown_run_is_one_line_error(demo_db):
     path, _summary = demo_db
     done = interlock("show", "no-such-run", "--db", str(path))
     assert done.returncode == 1
-    assert done.stderr == "interlock: error: run 'no-such-run' not found\n"
+    assert done.stderr == (
+        f"interlock: error: run 'no-such-run' not found in {path}; "
+        f"`interlock runs --db {path}` lists its runs\n"
+    )
 
 
 def test_bad_flag_is_one_line_error():
@@ -345,7 +348,10 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
     assert replayed.returncode == 0, replayed.stdout
     missing = interlock("escalations", "--db", str(path), "resume", "no-such-run")
     assert missing.returncode == 1
-    assert missing.stderr == "interlock: error: run 'no-such-run' not found\n"
+    assert missing.stderr == (
+        f"interlock: error: run 'no-such-run' not found in {path}; "
+        f"`interlock runs --db {path}` lists its runs\n"
+    )
 
 
 def test_truncated_database_is_one_line_error_and_untouched(tmp_path):

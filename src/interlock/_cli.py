@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections import Counter
@@ -36,7 +37,7 @@ from ._events import (
     event_to_builtins,
     whole_prompts,
 )
-from ._exceptions import AppRefError, InterlockError, JournalCorrupt
+from ._exceptions import AppRefError, InterlockError, JournalCorrupt, RunNotFound
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._machine import Machine, Worker
@@ -455,10 +456,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict[str, Any], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
     workflows = summary["workflows"]
     names = list(workflows)
     outcomes = Table(title=title)
@@ -485,7 +484,7 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
             f"{row['verification_us']['p50']:.1f}",
             f"{row['verification_us']['p99']:.1f}",
         )
-    console.print(outcomes)
+    _print_table(outcomes)
     for heading, key in (
         ("escalations by reason", "escalation_reasons"),
         ("rejections by code", "rejections"),
@@ -500,7 +499,7 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
             table.add_row(kind, *(str(workflows[name][key].get(kind, 0)) for name in names))
         if not kinds:
             table.add_row("none", *("0" for _ in names))
-        console.print(table)
+        _print_table(table)
     effects = Table(title="side effects (counted by the downstream systems)")
     for column in ("workflow", "tool", "executions", "applied", "duplicates"):
         effects.add_column(column, justify="left" if column in ("workflow", "tool") else "right")
@@ -514,8 +513,8 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
                 str(counts["duplicates"]),
             )
     if summary["effects_db"]:
-        console.print(effects)
-        console.print(f"journal: {summary['db']}   side effects: {summary['effects_db']}")
+        _print_table(effects)
+        sys.stdout.write(f"journal: {summary['db']}   side effects: {summary['effects_db']}\n")
 
 
 # -- runs / show / escalations --------------------------------------------------------
@@ -789,7 +788,7 @@ def _lifespan(app: App, db: str) -> AbstractAsyncContextManager[object]:
 
 
 async def _operate(args: argparse.Namespace, action: str) -> int:
-    from ._supervisor import open_supervisor
+    from ._runtime import open_supervisor
 
     if action == "resume" and args.payload is not None:
         try:
@@ -871,11 +870,13 @@ async def _resume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _what_if(refs: Sequence[str]) -> list[Machine]:
-    """The machines ``--machine`` names, each REF as ``--app`` takes it."""
-    machines: list[Machine] = []
+def _what_if(refs: Sequence[str]) -> dict[str, tuple[str, Machine]]:
+    """The machines ``--machine`` names, each REF as ``--app`` takes it, by name, with the
+    REF that named each."""
+    machines: dict[str, tuple[str, Machine]] = {}
     for ref in refs:
-        machines += load_app(ref, "--machine").machines.values()
+        for name, machine in load_app(ref, "--machine").machines.items():
+            machines[name] = (ref, machine)
     return machines
 
 
@@ -884,16 +885,31 @@ async def _replay(args: argparse.Namespace) -> int:
 
     if not args.all and not args.run_ids:
         raise InterlockError("name the runs to replay, or pass --all")
+    if args.workflow is not None and not args.all:
+        raise InterlockError("--workflow chooses among --all; pass --all too, or drop it")
     app, named, db = _application(args)
-    overrides = _what_if(args.machine)
+    what_if = _what_if(args.machine)
+    overrides = [machine for _ref, machine in what_if.values()]
     machines = {**app.machines, **{m.name: m for m in overrides}}
     store = await open_store(db, readonly=True)
     try:
         if args.all:
             records = await store.list_runs(machine=args.workflow)
         else:
-            records = [await store.get_run(run_id) for run_id in args.run_ids]
+            records = [await store.get_run(run_id) for run_id in dict.fromkeys(args.run_ids)]
+        if args.workflow is not None and not records:
+            raise InterlockError(
+                f"no runs of workflow {args.workflow!r} in {db}; `interlock runs --db {db}` "
+                "lists the runs and their workflows"
+            )
         _require(App(list(machines.values())), named, records, run=False)
+        used = sorted({r.machine for r in records})
+        for name, (ref, _machine) in what_if.items():
+            if records and name not in used:
+                raise InterlockError(
+                    f"--machine {ref!r} is machine {name!r}, which none of the runs replayed "
+                    f"uses (their machines: {', '.join(used)}); name one of theirs"
+                )
         journal = {r.run_id: await store.load(r.run_id) for r in records}
     finally:
         await store.aclose()
@@ -909,22 +925,27 @@ async def _replay(args: argparse.Namespace) -> int:
                 "what_if": [m.name for m in overrides],
             }
         )
-    else:
-        from rich.console import Console
+        return 0 if report.ok else 1
+    sys.stdout.write(
+        f"replayed {_count(len(report.runs), 'run')} from {db}: {report.reproduced} reproduced, "
+        f"{len(diverged)} diverged"
+        + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
+        + "\n"
+    )
+    if diverged:
+        from rich.markup import escape
 
-        console = Console()
-        console.print(
-            f"replayed {len(report.runs)} runs from {db}: {report.reproduced} reproduced, "
-            f"{len(diverged)} diverged"
-            + (f" (what-if: {', '.join(m.name for m in overrides)})" if overrides else "")
+        table = _table(
+            "first divergence per run",
+            *("run", "seq", "event", "expected", "got"),
+            folds=("expected", "got"),
         )
-        if diverged:
-            table = _table("first divergence per run", "run", "seq", "event", "expected", "got")
-            for run in diverged:
-                d = run.divergence
-                assert d is not None
-                table.add_row(run.run_id, str(d.seq), d.kind, d.expected, d.got)
-            console.print(table)
+        for run in diverged:
+            d = run.divergence
+            assert d is not None
+            table.add_row(run.run_id, str(d.seq), d.kind, escape(d.expected), escape(d.got))
+        sys.stdout.flush()
+        _print_table(table)
     return 0 if report.ok else 1
 
 
@@ -964,6 +985,8 @@ def _error(exc: BaseException, args: argparse.Namespace) -> str:
     text = f"interlock: error: {exc}"
     if isinstance(exc, JournalCorrupt | IndexDamaged):
         text += f" ('interlock check --db {args.db}' lists all the damage)"
+    elif isinstance(exc, RunNotFound):
+        text += f" in {args.db}; `interlock runs --db {shlex.quote(args.db)}` lists its runs"
     return text + "\n"
 
 
@@ -1013,6 +1036,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _interrupted(args: argparse.Namespace) -> int:
     """Ctrl-C: one line, not a traceback; every batch written so far is in the journal."""
     db = getattr(args, "db", None)
-    resume = f"; `interlock resume --db {db}` continues the unfinished runs" if db else ""
+    app = f" --app {shlex.quote(args.app)}" if getattr(args, "app", None) else ""
+    resume = (
+        f"; `interlock resume --db {shlex.quote(db)}{app}` continues the unfinished runs"
+        if db
+        else ""
+    )
     sys.stderr.write(f"interlock: interrupted{resume}\n")
     return 130

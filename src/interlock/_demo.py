@@ -16,8 +16,8 @@ import trio
 from ._app import App
 from ._exceptions import InterlockError
 from ._hotpath import IMPLEMENTATION
+from ._runtime import open_supervisor
 from ._stats import LatencyHistogram, RuntimeStats
-from ._supervisor import Supervisor, open_supervisor
 from .providers import ChaosProvider, ScriptedProvider
 from .stores._open import open_store
 from .workflows import WORKFLOWS, Backend
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
     from ._handle import RunResult
+    from ._supervisor import Supervisor
     from .stores import Store
 
 #: Which side-effecting tools belong to which workflow, for the summary.
