@@ -47,7 +47,7 @@ from benchmarks._workload import (
     step_script,
 )
 from interlock import RunView, TokenUsage, open_supervisor
-from interlock._supervisor import GC_THRESHOLD
+from interlock._runtime import GC_THRESHOLD
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 

@@ -1132,7 +1132,7 @@ async def test_nested_and_interleaved_supervisors_restore_the_collector() -> Non
     one closing early used to restore them under the other, or leave them changed (#15)."""
     import gc
 
-    from interlock._supervisor import GC_THRESHOLD
+    from interlock._runtime import GC_THRESHOLD
 
     before = gc.get_threshold()
     opened: list[trio.Event] = [trio.Event(), trio.Event()]

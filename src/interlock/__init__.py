@@ -192,13 +192,11 @@ from ._replay import (
 from ._replay import (
     replay as replay,
 )
+from ._runtime import open_supervisor as open_supervisor
 from ._stats import RuntimeStats as RuntimeStats
 from ._stats import SupervisorStatistics as SupervisorStatistics
 from ._supervisor import (
     Supervisor as Supervisor,
-)
-from ._supervisor import (
-    open_supervisor as open_supervisor,
 )
 from ._tools import Applied as Applied
 from ._tools import NotApplied as NotApplied

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ._exceptions import MachineDefinitionError
+from ._exceptions import InvalidInputs, MachineDefinitionError
 from ._hotpath import MAX_IDS, Tables
 from ._tools import Tool, backoff_delay, compile_schema
 
@@ -318,6 +318,35 @@ class Machine:
             "input_validator",
             None if self.inputs is None else compile_schema(self.inputs, f"{self.name}.inputs"),
         )
+
+    @property
+    def needs_provider(self) -> bool:
+        """Whether a run of this machine needs a model: it has a worker state."""
+        return any(isinstance(spec, Worker) for spec in self.states.values())
+
+    def check_inputs(self, inputs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The inputs of a new run, as its ``run_started`` event will hold them.
+
+        Raises:
+          InvalidInputs: the journal cannot hold them, or they break the machine's
+            ``inputs`` schema (the message names each violation).
+        """
+        from ._events import unjournalable  # _events needs this module's names
+
+        payload = dict(inputs or {})
+        problem = unjournalable(payload)
+        if problem is not None:
+            raise InvalidInputs(
+                f"inputs of machine {self.name!r} cannot be journaled: {problem}; pass "
+                "JSON-like values (str, int within 64 bits, float, bool, None, lists and "
+                "dicts of them)"
+            )
+        if self.input_validator is not None:
+            _, violations = self.input_validator.validate_json(_action_encoder.encode(payload))
+            if violations:
+                text = "; ".join(v.message.replace("args", "inputs", 1) for v in violations)
+                raise InvalidInputs(f"inputs of machine {self.name!r} are invalid: {text}")
+        return payload
 
     def is_terminal(self, state: str) -> bool:
         """Return whether ``state`` ends a run."""

@@ -8,24 +8,20 @@ watchdog (``_watchdog``) keeps the deadlines and timeouts, and each run's actor
 
 from __future__ import annotations
 
-import gc
 import operator
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import trio
 
 from . import _decider
 from ._breakers import CircuitBoard
-from ._events import Event, describe_exception, unjournalable
+from ._events import Event, describe_exception
 from ._exceptions import (
     InterlockError,
     InternalError,
-    InvalidInputs,
     NoProvider,
     PayloadRejected,
     ProtocolError,
@@ -35,7 +31,7 @@ from ._exceptions import (
 )
 from ._handle import RunHandle, RunResult
 from ._journal import GroupCommit
-from ._machine import FAILED, Machine, Worker
+from ._machine import FAILED, Machine
 from ._messages import (
     Abort,
     Cancel,
@@ -60,11 +56,6 @@ if TYPE_CHECKING:
     from .stores import Store
 
 Clock = Callable[[], float]
-
-#: Garbage-collector thresholds while a supervisor runs (see :func:`open_supervisor`).
-#: A young-generation pass walks every live run task, and the loop allocates steadily:
-#: fewer, larger passes (benchmarks/bench_concurrency.py measures the difference).
-GC_THRESHOLD = (200_000, 20, 100)
 
 _MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
 
@@ -305,12 +296,6 @@ class Supervisor:
         self._lost[msg.run_id] = error
         return error
 
-    def resume_target(self, run: RunState, to: str) -> str:
-        """See :func:`interlock._decider.resume_target`."""
-        return _decider.resume_target(run, to)
-
-    # -- runs -----------------------------------------------------------------------
-
     def _new_run_id(self) -> str:
         self._next_id += 1
         return f"run-{int(self.clock() * 1000):x}-{self._next_id}"
@@ -346,24 +331,9 @@ class Supervisor:
           trio.ClosedResourceError: the supervisor is shutting down.
         """
         spec = self.machine(machine)
-        payload = dict(inputs or {})
-        problem = unjournalable(payload)
-        if problem is not None:
-            raise InvalidInputs(
-                f"inputs of machine {machine!r} cannot be journaled: {problem}; pass JSON-like "
-                "values (str, int within 64 bits, float, bool, None, lists and dicts of them)"
-            )
-        if spec.input_validator is not None:
-            _, violations = spec.input_validator.validate_json(msgspec.json.encode(payload))
-            if violations:
-                text = "; ".join(v.message.replace("args", "inputs", 1) for v in violations)
-                raise InvalidInputs(f"inputs of machine {machine!r} are invalid: {text}")
+        payload = spec.check_inputs(inputs)
         chosen = provider or self.provider_for(machine)
-        if (
-            not external
-            and chosen is None
-            and any(isinstance(s, Worker) for s in spec.states.values())
-        ):
+        if not external and chosen is None and spec.needs_provider:
             raise NoProvider(
                 f"machine {machine!r} has worker states but no provider; pass provider= to "
                 "open_supervisor() or start_run()"
@@ -527,7 +497,7 @@ class Supervisor:
             if (
                 not run.external
                 and (provider or self.provider_for(name)) is None
-                and any(isinstance(spec, Worker) for spec in run.machine.states.values())
+                and run.machine.needs_provider
             ):
                 raise NoProvider(
                     f"machine {name!r} has worker states but no provider, so run "
@@ -640,112 +610,3 @@ class Supervisor:
         if driver is not None:
             driver.cancel()
         return verdict
-
-
-def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception inside ``group`` (however deeply nested), or None if several."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    return leaves[0] if len(leaves) == 1 else None
-
-
-#: How many supervisors hold the collector tuned, and the thresholds from before the first.
-_gc_tuning: list[Any] = [0, None]
-
-
-def _tune_gc(threshold: tuple[int, int, int]) -> None:
-    # Supervisors nest and interleave: the first to open saves the thresholds and sets
-    # its own, the last to close restores what the first saved.
-    if _gc_tuning[0] == 0:
-        _gc_tuning[1] = gc.get_threshold()
-        gc.set_threshold(*threshold)
-    _gc_tuning[0] += 1
-
-
-def _untune_gc() -> None:
-    _gc_tuning[0] -= 1
-    if _gc_tuning[0] == 0:
-        gc.set_threshold(*_gc_tuning[1])
-
-
-@asynccontextmanager
-async def open_supervisor(
-    machines: Sequence[Machine],
-    store: Store | None = None,
-    *,
-    provider: Provider | Mapping[str, Provider] | None = None,
-    clock: Clock = time.time,
-    resume: bool = False,
-    stats: RuntimeStats | None = None,
-    max_batch: int = 8192,
-    gc_threshold: tuple[int, int, int] | None = GC_THRESHOLD,
-) -> AsyncIterator[Supervisor]:
-    """Run a supervisor for the duration of an ``async with`` block.
-
-    Leaving the block waits for every run to end (complete, fail or escalate);
-    cancelling it cancels every run. Either way each journal batch is written whole
-    or not at all, so the store stays consistent. An error that ends the block (one of
-    the caller's, a store error, KeyboardInterrupt) reaches the caller as it was raised,
-    not wrapped in the nurseries' exception groups; several at once stay a group.
-
-    Args:
-      machines: the machines runs may use.
-      store: the journal; an in-memory store if omitted.
-      provider: the default provider, or one per machine name.
-      clock: returns the current time in seconds; recorded into every event.
-      resume: resume every unfinished run in the store on entry.
-      stats: counters to update (the metrics collector reads them).
-      max_batch: the most requests decided per journal write.
-      gc_threshold: the cyclic garbage collector's thresholds while the supervisor runs,
-        or None to leave them alone. Restored when the last supervisor that set them
-        closes (they nest and interleave; the first one's thresholds hold meanwhile).
-        Thousands of long-lived run tasks make the default thresholds spend up to half
-        the CPU walking them; see
-        benchmarks/RESULTS.md. After a burst of start_run calls, ``gc.freeze()`` halves
-        the remaining collection work (frozen garbage is never collected, so freeze
-        only once the start-up garbage is gone).
-    """
-    if gc_threshold is not None:
-        _tune_gc(gc_threshold)
-    if store is None:
-        from .stores import MemoryStore
-
-        store = MemoryStore()
-    supervisor = Supervisor(
-        machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch
-    )
-    try:
-        async with trio.open_nursery() as outer:
-            await outer.start(supervisor._journal.serve)
-            await outer.start(supervisor._watchdog.serve)
-            try:
-                async with trio.open_nursery() as actors:
-                    supervisor._actors = actors
-                    # The gauge is store-wide: count the runs already parked before this one.
-                    supervisor.stats.escalations_pending = len(await store.escalations())
-                    if resume:
-                        await supervisor.resume_unfinished()
-                    yield supervisor
-            finally:
-                supervisor._actors = None
-                supervisor._journal.closed = True
-                outer.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The two nurseries wrap whatever ended the block (the caller's own error, a
-        # store error, Ctrl-C) in two groups; one error alone reaches the caller as it
-        # was raised, so ``except InterlockError`` catches it. Several stay a group.
-        leaf = _single_leaf(group)
-        if leaf is None:
-            raise
-        raise leaf from None
-    finally:
-        if gc_threshold is not None:
-            _untune_gc()
