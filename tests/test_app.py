@@ -557,3 +557,25 @@ def test_ctrl_c_during_resume_says_how_to_continue_with_the_app(crashed):
         "the unfinished runs\n"
     )
     assert outcomes(db, cwd) == before  # the runs still in the tool are still running
+
+
+def test_a_machine_changed_since_the_crash_is_refused_not_crashed_on(crashed):
+    """Regression: a state renamed between the crash and `resume` stopped every run with
+    "a bug in interlock: KeyError: 'PAY'" and a traceback; `escalations resume` journaled
+    the resume first, leaving the run running in a state its machine does not have."""
+    _bank, db, cwd = crashed
+    renamed = cwd.parent / "renamed.py"
+    renamed.write_text(BANK.replace('"PAY"', '"SEND"'))
+    before = db.read_bytes()
+    fix = "(its states: SEND); pass the app whose machine has it"
+    for command, message in (
+        (["resume"], f"run 'bank-0' is in state 'PAY', which machine 'bank' of the app {renamed}:app does not have {fix}"),
+        (["escalations", "resume", "bank-3"], f"run 'bank-3' escalated from 'PAY', which machine 'bank' of the app {renamed}:app does not have {fix}"),
+        (["escalations", "resume", "bank-3", "--to", "SEND"], f"run 'bank-3' escalated from 'PAY', which machine 'bank' of the app {renamed}:app does not have {fix}"),
+    ):  # fmt: skip
+        done = interlock(*command, "--app", f"{renamed}:app", "--db", str(db), cwd=cwd)
+        assert (done.returncode, done.stdout) == (1, ""), command
+        assert done.stderr == f"interlock: error: {message}\n"
+    assert db.read_bytes() == before
+    aborted = interlock("escalations", "abort", "bank-3", "--app", f"{renamed}:app", "--db", str(db), cwd=cwd)  # fmt: skip
+    assert (aborted.returncode, aborted.stderr) == (0, "")  # an abort runs nothing

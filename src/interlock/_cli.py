@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -37,7 +38,13 @@ from ._events import (
     event_to_builtins,
     whole_prompts,
 )
-from ._exceptions import AppRefError, InterlockError, JournalCorrupt, RunNotFound
+from ._exceptions import (
+    AppRefError,
+    InterlockError,
+    InternalError,
+    JournalCorrupt,
+    RunNotFound,
+)
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._machine import Machine, Worker
@@ -781,6 +788,20 @@ def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = 
                 f"the app {named} has no provider for machine {name!r}, whose worker states "
                 "need one; name an App with provider= (a bare Machine has none)"
             )
+    for record in records:
+        if record.outcome == "running":
+            _has_state(app, named, record, record.state, "is in state")
+
+
+def _has_state(app: App, named: str, record: RunRecord, state: str, how: str) -> None:
+    """Refuse to run ``record`` from ``state`` if its machine, changed since, has none."""
+    machine = app.machines[record.machine]
+    if state not in machine.states and not machine.is_terminal(state):
+        raise InterlockError(
+            f"run {record.run_id!r} {how} {state!r}, which machine {machine.name!r} of the app "
+            f"{named} does not have (its states: {', '.join(machine.states)}); pass the app "
+            "whose machine has it"
+        )
 
 
 def _lifespan(app: App, db: str) -> AbstractAsyncContextManager[object]:
@@ -804,9 +825,21 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     store = await open_store(db, readonly=True)
     try:
         record = await store.get_run(args.run_id)
+        _require(app, named, [record])
+        if action == "resume" and record.outcome == "escalated":
+            # where it escalated from: the state it resumes in, or whose next states --to names
+            escalated_from = next(
+                (
+                    e.src
+                    for e in reversed(await store.load(args.run_id))
+                    if isinstance(e, Transitioned) and e.dst == record.state
+                ),
+                None,
+            )
+            if escalated_from is not None:
+                _has_state(app, named, record, escalated_from, "escalated from")
     finally:
         await store.aclose()
-    _require(app, named, [record])
     store = await open_store(db)
     try:
         async with (
@@ -1017,6 +1050,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AppRefError as exc:
         sys.stderr.write(_error(exc, args))
         return 2
+    except InternalError as exc:  # one line too; INTERLOCK_DEBUG=1 shows the traceback
+        if os.environ.get("INTERLOCK_DEBUG"):
+            raise
+        sys.stderr.write(_error(exc, args).rstrip("\n") + " (INTERLOCK_DEBUG=1 shows where)\n")
+        return 1
     except (InterlockError, ValueError, OSError) as exc:
         sys.stderr.write(_error(exc, args))
         return 1
