@@ -62,9 +62,6 @@ _MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
 #: How many released runs' results a supervisor keeps to answer late requests clearly.
 ENDED_KEPT = 10_000
 
-#: For the modules that imported it from here.
-readable_text = _decider.readable_text
-
 
 class Supervisor:
     """The machines, the live runs and the operator API. Make one with :func:`open_supervisor`.
