@@ -579,3 +579,38 @@ def test_a_machine_changed_since_the_crash_is_refused_not_crashed_on(crashed):
     assert db.read_bytes() == before
     aborted = interlock("escalations", "abort", "bank-3", "--app", f"{renamed}:app", "--db", str(db), cwd=cwd)  # fmt: skip
     assert (aborted.returncode, aborted.stderr) == (0, "")  # an abort runs nothing
+
+
+def test_resume_leaves_external_runs_to_their_caller_and_says_so(crashed):
+    """Regression: `resume` waited forever on a run started with external=True."""
+    bank, db, cwd = crashed
+    starter = cwd.parent / "external.py"
+    starter.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, trio
+            sys.path.insert(0, {str(bank.parent)!r})
+            from bank import machine
+            from interlock import open_supervisor
+            from interlock.stores import open_sqlite_store
+
+            async def main():
+                async with await open_sqlite_store({str(db)!r}) as store:
+                    async with open_supervisor([machine], store) as supervisor:
+                        await supervisor.start_run("bank", {{"amount": 1}}, run_id="ext-0", external=True)
+
+            trio.run(main)
+            """
+        )
+    )
+    subprocess.run([sys.executable, str(starter)], check=True, timeout=60)
+    done = interlock("resume", "--app", f"{bank}:app", "--db", str(db), "--json", cwd=cwd)
+    assert done.returncode == 1
+    summary = json.loads(done.stdout)
+    assert (summary["resumed"], summary["external"], summary["external_runs"]) == (3, 1, ["ext-0"])
+    assert done.stderr == (
+        "interlock: error: 1 external run left running (e.g. 'ext-0'): a run started with "
+        "external=True is driven by its caller (Supervisor.submit), which resumes it\n"
+    )
+    assert outcomes(db, cwd)["ext-0"] == ("running", "PAY")
+    assert {outcomes(db, cwd)[f"bank-{i}"] for i in range(3)} == {("completed", "COMPLETED")}

@@ -900,6 +900,14 @@ async def _resume(args: argparse.Namespace) -> int:
                 f"{summary['hotpath']}); {summary['runs']} runs in the journal",
             )
         await metrics.held()
+    if summary["external"]:
+        left = summary["external_runs"]
+        sys.stderr.write(
+            f"interlock: error: {_count(len(left), 'external run')} left running (e.g. "
+            f"{left[0]!r}): a run started with external=True is driven by its caller "
+            "(Supervisor.submit), which resumes it\n"
+        )
+        return 1
     return 0
 
 

@@ -347,6 +347,10 @@ async def resume_app(
     """Resume every unfinished run in the journal ``db`` with ``app``'s machines, wait for
     all, and summarize the whole journal (see :func:`summarize_store`).
 
+    An external run (``start_run(..., external=True)``) is left to its caller, which
+    drives it with ``Supervisor.submit``: the summary counts them under ``"external"``
+    (their ids under ``"external_runs"``), still running.
+
     Args:
       app: the application whose machines, provider(s) and lifespan run the runs.
       db: the journal.
@@ -360,16 +364,25 @@ async def resume_app(
         app.lifespan(db) if app.lifespan is not None else nullcontext()
     )
     try:
+        external = [
+            record.run_id
+            for record in await store.unfinished()
+            if record.machine in app.machines and _is_external(await store.load(record.run_id))
+        ]
         async with lifespan as effects:
             async with open_supervisor(
                 list(app.machines.values()), store, provider=app.provider, stats=stats
             ) as supervisor:
                 if on_start is not None:
                     on_start(supervisor)
-                handles = await supervisor.resume_unfinished()
+                handles = [
+                    handle
+                    for handle in await supervisor.resume_unfinished()
+                    if handle.run_id not in external  # no actor: nothing here would end it
+                ]
             for handle in handles:
                 await handle.wait()  # raises what ended a run abnormally (a store error, say)
-            return await summarize_store(
+            summary = await summarize_store(
                 store,
                 list(app.machines),
                 effects,
@@ -378,5 +391,11 @@ async def resume_app(
                 db=db,
                 resumed=len(handles),
             )
+            return {**summary, "external": len(external), "external_runs": external}
     finally:
         await store.aclose()
+
+
+def _is_external(events: Sequence[object]) -> bool:
+    """Whether a journal is of a run its caller drives (``start_run(external=True)``)."""
+    return bool(events) and getattr(events[0], "external", False) is True
