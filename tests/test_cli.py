@@ -200,6 +200,21 @@ def test_bad_flag_is_one_line_error():
     )
 
 
+@pytest.mark.parametrize(
+    "command", [["demo"], ["runs"], ["show", "r"], ["escalations", "list"], ["resume"], ["check"]]
+)
+def test_an_empty_db_is_one_line_error(tmp_path, command):
+    """Regression: it read "database  does not exist"."""
+    done = interlock(*command, "--db", "", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    prog = " ".join(["interlock", *(c for c in command if c != "r")])
+    assert done.stderr == (
+        "interlock: error: argument --db: expected a SQLite path or postgresql:// DSN, "
+        f"got ''; see '{prog} --help'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_corrupt_database_is_one_line_error_and_untouched(tmp_path):
     bogus = tmp_path / "bogus.db"
     bogus.write_bytes(b"this is not a database" * 100)

@@ -106,11 +106,20 @@ def _latency(text: str) -> tuple[float, float]:
     return low, high
 
 
+def _url(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a SQLite path or postgresql:// DSN, got {text!r}"
+        )
+    return text
+
+
 def _journal(parser: argparse.ArgumentParser, *, sub: bool = False, app: bool = False) -> None:
     """``--db``; on a subcommand it overrides the one given before the subcommand."""
     default = "the app's store, else " if app else ""
     parser.add_argument(
         "--db",
+        type=_url,
         default=argparse.SUPPRESS if sub else (None if app else DEFAULT_DB),
         help=f"journal: SQLite path or postgresql:// DSN (default {default}{DEFAULT_DB})",
     )
@@ -187,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of inputs and chaos (default 0)")
     demo.add_argument(
         "--db",
+        type=_url,
         default=DEFAULT_DB,
         help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB})",
     )
