@@ -614,3 +614,16 @@ def test_resume_leaves_external_runs_to_their_caller_and_says_so(crashed):
     )
     assert outcomes(db, cwd)["ext-0"] == ("running", "PAY")
     assert {outcomes(db, cwd)[f"bank-{i}"] for i in range(3)} == {("completed", "COMPLETED")}
+
+
+@pytest.mark.parametrize("ref", ["bank.py:app", "bank:app"])
+def test_pyprojects_app_is_read_from_its_directory(crashed, ref):
+    """Regression: a relative REF in pyproject.toml was read from the current directory,
+    so the project's app was found only from the directory holding the pyproject."""
+    bank, db, _cwd = crashed
+    (bank.parent / "pyproject.toml").write_text(f'[tool.interlock]\napp = "{ref}"\n')
+    deep = bank.parent / "src" / "deep"
+    deep.mkdir(parents=True)
+    done = interlock("replay", "bank-0", "--db", str(db), cwd=deep)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"replayed 1 run from {db}: 1 reproduced, 0 diverged\n"

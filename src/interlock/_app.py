@@ -104,16 +104,18 @@ class App:
         return f"App([{', '.join(self.machines)}])"
 
 
-def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str]:
-    """Return ``(where, ref)``: the named application and where it was named.
+def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str, Path | None]:
+    """Return ``(where, ref, base)``: the named application, where it was named, and the
+    directory a relative REF is read from (None: the current directory).
 
     ``flag`` (``--app``) wins, then ``INTERLOCK_APP``, then ``[tool.interlock] app`` in the
-    ``pyproject.toml`` of ``cwd`` or its nearest parent that has one; else the demo.
+    ``pyproject.toml`` of ``cwd`` or its nearest parent that has one (a REF there is read
+    from that file's directory, so it works from anywhere in the project); else the demo.
     """
     if flag:
-        return "--app", flag
+        return "--app", flag, None
     if os.environ.get("INTERLOCK_APP"):
-        return "INTERLOCK_APP", os.environ["INTERLOCK_APP"]
+        return "INTERLOCK_APP", os.environ["INTERLOCK_APP"], None
     here = (cwd or Path.cwd()).resolve()
     for directory in (here, *here.parents):
         pyproject = directory / "pyproject.toml"
@@ -124,21 +126,23 @@ def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str]:
             except tomllib.TOMLDecodeError as exc:
                 raise AppRefError(f"{pyproject}: not valid TOML ({exc}); fix it") from None
             if "app" in table:
-                return f"{pyproject} [tool.interlock] app", str(table["app"])
+                return f"{pyproject} [tool.interlock] app", str(table["app"]), directory
             break
-    return "the default", DEMO_REF
+    return "the default", DEMO_REF, None
 
 
-def load_app(ref: str, where: str = "--app") -> App:
+def load_app(ref: str, where: str = "--app", base: Path | None = None) -> App:
     """Import the application ``ref`` names (``module:attribute`` or ``file.py:attribute``).
 
-    The attribute may be an :class:`App`, a :class:`Machine` or a list of Machines.
+    The attribute may be an :class:`App`, a :class:`Machine` or a list of Machines. A
+    relative file path is read from ``base`` (default: the current directory), and a
+    module is imported from the current directory, then from ``base``.
 
     Raises:
       AppRefError: the reference is malformed, or names no module, file or attribute, or
         an object of another type (one line that says how to fix it).
     """
-    value = _attribute(ref, where)
+    value = _attribute(ref, where, base)
     if isinstance(value, App):
         return value
     if isinstance(value, Machine) or (
@@ -151,16 +155,17 @@ def load_app(ref: str, where: str = "--app") -> App:
     )
 
 
-def _attribute(ref: str, where: str) -> Any:
+def _attribute(ref: str, where: str, base: Path | None) -> Any:
     target, _, attr = ref.rpartition(":")
     if not target or not attr.isidentifier():
         raise AppRefError(
             f"{where} {ref!r} must look like module:attribute or path/to/file.py:attribute"
         )
     if target.endswith(".py") or os.sep in target or "/" in target:
-        module = _import_file(Path(target), ref, where)
+        module = _import_file((base or Path.cwd()) / Path(target).expanduser(), ref, where)
     else:
-        sys.path.insert(0, os.getcwd())
+        path = [os.getcwd(), *([str(base)] if base is not None else [])]
+        sys.path[:0] = path
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
@@ -171,7 +176,8 @@ def _attribute(ref: str, where: str) -> Any:
         except Exception as exc:
             raise _raised(ref, where, exc) from None
         finally:
-            sys.path.remove(os.getcwd())
+            for entry in path:
+                sys.path.remove(entry)
     try:
         return getattr(module, attr)
     except AttributeError:

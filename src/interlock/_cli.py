@@ -761,14 +761,14 @@ _DEMO_OPTIONS = ("effects", "chaos_rate", "seed", "latency")
 
 def _application(args: argparse.Namespace) -> tuple[App, str, str]:
     """The application a command runs, what names it (for errors), and its journal."""
-    where, ref = find_ref(args.app)
+    where, ref, base = find_ref(args.app)
     options = {k: getattr(args, k) for k in _DEMO_OPTIONS if getattr(args, k, None) is not None}
     if options and ref != DEMO_REF:
         flag = "--" + next(iter(options)).replace("_", "-")
         raise InterlockError(
             f"{flag} tunes the built-in demo application, but {where} names {ref!r}; drop {flag}"
         )
-    app = build_app(DemoConfig(**options)) if options else load_app(ref, where)
+    app = build_app(DemoConfig(**options)) if options else load_app(ref, where, base)
     named = ref if where == "--app" else f"{ref} ({where})"
     args.db = args.db or app.store or DEFAULT_DB  # the journal an error names
     return app, named, args.db
