@@ -239,7 +239,7 @@ def test_app_named_by_environment_and_pyproject(crashed):
         ),
         ("{bank}:nope", "--app '{bank}:nope': '{bank}' has no attribute 'nope'; name its App, "
          "Machine or list of Machines"),
-        ("{bank}:not_an_app", "--app '{bank}:not_an_app' is a int, not an interlock App, Machine "
+        ("{bank}:not_an_app", "--app '{bank}:not_an_app' is an int, not an interlock App, Machine "
          "or list of Machines; point it at one"),
         ("{missing}:app", "--app '{missing}:app': no file '{missing}'; give the path of a Python file"),
     ],
@@ -364,6 +364,12 @@ def test_app_validates_what_it_is_given():
             [[_machine("a")]],
             {"store": ""},
             "App store must be a SQLite path or postgresql:// DSN, got ''",
+        ),
+        (
+            [[_machine("a")]],
+            {"lifespan": "db.open"},
+            "App lifespan must be a function of the journal's URL returning an async context "
+            "manager, got a str",
         ),
     ):
         with pytest.raises(InterlockError) as caught:
@@ -627,3 +633,51 @@ def test_pyprojects_app_is_read_from_its_directory(crashed, ref):
     done = interlock("replay", "bank-0", "--db", str(db), cwd=deep)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == f"replayed 1 run from {db}: 1 reproduced, 0 diverged\n"
+
+
+LIFESPANS = textwrap.dedent(
+    """
+    import contextlib, sys
+    sys.path.insert(0, {home!r})
+    from bank import machine, app as bank
+
+    @contextlib.asynccontextmanager
+    async def down(db):
+        raise ConnectionError("ticket system unreachable")
+        yield
+
+    @contextlib.asynccontextmanager
+    async def closing(db):
+        yield
+        raise OSError()
+
+    async def undecorated(db):
+        yield
+
+    def app(lifespan):
+        return type(bank)([machine], provider=bank.provider, lifespan=lifespan)
+
+    opening, closes, bare = app(down), app(closing), app(undecorated)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "message"),
+    [
+        ("opening", "its lifespan raised ConnectionError: ticket system unreachable while "
+         "opening; fix it"),
+        ("closes", "its lifespan raised OSError while closing; fix it"),
+        ("bare", "its lifespan returned an async_generator, not an async context manager; "
+         "decorate it with @contextlib.asynccontextmanager"),
+    ],
+)  # fmt: skip
+def test_an_apps_lifespan_that_fails_is_one_line(crashed, attribute, message):
+    bank, db, cwd = crashed
+    apps = cwd.parent / "lifespans.py"
+    apps.write_text(LIFESPANS.format(home=str(bank.parent)))
+    ref = f"{apps}:{attribute}"
+    for command in (["resume"], ["escalations", "abort", "bank-3"]):
+        done = interlock(*command, "--app", ref, "--db", str(db), cwd=cwd)
+        assert (done.returncode, done.stdout) == (1, ""), command
+        assert done.stderr == f"interlock: error: the app {ref}: {message}\n", command

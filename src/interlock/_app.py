@@ -61,7 +61,7 @@ class App:
         for item in items:
             if not isinstance(item, Machine):
                 raise InterlockError(
-                    f"App machines must be Machines, got a {type(item).__name__}; "
+                    f"App machines must be Machines, got {_a(type(item).__name__)}; "
                     "pass App([machine, ...])"
                 )
             if item.name in by_name:
@@ -78,7 +78,7 @@ class App:
                 )
         elif provider is not None and not callable(getattr(provider, "propose", None)):
             raise InterlockError(
-                f"App provider must have an async propose(view), got a {type(provider).__name__}"
+                f"App provider must have an async propose(view), got {_a(type(provider).__name__)}"
             )
         for model, price in (prices or {}).items():
             if not (
@@ -90,6 +90,11 @@ class App:
                     f"App prices[{model!r}] must be (prompt, completion) USD per million "
                     f"tokens, both at least 0; got {price!r}"
                 )
+        if lifespan is not None and not callable(lifespan):
+            raise InterlockError(
+                f"App lifespan must be a function of the journal's URL returning an async "
+                f"context manager, got {_a(type(lifespan).__name__)}"
+            )
         if store is not None and (not isinstance(store, str) or not store):
             raise InterlockError(
                 f"App store must be a SQLite path or postgresql:// DSN, got {store!r}"
@@ -102,6 +107,61 @@ class App:
 
     def __repr__(self) -> str:
         return f"App([{', '.join(self.machines)}])"
+
+    def open(self, db: str, named: str = "") -> AbstractAsyncContextManager[object]:
+        """Enter the app's lifespan for the journal ``db`` (nothing, without one).
+
+        A lifespan that raises while it opens or closes, or returns no async context
+        manager, raises InterlockError naming it (``named`` says which app), so a command
+        ends with one line; an error of the block itself passes through unchanged.
+        """
+        return _Lifespan(self, db, named or repr(self))
+
+
+class _Lifespan:
+    def __init__(self, app: App, db: str, named: str) -> None:
+        self.app, self.db, self.named = app, db, named
+        self.entered: AbstractAsyncContextManager[object] | None = None
+
+    async def __aenter__(self) -> object:
+        if self.app.lifespan is None:
+            return None
+        what = f"the app {self.named}: its lifespan"
+        try:
+            manager = self.app.lifespan(self.db)
+        except Exception as exc:
+            raise InterlockError(f"{what} raised {_said(exc)}; fix it") from exc
+        if not callable(getattr(manager, "__aenter__", None)):
+            raise InterlockError(
+                f"{what} returned {_a(type(manager).__name__)}, not an async context manager; "
+                "decorate it with @contextlib.asynccontextmanager"
+            )
+        try:
+            value = await manager.__aenter__()
+        except Exception as exc:
+            raise InterlockError(f"{what} raised {_said(exc)} while opening; fix it") from exc
+        self.entered = manager
+        return value
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        if self.entered is None:
+            return None
+        try:
+            return await self.entered.__aexit__(*exc_info)
+        except Exception as exc:
+            if exc is exc_info[1]:
+                raise
+            raise InterlockError(
+                f"the app {self.named}: its lifespan raised {_said(exc)} while closing; fix it"
+            ) from exc
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
+def _said(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str, Path | None]:
@@ -150,7 +210,7 @@ def load_app(ref: str, where: str = "--app", base: Path | None = None) -> App:
     ):
         return App(value)
     raise AppRefError(
-        f"{where} {ref!r} is a {type(value).__name__}, not an interlock App, Machine or "
+        f"{where} {ref!r} is {_a(type(value).__name__)}, not an interlock App, Machine or "
         "list of Machines; point it at one"
     )
 

@@ -9,7 +9,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -814,10 +813,6 @@ def _has_state(app: App, named: str, record: RunRecord, state: str, how: str) ->
         )
 
 
-def _lifespan(app: App, db: str) -> AbstractAsyncContextManager[object]:
-    return app.lifespan(db) if app.lifespan is not None else nullcontext()
-
-
 async def _operate(args: argparse.Namespace, action: str) -> int:
     from ._runtime import open_supervisor
 
@@ -853,7 +848,7 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     store = await open_store(db)
     try:
         async with (
-            _lifespan(app, db),
+            app.open(db, named),
             open_supervisor(list(app.machines.values()), store, provider=app.provider) as sup,
         ):
             if action == "abort":
@@ -899,7 +894,9 @@ async def _resume(args: argparse.Namespace) -> int:
     finally:
         await store.aclose()
     with metrics:
-        summary = await resume_app(app, db, stats=metrics.stats, on_start=metrics.started)
+        summary = await resume_app(
+            app, db, stats=metrics.stats, on_start=metrics.started, named=named
+        )
         if args.json:
             _print_json(summary)
         else:

@@ -7,7 +7,7 @@ import os
 import random
 import time
 from collections import Counter
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -343,6 +343,7 @@ async def resume_app(
     *,
     stats: RuntimeStats | None = None,
     on_start: Callable[[Supervisor], None] | None = None,
+    named: str = "",
 ) -> dict[str, Any]:
     """Resume every unfinished run in the journal ``db`` with ``app``'s machines, wait for
     all, and summarize the whole journal (see :func:`summarize_store`).
@@ -356,20 +357,18 @@ async def resume_app(
       db: the journal.
       stats: counters to update (pass one to scrape metrics while it runs).
       on_start: called with the supervisor once it runs (for metrics and progress).
+      named: what names the app in an error of its lifespan (default its repr).
     """
     stats = stats if stats is not None else RuntimeStats()
     store = await open_store(db) if db != ":memory:" else await open_store(None)
     started = time.perf_counter()
-    lifespan: AbstractAsyncContextManager[object] = (
-        app.lifespan(db) if app.lifespan is not None else nullcontext()
-    )
     try:
         external = [
             record.run_id
             for record in await store.unfinished()
             if record.machine in app.machines and _is_external(await store.load(record.run_id))
         ]
-        async with lifespan as effects:
+        async with app.open(db, named) as effects:
             async with open_supervisor(
                 list(app.machines.values()), store, provider=app.provider, stats=stats
             ) as supervisor:
