@@ -308,7 +308,7 @@ def test_demo_options_are_refused_for_another_app(tmp_path, command, option, nam
         (tmp_path / "pyproject.toml").write_text('[tool.interlock]\napp = "bank:app"\n')
         where = f"{tmp_path / 'pyproject.toml'} [tool.interlock] app"
     done = interlock(*command, *app, *option, "--db", "x.db", cwd=tmp_path, env=env)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")
     flag = option[0]
     assert done.stderr == (
         f"interlock: error: {flag} tunes the built-in demo application, but {where} names "
@@ -460,7 +460,7 @@ def test_hold_without_metrics_port_is_refused_before_anything_runs(crashed):
     bank, db, cwd = crashed
     before = db.read_bytes()
     done = interlock("resume", "--db", str(db), "--app", f"{bank}:app", "--hold", cwd=cwd)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
         "interlock: error: --hold keeps the metrics server open after the runs; pass "
         "--metrics-port too\n"
@@ -476,24 +476,28 @@ def test_replay_refuses_what_would_replay_nothing_it_was_asked(crashed):
         "from interlock import Machine, Worker\n"
         'other = Machine("other", initial="W", states={"W": Worker(next=["COMPLETED"])})\n'
     )
-    for args, message in (
+    for args, code, message in (
         (
             ["--all", "--machine", f"{other}:other"],
+            1,
             f"--machine '{other}:other' is machine 'other', which none of the runs replayed "
             "uses (their machines: bank); name one of theirs",
         ),
         (
             ["bank-0", "--workflow", "bank"],
+            2,
             "--workflow chooses among --all; pass --all too, or drop it",
         ),
         (
             ["--all", "--workflow", "bnak"],
+            1,
             f"no runs of workflow 'bnak' in {db}; `interlock runs --db {db}` lists the runs "
             "and their workflows",
         ),
+        ([], 2, "name the runs to replay, or pass --all"),
     ):
         done = interlock("replay", *args, "--app", app, "--db", str(db), cwd=cwd)
-        assert (done.returncode, done.stdout) == (1, ""), args
+        assert (done.returncode, done.stdout) == (code, ""), args
         assert done.stderr == f"interlock: error: {message}\n"
 
 

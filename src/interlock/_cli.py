@@ -66,6 +66,10 @@ _json = msgspec.json.Encoder(order="sorted")
 RUNS_LIMIT = 50
 
 
+class _Usage(InterlockError):
+    """A command line that cannot work as written (exit 2, as argparse's own errors)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"interlock: error: {message}; see '{self.prog} --help'\n")
@@ -344,11 +348,11 @@ class _Metrics:
         from ._stats import RuntimeStats
 
         if args.hold and args.metrics_port is None:
-            raise ValueError(
+            raise _Usage(
                 "--hold keeps the metrics server open after the runs; pass --metrics-port too"
             )
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be between 0 and 65535, got {args.metrics_port}")
+            raise _Usage(f"--metrics-port must be between 0 and 65535, got {args.metrics_port}")
         self.port: int | None = args.metrics_port
         self.hold: bool = args.hold
         self.prices = prices
@@ -764,7 +768,7 @@ def _application(args: argparse.Namespace) -> tuple[App, str, str]:
     options = {k: getattr(args, k) for k in _DEMO_OPTIONS if getattr(args, k, None) is not None}
     if options and ref != DEMO_REF:
         flag = "--" + next(iter(options)).replace("_", "-")
-        raise InterlockError(
+        raise _Usage(
             f"{flag} tunes the built-in demo application, but {where} names {ref!r}; drop {flag}"
         )
     app = build_app(DemoConfig(**options)) if options else load_app(ref, where, base)
@@ -932,9 +936,9 @@ async def _replay(args: argparse.Namespace) -> int:
     from ._replay import replay
 
     if not args.all and not args.run_ids:
-        raise InterlockError("name the runs to replay, or pass --all")
+        raise _Usage("name the runs to replay, or pass --all")
     if args.workflow is not None and not args.all:
-        raise InterlockError("--workflow chooses among --all; pass --all too, or drop it")
+        raise _Usage("--workflow chooses among --all; pass --all too, or drop it")
     app, named, db = _application(args)
     what_if = _what_if(args.machine)
     overrides = [machine for _ref, machine in what_if.values()]
@@ -1062,7 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return trio.run(_COMMANDS[args.command], args)
-    except AppRefError as exc:
+    except (AppRefError, _Usage) as exc:
         sys.stderr.write(_error(exc, args))
         return 2
     except InternalError as exc:  # one line too; INTERLOCK_DEBUG=1 shows the traceback
@@ -1081,7 +1085,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not expected or len(expected) != len(leaves):
             raise
         sys.stderr.write(_error(expected[0], args))
-        return 2 if isinstance(expected[0], AppRefError) else 1
+        return 2 if isinstance(expected[0], AppRefError | _Usage) else 1
     except KeyboardInterrupt:
         return _interrupted(args)
 
