@@ -154,6 +154,13 @@ def start(
     return run, _verdict(run, True)
 
 
+def propose(
+    run: RunState, msg: Propose, now: float, circuits: Circuits, events: list[Event]
+) -> Verdict:
+    """:func:`decide` for a proposal, the request of nearly every step."""
+    return _on_propose(run, msg, now, circuits, events)
+
+
 def decide(
     run: RunState, msg: Request, now: float, circuits: Circuits, events: list[Event]
 ) -> Verdict:
@@ -804,6 +811,7 @@ def _on_abort(run: RunState, msg: Abort, now: float, events: list[Event]) -> Ver
 __all__ = [
     "Circuits",
     "decide",
+    "propose",
     "escalated",
     "readable_text",
     "resume_target",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,28 +112,41 @@ class SupervisorStatistics:
 
 
 class RuntimeStats:
-    """Counters keyed by bounded label tuples. No locks: one trio thread updates them."""
+    """Counters keyed by bounded label tuples. No locks: one trio thread updates them.
+
+    Each table is a ``defaultdict(int)``, not a Counter: ``+=`` on one costs half as
+    much, and the runtime does it several times a step. Reading a missing key inserts
+    a 0 there; use ``.get(key, 0)`` to look without inserting.
+    """
 
     def __init__(self) -> None:
-        self.tokens: Counter[tuple[str, str, str, str]] = Counter()  # machine, state, model, kind
-        self.model_calls: Counter[tuple[str, str]] = Counter()  # machine, model
+        self.tokens: defaultdict[tuple[str, str, str, str]] = defaultdict(
+            int
+        )  # machine, state, model, kind
+        self.model_calls: defaultdict[tuple[str, str]] = defaultdict(int)  # machine, model
         self.model_latency: dict[str, LatencyHistogram] = {}  # by model
-        self.verdicts: Counter[tuple[str, str, str]] = Counter()  # machine, outcome, code
+        self.verdicts: defaultdict[tuple[str, str, str]] = defaultdict(
+            int
+        )  # machine, outcome, code
         self.verify_latency: dict[str, LatencyHistogram] = {}  # by machine
-        self.breaker_trips: Counter[tuple[str, str, str]] = Counter()  # machine, breaker, tool
-        self.transitions: Counter[tuple[str, str, str]] = Counter()  # machine, src, dst
-        self.runs_started: Counter[str] = Counter()  # machine
-        self.runs_finished: Counter[tuple[str, str]] = Counter()  # machine, outcome
-        self.tool_calls: Counter[str] = Counter()
-        self.tool_errors: Counter[str] = Counter()
+        self.breaker_trips: defaultdict[tuple[str, str, str]] = defaultdict(
+            int
+        )  # machine, breaker, tool
+        self.transitions: defaultdict[tuple[str, str, str]] = defaultdict(int)  # machine, src, dst
+        self.runs_started: defaultdict[str] = defaultdict(int)  # machine
+        self.runs_finished: defaultdict[tuple[str, str]] = defaultdict(int)  # machine, outcome
+        self.tool_calls: defaultdict[str] = defaultdict(int)
+        self.tool_errors: defaultdict[str] = defaultdict(int)
         self.tool_latency: dict[str, LatencyHistogram] = {}
-        self.side_effects: Counter[str] = Counter()  # non-read-only tool commits, by tool
-        self.provider_failures: Counter[tuple[str, str]] = Counter()  # machine, model
-        self.in_doubt: Counter[str] = Counter()  # calls found in doubt, by tool
-        self.reconciliations: Counter[tuple[str, str]] = Counter()  # tool, outcome
-        self.escalation_reasons: Counter[tuple[str, str]] = Counter()  # machine, reason
+        self.side_effects: defaultdict[str] = defaultdict(
+            int
+        )  # non-read-only tool commits, by tool
+        self.provider_failures: defaultdict[tuple[str, str]] = defaultdict(int)  # machine, model
+        self.in_doubt: defaultdict[str] = defaultdict(int)  # calls found in doubt, by tool
+        self.reconciliations: defaultdict[tuple[str, str]] = defaultdict(int)  # tool, outcome
+        self.escalation_reasons: defaultdict[tuple[str, str]] = defaultdict(int)  # machine, reason
         self.flush_latency = LatencyHistogram()
-        self.flush_events: Counter[str] = Counter()  # "batches", "events", "bytes"
+        self.flush_events: defaultdict[str] = defaultdict(int)  # "batches", "events", "bytes"
         self.batch_sizes = LatencyHistogram()  # reused as a size histogram (events, not seconds)
         self.escalations_pending = 0  # runs parked in ESCALATE, store-wide once counted at start
 
@@ -162,7 +175,10 @@ class RuntimeStats:
                 self.tokens[(name, event.state, model, "prompt")] += usage.prompt
                 self.tokens[(name, event.state, model, "completion")] += usage.completion
                 self.model_calls[(name, model)] += 1
-                self.histogram(self.model_latency, model).record(event.latency)
+                latency = self.model_latency.get(model)
+                if latency is None:
+                    latency = self.histogram(self.model_latency, model)
+                latency.record(event.latency)
                 proposed = True
             elif kind is IntentRecorded:
                 if proposed:

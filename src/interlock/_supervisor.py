@@ -223,7 +223,7 @@ class Supervisor:
         elif type(msg) is Propose:
             run = self._run(msg.run_id)
             started = time.perf_counter()
-            verdict = _decider.decide(run, msg, now, self._circuits, events)
+            verdict = _decider.propose(run, msg, now, self._circuits, events)
             self.stats.histogram(self.stats.verify_latency, run.machine.name).record(
                 time.perf_counter() - started
             )
