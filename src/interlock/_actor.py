@@ -12,7 +12,7 @@ import msgspec
 import trio
 
 from ._decider import step_proposal
-from ._events import TokenUsage, describe_exception, unjournalable
+from ._events import TokenUsage, Violation, describe_exception, unjournalable
 from ._exceptions import ProviderError
 from ._machine import Step
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
@@ -326,6 +326,7 @@ def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> P
         )
         usage = TokenUsage()
     name, prompt = answer.model, answer.prompt
+    response, envelope, extra = answer.response, answer.envelope, answer.extra_calls
     return Propose(
         run_id=run_id,
         seq=seq,
@@ -335,6 +336,9 @@ def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> P
         usage=usage,
         latency=latency,
         defect=defect,
+        response=response if type(response) is str else None,
+        envelope=envelope if type(envelope) is Violation else None,
+        extra_calls=extra if type(extra) is tuple else (),
     )
 
 

@@ -119,6 +119,10 @@ def readable_text(text: str, what: str) -> tuple[str, str]:
     return text.encode("utf-8", "backslashreplace").decode("utf-8"), defect
 
 
+def _text(text: str) -> str:
+    return text if text.isascii() else readable_text(text, "")[0]
+
+
 def step_proposal(run_id: str, seq: int, state: str, step: Step, view: RunView) -> Propose:
     """What a step state proposes: its function's action, or the error it raised.
 
@@ -322,6 +326,9 @@ def _on_propose(
             prompt_base=base,
             prompt_prefix=prefix,
             prompt_suffix=suffix,
+            response=msgspec.UNSET if msg.response is None else _text(msg.response),
+            envelope=msgspec.UNSET if msg.envelope is None else msg.envelope,
+            extra_calls=tuple(msg.extra_calls) if msg.extra_calls else msgspec.UNSET,
         )
         # The provider's string, not a rebuilt copy of it: nothing to splice, one copy kept.
         run.apply(called, 0, prompt)
@@ -357,6 +364,8 @@ def _on_propose(
             "send the proposal as UTF-8 JSON text with no lone surrogates or invalid bytes",
         )
         return _reject(run, events, now, (violation,), None)
+    if msg.envelope is not None:  # the provider found no proposal in the response
+        return _reject(run, events, now, (msg.envelope,), None)
     decision = verify(machine, run, raw.encode(), now, circuits)  # type: ignore[arg-type]
     if not decision.accepted:
         return _reject(run, events, now, decision.violations, decision.trip)
@@ -811,8 +820,8 @@ def _on_abort(run: RunState, msg: Abort, now: float, events: list[Event]) -> Ver
 __all__ = [
     "Circuits",
     "decide",
-    "propose",
     "escalated",
+    "propose",
     "readable_text",
     "resume_target",
     "start",

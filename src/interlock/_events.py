@@ -34,11 +34,18 @@ class Violation(msgspec.Struct, frozen=True, gc=False):
     """What to propose instead."""
 
 
-class TokenUsage(msgspec.Struct, frozen=True, gc=False):
-    """Tokens one model call used. NOTE: ``gc=False``: scalar fields only."""
+class TokenUsage(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """Tokens one model call used. NOTE: ``gc=False``: scalar fields only.
+
+    ``prompt`` counts every input token, the cached ones included; ``cached`` says how
+    many of them were read from the provider's prompt cache, and ``reasoning`` how many
+    of the ``completion`` tokens were hidden reasoning.
+    """
 
     prompt: int = 0
     completion: int = 0
+    cached: int = 0
+    reasoning: int = 0
 
     @property
     def total(self) -> int:
@@ -103,6 +110,16 @@ class ModelCalled(Event, frozen=True, tag="model_called"):
     """Leading characters of the base prompt that this prompt starts with."""
     prompt_suffix: int = 0
     """Trailing characters of the base prompt that this prompt ends with."""
+    response: str | msgspec.UnsetType = msgspec.UNSET
+    """The provider's response exactly as it came (an HTTP provider: the response body);
+    absent for a provider that has none. ``prompt`` is then the exact request body."""
+    envelope: Violation | msgspec.UnsetType = msgspec.UNSET
+    """Set when the response's envelope already rules out a proposal (no call where the
+    stop reason says there is one, a refusal, a reply cut at the output limit, ...): the
+    proposal is rejected with this violation, in the provider's words."""
+    extra_calls: tuple[tuple[str, str], ...] | msgspec.UnsetType = msgspec.UNSET
+    """The calls after the first one in the same response, as ``(name, arguments)``: one
+    call per turn is proposed, and the model is told the others were not run."""
 
 
 class StepProposed(Event, frozen=True, tag="step_proposed"):

@@ -54,6 +54,12 @@ class Propose(Msg, frozen=True, tag="propose"):
     """Replay of a journal written before ``provider_failed`` existed: a failed model
     call is decided as it was then (a ``model_called`` with ``error``, then a
     ``malformed`` rejection), so old runs still reproduce."""
+    response: str | None = None
+    """The provider's exact response (an HTTP body), journaled with the call."""
+    envelope: Violation | None = None
+    """The provider found no proposal in the response's envelope: reject with this."""
+    extra_calls: tuple[tuple[str, str], ...] = ()
+    """Calls after the first in the same response (``(name, arguments)``); not run."""
 
 
 class Report(Msg, frozen=True, tag="report"):

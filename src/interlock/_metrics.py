@@ -153,12 +153,16 @@ class RuntimeCollector(Collector):
     def _tokens(self, stats: RuntimeStats) -> Iterator[Metric]:
         tokens = CounterMetricFamily(
             "interlock_tokens",
-            "Tokens the model calls used, by machine, state, model and kind (prompt or completion)",
+            "Tokens the model calls used, by machine, state, model and kind: prompt, completion, "
+            "and of those cached (prompt tokens read from the provider's cache) and reasoning "
+            "(completion tokens of hidden reasoning)",
             labels=("machine", "state", "model", "kind"),
         )
         cost: dict[tuple[str, str], float] = {}
         for (machine, state, model, kind), count in sorted(_copy(stats.tokens).items()):
             tokens.add_metric((machine, state, model, kind), float(count))
+            if kind not in ("prompt", "completion"):
+                continue  # cached and reasoning tokens are counted in these already
             prompt, completion = self.prices.get(model, (0.0, 0.0))
             price = prompt if kind == "prompt" else completion
             cost[(machine, model)] = cost.get((machine, model), 0.0) + count * price / 1e6

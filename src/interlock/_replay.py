@@ -179,6 +179,11 @@ class _RecordedCircuits:
         pass
 
 
+def _given(value: Any) -> Any:
+    """A recorded optional field, None where the recording left it out."""
+    return None if value is msgspec.UNSET else value
+
+
 def _outcome_of_key(
     recorded: Sequence[Event], start: int, key: str
 ) -> ToolCommitted | ToolFailed | None:
@@ -358,6 +363,9 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     error=upcoming.error,
                     defect=upcoming.defect or "",
                     legacy=bool(upcoming.error),
+                    response=_given(upcoming.response),
+                    envelope=_given(upcoming.envelope),
+                    extra_calls=_given(upcoming.extra_calls) or (),
                 )
             elif isinstance(upcoming, ProviderFailed):
                 msg = Propose(

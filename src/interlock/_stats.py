@@ -174,6 +174,10 @@ class RuntimeStats:
                 model, usage = event.model, event.usage
                 self.tokens[(name, event.state, model, "prompt")] += usage.prompt
                 self.tokens[(name, event.state, model, "completion")] += usage.completion
+                if usage.cached:
+                    self.tokens[(name, event.state, model, "cached")] += usage.cached
+                if usage.reasoning:
+                    self.tokens[(name, event.state, model, "reasoning")] += usage.reasoning
                 self.model_calls[(name, model)] += 1
                 latency = self.model_latency.get(model)
                 if latency is None:

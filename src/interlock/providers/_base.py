@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from .._events import TokenUsage
+from .._events import TokenUsage, Violation
 
 if TYPE_CHECKING:
     from .._machine import Machine
@@ -15,12 +15,22 @@ if TYPE_CHECKING:
 
 
 class Proposal(msgspec.Struct, frozen=True, gc=False):
-    """What a provider returned: the raw text (untrusted), the prompt it was given, the usage."""
+    """What a provider returned: the raw text (untrusted), the prompt it was given, the usage.
+
+    An HTTP provider also hands over the exact bodies: ``prompt`` is the request body and
+    ``response`` the response body, both journaled (the request as a delta against the
+    previous one), so replay needs no network. When the response's envelope already rules
+    out a proposal, ``envelope`` says why (``raw`` is then ignored); the calls after the
+    first are ``extra_calls``.
+    """
 
     raw: str
     usage: TokenUsage = TokenUsage()
     model: str = ""
     prompt: str = ""
+    response: str | None = None
+    envelope: Violation | None = None
+    extra_calls: tuple[tuple[str, str], ...] = ()
 
 
 @runtime_checkable
