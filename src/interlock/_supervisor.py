@@ -89,6 +89,11 @@ class Supervisor:
                     f"two machines are named {machine.name!r}; names must be unique"
                 )
             self.machines[machine.name] = machine
+        for machine in self.machines.values():
+            chosen = provider.get(machine.name) if isinstance(provider, Mapping) else provider
+            check = getattr(chosen, "check", None)
+            if callable(check):  # a provider that offers machines as tools checks them now
+                check(machine)
         self.store = store
         self.clock = clock
         self.stats = stats if stats is not None else RuntimeStats()

@@ -181,6 +181,7 @@ class RunState:
         "state",
         "steps",
         "tokens",
+        "turns",
         "validated",
     )
 
@@ -230,6 +231,10 @@ class RunState:
         """The whole prompt of the run's latest model call (the base of the next one's delta)."""
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
+        self.turns: list[tuple[int, str, tuple[tuple[str, str], ...]]] = []
+        """The model calls whose response was journaled (HTTP providers): ``(seq, raw,
+        extra_calls)``, so a provider can rebuild the conversation from the run alone.
+        Empty for providers that journal no response (nothing is kept for them)."""
         self._hash_state: PromptHashState | None = None
         """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
         self._data_version = 0
@@ -292,6 +297,11 @@ class RunState:
                         raise ProtocolError(str(exc)) from None
                 self.prompt = prompt
                 self.prompt_seq = event.seq
+                if event.response is not msgspec.UNSET:
+                    extra = event.extra_calls
+                    self.turns.append(
+                        (event.seq, event.raw, () if extra is msgspec.UNSET else extra)
+                    )
             case StepProposed(source=source):
                 if source != "operator":
                     self.steps += 1

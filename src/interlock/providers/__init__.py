@@ -1,5 +1,6 @@
-"""Providers: where proposals come from (scripted, chaos-wrapped, replayed, real models)."""
+"""Providers: where proposals come from (scripted, chaos-wrapped, and real models over HTTP)."""
 
+from ._anthropic import AnthropicMessages as AnthropicMessages
 from ._base import (
     Proposal as Proposal,
 )
@@ -15,12 +16,31 @@ from ._base import (
 from ._chaos import CHAOS_KINDS as CHAOS_KINDS
 from ._chaos import ChaosProvider as ChaosProvider
 from ._chaos import corrupt as corrupt
+from ._openai import GENERIC as GENERIC
+from ._openai import LLAMA_CPP as LLAMA_CPP
+from ._openai import OLLAMA as OLLAMA
+from ._openai import OPENAI as OPENAI
+from ._openai import PROFILES as PROFILES
+from ._openai import VLLM as VLLM
+from ._openai import OpenAIChat as OpenAIChat
+from ._openai import OpenAIResponses as OpenAIResponses
+from ._openai import Profile as Profile
 from ._scripted import ScriptedProvider as ScriptedProvider
 from ._scripted import ScriptExhausted as ScriptExhausted
 
 __all__ = [
     "CHAOS_KINDS",
+    "GENERIC",
+    "LLAMA_CPP",
+    "OLLAMA",
+    "OPENAI",
+    "PROFILES",
+    "VLLM",
+    "AnthropicMessages",
     "ChaosProvider",
+    "OpenAIChat",
+    "OpenAIResponses",
+    "Profile",
     "Proposal",
     "Provider",
     "ScriptExhausted",

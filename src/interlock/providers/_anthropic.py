@@ -1,0 +1,319 @@
+"""Anthropic's Messages API: ``tool_use`` blocks answered with ``tool_result`` blocks.
+
+The state's tools and ``transition`` are offered as tools with ``tool_choice`` ``any``
+and parallel tool use disabled. A ``tool_use`` block's ``input`` is taken from the
+response body as its raw JSON text, never re-serialised from a parsed object, so the gate
+sees exactly what the model sent. Every ``tool_use`` of the conversation is followed by
+its ``tool_result`` (the API answers 400 otherwise), a rejection marked ``is_error``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .._events import TokenUsage, Violation
+from .._exceptions import ProviderError
+from ._openai import HttpProvider
+from ._wire import ONE_CALL, ONE_TOOL_HINT, clip, envelope, exchanges, system_text, to_raw
+
+if TYPE_CHECKING:
+    from .._view import RunView
+    from ._wire import ToolSpec
+
+_encode = msgspec.json.encode
+
+#: The API version the requests are written for.
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+class _Block(msgspec.Struct):
+    type: str = ""
+    text: str | None = None
+    name: str = ""
+    id: str = ""
+    input: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+class _Usage(msgspec.Struct):
+    input_tokens: int | None = 0
+    output_tokens: int | None = 0
+    cache_read_input_tokens: int | None = 0
+    cache_creation_input_tokens: int | None = 0
+
+
+class _Message(msgspec.Struct):
+    content: list[_Block]
+    stop_reason: str | None = None
+    usage: _Usage | None = None
+
+
+_read_message = msgspec.json.Decoder(_Message).decode
+
+
+def _usage(usage: _Usage | None) -> TokenUsage:
+    if usage is None:
+        return TokenUsage()
+    cached = max(usage.cache_read_input_tokens or 0, 0)
+    prompt = (
+        max(usage.input_tokens or 0, 0) + cached + max(usage.cache_creation_input_tokens or 0, 0)
+    )
+    return TokenUsage(prompt, max(usage.output_tokens or 0, 0), cached, 0)
+
+
+class AnthropicMessages(HttpProvider):
+    """Anthropic Messages (``POST {base_url}/v1/messages``), with native tools.
+
+    Args:
+      model: the model name (also the name prices and metrics use).
+      base_url: ``https://api.anthropic.com`` by default.
+      api_key: defaults to ``$ANTHROPIC_API_KEY``; never journaled, logged or shown.
+      max_tokens: the output limit (the API requires one; 1024 by default).
+      The other options are :class:`OpenAIChat`'s (timeout, max_in_flight,
+      tokens_per_minute, temperature, transition_tool, stream).
+    """
+
+    api = "messages"
+    path = "/v1/messages"
+    key_variable = "ANTHROPIC_API_KEY"
+    default_base_url = "https://api.anthropic.com"
+
+    def auth_headers(self) -> dict[str, str]:
+        headers = {"anthropic-version": ANTHROPIC_VERSION}
+        if self._key:
+            headers["x-api-key"] = self._key
+        return headers
+
+    def messages(self, view: RunView) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        user: list[dict[str, Any]] = [{"type": "text", "text": "Begin the run."}]
+        for step in exchanges(view):
+            if step.call is None:
+                user.append({"type": "text", "text": step.reply})
+                continue
+            messages.append({"role": "user", "content": user})
+            calls = [step.call, *step.extra]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": cid, "name": name, "input": _input(args)}
+                        for cid, name, args in calls
+                    ],
+                }
+            )
+            user = [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": step.call[0],
+                    "content": step.reply,
+                    **({"is_error": True} if step.error else {}),
+                },
+                *(
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": cid,
+                        "content": ONE_CALL,
+                        "is_error": True,
+                    }
+                    for cid, _name, _args in step.extra
+                ),
+            ]
+        user.append({"type": "text", "text": "Make the next call."})
+        messages.append({"role": "user", "content": user})
+        return messages
+
+    def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens or 1024,
+            "system": system_text(view),
+            "messages": self.messages(view),
+            "tools": [
+                {
+                    "name": spec.name,
+                    "description": spec.description,
+                    "input_schema": spec.parameters,
+                }
+                for spec in specs
+            ],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        }
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.stream:
+            body["stream"] = True
+        return _encode(body)
+
+    def read(
+        self, body: bytes
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        try:
+            message = _read_message(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise self._bad_body(exc, body) from None
+        return self._judge(message)
+
+    def _judge(
+        self, message: _Message
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        usage = _usage(message.usage)
+        calls: list[tuple[str, str]] = []
+        texts: list[str] = []
+        for block in message.content:
+            if block.type == "tool_use":
+                calls.append((block.name, bytes(block.input).decode("utf-8", "replace")))
+            elif block.type == "text" and block.text:
+                texts.append(block.text)
+        stop = message.stop_reason
+        text = "".join(texts)
+        if stop == "refusal":
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the model refused (stop_reason 'refusal'){': ' + clip(text) if text else ''}",
+                    ONE_TOOL_HINT,
+                ),
+                (),
+            )
+        if stop == "max_tokens":
+            return (
+                "",
+                usage,
+                envelope(
+                    "the reply was cut at the output limit (stop_reason 'max_tokens') before it was whole",
+                    "make the call shorter, or raise max_tokens",
+                ),
+                (),
+            )
+        if not calls:
+            if stop == "tool_use":
+                return (
+                    "",
+                    usage,
+                    envelope(
+                        "stop_reason is 'tool_use' but the reply holds no tool_use block",
+                        ONE_TOOL_HINT,
+                    ),
+                    (),
+                )
+            if text.strip():
+                return (
+                    "",
+                    usage,
+                    envelope(
+                        f"the model answered with text instead of a tool call: {clip(text)}",
+                        ONE_TOOL_HINT,
+                    ),
+                    (),
+                )
+            return (
+                "",
+                usage,
+                envelope("the reply is empty: no tool_use and no text", ONE_TOOL_HINT),
+                (),
+            )
+        if text.strip():
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the reply holds text and a tool call together: {clip(text)}",
+                    "answer with the tool call alone, no text beside it",
+                ),
+                (),
+            )
+        if stop not in ("tool_use", None):
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the reply holds a tool_use block but stop_reason is {stop!r}, not 'tool_use'",
+                    ONE_TOOL_HINT,
+                ),
+                (),
+            )
+        name, arguments = calls[0]
+        raw, violation = to_raw(name, arguments, self.transition)
+        return raw, usage, violation, tuple(calls[1:])
+
+    def read_stream(
+        self, data: list[str]
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        blocks: dict[int, dict[str, Any]] = {}
+        stop: str | None = None
+        usage: dict[str, int] = {}
+        done = False
+        for item in data:
+            _event, _, payload = item.partition("\n") if "\n" in item else ("", "", item)
+            try:
+                event = msgspec.json.decode(payload)
+            except msgspec.DecodeError as exc:
+                raise self._bad_body(exc, payload.encode()) from None
+            if not isinstance(event, dict):
+                continue
+            kind = event.get("type")
+            if kind == "message_start":
+                usage.update(_ints((event.get("message") or {}).get("usage")))
+            elif kind == "content_block_start":
+                block = event.get("content_block") or {}
+                blocks[event.get("index", 0)] = {
+                    "type": block.get("type", ""),
+                    "name": block.get("name", ""),
+                    "text": block.get("text") or "",
+                    "json": "",
+                }
+            elif kind == "content_block_delta":
+                delta = event.get("delta") or {}
+                block = blocks.setdefault(
+                    event.get("index", 0), {"type": "", "name": "", "text": "", "json": ""}
+                )
+                if delta.get("type") == "input_json_delta":
+                    block["json"] += delta.get("partial_json") or ""
+                elif delta.get("type") == "text_delta":
+                    block["text"] += delta.get("text") or ""
+            elif kind == "message_delta":
+                stop = (event.get("delta") or {}).get("stop_reason") or stop
+                usage.update(_ints(event.get("usage")))
+            elif kind == "message_stop":
+                done = True
+            elif kind == "error":
+                error = event.get("error") or {}
+                raise ProviderError(
+                    f"{self.api} at {self.base_url}: the stream reported "
+                    f"{error.get('type', 'an error')}: {clip(str(error.get('message', '')))}",
+                    retryable=error.get("type")
+                    in ("overloaded_error", "api_error", "rate_limit_error"),
+                )
+        if not done:
+            raise ProviderError(
+                f"{self.api} at {self.base_url}: the stream ended before message_stop",
+                retryable=True,
+            )
+        content = [
+            _Block(
+                type=b["type"],
+                text=b["text"] or None,
+                name=b["name"],
+                input=msgspec.Raw((b["json"] or "{}").encode()),
+            )
+            for _, b in sorted(blocks.items())
+        ]
+        return self._judge(_Message(content, stop, msgspec.convert(usage, _Usage)))
+
+
+def _ints(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _input(arguments: str) -> Any:
+    """A call's arguments as the object a ``tool_use`` block's ``input`` must be."""
+    try:
+        value = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        return {"unparsed_arguments": arguments}
+    return value if isinstance(value, dict) else {"value": value}

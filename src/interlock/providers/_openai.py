@@ -1,0 +1,910 @@
+"""OpenAI's Chat Completions and Responses APIs, and the servers that speak them.
+
+Both providers offer the state's tools plus ``transition`` as native function tools,
+rebuild the conversation from the run (``_wire.exchanges``), journal the exact request and
+response bodies, and read the response exactly: the first call's ``arguments`` text goes
+to the gate unchanged; an envelope that rules out a proposal (a stop reason without the
+call it announces, a refusal, a reply cut at the output limit, text instead of a call)
+is a rejection in the API's own words. OpenAI-compatible servers differ in documented
+ways; each difference is a flag of a :class:`Profile`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .._events import TokenUsage, Violation
+from .._exceptions import InterlockError, ProviderError
+from ._base import Proposal
+from ._wire import (
+    ONE_CALL,
+    ONE_TOOL_HINT,
+    TRANSITION,
+    check_machine,
+    clip,
+    envelope,
+    exchanges,
+    system_text,
+    to_raw,
+    tool_specs,
+)
+
+if TYPE_CHECKING:
+    from .._machine import Machine
+    from .._view import RunView
+    from ._http import Transport
+    from ._wire import ToolSpec
+
+_encode = msgspec.json.encode
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How an OpenAI-compatible server departs from OpenAI's API: one named flag each.
+
+    Attributes:
+      name: for messages.
+      arguments_as_object: accept a call's ``arguments`` sent as a JSON object instead of
+        a string (taken verbatim from the body, never re-serialised). Without it, such a
+        call is rejected naming the quirk.
+      calls_with_stop: accept tool calls that arrive with ``finish_reason: "stop"``.
+      markup_calls: read a call written as text in ``content``
+        (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), as servers do that
+        have no tool-call parser for the model's template.
+      shared_index: in a stream, parallel calls may share one ``index``; a new call id
+        then starts a new call.
+      tool_choice: what to send as ``tool_choice`` ("required", "auto"; "" sends none).
+      parallel_tool_calls: send ``parallel_tool_calls: false``.
+      max_tokens_field: the name of the output-limit field.
+      stream_usage: ask for usage in the last stream chunk (``stream_options``).
+    """
+
+    name: str
+    arguments_as_object: bool = False
+    calls_with_stop: bool = False
+    markup_calls: bool = False
+    shared_index: bool = False
+    tool_choice: str = "required"
+    parallel_tool_calls: bool = True
+    max_tokens_field: str = "max_completion_tokens"
+    stream_usage: bool = True
+
+
+#: OpenAI itself: the API as documented, nothing tolerated.
+OPENAI = Profile("openai")
+#: vLLM's OpenAI-compatible server (its tool parsers): calls may arrive with "stop".
+VLLM = Profile("vllm", calls_with_stop=True, max_tokens_field="max_tokens")
+#: Ollama's /v1 endpoint: arguments may be objects, parallel streamed calls share index 0,
+#: calls arrive with "stop".
+OLLAMA = Profile(
+    "ollama",
+    arguments_as_object=True,
+    calls_with_stop=True,
+    shared_index=True,
+    max_tokens_field="max_tokens",
+)
+#: llama.cpp's server: calls may be left as markup in content, and arrive with "stop".
+LLAMA_CPP = Profile(
+    "llama.cpp", calls_with_stop=True, markup_calls=True, max_tokens_field="max_tokens"
+)
+#: Any other OpenAI-compatible server: every documented quirk tolerated.
+GENERIC = Profile(
+    "generic",
+    arguments_as_object=True,
+    calls_with_stop=True,
+    markup_calls=True,
+    shared_index=True,
+    max_tokens_field="max_tokens",
+)
+PROFILES = {p.name: p for p in (OPENAI, VLLM, OLLAMA, LLAMA_CPP, GENERIC)}
+
+
+# -- the response, as msgspec reads it ------------------------------------------------------
+
+
+class _Function(msgspec.Struct):
+    name: str = ""
+    arguments: msgspec.Raw = msgspec.Raw(b'""')
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function
+    id: str = ""
+
+
+class _Message(msgspec.Struct):
+    content: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    refusal: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    message: _Message
+    finish_reason: str | None = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = 0
+
+
+class _CompletionDetails(msgspec.Struct):
+    reasoning_tokens: int | None = 0
+
+
+class _ChatUsage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _PromptDetails | None = None
+    completion_tokens_details: _CompletionDetails | None = None
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+    usage: _ChatUsage | None = None
+
+
+_read_completion = msgspec.json.Decoder(_Completion).decode
+_MARKUP = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+class _MarkupCall(msgspec.Struct):
+    name: str
+    arguments: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+_read_markup = msgspec.json.Decoder(_MarkupCall).decode
+
+
+def _usage(usage: _ChatUsage | None) -> TokenUsage:
+    if usage is None:
+        return TokenUsage()
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    reasoning = (
+        usage.completion_tokens_details.reasoning_tokens if usage.completion_tokens_details else 0
+    )
+    return TokenUsage(
+        max(usage.prompt_tokens, 0),
+        max(usage.completion_tokens, 0),
+        max(cached or 0, 0),
+        max(reasoning or 0, 0),
+    )
+
+
+# -- the shared machinery of an HTTP provider -------------------------------------------------
+
+
+class HttpProvider:
+    """What the OpenAI and Anthropic providers share: the key, the transport, the options."""
+
+    api = ""
+    path = ""
+    key_variable = ""
+    default_base_url = ""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_in_flight: int = 64,
+        tokens_per_minute: int | None = None,
+        max_tokens: int | None = 1024,
+        temperature: float | None = None,
+        transition_tool: str = TRANSITION,
+        strict: bool = False,
+        stream: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if not isinstance(model, str) or not model:
+            raise InterlockError(
+                f"{type(self).__name__}: model must be a model name, got {model!r}"
+            )
+        self.model = model
+        self.base_url = (base_url or self.default_base_url).rstrip("/")
+        key = api_key if api_key is not None else os.environ.get(self.key_variable)
+        if not key and self.base_url == self.default_base_url:
+            raise InterlockError(
+                f"{type(self).__name__} needs an API key for {self.base_url}: pass api_key= "
+                f"or set {self.key_variable}"
+            )
+        self._key = key or ""
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self.tokens_per_minute = tokens_per_minute
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.transition = transition_tool
+        self.strict = strict
+        self.stream = stream
+        self._extra_headers = dict(headers or {})
+        self._transport: Transport | None = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r})"
+
+    def auth_headers(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def transport(self) -> Transport:
+        if self._transport is None:
+            from ._http import Transport
+
+            self._transport = Transport(
+                self.base_url,
+                headers={**self.auth_headers(), **self._extra_headers},
+                timeout=self.timeout,
+                max_in_flight=self.max_in_flight,
+                tokens_per_minute=self.tokens_per_minute,
+            )
+        return self._transport
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        if self._transport is not None:
+            await self._transport.aclose()
+            self._transport = None
+
+    async def __aenter__(self) -> HttpProvider:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def check(self, machine: Machine) -> None:
+        """Raise MachineDefinitionError if ``machine`` cannot be offered to this API as tools
+        (a schema strict mode cannot take, a tool named like the transition tool)."""
+        check_machine(machine, self.transition, self.strict)
+
+    async def propose(self, view: RunView) -> Proposal:
+        specs = tool_specs(view, self.transition, self.strict)
+        body = self.request_body(view, specs)
+        transport = self.transport()
+        tokens = len(body) // 4
+        if self.stream:
+            text, parsed = await self._streamed(transport, body, tokens)
+        else:
+            response = await transport.post(self.path, body, tokens=tokens)
+            text = response.body.decode("utf-8", "replace")
+            parsed = self.read(response.body)
+        raw, usage, violation, extra = parsed
+        return Proposal(
+            raw,
+            usage,
+            self.model,
+            body.decode("utf-8"),
+            response=text,
+            envelope=violation,
+            extra_calls=extra,
+        )
+
+    async def _streamed(
+        self, transport: Transport, body: bytes, tokens: int
+    ) -> tuple[str, tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]]:
+        data: list[str] = []
+        async with transport.stream(self.path, body, tokens=tokens) as events:
+            async for event in events:
+                data.append(f"{event.event}\n{event.data}" if event.event else event.data)
+        return "\n\n".join(data), self.read_stream(data)
+
+    def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        raise NotImplementedError
+
+    def read(
+        self, body: bytes
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        raise NotImplementedError
+
+    def read_stream(
+        self, data: list[str]
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        raise NotImplementedError
+
+    def _bad_body(self, exc: Exception, body: bytes) -> ProviderError:
+        return ProviderError(
+            f"{self.api} at {self.base_url} answered with a body that is not a {self.api} "
+            f"response ({exc}); it began {clip(body[:200].decode('utf-8', 'replace'))!r}",
+            retryable=True,
+        )
+
+
+def _calls_to_proposal(
+    calls: list[tuple[str, str]],
+    transition: str,
+) -> tuple[str, Violation | None, tuple[tuple[str, str], ...]]:
+    """The first call as the proposal, the rest as extra calls."""
+    name, arguments = calls[0]
+    raw, violation = to_raw(name, arguments, transition)
+    return raw, violation, tuple(calls[1:])
+
+
+class OpenAIChat(HttpProvider):
+    """OpenAI Chat Completions (``POST {base_url}/chat/completions``), with native tools.
+
+    Args:
+      model: the model name (also the name prices and metrics use).
+      base_url: the API root, ``https://api.openai.com/v1`` by default; any
+        OpenAI-compatible server's ``/v1`` (vLLM, Ollama, llama.cpp's server).
+      api_key: defaults to ``$OPENAI_API_KEY``; needed only for OpenAI's own URL. Never
+        journaled, logged or shown.
+      profile: a :class:`Profile` (or its name: openai, vllm, ollama, llama.cpp,
+        generic) naming the server's quirks; ``openai`` for OpenAI's URL, else ``generic``.
+      output: ``"tools"`` (native tool calls) or ``"json_schema"`` (structured output:
+        the proposal is the message content, constrained to the proposal's schema).
+      timeout, max_in_flight, tokens_per_minute: the transport's per-call timeout, the
+        most requests in flight, and an optional token rate limit.
+      max_tokens, temperature: sent as given (None sends none).
+      transition_tool: the name of the tool that moves the run on.
+      strict: send the tools with ``strict: true`` (every schema must allow it; checked
+        when the machine is registered).
+      stream: use Server-Sent Events; the call is assembled from the deltas.
+    """
+
+    api = "chat completions"
+    path = "/chat/completions"
+    key_variable = "OPENAI_API_KEY"
+    default_base_url = "https://api.openai.com/v1"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        profile: Profile | str | None = None,
+        output: str = "tools",
+        **options: Any,
+    ) -> None:
+        super().__init__(model, base_url=base_url, api_key=api_key, **options)
+        if isinstance(profile, str):
+            if profile not in PROFILES:
+                raise InterlockError(
+                    f"unknown profile {profile!r}; use one of {', '.join(PROFILES)} or a Profile"
+                )
+            profile = PROFILES[profile]
+        self.profile = profile or (OPENAI if self.base_url == self.default_base_url else GENERIC)
+        if output not in ("tools", "json_schema"):
+            raise InterlockError(f"output must be 'tools' or 'json_schema', got {output!r}")
+        self.output = output
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._key}"} if self._key else {}
+
+    def messages(self, view: RunView) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_text(view)}]
+        pending_notes: list[str] = []
+        for step in exchanges(view):
+            if step.call is None:
+                pending_notes.append(step.reply)
+                continue
+            if pending_notes:
+                messages.append({"role": "user", "content": "\n".join(pending_notes)})
+                pending_notes = []
+            calls = [step.call, *step.extra]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": cid,
+                            "type": "function",
+                            "function": {"name": name, "arguments": args},
+                        }
+                        for cid, name, args in calls
+                    ],
+                }
+            )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": step.call[0],
+                    "content": ("error: " if step.error else "") + step.reply,
+                }
+            )
+            for cid, _name, _args in step.extra:
+                messages.append(
+                    {"role": "tool", "tool_call_id": cid, "content": f"error: {ONE_CALL}"}
+                )
+        messages.append(
+            {"role": "user", "content": "\n".join([*pending_notes, "Make the next call."])}
+        )
+        return messages
+
+    def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        profile = self.profile
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(view)}
+        if self.output == "tools":
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": spec.name,
+                        "description": spec.description,
+                        "parameters": spec.parameters,
+                        **({"strict": True} if self.strict else {}),
+                    },
+                }
+                for spec in specs
+            ]
+            if profile.tool_choice:
+                body["tool_choice"] = profile.tool_choice
+            if profile.parallel_tool_calls:
+                body["parallel_tool_calls"] = False
+        else:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "proposal",
+                    "strict": self.strict,
+                    "schema": _proposal_schema(specs, self.transition),
+                },
+            }
+        if self.max_tokens is not None:
+            body[profile.max_tokens_field] = self.max_tokens
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.stream:
+            body["stream"] = True
+            if profile.stream_usage:
+                body["stream_options"] = {"include_usage": True}
+        return _encode(body)
+
+    def read(
+        self, body: bytes
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        try:
+            completion = _read_completion(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise self._bad_body(exc, body) from None
+        usage = _usage(completion.usage)
+        if not completion.choices:
+            return "", usage, envelope("the reply has no choices", ONE_TOOL_HINT), ()
+        choice = completion.choices[0]
+        calls: list[tuple[str, str]] = []
+        for call in choice.message.tool_calls or ():
+            arguments = bytes(call.function.arguments)
+            if arguments[:1] == b'"':
+                calls.append((call.function.name, msgspec.json.decode(arguments, type=str)))
+            elif self.profile.arguments_as_object:
+                calls.append((call.function.name, arguments.decode("utf-8", "replace")))
+            else:
+                violation = envelope(
+                    f"the call of {call.function.name!r} sent arguments as "
+                    f"{_kind(arguments)}, not the JSON string the API specifies: "
+                    f"{clip(arguments.decode('utf-8', 'replace'))}",
+                    "send arguments as a JSON string; for a server that sends objects, use "
+                    "profile='generic' (or a Profile with arguments_as_object=True)",
+                )
+                return "", usage, violation, ()
+        return self._judge(
+            choice.message.content, choice.message.refusal, choice.finish_reason, calls, usage
+        )
+
+    def _judge(
+        self,
+        content: str | None,
+        refusal: str | None,
+        finish: str | None,
+        calls: list[tuple[str, str]],
+        usage: TokenUsage,
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        profile = self.profile
+        text = content or ""
+        if self.output == "json_schema":
+            if refusal:
+                return "", usage, envelope(f"the model refused: {clip(refusal)}", ONE_TOOL_HINT), ()
+            if finish == "length":
+                return "", usage, _cut(finish), ()
+            return text, usage, None, ()
+        if not calls and text and profile.markup_calls:
+            calls = _markup(text)
+            if calls:
+                text = _MARKUP.sub("", text)
+        if refusal:
+            return "", usage, envelope(f"the model refused: {clip(refusal)}", ONE_TOOL_HINT), ()
+        if finish == "length":
+            return "", usage, _cut(finish), ()
+        if finish == "content_filter":
+            return (
+                "",
+                usage,
+                envelope(
+                    "the reply was stopped by the content filter (finish_reason 'content_filter')",
+                    ONE_TOOL_HINT,
+                ),
+                (),
+            )
+        if not calls:
+            if finish == "tool_calls":
+                return (
+                    "",
+                    usage,
+                    envelope(
+                        "finish_reason is 'tool_calls' but the reply holds no tool call",
+                        ONE_TOOL_HINT,
+                    ),
+                    (),
+                )
+            if text.strip():
+                return (
+                    "",
+                    usage,
+                    envelope(
+                        f"the model answered with text instead of a tool call: {clip(text)}",
+                        ONE_TOOL_HINT,
+                    ),
+                    (),
+                )
+            return (
+                "",
+                usage,
+                envelope("the reply is empty: no tool call and no text", ONE_TOOL_HINT),
+                (),
+            )
+        if text.strip():
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the reply holds text and a tool call together: {clip(text)}",
+                    "answer with the tool call alone, no text beside it",
+                ),
+                (),
+            )
+        if finish not in ("tool_calls", None) and not (
+            finish == "stop" and profile.calls_with_stop
+        ):
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the reply holds a tool call but finish_reason is {finish!r}, not 'tool_calls'",
+                    f"{ONE_TOOL_HINT}; for a server that does this, use profile='generic'",
+                ),
+                (),
+            )
+        raw, violation, extra = _calls_to_proposal(calls, self.transition)
+        return raw, usage, violation, extra
+
+    def read_stream(
+        self, data: list[str]
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        calls: list[list[str]] = []  # [id, name, arguments]
+        by_index: dict[int, int] = {}
+        content: list[str] = []
+        refusal: list[str] = []
+        finish: str | None = None
+        usage = TokenUsage()
+        done = False
+        for item in data:
+            if item == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = msgspec.json.decode(item)
+            except msgspec.DecodeError as exc:
+                raise self._bad_body(exc, item.encode()) from None
+            if not isinstance(chunk, dict):
+                continue
+            if isinstance(chunk.get("usage"), dict):
+                usage = _usage(msgspec.convert(chunk["usage"], _ChatUsage))
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict):
+                    continue
+                finish = choice.get("finish_reason") or finish
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    content.append(delta["content"])
+                if isinstance(delta.get("refusal"), str):
+                    refusal.append(delta["refusal"])
+                for call in delta.get("tool_calls") or ():
+                    if not isinstance(call, dict):
+                        continue
+                    index = call.get("index", 0)
+                    fn = call.get("function") or {}
+                    cid = call.get("id") or ""
+                    at = by_index.get(index)
+                    if at is None or (self.profile.shared_index and cid and cid != calls[at][0]):
+                        at = by_index[index] = len(calls)
+                        calls.append([cid, "", ""])
+                    entry = calls[at]
+                    if isinstance(fn.get("name"), str):
+                        entry[1] += fn["name"]
+                    arguments = fn.get("arguments")
+                    if isinstance(arguments, str):
+                        entry[2] += arguments
+                    elif arguments is not None and self.profile.arguments_as_object:
+                        entry[2] += _encode(arguments).decode()
+        if not done:
+            raise ProviderError(
+                f"{self.api} at {self.base_url}: the stream ended before [DONE]", retryable=True
+            )
+        return self._judge(
+            "".join(content) or None,
+            "".join(refusal) or None,
+            finish,
+            [(name, arguments) for _id, name, arguments in calls],
+            usage,
+        )
+
+
+def _kind(arguments: bytes) -> str:
+    first = arguments[:1]
+    return {b"{": "an object", b"[": "an array", b"n": "null"}.get(first, "a bare value")
+
+
+def _cut(finish: str) -> Violation:
+    return envelope(
+        f"the reply was cut at the output limit (finish_reason {finish!r}) before it was whole",
+        "make the call shorter, or raise max_tokens",
+    )
+
+
+def _markup(text: str) -> list[tuple[str, str]]:
+    calls = []
+    for match in _MARKUP.finditer(text):
+        try:
+            call = _read_markup(match.group(1))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        arguments = bytes(call.arguments)
+        if arguments[:1] == b'"':
+            calls.append((call.name, msgspec.json.decode(arguments, type=str)))
+        else:
+            calls.append((call.name, arguments.decode("utf-8", "replace")))
+    return calls
+
+
+def _proposal_schema(specs: tuple[ToolSpec, ...], transition: str) -> dict[str, Any]:
+    """The JSON Schema of a proposal in the state: one of its tool calls, or a move."""
+    choices: list[dict[str, Any]] = []
+    for spec in specs:
+        if spec.name == transition:
+            choices.append(spec.parameters)
+        else:
+            choices.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "tool": {"type": "string", "enum": [spec.name]},
+                        "args": spec.parameters,
+                    },
+                    "required": ["tool", "args"],
+                    "additionalProperties": False,
+                }
+            )
+    return {"anyOf": choices} if len(choices) != 1 else choices[0]
+
+
+# -- the Responses API ------------------------------------------------------------------------
+
+
+class _OutputContent(msgspec.Struct):
+    type: str = ""
+    text: str | None = None
+    refusal: str | None = None
+
+
+class _OutputItem(msgspec.Struct):
+    type: str = ""
+    name: str = ""
+    call_id: str = ""
+    arguments: msgspec.Raw = msgspec.Raw(b'""')
+    content: list[_OutputContent] | None = None
+
+
+class _InputDetails(msgspec.Struct):
+    cached_tokens: int | None = 0
+
+
+class _OutputDetails(msgspec.Struct):
+    reasoning_tokens: int | None = 0
+
+
+class _ResponsesUsage(msgspec.Struct):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tokens_details: _InputDetails | None = None
+    output_tokens_details: _OutputDetails | None = None
+
+
+class _IncompleteDetails(msgspec.Struct):
+    reason: str | None = None
+
+
+class _Response(msgspec.Struct):
+    output: list[_OutputItem]
+    status: str | None = None
+    usage: _ResponsesUsage | None = None
+    incomplete_details: _IncompleteDetails | None = None
+
+
+_read_response = msgspec.json.Decoder(_Response).decode
+
+
+def _responses_usage(usage: _ResponsesUsage | None) -> TokenUsage:
+    if usage is None:
+        return TokenUsage()
+    cached = usage.input_tokens_details.cached_tokens if usage.input_tokens_details else 0
+    reasoning = usage.output_tokens_details.reasoning_tokens if usage.output_tokens_details else 0
+    return TokenUsage(
+        max(usage.input_tokens, 0),
+        max(usage.output_tokens, 0),
+        max(cached or 0, 0),
+        max(reasoning or 0, 0),
+    )
+
+
+class OpenAIResponses(HttpProvider):
+    """OpenAI's Responses API (``POST {base_url}/responses``): ``function_call`` items
+    with ``call_id``, answered with ``function_call_output`` items.
+
+    Takes the options of :class:`OpenAIChat` but ``profile`` and ``output``; requests are
+    sent with ``store: false`` (the conversation is rebuilt from the run each call).
+    """
+
+    api = "responses"
+    path = "/responses"
+    key_variable = "OPENAI_API_KEY"
+    default_base_url = "https://api.openai.com/v1"
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._key}"} if self._key else {}
+
+    def items(self, view: RunView) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        for step in exchanges(view):
+            if step.call is None:
+                items.append({"type": "message", "role": "user", "content": step.reply})
+                continue
+            for cid, name, args in [step.call, *step.extra]:
+                items.append(
+                    {"type": "function_call", "call_id": cid, "name": name, "arguments": args}
+                )
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": step.call[0],
+                    "output": ("error: " if step.error else "") + step.reply,
+                }
+            )
+            for cid, _name, _args in step.extra:
+                items.append(
+                    {"type": "function_call_output", "call_id": cid, "output": f"error: {ONE_CALL}"}
+                )
+        items.append({"type": "message", "role": "user", "content": "Make the next call."})
+        return items
+
+    def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "instructions": system_text(view),
+            "input": self.items(view),
+            "tools": [
+                {
+                    "type": "function",
+                    "name": spec.name,
+                    "description": spec.description,
+                    "parameters": spec.parameters,
+                    "strict": self.strict,
+                }
+                for spec in specs
+            ],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "store": False,
+        }
+        if self.max_tokens is not None:
+            body["max_output_tokens"] = self.max_tokens
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.stream:
+            body["stream"] = True
+        return _encode(body)
+
+    def read(
+        self, body: bytes
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        try:
+            response = _read_response(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise self._bad_body(exc, body) from None
+        return self._judge(response)
+
+    def _judge(
+        self, response: _Response
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        usage = _responses_usage(response.usage)
+        calls: list[tuple[str, str]] = []
+        texts: list[str] = []
+        refusals: list[str] = []
+        for item in response.output:
+            if item.type == "function_call":
+                arguments = bytes(item.arguments)
+                if arguments[:1] != b'"':
+                    violation = envelope(
+                        f"the call of {item.name!r} sent arguments as {_kind(arguments)}, not "
+                        "the JSON string the API specifies",
+                        "send arguments as a JSON string",
+                    )
+                    return "", usage, violation, ()
+                calls.append((item.name, msgspec.json.decode(arguments, type=str)))
+            elif item.type == "message":
+                for part in item.content or ():
+                    if part.type == "refusal" and part.refusal:
+                        refusals.append(part.refusal)
+                    elif part.text:
+                        texts.append(part.text)
+        if refusals:
+            return (
+                "",
+                usage,
+                envelope(f"the model refused: {clip(' '.join(refusals))}", ONE_TOOL_HINT),
+                (),
+            )
+        if response.status == "incomplete":
+            reason = response.incomplete_details.reason if response.incomplete_details else None
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the response is incomplete ({reason or 'no reason given'}) before it was whole",
+                    "make the call shorter, or raise max_tokens",
+                ),
+                (),
+            )
+        text = "".join(texts)
+        if not calls:
+            if text.strip():
+                return (
+                    "",
+                    usage,
+                    envelope(
+                        f"the model answered with text instead of a tool call: {clip(text)}",
+                        ONE_TOOL_HINT,
+                    ),
+                    (),
+                )
+            return (
+                "",
+                usage,
+                envelope("the reply is empty: no tool call and no text", ONE_TOOL_HINT),
+                (),
+            )
+        if text.strip():
+            return (
+                "",
+                usage,
+                envelope(
+                    f"the reply holds text and a tool call together: {clip(text)}",
+                    "answer with the tool call alone, no text beside it",
+                ),
+                (),
+            )
+        raw, violation, extra = _calls_to_proposal(calls, self.transition)
+        return raw, usage, violation, extra
+
+    def read_stream(
+        self, data: list[str]
+    ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
+        # The last event, response.completed (or .incomplete), holds the whole response.
+        for item in reversed(data):
+            event, _, payload = item.partition("\n") if "\n" in item else ("", "", item)
+            if event in ("response.completed", "response.incomplete", "response.failed"):
+                try:
+                    envelope_ = msgspec.json.decode(payload)
+                    response = msgspec.convert(envelope_.get("response"), _Response)
+                except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as exc:
+                    raise self._bad_body(exc, payload.encode()) from None
+                return self._judge(response)
+        raise ProviderError(
+            f"{self.api} at {self.base_url}: the stream ended before response.completed",
+            retryable=True,
+        )
