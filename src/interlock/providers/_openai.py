@@ -201,6 +201,7 @@ class HttpProvider:
         strict: bool = False,
         stream: bool = False,
         headers: dict[str, str] | None = None,
+        run_header: str | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise InterlockError(
@@ -224,6 +225,7 @@ class HttpProvider:
         self.strict = strict
         self.stream = stream
         self._extra_headers = dict(headers or {})
+        self.run_header = run_header
         self._transport: Transport | None = None
 
     def __repr__(self) -> str:  # never the key
@@ -267,10 +269,11 @@ class HttpProvider:
         body = self.request_body(view, specs)
         transport = self.transport()
         tokens = len(body) // 4
+        headers = {self.run_header: view.run_id} if self.run_header else None
         if self.stream:
-            text, parsed = await self._streamed(transport, body, tokens)
+            text, parsed = await self._streamed(transport, body, tokens, headers)
         else:
-            response = await transport.post(self.path, body, tokens=tokens)
+            response = await transport.post(self.path, body, headers=headers, tokens=tokens)
             text = response.body.decode("utf-8", "replace")
             parsed = self.read(response.body)
         raw, usage, violation, extra = parsed
@@ -285,10 +288,10 @@ class HttpProvider:
         )
 
     async def _streamed(
-        self, transport: Transport, body: bytes, tokens: int
+        self, transport: Transport, body: bytes, tokens: int, headers: dict[str, str] | None
     ) -> tuple[str, tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]]:
         data: list[str] = []
-        async with transport.stream(self.path, body, tokens=tokens) as events:
+        async with transport.stream(self.path, body, headers=headers, tokens=tokens) as events:
             async for event in events:
                 data.append(f"{event.event}\n{event.data}" if event.event else event.data)
         return "\n\n".join(data), self.read_stream(data)
@@ -344,6 +347,9 @@ class OpenAIChat(HttpProvider):
       strict: send the tools with ``strict: true`` (every schema must allow it; checked
         when the machine is registered).
       stream: use Server-Sent Events; the call is assembled from the deltas.
+      headers: more headers for every request.
+      run_header: send the run's id in this header (e.g. for a gateway that routes by
+        run, or the fake server of the offline demo); None sends none.
     """
 
     api = "chat completions"
@@ -729,6 +735,13 @@ class _Response(msgspec.Struct):
 _read_response = msgspec.json.Decoder(_Response).decode
 
 
+class _Completed(msgspec.Struct):
+    response: _Response
+
+
+_read_completed = msgspec.json.Decoder(_Completed).decode
+
+
 def _responses_usage(usage: _ResponsesUsage | None) -> TokenUsage:
     if usage is None:
         return TokenUsage()
@@ -899,9 +912,8 @@ class OpenAIResponses(HttpProvider):
             event, _, payload = item.partition("\n") if "\n" in item else ("", "", item)
             if event in ("response.completed", "response.incomplete", "response.failed"):
                 try:
-                    envelope_ = msgspec.json.decode(payload)
-                    response = msgspec.convert(envelope_.get("response"), _Response)
-                except (msgspec.DecodeError, msgspec.ValidationError, AttributeError) as exc:
+                    response = _read_completed(payload).response
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise self._bad_body(exc, payload.encode()) from None
                 return self._judge(response)
         raise ProviderError(

@@ -1,0 +1,206 @@
+"""Each HTTP provider drives a run end to end over real loopback HTTP against the fake
+server: the exact bodies are journaled, the conversation pairs every call with its result,
+faults are provider failures (never the model's mistakes), and replay needs no network."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from interlock import (
+    Machine,
+    ProviderPolicy,
+    Tool,
+    ToolContext,
+    Worker,
+    expand_prompt,
+    open_supervisor,
+    replay,
+)
+from interlock._events import ModelCalled, ProposalRejected, ProviderFailed
+from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
+from interlock.providers._fake import FakeLLM, Fault, Reply, open_fake_llm, scripted_brain
+from interlock.stores import MemoryStore
+
+
+class Lookup(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+
+
+async def lookup(args: Lookup, ctx: ToolContext) -> dict[str, Any]:
+    return {"order_id": args.order_id, "total": 40}
+
+
+def shop() -> Machine:
+    return Machine(
+        "shop",
+        initial="WORK",
+        states={
+            "WORK": Worker(next=["COMPLETED"], tools=["lookup"], instructions="Look up the order.")
+        },
+        tools=[Tool("lookup", lookup, Lookup, read_only=True, description="Find an order")],
+        provider_policy=ProviderPolicy(timeout=2.0, attempts=4, base=0.01, cap=0.05),
+    )
+
+
+LOOKUP = Reply(calls=[("lookup", '{"order_id": "o1"}')], usage=(120, 10, 100, 0))
+BAD = Reply(calls=[("lookup", '{"order": "o1"}')])  # the schema refuses it
+DONE = Reply(calls=[("transition", '{"next": "COMPLETED", "data": {"total": 40}}')])
+
+PROVIDERS: dict[str, Callable[[FakeLLM], Any]] = {
+    "chat": lambda fake: OpenAIChat(
+        "gpt-test", base_url=fake.openai_base_url, api_key="sk-secret-1"
+    ),
+    "responses": lambda fake: OpenAIResponses(
+        "gpt-test", base_url=fake.openai_base_url, api_key="sk-secret-1"
+    ),
+    "messages": lambda fake: AnthropicMessages(
+        "claude-test", base_url=fake.anthropic_base_url, api_key="sk-secret-1"
+    ),
+    "chat-stream": lambda fake: OpenAIChat(
+        "gpt-test", base_url=fake.openai_base_url, api_key="sk-secret-1", stream=True
+    ),
+    "responses-stream": lambda fake: OpenAIResponses(
+        "gpt-test", base_url=fake.openai_base_url, api_key="sk-secret-1", stream=True
+    ),
+    "messages-stream": lambda fake: AnthropicMessages(
+        "claude-test", base_url=fake.anthropic_base_url, api_key="sk-secret-1", stream=True
+    ),
+}
+
+
+async def drive(kind: str, replies: list[Any], **options: Any) -> tuple[Any, MemoryStore, FakeLLM]:
+    store = MemoryStore()
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = PROVIDERS[kind](fake)
+        for name, value in options.items():
+            setattr(provider, name, value)
+        async with provider, open_supervisor([shop()], store, provider=provider) as sup:
+            handle = await sup.start_run("shop", {"order_id": "o1"}, run_id="r-1")
+            with trio.fail_after(20):
+                result = await handle.wait()
+    return result, store, fake
+
+
+@pytest.mark.parametrize("kind", list(PROVIDERS))
+async def test_a_run_end_to_end_with_a_rejection_fed_back_and_replayed_offline(kind: str) -> None:
+    result, store, fake = await drive(kind, [BAD, LOOKUP, DONE])
+    assert (result.outcome, result.output) == ("completed", {"total": 40})
+    events = await store.load("r-1")
+    calls = [e for e in events if isinstance(e, ModelCalled)]
+    assert len(calls) == 3
+    assert len(fake.requests) == 3
+    # the exact bodies: the request as the fake received it, the response as it was sent
+    whole = ""
+    for number, (event, request) in enumerate(zip(calls, fake.requests, strict=True)):
+        whole = expand_prompt(calls[number - 1].seq if number else 0, whole, event)
+        assert msgspec.json.decode(whole) == request.body
+        assert isinstance(event.response, str)
+        assert event.response
+    # the rejection went back as the error result of the call it rejected
+    rejected = next(e for e in events if isinstance(e, ProposalRejected))
+    assert rejected.violations[0].code == "schema"
+    second = msgspec.json.encode(fake.requests[1].body).decode()
+    assert "order_id" in second
+    assert "error" in second or "is_error" in second
+    # the committed result went back with the call that made it
+    third = msgspec.json.encode(fake.requests[2].body).decode()
+    assert '\\"total\\":40' in third or '"total":40' in third
+    # usage with the cached tokens
+    assert (calls[1].usage.prompt, calls[1].usage.cached) == (120, 100)
+    # the key is never journaled; the fake saw it only redacted
+    assert b"sk-secret" not in msgspec.json.encode(events)
+    assert all("sk-secret" not in str(r.headers) for r in fake.requests)
+    # replay needs no network: the server is gone
+    assert replay(events, shop()).ok
+
+
+@pytest.mark.parametrize("kind", ["chat", "messages"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault(status=429, retry_after=0.01),
+        Fault(status=500),
+        Fault(status=529),
+        Fault(drop=True),
+        Fault(truncate=True),
+    ],
+    ids=["429", "500", "529", "drop", "truncate"],
+)
+async def test_a_fault_is_a_provider_failure_then_retried(kind: str, fault: Fault) -> None:
+    result, store, _ = await drive(kind, [fault, LOOKUP, DONE])
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    failed = [e for e in events if isinstance(e, ProviderFailed)]
+    assert len(failed) == 1
+    assert not [e for e in events if isinstance(e, ProposalRejected)]  # not the model's mistake
+    if fault.retry_after is not None:
+        assert failed[0].retry_after == pytest.approx(0.01)
+    assert "sk-secret" not in failed[0].error
+
+
+async def test_a_call_that_hangs_is_cut_at_the_timeout_and_retried() -> None:
+    result, store, _ = await drive("chat", [Fault(hang=True), LOOKUP, DONE], timeout=0.3)
+    assert result.outcome == "completed"
+    failed = [e for e in await store.load("r-1") if isinstance(e, ProviderFailed)]
+    assert len(failed) == 1
+
+
+async def test_a_bad_key_escalates_at_once_naming_the_status() -> None:
+    result, store, _ = await drive(
+        "chat", [Fault(status=401, message="Incorrect API key provided")]
+    )
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    failed = [e for e in await store.load("r-1") if isinstance(e, ProviderFailed)]
+    assert len(failed) == 1
+    assert "401" in failed[0].error
+    assert "Incorrect API key" in failed[0].error
+    assert not failed[0].retryable
+
+
+@pytest.mark.parametrize(
+    ("reply", "code"),
+    [
+        (Reply(calls=[("lookup", {"order_id": "o1"})], arguments_as_object=True), "envelope"),
+        (Reply(calls=[], tool_calls_empty=True), "envelope"),
+        (Reply(text="Let me check that order for you."), "envelope"),
+        (Reply(calls=[("lookup", '{"order_id": "o1"}')], finish="length"), "envelope"),
+    ],
+    ids=["arguments-object", "tool-calls-empty", "text", "length"],
+)
+async def test_quirks_are_rejections_of_the_strict_profile(reply: Reply, code: str) -> None:
+    from interlock.providers import OPENAI
+
+    result, store, _ = await drive("chat", [reply, LOOKUP, DONE], profile=OPENAI)
+    assert result.outcome == "completed"
+    rejected = [e for e in await store.load("r-1") if isinstance(e, ProposalRejected)]
+    assert [v.code for e in rejected for v in e.violations] == [code]
+
+
+async def test_the_generic_profile_takes_arguments_sent_as_an_object() -> None:
+    from interlock.providers import GENERIC
+
+    result, store, _ = await drive(
+        "chat",
+        [Reply(calls=[("lookup", {"order_id": "o1"})], arguments_as_object=True), DONE],
+        profile=GENERIC,
+    )
+    assert result.outcome == "completed"
+    assert not [e for e in await store.load("r-1") if isinstance(e, ProposalRejected)]
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_extra_calls_are_answered_as_not_run(kind: str) -> None:
+    two = Reply(calls=[("lookup", '{"order_id": "o1"}'), ("lookup", '{"order_id": "o2"}')])
+    result, store, fake = await drive(kind, [two, DONE])
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    first = next(e for e in events if isinstance(e, ModelCalled))
+    assert first.extra_calls == (("lookup", '{"order_id": "o2"}'),)
+    # the next request answers both calls (the fake's validation refuses one unanswered)
+    text = msgspec.json.encode(fake.requests[1].body).decode()
+    assert "one call per turn" in text
