@@ -1,0 +1,614 @@
+"""The providers' HTTP transport against a real loopback server (trio + h11, real sockets)."""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h11
+import pytest
+import trio
+
+from interlock import ProviderError
+from interlock.providers._http import SseEvent, SseParser, Transport
+
+KEY = "sk-test-SECRET-0123456789abcdef"
+
+Handler = Callable[["Request", "Responder"], Awaitable[None]]
+
+
+class Request:
+    def __init__(self, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+
+
+class Responder:
+    """What a handler uses to answer: whole replies, raw bytes, chunks, a drop."""
+
+    def __init__(self, stream: trio.SocketStream, conn: h11.Connection) -> None:
+        self.stream = stream
+        self.conn = conn
+
+    async def reply(
+        self, status: int, body: bytes = b"{}", headers: list[tuple[str, str]] | None = None
+    ) -> None:
+        fields = [("content-length", str(len(body))), *(headers or [])]
+        data = self.conn.send(h11.Response(status_code=status, headers=fields))
+        data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        await self.stream.send_all(data)
+
+    async def start_chunked(self, status: int = 200) -> None:
+        fields = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
+        await self.stream.send_all(self.conn.send(h11.Response(status_code=status, headers=fields)))
+
+    async def chunk(self, data: bytes) -> None:
+        await self.stream.send_all(self.conn.send(h11.Data(data=data)))
+
+    async def end(self) -> None:
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+    async def raw(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+
+class Server:
+    """A loopback HTTP/1.1 server that hands each request to ``handler``; counts what it saw."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.requests: list[Request] = []
+        self.connections = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.arrivals: list[float] = []
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._handle, listeners)
+            task_status.started()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request = await self._read(stream, conn)
+                if request is None:
+                    return
+                self.requests.append(request)
+                self.arrivals.append(trio.current_time())
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                try:
+                    await self.handler(request, Responder(stream, conn))
+                finally:
+                    self.in_flight -= 1
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            return
+        finally:
+            await stream.aclose()
+
+    async def _read(self, stream: trio.SocketStream, conn: h11.Connection) -> Request | None:
+        head = None
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                conn.receive_data(data)
+            elif isinstance(event, h11.Request):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                headers = {k.decode(): v.decode() for k, v in head.headers}
+                return Request(head.method.decode(), head.target.decode(), headers, body)
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+
+
+async def start(nursery: trio.Nursery, handler: Handler) -> Server:
+    server = Server(handler)
+    await nursery.start(server.serve)
+    return server
+
+
+async def ok(request: Request, respond: Responder) -> None:
+    await respond.reply(200, b'{"echo": %d}' % len(request.body))
+
+
+def message_of(excinfo: pytest.ExceptionInfo[ProviderError]) -> str:
+    return str(excinfo.value)
+
+
+# -- success -------------------------------------------------------------------------------
+
+
+async def test_post_returns_the_response_and_sends_the_headers(nursery: trio.Nursery) -> None:
+    server = await start(nursery, ok)
+    async with Transport(server.url, headers={"Authorization": f"Bearer {KEY}"}) as transport:
+        response = await transport.post("/chat/completions", b'{"a": 1}')
+        again = await transport.post("/chat/completions", b'{"b": 22}', headers={"X-Extra": "yes"})
+    assert (response.status, response.body) == (200, b'{"echo": 8}')
+    assert response.headers["content-length"] == "11"
+    assert again.body == b'{"echo": 9}'
+    first, second = server.requests
+    assert (first.method, first.target, first.body) == ("POST", "/v1/chat/completions", b'{"a": 1}')
+    assert first.headers["authorization"] == f"Bearer {KEY}"
+    assert first.headers["content-type"] == "application/json"
+    assert first.headers["host"] == f"127.0.0.1:{server.port}"
+    assert "x-extra" not in first.headers
+    assert second.headers["x-extra"] == "yes"
+    assert server.connections == 1  # kept alive and reused
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused(
+    nursery: trio.Nursery,
+) -> None:
+    async def once(request: Request, respond: Responder) -> None:
+        await respond.reply(200, b"{}")
+        await respond.stream.aclose()  # no ``connection: close``: the pool finds out later
+
+    server = await start(nursery, once)
+    async with Transport(server.url) as transport:
+        first = await transport.post("/x", b"{}")
+        await trio.sleep(0.05)
+        second = await transport.post("/x", b"{}")
+    assert (first.status, second.status) == (200, 200)
+    assert server.connections == 2
+
+
+# -- status errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "retryable"),
+    [
+        (400, False),
+        (401, False),
+        (403, False),
+        (404, False),
+        (408, True),
+        (409, True),
+        (413, False),
+        (422, False),
+        (425, True),
+        (429, True),
+        (500, True),
+        (502, True),
+        (503, True),
+        (529, True),
+    ],
+)
+async def test_each_status_maps_to_a_provider_error(
+    nursery: trio.Nursery, status: int, retryable: bool
+) -> None:
+    async def answer(request: Request, respond: Responder) -> None:
+        await respond.reply(status, b'{"error": {"message": "it went wrong"}}')
+
+    server = await start(nursery, answer)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/chat/completions", b"{}")
+    assert message_of(excinfo) == f"POST /v1/chat/completions answered HTTP {status}: it went wrong"
+    assert excinfo.value.status == status
+    assert excinfo.value.retryable is retryable
+    assert excinfo.value.retry_after is None
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        (
+            b'{"error": {"message": "Rate limit reached for gpt-x", "type": "requests"}}',
+            "requests: Rate limit reached for gpt-x",
+        ),
+        (
+            b'{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}',
+            "overloaded_error: Overloaded",
+        ),
+        (b'{"error": "model not loaded"}', "model not loaded"),
+        (b"<html>" + b"x" * 400 + b"</html>", repr("<html>" + "x" * 294)),
+        (b"", "(empty body)"),
+    ],
+    ids=["openai", "anthropic", "error-string", "html", "empty"],
+)
+async def test_the_message_holds_the_servers_own_words(
+    nursery: trio.Nursery, body: bytes, text: str
+) -> None:
+    async def answer(request: Request, respond: Responder) -> None:
+        await respond.reply(529, body)
+
+    server = await start(nursery, answer)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/messages", b"{}")
+    assert message_of(excinfo) == f"POST /v1/messages answered HTTP 529: {text}"
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ([("retry-after", "7")], 7.0),
+        ([("retry-after", "1.5")], 1.5),
+        ([("retry-after-ms", "250")], 0.25),
+        ([("retry-after-ms", "250"), ("retry-after", "9")], 0.25),
+        ([("retry-after-ms", "soon"), ("retry-after", "9")], 9.0),
+        ([("retry-after", "-3")], None),
+        ([("retry-after", "tomorrow")], None),
+    ],
+)
+async def test_retry_after_is_read_from_the_response(
+    nursery: trio.Nursery, headers: list[tuple[str, str]], expected: float | None
+) -> None:
+    async def answer(request: Request, respond: Responder) -> None:
+        await respond.reply(429, b'{"error": {"message": "slow down"}}', headers)
+
+    server = await start(nursery, answer)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert excinfo.value.retry_after == expected
+    assert excinfo.value.retryable
+
+
+async def test_retry_after_as_an_http_date(nursery: trio.Nursery) -> None:
+    when = email.utils.formatdate(time.time() + 120, usegmt=True)
+
+    async def answer(request: Request, respond: Responder) -> None:
+        await respond.reply(503, b"{}", [("retry-after", when)])
+
+    server = await start(nursery, answer)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    # The date has a resolution of one second and the clock moves on while the test runs.
+    assert excinfo.value.retry_after is not None
+    assert 100 < excinfo.value.retry_after <= 120
+
+
+async def test_the_key_never_reaches_an_error_message(nursery: trio.Nursery) -> None:
+    async def echo(request: Request, respond: Responder) -> None:
+        text = f"Incorrect API key provided: {request.headers['authorization']}"
+        extra = request.headers.get("x-api-key", "")
+        body = b'{"error": {"message": "%s; also %s; %s"}}' % (
+            text.encode(),
+            extra.encode(),
+            KEY[3:].encode(),
+        )
+        await respond.reply(401, body)
+
+    server = await start(nursery, echo)
+    transport = Transport(server.url, headers={"authorization": f"Bearer {KEY}"})
+    async with transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}", headers={"x-api-key": "per-call-SECRET-987654"})
+    text = message_of(excinfo)
+    assert text == (
+        "POST /v1/x answered HTTP 401: Incorrect API key provided: [redacted]; "
+        "also [redacted]; [redacted]"
+    )
+    assert KEY not in text
+    assert "per-call-SECRET-987654" not in text
+    assert "SECRET" not in text
+    assert KEY not in repr(transport)
+
+
+def test_a_header_value_with_a_newline_is_refused_without_showing_it() -> None:
+    with pytest.raises(ValueError, match=r"^header 'x-api-key' has a line break") as excinfo:
+        Transport("https://api.example.com", headers={"x-api-key": KEY + "\n"})
+    assert str(excinfo.value) == (
+        "header 'x-api-key' has a line break, NUL or non-ASCII character in its value; "
+        "strip the value (a key read from a file often ends with a newline)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"base_url": "api.openai.com/v1"},
+            "base_url 'api.openai.com/v1' is not an http:// or https:// URL; "
+            "pass one like 'https://api.openai.com/v1'",
+        ),
+        (
+            {"base_url": "https://user:pw@api.example.com/v1"},
+            "base_url https://api.example.com/v1 must have no user, password, query or "
+            "fragment; pass credentials in headers",
+        ),
+        ({"max_in_flight": 0}, "max_in_flight must be an int >= 1, not 0"),
+        ({"tokens_per_minute": 0}, "tokens_per_minute must be None or an int >= 1, not 0"),
+        ({"timeout": 0}, "timeout must be a positive number of seconds, not 0"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(kwargs: dict[str, Any], message: str) -> None:
+    base_url = kwargs.pop("base_url", "https://api.example.com")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Transport(base_url, **kwargs)
+
+
+# -- connection failures and timeouts ------------------------------------------------------
+
+
+async def test_a_timeout_is_a_retryable_error(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    async def never(request: Request, respond: Responder) -> None:
+        await trio.sleep_forever()
+
+    server = await start(nursery, never)
+    started = trio.current_time()
+    async with Transport(server.url, timeout=30) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo) == (
+        f"POST /v1/x to 127.0.0.1:{server.port}: no complete response within 30 seconds "
+        "(the transport's timeout)"
+    )
+    assert excinfo.value.retryable
+    assert excinfo.value.status is None
+    assert trio.current_time() - started >= 30
+
+
+async def test_a_connection_dropped_mid_body_is_retryable(nursery: trio.Nursery) -> None:
+    async def drop(request: Request, respond: Responder) -> None:
+        await respond.raw(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + b'{"partial": ')
+        await respond.stream.aclose()
+
+    server = await start(nursery, drop)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo).startswith(
+        f"POST /v1/x to 127.0.0.1:{server.port}: closed the connection before the response "
+        "was complete (RemoteProtocolError: peer closed connection without sending complete "
+        "message body"
+    )
+    assert excinfo.value.retryable
+
+
+async def test_a_refused_connection_is_retryable() -> None:
+    with trio.socket.socket() as sock:  # a port nothing listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with Transport(f"http://127.0.0.1:{port}") as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo).startswith(f"POST /x to 127.0.0.1:{port}: could not connect (")
+    assert excinfo.value.retryable
+
+
+# -- limits --------------------------------------------------------------------------------
+
+
+async def test_at_most_max_in_flight_requests_reach_the_server(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    async def slow(request: Request, respond: Responder) -> None:
+        await trio.sleep(1)
+        await respond.reply(200)
+
+    server = await start(nursery, slow)
+    statuses: list[int] = []
+    async with Transport(server.url, max_in_flight=3) as transport:
+
+        async def call() -> None:
+            statuses.append((await transport.post("/x", b"{}")).status)
+
+        async with trio.open_nursery() as calls:
+            for _ in range(20):
+                calls.start_soon(call)
+    assert statuses == [200] * 20
+    assert server.most_in_flight == 3
+    assert server.connections == 3
+
+
+async def test_tokens_per_minute_makes_requests_wait(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    server = await start(nursery, ok)
+    started = trio.current_time()
+    async with Transport(server.url, tokens_per_minute=600) as transport:
+        for _ in range(4):
+            await transport.post("/x", b"{}", tokens=300)
+        await transport.post("/x", b"{}")  # no estimate: never waits
+    waits = [round(t - started, 6) for t in server.arrivals]
+    # A full bucket of 600 serves two at once; then 300 tokens refill in 30 seconds.
+    assert waits == [0, 0, 30, 60, 60]
+
+
+async def test_a_request_larger_than_a_minute_waits_for_a_full_bucket(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    server = await start(nursery, ok)
+    started = trio.current_time()
+    async with Transport(server.url, tokens_per_minute=100) as transport:
+        await transport.post("/x", b"{}", tokens=50)
+        await transport.post("/x", b"{}", tokens=10_000)
+    assert [round(t - started, 6) for t in server.arrivals] == [0, 30]
+
+
+# -- streams -------------------------------------------------------------------------------
+
+SSE_PIECES = [
+    b"\xef\xbb\xbf: a comment, then a BOM-less field\n",
+    b"data: one\n\n",
+    b"event: delta\r\ndata: two\r\ndata:  three (one space kept)\r\n\r",
+    b"\n: CRLF split across chunks above\r",
+    b"data\rdata:tight\r\r",
+    b"id: 7\nretry: 100\ndata: caf\xc3",
+    b"\xa9\n\n",
+    b"event: ignored, no data\n\n",
+    b"data: never dispatched, no blank line",
+]
+SSE_EVENTS = [
+    SseEvent("", "one"),
+    SseEvent("delta", "two\n three (one space kept)"),
+    SseEvent("", "\ntight"),
+    SseEvent("", "café"),
+]
+
+
+def test_sse_parsing_follows_the_spec_at_every_split() -> None:
+    whole = b"".join(SSE_PIECES)
+    assert _parse([whole]) == SSE_EVENTS
+    for cut in range(len(whole) + 1):
+        assert _parse([whole[:cut], whole[cut:]]) == SSE_EVENTS, cut
+    assert _parse([bytes([b]) for b in whole]) == SSE_EVENTS
+
+
+def _parse(chunks: list[bytes]) -> list[SseEvent]:
+    parser = SseParser()
+    return [event for chunk in chunks for event in parser.feed(chunk)]
+
+
+async def test_stream_yields_events_and_reuses_the_connection(nursery: trio.Nursery) -> None:
+    async def sse(request: Request, respond: Responder) -> None:
+        await respond.start_chunked()
+        for piece in SSE_PIECES:
+            await respond.chunk(piece)
+            await trio.lowlevel.checkpoint()
+        await respond.end()
+
+    server = await start(nursery, sse)
+    async with Transport(server.url, headers={"authorization": f"Bearer {KEY}"}) as transport:
+        for _ in range(2):
+            async with transport.stream("/chat/completions", b"{}") as events:
+                got = [event async for event in events]
+            assert got == SSE_EVENTS
+    assert server.requests[0].headers["accept"] == "text/event-stream"
+    assert server.connections == 1
+
+
+async def test_leaving_a_stream_early_closes_its_connection(nursery: trio.Nursery) -> None:
+    async def sse(request: Request, respond: Responder) -> None:
+        await respond.start_chunked()
+        await respond.chunk(b"data: a\n\ndata: b\n\n")
+        await trio.sleep(0.2)
+        await respond.chunk(b"data: c\n\n")
+        await respond.end()
+
+    server = await start(nursery, sse)
+    async with Transport(server.url) as transport:
+        async with transport.stream("/x", b"{}") as events:
+            async for event in events:
+                assert event.data == "a"
+                break
+        async with transport.stream("/x", b"{}") as events:
+            assert [event.data async for event in events] == ["a", "b", "c"]
+    assert server.connections == 2
+
+
+async def test_a_stream_error_status_raises_before_any_event(nursery: trio.Nursery) -> None:
+    async def busy(request: Request, respond: Responder) -> None:
+        await respond.reply(429, b'{"error": {"message": "busy"}}', [("retry-after", "3")])
+
+    server = await start(nursery, busy)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            async with transport.stream("/x", b"{}"):
+                raise AssertionError("no events for an error status")
+    assert message_of(excinfo) == "POST /v1/x answered HTTP 429: busy"
+    assert (excinfo.value.retry_after, excinfo.value.retryable) == (3.0, True)
+
+
+async def test_a_connection_dropped_mid_stream_is_retryable(nursery: trio.Nursery) -> None:
+    async def drop(request: Request, respond: Responder) -> None:
+        await respond.start_chunked()
+        await respond.chunk(b"data: first\n\n")
+        await respond.stream.aclose()  # no terminating chunk
+
+    server = await start(nursery, drop)
+    got: list[str] = []
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await _collect(transport, got)
+    assert got == ["first"]
+    assert message_of(excinfo).startswith(
+        f"POST /v1/x to 127.0.0.1:{server.port}: dropped the connection mid-stream ("
+    )
+    assert excinfo.value.retryable
+
+
+async def _collect(transport: Transport, got: list[str]) -> None:
+    async with transport.stream("/x", b"{}") as events:
+        async for event in events:
+            got.append(event.data)
+
+
+async def test_a_stream_that_ends_early_just_ends(nursery: trio.Nursery) -> None:
+    async def short(request: Request, respond: Responder) -> None:
+        await respond.start_chunked()
+        await respond.chunk(b"data: first\n\n")
+        await respond.end()  # a clean end, before any [DONE]: the caller judges
+
+    server = await start(nursery, short)
+    async with Transport(server.url) as transport, transport.stream("/x", b"{}") as events:
+        assert [event.data async for event in events] == ["first"]
+
+
+async def test_a_stream_times_out_as_a_whole(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    async def stall(request: Request, respond: Responder) -> None:
+        await respond.start_chunked()
+        await respond.chunk(b"data: first\n\n")
+        await trio.sleep_forever()
+
+    server = await start(nursery, stall)
+    got: list[str] = []
+    async with Transport(server.url, timeout=10) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await _collect(transport, got)
+    assert got == ["first"]
+    assert "no complete response within 10 seconds" in message_of(excinfo)
+
+
+# -- lifetime ------------------------------------------------------------------------------
+
+
+def test_a_transport_made_outside_trio_works_across_two_runs() -> None:
+    token: list[trio.lowlevel.TrioToken] = []
+    ready = threading.Event()
+    scope: list[trio.CancelScope] = []
+    server = Server(ok)
+
+    async def serve() -> None:
+        token.append(trio.lowlevel.current_trio_token())
+        with trio.CancelScope() as cancel:
+            scope.append(cancel)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve)
+                ready.set()
+                await trio.sleep_forever()
+
+    thread = threading.Thread(target=trio.run, args=(serve,))
+    thread.start()
+    try:
+        assert ready.wait(10)
+        transport = Transport(server.url)  # no trio run here
+
+        async def call() -> int:
+            return (await transport.post("/x", b"{}")).status
+
+        assert trio.run(call) == 200
+        assert trio.run(call) == 200
+        trio.run(transport.aclose)
+    finally:
+        trio.from_thread.run_sync(scope[0].cancel, trio_token=token[0])
+        thread.join(10)
+    assert server.connections == 2  # the second run could not use the first run's socket
