@@ -472,10 +472,12 @@ class RunView:
     prompt produced (``render_prompt``), so the actor keeps one view for a run's life.
     """
 
-    __slots__ = ("_compacted", "_rendered", "_run")
+    __slots__ = ("_compacted", "_memo", "_rendered", "_run")
 
     def __init__(self, run: RunState) -> None:
         self._run = run
+        self._memo: dict[Any, Any] | None = None
+        """For providers: what they derived from the run so far (see providers._wire)."""
         self._compacted: tuple[int, tuple[Frame, ...], int] = (0, (), 0)
         """For history: the run's history size then, its frames, and the index of the
         first item of the last frame's group (the one part that can still change)."""

@@ -16,7 +16,18 @@ import msgspec
 from .._events import TokenUsage, Violation
 from .._exceptions import ProviderError
 from ._openai import HttpProvider
-from ._wire import ONE_CALL, ONE_TOOL_HINT, clip, envelope, exchanges, system_text, to_raw
+from ._wire import (
+    ONE_CALL,
+    ONE_TOOL_HINT,
+    Exchange,
+    assemble,
+    clip,
+    encoded_tools,
+    envelope,
+    joined,
+    system_text,
+    to_raw,
+)
 
 if TYPE_CHECKING:
     from .._view import RunView
@@ -86,65 +97,39 @@ class AnthropicMessages(HttpProvider):
         return headers
 
     def messages(self, view: RunView) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        user: list[dict[str, Any]] = [{"type": "text", "text": "Begin the run."}]
-        for step in exchanges(view):
-            if step.call is None:
-                user.append({"type": "text", "text": step.reply})
-                continue
-            messages.append({"role": "user", "content": user})
-            calls = [step.call, *step.extra]
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": [
-                        {"type": "tool_use", "id": cid, "name": name, "input": _input(args)}
-                        for cid, name, args in calls
-                    ],
-                }
-            )
-            user = [
-                {
-                    "type": "tool_result",
-                    "tool_use_id": step.call[0],
-                    "content": step.reply,
-                    **({"is_error": True} if step.error else {}),
-                },
-                *(
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": cid,
-                        "content": ONE_CALL,
-                        "is_error": True,
-                    }
-                    for cid, _name, _args in step.extra
-                ),
-            ]
-        user.append({"type": "text", "text": "Make the next call."})
-        messages.append({"role": "user", "content": user})
-        return messages
+        """The conversation as Messages turns (decoded; the body joins them pre-encoded).
+
+        A note (what no call of the model caused) is a user turn of its own; the API
+        joins consecutive turns of one role into one.
+        """
+        decoded: list[dict[str, Any]] = msgspec.json.decode(
+            b"[" + b",".join(self._messages(view)) + b"]"
+        )
+        return decoded
+
+    def _messages(self, view: RunView) -> list[bytes]:
+        steps = joined(view, "messages", _messages_step)
+        return [_BEGIN, steps, _NEXT] if steps else [_BEGIN, _NEXT]
+
+    @staticmethod
+    def _tool(spec: ToolSpec) -> dict[str, Any]:
+        return {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": self.max_tokens or 1024,
-            "system": system_text(view),
-            "messages": self.messages(view),
-            "tools": [
-                {
-                    "name": spec.name,
-                    "description": spec.description,
-                    "input_schema": spec.parameters,
-                }
-                for spec in specs
-            ],
+            "tools": msgspec.Raw(encoded_tools(self._tools, specs, self._tool)),
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         }
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.stream:
             body["stream"] = True
-        return _encode(body)
+        head = {
+            "model": self.model,
+            "max_tokens": self.max_tokens or 1024,
+            "system": system_text(view),
+        }
+        return assemble(head, "messages", self._messages(view), body)
 
     def read(
         self, body: bytes
@@ -302,6 +287,40 @@ class AnthropicMessages(HttpProvider):
             for _, b in sorted(blocks.items())
         ]
         return self._judge(_Message(content, stop, msgspec.convert(usage, _Usage)))
+
+
+_BEGIN = _encode({"role": "user", "content": [{"type": "text", "text": "Begin the run."}]})
+_NEXT = _encode({"role": "user", "content": [{"type": "text", "text": "Make the next call."}]})
+
+
+def _messages_step(step: Exchange) -> bytes:
+    """One step of the conversation as Messages turns (joined, no brackets)."""
+    if step.call is None:
+        return _encode({"role": "user", "content": [{"type": "text", "text": step.reply}]})
+    calls = [step.call, *step.extra]
+    results: list[dict[str, Any]] = [
+        {
+            "type": "tool_result",
+            "tool_use_id": step.call[0],
+            "content": step.reply,
+            **({"is_error": True} if step.error else {}),
+        }
+    ]
+    results.extend(
+        {"type": "tool_result", "tool_use_id": cid, "content": ONE_CALL, "is_error": True}
+        for cid, _name, _args in step.extra
+    )
+    turns = [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": cid, "name": name, "input": _input(args)}
+                for cid, name, args in calls
+            ],
+        },
+        {"role": "user", "content": results},
+    ]
+    return _encode(turns)[1:-1]
 
 
 def _ints(value: Any) -> dict[str, int]:

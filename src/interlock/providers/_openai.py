@@ -25,10 +25,13 @@ from ._wire import (
     ONE_CALL,
     ONE_TOOL_HINT,
     TRANSITION,
+    Exchange,
+    assemble,
     check_machine,
     clip,
+    encoded_tools,
     envelope,
-    exchanges,
+    joined,
     system_text,
     to_raw,
     tool_specs,
@@ -227,6 +230,7 @@ class HttpProvider:
         self._extra_headers = dict(headers or {})
         self.run_header = run_header
         self._transport: Transport | None = None
+        self._tools: dict[int, tuple[Any, bytes]] = {}
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r})"
@@ -383,62 +387,32 @@ class OpenAIChat(HttpProvider):
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
     def messages(self, view: RunView) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system_text(view)}]
-        pending_notes: list[str] = []
-        for step in exchanges(view):
-            if step.call is None:
-                pending_notes.append(step.reply)
-                continue
-            if pending_notes:
-                messages.append({"role": "user", "content": "\n".join(pending_notes)})
-                pending_notes = []
-            calls = [step.call, *step.extra]
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": cid,
-                            "type": "function",
-                            "function": {"name": name, "arguments": args},
-                        }
-                        for cid, name, args in calls
-                    ],
-                }
-            )
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": step.call[0],
-                    "content": ("error: " if step.error else "") + step.reply,
-                }
-            )
-            for cid, _name, _args in step.extra:
-                messages.append(
-                    {"role": "tool", "tool_call_id": cid, "content": f"error: {ONE_CALL}"}
-                )
-        messages.append(
-            {"role": "user", "content": "\n".join([*pending_notes, "Make the next call."])}
+        """The conversation as Chat messages (decoded; the body joins them pre-encoded)."""
+        decoded: list[dict[str, Any]] = msgspec.json.decode(
+            b"[" + b",".join(self._messages(view)) + b"]"
         )
-        return messages
+        return decoded
+
+    def _messages(self, view: RunView) -> list[bytes]:
+        system = _encode({"role": "system", "content": system_text(view)})
+        steps = joined(view, "chat", _chat_step)
+        return [system, steps, _NEXT_USER] if steps else [system, _NEXT_USER]
+
+    def _tool(self, spec: ToolSpec) -> dict[str, Any]:
+        function: dict[str, Any] = {
+            "name": spec.name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+        }
+        if self.strict:
+            function["strict"] = True
+        return {"type": "function", "function": function}
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         profile = self.profile
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages(view)}
+        body: dict[str, Any] = {}
         if self.output == "tools":
-            body["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": spec.name,
-                        "description": spec.description,
-                        "parameters": spec.parameters,
-                        **({"strict": True} if self.strict else {}),
-                    },
-                }
-                for spec in specs
-            ]
+            body["tools"] = msgspec.Raw(encoded_tools(self._tools, specs, self._tool))
             if profile.tool_choice:
                 body["tool_choice"] = profile.tool_choice
             if profile.parallel_tool_calls:
@@ -460,7 +434,7 @@ class OpenAIChat(HttpProvider):
             body["stream"] = True
             if profile.stream_usage:
                 body["stream_options"] = {"include_usage": True}
-        return _encode(body)
+        return assemble({"model": self.model}, "messages", self._messages(view), body)
 
     def read(
         self, body: bytes
@@ -641,6 +615,59 @@ class OpenAIChat(HttpProvider):
         )
 
 
+_NEXT_USER = _encode({"role": "user", "content": "Make the next call."})
+_NEXT_ITEM = _encode({"type": "message", "role": "user", "content": "Make the next call."})
+
+
+def _chat_step(step: Exchange) -> bytes:
+    """One step of the conversation as Chat messages (joined, no brackets)."""
+    if step.call is None:
+        return _encode({"role": "user", "content": step.reply})
+    calls = [step.call, *step.extra]
+    messages: list[dict[str, Any]] = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for cid, name, args in calls
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": step.call[0],
+            "content": ("error: " if step.error else "") + step.reply,
+        },
+    ]
+    messages.extend(
+        {"role": "tool", "tool_call_id": cid, "content": f"error: {ONE_CALL}"}
+        for cid, _name, _args in step.extra
+    )
+    return _encode(messages)[1:-1]
+
+
+def _responses_step(step: Exchange) -> bytes:
+    """One step of the conversation as Responses input items (joined, no brackets)."""
+    if step.call is None:
+        return _encode({"type": "message", "role": "user", "content": step.reply})
+    items: list[dict[str, Any]] = [
+        {"type": "function_call", "call_id": cid, "name": name, "arguments": args}
+        for cid, name, args in [step.call, *step.extra]
+    ]
+    items.append(
+        {
+            "type": "function_call_output",
+            "call_id": step.call[0],
+            "output": ("error: " if step.error else "") + step.reply,
+        }
+    )
+    items.extend(
+        {"type": "function_call_output", "call_id": cid, "output": f"error: {ONE_CALL}"}
+        for cid, _name, _args in step.extra
+    )
+    return _encode(items)[1:-1]
+
+
 def _kind(arguments: bytes) -> str:
     first = arguments[:1]
     return {b"{": "an object", b"[": "an array", b"n": "null"}.get(first, "a bare value")
@@ -772,44 +799,28 @@ class OpenAIResponses(HttpProvider):
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
     def items(self, view: RunView) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        for step in exchanges(view):
-            if step.call is None:
-                items.append({"type": "message", "role": "user", "content": step.reply})
-                continue
-            for cid, name, args in [step.call, *step.extra]:
-                items.append(
-                    {"type": "function_call", "call_id": cid, "name": name, "arguments": args}
-                )
-            items.append(
-                {
-                    "type": "function_call_output",
-                    "call_id": step.call[0],
-                    "output": ("error: " if step.error else "") + step.reply,
-                }
-            )
-            for cid, _name, _args in step.extra:
-                items.append(
-                    {"type": "function_call_output", "call_id": cid, "output": f"error: {ONE_CALL}"}
-                )
-        items.append({"type": "message", "role": "user", "content": "Make the next call."})
-        return items
+        """The conversation as Responses input items (decoded)."""
+        decoded: list[dict[str, Any]] = msgspec.json.decode(
+            b"[" + b",".join(self._items(view)) + b"]"
+        )
+        return decoded
+
+    def _items(self, view: RunView) -> list[bytes]:
+        steps = joined(view, "responses", _responses_step)
+        return [steps, _NEXT_ITEM] if steps else [_NEXT_ITEM]
+
+    def _tool(self, spec: ToolSpec) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "name": spec.name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+            "strict": self.strict,
+        }
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         body: dict[str, Any] = {
-            "model": self.model,
-            "instructions": system_text(view),
-            "input": self.items(view),
-            "tools": [
-                {
-                    "type": "function",
-                    "name": spec.name,
-                    "description": spec.description,
-                    "parameters": spec.parameters,
-                    "strict": self.strict,
-                }
-                for spec in specs
-            ],
+            "tools": msgspec.Raw(encoded_tools(self._tools, specs, self._tool)),
             "tool_choice": "required",
             "parallel_tool_calls": False,
             "store": False,
@@ -820,7 +831,8 @@ class OpenAIResponses(HttpProvider):
             body["temperature"] = self.temperature
         if self.stream:
             body["stream"] = True
-        return _encode(body)
+        head = {"model": self.model, "instructions": system_text(view)}
+        return assemble(head, "input", self._items(view), body)
 
     def read(
         self, body: bytes

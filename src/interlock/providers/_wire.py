@@ -22,6 +22,8 @@ from .._events import Violation
 from .._exceptions import MachineDefinitionError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._machine import Machine
     from .._view import RunView
 
@@ -200,7 +202,16 @@ def check_machine(machine: Machine, transition: str, strict: bool) -> None:
 
 
 def system_text(view: RunView) -> str:
-    """What the system message says: the task, the state, the run's inputs and data."""
+    """What the system message says: the task, the state, the run's inputs and data.
+
+    Made again only when the state or the data changed (kept on the view).
+    """
+    run = view._run
+    key = (run.state, run._data_version)
+    cache = memo(view)
+    found = cache.get("system")
+    if found is not None and found[0] == key:
+        return str(found[1])
     lines = [
         f"You drive one run of the state machine {view.machine!r}. It is in state {view.state!r}.",
     ]
@@ -218,7 +229,30 @@ def system_text(view: RunView) -> str:
             else "There is no next state from here."
         )
     )
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    cache["system"] = (key, text)
+    return text
+
+
+def memo(view: RunView) -> dict[Any, Any]:
+    """A provider's memo on ``view``: what it derived from the run so far."""
+    found = view._memo
+    if found is None:
+        found = view._memo = {}
+    return found
+
+
+class _Steps:
+    """The exchanges worked out so far for a view, and where each began in the turns."""
+
+    __slots__ = ("frames", "generation", "positions", "steps", "turn")
+
+    def __init__(self, generation: int) -> None:
+        self.frames = 0
+        self.turn = 0
+        self.steps: list[Exchange] = []
+        self.positions: list[int] = []
+        self.generation = generation
 
 
 def exchanges(view: RunView) -> list[Exchange]:
@@ -229,38 +263,86 @@ def exchanges(view: RunView) -> list[Exchange]:
     result with the violation's message and hint, a commit as the result, a move as its
     confirmation. Identical rejections in a row arrive compacted, as one step. What no
     call of the model caused (a breaker, an operator, a step state) is a note.
+
+    Kept on the view from call to call: the history only grows and only its last frame
+    can change (a repeated rejection joins it), so a call works out the new steps only.
+    The list returned is the memo's own: read it, do not change it.
     """
+    return _steps(view).steps
+
+
+def _steps(view: RunView) -> _Steps:
     run = view._run
     turns = run.turns
-    result: list[Exchange] = []
-    position = 0
-    for frame in view.history:
+    frames = view.history
+    cache = memo(view)
+    state: _Steps | None = cache.get("exchanges")
+    if state is None or state.frames > len(frames):
+        state = cache["exchanges"] = _Steps(state.generation + 1 if state is not None else 0)
+    steps, positions = state.steps, state.positions
+    done, position = state.frames, state.turn
+    if done:  # the last frame done may have grown (compaction): redo it
+        done -= 1
+        position = positions.pop()
+        steps.pop()
+    for frame in frames[done:]:
+        positions.append(position)
         turn = None
         # the latest model call before this frame that no earlier frame answered
         while position < len(turns) and turns[position][0] < frame.seq:
             turn = turns[position]
             position += 1
-        text = frame.text
-        for violation in frame.violations:
-            if violation.hint:
-                text += f"\nfix: {violation.hint}"
-        error = frame.kind in ("rejected", "tool_failed", "breaker")
-        call = None if turn is None else parse_raw(turn[1], turn[0])
-        if call is None:
-            result.append(Exchange(None, f"[{frame.kind}] {text}", error))
-            continue
-        extra = tuple(
-            (f"{call[0]}_{index}", name, arguments)
-            for index, (name, arguments) in enumerate(turn[2] if turn is not None else (), 1)
-        )
-        if frame.kind == "tool_result" and run.results:
-            reply = _result_text(run, frame.seq)
-        elif frame.kind == "transitioned":
-            reply = f"moved: {text}"
-        else:
-            reply = text
-        result.append(Exchange(call, reply, error, extra))
-    return result
+        steps.append(_exchange(run, frame, turn))
+    state.frames, state.turn = len(frames), position
+    return state
+
+
+def _exchange(
+    run: Any, frame: Any, turn: tuple[int, str, tuple[tuple[str, str], ...]] | None
+) -> Exchange:
+    text = frame.text
+    for violation in frame.violations:
+        if violation.hint:
+            text += f"\nfix: {violation.hint}"
+    error = frame.kind in ("rejected", "tool_failed", "breaker")
+    call = None if turn is None else parse_raw(turn[1], turn[0])
+    if call is None or turn is None:
+        return Exchange(None, f"[{frame.kind}] {text}", error)
+    extra = tuple(
+        (f"{call[0]}_{index}", name, arguments)
+        for index, (name, arguments) in enumerate(turn[2], 1)
+    )
+    if frame.kind == "tool_result":
+        reply = _result_text(run, frame.seq)
+    elif frame.kind == "transitioned":
+        reply = f"moved: {text}"
+    else:
+        reply = text
+    return Exchange(call, reply, error, extra)
+
+
+def joined(view: RunView, key: str, render: Callable[[Exchange], bytes]) -> bytes:
+    """Every step of the conversation rendered by ``render`` (a provider's wire format),
+    joined by commas: each step is rendered once, and the text of the steps that can no
+    longer change is kept joined on the view, so a call adds only its new steps."""
+    state = _steps(view)
+    steps = state.steps
+    if not steps:
+        return b""
+    cache = memo(view)
+    found = cache.get(key)
+    if found is None or found[0] != state.generation or found[1] > len(steps) - 1:
+        generation, count, prefix, last_step, last = state.generation, 0, b"", None, b""
+    else:
+        generation, count, prefix, last_step, last = found
+    for index in range(count, len(steps) - 1):
+        step = steps[index]
+        fragment = last if step is last_step else render(step)
+        prefix = prefix + b"," + fragment if prefix else fragment
+    final = steps[-1]
+    fragment = last if final is last_step else render(final)
+    cache[key] = (generation, len(steps) - 1, prefix, final, fragment)
+    return prefix + b"," + fragment if prefix else fragment
 
 
 def _result_text(run: Any, seq: int) -> str:
@@ -325,3 +407,27 @@ ONE_TOOL_HINT = "answer with exactly one tool call: a tool allowed here, or the 
 def clip(text: str, limit: int = 200) -> str:
     text = text.strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def assemble(head: dict[str, Any], key: str, parts: list[bytes], rest: dict[str, Any]) -> bytes:
+    """``head`` and ``rest`` as one JSON object with ``key`` the array of the pre-encoded
+    ``parts`` between them: the body is joined, not built and encoded again each call."""
+    start = _encode(head)[:-1] if head else b"{"
+    tail = _encode(rest)
+    joined = b",".join(parts)
+    middle = b'"' + key.encode() + b'":[' + joined + b"]"
+    if len(tail) > 2:
+        return start + (b"," if head else b"") + middle + b"," + tail[1:]
+    return start + (b"," if head else b"") + middle + b"}"
+
+
+def encoded_tools(
+    cache: dict[int, tuple[Any, bytes]],
+    specs: tuple[ToolSpec, ...],
+    render: Callable[[ToolSpec], Any],
+) -> bytes:
+    """The tools of ``specs`` as JSON, encoded once per state (``specs`` is cached too)."""
+    found = cache.get(id(specs))
+    if found is None or found[0] is not specs:
+        found = cache[id(specs)] = (specs, _encode([render(spec) for spec in specs]))
+    return found[1]
