@@ -205,6 +205,7 @@ class HttpProvider:
         stream: bool = False,
         headers: dict[str, str] | None = None,
         run_header: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise InterlockError(
@@ -229,7 +230,8 @@ class HttpProvider:
         self.stream = stream
         self._extra_headers = dict(headers or {})
         self.run_header = run_header
-        self._transport: Transport | None = None
+        self._transport: Transport | None = transport
+        self._own_transport = transport is None
         self._tools: dict[int, tuple[Any, bytes]] = {}
 
     def __repr__(self) -> str:  # never the key
@@ -253,7 +255,7 @@ class HttpProvider:
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        if self._transport is not None:
+        if self._transport is not None and self._own_transport:
             await self._transport.aclose()
             self._transport = None
 
@@ -354,6 +356,9 @@ class OpenAIChat(HttpProvider):
       headers: more headers for every request.
       run_header: send the run's id in this header (e.g. for a gateway that routes by
         run, or the fake server of the offline demo); None sends none.
+      transport: the HTTP client to use instead of the built-in one (any object with the
+        ``post`` and ``stream`` of :class:`interlock.providers._http.Transport`); the
+        provider does not close a transport it was given.
     """
 
     api = "chat completions"
