@@ -41,8 +41,9 @@ from benchmarks._harness import (
 NAME = "http"
 TITLE = "HTTP clients under trio: httpx against httpx2, one shared pool"
 
-CLIENTS = ("httpx", "httpx2", "h11")
-"""``h11`` is the floor: a bare keep-alive pool of trio streams speaking h11, written below."""
+CLIENTS = ("httpx", "httpx2", "h11", "interlock")
+"""``h11`` is the floor: a bare keep-alive pool of trio streams speaking h11, written below;
+``interlock`` is the providers' own ``Transport`` (on h11, its in-flight limit as the limiter)."""
 REQUEST_BODY = json.dumps(
     {
         "model": "bench",
@@ -193,11 +194,34 @@ class BareH11Client:
         return _H11Response(status, b"".join(chunks))
 
 
+class TransportClient:
+    """interlock's ``Transport`` behind the same ``post(url, content, headers)`` call."""
+
+    def __init__(self, url: str, max_in_flight: int, timeout: float) -> None:
+        from interlock.providers._http import Transport
+
+        self._base = url.rsplit("/", 2)[0]
+        self._transport = Transport(self._base, max_in_flight=max_in_flight, timeout=timeout)
+
+    async def __aenter__(self) -> TransportClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._transport.aclose()
+
+    async def post(
+        self, url: str, content: bytes = b"", headers: dict[str, str] | None = None
+    ) -> _H11Response:
+        response = await self._transport.post(url[len(self._base) :], content, headers=headers)
+        return _H11Response(response.status, response.body)
+
+
 def measure(config: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration against the server on ``config["port"]``."""
     import trio
 
-    lib: Any = None if config["client"] == "h11" else importlib.import_module(config["client"])
+    name = config["client"]
+    lib: Any = None if name in ("h11", "interlock") else importlib.import_module(name)
     concurrency: int = config["concurrency"]
     per_task: int = config["per_task"]
     pool: int = config["pool"]
@@ -231,8 +255,10 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             served.append(done - entered)
 
     async def main() -> None:
-        if lib is None:
-            client_cm: Any = BareH11Client()
+        if name == "interlock":
+            client_cm: Any = TransportClient(url, pool, config["timeout"])
+        elif lib is None:
+            client_cm = BareH11Client()
         else:
             limits = lib.Limits(max_connections=pool, max_keepalive_connections=pool)
             client_cm = lib.AsyncClient(limits=limits, timeout=config["timeout"])
@@ -241,7 +267,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             async with trio.open_nursery() as nursery:
                 for _ in range(min(pool, concurrency)):
                     nursery.start_soon(client.post, url)
-            limiter = trio.CapacityLimiter(pool) if config["limiter"] else None
+            # interlock's Transport has its limiter inside (max_in_flight=pool).
+            own = config["limiter"] and name != "interlock"
+            limiter = trio.CapacityLimiter(pool) if own else None
             with trio.move_on_after(config["budget"]) as scope:
                 async with trio.open_nursery() as nursery:
                     for _ in range(concurrency):
@@ -308,7 +336,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         for shape in shapes:
             # Clients interleaved per shape, so a change of load on the host hits both.
             for client in CLIENTS:
-                if client == "h11" and not shape["limiter"]:
+                if client in ("h11", "interlock") and not shape["limiter"]:
                     continue  # the floor has no queue of its own
                 progress(f"{client} {shape}", done / total)
                 config = {
@@ -330,7 +358,10 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     return {
         "request_bytes": len(REQUEST_BODY),
         "reply_bytes": len(REPLY_BODY),
-        "versions": {name: importlib.import_module(name).__version__ for name in CLIENTS},
+        "versions": {
+            name: importlib.import_module("h11" if name == "interlock" else name).__version__
+            for name in CLIENTS
+        },
         "rows": rows,
     }
 
@@ -343,8 +374,7 @@ def render(results: dict[str, Any]) -> str:
         errors = ", ".join(f"{k} {v:,}" for k, v in row["errors"].items()) or "0"
         body.append(
             (
-                f"{row['client']} {results['versions'][row['client']]}"
-                + (" (floor)" if row["client"] == "h11" else ""),
+                _label(row["client"], results["versions"][row["client"]]),
                 f"{row['concurrency']:,}",
                 f"{row['requests']:,}/{row['asked']:,}",
                 row["pool"],
@@ -352,8 +382,9 @@ def render(results: dict[str, Any]) -> str:
                 num(row["rps"]),
                 num(row["p50_ms"]),
                 num(row["p99_ms"]),
-                num(row["served_p50_ms"]),
-                num(row["served_p99_ms"]),
+                # the Transport's limiter is inside it: no separate request latency
+                num(None if row["client"] == "interlock" else row["served_p50_ms"]),
+                num(None if row["client"] == "interlock" else row["served_p99_ms"]),
                 num(row["cpu_us_per_request"]),
                 f"{row['cpu_share']:.0%}",
                 num(row["server_cpu_us_per_request"]),
@@ -388,6 +419,14 @@ def render(results: dict[str, Any]) -> str:
             ),
         ]
     )
+
+
+def _label(client: str, version: str) -> str:
+    if client == "h11":
+        return f"bare h11 {version} (floor)"
+    if client == "interlock":
+        return f"interlock Transport (h11 {version})"
+    return f"{client} {version}"
 
 
 def main(argv: list[str]) -> None:

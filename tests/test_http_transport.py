@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import email.utils
 import re
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +35,7 @@ class Request:
 class Responder:
     """What a handler uses to answer: whole replies, raw bytes, chunks, a drop."""
 
-    def __init__(self, stream: trio.SocketStream, conn: h11.Connection) -> None:
+    def __init__(self, stream: Any, conn: h11.Connection) -> None:
         self.stream = stream
         self.conn = conn
 
@@ -61,8 +64,9 @@ class Responder:
 class Server:
     """A loopback HTTP/1.1 server that hands each request to ``handler``; counts what it saw."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.requests: list[Request] = []
         self.connections = 0
         self.in_flight = 0
@@ -72,16 +76,19 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/v1"
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
+        tcp = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = tcp[0].socket.getsockname()[1]
+        listeners: list[Any] = tcp
+        if self.tls is not None:
+            listeners = [trio.SSLListener(t, self.tls, https_compatible=True) for t in tcp]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: Any) -> None:
         self.connections += 1
         conn = h11.Connection(h11.SERVER)
         try:
@@ -105,7 +112,7 @@ class Server:
         finally:
             await stream.aclose()
 
-    async def _read(self, stream: trio.SocketStream, conn: h11.Connection) -> Request | None:
+    async def _read(self, stream: Any, conn: h11.Connection) -> Request | None:
         head = None
         body = b""
         while True:
@@ -576,6 +583,62 @@ async def test_a_stream_times_out_as_a_whole(nursery: trio.Nursery, autojump_clo
             await _collect(transport, got)
     assert got == ["first"]
     assert "no complete response within 10 seconds" in message_of(excinfo)
+
+
+# -- TLS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 made by the openssl command: (cert, key)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", key, "-out", cert, "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def _server_context(certificate: tuple[str, str]) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+    return context
+
+
+async def test_https_with_the_servers_ca(
+    nursery: trio.Nursery, certificate: tuple[str, str]
+) -> None:
+    server = Server(ok, tls=_server_context(certificate))
+    await nursery.start(server.serve)
+    trusted = ssl.create_default_context(cafile=certificate[0])
+    async with Transport(server.url, ssl_context=trusted) as transport:
+        first = await transport.post("/x", b"{}")
+        second = await transport.post("/x", b"[1]")
+    assert (first.body, second.body) == (b'{"echo": 2}', b'{"echo": 3}')
+    assert server.connections == 1
+
+
+async def test_an_untrusted_certificate_is_not_retryable(
+    nursery: trio.Nursery, certificate: tuple[str, str]
+) -> None:
+    server = Server(ok, tls=_server_context(certificate))
+    await nursery.start(server.serve)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo).startswith(
+        f"POST /v1/x: TLS handshake with 127.0.0.1:{server.port} failed "
+        "(SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED]"
+    )
+    assert excinfo.value.retryable is False
 
 
 # -- lifetime ------------------------------------------------------------------------------

@@ -157,6 +157,8 @@ class Transport:
         also the most connections the pool opens.
       tokens_per_minute: if set, a request waits until its ``tokens`` estimate fits in a
         bucket refilled at this rate.
+      ssl_context: for ``https://``: the TLS settings, e.g. to trust a self-hosted server's
+        own CA (``ssl.create_default_context(cafile=...)``); default: the system's CAs.
 
     Raises:
       ValueError: a bad ``base_url``, limit or header.
@@ -170,6 +172,7 @@ class Transport:
         timeout: float = 60.0,
         max_in_flight: int = 64,
         tokens_per_minute: int | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -213,7 +216,9 @@ class Transport:
         self._headers.update(given)
         self._secrets = _secrets(given.values())
         self._base_fields = list(self._headers.items())
-        self._ssl: ssl.SSLContext | None = None
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise ValueError(f"ssl_context must be an ssl.SSLContext, not {ssl_context!r}")
+        self._ssl = ssl_context
         self._pool: _Pool | None = None
 
     def __repr__(self) -> str:  # never a header: one of them is the key
