@@ -183,6 +183,43 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(
     assert server.connections == 2
 
 
+async def test_a_reused_connection_closed_before_any_reply_is_tried_once_more(
+    nursery: trio.Nursery,
+) -> None:
+    seen: dict[int, int] = {}
+
+    async def second_dies(request: Request, respond: Responder) -> None:
+        count = seen[id(respond.stream)] = seen.get(id(respond.stream), 0) + 1
+        if count == 2:  # the keep-alive race: the server gives up on the connection
+            await respond.stream.aclose()
+            return
+        await respond.reply(200)
+
+    server = await start(nursery, second_dies)
+    async with Transport(server.url) as transport:
+        first = await transport.post("/x", b"{}")
+        second = await transport.post("/x", b"{}")
+    assert (first.status, second.status) == (200, 200)
+    assert (server.connections, len(server.requests)) == (2, 3)
+
+
+async def test_a_new_connection_closed_before_any_reply_is_retryable(
+    nursery: trio.Nursery,
+) -> None:
+    async def hang_up(request: Request, respond: Responder) -> None:
+        await respond.stream.aclose()
+
+    server = await start(nursery, hang_up)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo) == (
+        f"POST /v1/x to 127.0.0.1:{server.port}: closed the connection without answering"
+    )
+    assert excinfo.value.retryable
+    assert len(server.requests) == 1  # a fresh connection is never tried twice
+
+
 # -- status errors -------------------------------------------------------------------------
 
 

@@ -487,8 +487,12 @@ class Transport:
                     raise self._connection_error(path, what, exc) from None
                 if data:
                     connection.received = True
-                elif fresh and not connection.received:
-                    raise _Stale
+                elif not connection.received:
+                    if fresh:
+                        raise _Stale
+                    raise self._connection_error(
+                        path, "closed the connection without answering", None
+                    )
                 conn.receive_data(data)
                 continue
             if type(event) is h11.ConnectionClosed:
