@@ -366,6 +366,40 @@ def test_a_header_value_with_a_newline_is_refused_without_showing_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        (
+            {"x-api-key": f" {KEY}"},
+            "header 'x-api-key' has spaces or tabs around its value; strip the value",
+        ),
+        (
+            {"x api key": KEY},
+            "header name 'x api key' is not a valid HTTP header name "
+            "(letters, digits and !#$%&'*+-.^_`|~ only)",
+        ),
+    ],
+)
+async def test_a_bad_header_is_refused_without_showing_its_value(
+    headers: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Transport("https://api.example.com", headers=headers)
+    transport = Transport("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        await transport.post("/x", b"{}", headers=headers)
+
+
+async def test_a_path_h11_refuses_is_a_value_error() -> None:
+    transport = Transport("http://127.0.0.1:9")
+    with pytest.raises(
+        ValueError, match=r"^path 'x' must start with '/', like '/chat/completions'$"
+    ):
+        await transport.post("x", b"{}")
+    with pytest.raises(ValueError, match=r"^POST /x y: h11 refused the request line or a header"):
+        await transport.post("/x y", b"{}")
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (

@@ -43,6 +43,7 @@ _READ_SIZE = 65536
 _ERROR_TEXT_BYTES = 300
 _LINE_END = re.compile(r"\r\n|\r|\n")
 _BAD_HEADER = re.compile(r"[\r\n\0]")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z0-9_.+/=-]{8,}")
 _error_decoder = msgspec.json.Decoder()
 
@@ -393,16 +394,27 @@ class Transport:
         """Send the request; return the status, headers and the connection to read on.
 
         A reused keep-alive connection that the server closed before answering gets one
-        more try on a fresh connection (the request cannot have been processed)."""
+        more try on a fresh connection: most likely the server closed it while idle, as
+        the request went out."""
+        if path[:1] != "/":
+            raise ValueError(f"path {path!r} must start with '/', like '/chat/completions'")
         target = self._prefix + path
         request_fields = [*fields, ("content-length", str(len(body)))]
+        try:
+            request = h11.Request(method="POST", target=target, headers=request_fields)
+        except h11.LocalProtocolError:
+            # NOTE: never h11's text: it quotes the header value, maybe the key
+            raise ValueError(
+                f"POST {target}: h11 refused the request line or a header; check the "
+                "path and the headers passed"
+            ) from None
         reused = pool.take_idle()
         while True:
             connection = reused or await self._connect(path)
             connection.received = False
             conn = connection.conn
             try:
-                data = conn.send(h11.Request(method="POST", target=target, headers=request_fields))
+                data = conn.send(request)
                 assert data is not None
                 data += conn.send(h11.Data(data=body)) or b""
                 data += conn.send(h11.EndOfMessage()) or b""
@@ -685,8 +697,15 @@ def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     for name, value in (headers or {}).items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise ValueError(f"header {name!r} must be a str name with a str value")
-        if not name or not name.isascii() or _BAD_HEADER.search(name) or ":" in name:
-            raise ValueError(f"header name {name!r} is not a valid HTTP header name")
+        if not _TOKEN.fullmatch(name):
+            raise ValueError(
+                f"header name {name!r} is not a valid HTTP header name "
+                "(letters, digits and !#$%&'*+-.^_`|~ only)"
+            )
+        if value != value.strip(" \t"):
+            raise ValueError(
+                f"header {name!r} has spaces or tabs around its value; strip the value"
+            )
         if _BAD_HEADER.search(value) or not value.isascii():
             # NOTE: never the value itself: it is often the key (read from a file, with
             # its newline)
