@@ -25,13 +25,15 @@ from interlock.providers._fake import (
     open_fake_llm,
     scripted_brain,
     serve_fake_llm,
+    tool_results_of,
+    tools_of,
 )
 
-# The openai SDK breaks out of its SSE loop at ``data: [DONE]`` and leaves its inner async
-# generator suspended; trio warns when that generator is collected. Every real OpenAI stream
-# ends that way: it is the SDK's behaviour under trio, not the fake's.
+# The openai SDK breaks out of its SSE loop at ``data: [DONE]`` (and both SDKs at an error
+# event) and leaves its inner async generators suspended; trio warns when they are collected.
+# Every real stream ends that way: it is the SDKs' behaviour under trio, not the fake's.
 pytestmark = pytest.mark.filterwarnings(
-    r"ignore:Async generator '(openai|httpx2|httpcore2)\.:ResourceWarning"
+    r"ignore:Async generator '(openai|anthropic|httpx2|httpcore2)\.:ResourceWarning"
 )
 
 TOOLS_CHAT = [
@@ -69,6 +71,11 @@ async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     async with client.stream("POST", url, json=body) as response:
         assert response.status_code == 200
         return b"".join([chunk async for chunk in response.aiter_bytes()])
+
+
+async def drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
 
 
 def sse_data(text: str) -> list[Any]:
@@ -621,6 +628,71 @@ async def test_truncated_stream_raises_in_the_anthropic_sdk_helper() -> None:
         assert kinds[0] == "message_start"
 
 
+async def test_fault_in_stream_carries_each_apis_error_event_after_a_200() -> None:
+    fault = Fault(status=529, message="Overloaded mid-answer", in_stream=True)
+    async with open_fake_llm(scripted_brain([fault] * 4)) as fake:
+        chat = await post(fake, "chat", stream=True)
+        responses = await post(fake, "responses", stream=True)
+        messages = await post(fake, "messages", stream=True)
+        plain = await post(fake, "messages")
+    assert (chat.status_code, responses.status_code, messages.status_code) == (200, 200, 200)
+    chat_events = sse_data(chat.text)
+    assert chat_events[-1]["error"]["message"] == "Overloaded mid-answer"
+    assert "[DONE]" not in chat_events
+    last = sse_data(responses.text)[-1]
+    assert (last["type"], last["message"]) == ("error", "Overloaded mid-answer")
+    assert "event: error\n" in messages.text
+    assert sse_data(messages.text)[-1]["error"] == {
+        "type": "overloaded_error",
+        "message": "Overloaded mid-answer",
+    }
+    assert plain.status_code == 529  # a request that does not stream gets the plain error
+
+
+async def test_fault_in_stream_raises_in_the_sdks() -> None:
+    fault = Fault(status=529, message="Overloaded mid-answer", in_stream=True)
+    async with (
+        open_fake_llm(scripted_brain([fault] * 2)) as fake,
+        openai_client(fake, max_retries=0) as oai,
+        anthropic_client(fake, max_retries=0) as ant,
+    ):
+        stream = await oai.chat.completions.create(model="gpt-test", messages=USER, stream=True)
+        with pytest.raises(openai.APIError, match="Overloaded mid-answer"):
+            await drain(stream)
+        with pytest.raises(anthropic.APIStatusError, match="Overloaded mid-answer"):
+            async with ant.messages.stream(
+                model="claude-test", max_tokens=64, messages=USER
+            ) as events:
+                await events.get_final_message()
+
+
+async def test_paced_streams_arrive_in_separate_writes_and_assemble_the_same() -> None:
+    arguments = '{"id": 7, "note": "rush"}'
+    replies = [Reply(text="hi", calls=[("lookup", arguments)], pace=p) for p in (None, 0, 0.001)]
+    async with open_fake_llm(scripted_brain(replies)) as fake, anthropic_client(fake) as client:
+        finals = []
+        for _ in replies:
+            async with client.messages.stream(
+                model="claude-test", max_tokens=64, messages=USER
+            ) as stream:
+                finals.append(await stream.get_final_message())
+    assert [f.content[1].input for f in finals] == [{"id": 7, "note": "rush"}] * 3
+    assert [f.content[0].text for f in finals] == ["hi"] * 3
+
+
+async def test_openai_sdk_parses_a_responses_refusal_and_a_streamed_text() -> None:
+    brain = scripted_brain([Reply(refusal="No."), Reply(text="streamed text")])
+    async with open_fake_llm(brain) as fake, openai_client(fake) as client:
+        refused = await client.responses.create(model="gpt-test", input="find")
+        async with client.responses.stream(model="gpt-test", input="find") as stream:
+            texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+    assert refused.output[0].content[0].type == "refusal"
+    assert refused.output[0].content[0].refusal == "No."
+    assert "".join(texts) == "streamed text"
+    assert final.output_text == "streamed text"
+
+
 async def test_raw_answers_are_sent_verbatim() -> None:
     raw = Raw(body=b'{"choices": [', status=200, headers=[("x-fake", "1")])
     async with open_fake_llm(scripted_brain([raw])) as fake:
@@ -786,6 +858,70 @@ async def test_validation_refuses_unpaired_tool_calls_like_the_real_apis() -> No
     assert no_max_tokens.json()["error"]["message"].startswith("max_tokens: Field required")
 
 
+async def _exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a bare socket; everything the server sends until it closes."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(data)
+        await stream.send_eof()
+        received = b""
+        while chunk := await stream.receive_some(65536):
+            received += chunk
+    return received
+
+
+async def test_http_chunked_bodies_expect_continue_and_connection_close() -> None:
+    payload = msgspec.json.encode(BODIES["chat"])
+    half = len(payload) // 2
+    chunked = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+        b"expect: 100-continue\r\nconnection: close\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (half, payload[:half])
+        + b"%x;ext=1\r\n%s\r\n" % (len(payload) - half, payload[half:])
+        + b"0\r\n\r\n"
+    )
+    async with open_fake_llm(scripted_brain([Reply(text="chunked")])) as fake:
+        received = await _exchange(fake.port, chunked)
+    assert received.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+    assert b"\r\nconnection: close\r\n" in received
+    assert b'"content":"chunked"' in received
+    assert fake.requests[0].body == BODIES["chat"]
+
+
+async def test_http_1_0_closes_after_one_answer() -> None:
+    payload = msgspec.json.encode(BODIES["chat"])
+    request = b"POST /v1/chat/completions HTTP/1.0\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(payload),
+        payload,
+    )
+    async with open_fake_llm(scripted_brain([Reply(text="one")] * 2)) as fake:
+        received = await _exchange(fake.port, request + request)
+    assert received.count(b"HTTP/1.1 200 OK") == 1
+    assert fake.count == 1
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"NOT A REQUEST\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/2.0\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: x\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nbad header\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 999999999\r\n\r\n", 413),
+    ],
+)
+async def test_http_malformed_requests_get_an_error_and_a_closed_connection(
+    request_bytes: bytes, status: int
+) -> None:
+    async with open_fake_llm(scripted_brain([])) as fake:
+        received = await _exchange(fake.port, request_bytes)
+    assert received.startswith(b"HTTP/1.1 %d " % status)
+    assert b"\r\nconnection: close\r\n" in received
+    assert b'"type":"invalid_request_error"' in received
+    assert fake.count == 0
+
+
 async def test_ids_and_bodies_are_deterministic_across_servers() -> None:
     replies = [Reply(calls=[("lookup", '{"id": 7}')], text="x"), Reply(text="y")]
     bodies = []
@@ -896,6 +1032,31 @@ async def test_serve_fake_llm_starts_in_a_nursery_and_stops_on_cancel() -> None:
         await post(fake, "chat")
 
 
+def test_tools_and_tool_results_of_each_api() -> None:
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}}
+    chat = {
+        "tools": [{"type": "function", "function": {"name": "lookup", "parameters": schema}}],
+        "messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "found"}],
+    }
+    responses = {
+        "tools": [{"type": "function", "name": "lookup", "parameters": schema}],
+        "input": [{"type": "function_call_output", "call_id": "call_1", "output": "found"}],
+    }
+    messages = {
+        "tools": [{"name": "lookup", "input_schema": schema}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "bad", "is_error": True}
+            ]}
+        ],
+    }  # fmt: skip
+    assert tools_of("chat", chat) == tools_of("responses", responses) == {"lookup": schema}
+    assert tools_of("messages", messages) == {"lookup": schema}
+    assert tool_results_of("chat", chat) == [("call_1", "found", None)]
+    assert tool_results_of("responses", responses) == [("call_1", "found", None)]
+    assert tool_results_of("messages", messages) == [("toolu_1", "bad", True)]
+
+
 def test_bad_replies_and_faults_are_refused_in_one_line() -> None:
     with pytest.raises(TypeError, match=r"Reply.calls holds \(name, arguments\) pairs"):
         Reply(calls=[("lookup", 7)])
@@ -905,7 +1066,9 @@ def test_bad_replies_and_faults_are_refused_in_one_line() -> None:
         Reply(tool_calls_empty=True, tool_calls_missing=True)
     with pytest.raises(ValueError, match=r"Fault.status must be an HTTP error status \(400-599\)"):
         Fault(status=200)
-    with pytest.raises(ValueError, match="choose at most one of hang, drop and truncate"):
+    with pytest.raises(
+        ValueError, match="choose at most one of hang, drop, truncate and in_stream"
+    ):
         Fault(hang=True, drop=True)
     with pytest.raises(TypeError, match="scripted_brain takes Reply, Fault or Raw items"):
         scripted_brain(["text"])

@@ -42,6 +42,8 @@ __all__ = [
     "open_fake_llm",
     "scripted_brain",
     "serve_fake_llm",
+    "tool_results_of",
+    "tools_of",
 ]
 
 #: The request path of each API the fake serves.
@@ -148,7 +150,12 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
       truncate: a well-framed answer that ends early: a stream that stops before its end
         (no ``[DONE]``, no ``message_stop``, no ``response.completed``), or a JSON body cut in
         half (with a matching ``Content-Length``).
-      reply: the answer that ``drop`` and ``truncate`` cut (default: one text reply).
+      in_stream: to a streaming request, a 200 stream that carries the error after its
+        first events, as the APIs do when a failure comes mid-answer (Chat ``data: {"error":
+        {...}}``, Responses ``event: error``, Messages ``event: error`` with the error body);
+        to any other request, the plain error answer.
+      reply: the answer that ``drop``, ``truncate`` and ``in_stream`` cut (default: one text
+        reply).
     """
 
     status: int = 500
@@ -161,11 +168,12 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
     hang: bool = False
     drop: bool = False
     truncate: bool = False
+    in_stream: bool = False
     reply: Reply | None = None
 
     def __post_init__(self) -> None:
-        if self.hang + self.drop + self.truncate > 1:
-            raise ValueError("Fault: choose at most one of hang, drop and truncate")
+        if self.hang + self.drop + self.truncate + self.in_stream > 1:
+            raise ValueError("Fault: choose at most one of hang, drop, truncate and in_stream")
         if not (self.hang or self.drop or self.truncate) and not 400 <= self.status <= 599:
             raise ValueError(
                 f"Fault.status must be an HTTP error status (400-599); got {self.status}"
@@ -240,6 +248,54 @@ class ScriptedBrain:
 def scripted_brain(replies: Sequence[Reply | Fault | Raw]) -> ScriptedBrain:
     """A brain answering ``replies`` in order (see :class:`ScriptedBrain`)."""
     return ScriptedBrain(replies)
+
+
+def tools_of(api: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The tools a request offers, ``name -> JSON Schema of its arguments``, for any API.
+
+    For brains that answer from the request (e.g. pick one of a ``transition`` tool's
+    ``next`` values).
+    """
+    out: dict[str, Any] = {}
+    for tool in body.get("tools") or ():
+        if not isinstance(tool, Mapping):
+            continue
+        if api == "chat":
+            function = tool.get("function") or {}
+            out[function.get("name")] = function.get("parameters", {})
+        elif api == "responses":
+            out[tool.get("name")] = tool.get("parameters", {})
+        else:
+            out[tool.get("name")] = tool.get("input_schema", {})
+    return out
+
+
+def tool_results_of(api: str, body: Mapping[str, Any]) -> list[tuple[str, Any, bool | None]]:
+    """The tool results in a request's conversation, in order: ``(call id, content,
+    is_error)``; ``is_error`` is ``None`` where the API has no such field (OpenAI)."""
+    out: list[tuple[str, Any, bool | None]] = []
+    if api == "chat":
+        for m in body.get("messages") or ():
+            if isinstance(m, Mapping) and m.get("role") == "tool":
+                out.append((m.get("tool_call_id"), m.get("content"), None))
+    elif api == "responses":
+        items = body.get("input")
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, Mapping) and item.get("type") == "function_call_output":
+                out.append((item.get("call_id"), item.get("output"), None))
+    else:
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, Mapping) else None
+            for block in content if isinstance(content, list) else ():
+                if isinstance(block, Mapping) and block.get("type") == "tool_result":
+                    out.append(
+                        (
+                            block.get("tool_use_id"),
+                            block.get("content"),
+                            bool(block.get("is_error")),
+                        )
+                    )
+    return out
 
 
 class FakeLLM:
@@ -414,11 +470,14 @@ class _Connection:
 
     async def read_request(self) -> _Request:
         buf = self.buf
-        while (end := buf.find(b"\r\n\r\n")) < 0:
+        while True:
+            while buf[:2] == b"\r\n":
+                del buf[:2]  # blank lines before a request are ignored (RFC 9112 2.2)
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
             if len(buf) > _MAX_HEAD:
                 raise _BadRequest(431, "request headers too large")
-            if not buf.strip(b"\r\n"):
-                buf.clear()  # tolerate blank lines between requests (RFC 9112 2.2)
             await self.fill()
         method, target, version, headers = _parse_head(bytes(buf[:end]))
         del buf[: end + 4]
@@ -656,11 +715,18 @@ class _Server:
         if fault.hang:
             await _wait_for_close(stream)
             return False
-        if not (fault.drop or fault.truncate):
+        if not (fault.drop or fault.truncate or (fault.in_stream and stream_mode)):
             await self.send_error(stream, api, n, fault, keep)
             return True
         reply = fault.reply or Reply(text="This answer is cut short by a fault.")
         if stream_mode:
+            if fault.in_stream:
+                events = _STREAMERS[api](reply, body, n, size)
+                kept = events[: max(1, len(events) // 2)]
+                await _send_stream(
+                    stream, api, n, [*kept, _stream_error(api, n, fault, len(kept))], None, keep
+                )
+                return True
             events = _STREAMERS[api](reply, body, n, size)
             if fault.truncate:
                 cut = max(1, min(len(events) - 2, len(events) * 2 // 3))
@@ -763,6 +829,24 @@ def _error_body(api: str, n: int, fault: Fault) -> bytes:
             }
         }
     )
+
+
+def _stream_error(api: str, n: int, fault: Fault, seq: int) -> bytes:
+    """The error event of a stream that fails mid-answer, in the API's format."""
+    error = msgspec.json.decode(_error_body(api, n, fault))
+    if api == "chat":
+        return b"data: " + _encode(error) + b"\n\n"
+    if api == "responses":
+        inner = error["error"]
+        data = {
+            "type": "error",
+            "code": inner["code"] or inner["type"],
+            "message": inner["message"],
+            "param": None,
+            "sequence_number": seq,
+        }
+        return b"event: error\ndata: " + _encode(data) + b"\n\n"
+    return b"event: error\ndata: " + _encode(error) + b"\n\n"
 
 
 # --- request validation (what the real APIs refuse with 400) ---------------------------------
