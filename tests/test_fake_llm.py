@@ -812,7 +812,7 @@ async def test_bad_paths_methods_and_bodies_get_the_apis_errors() -> None:
 async def test_validation_refuses_unpaired_tool_calls_like_the_real_apis() -> None:
     call = {"id": "call_9", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
     tool_use = {"type": "tool_use", "id": "toolu_9", "name": "lookup", "input": {}}
-    async with open_fake_llm(scripted_brain([Reply(text="ok")] * 2)) as fake:
+    async with open_fake_llm(scripted_brain([Reply(text="ok")] * 3)) as fake:
         chat_unanswered = await post(
             fake, "chat", messages=[*USER, {"role": "assistant", "tool_calls": [call]}, *USER]
         )
@@ -845,6 +845,12 @@ async def test_validation_refuses_unpaired_tool_calls_like_the_real_apis() -> No
             input=[{"type": "function_call_output", "call_id": "call_1", "output": "x"}],
         )
         no_max_tokens = await post(fake, "messages", max_tokens=None)
+        chained = await post(
+            fake,
+            "responses",
+            previous_response_id="resp_1",
+            input=[{"type": "function_call_output", "call_id": "call_1", "output": "x"}],
+        )
     assert chat_unanswered.status_code == 400
     assert "did not have response messages: call_9" in chat_unanswered.json()["error"]["message"]
     assert chat_answered.status_code == 200
@@ -856,6 +862,7 @@ async def test_validation_refuses_unpaired_tool_calls_like_the_real_apis() -> No
     assert anthropic_answered.status_code == 200
     assert responses_orphan.status_code == 400
     assert no_max_tokens.json()["error"]["message"].startswith("max_tokens: Field required")
+    assert chained.status_code == 200  # the call lives in the previous response
 
 
 async def _exchange(port: int, data: bytes) -> bytes:
@@ -1072,3 +1079,9 @@ def test_bad_replies_and_faults_are_refused_in_one_line() -> None:
         Fault(hang=True, drop=True)
     with pytest.raises(TypeError, match="scripted_brain takes Reply, Fault or Raw items"):
         scripted_brain(["text"])
+
+
+async def test_an_error_in_the_block_leaves_open_fake_llm_as_itself_not_in_a_group() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with open_fake_llm(scripted_brain([])):
+            raise KeyError("mine")

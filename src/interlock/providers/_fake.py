@@ -354,6 +354,8 @@ async def serve_fake_llm(
             f"serve_fake_llm needs a brain function (api, body, headers); got {brain!r}"
         )
     listeners = await trio.open_tcp_listeners(port, host=host)
+    if port == 0:
+        listeners = listeners[:1]  # a name with several addresses would get several ports
     bound_port = listeners[0].socket.getsockname()[1]
     fake = FakeLLM(host, bound_port)
     server = _Server(brain, fake, record=record, validate=validate)
@@ -372,14 +374,19 @@ async def open_fake_llm(
     validate: bool = True,
 ) -> AsyncIterator[FakeLLM]:
     """Run the fake server for the duration of an ``async with`` block."""
+    error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         fake = await nursery.start(
             _serve_kw, brain, {"host": host, "port": port, "record": record, "validate": validate}
         )
         try:
             yield fake
+        except BaseException as exc:  # raised by the body: re-raised as is, not in a group
+            error = exc
         finally:
             nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
 
 
 async def _serve_kw(
@@ -899,6 +906,8 @@ def _check_responses(body: dict[str, Any]) -> str | None:
         return None
     if not isinstance(items, list):
         return "Missing required parameter: 'input'."
+    if body.get("previous_response_id") is not None:
+        return None  # the calls answered may live in the previous response, server-side
     calls: set[Any] = set()
     for item in items:
         if not isinstance(item, dict):
