@@ -6,7 +6,6 @@ answers as the workflows' simulated model would (so the whole HTTP path runs off
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -16,6 +15,8 @@ from .providers._chaos import CHAOS_KINDS, corrupt
 from .providers._fake import Reply
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
     from ._view import RunView
     from .providers import Provider
 
