@@ -578,6 +578,21 @@ async def test_fault_drop_closes_the_connection_mid_body(api: str) -> None:
             await read_stream(client, fake.url + API_PATHS[api], {**BODIES[api], "stream": True})
 
 
+async def test_fault_reset_closes_the_connection_without_a_byte() -> None:
+    payload = msgspec.json.encode(BODIES["chat"])
+    request = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(payload),
+        payload,
+    )
+    async with open_fake_llm(scripted_brain([Fault(reset=True), Reply(text="x")])) as fake:
+        received = await _exchange(fake.port, request + request)
+        async with httpx.AsyncClient() as client:
+            after = await client.post(fake.url + API_PATHS["chat"], json=BODIES["chat"])
+    assert received == b""
+    assert after.json()["choices"][0]["message"]["content"] == "x"
+    assert fake.count == 2  # the pipelined second request died with the connection
+
+
 async def test_fault_drop_surfaces_as_a_connection_error_in_the_sdks() -> None:
     brain = scripted_brain([Fault(drop=True)] * 2)
     async with (
@@ -1074,7 +1089,7 @@ def test_bad_replies_and_faults_are_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"Fault.status must be an HTTP error status \(400-599\)"):
         Fault(status=200)
     with pytest.raises(
-        ValueError, match="choose at most one of hang, drop, truncate and in_stream"
+        ValueError, match="choose at most one of hang, drop, truncate, in_stream and reset"
     ):
         Fault(hang=True, drop=True)
     with pytest.raises(TypeError, match="scripted_brain takes Reply, Fault or Raw items"):

@@ -154,6 +154,8 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
         first events, as the APIs do when a failure comes mid-answer (Chat ``data: {"error":
         {...}}``, Responses ``event: error``, Messages ``event: error`` with the error body);
         to any other request, the plain error answer.
+      reset: close the connection at once, not a byte sent (what a client sees when a
+        server drops a keep-alive connection just as a request goes out).
       reply: the answer that ``drop``, ``truncate`` and ``in_stream`` cut (default: one text
         reply).
     """
@@ -169,12 +171,18 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
     drop: bool = False
     truncate: bool = False
     in_stream: bool = False
+    reset: bool = False
     reply: Reply | None = None
 
     def __post_init__(self) -> None:
-        if self.hang + self.drop + self.truncate + self.in_stream > 1:
-            raise ValueError("Fault: choose at most one of hang, drop, truncate and in_stream")
-        if not (self.hang or self.drop or self.truncate) and not 400 <= self.status <= 599:
+        if self.hang + self.drop + self.truncate + self.in_stream + self.reset > 1:
+            raise ValueError(
+                "Fault: choose at most one of hang, drop, truncate, in_stream and reset"
+            )
+        if (
+            not (self.hang or self.drop or self.truncate or self.reset)
+            and not 400 <= self.status <= 599
+        ):
             raise ValueError(
                 f"Fault.status must be an HTTP error status (400-599); got {self.status}"
             )
@@ -721,6 +729,8 @@ class _Server:
     ) -> bool:
         if fault.hang:
             await _wait_for_close(stream)
+            return False
+        if fault.reset:
             return False
         if not (fault.drop or fault.truncate or (fault.in_stream and stream_mode)):
             await self.send_error(stream, api, n, fault, keep)
