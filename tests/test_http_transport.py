@@ -461,6 +461,21 @@ async def test_a_connection_dropped_mid_body_is_retryable(nursery: trio.Nursery)
     assert excinfo.value.retryable
 
 
+async def test_a_reply_that_is_not_http_is_retryable(nursery: trio.Nursery) -> None:
+    async def garbage(request: Request, respond: Responder) -> None:
+        await respond.raw(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        await trio.sleep_forever()
+
+    server = await start(nursery, garbage)
+    async with Transport(server.url) as transport:
+        with pytest.raises(ProviderError) as excinfo:
+            await transport.post("/x", b"{}")
+    assert message_of(excinfo).startswith(
+        f"POST /v1/x to 127.0.0.1:{server.port}: sent a response that is not valid HTTP/1.1 ("
+    )
+    assert excinfo.value.retryable
+
+
 async def test_a_refused_connection_is_retryable() -> None:
     with trio.socket.socket() as sock:  # a port nothing listens on
         await sock.bind(("127.0.0.1", 0))

@@ -458,7 +458,10 @@ class Transport:
         stream = trio.SSLStream(tcp, self._ssl, server_hostname=self._host, https_compatible=True)
         try:
             await stream.do_handshake()
-        except trio.BrokenResourceError as exc:
+        except BaseException as exc:
+            if not isinstance(exc, trio.BrokenResourceError):
+                tcp.socket.close()  # cancelled (the timeout) mid-handshake
+                raise
             await trio.aclose_forcefully(tcp)
             cause = exc.__cause__
             verify = isinstance(cause, ssl.SSLCertVerificationError)
@@ -475,17 +478,19 @@ class Transport:
         """The next h11 event; a dropped connection becomes a retryable ProviderError
         (or ``_Stale`` for a reused connection that got no byte of a response)."""
         conn = connection.conn
+        closed = False
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 if fresh and not connection.received:
                     raise _Stale from None
-                what = (
-                    "dropped the connection mid-stream"
-                    if streaming
-                    else "closed the connection before the response was complete"
-                )
+                if not closed:
+                    what = "sent a response that is not valid HTTP/1.1"
+                elif streaming:
+                    what = "dropped the connection mid-stream"
+                else:
+                    what = "closed the connection before the response was complete"
                 raise self._connection_error(path, what, exc) from None
             if event is h11.NEED_DATA:
                 try:
@@ -499,7 +504,9 @@ class Transport:
                     raise self._connection_error(path, what, exc) from None
                 if data:
                     connection.received = True
-                elif not connection.received:
+                else:
+                    closed = True
+                if not data and not connection.received:
                     if fresh:
                         raise _Stale
                     raise self._connection_error(
