@@ -8,6 +8,7 @@ fault.
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import anthropic
@@ -997,6 +998,7 @@ async def _raw_request(port: int, api: str, n: int) -> list[dict[str, Any]]:
     return bodies
 
 
+@pytest.mark.slow
 async def test_a_thousand_concurrent_connections_all_get_answers() -> None:
     def brain(api: str, body: dict[str, Any], headers: Any) -> Reply:
         return Reply(text=f"answer {body['n']}")
@@ -1024,6 +1026,7 @@ async def test_a_thousand_concurrent_connections_all_get_answers() -> None:
     assert fake.requests == []
 
 
+@pytest.mark.slow
 async def test_two_hundred_concurrent_sdk_requests_through_one_pool() -> None:
     async with (
         open_fake_llm(lambda api, body, headers: Reply(text="pooled"), record=False) as fake,
@@ -1100,3 +1103,42 @@ async def test_an_error_in_the_block_leaves_open_fake_llm_as_itself_not_in_a_gro
     with pytest.raises(KeyError, match="mine"):
         async with open_fake_llm(scripted_brain([])):
             raise KeyError("mine")
+
+
+@pytest.mark.slow
+async def test_the_fake_runs_in_its_own_process_until_sigterm() -> None:
+    import signal
+    import sys
+
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "interlock.providers._fake"], stdout=subprocess.PIPE
+    )
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = await process.stdout.receive_some(1)
+            assert chunk, "the fake process exited before printing its url"
+            line += chunk
+        url = line.decode().strip()
+        async with httpx.AsyncClient() as client:
+            response = await client.post(url + API_PATHS["messages"], json=BODIES["messages"])
+        assert response.json()["content"] == [{"type": "text", "text": "ok"}]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = await process.wait()
+    assert code == 0
+
+
+def test_the_fake_process_refuses_a_bad_brain_in_one_line() -> None:
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "interlock.providers._fake", "--brain", "nowhere"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "--brain takes module:function (e.g. mypkg.brains:oracle); got 'nowhere'"
+    )

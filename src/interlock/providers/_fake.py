@@ -1497,3 +1497,63 @@ _STREAMERS: dict[str, Callable[[Reply, dict[str, Any], int, int], list[bytes]]] 
     "responses": _stream_responses,
     "messages": _stream_messages,
 }
+
+
+# --- a separate process: ``python -m interlock.providers._fake`` ----------------------------
+
+
+def _load_brain(ref: str) -> Brain:
+    import importlib
+
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"--brain takes module:function (e.g. mypkg.brains:oracle); got {ref!r}")
+    try:
+        brain = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--brain {ref}: cannot load it ({exc})") from None
+    if not callable(brain):
+        raise SystemExit(f"--brain {ref} is not a function (api, body, headers) -> Reply")
+    return brain  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve the fake in its own process (so a benchmark's client owns its CPU).
+
+    Prints ``url`` on the first line of stdout once listening; stops on Ctrl-C or SIGTERM.
+    """
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m interlock.providers._fake")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--brain", help="module:function answering (api, body, headers); default: text 'ok'"
+    )
+    parser.add_argument("--no-validate", action="store_true", help="do not refuse bad requests")
+    args = parser.parse_args(argv)
+    brain: Brain = _load_brain(args.brain) if args.brain else (lambda a, b, h: Reply(text="ok"))
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            fake = await nursery.start(
+                _serve_kw,
+                brain,
+                {
+                    "host": args.host,
+                    "port": args.port,
+                    "record": False,
+                    "validate": not args.no_validate,
+                },
+            )
+            print(fake.url, flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+    trio.run(run)
+
+
+if __name__ == "__main__":
+    main()
