@@ -24,6 +24,7 @@ from interlock.providers._fake import (
     Raw,
     Reply,
     open_fake_llm,
+    render_body,
     scripted_brain,
     serve_fake_llm,
     tool_results_of,
@@ -1055,6 +1056,21 @@ async def test_serve_fake_llm_starts_in_a_nursery_and_stops_on_cancel() -> None:
         nursery.cancel_scope.cancel()
     with pytest.raises(httpx.ConnectError):
         await post(fake, "chat")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_render_body_is_what_the_server_sends(api: str, stream: bool) -> None:
+    reply = Reply(text="x", calls=[("lookup", '{"id": 7}')], usage=(9, 3, 1, 0))
+    async with open_fake_llm(scripted_brain([reply])) as fake:
+        sent = await post(fake, api, stream=stream)
+    body = {**BODIES[api], "stream": stream}
+    assert sent.content == render_body(api, reply, body=body, stream=stream)
+
+
+def test_render_body_refuses_an_unknown_api() -> None:
+    with pytest.raises(ValueError, match="unknown api 'completions'; use one of chat, responses"):
+        render_body("completions", Reply())
 
 
 def test_tools_and_tool_results_of_each_api() -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "Reply",
     "ScriptedBrain",
     "open_fake_llm",
+    "render_body",
     "scripted_brain",
     "serve_fake_llm",
     "tool_results_of",
@@ -304,6 +305,33 @@ def tool_results_of(api: str, body: Mapping[str, Any]) -> list[tuple[str, Any, b
                         )
                     )
     return out
+
+
+def render_body(
+    api: str,
+    reply: Reply,
+    *,
+    body: Mapping[str, Any] | None = None,
+    n: int = 1,
+    stream: bool = False,
+) -> bytes:
+    """The exact bytes the server would send for ``reply`` to request number ``n``: the JSON
+    body, or with ``stream=True`` the whole SSE stream (no HTTP framing). For benchmarks that
+    decode a body with no network, and fixtures.
+
+    Args:
+      api: ``"chat"``, ``"responses"`` or ``"messages"``.
+      body: the request (its ``model``, ``tools``, ``stream_options``...); default ``{}``.
+        A reply with ``usage=None`` derives its usage from the size of ``body`` as msgspec
+        encodes it, which can differ from the bytes a client sent.
+    """
+    if api not in API_PATHS:
+        raise ValueError(f"unknown api {api!r}; use one of {', '.join(API_PATHS)}")
+    request = dict(body or {})
+    size = len(_encode(request))
+    if stream:
+        return b"".join(_STREAMERS[api](reply, request, n, size))
+    return _encode(_RENDERERS[api](reply, request, n, size))
 
 
 class FakeLLM:
