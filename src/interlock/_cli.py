@@ -17,6 +17,7 @@ import trio
 
 from ._app import DEMO_REF, App, find_ref, load_app
 from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
+from ._demo_http import PROVIDER_KINDS
 from ._events import (
     BreakerTripped,
     Completed,
@@ -211,6 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=_latency,
         default=(0.005, 0.02),
         help="simulated model latency LOW,HIGH in ms (default 5,20)",
+    )
+    demo.add_argument(
+        "--provider",
+        choices=PROVIDER_KINDS,
+        default="sim",
+        help="the model: sim (simulated, in process; default), openai, openai-responses or "
+        "anthropic (a real or OpenAI-compatible server: --base-url, --model), fake-openai or "
+        "fake-anthropic (a local fake server speaking that API: the whole HTTP path, offline)",
+    )
+    demo.add_argument(
+        "--base-url",
+        default=None,
+        help="the server of --provider openai|openai-responses|anthropic (default the vendor's; "
+        "e.g. http://127.0.0.1:11434/v1 for Ollama)",
+    )
+    demo.add_argument("--model", default=None, help="the model name, for a real server")
+    demo.add_argument(
+        "--stream", action="store_true", help="HTTP providers: read Server-Sent Events"
     )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     _metrics_options(demo, "the runs")
@@ -422,7 +441,17 @@ async def _demo(args: argparse.Namespace) -> int:
         db=args.db,
         effects=args.effects,
         latency=args.latency,
+        provider=args.provider,
+        base_url=args.base_url,
+        model=args.model,
+        stream=args.stream,
     )
+    if args.provider == "sim" and (args.base_url or args.model or args.stream):
+        raise InterlockError(
+            "--base-url, --model and --stream are for an HTTP --provider (openai, "
+            "openai-responses, anthropic, fake-openai, fake-anthropic); the simulated model "
+            "takes none"
+        )
     console = Console(stderr=True)
     metrics = _Metrics(args, build_app(config).prices)
     started = time.perf_counter()

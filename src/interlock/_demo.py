@@ -18,12 +18,13 @@ from ._exceptions import InterlockError
 from ._hotpath import IMPLEMENTATION
 from ._runtime import open_supervisor
 from ._stats import LatencyHistogram, RuntimeStats
+from ._supervisor import Supervisor
 from .providers import ChaosProvider, ScriptedProvider
 from .stores._open import open_store
 from .workflows import WORKFLOWS, Backend
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from ._handle import RunResult
     from ._supervisor import Supervisor
@@ -51,6 +52,13 @@ class DemoConfig:
       db: the journal: a SQLite path, ``postgresql://...`` or ``:memory:``.
       effects: the SQLite file of the workflows' downstream systems (derived from ``db``).
       latency: ``(low, high)`` seconds of simulated model latency per call.
+      provider: ``sim`` (the simulated model, in process), ``openai``,
+        ``openai-responses`` or ``anthropic`` (a real or OpenAI-compatible server at
+        ``base_url``, serving ``model``), or ``fake-openai`` / ``fake-anthropic`` (the
+        local fake server on loopback, answering as the simulated model: the whole HTTP
+        path, offline, with no key).
+      base_url, model: the server and the model, for the HTTP providers.
+      stream: ask the HTTP providers for Server-Sent Events.
     """
 
     runs: int = DEFAULT_RUNS
@@ -61,6 +69,10 @@ class DemoConfig:
     effects: str | None = None
     latency: tuple[float, float] = (0.005, 0.02)
     run_prefix: str = field(default="")
+    provider: str = "sim"
+    base_url: str | None = None
+    model: str | None = None
+    stream: bool = False
 
     def effects_path(self) -> str:
         return self.effects or effects_path(self.db)
@@ -123,7 +135,16 @@ def build_app(config: DemoConfig | None = None) -> App:
     )
 
 
-def build_providers(config: DemoConfig) -> dict[str, ChaosProvider]:
+def build_providers(config: DemoConfig) -> dict[str, Any]:
+    """The provider of each workflow: the simulated model under chaos, or one HTTP
+    provider shared by all (one connection pool)."""
+    if config.provider != "sim":
+        from ._demo_http import make_provider
+
+        shared = make_provider(
+            config.provider, base_url=config.base_url, model=config.model, stream=config.stream
+        )
+        return dict.fromkeys(config.workflows, shared)
     return {
         name: ChaosProvider(
             ScriptedProvider(WORKFLOWS[name].oracle, model="sim-1"),
@@ -249,12 +270,14 @@ async def run_demo(
     rng = random.Random(config.seed)
     handles = []
     started = time.perf_counter()
+    views: dict[str, Supervisor] = {}
     try:
-        async with app.lifespan(config.db) as backend:
+        async with app.lifespan(config.db) as backend, _model_server(config, app, views):
             assert isinstance(backend, Backend)
             async with open_supervisor(
                 list(app.machines.values()), store, provider=app.provider, stats=stats
             ) as supervisor:
+                views["supervisor"] = supervisor
                 if on_start is not None:
                     on_start(supervisor)
 
@@ -263,10 +286,7 @@ async def run_demo(
                     handles.append(await supervisor.start_run(workflow, inputs, run_id=run_id))
 
                 async with trio.open_nursery() as nursery:
-                    for index in range(config.runs):
-                        workflow = config.workflows[index % len(config.workflows)]
-                        inputs = WORKFLOWS[workflow].make_inputs(index, rng)
-                        nursery.start_soon(start, index, workflow, inputs)
+                    _start_all(nursery, start, config, rng)
                 # Every run is started: its long-lived objects need no more collection passes.
                 gc.collect()
                 gc.freeze()
@@ -277,6 +297,57 @@ async def run_demo(
     finally:
         if own_store:
             await store.aclose()
+
+
+@asynccontextmanager
+async def _model_server(
+    config: DemoConfig, app: App, views: dict[str, Supervisor]
+) -> AsyncIterator[None]:
+    """For a fake provider, the local fake server for the length of the demo, answering
+    as the workflows' oracles would; for any HTTP provider, its pool closed at the end."""
+    providers = (
+        {id(p): p for p in (app.provider or {}).values()} if isinstance(app.provider, dict) else {}
+    )
+    try:
+        if not config.provider.startswith("fake-"):
+            yield
+            return
+        from ._demo_http import oracle_brain
+        from .providers._fake import open_fake_llm
+
+        brain = oracle_brain(
+            lambda run_id: views["supervisor"].view(run_id),
+            {name: WORKFLOWS[name].oracle for name in config.workflows},
+            chaos_rate=config.chaos_rate,
+            seed=config.seed,
+        )
+        async with open_fake_llm(brain, record=False) as fake:
+            for provider in providers.values():
+                provider.base_url = (
+                    fake.anthropic_base_url
+                    if config.provider == "fake-anthropic"
+                    else fake.openai_base_url
+                )
+            yield
+    finally:
+        for provider in providers.values():
+            close = getattr(provider, "aclose", None)
+            if close is not None:
+                await close()
+
+
+@trio.lowlevel.enable_ki_protection
+def _start_all(
+    nursery: trio.Nursery,
+    start: Callable[[int, str, dict[str, Any]], Awaitable[None]],
+    config: DemoConfig,
+    rng: random.Random,
+) -> None:
+    """Spawn a start task per run. Ctrl-C waits for the next checkpoint: raised inside
+    ``start_soon``, it would drop a coroutine never awaited (and Python would say so)."""
+    for index in range(config.runs):
+        workflow = config.workflows[index % len(config.workflows)]
+        nursery.start_soon(start, index, workflow, WORKFLOWS[workflow].make_inputs(index, rng))
 
 
 async def summarize_store(
