@@ -14,9 +14,10 @@ import pytest
 import interlock
 import interlock.providers
 import interlock.stores
+import interlock.testing
 from interlock import _version
 
-PUBLIC_MODULES = [interlock, interlock.providers, interlock.stores]
+PUBLIC_MODULES = [interlock, interlock.providers, interlock.stores, interlock.testing]
 
 
 def _public_attributes(module: types.ModuleType) -> set[str]:
