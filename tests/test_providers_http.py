@@ -204,3 +204,27 @@ async def test_extra_calls_are_answered_as_not_run(kind: str) -> None:
     # the next request answers both calls (the fake's validation refuses one unanswered)
     text = msgspec.json.encode(fake.requests[1].body).decode()
     assert "one call per turn" in text
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from interlock.testing import Raw  # noqa: E402
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=st.binary(max_size=200), kind=st.sampled_from(["chat", "responses", "messages"]))
+async def test_any_response_body_is_a_rejection_or_a_provider_failure(
+    body: bytes, kind: str
+) -> None:
+    """Whatever a server answers with a 200, the run goes on: the body is journaled as a
+    rejection (the model's answer could not be read as a call) or a provider failure."""
+    result, store, _ = await drive(kind, [Raw(body=body), LOOKUP, DONE])
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    first = events[1]
+    assert isinstance(first, ModelCalled | ProviderFailed)
+    if isinstance(first, ModelCalled):
+        assert isinstance(events[2], ProposalRejected)
