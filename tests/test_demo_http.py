@@ -45,6 +45,14 @@ def test_the_demo_runs_the_seed_workflows_through_http_offline(
     replayed = interlock("replay", "--all", "--db", "j.db", cwd=tmp_path)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "30 reproduced, 0 diverged" in replayed.stdout
+    # the conversation as the model saw it at the run's last call
+    listed = interlock("runs", "--db", "j.db", "--limit", "1", "--json", cwd=tmp_path)
+    run_id = json.loads(listed.stdout)["runs"][0]["run_id"]
+    shown = interlock("show", run_id, "--db", "j.db", "--conversation", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("model call at seq ")
+    assert "[system] You drive one run of the state machine" in shown.stdout
+    assert "answered: " in shown.stdout
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -255,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("run_id", metavar="RUN")
     _journal(show)
     show.add_argument("--json", action="store_true", help="print as JSON")
+    show.add_argument(
+        "--conversation",
+        action="store_true",
+        help="print the conversation as the model saw it at its last call (HTTP providers), "
+        "and what it answered",
+    )
 
     escalations = commands.add_parser(
         "escalations", help="work the escalation queue: list, show, resume, abort"
@@ -712,6 +719,8 @@ async def _show(args: argparse.Namespace) -> int:
     for first, last, count in compact_failures(only):
         for position in range(first, last + 1):
             groups[rejected[position]] = (position - first + 1, count)
+    if getattr(args, "conversation", False):
+        return _print_conversation(args, events)
     if args.json:
         try:
             prompts = {event.seq: prompt for event, prompt in whole_prompts(events)}
@@ -742,6 +751,85 @@ async def _show(args: argparse.Namespace) -> int:
         table.add_row(str(event.seq), _when(event.ts), f"{kind}{mark}", escape(_describe(event)))
     _print_table(table)
     return 0
+
+
+def _print_conversation(args: argparse.Namespace, events: Sequence[Any]) -> int:
+    """The request body of the run's last model call, as turns, and each call's answer."""
+    try:
+        calls = [(e, prompt) for e, prompt in whole_prompts(events) if isinstance(e.response, str)]
+    except ValueError as exc:
+        raise InterlockError(f"{args.db}: {exc}") from None
+    if not calls:
+        raise InterlockError(
+            f"run {args.run_id!r} has no model call with a journaled request and response (its "
+            "provider is not an HTTP one); `interlock show RUN` prints its timeline"
+        )
+    last, request = calls[-1]
+    try:
+        body = json.loads(request)
+    except ValueError:
+        body = None
+    lines = [f"model call at seq {last.seq} ({last.model}), {len(calls)} in the run:"]
+    if isinstance(body, dict):
+        lines.extend(_turns(body))
+    else:
+        lines.append(request)
+    lines.append(f"answered: {_short(last.response, 2000)}")
+    if last.envelope:
+        lines.append(f"rejected before the gate: {last.envelope.message}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _turns(body: dict[str, Any]) -> list[str]:
+    """A request body of any of the three APIs as one line a turn."""
+    out: list[str] = []
+    for key in ("system", "instructions"):
+        if isinstance(body.get(key), str):
+            out.append(f"[system] {body[key]}")
+    for message in body.get("messages") or body.get("input") or ():
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role") or message.get("type", "?")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for block in content:
+                if not isinstance(block, dict):
+                    continue
+                kind = block.get("type")
+                if kind == "tool_use":
+                    parts.append(
+                        f"call {block.get('name')}({json.dumps(block.get('input'))}) id={block.get('id')}"
+                    )
+                elif kind == "tool_result":
+                    error = " error" if block.get("is_error") else ""
+                    parts.append(
+                        f"result{error} of {block.get('tool_use_id')}: {block.get('content')}"
+                    )
+                else:
+                    parts.append(str(block.get("text", "")))
+            content = " | ".join(parts)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function", {}) if isinstance(call, dict) else {}
+            content = (
+                f"call {function.get('name')}({function.get('arguments')}) id={call.get('id')}"
+            )
+        if message.get("type") == "function_call":
+            content = f"call {message.get('name')}({message.get('arguments')}) id={message.get('call_id')}"
+        if message.get("type") == "function_call_output":
+            role, content = f"result of {message.get('call_id')}", message.get("output")
+        if role == "tool":
+            role = f"result of {message.get('tool_call_id')}"
+        out.append(f"[{role}] {content}")
+    tools = [
+        t.get("name") or t.get("function", {}).get("name")
+        for t in body.get("tools") or ()
+        if isinstance(t, dict)
+    ]
+    if tools:
+        out.append(f"[tools] {', '.join(str(t) for t in tools)}")
+    return out
 
 
 async def _escalations(args: argparse.Namespace) -> int:
