@@ -228,3 +228,39 @@ async def test_any_response_body_is_a_rejection_or_a_provider_failure(
     assert isinstance(first, ModelCalled | ProviderFailed)
     if isinstance(first, ModelCalled):
         assert isinstance(events[2], ProposalRejected)
+
+
+@pytest.mark.parametrize(
+    ("profile", "reply", "kind"),
+    [
+        (
+            "llama.cpp",
+            Reply(calls=[("lookup", '{"order_id": "o1"}')], markup_in_content=True),
+            "chat",
+        ),
+        ("vllm", Reply(calls=[("lookup", '{"order_id": "o1"}')], finish="stop"), "chat"),
+        ("ollama", Reply(calls=[("lookup", {"order_id": "o1"})], arguments_as_object=True), "chat"),
+        (
+            "ollama",
+            Reply(
+                calls=[("lookup", '{"order_id": "o1"}'), ("lookup", '{"order_id": "o2"}')],
+                shared_index=True,
+            ),
+            "chat-stream",
+        ),
+    ],
+    ids=["markup", "calls-with-stop", "arguments-object", "shared-index-stream"],
+)
+async def test_each_named_profile_takes_its_servers_quirk(
+    profile: str, reply: Reply, kind: str
+) -> None:
+    from interlock.providers import PROFILES
+
+    result, store, _ = await drive(kind, [reply, DONE], profile=PROFILES[profile])
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    assert not [e for e in events if isinstance(e, ProposalRejected)]
+    first = next(e for e in events if isinstance(e, ModelCalled))
+    assert first.raw.replace(" ", "") == '{"tool":"lookup","args":{"order_id":"o1"}}'
+    if reply.shared_index:  # two calls on one index are two calls, not one merged
+        assert first.extra_calls == (("lookup", '{"order_id": "o2"}'),)
