@@ -51,7 +51,7 @@ from ._hotpath import IMPLEMENTATION
 from ._machine import Machine, Worker
 from ._version import __version__
 from ._view import violation_signature
-from .stores import OUTCOMES, IndexDamaged, RunRecord
+from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
 from .stores._open import open_store
 from .workflows import WORKFLOWS
 
@@ -338,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def _close(store: Store) -> None:
+    """Close ``store``, even when Ctrl-C has cancelled the command."""
+    with trio.CancelScope(shield=True):
+        await store.aclose()
+
+
 def _print_json(document: Any) -> None:
     sys.stdout.write(_json.encode(document).decode() + "\n")
 
@@ -614,7 +620,7 @@ async def _runs(args: argparse.Namespace) -> int:
             machine=args.workflow, state=args.state, outcome=args.outcome
         )
     finally:
-        await store.aclose()
+        await _close(store)
     records = matching[::-1] if args.all else matching[: -args.limit - 1 : -1]
     left_out = len(matching) - len(records)
     if args.json:
@@ -708,7 +714,7 @@ async def _show(args: argparse.Namespace) -> int:
         record = await store.get_run(args.run_id)
         events = await store.load(args.run_id)
     finally:
-        await store.aclose()
+        await _close(store)
     # Mark runs of identical rejections the way the model saw them (compacted).
     signatures = [
         violation_signature(e.violations) if isinstance(e, ProposalRejected) else 0 for e in events
@@ -843,7 +849,7 @@ async def _escalations(args: argparse.Namespace) -> int:
     try:
         records = await store.escalations()
     finally:
-        await store.aclose()
+        await _close(store)
     if args.json:
         _print_json(
             {
@@ -965,7 +971,7 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
             if escalated_from is not None:
                 _has_state(app, named, record, escalated_from, "escalated from")
     finally:
-        await store.aclose()
+        await _close(store)
     store = await open_store(db)
     try:
         async with (
@@ -984,7 +990,7 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 )
                 result = await handle.wait()
     finally:
-        await store.aclose()
+        await _close(store)
     document = msgspec.to_builtins(result)
     if args.json:
         _print_json(document)
@@ -1013,7 +1019,7 @@ async def _resume(args: argparse.Namespace) -> int:
                 )
             return 0
     finally:
-        await store.aclose()
+        await _close(store)
     with metrics:
         summary = await resume_app(
             app, db, stats=metrics.stats, on_start=metrics.started, named=named
@@ -1081,7 +1087,7 @@ async def _replay(args: argparse.Namespace) -> int:
                 )
         journal = {r.run_id: await store.load(r.run_id) for r in records}
     finally:
-        await store.aclose()
+        await _close(store)
     report = replay(journal, list(machines.values()))
     diverged = report.diverged
     if args.json:
@@ -1123,7 +1129,7 @@ async def _check(args: argparse.Namespace) -> int:
     try:
         report = await store.check()
     finally:
-        await store.aclose()
+        await _close(store)
     if args.json:
         _print_json(
             {
@@ -1178,11 +1184,38 @@ _COMMANDS = {
 }
 
 
+async def _command(args: argparse.Namespace) -> int:
+    """Run the command; Ctrl-C cancels it, so it stops at a checkpoint (its journal
+    batches whole) and not wherever a KeyboardInterrupt would land, inside trio's own
+    bookkeeping included."""
+    import signal
+
+    interrupted = False
+    code = 130
+    async with trio.open_nursery() as nursery:
+
+        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            nonlocal interrupted
+            with trio.open_signal_receiver(signal.SIGINT) as signals:
+                task_status.started()
+                async for _ in signals:
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        await nursery.start(watch)
+        code = await _COMMANDS[args.command](args)
+        nursery.cancel_scope.cancel()
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``interlock`` console script and ``python -m interlock``."""
     args = build_parser().parse_args(argv)
     try:
-        return trio.run(_COMMANDS[args.command], args)
+        return trio.run(_command, args)
     except (AppRefError, _Usage) as exc:
         sys.stderr.write(_error(exc, args))
         return 2

@@ -296,7 +296,8 @@ async def run_demo(
             return summarize(results, stats, backend, run_prefix=prefix, wall=wall, config=config)
     finally:
         if own_store:
-            await store.aclose()
+            with trio.CancelScope(shield=True):  # closed even when Ctrl-C cancelled the runs
+                await store.aclose()
 
 
 @asynccontextmanager
@@ -463,7 +464,8 @@ async def resume_app(
             )
             return {**summary, "external": len(external), "external_runs": external}
     finally:
-        await store.aclose()
+        with trio.CancelScope(shield=True):  # closed even when Ctrl-C cancelled the runs
+            await store.aclose()
 
 
 def _is_external(events: Sequence[object]) -> bool:
