@@ -494,8 +494,11 @@ def test_show_tells_provider_failures_doubt_and_reconciliation(tmp_path):
         assert expected in text, expected
 
 
-def test_ctrl_c_during_the_demo_is_one_line_not_a_traceback(tmp_path):
-    """Ctrl-C during `demo` printed a 55-line traceback (#15)."""
+@pytest.mark.parametrize("after", [0.0, 0.2, 0.5, 1.0])
+def test_ctrl_c_during_the_demo_is_one_line_not_a_traceback(tmp_path, after):
+    """Ctrl-C during `demo` printed a 55-line traceback (#15); then, one time in two, a
+    TrioInternalError, a coroutine never awaited, or no exit at all (a KeyboardInterrupt
+    raised inside trio's bookkeeping): now Ctrl-C cancels the command at a checkpoint."""
     import signal
     import time
 
@@ -511,7 +514,7 @@ def test_ctrl_c_during_the_demo_is_one_line_not_a_traceback(tmp_path):
     give_up = time.monotonic() + 60
     while not db.exists() and time.monotonic() < give_up:  # not a timing: wait for the journal
         time.sleep(0.05)
-    time.sleep(0.5)
+    time.sleep(after)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130
