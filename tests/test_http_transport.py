@@ -512,6 +512,34 @@ async def test_at_most_max_in_flight_requests_reach_the_server(
     assert server.connections == 3
 
 
+async def test_a_request_cancelled_while_waiting_for_a_slot_takes_none(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    async def slow(request: Request, respond: Responder) -> None:
+        await trio.sleep(10)
+        await respond.reply(200, request.body)
+
+    server = await start(nursery, slow)
+    bodies: list[bytes] = []
+    async with Transport(server.url, max_in_flight=1) as transport:
+
+        async def call(body: bytes, patience: float) -> None:
+            with trio.move_on_after(patience):
+                bodies.append((await transport.post("/x", body)).body)
+
+        async with trio.open_nursery() as calls:
+            calls.start_soon(call, b"1", 100)
+            await trio.sleep(1)
+            calls.start_soon(call, b"2", 2)  # gives up while the first holds the slot
+            await trio.sleep(1)
+            calls.start_soon(call, b"3", 100)
+            await trio.sleep(1)
+            calls.start_soon(call, b"4", 100)
+    assert bodies == [b"1", b"3", b"4"]  # in the order they asked
+    assert [r.body for r in server.requests] == [b"1", b"3", b"4"]
+    assert server.most_in_flight == 1
+
+
 async def test_tokens_per_minute_makes_requests_wait(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:

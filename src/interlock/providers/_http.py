@@ -6,7 +6,7 @@ at 1.5-2 ms of client CPU per request, while a bare pool of trio streams speakin
 does 1,100-1,800/s at 0.3-0.55 ms. At the fan-out of 10,000 runs the client's CPU is
 the limit, so the providers speak HTTP/1.1 through h11 directly: one ``send_all`` per
 request, no per-request objects beyond h11's own, the connection cap and the queue in
-trio (a ``CapacityLimiter``), not in a pool that rescans its waiters on every release.
+trio (a FIFO of parked tasks), not in a pool that rescans its waiters on every release.
 
 What it does not do: proxies, HTTP/2, redirects, cookies, compression (it asks for
 ``identity``). The model APIs need none of them.
@@ -85,12 +85,38 @@ class _Connection:
         """Whether any byte of the current response has arrived."""
 
 
+class _Slots:
+    """A FIFO limit on requests in flight: a ``trio.CapacityLimiter`` without its
+    scheduling round trip when a slot is free (12 µs against 0.7 µs per request here)."""
+
+    __slots__ = ("free", "lot")
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self.lot = trio.lowlevel.ParkingLot()
+
+    async def acquire(self) -> None:
+        if self.free and not self.lot:
+            self.free -= 1
+            return
+        # NOTE: no slot is taken here: release() hands its own slot to the task it wakes,
+        # so a newcomer cannot overtake a waiter, and a waiter cancelled while parked
+        # holds nothing.
+        await self.lot.park()
+
+    def release(self) -> None:
+        if self.lot:
+            self.lot.unpark()
+        else:
+            self.free += 1
+
+
 class _Pool:
-    """What one trio run holds: the limiter, the idle connections, the token bucket."""
+    """What one trio run holds: the slots, the idle connections, the token bucket."""
 
     def __init__(self, token: object, max_in_flight: int, tokens_per_minute: int | None) -> None:
         self.token = token
-        self.limiter = trio.CapacityLimiter(max_in_flight)
+        self.slots = _Slots(max_in_flight)
         self.idle: list[_Connection] = []
         self.closed = False
         self.bucket = None if tokens_per_minute is None else _TokenBucket(tokens_per_minute)
@@ -268,7 +294,8 @@ class Transport:
         fields, secrets = self._fields(headers)
         if pool.bucket is not None and tokens > 0:
             await pool.bucket.take(tokens)
-        async with pool.limiter:
+        await pool.slots.acquire()
+        try:
             with trio.move_on_after(self.timeout) as scope:
                 status, response_headers, connection = await self._start(pool, path, body, fields)
                 chunks = []
@@ -283,8 +310,10 @@ class Transport:
                     _close_now(connection)
                     raise
                 self._finish(pool, connection)
-            if scope.cancelled_caught:
-                raise self._timed_out(path)
+        finally:
+            pool.slots.release()
+        if scope.cancelled_caught:
+            raise self._timed_out(path)
         response = HttpResponse(status, response_headers, b"".join(chunks))
         if status >= 400:
             raise self._status_error(path, response, secrets)
@@ -318,7 +347,8 @@ class Transport:
         fields, secrets = self._fields(headers, accept="text/event-stream")
         if pool.bucket is not None and tokens > 0:
             await pool.bucket.take(tokens)
-        async with pool.limiter:
+        await pool.slots.acquire()
+        try:
             with trio.move_on_after(self.timeout) as scope:
                 status, response_headers, connection = await self._start(pool, path, body, fields)
                 done = False
@@ -347,8 +377,10 @@ class Transport:
                         self._finish(pool, connection)
                     else:
                         _close_now(connection)
-            if scope.cancelled_caught:
-                raise self._timed_out(path)
+        finally:
+            pool.slots.release()
+        if scope.cancelled_caught:
+            raise self._timed_out(path)
 
     async def _events(
         self, connection: _Connection, path: str, state: _StreamState
