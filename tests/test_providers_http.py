@@ -264,3 +264,43 @@ async def test_each_named_profile_takes_its_servers_quirk(
     assert first.raw.replace(" ", "") == '{"tool":"lookup","args":{"order_id":"o1"}}'
     if reply.shared_index:  # two calls on one index are two calls, not one merged
         assert first.extra_calls == (("lookup", '{"order_id": "o2"}'),)
+
+
+async def test_the_fake_in_its_own_process_takes_a_brain_built_on_interlock_testing(
+    tmp_path: Any,
+) -> None:
+    """`python -m interlock.providers._fake --brain mod:fn`: the brain's Reply (from
+    interlock.testing) is the server's own class, not a copy in __main__."""
+    import subprocess
+    import sys
+
+    (tmp_path / "brain.py").write_text(
+        "from interlock.testing import Reply, tool_results_of\n"
+        "def brain(api, body, headers):\n"
+        "    if not tool_results_of(api, body):\n"
+        "        return Reply(calls=[('lookup', '{\"order_id\": \"o1\"}')])\n"
+        '    return Reply(calls=[(\'transition\', \'{"next": "COMPLETED", "data": {"total": 40}}\')])\n'
+    )
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    server = subprocess.Popen(  # noqa: ASYNC220 (its stdout is read in a thread)
+        [sys.executable, "-m", "interlock.providers._fake", "--brain", "brain:brain"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert server.stdout is not None
+        url = await trio.to_thread.run_sync(server.stdout.readline)
+        provider = OpenAIChat("m", base_url=url.strip() + "/v1")
+        store = MemoryStore()
+        async with provider, open_supervisor([shop()], store, provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("shop", {"order_id": "o1"})).wait()
+        assert (result.outcome, result.output) == ("completed", {"total": 40})
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        if server.stdout is not None:
+            server.stdout.close()

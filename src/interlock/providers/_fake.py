@@ -1584,4 +1584,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as the package's module, not as __main__: a brain builds its replies from
+    # interlock.testing (interlock.providers._fake), and a Reply of __main__'s own copy of
+    # this file would be another class.
+    from interlock.providers import _fake
+
+    _fake.main()
