@@ -117,6 +117,7 @@ from ._exceptions import (
     ToolDefinitionError as ToolDefinitionError,
 )
 from ._exceptions import UnknownMachine as UnknownMachine
+from ._exceptions import UnknownState as UnknownState
 from ._handle import RunHandle as RunHandle
 from ._handle import RunResult as RunResult
 from ._machine import (
@@ -334,6 +335,7 @@ __all__ = [
     "ToolResult",
     "Transitioned",
     "UnknownMachine",
+    "UnknownState",
     "Verdict",
     "Violation",
     "Worker",

@@ -41,7 +41,7 @@ from ._events import (
     describe_exception,
     hash_prompt_after,
 )
-from ._exceptions import IllegalResumeTarget, NotEscalated, ProtocolError
+from ._exceptions import IllegalResumeTarget, NotEscalated, ProtocolError, UnknownState
 from ._gate import verify
 from ._hotpath import common_affixes
 from ._machine import ESCALATE, FAILED, Machine, Step, encode_action
@@ -218,9 +218,17 @@ def resume_target(run: RunState, to: str) -> str:
     """
     assert run.escalation is not None
     origin = run.escalation.state
-    if not to or to == origin:
-        return origin
     machine = run.machine
+    if to and to not in machine.states and not machine.is_terminal(to):
+        raise UnknownState(run.run_id, to, machine.name, list(machine.states), "cannot resume in")
+    if not to or to == origin:
+        if origin not in machine.states:
+            raise UnknownState(
+                run.run_id, origin, machine.name, list(machine.states), "escalated from"
+            )
+        return origin
+    if origin not in machine.states:
+        return to  # where it came from is gone; any state the machine has will do
     tables = machine.tables
     legal = [
         origin,

@@ -76,6 +76,29 @@ class IllegalResumeTarget(InterlockError, ValueError):
         self.legal = tuple(legal)
 
 
+class UnknownState(InterlockError, ValueError):
+    """A run's journal names a state its machine no longer has (the machine changed
+    since the run was recorded): it cannot go on there. Nothing was journaled.
+
+    Attributes:
+      run_id: the run.
+      state: the state the journal names.
+      machine: the machine's name.
+      states: the states the machine has now.
+    """
+
+    def __init__(self, run_id: str, state: str, machine: str, states: list[str], what: str) -> None:
+        super().__init__(
+            f"run {run_id!r} {what} state {state!r}, which machine {machine!r} no longer has "
+            f"(its states: {', '.join(states)}); give the machine that state back, resume the "
+            "run in one it has with --to / to=, or abort it"
+        )
+        self.run_id = run_id
+        self.state = state
+        self.machine = machine
+        self.states = tuple(states)
+
+
 class PayloadRejected(InterlockError):
     """The corrected payload an operator resumed a run with was rejected by the gate; nothing
     was journaled.

@@ -25,11 +25,14 @@ class RunResult(msgspec.Struct, frozen=True, gc=False):
 class RunHandle:
     """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
 
-    __slots__ = ("_done", "_error", "_result", "machine", "run_id")
+    __slots__ = ("_done", "_error", "_result", "external", "machine", "run_id")
 
-    def __init__(self, run_id: str, machine: str) -> None:
+    def __init__(self, run_id: str, machine: str, *, external: bool = False) -> None:
         self.run_id = run_id
         self.machine = machine
+        self.external = external
+        """The run is driven by its caller (``start_run(external=True)``), not an actor:
+        it finishes only as the caller's requests finish it."""
         self._done = trio.Event()
         self._result: RunResult | None = None
         self._error: BaseException | None = None

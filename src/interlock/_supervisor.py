@@ -28,6 +28,7 @@ from ._exceptions import (
     RunNotFound,
     StoreError,
     UnknownMachine,
+    UnknownState,
 )
 from ._handle import RunHandle, RunResult
 from ._journal import GroupCommit
@@ -348,7 +349,7 @@ class Supervisor:
         verdict = await self.request(
             Start(run_id=run_id, machine=machine, inputs=payload, external=external)
         )
-        handle = RunHandle(run_id, machine)
+        handle = RunHandle(run_id, machine, external=external)
         self.handles[run_id] = handle
         if not external:
             self._spawn(handle, verdict, chosen)
@@ -496,6 +497,8 @@ class Supervisor:
             folded.append(fold(machine, await self.store.load(record.run_id)))
         for run in folded:
             name = run.machine.name
+            if not run.terminal and run.state not in run.machine.states:
+                raise UnknownState(run.run_id, run.state, name, list(run.machine.states), "is in")
             if (
                 not run.external
                 and (provider or self.provider_for(name)) is None
@@ -520,7 +523,7 @@ class Supervisor:
         await self.request(Sync(run_id=folded[-1].run_id))
         handles = []
         for run, verdict in zip(folded, verdicts, strict=True):
-            handle = RunHandle(run.run_id, run.machine.name)
+            handle = RunHandle(run.run_id, run.machine.name, external=run.external)
             self.handles[run.run_id] = handle
             if verdict is not None and not run.external:  # an external run waits for its caller
                 self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
