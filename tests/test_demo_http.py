@@ -26,8 +26,12 @@ def interlock(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "flags",
-    [["--provider", "fake-openai"], ["--provider", "fake-anthropic", "--stream"]],
-    ids=["fake-openai", "fake-anthropic-stream"],
+    [
+        ["--provider", "fake-openai"],
+        ["--provider", "fake-openai-responses"],
+        ["--provider", "fake-anthropic", "--stream"],
+    ],
+    ids=["fake-openai", "fake-openai-responses", "fake-anthropic-stream"],
 )
 def test_the_demo_runs_the_seed_workflows_through_http_offline(
     tmp_path: Path, flags: list[str]

@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PROVIDER_KINDS,
         default="sim",
         help="the model: sim (simulated, in process; default), openai, openai-responses or "
-        "anthropic (a real or OpenAI-compatible server: --base-url, --model), fake-openai or "
-        "fake-anthropic (a local fake server speaking that API: the whole HTTP path, offline)",
+        "anthropic (a real or OpenAI-compatible server: --base-url, --model), fake-openai, "
+        "fake-openai-responses or fake-anthropic (a local fake server speaking that API: the "
+        "whole HTTP path, offline)",
     )
     demo.add_argument(
         "--base-url",

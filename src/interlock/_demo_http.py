@@ -24,7 +24,15 @@ if TYPE_CHECKING:
 RUN_HEADER = "x-interlock-run"
 
 #: The kinds of ``--provider``.
-PROVIDER_KINDS = ("sim", "openai", "openai-responses", "anthropic", "fake-openai", "fake-anthropic")
+PROVIDER_KINDS = (
+    "sim",
+    "openai",
+    "openai-responses",
+    "anthropic",
+    "fake-openai",
+    "fake-openai-responses",
+    "fake-anthropic",
+)
 
 
 def make_provider(kind: str, *, base_url: str | None, model: str | None, stream: bool = False) -> Provider:
@@ -47,7 +55,7 @@ def make_provider(kind: str, *, base_url: str | None, model: str | None, stream:
         options["api_key"] = "fake-key"
     if kind in ("openai", "fake-openai"):
         return OpenAIChat(model or "fake-sim", base_url=base_url, **options)
-    if kind == "openai-responses":
+    if kind in ("openai-responses", "fake-openai-responses"):
         return OpenAIResponses(model or "fake-sim", base_url=base_url, **options)
     if kind in ("anthropic", "fake-anthropic"):
         return AnthropicMessages(model or "fake-sim", base_url=base_url, **options)
