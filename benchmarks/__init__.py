@@ -17,7 +17,16 @@ from types import ModuleType
 HERE = Path(__file__).resolve().parent
 
 #: The benchmarks in the order they run (cheap and in-process first).
-ORDER = ("transition", "verify", "loop", "journal", "concurrency", "metrics", "instructions")
+ORDER = (
+    "transition",
+    "verify",
+    "loop",
+    "journal",
+    "concurrency",
+    "metrics",
+    "providers",
+    "instructions",
+)
 
 
 def available() -> list[str]:
