@@ -16,6 +16,9 @@ from ._base import (
 from ._chaos import CHAOS_KINDS as CHAOS_KINDS
 from ._chaos import ChaosProvider as ChaosProvider
 from ._chaos import corrupt as corrupt
+from ._http import HttpResponse as HttpResponse
+from ._http import SseEvent as SseEvent
+from ._http import Transport as Transport
 from ._openai import GENERIC as GENERIC
 from ._openai import LLAMA_CPP as LLAMA_CPP
 from ._openai import OLLAMA as OLLAMA
@@ -38,6 +41,7 @@ __all__ = [
     "VLLM",
     "AnthropicMessages",
     "ChaosProvider",
+    "HttpResponse",
     "OpenAIChat",
     "OpenAIResponses",
     "Profile",
@@ -45,6 +49,8 @@ __all__ = [
     "Provider",
     "ScriptExhausted",
     "ScriptedProvider",
+    "SseEvent",
+    "Transport",
     "corrupt",
     "estimate_tokens",
     "render_prompt",
