@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlock import Machine, MachineDefinitionError, ProviderError, Tool, ToolContext, Worker
+from interlock import (
+    BreakerPolicy,
+    Machine,
+    MachineDefinitionError,
+    ProviderError,
+    Tool,
+    ToolContext,
+    Worker,
+)
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
 from interlock.providers._wire import parse_raw, to_raw
 
@@ -303,3 +311,69 @@ def test_arbitrary_json_never_crashes_a_provider(value: Any) -> None:
         ):
             with contextlib.suppress(ProviderError):
                 provider.read(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["bad", "bad", "other", "lookup", "move", "text"]), min_size=1, max_size=14
+    )
+)
+def test_the_conversation_kept_on_a_view_is_the_one_made_fresh(script: list[str]) -> None:
+    """Whatever the history (repeated rejections compacting, commits, moves, replies with
+    no call), the conversation a view keeps from call to call equals one made from
+    scratch, and so does every request body."""
+    from interlock import Propose, Report, Start
+    from interlock._breakers import CircuitBoard
+    from interlock._decider import decide, start
+    from interlock._view import RunView
+
+    spec = Machine(
+        "m",
+        initial="W",
+        states={"W": Worker(next=["W", "COMPLETED"], tools=["t"])},
+        tools=[Tool("t", noop, Args)],
+        breakers=BreakerPolicy(consecutive_failures=50, repeats=50),
+    )
+    events: list[Any] = []
+    run, _ = start(spec, Start(run_id="r", machine="m"), 0.0, events)
+    circuits = CircuitBoard()
+    kept = RunView(run)
+    provider = chat()
+    raws = {
+        "bad": ('{"tool":"t","args":{}}', None),
+        "other": ('{"tool":"nope","args":{}}', None),
+        "lookup": ('{"tool":"t","args":{"order_id":"o"}}', None),
+        "move": ('{"next":"W"}', None),
+        "text": ("", _envelope()),
+    }
+    for step in script:
+        if run.terminal:
+            break
+        raw, violation = raws[step]
+        msg = Propose(
+            run_id="r",
+            seq=run.seq,
+            raw=raw,
+            model="m",
+            prompt="p",
+            response="{}",
+            envelope=violation,
+        )
+        verdict = decide(run, msg, 1.0, circuits, events)
+        if verdict.execute is not None:
+            decide(
+                run,
+                Report(run_id="r", seq=run.seq, key=verdict.execute.key, ok=True, result={"n": 1}),
+                1.0,
+                circuits,
+                events,
+            )
+        specs = __import__("interlock.providers._wire", fromlist=["tool_specs"]).tool_specs(kept)
+        assert provider.request_body(kept, specs) == provider.request_body(RunView(run), specs)
+
+
+def _envelope() -> Any:
+    from interlock.providers._wire import envelope
+
+    return envelope("the model answered with text instead of a tool call: hi", "call a tool")

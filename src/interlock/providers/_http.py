@@ -1,6 +1,6 @@
 """The HTTP transport of the real providers: one keep-alive pool per provider, on trio + h11.
 
-Measured in ``benchmarks/bench_http.py``: under trio with one shared pool, httpx 0.28
+Measured in ``benchmarks/http_clients.py``: under trio with one shared pool, httpx 0.28
 falls to 75-280 requests/s once requests are concurrent and httpx2 2.16 holds 380-540/s
 at 1.5-2 ms of client CPU per request, while a bare pool of trio streams speaking h11
 does 1,100-1,800/s at 0.3-0.55 ms. At the fan-out of 10,000 runs the client's CPU is

@@ -245,10 +245,12 @@ def memo(view: RunView) -> dict[Any, Any]:
 class _Steps:
     """The exchanges worked out so far for a view, and where each began in the turns."""
 
-    __slots__ = ("frames", "generation", "positions", "steps", "turn")
+    __slots__ = ("frames", "generation", "last", "positions", "steps", "turn")
 
     def __init__(self, generation: int) -> None:
         self.frames = 0
+        self.last: Any = None
+        """The last frame worked out: redone only if the history's last frame changed."""
         self.turn = 0
         self.steps: list[Exchange] = []
         self.positions: list[int] = []
@@ -281,7 +283,9 @@ def _steps(view: RunView) -> _Steps:
         state = cache["exchanges"] = _Steps(state.generation + 1 if state is not None else 0)
     steps, positions = state.steps, state.positions
     done, position = state.frames, state.turn
-    if done:  # the last frame done may have grown (compaction): redo it
+    if done == len(frames) and (not frames or frames[-1] == state.last):
+        return state  # no new frame, and the last one stands
+    if done and frames[done - 1] != state.last:  # a repeated rejection joined it: redo it
         done -= 1
         position = positions.pop()
         steps.pop()
@@ -294,6 +298,7 @@ def _steps(view: RunView) -> _Steps:
             position += 1
         steps.append(_exchange(run, frame, turn))
     state.frames, state.turn = len(frames), position
+    state.last = frames[-1] if frames else None
     return state
 
 

@@ -15,7 +15,7 @@ through ONE ``AsyncClient`` (one connection pool) shared by every run. Measured:
   the request itself (inside the limiter), p50/p99, client CPU µs per request
   (``process_time`` of the client process over the whole trio.run), errors.
 
-Run it alone: ``python -m benchmarks.bench_http [--quick]`` prints the table.
+Run it alone: ``python -m benchmarks.http_clients [--quick]`` prints the table.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Server:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_http", "--server"],
+            [sys.executable, "-m", "benchmarks.http_clients", "--server"],
             cwd=ROOT,
             env=child_env(),
             stdout=subprocess.PIPE,
@@ -348,7 +348,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
                 }
                 before = server.cpu_seconds()
                 try:
-                    row = run_child("benchmarks.bench_http", config, timeout=600)
+                    row = run_child("benchmarks.http_clients", config, timeout=600)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     row = _failed(config, exc)
                 row["server_cpu_us_per_request"] = (
@@ -462,7 +462,7 @@ def main(argv: list[str]) -> None:
         results = run(quick, show)
         print(render(results))
         print(
-            f"\n`python -m benchmarks.bench_http{' --quick' if quick else ''}` "
+            f"\n`python -m benchmarks.http_clients{' --quick' if quick else ''}` "
             f"({time.perf_counter() - started:.0f} s)"
         )
 
