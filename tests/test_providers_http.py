@@ -304,3 +304,36 @@ async def test_the_fake_in_its_own_process_takes_a_brain_built_on_interlock_test
         server.wait(timeout=10)
         if server.stdout is not None:
             server.stdout.close()
+
+
+async def test_structured_output_in_one_state_and_tools_in_another() -> None:
+    """OpenAIChat(output={"STATE": "json_schema"}): that state asks for structured output
+    (the proposal is the message content, its schema sent as response_format); the others
+    keep native tools."""
+    two = Machine(
+        "two",
+        initial="FIND",
+        states={
+            "FIND": Worker(next=["ANSWER"], tools=["lookup"]),
+            "ANSWER": Worker(next=["COMPLETED"]),
+        },
+        tools=[Tool("lookup", lookup, Lookup, read_only=True)],
+    )
+    replies = [
+        Reply(calls=[("lookup", '{"order_id": "o1"}')]),
+        Reply(calls=[("transition", '{"next": "ANSWER", "data": {}}')]),
+        Reply(text='{"next": "COMPLETED", "data": {"answer": 40}}', finish="stop"),
+    ]
+    store = MemoryStore()
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = OpenAIChat("m", base_url=fake.openai_base_url, output={"ANSWER": "json_schema"})
+        async with provider, open_supervisor([two], store, provider=provider) as sup:
+            result = await (await sup.start_run("two", run_id="r-1")).wait()
+    assert (result.outcome, result.output) == ("completed", {"answer": 40})
+    bodies = [r.body for r in fake.requests]
+    assert "tools" in bodies[0]
+    assert "response_format" not in bodies[0]
+    assert bodies[2]["response_format"]["type"] == "json_schema"
+    assert "tools" not in bodies[2]
+    with pytest.raises(Exception, match="output must be 'tools' or 'json_schema'"):
+        OpenAIChat("m", base_url=fake.openai_base_url, output={"ANSWER": "xml"})

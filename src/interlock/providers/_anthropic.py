@@ -132,7 +132,7 @@ class AnthropicMessages(HttpProvider):
         return assemble(head, "messages", self._messages(view), body)
 
     def read(
-        self, body: bytes
+        self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         try:
             message = _read_message(body)
@@ -225,7 +225,7 @@ class AnthropicMessages(HttpProvider):
         return raw, usage, violation, tuple(calls[1:])
 
     def read_stream(
-        self, data: list[str]
+        self, data: list[str], mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         blocks: dict[int, dict[str, Any]] = {}
         stop: str | None = None

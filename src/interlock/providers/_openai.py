@@ -270,18 +270,23 @@ class HttpProvider:
         (a schema strict mode cannot take, a tool named like the transition tool)."""
         check_machine(machine, self.transition, self.strict)
 
+    def mode_for(self, view: RunView) -> str:
+        """How the model answers in the run's state: ``tools`` (native calls) here."""
+        return "tools"
+
     async def propose(self, view: RunView) -> Proposal:
+        mode = self.mode_for(view)
         specs = tool_specs(view, self.transition, self.strict)
         body = self.request_body(view, specs)
         transport = self.transport()
         tokens = len(body) // 4
         headers = {self.run_header: view.run_id} if self.run_header else None
         if self.stream:
-            text, parsed = await self._streamed(transport, body, tokens, headers)
+            text, parsed = await self._streamed(transport, body, tokens, headers, mode)
         else:
             response = await transport.post(self.path, body, headers=headers, tokens=tokens)
             text = response.body.decode("utf-8", "replace")
-            parsed = self.read(response.body)
+            parsed = self.read(response.body, mode)
         raw, usage, violation, extra = parsed
         return Proposal(
             raw,
@@ -294,24 +299,29 @@ class HttpProvider:
         )
 
     async def _streamed(
-        self, transport: Transport, body: bytes, tokens: int, headers: dict[str, str] | None
+        self,
+        transport: Transport,
+        body: bytes,
+        tokens: int,
+        headers: dict[str, str] | None,
+        mode: str = "tools",
     ) -> tuple[str, tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]]:
         data: list[str] = []
         async with transport.stream(self.path, body, headers=headers, tokens=tokens) as events:
             async for event in events:
                 data.append(f"{event.event}\n{event.data}" if event.event else event.data)
-        return "\n\n".join(data), self.read_stream(data)
+        return "\n\n".join(data), self.read_stream(data, mode)
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         raise NotImplementedError
 
     def read(
-        self, body: bytes
+        self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         raise NotImplementedError
 
     def read_stream(
-        self, data: list[str]
+        self, data: list[str], mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         raise NotImplementedError
 
@@ -373,7 +383,7 @@ class OpenAIChat(HttpProvider):
         base_url: str | None = None,
         api_key: str | None = None,
         profile: Profile | str | None = None,
-        output: str = "tools",
+        output: str | dict[str, str] = "tools",
         **options: Any,
     ) -> None:
         super().__init__(model, base_url=base_url, api_key=api_key, **options)
@@ -384,9 +394,18 @@ class OpenAIChat(HttpProvider):
                 )
             profile = PROFILES[profile]
         self.profile = profile or (OPENAI if self.base_url == self.default_base_url else GENERIC)
-        if output not in ("tools", "json_schema"):
-            raise InterlockError(f"output must be 'tools' or 'json_schema', got {output!r}")
+        modes = output.values() if isinstance(output, dict) else (output,)
+        for mode in modes:
+            if mode not in ("tools", "json_schema"):
+                raise InterlockError(
+                    f"output must be 'tools' or 'json_schema' (or a dict of them by state), "
+                    f"got {mode!r}"
+                )
         self.output = output
+
+    def mode_for(self, view: RunView) -> str:
+        output = self.output
+        return output if isinstance(output, str) else output.get(view.state, "tools")
 
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
@@ -416,7 +435,7 @@ class OpenAIChat(HttpProvider):
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         profile = self.profile
         body: dict[str, Any] = {}
-        if self.output == "tools":
+        if self.mode_for(view) == "tools":
             body["tools"] = msgspec.Raw(encoded_tools(self._tools, specs, self._tool))
             if profile.tool_choice:
                 body["tool_choice"] = profile.tool_choice
@@ -442,7 +461,7 @@ class OpenAIChat(HttpProvider):
         return assemble({"model": self.model}, "messages", self._messages(view), body)
 
     def read(
-        self, body: bytes
+        self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         try:
             completion = _read_completion(body)
@@ -469,7 +488,7 @@ class OpenAIChat(HttpProvider):
                 )
                 return "", usage, violation, ()
         return self._judge(
-            choice.message.content, choice.message.refusal, choice.finish_reason, calls, usage
+            choice.message.content, choice.message.refusal, choice.finish_reason, calls, usage, mode
         )
 
     def _judge(
@@ -479,10 +498,11 @@ class OpenAIChat(HttpProvider):
         finish: str | None,
         calls: list[tuple[str, str]],
         usage: TokenUsage,
+        mode: str = "tools",
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         profile = self.profile
         text = content or ""
-        if self.output == "json_schema":
+        if mode == "json_schema":
             if refusal:
                 return "", usage, envelope(f"the model refused: {clip(refusal)}", ONE_TOOL_HINT), ()
             if finish == "length":
@@ -559,7 +579,7 @@ class OpenAIChat(HttpProvider):
         return raw, usage, violation, extra
 
     def read_stream(
-        self, data: list[str]
+        self, data: list[str], mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         calls: list[list[str]] = []  # [id, name, arguments]
         by_index: dict[int, int] = {}
@@ -617,6 +637,7 @@ class OpenAIChat(HttpProvider):
             finish,
             [(name, arguments) for _id, name, arguments in calls],
             usage,
+            mode,
         )
 
 
@@ -840,7 +861,7 @@ class OpenAIResponses(HttpProvider):
         return assemble(head, "input", self._items(view), body)
 
     def read(
-        self, body: bytes
+        self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         try:
             response = _read_response(body)
@@ -922,7 +943,7 @@ class OpenAIResponses(HttpProvider):
         return raw, usage, violation, extra
 
     def read_stream(
-        self, data: list[str]
+        self, data: list[str], mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         # The last event, response.completed (or .incomplete), holds the whole response.
         for item in reversed(data):
