@@ -25,8 +25,8 @@ from ._wire import (
     encoded_tools,
     envelope,
     joined,
+    judge_calls,
     system_text,
-    to_raw,
 )
 
 if TYPE_CHECKING:
@@ -173,56 +173,20 @@ class AnthropicMessages(HttpProvider):
                 ),
                 (),
             )
-        if not calls:
-            if stop == "tool_use":
-                return (
-                    "",
-                    usage,
-                    envelope(
-                        "stop_reason is 'tool_use' but the reply holds no tool_use block",
-                        ONE_TOOL_HINT,
-                    ),
-                    (),
-                )
-            if text.strip():
-                return (
-                    "",
-                    usage,
-                    envelope(
-                        f"the model answered with text instead of a tool call: {clip(text)}",
-                        ONE_TOOL_HINT,
-                    ),
-                    (),
-                )
-            return (
-                "",
-                usage,
-                envelope("the reply is empty: no tool_use and no text", ONE_TOOL_HINT),
-                (),
-            )
-        if text.strip():
-            return (
-                "",
-                usage,
-                envelope(
-                    f"the reply holds text and a tool call together: {clip(text)}",
-                    "answer with the tool call alone, no text beside it",
-                ),
-                (),
-            )
+        announced = (
+            "stop_reason is 'tool_use' but the reply holds no tool_use block"
+            if stop == "tool_use"
+            else None
+        )
+        mismatch = None
         if stop not in ("tool_use", None):
-            return (
-                "",
-                usage,
-                envelope(
-                    f"the reply holds a tool_use block but stop_reason is {stop!r}, not 'tool_use'",
-                    ONE_TOOL_HINT,
-                ),
-                (),
+            mismatch = (
+                f"the reply holds a tool_use block but stop_reason is {stop!r}, not 'tool_use'",
+                ONE_TOOL_HINT,
             )
-        name, arguments = calls[0]
-        raw, violation = to_raw(name, arguments, self.transition)
-        return raw, usage, violation, tuple(calls[1:])
+        return judge_calls(
+            calls, text, usage, self.transition, announced=announced, mismatch=mismatch
+        )
 
     def read_stream(
         self, data: list[str], mode: str = "tools"

@@ -32,8 +32,8 @@ from ._wire import (
     encoded_tools,
     envelope,
     joined,
+    judge_calls,
     system_text,
-    to_raw,
     tool_specs,
 )
 
@@ -333,16 +333,6 @@ class HttpProvider:
         )
 
 
-def _calls_to_proposal(
-    calls: list[tuple[str, str]],
-    transition: str,
-) -> tuple[str, Violation | None, tuple[tuple[str, str], ...]]:
-    """The first call as the proposal, the rest as extra calls."""
-    name, arguments = calls[0]
-    raw, violation = to_raw(name, arguments, transition)
-    return raw, violation, tuple(calls[1:])
-
-
 class OpenAIChat(HttpProvider):
     """OpenAI Chat Completions (``POST {base_url}/chat/completions``), with native tools.
 
@@ -526,57 +516,22 @@ class OpenAIChat(HttpProvider):
                 ),
                 (),
             )
-        if not calls:
-            if finish == "tool_calls":
-                return (
-                    "",
-                    usage,
-                    envelope(
-                        "finish_reason is 'tool_calls' but the reply holds no tool call",
-                        ONE_TOOL_HINT,
-                    ),
-                    (),
-                )
-            if text.strip():
-                return (
-                    "",
-                    usage,
-                    envelope(
-                        f"the model answered with text instead of a tool call: {clip(text)}",
-                        ONE_TOOL_HINT,
-                    ),
-                    (),
-                )
-            return (
-                "",
-                usage,
-                envelope("the reply is empty: no tool call and no text", ONE_TOOL_HINT),
-                (),
-            )
-        if text.strip():
-            return (
-                "",
-                usage,
-                envelope(
-                    f"the reply holds text and a tool call together: {clip(text)}",
-                    "answer with the tool call alone, no text beside it",
-                ),
-                (),
-            )
+        announced = (
+            "finish_reason is 'tool_calls' but the reply holds no tool call"
+            if finish == "tool_calls"
+            else None
+        )
+        mismatch = None
         if finish not in ("tool_calls", None) and not (
             finish == "stop" and profile.calls_with_stop
         ):
-            return (
-                "",
-                usage,
-                envelope(
-                    f"the reply holds a tool call but finish_reason is {finish!r}, not 'tool_calls'",
-                    f"{ONE_TOOL_HINT}; for a server that does this, use profile='generic'",
-                ),
-                (),
+            mismatch = (
+                f"the reply holds a tool call but finish_reason is {finish!r}, not 'tool_calls'",
+                f"{ONE_TOOL_HINT}; for a server that does this, use profile='generic'",
             )
-        raw, violation, extra = _calls_to_proposal(calls, self.transition)
-        return raw, usage, violation, extra
+        return judge_calls(
+            calls, text, usage, self.transition, announced=announced, mismatch=mismatch
+        )
 
     def read_stream(
         self, data: list[str], mode: str = "tools"
@@ -911,36 +866,7 @@ class OpenAIResponses(HttpProvider):
                 ),
                 (),
             )
-        text = "".join(texts)
-        if not calls:
-            if text.strip():
-                return (
-                    "",
-                    usage,
-                    envelope(
-                        f"the model answered with text instead of a tool call: {clip(text)}",
-                        ONE_TOOL_HINT,
-                    ),
-                    (),
-                )
-            return (
-                "",
-                usage,
-                envelope("the reply is empty: no tool call and no text", ONE_TOOL_HINT),
-                (),
-            )
-        if text.strip():
-            return (
-                "",
-                usage,
-                envelope(
-                    f"the reply holds text and a tool call together: {clip(text)}",
-                    "answer with the tool call alone, no text beside it",
-                ),
-                (),
-            )
-        raw, violation, extra = _calls_to_proposal(calls, self.transition)
-        return raw, usage, violation, extra
+        return judge_calls(calls, "".join(texts), usage, self.transition)
 
     def read_stream(
         self, data: list[str], mode: str = "tools"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._events import Violation
+from .._events import TokenUsage, Violation
 from .._exceptions import MachineDefinitionError
 
 if TYPE_CHECKING:
@@ -436,3 +436,49 @@ def encoded_tools(
     if found is None or found[0] is not specs:
         found = cache[id(specs)] = (specs, _encode([render(spec) for spec in specs]))
     return found[1]
+
+
+#: What reading a response gives: the proposal's raw text, the usage, the envelope's
+#: violation (or None) and the calls after the first.
+Read = tuple[str, "TokenUsage", Violation | None, tuple[tuple[str, str], ...]]
+
+
+def judge_calls(
+    calls: list[tuple[str, str]],
+    text: str,
+    usage: TokenUsage,
+    transition: str,
+    *,
+    announced: str | None = None,
+    mismatch: tuple[str, str] | None = None,
+) -> Read:
+    """The end of every API's reading: no call (``announced`` says the stop reason claimed
+    one), text instead of a call or beside one, a stop reason that does not fit the call
+    (``mismatch``: its message and hint), or the first call as the proposal."""
+    if not calls:
+        if announced:
+            return "", usage, envelope(announced, ONE_TOOL_HINT), ()
+        if text.strip():
+            message = f"the model answered with text instead of a tool call: {clip(text)}"
+            return "", usage, envelope(message, ONE_TOOL_HINT), ()
+        return (
+            "",
+            usage,
+            envelope("the reply is empty: no tool call and no text", ONE_TOOL_HINT),
+            (),
+        )
+    if text.strip():
+        return (
+            "",
+            usage,
+            envelope(
+                f"the reply holds text and a tool call together: {clip(text)}",
+                "answer with the tool call alone, no text beside it",
+            ),
+            (),
+        )
+    if mismatch is not None:
+        return "", usage, envelope(*mismatch), ()
+    name, arguments = calls[0]
+    raw, violation = to_raw(name, arguments, transition)
+    return raw, usage, violation, tuple(calls[1:])
