@@ -96,17 +96,6 @@ class AnthropicMessages(HttpProvider):
             headers["x-api-key"] = self._key
         return headers
 
-    def messages(self, view: RunView) -> list[dict[str, Any]]:
-        """The conversation as Messages turns (decoded; the body joins them pre-encoded).
-
-        A note (what no call of the model caused) is a user turn of its own; the API
-        joins consecutive turns of one role into one.
-        """
-        decoded: list[dict[str, Any]] = msgspec.json.decode(
-            b"[" + b",".join(self._messages(view)) + b"]"
-        )
-        return decoded
-
     def _messages(self, view: RunView) -> list[bytes]:
         steps = joined(view, "messages", _messages_step)
         return [_BEGIN, steps, _NEXT] if steps else [_BEGIN, _NEXT]

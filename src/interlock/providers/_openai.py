@@ -400,13 +400,6 @@ class OpenAIChat(HttpProvider):
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
-    def messages(self, view: RunView) -> list[dict[str, Any]]:
-        """The conversation as Chat messages (decoded; the body joins them pre-encoded)."""
-        decoded: list[dict[str, Any]] = msgspec.json.decode(
-            b"[" + b",".join(self._messages(view)) + b"]"
-        )
-        return decoded
-
     def _messages(self, view: RunView) -> list[bytes]:
         system = _encode({"role": "system", "content": system_text(view)})
         steps = joined(view, "chat", _chat_step)
@@ -778,13 +771,6 @@ class OpenAIResponses(HttpProvider):
 
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
-
-    def items(self, view: RunView) -> list[dict[str, Any]]:
-        """The conversation as Responses input items (decoded)."""
-        decoded: list[dict[str, Any]] = msgspec.json.decode(
-            b"[" + b",".join(self._items(view)) + b"]"
-        )
-        return decoded
 
     def _items(self, view: RunView) -> list[bytes]:
         steps = joined(view, "responses", _responses_step)
