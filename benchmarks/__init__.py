@@ -26,6 +26,7 @@ ORDER = (
     "metrics",
     "providers",
     "instructions",
+    "gateway",
 )
 
 

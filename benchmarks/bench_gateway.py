@@ -1,0 +1,765 @@
+"""The gateway over loopback: single HTTP proposals against hypercorn's own ceiling, batches,
+the streaming channel, and one external step against the same step in process.
+
+Every server runs in its own process and every load generator in another (``run_child``),
+on loopback; ratios are taken within one run:
+
+- *ceiling*: hypercorn's trio worker (``hypercorn.trio.serve``, the server the gateway runs
+  on) serving a bare ASGI endpoint that reads a tiny JSON POST and answers ``{"ok":true}``
+  with ``content-length``. Nothing in it is interlock's.
+- *single proposals*: the gateway (``interlock.gateway.serve_gateway`` on a SQLite journal in
+  a temporary directory) with ``connections`` keep-alive connections, each driving its own
+  external runs of the benchmark's machine with one ``POST /v1/runs/{id}/proposals`` at a
+  time: each proposal is a legal transition with distinct data (A -> B -> A ...), so every
+  request is verified, journaled and acknowledged after its batch is durable. Reported:
+  proposals/s (wall), per CPU second of the server process (``/proc``), p50/p99 latency, and
+  the share of the ceiling (the goal is 0.7 or more).
+- *batches*: ``POST /v1/verify`` with 100 and 1,000 items (each item one run's next
+  transition; a batch touches each run once), from ``connections`` clients at a time:
+  verified, journaled proposals/s and p99 of a batch's round trip.
+- *channel*: the streaming channel (``interlock.gateway`` client of H3's channel) with the same
+  items, many runs multiplexed on one connection, when the checkout has one.
+- *external step*: one external step (propose a ``lookup`` call, get the verdict and the key,
+  report its result) over HTTP on one connection, one at a time, against the same step
+  through ``Supervisor.submit`` in process on a SQLite journal: µs per step and the ratio.
+
+The load generator is a lean client (trio sockets, requests written as prepared bytes, the
+response parsed by hand: status line, ``content-length`` or chunked): it costs a few µs per
+request, so it is not the bottleneck; its own CPU share of a core is reported beside each
+row to show it.
+
+Run it alone: ``python -m benchmarks.bench_gateway [--quick]`` prints the tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from benchmarks._harness import (
+    ROOT,
+    Progress,
+    child_env,
+    child_main,
+    no_progress,
+    quantile,
+    run_child,
+)
+
+NAME = "gateway"
+TITLE = "Gateway: HTTP proposals against the server's ceiling, batches, the channel, one step"
+
+#: Keep-alive connections of the load (quick, full).
+CONNECTIONS = (8, 50)
+#: Seconds each load is measured, after a warm-up of a fifth of it (quick, full).
+SECONDS = (1.0, 5.0)
+BATCHES = ((100,), (100, 1000))
+#: External steps timed one at a time (quick, full).
+STEPS = (100, 1000)
+CEILING_GOAL = 0.7
+THROUGHPUT_GOAL = 50_000.0
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+
+
+# -- the application the gateway serves -----------------------------------------------------
+
+
+class Lookup(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+
+
+async def _not_here(args: Lookup, ctx: Any) -> Any:  # external runs: the caller executes
+    raise AssertionError("the benchmark's client executes its tools")
+
+
+def build_machine() -> Any:
+    """Two worker states that hand over to each other, and a read-only ``lookup`` tool."""
+    from interlock import Budgets, Machine, Tool, Worker
+
+    return Machine(
+        "cycle",
+        "A",
+        {
+            "A": Worker(next=["B", "DONE"], tools=["lookup"]),
+            "B": Worker(next=["A", "DONE"], tools=["lookup"]),
+        },
+        tools=[Tool("lookup", _not_here, Lookup, read_only=True, description="Find an order")],
+        budgets=Budgets(tokens=10**12, steps=10**9, deadline=10.0**9),
+    )
+
+
+def build_app() -> Any:
+    """``--app benchmarks.bench_gateway:build_app()``'s object: the machine, no provider."""
+    from interlock import App
+
+    return App([build_machine()])
+
+
+def transition(state: str, n: int) -> str:
+    """The proposal that moves a run out of ``state`` (A or B), with distinct data ``n``."""
+    return f'{{"next":"{"B" if state == "A" else "A"}","data":{{"n":{n}}}}}'
+
+
+def call(n: int) -> str:
+    return f'{{"tool":"lookup","args":{{"order_id":"ORD-{n:07d}"}}}}'
+
+
+# -- servers, each in its own process -------------------------------------------------------
+
+
+async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The ceiling: read the request body, answer a tiny JSON body. Nothing else."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"11")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b'{"ok":true}'})
+
+
+def _hypercorn_config() -> Any:
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    config.keep_alive_timeout = 600
+    return config
+
+
+def serve(kind: str, db: str) -> None:
+    """A server's process: print ``PORT n`` once it listens, then serve until killed."""
+    import trio
+
+    async def bare() -> None:
+        from hypercorn.trio import serve as hypercorn_serve
+
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                functools.partial(hypercorn_serve, bare_app, _hypercorn_config(), mode="asgi")
+            )
+            _say_port(int(binds[0].rsplit(":", 1)[1]))
+
+    async def gateway() -> None:
+        from interlock.gateway import serve_gateway
+
+        async with trio.open_nursery() as nursery:
+            started = await nursery.start(
+                functools.partial(serve_gateway, build_app(), db=db, host="127.0.0.1", port=0)
+            )
+            _say_port(_port_of(started))
+
+    trio.run(bare if kind == "bare" else gateway)
+
+
+def _port_of(started: Any) -> int:
+    """The port ``serve_gateway`` reported to its ``task_status``."""
+    for attribute in ("port",):
+        if hasattr(started, attribute):
+            return int(getattr(started, attribute))
+    if isinstance(started, int):
+        return started
+    if isinstance(started, (list, tuple)) and started:
+        return _port_of(started[0])
+    if isinstance(started, str):
+        return int(started.rsplit(":", 1)[1].rstrip("/"))
+    raise RuntimeError(f"serve_gateway started with {started!r}: no port in it")
+
+
+def _say_port(port: int) -> None:
+    sys.stdout.write(f"PORT {port}\n")
+    sys.stdout.flush()
+
+
+class Server:
+    """A server in its own process: started, its CPU read from /proc, stopped."""
+
+    def __init__(self, kind: str, db: str = "") -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_gateway", "--serve", kind, db],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise RuntimeError(f"the {kind} server did not start: {line!r}\n{err[-3000:]}")
+        self.port = int(line.split()[1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.communicate()
+
+
+@contextlib.contextmanager
+def running(kind: str, db: str = "") -> Any:
+    server = Server(kind, db)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- the lean load generator ----------------------------------------------------------------
+
+
+class HttpError(Exception):
+    """The server answered a status the load did not expect."""
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection: a request is prepared bytes, a response parsed
+    by hand (status, ``content-length`` or chunked). A few µs per request."""
+
+    def __init__(self, stream: Any, port: int) -> None:
+        self.stream = stream
+        self.host = f"127.0.0.1:{port}".encode()
+        self.buffer = bytearray()
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        import trio
+
+        return cls(await trio.open_tcp_stream("127.0.0.1", port), port)
+
+    def prepare(self, method: str, path: str, body: bytes = b"", content_type: str = "") -> bytes:
+        head = f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        if body or method == "POST":
+            head += f"content-type: {content_type or 'application/json'}\r\n"
+            head += f"content-length: {len(body)}\r\n"
+        return head.encode() + b"\r\n" + body
+
+    async def request(self, data: bytes) -> tuple[int, bytes]:
+        await self.stream.send_all(data)
+        return await self._response()
+
+    async def _fill(self) -> None:
+        chunk = await self.stream.receive_some(262144)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buffer += chunk
+
+    async def _response(self) -> tuple[int, bytes]:
+        buffer = self.buffer
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            await self._fill()
+        head = bytes(buffer[:end]).lower()
+        del buffer[: end + 4]
+        status = int(head[9:12])
+        at = head.find(b"\r\ncontent-length:")
+        if at >= 0:
+            stop = head.find(b"\r\n", at + 2)
+            length = int(head[at + 17 : stop if stop >= 0 else len(head)])
+            while len(buffer) < length:
+                await self._fill()
+            body = bytes(buffer[:length])
+            del buffer[:length]
+            return status, body
+        if b"transfer-encoding: chunked" in head:
+            parts = []
+            while True:
+                while (line := buffer.find(b"\r\n")) < 0:
+                    await self._fill()
+                size = int(bytes(buffer[:line]).split(b";")[0], 16)
+                while len(buffer) < line + 2 + size + 2:
+                    await self._fill()
+                parts.append(bytes(buffer[line + 2 : line + 2 + size]))
+                del buffer[: line + 2 + size + 2]
+                if size == 0:
+                    return status, b"".join(parts)
+        return status, b""
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+Worker = Callable[[Connection, Any], Awaitable[None]]
+"""``worker(conn, load)``: sets up (runs to drive), calls ``await load.ready()``, then
+makes requests until cancelled, passing each one's latency and item count to
+``load.record``."""
+
+
+class Load:
+    """What the workers of one load share: the start line and the measured window."""
+
+    def __init__(self, workers: int) -> None:
+        import trio
+
+        self.waiting = workers
+        self.all_ready = trio.Event()
+        self.on = False
+        self.over = False
+        self.latencies: list[float] = []
+        self.items = 0
+
+    async def ready(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.all_ready.set()
+        await self.all_ready.wait()
+
+    def record(self, latency: float, items: int = 1) -> None:
+        if self.on and not self.over:
+            self.latencies.append(latency)
+            self.items += items
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from ``/proc``."""
+    with open(f"/proc/{pid}/stat") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(
+    port: int, connections: int, seconds: float, worker: Worker, server_pid: int
+) -> dict[str, Any]:
+    """Run ``connections`` workers: set up, a warm-up, then ``seconds`` measured."""
+    import trio
+
+    load = Load(connections)
+    conns = [await Connection.open(port) for _ in range(connections)]
+    try:
+        async with trio.open_nursery() as nursery:
+            for conn in conns:
+                nursery.start_soon(worker, conn, load)
+            with trio.fail_after(600):
+                await load.all_ready.wait()
+            await trio.sleep(max(0.2, seconds / 5))
+            load.on = True
+            server_cpu = process_cpu(server_pid)
+            cpu, started = time.process_time(), time.perf_counter()
+            await trio.sleep(seconds)
+            load.over = True
+            elapsed = time.perf_counter() - started
+            client_cpu = time.process_time() - cpu
+            server_cpu = process_cpu(server_pid) - server_cpu
+            nursery.cancel_scope.cancel()
+    finally:
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.aclose()
+    return {
+        "requests": len(load.latencies),
+        "items": load.items,
+        "seconds": elapsed,
+        "per_s": len(load.latencies) / elapsed,
+        "items_per_s": load.items / elapsed,
+        "p50_ms": quantile(load.latencies, 0.5) * 1e3,
+        "p99_ms": quantile(load.latencies, 0.99) * 1e3,
+        "client_cpu_share": client_cpu / elapsed,
+        "server_cpu_share": server_cpu / elapsed,
+        "items_per_server_cpu_s": load.items / server_cpu if server_cpu else None,
+    }
+
+
+def _checked(status: int, body: bytes, expected: int = 200) -> bytes:
+    if status != expected:
+        raise HttpError(f"HTTP {status}: {body[:300]!r}")
+    return body
+
+
+async def _bare_worker(conn: Connection, load: Load) -> None:
+    request = conn.prepare("POST", "/echo", b'{"run_id":"r-1","proposal":"{}"}')
+    timer = time.perf_counter
+    await load.ready()
+    while True:
+        started = timer()
+        status, body = await conn.request(request)
+        _checked(status, body)
+        load.record(timer() - started)
+
+
+def _load_child(config: dict[str, Any]) -> dict[str, Any]:
+    """A load generator's process: one load against the server on ``config['port']``."""
+    import trio
+
+    kind = config["kind"]
+    if kind == "steps":
+        return trio.run(external_steps, config["port"], config["steps"])
+    if kind == "inprocess":
+        return trio.run(inprocess_steps, config["db"], config["steps"])
+    worker: Worker
+    if kind == "bare":
+        worker = _bare_worker
+    elif kind == "proposals":
+        worker = _proposal_worker
+    elif kind == "verify":
+        worker = functools.partial(_verify_worker, batch=config["batch"])
+    else:
+        raise ValueError(f"unknown load {kind!r}")
+    return trio.run(
+        drive,
+        config["port"],
+        config["connections"],
+        config["seconds"],
+        worker,
+        config["server_pid"],
+    )
+
+
+# -- the gateway's loads (the routes of issue 17) -------------------------------------------
+
+
+def _run_id(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+async def create_run(conn: Connection, run_id: str) -> dict[str, Any]:
+    body = _encode({"machine": "cycle", "inputs": {}, "run_id": run_id, "mode": "external"})
+    status, answer = await conn.request(conn.prepare("POST", "/v1/runs", body))
+    run: dict[str, Any] = _decode(_checked(status, answer, 201))
+    return run
+
+
+def _accepted(verdict: dict[str, Any]) -> dict[str, Any]:
+    if not verdict.get("accepted"):
+        raise HttpError(f"a legal proposal was not accepted: {verdict}")
+    return verdict
+
+
+async def _proposal_worker(conn: Connection, load: Load) -> None:
+    run_id = _run_id("p")
+    run = await create_run(conn, run_id)
+    state, seq = run["state"], run["seq"]
+    path = f"/v1/runs/{run_id}/proposals"
+    timer = time.perf_counter
+    await load.ready()
+    n = 0
+    while True:
+        request = conn.prepare(
+            "POST", path, _encode({"proposal": transition(state, n), "expected_seq": seq})
+        )
+        started = timer()
+        status, answer = await conn.request(request)
+        verdict = _accepted(_decode(_checked(status, answer)))
+        load.record(timer() - started)
+        state, seq = verdict["state"], verdict["seq"]
+        n += 1
+
+
+async def _verify_worker(conn: Connection, load: Load, *, batch: int) -> None:
+    runs = []
+    for _ in range(batch):
+        run_id = _run_id("v")
+        run = await create_run(conn, run_id)
+        runs.append([run_id, run["state"], run["seq"]])
+    timer = time.perf_counter
+    await load.ready()
+    n = 0
+    while True:
+        items = [
+            {"run_id": run_id, "proposal": transition(state, n), "expected_seq": seq}
+            for run_id, state, seq in runs
+        ]
+        request = conn.prepare("POST", "/v1/verify", _encode({"items": items}))
+        started = timer()
+        status, answer = await conn.request(request)
+        verdicts = _decode(_checked(status, answer))["verdicts"]
+        load.record(timer() - started, len(verdicts))
+        for entry, verdict in zip(runs, verdicts, strict=True):
+            _accepted(verdict)
+            entry[1], entry[2] = verdict["state"], verdict["seq"]
+        n += 1
+
+
+async def external_steps(port: int, steps: int) -> dict[str, Any]:
+    """``steps`` external steps over HTTP, one at a time: propose a call, report it."""
+    conn = await Connection.open(port)
+    try:
+        run_id = _run_id("s")
+        run = await create_run(conn, run_id)
+        seq = run["seq"]
+        propose, report = f"/v1/runs/{run_id}/proposals", f"/v1/runs/{run_id}/results"
+        latencies = []
+        timer = time.perf_counter
+        for n in range(-steps // 10, steps):  # a tenth more as a warm-up
+            started = timer()
+            status, answer = await conn.request(
+                conn.prepare(
+                    "POST", propose, _encode({"proposal": call(n + steps), "expected_seq": seq})
+                )
+            )
+            verdict = _accepted(_decode(_checked(status, answer)))
+            result = {"key": verdict["key"], "result": {"status": "shipped", "n": n}}
+            status, answer = await conn.request(conn.prepare("POST", report, _encode(result)))
+            seq = _accepted(_decode(_checked(status, answer)))["seq"]
+            if n >= 0:
+                latencies.append(timer() - started)
+    finally:
+        await conn.aclose()
+    return _step_figures(latencies)
+
+
+async def inprocess_steps(db: str, steps: int) -> dict[str, Any]:
+    """The same steps through ``Supervisor.submit`` in this process, on a SQLite journal."""
+    from interlock import Propose, Report, open_supervisor
+    from interlock.stores import open_sqlite_store
+
+    store = await open_sqlite_store(db)
+    try:
+        async with open_supervisor([build_machine()], store) as sup:
+            run_id = _run_id("i")
+            await sup.start_run("cycle", run_id=run_id, external=True)
+            seq = sup.view(run_id).seq
+            latencies = []
+            timer = time.perf_counter
+            for n in range(-steps // 10, steps):
+                started = timer()
+                verdict = await sup.submit(Propose(run_id=run_id, seq=seq, raw=call(n + steps)))
+                if not verdict.accepted or verdict.execute is None:
+                    raise RuntimeError(f"a legal call was not accepted: {verdict}")
+                done = await sup.submit(
+                    Report(
+                        run_id=run_id,
+                        seq=verdict.seq,
+                        key=verdict.execute.key,
+                        ok=True,
+                        result={"status": "shipped", "n": n},
+                    )
+                )
+                if not done.accepted:
+                    raise RuntimeError(f"a report was not accepted: {done}")
+                seq = done.seq
+                if n >= 0:
+                    latencies.append(timer() - started)
+    finally:
+        await store.aclose()
+    return _step_figures(latencies)
+
+
+def _step_figures(latencies: list[float]) -> dict[str, Any]:
+    return {
+        "steps": len(latencies),
+        "mean_us": sum(latencies) / len(latencies) * 1e6,
+        "p50_us": quantile(latencies, 0.5) * 1e6,
+        "p99_us": quantile(latencies, 0.99) * 1e6,
+    }
+
+
+# -- the section ----------------------------------------------------------------------------
+
+
+def _load(server: Server, kind: str, **config: Any) -> dict[str, Any]:
+    row = run_child(
+        "benchmarks.bench_gateway",
+        {"kind": kind, "port": server.port, "server_pid": server.proc.pid, **config},
+    )
+    row["kind"] = kind
+    return row
+
+
+def has_gateway() -> bool:
+    return importlib.util.find_spec("interlock.gateway._serve") is not None
+
+
+def has_channel() -> bool:
+    return importlib.util.find_spec("interlock.gateway._channel_client") is not None
+
+
+def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
+    level = 0 if quick else 1
+    connections, seconds = CONNECTIONS[level], SECONDS[level]
+    results: dict[str, Any] = {"connections": connections, "seconds": seconds, "rows": []}
+    rows = results["rows"]
+    progress("ceiling: hypercorn, bare endpoint", 0.0)
+    with running("bare") as server:
+        rows.append(
+            {"label": CEILING, **_load(server, "bare", connections=connections, seconds=seconds)}
+        )
+    if not has_gateway():
+        results["missing"] = "interlock.gateway has no server (_serve) in this checkout"
+        return results
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        progress("single proposals over HTTP", 0.2)
+        with running("gateway", str(Path(tmp) / "single.db")) as server:
+            rows.append(
+                {
+                    "label": SINGLE,
+                    **_load(server, "proposals", connections=connections, seconds=seconds),
+                }
+            )
+        for index, batch in enumerate(BATCHES[level]):
+            progress(f"POST /v1/verify, batches of {batch}", 0.4 + 0.15 * index)
+            with running("gateway", str(Path(tmp) / f"batch{batch}.db")) as server:
+                rows.append(
+                    {
+                        "label": f"POST /v1/verify, batches of {batch:,}",
+                        "batch": batch,
+                        **_load(
+                            server,
+                            "verify",
+                            connections=BATCH_CONNECTIONS,
+                            seconds=seconds,
+                            batch=batch,
+                        ),
+                    }
+                )
+        progress("one external step, over HTTP and in process", 0.8)
+        steps = STEPS[level]
+        with running("gateway", str(Path(tmp) / "steps.db")) as server:
+            results["step_http"] = _load(server, "steps", steps=steps)
+        results["step_inprocess"] = run_child(
+            "benchmarks.bench_gateway",
+            {"kind": "inprocess", "db": str(Path(tmp) / "inprocess.db"), "steps": steps},
+        )
+    ceiling = rows[0]["per_s"]
+    for row in rows:
+        row["share_of_ceiling"] = row["per_s"] / ceiling
+    return results
+
+
+CEILING = "hypercorn trio worker, bare ASGI endpoint (the ceiling)"
+SINGLE = "gateway: one proposal per request"
+BATCH_CONNECTIONS = 2
+
+
+def find(results: dict[str, Any], label: str) -> dict[str, Any] | None:
+    return next((row for row in results.get("rows", []) if row["label"] == label), None)
+
+
+def render(results: dict[str, Any]) -> str:
+    from benchmarks._report import num, table
+
+    def per_cpu(row: dict[str, Any]) -> str:
+        value = row.get("items_per_server_cpu_s")
+        return f"{value:,.0f}" if value else "–"
+
+    rows = [
+        (
+            row["label"],
+            f"{row['per_s']:,.0f}",
+            f"{row['items_per_s']:,.0f}",
+            per_cpu(row),
+            num(row["p50_ms"], 2),
+            num(row["p99_ms"], 2),
+            f"{row['share_of_ceiling']:.2f}" if "share_of_ceiling" in row else "–",
+            f"{row['client_cpu_share']:.0%}",
+        )
+        for row in results["rows"]
+    ]
+    connections = results["connections"]
+    parts = [
+        table(
+            [
+                "load",
+                "requests/s",
+                "proposals/s",
+                "proposals per server CPU s",
+                "p50 ms",
+                "p99 ms",
+                "requests/s of the ceiling",
+                "client CPU",
+            ],
+            rows,
+        ),
+        "",
+        f"{connections} keep-alive connections ({BATCH_CONNECTIONS} for the batches), "
+        f"{results['seconds']:.0f} s measured per row after a warm-up; each server and each "
+        "load generator in its own process, on loopback. *proposals*: verified and journaled "
+        "(SQLite, acknowledged after the batch is durable). *per server CPU s*: the server "
+        "process's own CPU over the window (`/proc`), the per-core rate. *client CPU*: the "
+        "load generator's CPU over the window as a share of one core (well under one: the "
+        f"client is not the bottleneck). Goals: single proposals at {CEILING_GOAL} of the "
+        f"ceiling or more; batches and the channel {THROUGHPUT_GOAL:,.0f} proposals/s or more "
+        "on one core.",
+    ]
+    http, local = results.get("step_http"), results.get("step_inprocess")
+    if http and local:
+        parts += [
+            "",
+            table(
+                [
+                    "one external step (propose a call, verdict, report)",
+                    "mean µs",
+                    "p50 µs",
+                    "p99 µs",
+                ],
+                [
+                    (label, num(r["mean_us"], 0), num(r["p50_us"], 0), num(r["p99_us"], 0))
+                    for label, r in (
+                        ("over HTTP (gateway, one connection)", http),
+                        ("in process (`Supervisor.submit`)", local),
+                    )
+                ],
+            ),
+            "",
+            f"{http['steps']:,} steps one at a time, each on a SQLite journal: the gateway "
+            f"adds {http['mean_us'] - local['mean_us']:,.0f} µs per step "
+            f"({http['mean_us'] / local['mean_us']:.1f}× the in-process step).",
+        ]
+    if results.get("missing"):
+        parts += ["", f"*Gateway rows not measured: {results['missing']}.*"]
+    return "\n".join(parts)
+
+
+def _child(config: dict[str, Any]) -> dict[str, Any]:
+    return _load_child(config)
+
+
+def main(argv: list[str]) -> None:
+    if argv[1:2] == ["--child"]:
+        child_main(_child)
+    elif argv[1:2] == ["--serve"]:
+        serve(argv[2], argv[3] if len(argv) > 3 else "")
+    else:
+        quick = "--quick" in argv[1:]
+
+        def show(description: str, fraction: float) -> None:
+            sys.stderr.write(f"[{fraction:4.0%}] {description}\n")
+
+        started = time.perf_counter()
+        results = run(quick, show)
+        print(render(results))
+        print(
+            f"\n`python -m benchmarks.bench_gateway{' --quick' if quick else ''}` "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
+        json.dump(results, sys.stderr, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
