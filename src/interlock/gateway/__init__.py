@@ -1,0 +1,64 @@
+"""The verification gateway: agents in any language verify and commit through HTTP.
+
+``interlock serve --app REF`` serves it; :func:`create_app` gives the ASGI app for
+embedding and :func:`serve_gateway` serves it with hypercorn on trio. The request and
+response bodies are the Structs of :mod:`interlock.gateway._api`, re-exported here.
+"""
+
+from __future__ import annotations
+
+from ._api import (
+    AbortIn,
+    CallOut,
+    EscalationOut,
+    EscalationPage,
+    EventOut,
+    EventPage,
+    HealthOut,
+    Problem,
+    ProposalIn,
+    ReadyOut,
+    ResultIn,
+    ResumeIn,
+    RunCreate,
+    RunOut,
+    RunPage,
+    RunSummary,
+    ToolSpec,
+    Usage,
+    VerdictOut,
+    VerifyIn,
+    VerifyItem,
+    VerifyOut,
+    ViolationOut,
+)
+from ._service import GatewayError, GatewayService, PrincipalLike
+
+__all__ = [
+    "AbortIn",
+    "CallOut",
+    "EscalationOut",
+    "EscalationPage",
+    "EventOut",
+    "EventPage",
+    "GatewayError",
+    "GatewayService",
+    "HealthOut",
+    "PrincipalLike",
+    "Problem",
+    "ProposalIn",
+    "ReadyOut",
+    "ResultIn",
+    "ResumeIn",
+    "RunCreate",
+    "RunOut",
+    "RunPage",
+    "RunSummary",
+    "ToolSpec",
+    "Usage",
+    "VerdictOut",
+    "VerifyIn",
+    "VerifyItem",
+    "VerifyOut",
+    "ViolationOut",
+]

@@ -1,0 +1,1013 @@
+"""The gateway's semantics, free of any transport: one async method per API operation.
+
+The HTTP app (``_app``) and the streaming channel (``_channel``) both call a
+:class:`GatewayService`; it takes and returns the Structs of :mod:`._api` and raises
+:class:`GatewayError` for every problem, so both transports answer alike.
+
+Retries are safe. A proposal sent with ``expected_seq`` is answered once: the same
+proposal at the same ``expected_seq`` gets the recorded verdict (from memory while the
+process lives, else read back from the run's journal), never a second decision. A result
+is keyed by its idempotency key: a repeated report gets the key's recorded outcome.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+import trio
+
+from .. import _decider
+from .._breakers import CircuitBoard
+from .._events import (
+    Escalated,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    Resumed,
+    TokenUsage,
+    ToolCommitted,
+    ToolFailed,
+    ToolInDoubt,
+)
+from .._exceptions import (
+    IllegalResumeTarget,
+    InvalidInputs,
+    NoProvider,
+    NotEscalated,
+    PayloadRejected,
+    ProtocolError,
+    RunNotFound,
+    StoreError,
+    UnknownMachine,
+    UnknownState,
+)
+from .._handle import RunHandle
+from .._machine import ESCALATE
+from .._messages import Propose, Reconciliation, Report, Resume, Verdict
+from .._view import RunState, RunView, fold
+from ..providers._base import render_prompt
+from ._api import (
+    AbortIn,
+    CallOut,
+    EscalationOut,
+    EscalationPage,
+    EventOut,
+    EventPage,
+    Problem,
+    ProposalIn,
+    ReadyOut,
+    ResultIn,
+    ResumeIn,
+    RunCreate,
+    RunOut,
+    RunPage,
+    RunSummary,
+    ToolSpec,
+    Usage,
+    VerdictOut,
+    VerifyIn,
+    VerifyItem,
+    VerifyOut,
+    ViolationOut,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+    from .._events import Event, JournalEvent, Violation
+    from .._supervisor import Supervisor
+
+__all__ = ["GatewayError", "GatewayService", "PrincipalLike"]
+
+PROBLEMS = "https://interlock.dev/problems/"
+#: How many runs' last proposal answers are kept in memory (the journal holds the rest).
+ANSWERS_KEPT = 100_000
+#: Events per page of GET /v1/runs/{id}/events, at most.
+MAX_EVENTS_PAGE = 10_000
+_TERMINAL_KINDS = frozenset({"completed", "failed"})
+# The events that begin the decision of a new request: a decision's events run from its
+# first event up to (not including) the next of these.
+_REQUEST_KINDS = frozenset(
+    {
+        "model_called",
+        "step_proposed",
+        "provider_failed",
+        "tool_committed",
+        "tool_failed",
+        "tool_in_doubt",
+        "reconciled",
+        "resumed",
+    }
+)
+
+
+class PrincipalLike(Protocol):
+    """Who makes a request (``gateway._keys.Principal``)."""
+
+    name: str
+
+    def allows(self, role: str, machine: str | None = None) -> bool: ...
+
+
+class GatewayError(Exception):
+    """A problem answer: an HTTP status, a title and a detail that says what to fix.
+
+    Args:
+      status: the HTTP status (4xx for the caller's mistakes, 503 when it should retry).
+      title: a short, fixed summary of the kind of problem.
+      detail: what exactly was wrong, and how to fix it.
+      violations: the gate's violations, for a rejected payload.
+      retry_after: seconds to wait before retrying (sent as ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str,
+        violations: Sequence[ViolationOut] = (),
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.title = title
+        self.detail = detail
+        self.violations = list(violations)
+        self.retry_after = retry_after
+
+    @property
+    def slug(self) -> str:
+        return self.title.lower().replace(" ", "-")
+
+    def problem(self) -> Problem:
+        """This error as a problem+json body."""
+        return Problem(
+            type=PROBLEMS + self.slug,
+            title=self.title,
+            status=self.status,
+            detail=self.detail,
+            violations=self.violations,
+        )
+
+
+def not_found(detail: str) -> GatewayError:
+    return GatewayError(404, "Not Found", detail)
+
+
+def conflict(detail: str) -> GatewayError:
+    return GatewayError(409, "Conflict", detail)
+
+
+def invalid(detail: str, violations: Sequence[ViolationOut] = ()) -> GatewayError:
+    return GatewayError(422, "Unprocessable Content", detail, violations)
+
+
+def unavailable(detail: str, retry_after: float = 1.0) -> GatewayError:
+    return GatewayError(503, "Service Unavailable", detail, retry_after=retry_after)
+
+
+def _violations(items: Sequence[Violation]) -> list[ViolationOut]:
+    return [ViolationOut(code=v.code, path=v.path, message=v.message, hint=v.hint) for v in items]
+
+
+def _translate(exc: Exception) -> GatewayError:
+    """The problem answer for an error the runtime raised."""
+    match exc:
+        case GatewayError():
+            return exc
+        case RunNotFound():
+            return not_found(f"{exc}; list the runs with GET /v1/runs")
+        case UnknownMachine():
+            return invalid(str(exc))
+        case InvalidInputs() | IllegalResumeTarget() | UnknownState():
+            return invalid(str(exc))
+        case NoProvider():
+            return invalid(f"{exc}; or start the run with mode 'external'")
+        case PayloadRejected():
+            return invalid(
+                f"the payload was rejected by the gate; nothing was journaled: {exc}",
+                _violations(exc.violations),
+            )
+        case NotEscalated():
+            return conflict(str(exc))
+        case ProtocolError():
+            return conflict(str(exc))
+        case StoreError():
+            return unavailable(f"the journal cannot be written now: {exc}; retry")
+        case trio.ClosedResourceError():
+            return unavailable("the gateway is shutting down; retry against another instance")
+    raise exc
+
+
+def _usage(usage: Usage | None) -> TokenUsage:
+    if usage is None:
+        return TokenUsage()
+    return TokenUsage(usage.prompt, usage.completion, usage.cached, usage.reasoning)
+
+
+def verdict_out(verdict: Verdict, *, replayed: bool = False) -> VerdictOut:
+    """A runtime verdict as the API's VerdictOut."""
+    call = verdict.execute
+    reconcile = verdict.reconcile
+    return VerdictOut(
+        run_id=verdict.run_id,
+        accepted=verdict.accepted,
+        outcome=verdict.outcome,
+        state=verdict.state,
+        seq=verdict.seq,
+        violations=_violations(verdict.violations) if verdict.violations else [],
+        key=call.key if call is not None else None,
+        tool=call.tool if call is not None else None,
+        args=call.args if call is not None else None,
+        reconcile=(
+            CallOut(key=reconcile.key, tool=reconcile.tool, args=reconcile.args)
+            if reconcile is not None
+            else None
+        ),
+        result=verdict.result,
+        retry_in=verdict.retry_in,
+        replayed=replayed,
+    )
+
+
+def event_out(event: JournalEvent | Event) -> EventOut:
+    """A journal event as the API's EventOut."""
+    data = msgspec.to_builtins(event)
+    kind = data.pop("kind")
+    for name in ("run_id", "seq", "ts"):
+        data.pop(name, None)
+    return EventOut(run_id=event.run_id, seq=event.seq, ts=event.ts, kind=kind, data=data)
+
+
+class _Answer:
+    """The answer to one proposal at one seq: in flight until ``done`` is set."""
+
+    __slots__ = ("done", "error", "proposal", "seq", "verdict")
+
+    def __init__(self, seq: int, proposal: str) -> None:
+        self.seq = seq
+        self.proposal = proposal
+        self.done = trio.Event()
+        self.verdict: VerdictOut | None = None
+        self.error: GatewayError | None = None
+
+
+class GatewayService:
+    """The API's operations over a running :class:`~interlock.Supervisor`.
+
+    Args:
+      supervisor: a running supervisor (``async with open_supervisor(...)``).
+      max_waiting: the most proposals and results waiting on the journal at once; past
+        it a request gets a 503 with ``Retry-After`` (back-pressure, never an unbounded
+        queue).
+      retry_after: the seconds a 503 asks the caller to wait.
+    """
+
+    def __init__(
+        self, supervisor: Supervisor, *, max_waiting: int = 20_000, retry_after: float = 1.0
+    ) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+        self.supervisor = supervisor
+        self.max_waiting = max_waiting
+        self.retry_after = retry_after
+        self.waiting = 0
+        """Requests waiting on the journal now."""
+        self.draining = False
+        """Set when the server stops: new mutating requests get a 503."""
+        self._answers: OrderedDict[str, _Answer] = OrderedDict()
+        self._reconciling: set[tuple[str, str]] = set()
+        self._ticks: dict[str, trio.Event] = {}
+        self._watch_store()
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _watch_store(self) -> None:
+        # NOTE: the journal writer calls store.append once per batch; wrapping it on the
+        # instance tells the event streams (follow) that a run's journal grew, with no
+        # polling and no cost when nobody follows.
+        store = self.supervisor.store
+        append = store.append
+        ticks = self._ticks
+
+        async def append_and_tick(events: Sequence[Event]) -> None:
+            await append(events)
+            if ticks:
+                for run_id in {e.run_id for e in events}:
+                    tick = ticks.pop(run_id, None)
+                    if tick is not None:
+                        tick.set()
+
+        store.append = append_and_tick  # type: ignore[method-assign]
+
+    def _admit(self, count: int = 1) -> None:
+        if self.draining:
+            raise unavailable("the gateway is shutting down; retry", self.retry_after)
+        if self.waiting and self.waiting + count > self.max_waiting:
+            raise unavailable(
+                f"the journal is behind: {self.waiting} requests are waiting for it "
+                f"(at most {self.max_waiting}); retry after {self.retry_after:g} s",
+                self.retry_after,
+            )
+        self.waiting += count
+
+    @staticmethod
+    def _allow(principal: PrincipalLike | None, roles: tuple[str, ...], machine: str) -> None:
+        if principal is None:
+            return
+        if not any(principal.allows(role, machine) for role in roles):
+            raise GatewayError(
+                403,
+                "Forbidden",
+                f"key {principal.name!r} may not do this for machine {machine!r}: it needs "
+                f"the role {' or '.join(map(repr, roles))} for that machine; use a key that has it",
+            )
+
+    async def _machine_of(self, run_id: str) -> str:
+        run = self.supervisor._runs.get(run_id)
+        if run is not None:
+            return run.machine.name
+        try:
+            return (await self.supervisor.store.get_run(run_id)).machine
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    async def _fold(self, run_id: str) -> RunState:
+        """The run as its journal holds it (the live state, if it is live here)."""
+        run = self.supervisor._runs.get(run_id)
+        if run is not None:
+            return run
+        store = self.supervisor.store
+        try:
+            record = await store.get_run(run_id)
+            machine = self.supervisor.machine(record.machine)
+            return fold(machine, await store.load(run_id))
+        except UnknownMachine:
+            raise conflict(
+                f"run {run_id!r} is of machine {record.machine!r}, which this gateway's "
+                f"application does not have (it has: {', '.join(self.supervisor.machines)})"
+            ) from None
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    def run_out(self, run: RunState) -> RunOut:
+        """A run (live, or folded from its journal) as the API's RunOut."""
+        view = RunView(run)
+        machine = run.machine
+        tools: list[ToolSpec] = []
+        legal: list[str] = []
+        context = ""
+        outcome = machine.outcome(run.state)
+        if not run.terminal and run.state in machine.states:
+            legal = list(view.legal_next)
+            tools = [
+                ToolSpec(name=t, description=view.tool_description(t), schema=view.tool_schema(t))
+                for t in view.allowed_tools
+            ]
+            if view.instructions or tools or legal:
+                context = render_prompt(view)
+        pending = run.pending
+        reason = ""
+        if run.escalation is not None and run.state == ESCALATE:
+            reason = run.escalation.reason
+        elif isinstance(run.output, dict) and outcome == "failed":
+            reason = str(run.output.get("reason", ""))
+        return RunOut(
+            id=run.run_id,
+            machine=machine.name,
+            mode="external" if run.external else "hosted",
+            state=run.state,
+            seq=run.seq,
+            outcome=outcome,
+            tools=tools,
+            next=legal,
+            context=context,
+            pending=(
+                CallOut(key=pending.key, tool=pending.tool, args=pending.args)
+                if pending is not None
+                else None
+            ),
+            output=run.output if outcome == "completed" else None,
+            reason=reason,
+        )
+
+    # -- runs ---------------------------------------------------------------------
+
+    async def create_run(
+        self, body: RunCreate, principal: PrincipalLike | None = None
+    ) -> tuple[RunOut, bool]:
+        """Start a run; return it and whether this request created it.
+
+        A retry with the same ``run_id``, machine, inputs and mode gets the existing run
+        (created False); the same id with anything else is a 409.
+        """
+        self._allow(principal, ("agent",), body.machine)
+        sup = self.supervisor
+        if body.machine not in sup.machines:
+            raise invalid(
+                f"no machine named {body.machine!r}; this gateway's machines: "
+                f"{', '.join(sup.machines)}"
+            )
+        external = body.mode == "external"
+        if body.run_id is not None:
+            existing = await self._existing(body, external)
+            if existing is not None:
+                return existing, False
+        self._admit()
+        try:
+            handle = await sup.start_run(
+                body.machine, body.inputs, run_id=body.run_id, external=external
+            )
+        except ProtocolError:
+            # Another request created it meanwhile: the same answer as a retry.
+            existing = await self._existing(body, external)
+            if existing is not None:
+                return existing, False
+            raise
+        except Exception as exc:
+            raise _translate(exc) from None
+        finally:
+            self.waiting -= 1
+        run = sup._runs.get(handle.run_id)
+        if run is None:  # a hosted run may have finished already
+            run = await self._fold(handle.run_id)
+        return self.run_out(run), True
+
+    async def _existing(self, body: RunCreate, external: bool) -> RunOut | None:
+        assert body.run_id is not None
+        try:
+            events = await self.supervisor.store.load(body.run_id)
+        except RunNotFound:
+            return None
+        except Exception as exc:
+            raise _translate(exc) from None
+        started = events[0]
+        same = (
+            getattr(started, "machine", None) == body.machine
+            and getattr(started, "inputs", None) == body.inputs
+            and (getattr(started, "external", False) is True) == external
+        )
+        if not same:
+            raise conflict(
+                f"run {body.run_id!r} already exists with another machine, inputs or mode; "
+                "choose another run_id (or omit it to have one generated)"
+            )
+        return self.run_out(await self._fold(body.run_id))
+
+    async def get_run(self, run_id: str, principal: PrincipalLike | None = None) -> RunOut:
+        """The run ``run_id``, live or from its journal."""
+        run = await self._fold(run_id)
+        self._allow(principal, ("reader", "agent"), run.machine.name)
+        return self.run_out(run)
+
+    async def list_runs(
+        self,
+        *,
+        state: str | None = None,
+        machine: str | None = None,
+        outcome: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+        principal: PrincipalLike | None = None,
+    ) -> RunPage:
+        """A page of the runs index, oldest first, filtered by every filter given."""
+        if not 1 <= limit <= 1000:
+            raise GatewayError(400, "Bad Request", f"limit must be between 1 and 1000, got {limit}")
+        start = _decode_cursor(cursor)
+        try:
+            records = await self.supervisor.store.list_runs(
+                machine=machine, state=state, outcome=outcome
+            )
+        except Exception as exc:
+            raise _translate(exc) from None
+        if principal is not None:
+            records = [
+                r
+                for r in records
+                if principal.allows("reader", r.machine) or principal.allows("agent", r.machine)
+            ]
+        page = records[start : start + limit]
+        following = start + limit if start + limit < len(records) else None
+        return RunPage(
+            runs=[
+                RunSummary(
+                    id=r.run_id,
+                    machine=r.machine,
+                    state=r.state,
+                    outcome=r.outcome,
+                    seq=r.seq,
+                    started=r.started,
+                    updated=r.updated,
+                    reason=r.reason,
+                )
+                for r in page
+            ],
+            cursor=_encode_cursor(following) if following is not None else None,
+        )
+
+    async def events(
+        self,
+        run_id: str,
+        after: int = 0,
+        limit: int = MAX_EVENTS_PAGE,
+        principal: PrincipalLike | None = None,
+    ) -> EventPage:
+        """The run's journal events after seq ``after``, at most ``limit``."""
+        if after < 0:
+            raise GatewayError(400, "Bad Request", f"after must be a seq >= 0, got {after}")
+        if not 1 <= limit <= MAX_EVENTS_PAGE:
+            raise GatewayError(
+                400, "Bad Request", f"limit must be between 1 and {MAX_EVENTS_PAGE}, got {limit}"
+            )
+        self._allow(principal, ("reader", "agent"), await self._machine_of(run_id))
+        events = await self._load(run_id)
+        chosen = events[after : after + limit]  # seqs run from 1 without gaps
+        return EventPage(
+            run_id=run_id,
+            events=[event_out(e) for e in chosen],
+            last_seq=chosen[-1].seq if chosen else after,
+            more=after + limit < len(events),
+        )
+
+    async def _load(self, run_id: str) -> list[JournalEvent]:
+        try:
+            return await self.supervisor.store.load(run_id)
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    async def follow(
+        self, run_id: str, after: int = 0, principal: PrincipalLike | None = None
+    ) -> AsyncIterator[EventOut]:
+        """Every journal event of the run after seq ``after``, as it becomes durable, until
+        the run completes or fails (an escalated run is followed on: it may be resumed)."""
+        if after < 0:
+            raise GatewayError(400, "Bad Request", f"after must be a seq >= 0, got {after}")
+        self._allow(principal, ("reader", "agent"), await self._machine_of(run_id))
+        return self._follow(run_id, after)
+
+    async def _follow(self, run_id: str, after: int) -> AsyncIterator[EventOut]:
+        seq = after
+        while True:
+            tick = self._ticks.get(run_id)
+            if tick is None:
+                tick = self._ticks[run_id] = trio.Event()
+            events = await self._load(run_id)
+            for event in events[seq:]:
+                out = event_out(event)
+                seq = event.seq
+                yield out
+            if events and event_out(events[-1]).kind in _TERMINAL_KINDS:
+                return
+            await tick.wait()
+
+    # -- proposals ----------------------------------------------------------------
+
+    async def propose(
+        self, run_id: str, body: ProposalIn, principal: PrincipalLike | None = None
+    ) -> VerdictOut:
+        """Verify the model's raw proposal for the external run ``run_id``.
+
+        Raises:
+          GatewayError: 404 no such run; 409 a stale ``expected_seq``, a hosted run, a
+            call awaiting its result, or a run that has ended; 503 back-pressure.
+        """
+        self._allow(principal, ("agent",), await self._machine_of(run_id))
+        self._admit()
+        try:
+            return await self._propose(
+                run_id, body.proposal, body.expected_seq, body.usage, body.model
+            )
+        finally:
+            self.waiting -= 1
+
+    async def _propose(
+        self,
+        run_id: str,
+        proposal: str,
+        expected: int | None,
+        usage: Usage | None,
+        model: str,
+    ) -> VerdictOut:
+        sup = self.supervisor
+        run = sup._runs.get(run_id)
+        answer: _Answer | None = None
+        if expected is not None:
+            known = self._answers.get(run_id)
+            if known is not None and known.seq == expected and known.proposal == proposal:
+                return await self._recorded_answer(known)
+            if run is None or run.seq != expected:
+                return await self._replay_proposal(run_id, proposal, expected)
+            answer = _Answer(expected, proposal)
+            self._answers[run_id] = answer
+            self._answers.move_to_end(run_id)
+            if len(self._answers) > ANSWERS_KEPT:
+                self._answers.popitem(last=False)
+        if run is None:
+            raise await self._not_live(run_id)
+        if not run.external:
+            raise conflict(
+                f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
+                "runs created with mode 'external'"
+            )
+        try:
+            verdict = await sup.submit(
+                Propose(
+                    run_id=run_id,
+                    seq=expected or 0,
+                    raw=proposal,
+                    usage=_usage(usage),
+                    model=model,
+                )
+            )
+        except Exception as exc:
+            error = _translate(exc)
+            if answer is not None:
+                answer.error = error
+                answer.done.set()
+            raise error from None
+        out = verdict_out(verdict)
+        self._note_reconcile(out)
+        if answer is not None:
+            answer.verdict = out
+            answer.done.set()
+        return out
+
+    async def _not_live(self, run_id: str) -> GatewayError:
+        """The problem for a request to a run that is not live here."""
+        try:
+            record = await self.supervisor.store.get_run(run_id)
+        except Exception as exc:
+            return _translate(exc)
+        if record.outcome != "running":
+            return conflict(
+                f"run {run_id!r} is {record.outcome} in state {record.state!r}; it takes no "
+                "more proposals or results"
+                + ("; an operator resumes it" if record.outcome == "escalated" else "")
+            )
+        return conflict(
+            f"run {run_id!r} is running but not in this gateway (another process drives it); "
+            "send its requests there"
+        )
+
+    async def _recorded_answer(self, answer: _Answer) -> VerdictOut:
+        await answer.done.wait()
+        if answer.verdict is None:
+            assert answer.error is not None
+            raise answer.error
+        return msgspec.structs.replace(answer.verdict, replayed=True)
+
+    async def _replay_proposal(self, run_id: str, proposal: str, expected: int) -> VerdictOut:
+        """The recorded verdict of ``proposal`` made at seq ``expected``, read from the
+        journal; a 409 if the run moved on by another request."""
+        events = await self._load(run_id)
+        current = events[-1].seq
+        if expected > current:
+            raise conflict(
+                f"run {run_id!r} is at seq {current}, the request was made at seq {expected}, "
+                "which the run has not reached; send the seq of RunOut or of the last verdict"
+            )
+        first = events[expected] if expected < len(events) else None
+        if isinstance(first, ModelCalled) and first.raw == proposal:
+            return self._recorded(events, expected)
+        raise conflict(
+            f"run {run_id!r} is at seq {current}, the request was made at seq {expected}: "
+            "another request advanced the run; GET the run and propose again at its seq"
+        )
+
+    def _recorded(self, events: Sequence[JournalEvent], start: int) -> VerdictOut:
+        """The verdict of the decision whose first event is ``events[start]``."""
+        end = start + 1
+        while end < len(events) and type(events[end]).__struct_config__.tag not in _REQUEST_KINDS:
+            end += 1
+        decided = events[start:end]
+        machine = self.supervisor.machine(self._machine_name(events))
+        run = fold(machine, list(events[:end]))
+        key = tool = None
+        args: dict[str, Any] | None = None
+        violations: list[ViolationOut] = []
+        accepted = True
+        result: Any = None
+        for event in decided:
+            if isinstance(event, IntentRecorded):
+                key, tool, args = event.key, event.tool, event.args
+            elif isinstance(event, ProposalRejected):
+                accepted = False
+                violations = _violations(event.violations)
+            elif isinstance(event, ToolCommitted):
+                result = event.result
+            elif isinstance(event, ToolFailed | ToolInDoubt):
+                accepted = False
+        return VerdictOut(
+            run_id=run.run_id,
+            accepted=accepted,
+            outcome=machine.outcome(run.state),
+            state=run.state,
+            seq=run.seq,
+            violations=violations,
+            key=key,
+            tool=tool,
+            args=args,
+            result=result,
+            replayed=True,
+        )
+
+    @staticmethod
+    def _machine_name(events: Sequence[JournalEvent]) -> str:
+        return str(events[0].machine)  # type: ignore[union-attr]
+
+    def _note_reconcile(self, out: VerdictOut) -> None:
+        if out.reconcile is not None:
+            self._reconciling.add((out.run_id, out.reconcile.key))
+
+    async def verify_batch(
+        self, body: VerifyIn, principal: PrincipalLike | None = None
+    ) -> VerifyOut:
+        """Verify many proposals at once: all are submitted together, so they are decided
+        and journaled in one group commit (or a few, past the supervisor's max_batch)."""
+        items = body.items
+        self._admit(len(items))
+        try:
+            verdicts: list[VerdictOut | None] = [None] * len(items)
+
+            async def one(index: int, item: VerifyItem) -> None:
+                try:
+                    self._allow(principal, ("agent",), await self._machine_of(item.run_id))
+                    verdicts[index] = await self._propose(
+                        item.run_id, item.proposal, item.expected_seq, item.usage, item.model
+                    )
+                except GatewayError as exc:
+                    verdicts[index] = VerdictOut(
+                        run_id=item.run_id,
+                        accepted=False,
+                        outcome="",
+                        state="",
+                        seq=-1,
+                        problem=exc.problem(),
+                    )
+
+            async with trio.open_nursery() as nursery:
+                for index, item in enumerate(items):
+                    nursery.start_soon(one, index, item)
+        finally:
+            self.waiting -= len(items)
+        return VerifyOut(verdicts=[v for v in verdicts if v is not None])
+
+    # -- results ------------------------------------------------------------------
+
+    async def report(
+        self, run_id: str, body: ResultIn, principal: PrincipalLike | None = None
+    ) -> VerdictOut:
+        """Journal how the accepted call with ``body.key`` went (or what its reconciliation
+        found). A repeated report of a key gets the key's recorded outcome."""
+        if body.error is not None and body.result is not None:
+            raise invalid(
+                "a result has either result (it succeeded) or error (it failed), not both; "
+                "send {key, result} or {key, error, retryable?, applied?}"
+            )
+        self._allow(principal, ("agent",), await self._machine_of(run_id))
+        sup = self.supervisor
+        run = sup._runs.get(run_id)
+        if run is not None and not run.external:
+            raise conflict(
+                f"run {run_id!r} is hosted: the runtime executes its tools; results are for "
+                "runs created with mode 'external'"
+            )
+        if run is None or run.pending is None or run.pending.key != body.key:
+            recorded = await self._replay_result(run_id, body.key, live=run is not None)
+            if recorded is not None:
+                return recorded
+        self._admit()
+        try:
+            if (run_id, body.key) in self._reconciling:
+                msg: Report | Reconciliation = Reconciliation(
+                    run_id=run_id,
+                    key=body.key,
+                    applied=body.applied,
+                    result=body.result,
+                    error=body.error or "",
+                    latency=body.latency,
+                )
+            else:
+                msg = Report(
+                    run_id=run_id,
+                    key=body.key,
+                    ok=body.error is None,
+                    result=body.result,
+                    error=body.error or "",
+                    retryable=body.retryable,
+                    attempts=body.attempts,
+                    latency=body.latency,
+                    applied=body.applied,
+                )
+            verdict = await sup.submit(msg)
+        except Exception as exc:
+            raise _translate(exc) from None
+        finally:
+            self.waiting -= 1
+        self._reconciling.discard((run_id, body.key))
+        out = verdict_out(verdict)
+        self._note_reconcile(out)
+        return out
+
+    async def _replay_result(self, run_id: str, key: str, *, live: bool) -> VerdictOut | None:
+        """The recorded answer to the first report of ``key``, from the journal; None
+        when the journal holds no outcome of it (yet)."""
+        events = await self._load(run_id)
+        for index, event in enumerate(events):
+            if (
+                isinstance(event, ToolCommitted | ToolFailed | ToolInDoubt)
+                and event.key == key
+                and not (isinstance(event, ToolCommitted) and event.reused)
+            ):
+                return self._recorded(events, index)
+        if live:
+            return None  # in flight, or not a key of this run: the decider answers
+        if any(isinstance(e, IntentRecorded) and e.key == key for e in events):
+            return None
+        raise conflict(
+            f"run {run_id!r} has no call with key {key!r}; report the key a verdict gave"
+        )
+
+    # -- escalations --------------------------------------------------------------
+
+    async def escalations(self, principal: PrincipalLike | None = None) -> EscalationPage:
+        """The escalation queue, oldest first."""
+        try:
+            records = await self.supervisor.store.escalations()
+        except Exception as exc:
+            raise _translate(exc) from None
+        return EscalationPage(
+            escalations=[
+                EscalationOut(
+                    id=r.run_id,
+                    machine=r.machine,
+                    reason=r.reason,
+                    detail=r.detail,
+                    seq=r.seq,
+                    since=r.updated,
+                )
+                for r in records
+                if principal is None or principal.allows("operator", r.machine)
+            ]
+        )
+
+    async def escalation(
+        self, run_id: str, principal: PrincipalLike | None = None
+    ) -> EscalationOut:
+        """One escalated run, with where it may be resumed."""
+        run = await self._fold(run_id)
+        self._allow(principal, ("operator",), run.machine.name)
+        try:
+            _decider.escalated(run)
+        except NotEscalated as exc:
+            raise not_found(f"{exc}; GET /v1/escalations lists the queue") from None
+        assert run.escalation is not None
+        origin = run.escalation.state
+        machine = run.machine
+        targets = [origin]
+        if origin in machine.states:
+            tables = machine.tables
+            targets += [s for s in tables.legal_next(tables.state_id(origin)) if s not in targets]
+        return EscalationOut(
+            id=run.run_id,
+            machine=machine.name,
+            reason=run.escalation.reason,
+            detail=run.escalation.detail,
+            seq=run.seq,
+            since=run.escalation.ts,
+            from_state=origin,
+            targets=targets,
+        )
+
+    async def resume(
+        self, run_id: str, body: ResumeIn, principal: PrincipalLike | None = None
+    ) -> RunOut:
+        """Resume an escalated run; a retry of the same resume gets the run as it is."""
+        if body.payload is not None and body.to is not None:
+            raise invalid("resume takes a payload (a corrected proposal) or to (a state), not both")
+        self._allow(principal, ("operator",), await self._machine_of(run_id))
+        run = await self._fold(run_id)
+        if run.state != ESCALATE:
+            last = await self._last_operator_event(run_id, Resumed)
+            if isinstance(last, Resumed) and (last.by, last.note, last.payload) == (
+                body.by,
+                body.note,
+                body.payload or "",
+            ):
+                return self.run_out(await self._fold(run_id))
+        sup = self.supervisor
+        self._admit()
+        try:
+            if run.external:
+                await self._resume_external(run_id, body)
+            else:
+                await sup.resume_escalated(
+                    run_id, by=body.by, note=body.note, to=body.to, payload=body.payload
+                )
+        except Exception as exc:
+            raise _translate(exc) from None
+        finally:
+            self.waiting -= 1
+        return self.run_out(await self._fold(run_id))
+
+    async def _resume_external(self, run_id: str, body: ResumeIn) -> None:
+        # NOTE: Supervisor.resume_escalated spawns an actor for the resumed run; an
+        # external run has none (its caller drives it), so it is resumed here with the
+        # same checks: escalated, a legal target, a payload verified on a trial copy.
+        sup = self.supervisor
+        run = _decider.escalated(await sup._load(run_id))
+        target = _decider.resume_target(run, body.to or "")
+        payload = body.payload or ""
+        if payload:
+            trial = fold(run.machine, await sup.store.load(run_id))
+            request = Resume(run_id=run_id, by=body.by, note=body.note, to=target, payload=payload)
+            attempt = _decider.decide(trial, request, sup.clock(), CircuitBoard(), [])
+            if attempt.violations:
+                raise PayloadRejected(run_id, attempt.violations)
+        verdict = await sup.request(
+            Resume(
+                run_id=run_id,
+                seq=run.seq,
+                by=body.by,
+                note=body.note,
+                to=target,
+                payload=payload,
+            )
+        )
+        handle = RunHandle(run_id, run.machine.name, external=True)
+        sup.handles[run_id] = handle
+        if verdict.outcome != "running":
+            handle._finish(sup.result_of(run_id))
+            sup.release(run_id)
+
+    async def _last_operator_event(self, run_id: str, kind: type) -> Event | None:
+        for event in reversed(await self._load(run_id)):
+            if isinstance(event, kind):
+                return event
+            if isinstance(event, Escalated):
+                return None
+        return None
+
+    async def abort(
+        self, run_id: str, body: AbortIn, principal: PrincipalLike | None = None
+    ) -> RunOut:
+        """End an escalated run in FAILED; a retry of the same abort gets the failed run."""
+        self._allow(principal, ("operator",), await self._machine_of(run_id))
+        run = await self._fold(run_id)
+        if run.state != ESCALATE:
+            last = await self._last_operator_event(run_id, Failed)
+            if isinstance(last, Failed) and last.reason.startswith(f"aborted by {body.by}"):
+                return self.run_out(run)
+        self._admit()
+        try:
+            await self.supervisor.abort_escalated(run_id, by=body.by, note=body.note)
+        except Exception as exc:
+            raise _translate(exc) from None
+        finally:
+            self.waiting -= 1
+        return self.run_out(await self._fold(run_id))
+
+    # -- health -------------------------------------------------------------------
+
+    async def ready(self) -> ReadyOut:
+        """Whether the store answers and the journal keeps up."""
+        store = self.supervisor.store
+        detail = ""
+        ok = True
+        try:
+            await store.get_run("interlock:readyz")
+        except RunNotFound:
+            pass
+        except Exception as exc:
+            ok, detail = False, f"the store does not answer: {type(exc).__name__}: {exc}"
+        if ok and self.draining:
+            ok, detail = False, "shutting down"
+        if ok and self.waiting >= self.max_waiting:
+            ok, detail = False, f"the journal is behind: {self.waiting} requests waiting"
+        return ReadyOut(ready=ok, store=store.kind, waiting=self.waiting, detail=detail)
+
+
+def _encode_cursor(offset: int) -> str:
+    return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str | None) -> int:
+    if not cursor:
+        return 0
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        kind, _, offset = text.partition(":")
+        if kind != "o" or not offset.isdigit():
+            raise ValueError(text)
+        return int(offset)
+    except (ValueError, UnicodeDecodeError):
+        raise GatewayError(
+            400,
+            "Bad Request",
+            f"cursor {cursor!r} is not one this gateway gave; pass the cursor of the "
+            "previous page unchanged, or none for the first page",
+        ) from None
