@@ -1,0 +1,61 @@
+"""Clients of the interlock gateway: async (trio) and sync, over HTTP; install ``interlock[client]``.
+
+The answers are the gateway's own Structs (re-exported here), decoded straight from
+JSON or msgpack. A problem answer raises :class:`GatewayProblem`; no answer at all,
+after the retries, :class:`GatewayUnavailable`.
+"""
+
+from typing import Any
+
+from ..gateway._api import CallOut as CallOut
+from ..gateway._api import EscalationOut as EscalationOut
+from ..gateway._api import EventOut as EventOut
+from ..gateway._api import ReadyOut as ReadyOut
+from ..gateway._api import RunOut as RunOut
+from ..gateway._api import RunSummary as RunSummary
+from ..gateway._api import ToolSpec as ToolSpec
+from ..gateway._api import Usage as Usage
+from ..gateway._api import VerdictOut as VerdictOut
+from ..gateway._api import VerifyItem as VerifyItem
+from ..gateway._api import ViolationOut as ViolationOut
+from ._async import AsyncClient as AsyncClient
+from ._async import AsyncExternalRun as AsyncExternalRun
+from ._common import GatewayProblem as GatewayProblem
+from ._common import GatewayUnavailable as GatewayUnavailable
+from ._common import RetryPolicy as RetryPolicy
+from ._sync import Client as Client
+from ._sync import ExternalRun as ExternalRun
+
+#: Resolved on first use: the streaming channel's client lives with the channel.
+_LAZY = ("ChannelClient",)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ChannelClient":
+        from ..gateway._channel_client import ChannelClient
+
+        return ChannelClient
+    raise AttributeError(f"module 'interlock.client' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncClient",
+    "AsyncExternalRun",
+    "CallOut",
+    "ChannelClient",
+    "Client",
+    "EscalationOut",
+    "EventOut",
+    "ExternalRun",
+    "GatewayProblem",
+    "GatewayUnavailable",
+    "ReadyOut",
+    "RetryPolicy",
+    "RunOut",
+    "RunSummary",
+    "ToolSpec",
+    "Usage",
+    "VerdictOut",
+    "VerifyItem",
+    "ViolationOut",
+]
