@@ -1,0 +1,614 @@
+"""The gateway's guard: an ASGI middleware for keys, roles, body size, rate and time limits.
+
+:func:`guarded` wraps the gateway's ASGI app. Per HTTP request, in this order, it
+
+1. finds the route's role in a table of ``(method, path pattern) -> role`` (``None``: public);
+2. authenticates the bearer key (401 with ``WWW-Authenticate: Bearer``), unless public;
+3. takes a token from the key's bucket (429 with ``Retry-After`` in whole seconds);
+4. checks the role (403);
+5. refuses an announced ``Content-Length`` over :attr:`Limits.max_body` (413), and counts the
+   body as the app reads it through ``receive``: 413 the moment it passes the limit;
+6. runs the app with ``scope["interlock.principal"]`` set, under :attr:`Limits.request_timeout`
+   (504 if nothing was answered in time; streaming routes are exempt).
+
+Every refusal is ``application/problem+json`` with a ``detail`` that says what to fix. A
+WebSocket handshake gets the same checks (refused with an HTTP problem where the server
+supports it, else closed with code 1008), and a frame over ``max_body`` closes it with 1009.
+Lifespan and other scope types pass straight through.
+
+The guard knows roles, not machines: a route's machine is known only to the app (from the run
+or the body), so the app calls ``principal.allows(role, machine)`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import msgspec
+import trio
+
+from ._keys import ROLES, KeyRing, Principal, Unauthorized
+
+__all__ = [
+    "DEFAULT_ROUTES",
+    "STREAMING_ROUTES",
+    "Limits",
+    "RateLimiter",
+    "RunQuota",
+    "TokenBucket",
+    "guarded",
+]
+
+Scope: TypeAlias = MutableMapping[str, Any]
+Message: TypeAlias = MutableMapping[str, Any]
+Receive: TypeAlias = Callable[[], Awaitable[Message]]
+Send: TypeAlias = Callable[[Message], Awaitable[None]]
+ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The method under which WebSocket routes appear in a route table.
+WEBSOCKET: Final = "WEBSOCKET"
+
+#: The gateway's routes and the role each needs (``None``: no key needed).
+DEFAULT_ROUTES: Final[Mapping[tuple[str, str], str | None]] = {
+    ("POST", "/v1/runs"): "agent",
+    ("GET", "/v1/runs"): "reader",
+    ("GET", "/v1/runs/{id}"): "reader",
+    ("GET", "/v1/runs/{id}/events"): "reader",
+    ("GET", "/v1/runs/{id}/stream"): "reader",
+    ("POST", "/v1/runs/{id}/proposals"): "agent",
+    ("POST", "/v1/runs/{id}/results"): "agent",
+    ("POST", "/v1/verify"): "agent",
+    ("GET", "/v1/escalations"): "operator",
+    ("GET", "/v1/escalations/{id}"): "operator",
+    ("POST", "/v1/escalations/{id}/resume"): "operator",
+    ("POST", "/v1/escalations/{id}/abort"): "operator",
+    ("GET", "/metrics"): "reader",
+    ("GET", "/healthz"): None,
+    ("GET", "/readyz"): None,
+    ("GET", "/openapi.json"): None,
+    (WEBSOCKET, "/v1/channel"): "agent",
+}
+
+#: Routes that stay open as long as the client wants: no request timeout.
+STREAMING_ROUTES: Final[frozenset[tuple[str, str]]] = frozenset(
+    {("GET", "/v1/runs/{id}/stream"), (WEBSOCKET, "/v1/channel")}
+)
+
+_PROBLEM = "https://interlock.dev/problems/"
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The gateway's limits, per key where it says so.
+
+    Attributes:
+      max_body: the largest request body (or WebSocket frame) accepted, in bytes; a larger
+        one gets 413.
+      rate: requests per second each key may make on average (a token bucket); ``None`` for no
+        limit. Over it: 429 with ``Retry-After``.
+      burst: how many requests a key may make at once above the average rate; ``None`` for one
+        second's worth (``ceil(rate)``).
+      runs_in_flight: how many unfinished runs each key may have; enforced by the service
+        through :class:`RunQuota`.
+      request_timeout: seconds a request may take before it gets 504; ``None`` for no limit.
+        Streaming routes (SSE, the channel) are exempt.
+    """
+
+    max_body: int = _MIB
+    rate: float | None = 1000.0
+    burst: int | None = None
+    runs_in_flight: int = 10_000
+    request_timeout: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        _positive_int("max_body", self.max_body, "bytes, e.g. 1048576 for 1 MiB")
+        _positive_int("runs_in_flight", self.runs_in_flight, "runs per key, e.g. 10000")
+        if self.rate is not None:
+            _positive_number("rate", self.rate, "requests per second per key, or None")
+        if self.burst is not None:
+            _positive_int("burst", self.burst, "requests, or None for one second's worth")
+            if self.rate is None:
+                raise ValueError("Limits.burst needs a rate; set rate too, or leave burst None")
+        if self.request_timeout is not None:
+            _positive_number("request_timeout", self.request_timeout, "seconds, or None")
+
+    @property
+    def effective_burst(self) -> int:
+        """The bucket's size: :attr:`burst`, or ``ceil(rate)`` when it is ``None``."""
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.rate)) if self.rate is not None else 1
+
+
+def _positive_int(name: str, value: object, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Limits.{name} must be a positive integer ({unit}); got {value!r}")
+
+
+def _positive_number(name: str, value: object, unit: str) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"Limits.{name} must be a positive finite number ({unit}); got {value!r}")
+
+
+class TokenBucket:
+    """A token bucket: ``burst`` tokens, refilled at ``rate`` per second, one per request.
+
+    Time comes in as an argument, so the bucket is pure and tests drive it with any clock.
+    """
+
+    __slots__ = ("_stamp", "_tokens", "burst", "rate")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        """Args:
+        rate: tokens added per second.
+        burst: the bucket's size; it starts full.
+        now: the current time, in seconds, on the clock later passed to :meth:`take`.
+        """
+        if not rate > 0 or not burst >= 1:
+            raise ValueError(f"a token bucket needs rate > 0 and burst >= 1; got {rate}, {burst}")
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._tokens = float(burst)
+        self._stamp = now
+
+    def take(self, now: float) -> float:
+        """Take one token at time ``now``: ``0.0`` if there was one, else the seconds to wait.
+
+        A refused request takes nothing. A clock that steps back refills nothing.
+        """
+        elapsed = now - self._stamp
+        tokens = self._tokens
+        if elapsed > 0:
+            tokens = min(self.burst, tokens + elapsed * self.rate)
+            self._stamp = now
+        if tokens >= 1.0:
+            self._tokens = tokens - 1.0
+            return 0.0
+        self._tokens = tokens
+        return (1.0 - tokens) / self.rate
+
+
+class RateLimiter:
+    """One :class:`TokenBucket` per key name, made on the key's first request.
+
+    The names are the key ring's principals, so the number of buckets is bounded by the
+    number of configured keys.
+    """
+
+    __slots__ = ("_buckets", "_clock", "burst", "rate")
+
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def check(self, name: str) -> float:
+        """Count one request of key ``name``: ``0.0`` if allowed, else the seconds to wait."""
+        now = self._clock()
+        bucket = self._buckets.get(name)
+        if bucket is None:
+            bucket = self._buckets[name] = TokenBucket(self.rate, self.burst, now)
+        return bucket.take(now)
+
+
+class RunQuota:
+    """How many unfinished runs each key has, against a limit per key.
+
+    The service calls :meth:`acquire` before it starts a run and :meth:`release` when the run
+    ends (or when starting it failed).
+    """
+
+    __slots__ = ("_counts", "limit")
+
+    def __init__(self, limit: int) -> None:
+        """Args:
+        limit: the most runs in flight per key (:attr:`Limits.runs_in_flight`).
+        """
+        _positive_int("runs_in_flight", limit, "runs per key")
+        self.limit = limit
+        self._counts: dict[str, int] = {}
+
+    def acquire(self, name: str) -> bool:
+        """Take a slot for key ``name``: False (and nothing taken) when it is at its limit."""
+        count = self._counts.get(name, 0)
+        if count >= self.limit:
+            return False
+        self._counts[name] = count + 1
+        return True
+
+    def release(self, name: str) -> None:
+        """Give back a slot of key ``name``.
+
+        Raises:
+          ValueError: if ``name`` holds no slot (a release without its acquire).
+        """
+        count = self._counts.get(name, 0)
+        if count <= 0:
+            raise ValueError(f"key {name!r} has no run in flight to release")
+        if count == 1:
+            del self._counts[name]
+        else:
+            self._counts[name] = count - 1
+
+    def in_flight(self, name: str) -> int:
+        """How many runs key ``name`` has in flight."""
+        return self._counts.get(name, 0)
+
+
+_problem_encoder = msgspec.json.Encoder()
+
+
+def _problem(status: int, slug: str, title: str, detail: str) -> bytes:
+    return _problem_encoder.encode(
+        {"type": _PROBLEM + slug, "title": title, "status": status, "detail": detail}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    role: str | None
+    public: bool
+    streaming: bool
+
+
+#: A route the table does not know: any valid key may reach the app, which answers 404/405.
+_UNKNOWN = _Rule(None, False, False)
+
+
+class _Router:
+    """The route table compiled: an exact dict for fixed paths, per-length patterns for the rest."""
+
+    __slots__ = ("_exact", "_patterns")
+
+    def __init__(
+        self, routes: Mapping[tuple[str, str], str | None], streaming: Collection[tuple[str, str]]
+    ) -> None:
+        self._exact: dict[tuple[str, str], _Rule] = {}
+        self._patterns: dict[tuple[str, int], list[tuple[tuple[str | None, ...], _Rule]]] = {}
+        for route in streaming:
+            if route not in routes:
+                raise ValueError(f"streaming route {route!r} is not in the route table; add it")
+        for (method, pattern), role in routes.items():
+            if not isinstance(method, str) or method != method.upper() or not method:
+                raise ValueError(f"route {(method, pattern)!r}: the method must be upper case")
+            if not isinstance(pattern, str) or not pattern.startswith("/"):
+                raise ValueError(f"route {(method, pattern)!r}: the path must start with '/'")
+            if role is not None and role not in ROLES:
+                raise ValueError(
+                    f"route {method} {pattern}: role {role!r} is not one of "
+                    f"{', '.join(sorted(ROLES))} (or None for a public route)"
+                )
+            rule = _Rule(role, role is None, (method, pattern) in streaming)
+            segments = pattern.split("/")
+            if not any(s.startswith("{") for s in segments):
+                self._exact[method, pattern] = rule
+                continue
+            shape = tuple(None if s.startswith("{") and s.endswith("}") else s for s in segments)
+            self._patterns.setdefault((method, len(shape)), []).append((shape, rule))
+
+    def match(self, method: str, path: str) -> _Rule:
+        if method == "HEAD":
+            method = "GET"
+        rule = self._exact.get((method, path))
+        if rule is not None:
+            return rule
+        candidates = self._patterns.get((method, path.count("/") + 1))
+        if candidates:
+            segments = path.split("/")
+            for shape, rule in candidates:
+                for want, got in zip(shape, segments, strict=True):
+                    if want is None:
+                        if not got:
+                            break
+                    elif want != got:
+                        break
+                else:
+                    return rule
+        return _UNKNOWN
+
+
+class _Refusal(Exception):
+    def __init__(
+        self, status: int, slug: str, title: str, detail: str, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        self.status = status
+        self.body = _problem(status, slug, title, detail)
+        self.headers = headers
+
+
+_CHALLENGE = (b"www-authenticate", b'Bearer realm="interlock"')
+_CHALLENGE_INVALID = (b"www-authenticate", b'Bearer realm="interlock", error="invalid_token"')
+_CHALLENGE_SCOPE = (b"www-authenticate", b'Bearer realm="interlock", error="insufficient_scope"')
+
+
+class _Exchange:
+    """One HTTP request's passage: counts the body on the way in, watches the response go out."""
+
+    __slots__ = ("_receive", "_send", "limit", "received", "refused", "started")
+
+    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+        self._receive = receive
+        self._send = send
+        self.limit = limit
+        self.received = 0
+        self.started = False
+        self.refused = False
+
+    async def receive(self) -> Message:
+        if self.refused:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.limit:
+                # NOTE: answer now, while the app waits for the body it will never get; the app
+                # sees a disconnect, and whatever it sends afterwards goes nowhere.
+                if not self.started:
+                    await self.refuse(_too_large(self.limit))
+                self.refused = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.refused:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+    async def refuse(self, refusal: _Refusal) -> None:
+        self.refused = True
+        self.started = True
+        await _send_problem(self._send, refusal)
+
+
+def _too_large(limit: int) -> _Refusal:
+    return _Refusal(
+        413,
+        "body-too-large",
+        "Request body too large",
+        f"the request body is larger than this server's limit of {limit} bytes; send a smaller "
+        f"body (split a batch into several requests)",
+        [],
+    )
+
+
+async def _send_problem(send: Send, refusal: _Refusal, kind: str = "http") -> None:
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(refusal.body)).encode()),
+        *refusal.headers,
+    ]
+    await send({"type": f"{kind}.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": f"{kind}.response.body", "body": refusal.body})
+
+
+class _Guard:
+    __slots__ = ("_app", "_keyring", "_limiter", "_limits", "_router")
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        limits: Limits,
+        router: _Router,
+        limiter: RateLimiter | None,
+    ) -> None:
+        self._app = app
+        self._keyring = keyring
+        self._limits = limits
+        self._router = router
+        self._limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._websocket(scope, receive, send)
+        else:
+            await self._app(scope, receive, send)
+
+    def _admit(self, method: str, scope: Scope) -> tuple[_Rule, Principal | None, int | None]:
+        """The route's rule, the principal and the announced body length, or a _Refusal."""
+        path: str = scope["path"]
+        if "/." in path and any(s in (".", "..") for s in path.split("/")):
+            raise _Refusal(
+                400,
+                "bad-path",
+                "Bad path",
+                f"the path {path[:200]!r} has a '.' or '..' segment; send the resolved path",
+                [],
+            )
+        rule = self._router.match(method, path)
+        authorization: str | None = None
+        length: bytes | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                if authorization is not None:
+                    raise _Refusal(
+                        401,
+                        "unauthorized",
+                        "Unauthorized",
+                        "the request has more than one Authorization header; send exactly one: "
+                        "'Authorization: Bearer <key>'",
+                        [_CHALLENGE_INVALID],
+                    )
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value
+        principal: Principal | None = None
+        if not rule.public:
+            try:
+                principal = self._keyring.authenticate(authorization)
+            except Unauthorized as exc:
+                challenge = _CHALLENGE if authorization is None else _CHALLENGE_INVALID
+                raise _Refusal(401, "unauthorized", "Unauthorized", str(exc), [challenge]) from None
+            limiter = self._limiter
+            if limiter is not None:
+                wait = limiter.check(principal.name)
+                if wait:
+                    seconds = max(1, math.ceil(wait))
+                    raise _Refusal(
+                        429,
+                        "rate-limited",
+                        "Too many requests",
+                        f"key {principal.name!r} is over its rate of {limiter.rate:g} requests "
+                        f"per second; retry after {seconds} s (the Retry-After header), or "
+                        f"batch proposals with POST /v1/verify",
+                        [(b"retry-after", str(seconds).encode())],
+                    )
+            if rule.role is not None and not principal.allows(rule.role):
+                raise _Refusal(
+                    403,
+                    "forbidden",
+                    "Forbidden",
+                    f"key {principal.name!r} has the roles {', '.join(sorted(principal.roles))}; "
+                    f"{method} {path[:200]} needs the {rule.role!r} role: use a key that has it",
+                    [_CHALLENGE_SCOPE],
+                )
+        announced: int | None = None
+        if length is not None:
+            if not length.isdigit():
+                raise _Refusal(
+                    400,
+                    "bad-content-length",
+                    "Bad Content-Length",
+                    "the Content-Length header is not a whole number of bytes; send the body's "
+                    "length in bytes or leave the header out",
+                    [],
+                )
+            announced = int(length)
+        return rule, principal, announced
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limits = self._limits
+        try:
+            rule, principal, announced = self._admit(scope["method"], scope)
+            if announced is not None and announced > limits.max_body:
+                raise _too_large(limits.max_body)
+        except _Refusal as refusal:
+            await _send_problem(send, refusal)
+            return
+        if principal is not None:
+            scope = {**scope, "interlock.principal": principal}
+        exchange = _Exchange(receive, send, limits.max_body)
+        timeout = None if rule.streaming else limits.request_timeout
+        try:
+            if timeout is None:
+                await self._app(scope, exchange.receive, exchange.send)
+                return
+            with trio.move_on_after(timeout) as cancel_scope:
+                await self._app(scope, exchange.receive, exchange.send)
+        except Exception:
+            if exchange.refused:
+                return  # the app tripped over the disconnect the body limit gave it
+            raise
+        if cancel_scope.cancelled_caught and not exchange.started:
+            await exchange.refuse(
+                _Refusal(
+                    504,
+                    "timeout",
+                    "Request timed out",
+                    f"the request took longer than this server's limit of {timeout:g} s and was "
+                    f"cancelled; retry it (a retry with the same expected_seq or result key gets "
+                    f"the recorded answer), or send smaller batches",
+                    [],
+                )
+            )
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            _rule, principal, _ = self._admit(WEBSOCKET, scope)
+        except _Refusal as refusal:
+            message = await receive()
+            if message["type"] != "websocket.connect":
+                return
+            if "websocket.http.response" in scope.get("extensions", {}):
+                await _send_problem(send, refusal, "websocket.http")
+            else:
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        if principal is not None:
+            scope = {**scope, "interlock.principal": principal}
+        limit = self._limits.max_body
+        closed = False
+
+        async def receive_frame() -> Message:
+            nonlocal closed
+            if closed:
+                return {"type": "websocket.disconnect", "code": 1009}
+            message = await receive()
+            if message["type"] == "websocket.receive":
+                data = message.get("bytes")
+                if data is None:
+                    text = message.get("text") or ""
+                    size = len(text) if len(text) * 4 <= limit else len(text.encode())
+                else:
+                    size = len(data)
+                if size > limit:
+                    closed = True
+                    await send(
+                        {
+                            "type": "websocket.close",
+                            "code": 1009,
+                            "reason": f"frame larger than {limit} bytes",
+                        }
+                    )
+                    return {"type": "websocket.disconnect", "code": 1009}
+            return message
+
+        async def send_frame(message: Message) -> None:
+            if not closed:
+                await send(message)
+
+        await self._app(scope, receive_frame, send_frame)
+
+
+def guarded(
+    app: ASGIApp,
+    keyring: KeyRing,
+    limits: Limits | None = None,
+    *,
+    routes: Mapping[tuple[str, str], str | None] = DEFAULT_ROUTES,
+    streaming: Collection[tuple[str, str]] = STREAMING_ROUTES,
+    clock: Callable[[], float] = time.monotonic,
+) -> ASGIApp:
+    """Wrap an ASGI app in the gateway's keys, roles and limits.
+
+    Args:
+      app: the ASGI app to guard; it reads ``scope["interlock.principal"]`` (a
+        :class:`~interlock.gateway._keys.Principal`, set on every authenticated request) to
+        check machines.
+      keyring: the accepted keys; an open key ring lets every request in as the anonymous
+        principal (keep such a server on loopback: :func:`check_bind`).
+      limits: the limits; :class:`Limits` defaults when ``None``.
+      routes: ``(method, path pattern) -> role`` (``None``: public). Patterns name a variable
+        segment in braces (``/v1/runs/{id}``); ``WEBSOCKET`` is the method of WebSocket
+        routes; ``HEAD`` uses the ``GET`` entry. A route not in the table needs a valid key and
+        no role (the app answers it, e.g. 404).
+      streaming: routes exempt from the request timeout.
+      clock: the rate limiter's clock (seconds, monotonic).
+
+    Raises:
+      ValueError: if the route table has a bad method, path or role.
+    """
+    limits = Limits() if limits is None else limits
+    router = _Router(routes, streaming)
+    limiter = (
+        RateLimiter(limits.rate, limits.effective_burst, clock) if limits.rate is not None else None
+    )
+    return _Guard(app, keyring, limits, router, limiter)
