@@ -32,6 +32,8 @@ from ._api import (
     VerifyOut,
     ViolationOut,
 )
+from ._app import GatewayApp, openapi_document
+from ._serve import GatewayServer, create_app, serve_gateway
 from ._service import GatewayError, GatewayService, PrincipalLike
 
 __all__ = [
@@ -41,7 +43,9 @@ __all__ = [
     "EscalationPage",
     "EventOut",
     "EventPage",
+    "GatewayApp",
     "GatewayError",
+    "GatewayServer",
     "GatewayService",
     "HealthOut",
     "PrincipalLike",
@@ -61,4 +65,7 @@ __all__ = [
     "VerifyItem",
     "VerifyOut",
     "ViolationOut",
+    "create_app",
+    "openapi_document",
+    "serve_gateway",
 ]

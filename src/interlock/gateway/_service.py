@@ -22,6 +22,7 @@ import trio
 from .. import _decider
 from .._breakers import CircuitBoard
 from .._events import (
+    Completed,
     Escalated,
     Failed,
     IntentRecorded,
@@ -76,7 +77,7 @@ from ._api import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncGenerator, Sequence
 
     from .._events import Event, JournalEvent, Violation
     from .._supervisor import Supervisor
@@ -89,6 +90,7 @@ ANSWERS_KEPT = 100_000
 #: Events per page of GET /v1/runs/{id}/events, at most.
 MAX_EVENTS_PAGE = 10_000
 _TERMINAL_KINDS = frozenset({"completed", "failed"})
+_ENDINGS = (Completed, Failed, Escalated)
 # The events that begin the decision of a new request: a decision's events run from its
 # first event up to (not including) the next of these.
 _REQUEST_KINDS = frozenset(
@@ -111,6 +113,16 @@ class PrincipalLike(Protocol):
     name: str
 
     def allows(self, role: str, machine: str | None = None) -> bool: ...
+
+
+class QuotaLike(Protocol):
+    """How many runs each key may have in flight (``gateway._guard.RunQuota``)."""
+
+    limit: int
+
+    def acquire(self, name: str) -> bool: ...
+
+    def release(self, name: str) -> None: ...
 
 
 class GatewayError(Exception):
@@ -265,10 +277,17 @@ class GatewayService:
         it a request gets a 503 with ``Retry-After`` (back-pressure, never an unbounded
         queue).
       retry_after: the seconds a 503 asks the caller to wait.
+      quota: the most unfinished runs each key may have (``gateway._guard.RunQuota``);
+        a key at its limit gets a 429 when it starts another run.
     """
 
     def __init__(
-        self, supervisor: Supervisor, *, max_waiting: int = 20_000, retry_after: float = 1.0
+        self,
+        supervisor: Supervisor,
+        *,
+        max_waiting: int = 20_000,
+        retry_after: float = 1.0,
+        quota: QuotaLike | None = None,
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
@@ -282,6 +301,8 @@ class GatewayService:
         self._answers: OrderedDict[str, _Answer] = OrderedDict()
         self._reconciling: set[tuple[str, str]] = set()
         self._ticks: dict[str, trio.Event] = {}
+        self.quota = quota
+        self._owners: dict[str, str] = {}  # run id -> the key that holds a quota slot for it
         self._watch_store()
 
     # -- plumbing -----------------------------------------------------------------
@@ -294,8 +315,14 @@ class GatewayService:
         append = store.append
         ticks = self._ticks
 
+        owners = self._owners
+
         async def append_and_tick(events: Sequence[Event]) -> None:
             await append(events)
+            if owners:
+                for event in events:
+                    if isinstance(event, _ENDINGS) and event.run_id in owners:
+                        self._release(event.run_id)
             if ticks:
                 for run_id in {e.run_id for e in events}:
                     tick = ticks.pop(run_id, None)
@@ -303,6 +330,24 @@ class GatewayService:
                         tick.set()
 
         store.append = append_and_tick  # type: ignore[method-assign]
+
+    def _release(self, run_id: str) -> None:
+        name = self._owners.pop(run_id, None)
+        if name is not None and self.quota is not None:
+            self.quota.release(name)
+
+    def _take_slot(self, principal: PrincipalLike | None) -> str | None:
+        if self.quota is None or principal is None:
+            return None
+        if not self.quota.acquire(principal.name):
+            raise GatewayError(
+                429,
+                "Too Many Requests",
+                f"key {principal.name!r} has {self.quota.limit} runs in flight, its limit; "
+                "finish or abort one first",
+                retry_after=self.retry_after,
+            )
+        return principal.name
 
     def _admit(self, count: int = 1) -> None:
         if self.draining:
@@ -419,20 +464,31 @@ class GatewayService:
                 return existing, False
         self._admit()
         try:
+            owner = self._take_slot(principal)
+        except GatewayError:
+            self.waiting -= 1
+            raise
+        try:
             handle = await sup.start_run(
                 body.machine, body.inputs, run_id=body.run_id, external=external
             )
-        except ProtocolError:
-            # Another request created it meanwhile: the same answer as a retry.
-            existing = await self._existing(body, external)
-            if existing is not None:
-                return existing, False
-            raise
         except Exception as exc:
+            if owner is not None and self.quota is not None:
+                self.quota.release(owner)
+            if isinstance(exc, ProtocolError):
+                # Another request created it meanwhile: the same answer as a retry.
+                existing = await self._existing(body, external)
+                if existing is not None:
+                    return existing, False
             raise _translate(exc) from None
         finally:
             self.waiting -= 1
         run = sup._runs.get(handle.run_id)
+        if owner is not None:
+            if run is not None and not run.closed:
+                self._owners[handle.run_id] = owner
+            elif self.quota is not None:  # it ended already
+                self.quota.release(owner)
         if run is None:  # a hosted run may have finished already
             run = await self._fold(handle.run_id)
         return self.run_out(run), True
@@ -541,7 +597,7 @@ class GatewayService:
 
     async def follow(
         self, run_id: str, after: int = 0, principal: PrincipalLike | None = None
-    ) -> AsyncIterator[EventOut]:
+    ) -> AsyncGenerator[EventOut, None]:
         """Every journal event of the run after seq ``after``, as it becomes durable, until
         the run completes or fails (an escalated run is followed on: it may be resumed)."""
         if after < 0:
@@ -549,7 +605,7 @@ class GatewayService:
         self._allow(principal, ("reader", "agent"), await self._machine_of(run_id))
         return self._follow(run_id, after)
 
-    async def _follow(self, run_id: str, after: int) -> AsyncIterator[EventOut]:
+    async def _follow(self, run_id: str, after: int) -> AsyncGenerator[EventOut, None]:
         seq = after
         while True:
             tick = self._ticks.get(run_id)

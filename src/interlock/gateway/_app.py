@@ -1,0 +1,752 @@
+"""The gateway's HTTP API: a plain ASGI app over a :class:`GatewayService`.
+
+No web framework: a small router, content negotiation (JSON by default, msgpack when the
+request's ``Content-Type`` or ``Accept`` says ``application/msgpack``), problem+json
+errors, SSE for the event stream. All the semantics live in the service; this module only
+routes, decodes, encodes and counts.
+
+Bad input never gets a 500: an undecodable body, a wrong field, an unknown path or method,
+a bad query parameter or an unknown run is a 4xx problem whose detail says what to fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from .._metrics import RuntimeCollector
+from .._version import __version__
+from ._api import (
+    AbortIn,
+    EscalationOut,
+    EscalationPage,
+    EventOut,
+    EventPage,
+    HealthOut,
+    Problem,
+    ProposalIn,
+    ReadyOut,
+    ResultIn,
+    ResumeIn,
+    RunCreate,
+    RunOut,
+    RunPage,
+    VerdictOut,
+    VerifyIn,
+    VerifyOut,
+)
+from ._service import GatewayError, GatewayService
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["GatewayApp", "openapi_document"]
+
+log = logging.getLogger("interlock.gateway")
+
+Scope: TypeAlias = MutableMapping[str, Any]
+Message: TypeAlias = MutableMapping[str, Any]
+Receive: TypeAlias = Callable[[], Awaitable[Message]]
+Send: TypeAlias = Callable[[Message], Awaitable[None]]
+ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
+T = TypeVar("T")
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+PROBLEM_JSON = "application/problem+json"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: The largest request body the app reads, in bytes, when no guard limits it first.
+DEFAULT_MAX_BODY = 8 << 20
+
+_json_encode = msgspec.json.Encoder().encode
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+
+
+class _Request:
+    __slots__ = (
+        "headers",
+        "method",
+        "params",
+        "path",
+        "principal",
+        "query",
+        "receive",
+        "scope",
+        "send",
+    )
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, params: dict[str, str]) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.params = params
+        self.headers: dict[str, str] = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+        }
+        self.query = _parse_query(scope.get("query_string", b""))
+        self.principal = scope.get("interlock.principal")
+
+    @property
+    def msgpack_in(self) -> bool:
+        kind = self.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        return kind in _MSGPACK_TYPES
+
+    @property
+    def msgpack_out(self) -> bool:
+        accept = self.headers.get("accept", "")
+        if not accept:
+            return self.msgpack_in
+        return any(
+            part.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES for part in accept.split(",")
+        )
+
+    def text(self, name: str) -> str | None:
+        values = self.query.get(name)
+        if not values:
+            return None
+        if len(values) > 1:
+            raise _bad(f"query parameter {name!r} is given {len(values)} times; give it once")
+        return values[0]
+
+    def integer(self, name: str, default: int) -> int:
+        value = self.text(name)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise _bad(f"query parameter {name!r} must be an integer, got {value!r}") from None
+
+
+def _parse_query(raw: bytes) -> dict[str, list[str]]:
+    try:
+        return urllib.parse.parse_qs(raw.decode("latin-1"), keep_blank_values=True)
+    except ValueError as exc:
+        raise _bad(f"the query string cannot be read: {exc}") from None
+
+
+def _bad(detail: str) -> GatewayError:
+    return GatewayError(400, "Bad Request", detail)
+
+
+class _Response:
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+
+Handler: TypeAlias = Callable[["GatewayApp", _Request], Awaitable[_Response | None]]
+
+
+class _Route:
+    __slots__ = ("handlers", "name", "pattern")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        regex = re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", name)
+        self.pattern = re.compile(f"^{regex}$")
+        self.handlers: dict[str, Handler] = {}
+
+
+_ROUTES: dict[str, _Route] = {}
+
+
+def _route(method: str, name: str) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        route = _ROUTES.get(name)
+        if route is None:
+            route = _ROUTES[name] = _Route(name)
+        route.handlers[method] = handler
+        return handler
+
+    return register
+
+
+class GatewayApp:
+    """The gateway's ASGI app. Make one with :func:`interlock.gateway.create_app`.
+
+    Args:
+      service: the operations it serves.
+      prices: USD per million tokens by model, for the cost metric.
+      max_body: the largest request body read, in bytes (413 past it).
+      channel: an ASGI app for WebSocket connections (the streaming channel), or None to
+        refuse them.
+    """
+
+    def __init__(
+        self,
+        service: GatewayService,
+        *,
+        prices: Mapping[str, tuple[float, float]] | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        channel: ASGIApp | None = None,
+    ) -> None:
+        self.service = service
+        self.max_body = max_body
+        self.channel = channel
+        self.registry = CollectorRegistry()
+        supervisor = service.supervisor
+        self.registry.register(
+            RuntimeCollector(supervisor.stats, supervisor=lambda: supervisor, prices=prices)
+        )
+        self.requests = Counter(
+            "interlock_gateway_requests",
+            "HTTP requests the gateway answered, by route, method and status",
+            ("route", "method", "status"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "interlock_gateway_request_seconds",
+            "Seconds the gateway took to answer an HTTP request, by route",
+            ("route",),
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=self.registry,
+        )
+        self._streams: set[trio.CancelScope] = set()
+        self._openapi: bytes | None = None
+        self.asgi: ASGIApp = self
+        """What to serve: this app, or (from create_app) the guard around it."""
+
+    def drain(self) -> None:
+        """Stop taking work: mutating requests get a 503 and every event stream ends."""
+        self.service.draining = True
+        for scope in list(self._streams):
+            scope.cancel()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            if self.channel is not None:
+                await self.channel(scope, receive, send)
+            else:
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008})
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    self.drain()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        method: str = scope["method"]
+        name = "unmatched"
+        response: _Response | None
+        try:
+            route, params = self._match(scope["path"])
+            name = route.name
+            handler = route.handlers.get("GET" if method == "HEAD" else method)
+            if handler is None:
+                allowed = ", ".join(sorted(route.handlers))
+                raise GatewayError(
+                    405,
+                    "Method Not Allowed",
+                    f"{method} is not allowed on {route.name}; use {allowed}",
+                )
+            request = _Request(scope, receive, send, params)
+            response = await handler(self, request)
+        except GatewayError as exc:
+            response = _problem(exc)
+        except Exception as exc:
+            log.exception("the gateway failed answering %s %s", method, scope.get("path"))
+            response = _problem(
+                GatewayError(
+                    500,
+                    "Internal Server Error",
+                    f"a bug in interlock's gateway: {type(exc).__name__}: {exc}; the journal "
+                    "is intact; report it",
+                )
+            )
+        if response is not None:  # None: the handler streamed its own answer
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": response.headers,
+                }
+            )
+            body = b"" if method == "HEAD" else response.body
+            await send({"type": "http.response.body", "body": body})
+            status = response.status
+        else:
+            status = 200
+        label = method if method in _METHODS else "other"  # bounded label values
+        self.requests.labels(name, label, str(status)).inc()
+        self.latency.labels(name).observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _match(path: str) -> tuple[_Route, dict[str, str]]:
+        for route in _ROUTES.values():
+            found = route.pattern.match(path)
+            if found is not None:
+                params = {k: urllib.parse.unquote(v) for k, v in found.groupdict().items()}
+                return route, params
+        raise GatewayError(
+            404,
+            "Not Found",
+            f"no route {path!r}; the API is under /v1 (GET /openapi.json lists every route)",
+        )
+
+    # -- bodies -------------------------------------------------------------------
+
+    async def _body(self, request: _Request, kind: type[T]) -> T:
+        content_type = request.headers.get("content-type", "")
+        media = content_type.split(";", 1)[0].strip().lower()
+        if media and media != JSON and not media.endswith("+json") and not request.msgpack_in:
+            raise GatewayError(
+                415,
+                "Unsupported Media Type",
+                f"the body's Content-Type is {content_type!r}; send {JSON} or {MSGPACK}",
+            )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise _bad("the client disconnected before sending the whole body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise GatewayError(
+                    413,
+                    "Content Too Large",
+                    f"the body is larger than {self.max_body} bytes; send less (split a batch)",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        data = b"".join(chunks)
+        if not data:
+            raise _bad(
+                f"the request needs a body: a {kind.__name__} as {JSON} (GET /openapi.json "
+                "shows its fields)"
+            )
+        decoder = _decoders(kind, request.msgpack_in)
+        try:
+            return decoder.decode(data)  # type: ignore[no-any-return]
+        except msgspec.ValidationError as exc:
+            raise GatewayError(
+                422, "Unprocessable Content", f"the {kind.__name__} body is not valid: {exc}"
+            ) from None
+        except msgspec.DecodeError as exc:
+            what = "msgpack" if request.msgpack_in else "JSON"
+            raise _bad(f"the body is not valid {what}: {exc}") from None
+
+    def _reply(
+        self,
+        request: _Request,
+        body: msgspec.Struct,
+        status: int = 200,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> _Response:
+        if request.msgpack_out:
+            data, kind = _msgpack_encode(body), MSGPACK
+        else:
+            data, kind = _json_encode(body), JSON
+        extra = headers or []
+        return _Response(
+            status,
+            data,
+            [
+                (b"content-type", kind.encode()),
+                (b"content-length", str(len(data)).encode()),
+                *extra,
+            ],
+        )
+
+
+_DECODERS: dict[tuple[type, bool], msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoders(
+    kind: type[T], msgpack: bool
+) -> msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]:
+    decoder = _DECODERS.get((kind, msgpack))
+    if decoder is None:
+        decoder = _DECODERS[(kind, msgpack)] = (
+            msgspec.msgpack.Decoder(kind) if msgpack else msgspec.json.Decoder(kind)
+        )
+    return decoder
+
+
+def _problem(exc: GatewayError) -> _Response:
+    data = _json_encode(exc.problem())
+    headers = [
+        (b"content-type", PROBLEM_JSON.encode()),
+        (b"content-length", str(len(data)).encode()),
+    ]
+    if exc.retry_after is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after))).encode()))
+    if exc.status == 405:
+        allowed = exc.detail.rpartition("; use ")[2]
+        headers.append((b"allow", allowed.encode()))
+    return _Response(exc.status, data, headers)
+
+
+# -- routes -------------------------------------------------------------------------------
+
+
+@_route("GET", "/healthz")
+async def _healthz(app: GatewayApp, request: _Request) -> _Response:
+    return app._reply(request, HealthOut())
+
+
+@_route("GET", "/readyz")
+async def _readyz(app: GatewayApp, request: _Request) -> _Response:
+    ready = await app.service.ready()
+    headers = [] if ready.ready else [(b"retry-after", b"1")]
+    return app._reply(request, ready, 200 if ready.ready else 503, headers)
+
+
+@_route("GET", "/metrics")
+async def _metrics(app: GatewayApp, request: _Request) -> _Response:
+    data = generate_latest(app.registry)
+    return _Response(
+        200,
+        data,
+        [
+            (b"content-type", CONTENT_TYPE_LATEST.encode()),
+            (b"content-length", str(len(data)).encode()),
+        ],
+    )
+
+
+@_route("GET", "/openapi.json")
+async def _openapi(app: GatewayApp, request: _Request) -> _Response:
+    if app._openapi is None:
+        app._openapi = json.dumps(openapi_document()).encode()
+    return _Response(
+        200,
+        app._openapi,
+        [(b"content-type", JSON.encode()), (b"content-length", str(len(app._openapi)).encode())],
+    )
+
+
+@_route("POST", "/v1/runs")
+async def _create_run(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, RunCreate)
+    run, created = await app.service.create_run(body, request.principal)
+    location = f"/v1/runs/{urllib.parse.quote(run.id, safe='')}".encode()
+    return app._reply(request, run, 201 if created else 200, [(b"location", location)])
+
+
+@_route("GET", "/v1/runs")
+async def _list_runs(app: GatewayApp, request: _Request) -> _Response:
+    page = await app.service.list_runs(
+        state=request.text("state") or None,
+        machine=request.text("machine") or None,
+        outcome=request.text("outcome") or None,
+        limit=request.integer("limit", 100),
+        cursor=request.text("cursor") or None,
+        principal=request.principal,
+    )
+    return app._reply(request, page)
+
+
+@_route("GET", "/v1/runs/{id}")
+async def _get_run(app: GatewayApp, request: _Request) -> _Response:
+    return app._reply(request, await app.service.get_run(request.params["id"], request.principal))
+
+
+@_route("GET", "/v1/runs/{id}/events")
+async def _events(app: GatewayApp, request: _Request) -> _Response:
+    page = await app.service.events(
+        request.params["id"],
+        after=request.integer("after", 0),
+        limit=request.integer("limit", 1000),
+        principal=request.principal,
+    )
+    return app._reply(request, page)
+
+
+@_route("GET", "/v1/runs/{id}/stream")
+async def _stream(app: GatewayApp, request: _Request) -> None:
+    after = request.integer("after", 0)
+    last = request.headers.get("last-event-id", "").strip()
+    if last:
+        try:
+            after = int(last)
+        except ValueError:
+            raise _bad(
+                f"Last-Event-ID must be the seq of an event (an integer), got {last!r}"
+            ) from None
+    events = await app.service.follow(request.params["id"], after, request.principal)
+    send = request.send
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream"),
+                (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),
+            ],
+        }
+    )
+    with trio.CancelScope() as scope:
+        app._streams.add(scope)
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def disconnect() -> None:
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(disconnect)
+                await send(
+                    {"type": "http.response.body", "body": b": stream\n\n", "more_body": True}
+                )
+                try:
+                    async with contextlib.aclosing(events) as stream:
+                        async for event in stream:
+                            await send(
+                                {
+                                    "type": "http.response.body",
+                                    "body": sse(event),
+                                    "more_body": True,
+                                }
+                            )
+                except GatewayError as exc:  # e.g. the store stopped answering: end the stream
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"event: problem\ndata: %s\n\n" % _json_encode(exc.problem()),
+                            "more_body": True,
+                        }
+                    )
+                nursery.cancel_scope.cancel()
+        finally:
+            app._streams.discard(scope)
+    # the client may be gone: then there is nothing to finish
+    with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Exception):
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return None
+
+
+def sse(event: EventOut) -> bytes:
+    """One journal event as a Server-Sent Event: ``id:`` is its seq, ``event:`` its kind."""
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (
+        event.seq,
+        event.kind.encode(),
+        _json_encode(event),
+    )
+
+
+@_route("POST", "/v1/runs/{id}/proposals")
+async def _propose(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, ProposalIn)
+    verdict = await app.service.propose(request.params["id"], body, request.principal)
+    return app._reply(request, verdict)
+
+
+@_route("POST", "/v1/runs/{id}/results")
+async def _report(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, ResultIn)
+    verdict = await app.service.report(request.params["id"], body, request.principal)
+    return app._reply(request, verdict)
+
+
+@_route("POST", "/v1/verify")
+async def _verify(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, VerifyIn)
+    return app._reply(request, await app.service.verify_batch(body, request.principal))
+
+
+@_route("GET", "/v1/escalations")
+async def _escalations(app: GatewayApp, request: _Request) -> _Response:
+    return app._reply(request, await app.service.escalations(request.principal))
+
+
+@_route("GET", "/v1/escalations/{id}")
+async def _escalation(app: GatewayApp, request: _Request) -> _Response:
+    found = await app.service.escalation(request.params["id"], request.principal)
+    return app._reply(request, found)
+
+
+@_route("POST", "/v1/escalations/{id}/resume")
+async def _resume(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, ResumeIn)
+    run = await app.service.resume(request.params["id"], body, request.principal)
+    return app._reply(request, run)
+
+
+@_route("POST", "/v1/escalations/{id}/abort")
+async def _abort(app: GatewayApp, request: _Request) -> _Response:
+    body = await app._body(request, AbortIn)
+    run = await app.service.abort(request.params["id"], body, request.principal)
+    return app._reply(request, run)
+
+
+# -- the OpenAPI document -----------------------------------------------------------------
+
+_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+
+
+def _query(name: str, kind: str, description: str, **schema: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": {"type": kind, **schema},
+    }
+
+
+# (method, path, summary, request body, response body, success status, parameters)
+_OPERATIONS: list[tuple[str, str, str, type | None, type | None, int, list[dict[str, Any]]]] = [
+    ("post", "/v1/runs", "Start a run", RunCreate, RunOut, 201, []),
+    (
+        "get",
+        "/v1/runs",
+        "List runs, oldest first",
+        None,
+        RunPage,
+        200,
+        [
+            _query("state", "string", "only runs in this state"),
+            _query("machine", "string", "only runs of this machine"),
+            _query("outcome", "string", "running, completed, escalated or failed"),
+            _query("limit", "integer", "runs per page (1-1000)", minimum=1, maximum=1000),
+            _query("cursor", "string", "the cursor of the previous page"),
+        ],
+    ),
+    ("get", "/v1/runs/{id}", "A run", None, RunOut, 200, [_ID]),
+    (
+        "get",
+        "/v1/runs/{id}/events",
+        "A run's journal events after a seq",
+        None,
+        EventPage,
+        200,
+        [
+            _ID,
+            _query("after", "integer", "the seq to read after", minimum=0),
+            _query("limit", "integer", "events per page (1-10000)", minimum=1, maximum=10000),
+        ],
+    ),
+    ("post", "/v1/runs/{id}/proposals", "Verify a proposal", ProposalIn, VerdictOut, 200, [_ID]),
+    ("post", "/v1/runs/{id}/results", "Report a call's outcome", ResultIn, VerdictOut, 200, [_ID]),
+    ("post", "/v1/verify", "Verify a batch of proposals", VerifyIn, VerifyOut, 200, []),
+    ("get", "/v1/escalations", "The escalation queue", None, EscalationPage, 200, []),
+    ("get", "/v1/escalations/{id}", "An escalated run", None, EscalationOut, 200, [_ID]),
+    (
+        "post",
+        "/v1/escalations/{id}/resume",
+        "Resume an escalated run",
+        ResumeIn,
+        RunOut,
+        200,
+        [_ID],
+    ),
+    ("post", "/v1/escalations/{id}/abort", "Abort an escalated run", AbortIn, RunOut, 200, [_ID]),
+    ("get", "/healthz", "The process is up", None, HealthOut, 200, []),
+    ("get", "/readyz", "The store answers and the journal keeps up", None, ReadyOut, 200, []),
+]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the gateway, generated from the Structs of ``_api``."""
+    kinds: list[type] = [Problem]
+    for _, _, _, body, out, _, _ in _OPERATIONS:
+        for kind in (body, out):
+            if kind is not None and kind not in kinds:
+                kinds.append(kind)
+    refs, components = msgspec.json.schema_components(
+        kinds, ref_template="#/components/schemas/{name}"
+    )
+    ref = dict(zip(kinds, refs, strict=True))
+    problem = {PROBLEM_JSON: {"schema": ref[Problem]}}
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, body, out, status, parameters in _OPERATIONS:
+        responses: dict[str, Any] = {
+            str(status): {
+                "description": summary,
+                "content": {JSON: {"schema": ref[out]}, MSGPACK: {"schema": ref[out]}},
+            },
+            "4XX": {
+                "description": "a problem: what was wrong and how to fix it",
+                "content": problem,
+            },
+            "503": {
+                "description": "the journal is behind or the gateway is stopping; retry",
+                "content": problem,
+            },
+        }
+        operation: dict[str, Any] = {"summary": summary, "responses": responses}
+        if parameters:
+            operation["parameters"] = parameters
+        if body is not None:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {JSON: {"schema": ref[body]}, MSGPACK: {"schema": ref[body]}},
+            }
+        if path == "/v1/runs" and method == "post":
+            responses["200"] = {
+                "description": "the run this run_id already names (a retry)",
+                "content": {JSON: {"schema": ref[RunOut]}},
+            }
+        paths.setdefault(path, {})[method] = operation
+    paths["/v1/runs/{id}/stream"] = {
+        "get": {
+            "summary": "Server-Sent Events: one per journal event, id = seq (Last-Event-ID resumes)",
+            "parameters": [_ID, _query("after", "integer", "the seq to stream after", minimum=0)],
+            "responses": {
+                "200": {
+                    "description": "an event stream",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                },
+                "4XX": {"description": "a problem", "content": problem},
+            },
+        }
+    }
+    paths["/metrics"] = {
+        "get": {
+            "summary": "Prometheus metrics",
+            "responses": {
+                "200": {
+                    "description": "the text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "interlock gateway",
+            "version": __version__,
+            "description": "Verify an agent's proposals against its run's state machine, "
+            "journal the intent before the effect, and commit the result.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"bearer": []}],
+    }

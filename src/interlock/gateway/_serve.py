@@ -1,0 +1,248 @@
+"""Serving the gateway: hypercorn on trio, and a drain on SIGTERM.
+
+:func:`create_app` builds the ASGI app (the API, guarded by keys and limits) over a
+running supervisor, for embedding in a server of your own; :func:`serve_gateway` opens
+the journal and the supervisor and serves the app until stopped. Stopping (SIGTERM, or
+:meth:`GatewayServer.stop`) drains: it stops accepting, lets the requests in flight
+finish, flushes the journal, and returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._app import App, load_app
+from .._exceptions import InterlockError
+from .._machine import Machine
+from .._messages import Sync
+from .._runtime import open_supervisor
+from .._stats import RuntimeStats
+from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
+from ._guard import Limits, RunQuota, guarded
+from ._keys import KeyRing, check_bind
+from ._service import GatewayService
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from .._supervisor import Supervisor
+
+__all__ = ["GatewayServer", "create_app", "serve_gateway"]
+
+log = logging.getLogger("interlock.gateway")
+
+
+def create_app(
+    supervisor: Supervisor | GatewayService,
+    *,
+    keyring: KeyRing | None = None,
+    limits: Limits | None = None,
+    prices: Mapping[str, tuple[float, float]] | None = None,
+    channel: ASGIApp | None = None,
+    max_waiting: int = 20_000,
+) -> GatewayApp:
+    """The gateway's ASGI app over a running supervisor (or a service made from one).
+
+    Every HTTP request goes through the guard (keys, roles, body size, rate, timeouts)
+    before the API answers it. Serve the app with any ASGI server that runs on trio
+    (hypercorn's trio worker), inside the supervisor's ``async with`` block.
+
+    Args:
+      supervisor: the running supervisor (``async with open_supervisor(...)``), or a
+        :class:`GatewayService` over one.
+      keyring: the accepted API keys; default ``KeyRing.from_env()`` (``INTERLOCK_API_KEY``,
+        ``INTERLOCK_API_KEYS_FILE``), open (no key needed) when neither is set.
+      limits: body size, rate, runs in flight and request timeout; defaults when None.
+      prices: USD per million tokens by model, for the cost metric.
+      channel: an ASGI app for WebSocket connections (the streaming channel).
+      max_waiting: the most requests waiting on the journal before 503s.
+
+    Returns:
+      the app; ``app.asgi`` is the guarded ASGI callable to serve, ``app.drain()`` stops
+      it taking work.
+    """
+    limits = Limits() if limits is None else limits
+    keyring = KeyRing.from_env() if keyring is None else keyring
+    if isinstance(supervisor, GatewayService):
+        service = supervisor
+    else:
+        service = GatewayService(
+            supervisor, max_waiting=max_waiting, quota=RunQuota(limits.runs_in_flight)
+        )
+    app = GatewayApp(
+        service, prices=prices, max_body=max(limits.max_body, DEFAULT_MAX_BODY), channel=channel
+    )
+    app.asgi = guarded(app, keyring, limits)
+    return app
+
+
+class GatewayServer:
+    """A gateway being served (what :func:`serve_gateway` hands ``task_status``).
+
+    Attributes:
+      url: where it listens, e.g. ``http://127.0.0.1:8080``.
+      port: the TCP port (the one picked, for port 0).
+      app: the :class:`GatewayApp`; ``app.service`` holds the supervisor.
+    """
+
+    def __init__(self, url: str, app: GatewayApp, stop: trio.Event) -> None:
+        self.url = url
+        self.port = int(url.rsplit(":", 1)[1])
+        self.app = app
+        self._stop = stop
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self.app.service.supervisor
+
+    def stop(self) -> None:
+        """Drain and stop: as SIGTERM does."""
+        self._stop.set()
+
+
+async def serve_gateway(
+    app_or_ref: App | Machine | Sequence[Machine] | str,
+    *,
+    db: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    keyring: KeyRing | None = None,
+    limits: Limits | None = None,
+    channel: ASGIApp | None = None,
+    handle_signals: bool = False,
+    graceful_timeout: float = 10.0,
+    task_status: trio.TaskStatus[GatewayServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an application's machines through the gateway until stopped, then drain.
+
+    Opens the journal, enters the application's lifespan, starts a supervisor (resuming
+    the unfinished hosted runs; external runs wait for their callers), and serves the API
+    with hypercorn's trio worker. On :meth:`GatewayServer.stop` (or SIGTERM, with
+    ``handle_signals``) it stops accepting, finishes the requests in flight (for up to
+    ``graceful_timeout`` seconds), ends the event streams, flushes the journal, stops the
+    hosted runs (each resumes from its journal next time), and returns.
+
+    Args:
+      app_or_ref: an :class:`~interlock.App`, a machine or machines, or a reference
+        (``module:attribute`` or ``path/file.py:attribute``).
+      db: the journal, a SQLite path or ``postgresql://`` DSN; default the app's store,
+        else an in-memory one.
+      host: the address to bind; without API keys only loopback is allowed.
+      port: the TCP port; 0 picks a free one (read it from the GatewayServer).
+      keyring: the API keys; default from the environment (see :func:`create_app`).
+      limits: the gateway's limits.
+      channel: an ASGI app for WebSocket connections (the streaming channel).
+      handle_signals: drain on SIGTERM (the CLI sets it; needs the main thread).
+      graceful_timeout: the seconds requests in flight get to finish when stopping.
+      task_status: receives the :class:`GatewayServer` once it listens.
+
+    Raises:
+      ValueError: a non-loopback ``host`` with no API key configured, or bad limits.
+      AppRefError: ``app_or_ref`` names no application.
+      StoreError: the journal cannot be opened.
+    """
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    from ..stores import open_store
+
+    app = _application(app_or_ref)
+    keyring = KeyRing.from_env() if keyring is None else keyring
+    check_bind(host, keyring)
+    url = db or app.store
+    store = await open_store(url)
+    stats = RuntimeStats()
+    try:
+        async with (
+            app.open(url or ":memory:"),
+            open_supervisor(
+                list(app.machines.values()),
+                store,
+                provider=app.provider,
+                resume=True,
+                stats=stats,
+            ) as supervisor,
+        ):
+            gateway = create_app(
+                supervisor, keyring=keyring, limits=limits, prices=app.prices, channel=channel
+            )
+            config = Config()
+            config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+            config.graceful_timeout = graceful_timeout
+            config.accesslog = None
+            config.errorlog = logging.getLogger("hypercorn.error")
+            config.keep_alive_timeout = 75
+            stop = trio.Event()
+
+            async def shutdown_trigger() -> None:
+                await stop.wait()
+                gateway.drain()
+
+            served = trio.Event()
+
+            async def run_server(
+                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+            ) -> None:
+                try:
+                    await serve(
+                        gateway.asgi,
+                        config,
+                        shutdown_trigger=shutdown_trigger,
+                        task_status=task_status,
+                    )
+                finally:
+                    served.set()
+
+            async with trio.open_nursery() as nursery:
+                if handle_signals:
+                    nursery.start_soon(_on_sigterm, stop)
+                binds: list[str] = await nursery.start(run_server)
+                server = GatewayServer(binds[0], gateway, stop)
+                log.info("interlock gateway listening on %s", server.url)
+                task_status.started(server)
+                # hypercorn returns once the requests in flight are answered; then no
+                # request can add work, and the journal gets everything decided so far.
+                await served.wait()
+                await _flush(supervisor)
+                nursery.cancel_scope.cancel()
+            # NOTE: leaving open_supervisor would wait for every hosted run to end; a
+            # drain stops them instead (their journals are whole; they resume next time).
+            actors = supervisor._actors
+            if actors is not None:
+                actors.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+
+
+async def _on_sigterm(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            log.info("SIGTERM: draining")
+            stop.set()
+            return
+
+
+async def _flush(supervisor: Supervisor) -> None:
+    """Wait until everything decided so far is in the journal."""
+    live = next(iter(supervisor._runs), None)
+    # A Sync is answered after the batch that holds it is written, and that batch also
+    # writes every event decided before it; an unknown run id is refused, but only after
+    # that write.
+    with contextlib.suppress(InterlockError, trio.ClosedResourceError):
+        await supervisor.request(Sync(run_id=live or "interlock:drain"))
+
+
+def _application(value: App | Machine | Sequence[Machine] | str) -> App:
+    if isinstance(value, App):
+        return value
+    if isinstance(value, str):
+        return load_app(value)
+    if isinstance(value, Machine):
+        return App(value)
+    return App(list(value))
