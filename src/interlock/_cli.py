@@ -1,4 +1,4 @@
-"""The ``interlock`` command line: demo, runs, show, escalations, resume, replay, check."""
+"""The ``interlock`` command line: demo, runs, show, escalations, resume, replay, check, serve."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
@@ -109,6 +110,18 @@ def _latency(text: str) -> tuple[float, float]:
     if not 0 <= low <= high:
         raise argparse.ArgumentTypeError(f"need 0 <= LOW <= HIGH; got {text!r}")
     return low, high
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be between 0 and 65535 (0: any free port), got {value}"
+        )
+    return value
 
 
 def _url(text: str) -> str:
@@ -336,6 +349,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _journal(check)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the verification gateway: an HTTP API to start, drive and watch the "
+        "application's runs (SIGTERM drains and exits 0)",
+    )
+    _app(serve)
+    _journal(serve, app=True)
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to bind (default 127.0.0.1; another needs INTERLOCK_API_KEY or "
+        "INTERLOCK_API_KEYS_FILE)",
+    )
+    serve.add_argument(
+        "--port", type=_port, default=8080, help="the TCP port (default 8080; 0: any free port)"
+    )
     return parser
 
 
@@ -1152,6 +1182,38 @@ async def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+async def _serve(args: argparse.Namespace) -> int:
+    from .gateway import serve_gateway
+    from .gateway._keys import KeyRing
+
+    app, named, db = _application(args)
+    keyring = KeyRing.from_env()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            partial(
+                serve_gateway,
+                app,
+                db=db,
+                host=args.host,
+                port=args.port,
+                keyring=keyring,
+                handle_signals=True,
+            )
+        )
+        keys = (
+            "no API key: loopback only, every request has every role"
+            if keyring.open
+            else f"{_count(len(keyring), 'API key')}"
+        )
+        sys.stdout.write(
+            f"interlock serve: {server.url} (app {named}, journal {db}; {keys}); "
+            "SIGTERM drains and stops\n"
+        )
+        sys.stdout.flush()
+    sys.stdout.write("interlock serve: drained and stopped; every decided event is journaled\n")
+    return 0
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
@@ -1182,6 +1244,7 @@ _COMMANDS = {
     "resume": _resume,
     "replay": _replay,
     "check": _check,
+    "serve": _serve,
 }
 
 
