@@ -73,6 +73,7 @@ PROVIDERS = ("OpenAIChat", "OpenAIResponses", "AnthropicMessages")
 API = {"OpenAIChat": "chat", "OpenAIResponses": "responses", "AnthropicMessages": "messages"}
 SIMULATED = "simulated (ScriptedProvider)"
 LOCAL = "OpenAIChat, in-process transport"
+BARE = "floor: simulated + a bare loopback exchange"
 HTTP_CHAT = "OpenAIChat, HTTP"
 MAX_IN_FLIGHT = 256
 LOOKUPS = 5
@@ -203,6 +204,105 @@ def local_provider(name: str, lookups: int, steps: int) -> Any:
         run_header=RUN_HEADER,
         transport=LocalTransport(API[name], lookups, steps),
     )
+
+
+class Recording(LocalTransport):
+    """The in-process transport, keeping every request body it is sent."""
+
+    def __init__(self, api: str, lookups: int, steps: int) -> None:
+        super().__init__(api, lookups, steps)
+        self.bodies: list[bytes] = []
+
+    async def post(self, path: str, body: bytes, *, headers: Any = None, tokens: int = 0) -> Any:
+        self.bodies.append(body)
+        return await super().post(path, body, headers=headers, tokens=tokens)
+
+
+def recorded_bodies(name: str, lookups: int, steps: int) -> list[bytes]:
+    """The exact request bodies ``name`` sends at each step of one run (in process)."""
+    import trio
+
+    from interlock import open_supervisor
+    from interlock.stores import MemoryStore
+
+    recording = Recording(API[name], lookups, steps)
+    provider = make_provider(name, "http://127.0.0.1:9", run_header=RUN_HEADER, transport=recording)
+
+    async def main() -> None:
+        async with open_supervisor([build_machine()], MemoryStore(), provider=provider) as sup:
+            handle = await sup.start_run("orders", {"customer": "c-0"}, run_id="r0")
+            await handle.wait()
+
+    trio.run(main)
+    return recording.bodies
+
+
+class BareExchange:
+    """The floor under any HTTP provider: the simulated provider's proposals, each after one
+    exchange with the fake server of the very bytes OpenAIChat sends at that step, over a
+    plain keep-alive socket with no HTTP library (the request pre-encoded, the response
+    read up to its content-length), at the same limit in flight. What it costs over the
+    simulated row is what loopback HTTP costs under trio at the least."""
+
+    def __init__(self, url: str, bodies: list[bytes], inner: Any) -> None:
+        from urllib.parse import urlsplit
+
+        from interlock.providers._http import _Slots
+
+        parts = urlsplit(url)
+        self.address = (parts.hostname, parts.port)
+        self.requests = [
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: %b:%d\r\n"
+            b"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
+            b"content-length: %d\r\n\r\n%b"
+            % (str(parts.hostname).encode(), parts.port or 80, len(body), body)
+            for body in bodies
+        ]
+        self.inner = inner
+        self.model = inner.model
+        self.idle: list[Any] = []
+        self.slots = _Slots(MAX_IN_FLIGHT)
+
+    async def propose(self, view: Any) -> Any:
+        import socket
+
+        import trio
+
+        await self.slots.acquire()
+        try:
+            if self.idle:
+                sock = self.idle.pop()
+            else:
+                stream = await trio.open_tcp_stream(*self.address)
+                raw = stream.socket
+                sock = socket.socket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+                sock.setblocking(False)
+            view_ = memoryview(self.requests[view.steps])
+            while view_:
+                try:
+                    view_ = view_[sock.send(view_) :]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+            data = b""
+            while True:
+                try:
+                    chunk = sock.recv(65536)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(sock)
+                    continue
+                if not chunk:
+                    raise RuntimeError("the fake server closed the connection")
+                data += chunk
+                end = data.find(b"\r\n\r\n")
+                if end >= 0:
+                    at = data.find(b"content-length: ", 0, end) + 16
+                    length = int(data[at : data.index(b"\r\n", at)])
+                    if len(data) >= end + 4 + length:
+                        break
+            self.idle.append(sock)
+        finally:
+            self.slots.release()
+        return await self.inner.propose(view)
 
 
 # -- per call: the provider's own work on a live view ---------------------------------------
@@ -498,9 +598,12 @@ def measure_runs(config: dict[str, Any]) -> dict[str, Any]:
 
     kind, runs, lookups = config["kind"], config["runs"], config["lookups"]
     steps = lookups + 1
-    if kind == "simulated":
+    if kind in ("simulated", "bare"):
         script = [raw_proposal(step, lookups) for step in range(steps)]
         inner: Any = ScriptedProvider(lambda view: script[view.steps], model="bench-model")
+        if kind == "bare":
+            bodies = recorded_bodies(config["provider"], lookups, steps)
+            inner = BareExchange(config["url"], bodies, inner)
     elif kind == "local":
         inner = local_provider(config["provider"], lookups, steps)
     else:
@@ -559,7 +662,7 @@ def measure_runs(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _profiled(fn: Any, top: int = 14) -> dict[str, Any]:
+def _profiled(fn: Any, top: int = int(os.environ.get("BENCH_PROFILE_TOP", "14"))) -> dict[str, Any]:
     """cProfile of ``fn``: the top functions by own time and own time by area (h11 apart)."""
     profiler = cProfile.Profile()
     profiler.enable()
@@ -610,6 +713,7 @@ def configurations(quick: bool, url: str) -> list[dict[str, Any]]:
     runs = 200 if quick else 10_000
     base = {"runs": runs, "lookups": LOOKUPS, "url": url}
     configs = [{**base, "kind": "simulated", "label": SIMULATED}]
+    configs.append({**base, "kind": "bare", "provider": "OpenAIChat", "label": BARE})
     for name in PROVIDERS if not quick else PROVIDERS[:1]:
         configs.append({**base, "kind": "http", "provider": name, "label": f"{name}, HTTP"})
     configs.append({**base, "kind": "local", "provider": "OpenAIChat", "label": LOCAL})
@@ -650,7 +754,7 @@ def concurrent(quick: bool, progress: Progress) -> dict[str, Any]:
         profiled = run_child(
             "benchmarks.bench_providers",
             {
-                **configs[1],
+                **next(c for c in configs if c["label"] == HTTP_CHAT),
                 "runs": 200 if quick else 2_000,
                 "profile": True,
             },
@@ -777,7 +881,7 @@ def render(results: dict[str, Any]) -> str:
             num(r.get("system_us_per_step")),
             num(r["added_us_per_step"]) if r["kind"] != "simulated" else "–",
             f"{r['added_share']:+.0%}" if r["kind"] != "simulated" else "–",
-            num(r["server_cpu_us_per_step"]) if r["kind"] == "http" else "–",
+            num(r["server_cpu_us_per_step"]) if r["kind"] in ("http", "bare") else "–",
         )
         for r in results["rows"]
     ]
@@ -810,11 +914,25 @@ def render(results: dict[str, Any]) -> str:
             body,
         ),
     ]
-    simulated, http, local = (
+    simulated, http, local, bare = (
         find(results, SIMULATED),
         find(results, HTTP_CHAT),
         find(results, LOCAL),
+        find(results, BARE),
     )
+    if simulated and http and local and bare:
+        floor = bare["cpu_us_per_step"] - simulated["cpu_us_per_step"]
+        exchange = http["cpu_us_per_step"] - local["cpu_us_per_step"]
+        parts += [
+            "",
+            f"The floor: the same bytes exchanged over a bare keep-alive socket add "
+            f"{num(floor)} µs a step to the simulated run ({floor / simulated['cpu_us_per_step']:+.0%}): "
+            "that much any HTTP provider pays here, in trio's wait for the socket and in the "
+            f"kernel's loopback. OpenAIChat's HTTP exchange costs {num(exchange)} µs (HTTP "
+            f"minus in-process), {num(exchange - floor)} µs over that floor; its code and the "
+            "journaling of the exact bodies "
+            f"{num(local['cpu_us_per_step'] - simulated['cpu_us_per_step'])} µs more.",
+        ]
     if simulated and http and local:
         parts += [
             "",

@@ -389,14 +389,19 @@ async def test_a_bad_header_is_refused_without_showing_its_value(
         await transport.post("/x", b"{}", headers=headers)
 
 
-async def test_a_path_h11_refuses_is_a_value_error() -> None:
+async def test_a_path_that_cannot_go_on_the_request_line_is_a_value_error() -> None:
     transport = Transport("http://127.0.0.1:9")
     with pytest.raises(
         ValueError, match=r"^path 'x' must start with '/', like '/chat/completions'$"
     ):
         await transport.post("x", b"{}")
-    with pytest.raises(ValueError, match=r"^POST /x y: h11 refused the request line or a header"):
-        await transport.post("/x y", b"{}")
+    for path in ("/x y", "/x\r\nhost: evil", "/caf\u00e9"):
+        message = (
+            f"POST {path!r}: the path has a space, a control or a non-ASCII character; "
+            "percent-encode it"
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            await transport.post(path, b"{}")
 
 
 @pytest.mark.parametrize(
@@ -455,8 +460,7 @@ async def test_a_connection_dropped_mid_body_is_retryable(nursery: trio.Nursery)
             await transport.post("/x", b"{}")
     assert message_of(excinfo).startswith(
         f"POST /v1/x to 127.0.0.1:{server.port}: closed the connection before the response "
-        "was complete (RemoteProtocolError: peer closed connection without sending complete "
-        "message body"
+        "was complete (12 of 1000 body bytes received)"
     )
     assert excinfo.value.retryable
 
