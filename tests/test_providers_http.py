@@ -335,5 +335,11 @@ async def test_structured_output_in_one_state_and_tools_in_another() -> None:
     assert "response_format" not in bodies[0]
     assert bodies[2]["response_format"]["type"] == "json_schema"
     assert "tools" not in bodies[2]
+    # each state's system message says how to answer there
+    assert "Call exactly one tool per turn." in bodies[0]["messages"][0]["content"]
+    system = bodies[2]["messages"][0]["content"]
+    assert "Call exactly one tool" not in system
+    assert "Answer each turn with one JSON object, as the response format's schema says" in system
+    assert "with STATE one of COMPLETED." in system
     with pytest.raises(Exception, match="output must be 'tools' or 'json_schema'"):
         OpenAIChat("m", base_url=fake.openai_base_url, output={"ANSWER": "xml"})

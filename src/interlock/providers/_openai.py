@@ -401,7 +401,7 @@ class OpenAIChat(HttpProvider):
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
     def _messages(self, view: RunView) -> list[bytes]:
-        system = _encode({"role": "system", "content": system_text(view)})
+        system = _encode({"role": "system", "content": system_text(view, self.mode_for(view))})
         steps = joined(view, "chat", _chat_step)
         return [system, steps, _NEXT_USER] if steps else [system, _NEXT_USER]
 

@@ -201,13 +201,15 @@ def check_machine(machine: Machine, transition: str, strict: bool) -> None:
 # -- the history as a conversation ----------------------------------------------------------
 
 
-def system_text(view: RunView) -> str:
-    """What the system message says: the task, the state, the run's inputs and data.
+def system_text(view: RunView, mode: str = "tools") -> str:
+    """What the system message says: the task, the state, the run's inputs and data, and
+    how to answer (``mode``: by native tool calls, or by one JSON object in the structured
+    output's schema).
 
-    Made again only when the state or the data changed (kept on the view).
+    Made again only when the state, the data or the mode changed (kept on the view).
     """
     run = view._run
-    key = (run.state, run._data_version)
+    key = (run.state, run._data_version, mode)
     cache = memo(view)
     found = cache.get("system")
     if found is not None and found[0] == key:
@@ -221,14 +223,26 @@ def system_text(view: RunView) -> str:
     if view.data:
         lines.append(f"Data so far: {_encode(dict(view.data)).decode()}")
     legal = view.legal_next
-    lines.append(
-        "Call exactly one tool per turn. "
-        + (
-            f"To move on, call {TRANSITION!r} with next one of {', '.join(legal)}."
-            if legal
-            else "There is no next state from here."
+    if mode == "json_schema":
+        lines.append(
+            "Answer each turn with one JSON object, as the response format's schema says: "
+            '{"tool": NAME, "args": {...}} to call a tool. '
+            + (
+                f'To move on, answer {{"next": STATE, "data": {{...}}}} with STATE one of '
+                f"{', '.join(legal)}."
+                if legal
+                else "There is no next state from here."
+            )
         )
-    )
+    else:
+        lines.append(
+            "Call exactly one tool per turn. "
+            + (
+                f"To move on, call {TRANSITION!r} with next one of {', '.join(legal)}."
+                if legal
+                else "There is no next state from here."
+            )
+        )
     text = "\n".join(lines)
     cache["system"] = (key, text)
     return text
