@@ -39,7 +39,7 @@ from ._common import (
     read_answer,
     retry_wait,
     run_path,
-    sse_decode,
+    stream_event,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +52,21 @@ T = TypeVar("T")
 
 #: Transport errors raised before the request left: resending them is always safe.
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+async def _finish(response: httpx.Response, lines: AsyncIterator[str]) -> None:
+    """Close a stream's response and run its line reader to its end.
+
+    NOTE: httpx reads a body through a chain of async generators; one left suspended
+    (the caller stopped early) is finalized by the garbage collector, which trio
+    reports as a ResourceWarning. Resuming the chain after the close makes every one of
+    them end now, with the close's error.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        await response.aclose()
+        with contextlib.suppress(Exception):
+            async for _ in lines:
+                pass
 
 
 class AsyncClient:
@@ -175,6 +190,7 @@ class AsyncClient:
         *,
         state: str | None = None,
         machine: str | None = None,
+        outcome: str | None = None,
         page_size: int | None = None,
     ) -> AsyncIterator[RunSummary]:
         """Every run that matches, oldest first, reading page after page by cursor.
@@ -182,11 +198,12 @@ class AsyncClient:
         Args:
           state: only runs in this state.
           machine: only runs of this machine.
-          page_size: runs per request (the gateway's default when None).
+          outcome: only runs with this outcome (running, completed, escalated, failed).
+          page_size: runs per request, 1 to 1,000 (the gateway's default, 100, when None).
         """
         cursor: str | None = None
         while True:
-            page = await self._send(_calls.list_runs(state, machine, page_size, cursor))
+            page = await self._send(_calls.list_runs(state, machine, outcome, page_size, cursor))
             for run in page.runs:
                 yield run
             if page.cursor is None or not page.runs:
@@ -229,6 +246,7 @@ class AsyncClient:
             headers = {**self._headers, "Accept": "text/event-stream"}
             if last is not None:
                 headers["Last-Event-ID"] = str(last)
+            cause: Exception | None = None
             try:
                 async with self._http.stream(
                     "GET", self.base_url + path, headers=headers, timeout=timeout
@@ -249,25 +267,30 @@ class AsyncClient:
                         await trio.sleep(wait)
                         continue
                     parser = SseParser()
-                    async for line in response.aiter_lines():
-                        frame = parser.feed(line)
-                        if frame is None:
-                            continue
-                        event = sse_decode(frame[2], EventOut)
-                        if last is not None and event.seq <= last:
-                            continue  # already seen (a server that resent)
-                        last, attempt = event.seq, 0
-                        yield event
-                        if event.kind in ENDING_KINDS:
-                            return
-                    return  # the gateway ended the stream
+                    lines = response.aiter_lines()
+                    try:
+                        async for line in lines:
+                            frame = parser.feed(line)
+                            if frame is None:
+                                continue
+                            event = stream_event(call, frame)
+                            if last is not None and event.seq <= last:
+                                continue  # already seen (a server that resent)
+                            last, attempt = event.seq, 0
+                            yield event
+                            if event.kind in ENDING_KINDS:
+                                return
+                    finally:
+                        await _finish(response, lines)
+                # NOTE: the gateway ended the stream before the run ended (it is shutting
+                # down, say): resume it as after a drop, from the last event seen
+                reason = "the gateway closed the stream before the run ended"
             except httpx.TransportError as exc:
-                attempt += 1
-                if attempt > self._retry.retries:
-                    raise GatewayUnavailable(
-                        "GET", path, attempt, f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                await trio.sleep(self._retry.backoff(attempt))
+                cause, reason = exc, f"{type(exc).__name__}: {exc}"
+            attempt += 1
+            if attempt > self._retry.retries:
+                raise GatewayUnavailable("GET", path, attempt, reason) from cause
+            await trio.sleep(self._retry.backoff(attempt))
 
     async def wait(self, run_id: str) -> RunOut:
         """Wait until the run is terminal (completed, escalated or failed) and return it.

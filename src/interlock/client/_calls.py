@@ -78,11 +78,20 @@ def get_run(run_id: str) -> Call[RunOut]:
 
 
 def list_runs(
-    state: str | None, machine: str | None, limit: int | None, cursor: str | None
+    state: str | None,
+    machine: str | None,
+    outcome: str | None,
+    limit: int | None,
+    cursor: str | None,
 ) -> Call[RunPage]:
     params = {
         name: str(value)
-        for name, value in (("state", state), ("machine", machine), ("limit", limit))
+        for name, value in (
+            ("state", state),
+            ("machine", machine),
+            ("outcome", outcome),
+            ("limit", limit),
+        )
         if value is not None
     }
     if cursor is not None:

@@ -19,11 +19,10 @@ import msgspec
 
 from .._exceptions import InterlockError
 from .._version import __version__
+from ..gateway._api import EventOut, ViolationOut
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
-
-    from ..gateway._api import ViolationOut
 
 T = TypeVar("T")
 
@@ -114,7 +113,10 @@ class GatewayUnavailable(InterlockError, ConnectionError):
 
 
 class _ProblemBody(msgspec.Struct, kw_only=True):
-    """The members of an ``application/problem+json`` body that the client reads."""
+    """The members of an ``application/problem+json`` body that the client reads.
+
+    NOTE: msgspec reads these annotations at run time, so ViolationOut is imported so.
+    """
 
     type: str = "about:blank"
     title: str = ""
@@ -262,7 +264,7 @@ def problem_from(
             path=call.path,
         )
     return GatewayProblem(
-        status,
+        status or body.status,
         body.title or reason or "error",
         body.detail,
         type=body.type,
@@ -346,9 +348,27 @@ def seq_of(event_id: str | None) -> int | None:
         return None
 
 
-def sse_decode(data: str, type: type[T]) -> T:
-    """Decode one SSE ``data:`` payload (JSON) into ``type``."""
-    return msgspec.json.decode(data, type=type)
+def stream_event(call: Call[Any], frame: tuple[str | None, str, str]) -> EventOut:
+    """The journal event one SSE frame carries.
+
+    Raises:
+      GatewayProblem: the frame is a ``problem`` (the gateway ended the stream on an
+        error), or its data is not an event.
+    """
+    _, name, data = frame
+    content = data.encode()
+    if name == "problem":
+        raise problem_from(call, 0, {"content-type": PROBLEM}, content, "stream failed")
+    try:
+        return msgspec.json.decode(content, type=EventOut)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise GatewayProblem(
+            200,
+            "unreadable event",
+            f"a stream frame is not a journal event: {exc}",
+            method=call.method,
+            path=call.path,
+        ) from exc
 
 
 def check_items(items: Iterable[Any]) -> list[Any]:

@@ -39,7 +39,7 @@ from ._common import (
     read_answer,
     retry_wait,
     run_path,
-    sse_decode,
+    stream_event,
 )
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class Client:
         *,
         state: str | None = None,
         machine: str | None = None,
+        outcome: str | None = None,
         page_size: int | None = None,
     ) -> Iterator[RunSummary]:
         """Every run that matches, oldest first, reading page after page by cursor.
@@ -182,11 +183,12 @@ class Client:
         Args:
           state: only runs in this state.
           machine: only runs of this machine.
-          page_size: runs per request (the gateway's default when None).
+          outcome: only runs with this outcome (running, completed, escalated, failed).
+          page_size: runs per request, 1 to 1,000 (the gateway's default, 100, when None).
         """
         cursor: str | None = None
         while True:
-            page = self._send(_calls.list_runs(state, machine, page_size, cursor))
+            page = self._send(_calls.list_runs(state, machine, outcome, page_size, cursor))
             yield from page.runs
             if page.cursor is None or not page.runs:
                 return
@@ -226,6 +228,7 @@ class Client:
             headers = {**self._headers, "Accept": "text/event-stream"}
             if last is not None:
                 headers["Last-Event-ID"] = str(last)
+            cause: Exception | None = None
             try:
                 with self._http.stream(
                     "GET", self.base_url + path, headers=headers, timeout=timeout
@@ -250,21 +253,22 @@ class Client:
                         frame = parser.feed(line)
                         if frame is None:
                             continue
-                        event = sse_decode(frame[2], EventOut)
+                        event = stream_event(call, frame)
                         if last is not None and event.seq <= last:
                             continue  # already seen (a server that resent)
                         last, attempt = event.seq, 0
                         yield event
                         if event.kind in ENDING_KINDS:
                             return
-                    return  # the gateway ended the stream
+                # NOTE: the gateway ended the stream before the run ended (it is shutting
+                # down, say): resume it as after a drop, from the last event seen
+                reason = "the gateway closed the stream before the run ended"
             except httpx.TransportError as exc:
-                attempt += 1
-                if attempt > self._retry.retries:
-                    raise GatewayUnavailable(
-                        "GET", path, attempt, f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                time.sleep(self._retry.backoff(attempt))
+                cause, reason = exc, f"{type(exc).__name__}: {exc}"
+            attempt += 1
+            if attempt > self._retry.retries:
+                raise GatewayUnavailable("GET", path, attempt, reason) from cause
+            time.sleep(self._retry.backoff(attempt))
 
     def wait(self, run_id: str) -> RunOut:
         """Wait until the run is terminal (completed, escalated or failed) and return it.
