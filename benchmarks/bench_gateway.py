@@ -172,28 +172,19 @@ def serve(kind: str, db: str) -> None:
 
     async def gateway() -> None:
         from interlock.gateway import serve_gateway
+        from interlock.gateway._guard import Limits
 
+        # no per-key rate limit: the benchmark measures the server, not its throttle
+        limits = Limits(rate=None, request_timeout=None)
         async with trio.open_nursery() as nursery:
             started = await nursery.start(
-                functools.partial(serve_gateway, build_app(), db=db, host="127.0.0.1", port=0)
+                functools.partial(
+                    serve_gateway, build_app(), db=db, host="127.0.0.1", port=0, limits=limits
+                )
             )
-            _say_port(_port_of(started))
+            _say_port(started.port)
 
     trio.run(bare if kind == "bare" else gateway)
-
-
-def _port_of(started: Any) -> int:
-    """The port ``serve_gateway`` reported to its ``task_status``."""
-    for attribute in ("port",):
-        if hasattr(started, attribute):
-            return int(getattr(started, attribute))
-    if isinstance(started, int):
-        return started
-    if isinstance(started, (list, tuple)) and started:
-        return _port_of(started[0])
-    if isinstance(started, str):
-        return int(started.rsplit(":", 1)[1].rstrip("/"))
-    raise RuntimeError(f"serve_gateway started with {started!r}: no port in it")
 
 
 def _say_port(port: int) -> None:
