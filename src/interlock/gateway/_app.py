@@ -531,7 +531,15 @@ async def _stream(app: GatewayApp, request: _Request) -> None:
                                     "more_body": True,
                                 }
                             )
-                except GatewayError as exc:  # e.g. the store stopped answering: end the stream
+                except Exception as exc:  # e.g. the store stopped answering: end the stream
+                    if not isinstance(exc, GatewayError):
+                        log.exception("the event stream of %r failed", request.params["id"])
+                        exc = GatewayError(
+                            500,
+                            "Internal Server Error",
+                            f"the stream failed: {type(exc).__name__}: {exc}; reconnect with "
+                            "Last-Event-ID to go on",
+                        )
                     await send(
                         {
                             "type": "http.response.body",
@@ -618,7 +626,7 @@ def _query(name: str, kind: str, description: str, **schema: Any) -> dict[str, A
 
 
 # (method, path, summary, request body, response body, success status, parameters)
-_OPERATIONS: list[tuple[str, str, str, type | None, type | None, int, list[dict[str, Any]]]] = [
+_OPERATIONS: list[tuple[str, str, str, type | None, type, int, list[dict[str, Any]]]] = [
     ("post", "/v1/runs", "Start a run", RunCreate, RunOut, 201, []),
     (
         "get",

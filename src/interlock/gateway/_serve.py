@@ -190,7 +190,7 @@ async def serve_gateway(
             ) -> None:
                 try:
                     await serve(
-                        gateway.asgi,
+                        gateway.asgi,  # type: ignore[arg-type]  # hypercorn's own ASGI types
                         config,
                         shutdown_trigger=shutdown_trigger,
                         task_status=task_status,

@@ -682,8 +682,12 @@ class GatewayService:
         except Exception as exc:
             error = _translate(exc)
             if answer is not None:
+                # Requests waiting on this one get its error; a later retry is decided
+                # afresh (the error may have been passing: a 503, a store hiccup).
                 answer.error = error
                 answer.done.set()
+                if self._answers.get(run_id) is answer:
+                    del self._answers[run_id]
             raise error from None
         out = verdict_out(verdict)
         self._note_reconcile(out)
