@@ -30,6 +30,7 @@ from interlock.gateway import (
     openapi_document,
     serve_gateway,
 )
+from interlock.gateway._guard import Limits
 from interlock.gateway._keys import KeyRing, Principal
 from interlock.stores import open_sqlite_store
 
@@ -434,6 +435,59 @@ async def test_a_key_scoped_to_other_machines_gets_a_403(tmp_path: Path) -> None
         assert (await start(client, "o-1", "other")).id == "o-1"
         del client.headers["authorization"]
         assert (await client.get("/v1/runs/x-1")).status_code == 401
+
+
+async def reconcile_never(key: str, args: Any, ctx: Any) -> Any:
+    raise AssertionError("an external run's caller asks its downstream itself")
+
+
+async def test_a_call_in_doubt_is_reconciled_by_its_caller(tmp_path: Path) -> None:
+    machine = Machine(
+        "pay",
+        "PAY",
+        {"PAY": Worker(next=["COMPLETED"], tools=["charge"])},
+        tools=[Tool("charge", never, Charge, reconcile=reconcile_never)],
+    )
+    db = tmp_path / "j.db"
+    async with gateway(machine, db) as (_, client):
+        run = await start(client, "r-1", "pay")
+        call = decode(await propose(client, "r-1", CHARGE, run.seq), VerdictOut)
+        assert call.key is not None
+        # the attempt failed in a way that may have reached the downstream
+        doubt = decode(
+            await client.post("/v1/runs/r-1/results", json={"key": call.key, "error": "reset"}),
+            VerdictOut,
+        )
+        assert doubt.accepted is False
+        assert doubt.reconcile is not None
+        assert (doubt.reconcile.key, doubt.reconcile.args) == (call.key, {"cents": 500})
+        # the caller asked its downstream: it was applied
+        settled = decode(
+            await client.post(
+                "/v1/runs/r-1/results",
+                json={"key": call.key, "applied": True, "result": {"charged": 500}},
+            ),
+            VerdictOut,
+        )
+        assert settled.accepted
+        assert decode(await client.get("/v1/runs/r-1"), RunOut).pending is None
+    events = await journal(db, "r-1")
+    assert kinds(events)[-3:] == ["tool_in_doubt", "reconciled", "tool_committed"]
+    assert events[-1].result == {"charged": 500}
+    assert events[-1].reconciled is True
+
+
+async def test_a_key_at_its_runs_in_flight_limit_gets_a_429(tmp_path: Path) -> None:
+    limits = Limits(runs_in_flight=1)
+    async with gateway(shop(), tmp_path / "j.db", limits=limits) as (_, client):
+        run = await start(client, "q-1")
+        refused = await client.post("/v1/runs", json={"machine": "shop", "mode": "external"})
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert "runs in flight" in refused.json()["detail"]
+        verdict = decode(await propose(client, "q-1", DONE, run.seq), VerdictOut)
+        assert verdict.outcome == "completed"  # its slot is free again
+        assert (await start(client, "q-2")).id == "q-2"
 
 
 async def test_stopping_finishes_the_requests_in_flight_first(tmp_path: Path) -> None:

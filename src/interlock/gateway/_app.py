@@ -320,7 +320,8 @@ class GatewayApp:
             raise GatewayError(
                 415,
                 "Unsupported Media Type",
-                f"the body's Content-Type is {content_type!r}; send {JSON} or {MSGPACK}",
+                f"the body's Content-Type is {content_type!r}; send {JSON} or {MSGPACK} (curl "
+                f"-d sends a form's type unless given -H 'Content-Type: {JSON}')",
             )
         chunks: list[bytes] = []
         size = 0
