@@ -41,6 +41,7 @@ __all__ = [
     "RunQuota",
     "TokenBucket",
     "guarded",
+    "retry_after",
 ]
 
 Scope: TypeAlias = MutableMapping[str, Any]
@@ -246,6 +247,11 @@ class RunQuota:
     def in_flight(self, name: str) -> int:
         """How many runs key ``name`` has in flight."""
         return self._counts.get(name, 0)
+
+
+def retry_after(wait: float) -> int:
+    """The ``Retry-After`` value for a wait of ``wait`` seconds: whole seconds, rounded up, >= 1."""
+    return max(1, math.ceil(wait))
 
 
 _problem_encoder = msgspec.json.Encoder()
@@ -461,7 +467,7 @@ class _Guard:
             if limiter is not None:
                 wait = limiter.check(principal.name)
                 if wait:
-                    seconds = max(1, math.ceil(wait))
+                    seconds = retry_after(wait)
                     raise _Refusal(
                         429,
                         "rate-limited",
