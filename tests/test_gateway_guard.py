@@ -732,13 +732,11 @@ async def test_websocket_handshake_is_guarded(keyring):
         while (await receive())["type"] != "websocket.disconnect":
             pass
 
-    async def handshake(url, headers, frame: bytes | None = None):
+    async def handshake(url, headers, frame: bytes | None = None, target="/v1/channel"):
         host, port = url.removeprefix("http://").split(":")
         stream = await trio.open_tcp_stream(host, int(port))
         ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
-        await stream.send_all(
-            ws.send(Request(host=host, target="/v1/channel", extra_headers=headers))
-        )
+        await stream.send_all(ws.send(Request(host=host, target=target, extra_headers=headers)))
         events, body = [], b""
         while True:
             data = await stream.receive_some()
@@ -772,6 +770,13 @@ async def test_websocket_handshake_is_guarded(keyring):
                 url, [(b"authorization", f"Bearer {READER_KEY}".encode())]
             )
             assert events[0].status_code == 403
+            events, body = await handshake(
+                url, [(b"authorization", f"Bearer {READER_KEY}".encode())], target="/elsewhere"
+            )
+            assert events[0].status_code == 404  # a path the table does not name: refused
+            assert msgspec.json.decode(body)["detail"] == (
+                "there is no WebSocket endpoint at '/elsewhere'; connect to /v1/channel"
+            )
             events, _ = await handshake(
                 url, [(b"authorization", f"Bearer {AGENT_KEY}".encode())], frame=b"z" * 101
             )

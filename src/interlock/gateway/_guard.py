@@ -277,11 +277,12 @@ _UNKNOWN = _Rule(None, False, False)
 class _Router:
     """The route table compiled: an exact dict for fixed paths, per-length patterns for the rest."""
 
-    __slots__ = ("_exact", "_patterns")
+    __slots__ = ("_exact", "_patterns", "_routes")
 
     def __init__(
         self, routes: Mapping[tuple[str, str], str | None], streaming: Collection[tuple[str, str]]
     ) -> None:
+        self._routes = tuple(routes)
         self._exact: dict[tuple[str, str], _Rule] = {}
         self._patterns: dict[tuple[str, int], list[tuple[tuple[str | None, ...], _Rule]]] = {}
         for route in streaming:
@@ -304,6 +305,10 @@ class _Router:
                 continue
             shape = tuple(None if s.startswith("{") and s.endswith("}") else s for s in segments)
             self._patterns.setdefault((method, len(shape)), []).append((shape, rule))
+
+    def paths(self, method: str) -> list[str]:
+        """The patterns the table has for ``method``."""
+        return sorted(p for m, p in self._routes if m == method)
 
     def match(self, method: str, path: str) -> _Rule:
         if method == "HEAD":
@@ -440,6 +445,18 @@ class _Guard:
                 [],
             )
         rule = self._router.match(method, path)
+        if rule is _UNKNOWN and method == WEBSOCKET:
+            # NOTE: the app may hand every WebSocket to one handler, whatever its path, so a
+            # path the table does not name must not get through with just any key.
+            known = self._router.paths(WEBSOCKET)
+            raise _Refusal(
+                404,
+                "not-found",
+                "Not found",
+                f"there is no WebSocket endpoint at {path[:200]!r}; connect to "
+                f"{' or '.join(known) or 'none (this server has none)'}",
+                [],
+            )
         authorization: str | None = None
         length: bytes | None = None
         for name, value in scope["headers"]:
