@@ -38,6 +38,7 @@ from interlock.client import (
 )
 from interlock.client._common import SseParser
 from interlock.gateway import serve_gateway
+from interlock.gateway._keys import KeyRing
 from interlock.providers import ScriptedProvider
 from interlock.workflows import Backend, order_total, refund
 
@@ -78,21 +79,30 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+async def gateway(tmp_path: Path, keyring: KeyRing | None = None) -> AsyncIterator[Gateway]:
     """The refund workflow behind ``serve_gateway`` on a SQLite journal, on a free port.
 
-    Hosted runs are driven by the workflow's oracle (a well-behaved simulated model)."""
+    Hosted runs are driven by the workflow's oracle (a well-behaved simulated model).
+    No API key is needed unless ``keyring`` holds some."""
     backend = Backend(":memory:")
     app = App([refund.build(backend)], provider=ScriptedProvider(refund.oracle, model="oracle"))
     try:
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                partial(serve_gateway, app, db=str(tmp_path / "journal.db"), port=0)
-            )
-            try:
-                yield Gateway(server.url, server)
-            finally:
-                server.stop()
+        # every test that uses a gateway ends within 90 s, whatever goes wrong
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(
+                    partial(
+                        serve_gateway,
+                        app,
+                        db=str(tmp_path / "journal.db"),
+                        port=0,
+                        keyring=keyring if keyring is not None else KeyRing(),
+                    )
+                )
+                try:
+                    yield Gateway(server.url, server)
+                finally:
+                    server.stop()
     finally:
         backend.close()
 
@@ -377,6 +387,27 @@ def test_the_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert client._headers["Authorization"] == "Bearer k-123"
     with pytest.raises(ValueError, match=r"^api_key must be a non-empty token with no line"):
         Client("http://127.0.0.1:1", api_key="a\nb")
+
+
+async def test_the_bearer_key_is_sent_with_every_request(tmp_path: Path) -> None:
+    key = "k-7f3a9c1e5b2d4f6a8c0e"
+    async with gateway(tmp_path, KeyRing.from_env({"INTERLOCK_API_KEY": key})) as gw:
+        async with AsyncClient(gw.url, api_key=key, retry=FAST) as client:
+            run = await client.start_external("refund", INPUTS, run_id="k-1")
+            assert (await run.propose(lookup())).accepted
+            async with contextlib.aclosing(client.stream("k-1")) as events:
+                async for event in events:  # the stream sends the key too
+                    if event.seq == run.seq:
+                        break
+        async with AsyncClient(gw.url, api_key="k-not-the-key", retry=FAST) as client:
+            with pytest.raises(GatewayProblem) as caught:
+                await client.get_run("k-1")
+        assert caught.value.status == 401
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("INTERLOCK_API_KEY", key)
+            with Client(gw.url, retry=FAST) as sync:  # the key from the environment
+                seen = await trio.to_thread.run_sync(sync.get_run, "k-1")
+        assert seen.seq == run.seq
 
 
 # -- retries ------------------------------------------------------------------------------
