@@ -9,7 +9,8 @@ script only watches the run's journal stream.
 Run: python examples/external_agent.py [URL]
   With no URL it starts ``interlock serve --app interlock.demo:app`` on a free port with
   a temporary journal, and stops it (SIGTERM: it drains) at the end. Needs
-  ``interlock[gateway,client]``. Exits 0 when both runs completed.
+  ``interlock[gateway,client]``. Exits 0 when the external run completed and the hosted
+  one ended.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ async def main(url: str) -> int:
         )
         hosted = await hosted_run(client)
         print(f"hosted run {hosted.id}: {hosted.outcome} {hosted.output or hosted.reason}")
-    return 0 if done.outcome == "completed" and hosted.outcome == "completed" else 1
+    # the demo's simulated model is corrupted at random (its chaos rate), so a hosted run
+    # may also end escalated, with its reason: that is the runtime doing its job
+    return 0 if done.outcome == "completed" and hosted.outcome != "running" else 1
 
 
 @contextlib.contextmanager
