@@ -211,6 +211,7 @@ def test_schemathesis_finds_no_server_error(served: Served, tmp_path: Path) -> N
         text=True,
         timeout=300,
         check=False,
+        cwd=tmp_path,  # its .schemathesis/ cache stays out of the checkout
     )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-6000:]
