@@ -315,6 +315,12 @@ async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> Non
         one = await client.escalation("e-1")
         assert (one.reason, one.from_state) == ("consecutive_failures", "WORK")
 
+        with pytest.raises(GatewayProblem) as caught:  # a corrected payload is verified too
+            await client.resume("e-1", by="ops", payload='{"tool": "refund", "args": {}}')
+        assert caught.value.status == 422
+        assert [(v.code, v.path) for v in caught.value.violations] == [("schema", "args")]
+        assert "\n  schema at args: " in str(caught.value)
+
         resumed = await client.resume("e-1", by="ops", note="try again")
         assert (resumed.outcome, resumed.state) == ("running", "WORK")
         again = await client.resume("e-1", by="ops", note="try again")  # a retry: same answer
