@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -445,6 +446,44 @@ async def test_a_dropped_answer_is_resent_and_gets_the_recorded_one(tmp_path: Pa
         assert (kinds.count("run_started"), kinds.count("model_called")) == (1, 1)
         assert kinds.count("tool_committed") == 1
         assert run.seq == reported.seq == len(kinds)
+
+
+async def _drive(client: AsyncClient, proxy: Proxy, run_id: str, drops: list[bool]) -> str:
+    """The refund run, each request's answer dropped where ``drops`` says; its outcome."""
+    plan = iter(drops)
+
+    def arm() -> None:
+        proxy.drops = 1 if next(plan, False) else 0
+
+    arm()
+    run = await client.start_external("refund", INPUTS, run_id=run_id)
+    results = {"lookup_order": {"order_id": ORDER, "total": TOTAL}, "refund": {"ok": 1}}
+    for text in (lookup(), refund_of(TOTAL + 1), refund_of(TOTAL), EMAIL, DONE):
+        arm()
+        verdict = await run.propose(text)
+        if verdict.key and verdict.tool:
+            arm()
+            await run.report(verdict.key, results.get(verdict.tool, {"sent": True}))
+    return run.outcome
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.booleans(), min_size=9, max_size=9))
+async def test_dropped_answers_anywhere_leave_the_journal_as_if_none_were(
+    drops: list[bool],
+) -> None:
+    """Whichever answers are lost, the resends end the run with the very journal of a run
+    that lost none: no second run, model call, intent or commit."""
+    with tempfile.TemporaryDirectory() as work:  # hypothesis runs it more than once
+        async with (
+            gateway(Path(work)) as gw,
+            proxy_to(gw) as proxy,
+            AsyncClient(f"http://127.0.0.1:{proxy.port}", retry=FAST) as client,
+        ):
+            assert await _drive(client, proxy, "clean", []) == "completed"
+            assert await _drive(client, proxy, "lossy", drops) == "completed"
+            assert proxy.dropped == sum(drops)
+            assert await gw.kinds("lossy") == await gw.kinds("clean")
 
 
 async def test_a_proposal_without_expected_seq_is_not_resent(tmp_path: Path) -> None:
