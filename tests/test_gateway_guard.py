@@ -357,6 +357,36 @@ def test_limits_defaults():
     assert Limits(rate=10, burst=50).effective_burst == 50
 
 
+def test_limits_from_env():
+    assert Limits.from_env({}) == Limits()
+    limits = Limits.from_env(
+        {
+            "INTERLOCK_GATEWAY_MAX_BODY": "2048",
+            "INTERLOCK_GATEWAY_RATE": "50.5",
+            "INTERLOCK_GATEWAY_BURST": "7",
+            "INTERLOCK_GATEWAY_RUNS_IN_FLIGHT": "3",
+            "INTERLOCK_GATEWAY_REQUEST_TIMEOUT": "off",
+        }
+    )
+    assert limits == Limits(
+        max_body=2048, rate=50.5, burst=7, runs_in_flight=3, request_timeout=None
+    )
+    assert Limits.from_env({"INTERLOCK_GATEWAY_RATE": " OFF "}).rate is None
+    with pytest.raises(
+        ValueError, match=r"^INTERLOCK_GATEWAY_MAX_BODY must be a whole number; got '1MiB'$"
+    ):
+        Limits.from_env({"INTERLOCK_GATEWAY_MAX_BODY": "1MiB"})
+    with pytest.raises(
+        ValueError, match=r"^INTERLOCK_GATEWAY_REQUEST_TIMEOUT must be a number or off; got 'x'$"
+    ):
+        Limits.from_env({"INTERLOCK_GATEWAY_REQUEST_TIMEOUT": "x"})
+    with pytest.raises(
+        ValueError,
+        match=r"^Limits.rate must be a positive finite number .* \(from the INTERLOCK_GATEWAY_\* variables\)$",
+    ):
+        Limits.from_env({"INTERLOCK_GATEWAY_RATE": "0"})
+
+
 def test_token_bucket_with_a_fake_clock():
     bucket = TokenBucket(rate=2.0, burst=3, now=100.0)
     assert [bucket.take(100.0) for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
@@ -573,6 +603,11 @@ async def test_keys_and_roles_over_http(keyring):
 
             missing = await client.post("/v1/runs", json={})
             body = assert_problem(missing, 401, "unauthorized")
+            # Refused with its body unread: the server closes, and says so.
+            assert missing.headers["connection"] == "close"
+            no_body = await client.get("/v1/runs")
+            assert_problem(no_body, 401, "unauthorized")
+            assert "connection" not in no_body.headers  # nothing unread: kept alive
             assert missing.headers["www-authenticate"] == 'Bearer realm="interlock"'
             assert "Authorization: Bearer <key>" in body["detail"]
 
@@ -637,6 +672,7 @@ async def test_body_limit_announced_and_streamed(keyring):
                 "/v1/verify", content=b"x" * 1001, headers=auth(AGENT_KEY)
             )
             body = assert_problem(announced, 413, "body-too-large")
+            assert announced.headers["connection"] == "close"
             assert body["detail"] == (
                 "the request body is larger than this server's limit of 1000 bytes; send a "
                 "smaller body (split a batch into several requests)"
@@ -651,6 +687,7 @@ async def test_body_limit_announced_and_streamed(keyring):
             streamed = await client.post("/v1/verify", content=chunks(), headers=auth(AGENT_KEY))
             assert "content-length" not in streamed.request.headers
             assert_problem(streamed, 413, "body-too-large")
+            assert streamed.headers["connection"] == "close"
             # The app saw a disconnect instead of the rest and raised; the guard kept it in.
             assert await watched.next_call() == ("/v1/verify", None)
             assert app.disconnects == 1
@@ -703,6 +740,7 @@ async def test_request_timeout_and_streaming_exemption(keyring):
                 # timeout too.
                 slow = await client.post("/slow", headers=auth(AGENT_KEY))
                 body = assert_problem(slow, 504, "timeout")
+                assert "connection" not in slow.headers  # the body was read: kept alive
                 assert body["detail"].startswith(
                     "the request took longer than this server's limit of 0.5 s and was cancelled"
                 )

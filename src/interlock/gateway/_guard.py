@@ -23,6 +23,7 @@ or the body), so the app calls ``principal.allows(role, machine)`` itself.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -118,12 +119,57 @@ class Limits:
         if self.request_timeout is not None:
             _positive_number("request_timeout", self.request_timeout, "seconds, or None")
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Limits:
+        """The limits set by ``INTERLOCK_GATEWAY_*`` variables, the defaults for the rest.
+
+        ``INTERLOCK_GATEWAY_MAX_BODY`` (bytes), ``INTERLOCK_GATEWAY_RATE`` (requests/s per
+        key, or ``off``), ``INTERLOCK_GATEWAY_BURST``, ``INTERLOCK_GATEWAY_RUNS_IN_FLIGHT``,
+        ``INTERLOCK_GATEWAY_REQUEST_TIMEOUT`` (seconds, or ``off``).
+
+        Args:
+          environ: the environment to read; ``os.environ`` by default.
+
+        Raises:
+          ValueError: a variable that is not a number of the right kind, naming it.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, kind, can_be_off in _ENV_LIMITS:
+            text = env.get(f"INTERLOCK_GATEWAY_{name.upper()}")
+            if text is None:
+                continue
+            variable = f"INTERLOCK_GATEWAY_{name.upper()}"
+            text = text.strip()
+            if can_be_off and text.lower() == "off":
+                values[name] = None
+                continue
+            try:
+                values[name] = kind(text)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                hint = " or off" if can_be_off else ""
+                raise ValueError(f"{variable} must be {what}{hint}; got {text!r}") from None
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (from the INTERLOCK_GATEWAY_* variables)") from None
+
     @property
     def effective_burst(self) -> int:
         """The bucket's size: :attr:`burst`, or ``ceil(rate)`` when it is ``None``."""
         if self.burst is not None:
             return self.burst
         return max(1, math.ceil(self.rate)) if self.rate is not None else 1
+
+
+_ENV_LIMITS: Final = (
+    ("max_body", int, False),
+    ("rate", float, True),
+    ("burst", int, False),
+    ("runs_in_flight", int, False),
+    ("request_timeout", float, True),
+)
 
 
 def _positive_int(name: str, value: object, unit: str) -> None:
@@ -348,7 +394,7 @@ _CHALLENGE_SCOPE = (b"www-authenticate", b'Bearer realm="interlock", error="insu
 class _Exchange:
     """One HTTP request's passage: counts the body on the way in, watches the response go out."""
 
-    __slots__ = ("_receive", "_send", "limit", "received", "refused", "started")
+    __slots__ = ("_receive", "_send", "complete", "limit", "received", "refused", "started")
 
     def __init__(self, receive: Receive, send: Send, limit: int) -> None:
         self._receive = receive
@@ -357,6 +403,7 @@ class _Exchange:
         self.received = 0
         self.started = False
         self.refused = False
+        self.complete = False  # the whole body has arrived
 
     async def receive(self) -> Message:
         if self.refused:
@@ -371,6 +418,8 @@ class _Exchange:
                     await self.refuse(_too_large(self.limit))
                 self.refused = True
                 return {"type": "http.disconnect"}
+            if not message.get("more_body", False):
+                self.complete = True
         return message
 
     async def send(self, message: Message) -> None:
@@ -383,7 +432,7 @@ class _Exchange:
     async def refuse(self, refusal: _Refusal) -> None:
         self.refused = True
         self.started = True
-        await _send_problem(self._send, refusal)
+        await _send_problem(self._send, refusal, close=not self.complete)
 
 
 def _too_large(limit: int) -> _Refusal:
@@ -397,12 +446,26 @@ def _too_large(limit: int) -> _Refusal:
     )
 
 
-async def _send_problem(send: Send, refusal: _Refusal, kind: str = "http") -> None:
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if (name == b"content-length" and value.strip(b" \t0")) or name == b"transfer-encoding":
+            return True
+    return False
+
+
+async def _send_problem(
+    send: Send, refusal: _Refusal, kind: str = "http", *, close: bool = False
+) -> None:
     headers = [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(refusal.body)).encode()),
         *refusal.headers,
     ]
+    if close:
+        # NOTE: a refusal sent before the body has arrived leaves it unread, and the server
+        # then closes the connection; saying so stops the client reusing it for its next
+        # request and losing that request in the race.
+        headers.append((b"connection", b"close"))
     await send({"type": f"{kind}.response.start", "status": refusal.status, "headers": headers})
     await send({"type": f"{kind}.response.body", "body": refusal.body})
 
@@ -524,7 +587,7 @@ class _Guard:
             if announced is not None and announced > limits.max_body:
                 raise _too_large(limits.max_body)
         except _Refusal as refusal:
-            await _send_problem(send, refusal)
+            await _send_problem(send, refusal, close=_has_body(scope))
             return
         if principal is not None:
             scope = {**scope, "interlock.principal": principal}
