@@ -505,7 +505,8 @@ class AsyncExternalRun:
 
         run = await client.start_external("refund", {"order_id": "ord-1"})
         while run.outcome == "running":
-            verdict = await run.propose(model(run.context))
+            context = (await run.refresh()).context  # state, tools, history: for the model
+            verdict = await run.propose(model(context))
             if verdict.key:
                 await run.report(verdict.key, my_tool(verdict.tool, verdict.args))
 
@@ -526,7 +527,8 @@ class AsyncExternalRun:
 
     @property
     def context(self) -> str:
-        """The rendered context for the model, as of the last :meth:`refresh`."""
+        """The rendered context for the model, as of the last :meth:`refresh` (a
+        verdict does not carry it: refresh before asking the model again)."""
         return self.run.context
 
     def _track(self, verdict: VerdictOut) -> VerdictOut:

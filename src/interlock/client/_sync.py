@@ -483,7 +483,8 @@ class ExternalRun:
 
         run = client.start_external("refund", {"order_id": "ord-1"})
         while run.outcome == "running":
-            verdict = run.propose(model(run.context))
+            context = (run.refresh()).context  # state, tools, history: for the model
+            verdict = run.propose(model(context))
             if verdict.key:
                 run.report(verdict.key, my_tool(verdict.tool, verdict.args))
 
@@ -504,7 +505,8 @@ class ExternalRun:
 
     @property
     def context(self) -> str:
-        """The rendered context for the model, as of the last :meth:`refresh`."""
+        """The rendered context for the model, as of the last :meth:`refresh` (a
+        verdict does not carry it: refresh before asking the model again)."""
         return self.run.context
 
     def _track(self, verdict: VerdictOut) -> VerdictOut:
