@@ -2,7 +2,9 @@
 
 The answers are the gateway's own Structs (re-exported here), decoded straight from
 JSON or msgpack. A problem answer raises :class:`GatewayProblem`; no answer at all,
-after the retries, :class:`GatewayUnavailable`.
+after the retries, :class:`GatewayUnavailable`. The streaming channel's client
+(``open_channel``, ``ChannelClient``, ``ChannelProblem``) is re-exported from
+``interlock.gateway`` for throughput: many calls pipelined on one connection.
 """
 
 from typing import Any
@@ -27,14 +29,14 @@ from ._sync import Client as Client
 from ._sync import ExternalRun as ExternalRun
 
 #: Resolved on first use: the streaming channel's client lives with the channel.
-_LAZY = ("ChannelClient",)
+_LAZY = ("ChannelClient", "ChannelProblem", "open_channel")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ChannelClient":
-        from ..gateway._channel_client import ChannelClient
+    if name in _LAZY:
+        from ..gateway import _channel_client
 
-        return ChannelClient
+        return getattr(_channel_client, name)
     raise AttributeError(f"module 'interlock.client' has no attribute {name!r}")
 
 
@@ -43,6 +45,7 @@ __all__ = [
     "AsyncExternalRun",
     "CallOut",
     "ChannelClient",
+    "ChannelProblem",
     "Client",
     "EscalationOut",
     "EventOut",
@@ -58,4 +61,5 @@ __all__ = [
     "VerdictOut",
     "VerifyItem",
     "ViolationOut",
+    "open_channel",
 ]
