@@ -453,6 +453,20 @@ def test_run_quota():
         RunQuota(0)
 
 
+def test_every_api_operation_has_a_role_in_the_guard():
+    """The guard's table and the API's OpenAPI document name the same routes."""
+    from interlock.gateway._app import openapi_document
+
+    documented = {
+        (method.upper(), path)
+        for path, operations in openapi_document()["paths"].items()
+        for method in operations
+    }
+    table = {route for route in DEFAULT_ROUTES if route[0] != "WEBSOCKET"}
+    assert documented - table == set()
+    assert table - documented == {("GET", "/openapi.json")}
+
+
 def test_route_table():
     router = _Router(DEFAULT_ROUTES, STREAMING_ROUTES)
     assert router.match("POST", "/v1/runs").role == "agent"
@@ -644,6 +658,15 @@ async def test_keys_and_roles_over_http(keyring):
             # A route the table does not know needs a valid key, then the app answers it.
             assert (await client.get("/v2/else")).status_code == 401
             assert (await client.get("/v2/else", headers=auth(READER_KEY))).status_code == 200
+            twice = await client.get(
+                "/v1/runs",
+                headers=[("Authorization", f"Bearer {READER_KEY}"), ("Authorization", "Bearer x")],
+            )
+            body = assert_problem(twice, 401, "unauthorized")
+            assert body["detail"] == (
+                "the request has more than one Authorization header; send exactly one: "
+                "'Authorization: Bearer <key>'"
+            )
             dotted = await client.get("/v1/runs/x/%2E%2E/y", headers=auth(READER_KEY))
             assert_problem(dotted, 400, "bad-path")
     assert app.disconnects == 0
