@@ -510,6 +510,10 @@ class EchoApp:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["path"] == "/refuse-unread":  # answers before reading the body, as a 415 does
+            await send({"type": "http.response.start", "status": 415, "headers": []})
+            await send({"type": "http.response.body", "body": b"no"})
+            return
         body = b""
         while True:
             message = await receive()
@@ -715,6 +719,27 @@ async def test_body_limit_announced_and_streamed(keyring):
             assert await watched.next_call() == ("/v1/verify", None)
             assert app.disconnects == 1
             assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_an_answer_before_the_body_is_read_says_connection_close(keyring):
+    """The app refusing a body unread (a 415, say) leaves hypercorn to close the connection;
+    the guard adds ``Connection: close`` so the client does not lose its next request."""
+    routes = {**DEFAULT_ROUTES, ("POST", "/refuse-unread"): "agent"}
+    with trio.fail_after(60):
+        async with (
+            served(guarded(EchoApp(), keyring, Limits(), routes=routes)) as url,
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            for _ in range(3):  # without the header, the next request is the one lost
+                unread = await client.post(
+                    "/refuse-unread", content=b"x" * 300_000, headers=auth(AGENT_KEY)
+                )
+                assert unread.status_code == 415
+                assert unread.headers["connection"] == "close"
+                assert (await client.get("/healthz")).status_code == 200
+            read = await client.post("/v1/verify", content=b"x" * 10, headers=auth(AGENT_KEY))
+            assert read.status_code == 200
+            assert "connection" not in read.headers  # the body was read: kept alive
 
 
 async def test_rate_limit_per_key(keyring):

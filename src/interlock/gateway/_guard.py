@@ -386,6 +386,7 @@ class _Refusal(Exception):
         self.headers = headers
 
 
+_CLOSE = (b"connection", b"close")
 _CHALLENGE = (b"www-authenticate", b'Bearer realm="interlock"')
 _CHALLENGE_INVALID = (b"www-authenticate", b'Bearer realm="interlock", error="invalid_token"')
 _CHALLENGE_SCOPE = (b"www-authenticate", b'Bearer realm="interlock", error="insufficient_scope"')
@@ -396,14 +397,14 @@ class _Exchange:
 
     __slots__ = ("_receive", "_send", "complete", "limit", "received", "refused", "started")
 
-    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+    def __init__(self, receive: Receive, send: Send, limit: int, has_body: bool) -> None:
         self._receive = receive
         self._send = send
         self.limit = limit
         self.received = 0
         self.started = False
         self.refused = False
-        self.complete = False  # the whole body has arrived
+        self.complete = not has_body  # the whole body has arrived
 
     async def receive(self) -> Message:
         if self.refused:
@@ -427,6 +428,11 @@ class _Exchange:
             return
         if message["type"] == "http.response.start":
             self.started = True
+            if not self.complete:
+                # NOTE: an answer that starts before the body has all arrived (the app refusing
+                # it unread, say) leaves the server to close the connection: say so (see
+                # _send_problem).
+                message = {**message, "headers": [*message.get("headers", ()), _CLOSE]}
         await self._send(message)
 
     async def refuse(self, refusal: _Refusal) -> None:
@@ -465,7 +471,7 @@ async def _send_problem(
         # NOTE: a refusal sent before the body has arrived leaves it unread, and the server
         # then closes the connection; saying so stops the client reusing it for its next
         # request and losing that request in the race.
-        headers.append((b"connection", b"close"))
+        headers.append(_CLOSE)
     await send({"type": f"{kind}.response.start", "status": refusal.status, "headers": headers})
     await send({"type": f"{kind}.response.body", "body": refusal.body})
 
@@ -496,8 +502,9 @@ class _Guard:
         else:
             await self._app(scope, receive, send)
 
-    def _admit(self, method: str, scope: Scope) -> tuple[_Rule, Principal | None, int | None]:
-        """The route's rule, the principal and the announced body length, or a _Refusal."""
+    def _admit(self, method: str, scope: Scope) -> tuple[_Rule, Principal | None, int | None, bool]:
+        """The route's rule, the principal, the announced body length and whether a body
+        comes, or a _Refusal."""
         path: str = scope["path"]
         if "/." in path and any(s in (".", "..") for s in path.split("/")):
             raise _Refusal(
@@ -522,6 +529,7 @@ class _Guard:
             )
         authorization: str | None = None
         length: bytes | None = None
+        chunked = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 if authorization is not None:
@@ -536,6 +544,8 @@ class _Guard:
                 authorization = value.decode("latin-1")
             elif name == b"content-length":
                 length = value
+            elif name == b"transfer-encoding":
+                chunked = True
         principal: Principal | None = None
         if not rule.public:
             try:
@@ -578,12 +588,12 @@ class _Guard:
                     [],
                 )
             announced = int(length)
-        return rule, principal, announced
+        return rule, principal, announced, chunked or bool(announced)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         limits = self._limits
         try:
-            rule, principal, announced = self._admit(scope["method"], scope)
+            rule, principal, announced, has_body = self._admit(scope["method"], scope)
             if announced is not None and announced > limits.max_body:
                 raise _too_large(limits.max_body)
         except _Refusal as refusal:
@@ -591,7 +601,7 @@ class _Guard:
             return
         if principal is not None:
             scope = {**scope, "interlock.principal": principal}
-        exchange = _Exchange(receive, send, limits.max_body)
+        exchange = _Exchange(receive, send, limits.max_body, has_body)
         timeout = None if rule.streaming else limits.request_timeout
         try:
             if timeout is None:
@@ -618,7 +628,7 @@ class _Guard:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            _rule, principal, _ = self._admit(WEBSOCKET, scope)
+            principal = self._admit(WEBSOCKET, scope)[1]
         except _Refusal as refusal:
             message = await receive()
             if message["type"] != "websocket.connect":
