@@ -449,6 +449,34 @@ async def test_a_timeout_is_a_retryable_error(nursery: trio.Nursery, autojump_cl
     assert trio.current_time() - started >= 30
 
 
+async def test_a_finished_requests_deadline_never_cuts_the_next_on_its_connection(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """The timeout is a heap of deadlines that closes an overdue request's connection; the
+    entry of a request that finished must not close the connection under a later one."""
+
+    async def answer(request: Request, respond: Responder) -> None:
+        if request.target == "/v1/hang":
+            await trio.sleep_forever()
+        if request.target == "/v1/slow":
+            await trio.sleep(6)
+        await respond.reply(200, request.body)
+
+    server = await start(nursery, answer)
+    async with Transport(server.url, timeout=10, max_in_flight=1) as transport:
+        assert (await transport.post("/fast", b"1")).body == b"1"  # its deadline: t=10
+        await trio.sleep(8)
+        assert (await transport.post("/slow", b"2")).body == b"2"  # from t=8 to t=14
+        for _ in range(12):  # past the heap's compaction (4 x max_in_flight entries)
+            assert (await transport.post("/fast", b"3")).body == b"3"
+        started = trio.current_time()
+        with pytest.raises(ProviderError, match="no complete response within 10 seconds"):
+            await transport.post("/hang", b"4")
+        assert trio.current_time() - started == pytest.approx(10, abs=0.5)
+        assert (await transport.post("/fast", b"5")).body == b"5"  # on a new connection
+    assert server.connections == 2
+
+
 async def test_a_connection_dropped_mid_body_is_retryable(nursery: trio.Nursery) -> None:
     async def drop(request: Request, respond: Responder) -> None:
         await respond.raw(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + b'{"partial": ')

@@ -19,7 +19,9 @@ What it does not do: proxies, HTTP/2, redirects, cookies, compression (it asks f
 from __future__ import annotations
 
 import codecs
+import contextlib
 import email.utils
+import heapq
 import math
 import re
 import select
@@ -51,8 +53,7 @@ _UNTIL_CLOSE = -2
 _CHUNKED = -1
 """Framings of a body, beside its content-length (0 or more)."""
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n\0]*)?")
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n\0]*?)[ \t]*")
+_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n\0]*)?")
 _TARGET = re.compile(r"[!-~]+")
 _ERROR_TEXT_BYTES = 300
@@ -92,7 +93,7 @@ class SseEvent(NamedTuple):
 class _Connection:
     """One keep-alive connection: a plain socket driven directly, or a TLS stream."""
 
-    __slots__ = ("buffer", "received", "socket", "stream")
+    __slots__ = ("armed", "buffer", "received", "socket", "stream", "timed_out")
 
     def __init__(self, sock: Any, stream: trio.SSLStream[Any] | None) -> None:
         self.socket = sock
@@ -102,6 +103,10 @@ class _Connection:
         """Bytes received and not yet consumed."""
         self.received = False
         """Whether any byte of the current response has arrived."""
+        self.armed = 0
+        """The token of the request's deadline in the pool's heap; 0 when none is armed."""
+        self.timed_out = False
+        """Whether the pool closed the connection at its request's deadline."""
 
     async def send(self, data: bytes) -> None:
         if self.stream is not None:
@@ -180,6 +185,50 @@ class _Pool:
         self.idle: list[_Connection] = []
         self.closed = False
         self.bucket = None if tokens_per_minute is None else _TokenBucket(tokens_per_minute)
+        self.timers: list[tuple[float, int, _Connection]] = []
+        """(deadline, token, connection) of the requests in flight, a heap; an entry whose
+        token is no longer its connection's is stale (that request is over)."""
+        self.tokens = 0
+        self.keep = 4 * max_in_flight
+        self.waiting: trio.CancelScope | None = None
+        self.watching = False
+
+    def arm(self, connection: _Connection, deadline: float) -> None:
+        """Close ``connection`` at ``deadline`` unless its request is over by then."""
+        self.tokens += 1
+        connection.armed = self.tokens
+        timers = self.timers
+        if len(timers) > self.keep:  # mostly stale entries: keep the live ones
+            timers[:] = [entry for entry in timers if entry[2].armed == entry[1]]
+            heapq.heapify(timers)
+        heapq.heappush(timers, (deadline, self.tokens, connection))
+        if not self.watching:
+            self.watching = True
+            trio.lowlevel.spawn_system_task(self._watch, name="interlock.providers timeouts")
+        elif self.waiting is not None and deadline < self.waiting.deadline:
+            self.waiting.deadline = deadline
+
+    async def _watch(self) -> None:
+        # A system task: it must never raise (that would crash the whole trio run).
+        timers = self.timers
+        while not self.closed:
+            now = trio.current_time()
+            while timers and timers[0][0] <= now:
+                _deadline, token, connection = heapq.heappop(timers)
+                if connection.armed == token:
+                    connection.timed_out = True
+                    with contextlib.suppress(Exception):  # a socket that will not close
+                        _close_now(connection)
+            with trio.CancelScope(deadline=timers[0][0] if timers else math.inf) as waiting:
+                self.waiting = waiting
+                await trio.sleep_forever()
+            self.waiting = None
+        self.watching = False
+
+    def stop(self) -> None:
+        self.closed = True
+        if self.waiting is not None:
+            self.waiting.cancel()
 
     def release(self, connection: _Connection) -> None:
         if self.closed:
@@ -322,7 +371,7 @@ class Transport:
         The Transport stays usable: a later request opens a new pool."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.closed = True
+            pool.stop()
             idle, pool.idle = pool.idle, []
             for connection in idle:
                 _close_now(connection)
@@ -356,29 +405,28 @@ class Transport:
             await pool.bucket.take(tokens)
         await pool.slots.acquire()
         try:
-            with trio.move_on_after(self.timeout) as scope:
-                status, response_headers, length, reuse, connection = await self._start(
-                    pool, path, head, body
-                )
-                try:
-                    buffer = connection.buffer
-                    if length >= 0:  # content-length: the common case, read in place
-                        while len(buffer) < length:
-                            await self._fill(connection, path, length)
-                        data = bytes(buffer[:length])
-                        del buffer[:length]
-                    else:
-                        data = b"".join(
-                            [piece async for piece in self._body(connection, path, length)]
-                        )
-                except BaseException:
-                    _close_now(connection)
-                    raise
-                self._finish(pool, connection, reuse)
+            status, response_headers, length, reuse, connection = await self._start(
+                pool, path, head, body
+            )
+            try:
+                buffer = connection.buffer
+                if length >= 0:  # content-length: the common case, read in place
+                    while len(buffer) < length:
+                        await self._fill(connection, path, length)
+                    data = bytes(buffer[:length])
+                    del buffer[:length]
+                else:
+                    data = b"".join([piece async for piece in self._body(connection, path, length)])
+            except BaseException:
+                _close_now(connection)
+                raise
+            finally:
+                connection.armed = 0
+            self._finish(pool, connection, reuse)
+        except _TimedOut:
+            raise self._timed_out(path) from None
         finally:
             pool.slots.release()
-        if scope.cancelled_caught:
-            raise self._timed_out(path)
         response = HttpResponse(status, response_headers, data)
         if status >= 400:
             raise self._status_error(path, response, secrets)
@@ -414,32 +462,32 @@ class Transport:
             await pool.bucket.take(tokens)
         await pool.slots.acquire()
         try:
-            with trio.move_on_after(self.timeout) as scope:
-                status, response_headers, length, reuse, connection = await self._start(
-                    pool, path, head, body
-                )
-                state = _StreamState()
+            status, response_headers, length, reuse, connection = await self._start(
+                pool, path, head, body
+            )
+            state = _StreamState()
+            try:
+                if status >= 400:
+                    pieces = self._body(connection, path, length, state)
+                    data = b"".join([piece async for piece in pieces])
+                    raise self._status_error(
+                        path, HttpResponse(status, response_headers, data), secrets
+                    )
+                events = self._events(connection, path, length, state)
                 try:
-                    if status >= 400:
-                        pieces = self._body(connection, path, length, state)
-                        data = b"".join([piece async for piece in pieces])
-                        raise self._status_error(
-                            path, HttpResponse(status, response_headers, data), secrets
-                        )
-                    events = self._events(connection, path, length, state)
-                    try:
-                        yield events
-                    finally:
-                        await events.aclose()  # type: ignore[attr-defined]
+                    yield events
                 finally:
-                    if state.done:
-                        self._finish(pool, connection, reuse)
-                    else:
-                        _close_now(connection)
+                    await events.aclose()  # type: ignore[attr-defined]
+            finally:
+                connection.armed = 0
+                if state.done:
+                    self._finish(pool, connection, reuse)
+                else:
+                    _close_now(connection)
+        except _TimedOut:
+            raise self._timed_out(path) from None
         finally:
             pool.slots.release()
-        if scope.cancelled_caught:
-            raise self._timed_out(path)
 
     async def _events(
         self, connection: _Connection, path: str, length: int, state: _StreamState
@@ -504,9 +552,23 @@ class Transport:
         more try on a fresh connection: most likely the server closed it while idle, as
         the request went out."""
         request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
+        # NOTE: the timeout is the pool's heap of deadlines, which closes an overdue
+        # request's connection (waking it), not a cancel scope per request: entering and
+        # leaving one with a deadline costs more than the rest of the exchange's bookkeeping.
+        deadline = trio.current_time() + self.timeout
         reused = pool.take_idle()
         while True:
-            connection = reused or await self._connect(path)
+            if reused is not None:
+                connection = reused
+                pool.arm(connection, deadline)
+            else:
+                fresh: _Connection | None = None
+                with trio.move_on_at(deadline):
+                    fresh = await self._connect(path)
+                if fresh is None:
+                    raise _TimedOut
+                connection = fresh
+                pool.arm(connection, deadline)
             connection.received = False
             try:
                 await connection.send(request)
@@ -517,8 +579,10 @@ class Transport:
                 _close_now(connection)
                 reused = None
                 continue
-            except (trio.BrokenResourceError, OSError) as exc:
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 _close_now(connection)
+                if connection.timed_out:
+                    raise _TimedOut from None
                 if reused is not None:
                     reused = None
                     continue
@@ -576,7 +640,9 @@ class Transport:
         ProviderError (or ``_Stale``: a reused connection that got no byte of a response)."""
         try:
             data = await connection.receive()
-        except (trio.BrokenResourceError, OSError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            if connection.timed_out:
+                raise _TimedOut from None
             if fresh and not connection.received:
                 raise _Stale from None
             what = "dropped the connection mid-stream" if streaming else "lost the connection"
@@ -725,6 +791,10 @@ class _StreamState:
         self.done = False
 
 
+class _TimedOut(Exception):
+    """The pool closed the request's connection at its deadline."""
+
+
 class _Stale(Exception):
     """A reused keep-alive connection was closed by the server before it answered."""
 
@@ -736,28 +806,39 @@ class _BadHttp(Exception):
 def _parse_head(head: bytes) -> tuple[int, dict[str, str], bool]:
     """The status, the header fields (names in lower case, repeats joined with ``", "``)
     and whether the response is HTTP/1.1, from a response head without its blank line."""
-    lines = head.split(b"\n")
-    first = lines[0][:-1] if lines[0].endswith(b"\r") else lines[0]
-    status = _STATUS_LINE.fullmatch(first)
+    text = head.decode("latin-1")
+    if "\0" in text:
+        raise _BadHttp("a NUL byte in the response head")
+    if text.count("\n") == text.count("\r\n"):
+        lines = text.split("\r\n")
+    else:  # bare LF line ends, which RFC 9112 lets a client accept
+        lines = [line.removesuffix("\r") for line in text.split("\n")]
+    status = _STATUS_LINE.fullmatch(lines[0])
     if status is None:
-        raise _BadHttp(f"a status line {first[:60]!r} that is not HTTP/1.x")
+        raise _BadHttp(f"a status line {lines[0][:60].encode('latin-1')!r} that is not HTTP/1.x")
     headers: dict[str, str] = {}
     key = ""
-    for raw in lines[1:]:
-        line = raw[:-1] if raw.endswith(b"\r") else raw
-        if line[:1] in (b" ", b"\t") and key:  # obs-fold: one more line of the last field
-            more = line.strip(b" \t")
-            if b"\r" in more or b"\0" in more:
-                raise _BadHttp(f"a folded line of header {key!r} with a CR or NUL in it")
-            headers[key] = f"{headers[key]} {more.decode('latin-1')}"
+    token = _TOKEN.fullmatch
+    for index in range(1, len(lines)):
+        line = lines[index]
+        if line[:1] in (" ", "\t") and key:  # obs-fold: one more line of the last field
+            more = line.strip(" \t")
+            if "\r" in more:
+                raise _BadHttp(f"a folded line of header {key!r} with a CR in it")
+            headers[key] = f"{headers[key]} {more}"
             continue
-        field = _FIELD.fullmatch(line)
-        if field is None:
-            raise _BadHttp(f"a header line {line[:60]!r} that is not 'name: value'")
-        key = field.group(1).decode("ascii").lower()
-        text = field.group(2).decode("latin-1")
-        headers[key] = f"{headers[key]}, {text}" if key in headers else text
-    return int(status.group(2)), headers, status.group(1) == b"1"
+        name, colon, value = line.partition(":")
+        if not colon or token(name) is None or "\r" in value:
+            raise _BadHttp(
+                f"a header line {line[:60].encode('latin-1')!r} that is not 'name: value'"
+            )
+        key = name.lower()
+        value = value.strip(" \t")
+        if key in headers:
+            headers[key] = f"{headers[key]}, {value}"
+        else:
+            headers[key] = value
+    return int(status.group(2)), headers, status.group(1) == "1"
 
 
 def _framing(status: int, headers: Mapping[str, str]) -> int:
@@ -996,7 +1077,9 @@ def _secrets(values: Any) -> set[str]:
 
 
 def _close_now(connection: _Connection) -> None:
-    socket = connection.socket
-    if socket is not None:
+    sock = connection.socket
+    if sock is not None:
         connection.socket = None
-        socket.close()
+        if connection.stream is None:  # a stdlib socket: wake a task waiting on it first
+            trio.lowlevel.notify_closing(sock)
+        sock.close()
