@@ -662,6 +662,24 @@ def test_the_public_names_are_exported_and_documented() -> None:
         assert inspect.getdoc(obj), name
 
 
+async def test_the_channel_client_is_reachable_from_interlock_client(tmp_path: Path) -> None:
+    """The streaming channel beside the HTTP API, on the same service: the same run."""
+    from interlock.gateway._channel import serve_channel
+
+    async with gateway(tmp_path) as gw, trio.open_nursery() as nursery:
+        address = await nursery.start(
+            partial(serve_channel, gw.server.app.service, keyring=KeyRing())
+        )
+        async with interlock.client.open_channel(address) as channel:
+            assert isinstance(channel, interlock.client.ChannelClient)
+            run = await channel.create_run("refund", INPUTS, run_id="ch-1", mode="external")
+            verdict = await channel.propose("ch-1", lookup(), expected_seq=run.seq)
+            assert verdict.accepted
+        async with AsyncClient(gw.url, retry=FAST) as client:
+            assert (await client.get_run("ch-1")).seq == verdict.seq
+        nursery.cancel_scope.cancel()
+
+
 def test_the_client_needs_no_server_packages() -> None:
     code = (
         "import sys; sys.modules['hypercorn'] = None\n"
