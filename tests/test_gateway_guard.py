@@ -269,6 +269,13 @@ def test_principal_validates():
         Principal("x", frozenset())
     with pytest.raises(ValueError, match=r"^principal 'x': machines must be None"):
         Principal("x", frozenset({"agent"}), frozenset())
+    with pytest.raises(
+        ValueError,
+        match=r"^principal 'x': roles must be a set of role names, e.g. frozenset\(\{'agent'\}\), not a string$",
+    ):
+        Principal("x", "agent")
+    with pytest.raises(ValueError, match=r"^principal 'x': machines must be None"):
+        Principal("x", frozenset({"agent"}), "refund")
     with pytest.raises(ValueError, match=r"^a principal needs a non-empty name"):
         Principal("", frozenset({"agent"}))
 

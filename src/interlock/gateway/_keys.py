@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 __all__ = [
+    "ANONYMOUS",
     "ROLES",
     "KeyRing",
     "Principal",
@@ -95,6 +96,11 @@ class Principal:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a principal needs a non-empty name, not {self.name!r}")
+        if isinstance(self.roles, str):
+            raise ValueError(
+                f"principal {self.name!r}: roles must be a set of role names, e.g. "
+                f"frozenset({{{self.roles!r}}}), not a string"
+            )
         roles = frozenset(self.roles)
         unknown = sorted(r for r in roles if r not in ROLES)
         if unknown or not roles:
@@ -105,7 +111,11 @@ class Principal:
         object.__setattr__(self, "roles", roles)
         if self.machines is not None:
             machines = frozenset(self.machines)
-            if not machines or not all(isinstance(m, str) and m for m in machines):
+            if (
+                isinstance(self.machines, str)
+                or not machines
+                or not all(isinstance(m, str) and m for m in machines)
+            ):
                 raise ValueError(
                     f"principal {self.name!r}: machines must be None (every machine) or a "
                     f"non-empty set of machine names"
