@@ -18,11 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 
 import trio
@@ -148,40 +146,25 @@ async def main(url: str) -> int:
 
 @contextlib.contextmanager
 def demo_gateway() -> Iterator[str]:
-    """``interlock serve`` on the demo application, on a free loopback port."""
-    with tempfile.TemporaryDirectory() as work, socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
+    """``interlock serve`` on the demo application, on a port it picks (``--port 0``)."""
+    with tempfile.TemporaryDirectory() as work:
         command = [
-            sys.executable,
-            "-m",
-            "interlock",
-            "serve",
-            "--app",
-            "interlock.demo:app",
-            "--db",
-            os.path.join(work, "journal.db"),
-            "--port",
-            str(port),
-        ]
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
+            sys.executable, "-m", "interlock", "serve", "--app", "interlock.demo:app",
+            "--db", os.path.join(work, "journal.db"), "--port", "0",
+        ]  # fmt: skip
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"interlock serve exited: {server.stderr.read().decode()}")  # type: ignore[union-attr]
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                    break
-                if time.monotonic() > deadline:
-                    raise SystemExit("interlock serve did not start listening within 60 s")
-                time.sleep(0.1)
+            assert server.stdout is not None
+            # its first line, once it listens: "interlock serve: http://127.0.0.1:PORT (...)"
+            line = server.stdout.readline()
+            if not line.startswith("interlock serve: http"):
+                raise SystemExit(f"interlock serve did not start: {line or 'no output'}")
+            url = line.split()[2]
             print(f"gateway: {url} (interlock serve --app interlock.demo:app)")
             yield url
         finally:
             server.terminate()  # SIGTERM: stop accepting, finish what is in flight, exit 0
-            server.wait(60)
+            server.communicate(timeout=60)
 
 
 if __name__ == "__main__":

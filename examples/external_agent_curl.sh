@@ -33,17 +33,19 @@ trap cleanup EXIT
 if [ -n "${INTERLOCK_URL:-}" ]; then
 	URL=${INTERLOCK_URL%/}
 else
-	PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+	# port 0: the server picks a free port and prints its URL once it listens
 	# shellcheck disable=SC2086 # INTERLOCK may be a command with arguments
-	${INTERLOCK:-interlock} serve --app interlock.demo:app --db "$WORK/journal.db" --port "$PORT" \
+	${INTERLOCK:-interlock} serve --app interlock.demo:app --db "$WORK/journal.db" --port 0 \
 		>"$WORK/serve.log" 2>&1 &
 	SERVER=$!
-	URL=http://127.0.0.1:$PORT
-	for _ in $(seq 300); do
-		curl -sf "$URL/healthz" >/dev/null 2>&1 && break
+	URL=""
+	for _ in $(seq 600); do
+		URL=$(sed -n 's|^interlock serve: \(http://[^ ]*\) .*|\1|p' "$WORK/serve.log")
+		[ -n "$URL" ] && break
 		kill -0 "$SERVER" 2>/dev/null || { cat "$WORK/serve.log" >&2; exit 1; }
 		sleep 0.1
 	done
+	[ -n "$URL" ] || { echo "interlock serve did not start within 60 s" >&2; exit 1; }
 	echo "gateway: $URL (interlock serve --app interlock.demo:app, journal $WORK/journal.db)"
 fi
 
