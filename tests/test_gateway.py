@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import trio
 
-from interlock import App, Machine, Tool, Worker, replay
+from interlock import App, Go, Machine, Step, Tool, Worker, replay
 from interlock._demo import DemoConfig, build_app
 from interlock.gateway import (
     GatewayServer,
@@ -435,6 +435,48 @@ async def test_a_key_scoped_to_other_machines_gets_a_403(tmp_path: Path) -> None
         assert (await start(client, "o-1", "other")).id == "o-1"
         del client.headers["authorization"]
         assert (await client.get("/v1/runs/x-1")).status_code == 401
+
+
+def receipt(view: Any) -> Go:
+    return Go("COMPLETED", {"receipt": f"r-{view.last_result('charge')['charged']}"})
+
+
+def checkout() -> Machine:
+    """A step state first (plain code), then the model's, then a step that finishes."""
+    return Machine(
+        "checkout",
+        "START",
+        {
+            "START": Step(lambda view: Go("PAY"), next=["PAY"]),
+            "PAY": Worker(next=["RECEIPT"], tools=["charge"]),
+            "RECEIPT": Step(receipt, next=["COMPLETED"]),
+        },
+        tools=[Tool("charge", never, Charge)],
+    )
+
+
+async def test_the_gateway_runs_the_step_states_of_an_external_run(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    async with gateway(checkout(), db) as (_, client):
+        run = await start(client, "c-1", "checkout")
+        assert run.state == "PAY"  # START ran before the answer
+        call = decode(await propose(client, "c-1", CHARGE, run.seq), VerdictOut)
+        assert call.key is not None
+        done = decode(
+            await client.post(
+                "/v1/runs/c-1/results", json={"key": call.key, "result": {"charged": 5}}
+            ),
+            VerdictOut,
+        )
+        end = decode(await propose(client, "c-1", '{"next": "RECEIPT"}', done.seq), VerdictOut)
+        assert (end.outcome, end.state) == ("completed", "COMPLETED")
+        assert decode(await client.get("/v1/runs/c-1"), RunOut).output == {"receipt": "r-5"}
+    async with gateway(checkout(), db) as (_, client):
+        again = decode(await propose(client, "c-1", '{"next": "RECEIPT"}', done.seq), VerdictOut)
+        assert (again.replayed, again.state, again.seq) == (True, "COMPLETED", end.seq)
+    events = await journal(db, "c-1")
+    assert kinds(events).count("step_proposed") == 2
+    assert replay(events, checkout()).diverged == ()
 
 
 async def reconcile_never(key: str, args: Any, ctx: Any) -> Any:

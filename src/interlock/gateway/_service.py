@@ -47,7 +47,7 @@ from .._exceptions import (
     UnknownState,
 )
 from .._handle import RunHandle
-from .._machine import ESCALATE
+from .._machine import ESCALATE, Step
 from .._messages import Propose, Reconciliation, Report, Resume, Verdict
 from .._view import RunState, RunView, fold
 from ..providers._base import render_prompt
@@ -87,16 +87,18 @@ __all__ = ["GatewayError", "GatewayService", "PrincipalLike"]
 PROBLEMS = "https://interlock.dev/problems/"
 #: How many runs' last proposal answers are kept in memory (the journal holds the rest).
 ANSWERS_KEPT = 100_000
+#: The most step states run in a row for one request of an external run.
+MAX_STEPS = 1000
 #: Events per page of GET /v1/runs/{id}/events, at most.
 MAX_EVENTS_PAGE = 10_000
 _TERMINAL_KINDS = frozenset({"completed", "failed"})
 _ENDINGS = (Completed, Failed, Escalated)
 # The events that begin the decision of a new request: a decision's events run from its
-# first event up to (not including) the next of these.
+# first event up to (not including) the next of these. A step_proposed is not one: in an
+# external run the gateway runs the steps the answer reached before answering.
 _REQUEST_KINDS = frozenset(
     {
         "model_called",
-        "step_proposed",
         "provider_failed",
         "tool_committed",
         "tool_failed",
@@ -472,6 +474,8 @@ class GatewayService:
             handle = await sup.start_run(
                 body.machine, body.inputs, run_id=body.run_id, external=external
             )
+            if external:
+                await self._steps(handle.run_id, None)
         except Exception as exc:
             if owner is not None and self.quota is not None:
                 self.quota.release(owner)
@@ -679,6 +683,7 @@ class GatewayService:
                     model=model,
                 )
             )
+            verdict = await self._advance(run_id, verdict)
         except Exception as exc:
             error = _translate(exc)
             if answer is not None:
@@ -695,6 +700,32 @@ class GatewayService:
             answer.verdict = out
             answer.done.set()
         return out
+
+    async def _advance(self, run_id: str, verdict: Verdict) -> Verdict:
+        """``verdict``, or the verdict of the last step state it led to (see _steps)."""
+        return await self._steps(run_id, verdict) or verdict
+
+    async def _steps(self, run_id: str, verdict: Verdict | None) -> Verdict | None:
+        """Run the step states an external run has reached, and return the last verdict.
+
+        A step is plain code of the machine (no model, no I/O), so the gateway runs it, as
+        an actor would: its caller owns only the model and the tools. It stops at a worker
+        state, a call to execute (a step may propose one), the end of the run, or after
+        :data:`MAX_STEPS` (a step that keeps failing trips the breakers long before).
+        """
+        sup = self.supervisor
+        for _ in range(MAX_STEPS):
+            if verdict is not None and (verdict.execute is not None or verdict.reconcile):
+                return verdict
+            run = sup._runs.get(run_id)
+            if run is None or not run.external or run.closed or run.pending is not None:
+                return verdict
+            spec = run.machine.states.get(run.state)
+            if not isinstance(spec, Step):
+                return verdict
+            proposal = _decider.step_proposal(run_id, run.seq, run.state, spec, RunView(run))
+            verdict = await sup.submit(proposal)
+        return verdict
 
     async def _not_live(self, run_id: str) -> GatewayError:
         """The problem for a request to a run that is not live here."""
@@ -863,7 +894,7 @@ class GatewayService:
                     latency=body.latency,
                     applied=body.applied,
                 )
-            verdict = await sup.submit(msg)
+            verdict = await self._advance(run_id, await sup.submit(msg))
         except Exception as exc:
             raise _translate(exc) from None
         finally:
@@ -1003,6 +1034,8 @@ class GatewayService:
         if verdict.outcome != "running":
             handle._finish(sup.result_of(run_id))
             sup.release(run_id)
+        else:
+            await self._advance(run_id, verdict)
 
     async def _last_operator_event(self, run_id: str, kind: type) -> Event | None:
         for event in reversed(await self._load(run_id)):
