@@ -1,7 +1,10 @@
 """Run the benchmark suite and write RESULTS.md, results.json and the charts.
 
-Usage: ``python -m benchmarks [--quick] [--only NAME,...] [--out DIR]``; a quick run writes to
-:data:`QUICK_OUT` unless ``--out`` says otherwise, so it never overwrites the committed figures.
+Usage: ``python -m benchmarks [--quick] [--only NAME,...] [--merge] [--out DIR]``; a quick run
+writes to :data:`QUICK_OUT` unless ``--out`` says otherwise, so it never overwrites the committed
+figures. ``--merge`` runs the named sections and puts their figures into the existing
+``results.json`` beside the others', each merged section marked with its own run's command,
+date, load and checkout in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: replace those sections in OUT/results.json (the rest stay as they "
+        "were run) and rewrite RESULTS.md; each merged section says when and how it ran",
+    )
+    parser.add_argument(
         "--render",
         action="store_true",
         help="run nothing: re-evaluate the goals and rewrite RESULTS.md from OUT/results.json",
@@ -76,6 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"unknown benchmark {unknown[0]!r}; choose from: {', '.join(names)}")
         names = [n for n in names if n in wanted]
     args.names = names
+    if args.merge and (not args.only or args.quick or args.render):
+        parser.error("--merge needs --only NAME,... and a full run (no --quick, no --render)")
     return args
 
 
@@ -220,6 +231,17 @@ def write_markdown(
                 "```",
             ]
             continue
+        merged = result.get("merged")
+        if merged:
+            env = merged["environment"]
+            parts += [
+                f"*This section was run on its own, after the rest: `{merged['command']}` on "
+                f"{merged['date']} ({merged['seconds']:,.0f} s), checkout "
+                f"{env['git'].get('commit') or 'unknown'}"
+                + (" with uncommitted changes" if env["git"].get("dirty") else "")
+                + f", load average at start {', '.join(map(str, env['load_average']))}.*",
+                "",
+            ]
         parts.append(module.render(result))
         if name in charts:
             parts += ["", f"![{CHARTS[name][1]}]({charts[name]})"]
@@ -281,6 +303,16 @@ def main(argv: list[str] | None = None) -> int:
         "benchmarks": args.names,
         "environment": environment(),
     }
+    recorded = None
+    if args.merge:  # read before running: a merge with nothing to merge into runs nothing
+        path = out / "results.json"
+        try:
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(recorded["meta"]["benchmarks"], list) or not recorded["benchmarks"]:
+                raise ValueError("it holds no recorded sections")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            console.print(f"[red]cannot merge into {path}: {exc}[/red] (run the whole suite first)")
+            return 2
     console.print(
         f"[bold]interlock benchmarks[/bold] ({'quick' if args.quick else 'full'}): {', '.join(args.names)}"
     )
@@ -290,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(args.names, args.quick, console)
     meta["seconds"] = time.perf_counter() - started
     meta["environment"]["load_average_end"] = environment()["load_average"]
+    if recorded is not None:
+        for name in args.names:
+            recorded["benchmarks"][name] = {**results[name], "merged": meta}
+            if name not in recorded["meta"]["benchmarks"]:
+                recorded["meta"]["benchmarks"].append(name)
+        meta, results = recorded["meta"], recorded["benchmarks"]
     goals = evaluate(results)
     charts = write_charts(results, out)
     (out / "results.json").write_text(

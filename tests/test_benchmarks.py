@@ -148,3 +148,22 @@ def test_render_without_results_says_what_to_do(tmp_path: Path) -> None:
     assert "cannot render" in said
     assert "run the benchmarks first" in said
     assert not (tmp_path / "RESULTS.md").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--merge",), ("--merge", "--only", "transition", "--quick"), ("--merge", "--render")],
+)
+def test_merge_needs_named_sections_of_a_full_run(tmp_path: Path, args: tuple[str, ...]) -> None:
+    proc = run_benchmarks(*args, "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "--merge needs --only NAME,... and a full run (no --quick, no --render)" in proc.stderr
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_merge_without_recorded_results_says_what_to_do(tmp_path: Path) -> None:
+    proc = run_benchmarks("--merge", "--only", "transition", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 2
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert f"cannot merge into {tmp_path / 'results.json'}" in said
+    assert "run the whole suite first" in said
