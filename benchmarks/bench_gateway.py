@@ -71,6 +71,8 @@ BATCHES = ((100,), (100, 1000))
 STEPS = (100, 1000)
 #: Rounds of (ceiling, single proposals), taken in turns (quick, full).
 ROUNDS = (1, 3)
+#: The channel's loads: (connections, runs per connection) (quick, full).
+CHANNEL = (((1, 200),), ((1, 1000), (4, 1000)))
 #: Connections sending batches at once (quick, full).
 BATCH_CONNECTIONS = (2, 4)
 CEILING_GOAL = 0.7
@@ -186,13 +188,21 @@ def serve(kind: str, db: str) -> None:
                     serve_gateway, build_app(), db=db, host="127.0.0.1", port=0, limits=limits
                 )
             )
-            _say_port(started.port)
+            channel = ""
+            if has_channel():
+                from interlock.gateway._channel import serve_channel
+
+                # the channel over the same service (one supervisor, one journal)
+                channel = await nursery.start(
+                    functools.partial(serve_channel, started.app.service, port=0)
+                )
+            _say_port(started.port, channel)
 
     trio.run(bare if kind == "bare" else gateway)
 
 
-def _say_port(port: int) -> None:
-    sys.stdout.write(f"PORT {port}\n")
+def _say_port(port: int, channel: str = "") -> None:
+    sys.stdout.write(f"PORT {port} {channel}\n")
     sys.stdout.flush()
 
 
@@ -215,6 +225,8 @@ class Server:
             _, err = self.proc.communicate()
             raise RuntimeError(f"the {kind} server did not start: {line!r}\n{err[-3000:]}")
         self.port = int(line.split()[1])
+        self.channel = line.split()[2] if len(line.split()) > 2 else ""
+        """The streaming channel's address (``tcp://HOST:PORT``), if it is served."""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -359,22 +371,30 @@ async def drive(
         async with trio.open_nursery() as nursery:
             for conn in conns:
                 nursery.start_soon(worker, conn, load)
-            with trio.fail_after(600):
-                await load.all_ready.wait()
-            await trio.sleep(max(0.2, seconds / 5))
-            load.on = True
-            server_cpu = process_cpu(server_pid)
-            cpu, started = time.process_time(), time.perf_counter()
-            await trio.sleep(seconds)
-            load.over = True
-            elapsed = time.perf_counter() - started
-            client_cpu = time.process_time() - cpu
-            server_cpu = process_cpu(server_pid) - server_cpu
+            figures = await _window(load, seconds, server_pid)
             nursery.cancel_scope.cancel()
     finally:
         for conn in conns:
             with contextlib.suppress(Exception):
                 await conn.aclose()
+    return figures
+
+
+async def _window(load: Load, seconds: float, server_pid: int) -> dict[str, Any]:
+    """Wait for every worker to be ready, warm up, then measure ``seconds``."""
+    import trio
+
+    with trio.fail_after(600):
+        await load.all_ready.wait()
+    await trio.sleep(max(0.2, seconds / 5))
+    load.on = True
+    server_cpu = process_cpu(server_pid)
+    cpu, started = time.process_time(), time.perf_counter()
+    await trio.sleep(seconds)
+    load.over = True
+    elapsed = time.perf_counter() - started
+    client_cpu = time.process_time() - cpu
+    server_cpu = process_cpu(server_pid) - server_cpu
     return {
         "requests": len(load.latencies),
         "items": load.items,
@@ -415,6 +435,15 @@ def _load_child(config: dict[str, Any]) -> dict[str, Any]:
         return trio.run(external_steps, config["port"], config["steps"])
     if kind == "inprocess":
         return trio.run(inprocess_steps, config["db"], config["steps"])
+    if kind == "channel":
+        return trio.run(
+            channel_load,
+            config["channel"],
+            config["connections"],
+            config["runs"],
+            config["seconds"],
+            config["server_pid"],
+        )
     worker: Worker
     if kind == "bare":
         worker = _bare_worker
@@ -499,6 +528,44 @@ async def _verify_worker(conn: Connection, load: Load, *, batch: int) -> None:
             _accepted(verdict)
             entry[1], entry[2] = verdict["state"], verdict["seq"]
         n += 1
+
+
+async def channel_load(
+    url: str, connections: int, runs: int, seconds: float, server_pid: int
+) -> dict[str, Any]:
+    """``runs`` external runs on each of ``connections`` channel connections, each run a
+    task proposing its next transition as soon as it has the last verdict: many runs
+    multiplexed and pipelined on one connection."""
+    import trio
+
+    from interlock.gateway._channel_client import open_channel
+
+    load = Load(connections * runs)
+    timer = time.perf_counter
+
+    async def one_run(channel: Any) -> None:
+        run = await channel.create_run("cycle", run_id=_run_id("c"), mode="external")
+        run_id, state, seq = run.id, run.state, run.seq
+        await load.ready()
+        n = 0
+        while True:
+            started = timer()
+            verdict = await channel.propose(run_id, transition(state, n), expected_seq=seq)
+            load.record(timer() - started)
+            if not verdict.accepted:
+                raise HttpError(f"a legal transition was not accepted: {verdict}")
+            state, seq = verdict.state, verdict.seq
+            n += 1
+
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(open_channel(url)) for _ in range(connections)]
+        async with trio.open_nursery() as nursery:
+            for channel in channels:
+                for _ in range(runs):
+                    nursery.start_soon(one_run, channel)
+            figures = await _window(load, seconds, server_pid)
+            nursery.cancel_scope.cancel()
+    return figures
 
 
 async def external_steps(port: int, steps: int) -> dict[str, Any]:
@@ -647,24 +714,41 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         results["share_of_ceiling_cpu"] = quantile([r["cpu"] for r in ratios], 0.5)
         for index, batch in enumerate(BATCHES[level]):
             progress(f"POST /v1/verify, batches of {batch}", 0.45 + 0.15 * index)
-            with running("gateway", str(tmp / f"batch{batch}.db")) as server:
+            rows.append(
+                {
+                    "label": f"POST /v1/verify, batches of {batch:,}",
+                    "batch": batch,
+                    **_load(
+                        gateway,
+                        "verify",
+                        connections=BATCH_CONNECTIONS[level],
+                        seconds=seconds,
+                        batch=batch,
+                    ),
+                }
+            )
+        if has_channel():
+            for index, (conns, runs) in enumerate(CHANNEL[level]):
+                progress(f"the channel: {conns} connection(s) x {runs} runs", 0.65 + 0.05 * index)
                 rows.append(
                     {
-                        "label": f"POST /v1/verify, batches of {batch:,}",
-                        "batch": batch,
+                        "label": f"channel: {conns} connection(s), {runs:,} runs each",
+                        "channel": True,
                         **_load(
-                            server,
-                            "verify",
-                            connections=BATCH_CONNECTIONS[level],
+                            gateway,
+                            "channel",
+                            channel=gateway.channel,
+                            connections=conns,
+                            runs=runs,
                             seconds=seconds,
-                            batch=batch,
                         ),
                     }
                 )
+        else:
+            results["missing_channel"] = "interlock.gateway has no streaming channel here"
         progress("one external step, over HTTP and in process", 0.8)
         steps = STEPS[level]
-        with running("gateway", str(tmp / "steps.db")) as server:
-            results["step_http"] = _load(server, "steps", steps=steps)
+        results["step_http"] = _load(gateway, "steps", steps=steps)
         results["step_inprocess"] = run_child(
             "benchmarks.bench_gateway",
             {"kind": "inprocess", "db": str(tmp / "inprocess.db"), "steps": steps},
@@ -744,13 +828,13 @@ def render(results: dict[str, Any]) -> str:
             f"{results['share_of_ceiling']:.2f} in requests/s (medians of {results['rounds']} "
             f"rounds taken in turns: {rounds}); {met}.",
         ]
-    batches = [row for row in results["rows"] if "batch" in row]
+    batches = [row for row in results["rows"] if "batch" in row or "channel" in row]
     if batches:
         best = max(batches, key=lambda row: row.get("items_per_server_cpu_s") or 0)
         per_core = best.get("items_per_server_cpu_s") or 0
         parts += [
             "",
-            f"**Batches** (goal: {THROUGHPUT_GOAL:,.0f} verified, journaled proposals/s or more "
+            f"**Batches and the channel** (goal: {THROUGHPUT_GOAL:,.0f} verified, journaled proposals/s or more "
             f"on one core): {per_core:,.0f} per server CPU second at best ({best['label']}), "
             f"{best['items_per_s']:,.0f}/s in wall time; "
             f"{'met' if per_core >= THROUGHPUT_GOAL else 'missed'}.",
