@@ -77,12 +77,11 @@ _msgpack_encode = msgspec.msgpack.Encoder().encode
 
 class _Request:
     __slots__ = (
-        "headers",
+        "_query",
         "method",
         "params",
         "path",
         "principal",
-        "query",
         "receive",
         "scope",
         "send",
@@ -95,20 +94,30 @@ class _Request:
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.params = params
-        self.headers: dict[str, str] = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
-        }
-        self.query = _parse_query(scope.get("query_string", b""))
         self.principal = scope.get("interlock.principal")
+        self._query: dict[str, list[str]] | None = None
+
+    def header(self, name: bytes) -> str:
+        """The value of header ``name`` (lower case), '' if absent."""
+        for key, value in self.scope["headers"]:
+            if key.lower() == name:
+                return str(value.decode("latin-1"))
+        return ""
+
+    @property
+    def query(self) -> dict[str, list[str]]:
+        if self._query is None:
+            self._query = _parse_query(self.scope.get("query_string", b""))
+        return self._query
 
     @property
     def msgpack_in(self) -> bool:
-        kind = self.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        kind = self.header(b"content-type").split(";", 1)[0].strip().lower()
         return kind in _MSGPACK_TYPES
 
     @property
     def msgpack_out(self) -> bool:
-        accept = self.headers.get("accept", "")
+        accept = self.header(b"accept")
         if not accept:
             return self.msgpack_in
         return any(
@@ -220,6 +229,9 @@ class GatewayApp:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
             registry=self.registry,
         )
+        # The labelled children, by label values: labels() costs a lock and a dict each.
+        self._counted: dict[tuple[str, str, int], Any] = {}
+        self._timed: dict[str, Any] = {}
         self._streams: set[trio.CancelScope] = set()
         self._openapi: bytes | None = None
         self.asgi: ASGIApp = self
@@ -295,11 +307,22 @@ class GatewayApp:
         else:
             status = 200
         label = method if method in _METHODS else "other"  # bounded label values
-        self.requests.labels(name, label, str(status)).inc()
-        self.latency.labels(name).observe(time.perf_counter() - started)
+        counter = self._counted.get((name, label, status))
+        if counter is None:
+            counter = self._counted[(name, label, status)] = self.requests.labels(
+                name, label, str(status)
+            )
+        counter.inc()
+        timer = self._timed.get(name)
+        if timer is None:
+            timer = self._timed[name] = self.latency.labels(name)
+        timer.observe(time.perf_counter() - started)
 
     @staticmethod
     def _match(path: str) -> tuple[_Route, dict[str, str]]:
+        route = _ROUTES.get(path)
+        if route is not None and "{" not in path:  # a fixed path: no pattern to match
+            return route, {}
         for route in _ROUTES.values():
             found = route.pattern.match(path)
             if found is not None:
@@ -314,7 +337,7 @@ class GatewayApp:
     # -- bodies -------------------------------------------------------------------
 
     async def _body(self, request: _Request, kind: type[T]) -> T:
-        content_type = request.headers.get("content-type", "")
+        content_type = request.header(b"content-type")
         media = content_type.split(";", 1)[0].strip().lower()
         if media and media != JSON and not media.endswith("+json") and not request.msgpack_in:
             raise GatewayError(
@@ -487,7 +510,7 @@ async def _events(app: GatewayApp, request: _Request) -> _Response:
 @_route("GET", "/v1/runs/{id}/stream")
 async def _stream(app: GatewayApp, request: _Request) -> None:
     after = request.integer("after", 0)
-    last = request.headers.get("last-event-id", "").strip()
+    last = request.header(b"last-event-id").strip()
     if last:
         try:
             after = int(last)
