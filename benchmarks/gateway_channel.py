@@ -23,6 +23,13 @@ would).
 
 Run: ``python -m benchmarks.gateway_channel [--seconds 3] [--window 1000]``; it prints a
 Markdown table (paste it into benchmarks/gateway_channel.md).
+
+``--e2e RUNS`` measures the channel the gateway serves instead (``serve_channel``): a server
+process with a real Supervisor journaling to SQLite (a temporary file) through
+GatewayService, and a client process (``open_channel``) that drives RUNS external runs at
+once, each one step: propose a tool call (verified; its intent journaled before the verdict),
+report its result, propose the final move. It reports verified, journaled proposals/s and
+the server's CPU per request.
 """
 
 from __future__ import annotations
@@ -480,6 +487,206 @@ def measure(
             server.wait(timeout=30)
 
 
+# -- end to end: the gateway's channel over a real supervisor ----------------------------
+
+CHARGE = '{"tool": "charge", "args": {"cents": 500}}'
+DONE = '{"next": "COMPLETED", "data": {"receipt": "r-9"}}'
+
+
+def shop() -> Any:
+    from interlock import Machine, Tool, Worker
+
+    class Charge(msgspec.Struct, forbid_unknown_fields=True):
+        cents: int
+
+    async def never(args: Any, ctx: Any) -> Any:
+        raise AssertionError("an external run's tool is executed by its caller")
+
+    return Machine(
+        "shop",
+        "PAY",
+        {"PAY": Worker(next=["COMPLETED"], tools=["charge"])},
+        tools=[Tool("charge", never, Charge)],
+    )
+
+
+async def serve_gateway_channel(db: str) -> None:
+    from interlock import open_supervisor
+    from interlock.gateway import GatewayService
+    from interlock.gateway._channel import serve_channel
+    from interlock.gateway._keys import KeyRing
+    from interlock.stores import open_sqlite_store
+
+    store = await open_sqlite_store(db)
+    try:
+        async with open_supervisor([shop()], store) as sup, trio.open_nursery() as nursery:
+            service = GatewayService(sup, max_waiting=1_000_000)
+            url = await nursery.start(
+                lambda task_status: serve_channel(
+                    service, keyring=KeyRing(), task_status=task_status
+                )
+            )
+            print(f"READY {url}", flush=True)
+            await trio.sleep_forever()
+    finally:
+        await store.aclose()
+
+
+async def drive_runs(url: str, runs: int, server_pid: int) -> None:
+    from interlock.gateway._channel_client import open_channel
+
+    async with open_channel(url) as channel:
+        async with trio.open_nursery() as nursery:
+            for i in range(runs):
+                nursery.start_soon(partial_create, channel, i)
+        cpu0, server0, started = time.process_time(), cpu_seconds(server_pid), time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for i in range(runs):
+                nursery.start_soon(one_step, channel, i)
+        wall = time.monotonic() - started
+        server = cpu_seconds(server_pid) - server0
+        client = time.process_time() - cpu0
+    proposals = 2 * runs
+    requests = 3 * runs
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "wall": wall,
+                "proposals_per_s": proposals / wall,
+                "requests_per_s": requests / wall,
+                "server_us_per_request": server / requests * 1e6,
+                "server_proposals_per_cpu_s": proposals / server,
+                "client_us_per_request": client / requests * 1e6,
+            }
+        )
+    )
+
+
+async def partial_create(channel: Any, i: int) -> None:
+    await channel.create_run("shop", run_id=f"e-{i}")
+
+
+async def one_step(channel: Any, i: int) -> None:
+    run_id = f"e-{i}"
+    call = await channel.propose(run_id, CHARGE, expected_seq=1)
+    assert call.accepted, call
+    assert call.key, call
+    done = await channel.report(run_id, call.key, {"charged": 500})
+    end = await channel.propose(run_id, DONE, expected_seq=done.seq)
+    assert end.outcome == "completed", end
+
+
+async def in_process(runs: int, through: str) -> dict[str, float]:
+    """The same steps without the channel: Supervisor.submit, or GatewayService's methods."""
+    import resource
+
+    from interlock import Propose, Report, open_supervisor
+    from interlock.gateway import GatewayService, ProposalIn, ResultIn
+    from interlock.stores import open_sqlite_store
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = await open_sqlite_store(os.path.join(tmp, "j.db"))
+        try:
+            async with open_supervisor([shop()], store) as sup:
+                service = GatewayService(sup, max_waiting=1_000_000)
+
+                async def start(i: int) -> None:
+                    await sup.start_run("shop", run_id=f"e-{i}", external=True)
+
+                async def by_supervisor(i: int) -> None:
+                    run_id = f"e-{i}"
+                    call = await sup.submit(Propose(run_id=run_id, seq=1, raw=CHARGE))
+                    assert call.execute is not None
+                    done = await sup.submit(
+                        Report(
+                            run_id=run_id, key=call.execute.key, ok=True, result={"charged": 500}
+                        )
+                    )
+                    end = await sup.submit(Propose(run_id=run_id, seq=done.seq, raw=DONE))
+                    assert end.outcome == "completed", end
+
+                async def by_service(i: int) -> None:
+                    run_id = f"e-{i}"
+                    call = await service.propose(
+                        run_id, ProposalIn(proposal=CHARGE, expected_seq=1)
+                    )
+                    assert call.key is not None
+                    done = await service.report(
+                        run_id, ResultIn(key=call.key, result={"charged": 500})
+                    )
+                    end = await service.propose(
+                        run_id, ProposalIn(proposal=DONE, expected_seq=done.seq)
+                    )
+                    assert end.outcome == "completed", end
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(runs):
+                        nursery.start_soon(start, i)
+                step = by_supervisor if through == "supervisor" else by_service
+                cpu0, started = cpu(), time.monotonic()
+                async with trio.open_nursery() as nursery:
+                    for i in range(runs):
+                        nursery.start_soon(step, i)
+                wall, used = time.monotonic() - started, cpu() - cpu0
+        finally:
+            await store.aclose()
+    return {
+        "proposals_per_s": 2 * runs / wall,
+        "requests_per_s": 3 * runs / wall,
+        "cpu_us_per_request": used / (3 * runs) * 1e6,
+    }
+
+
+def end_to_end(runs: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.gateway_channel",
+                "--serve-e2e",
+                os.path.join(tmp, "j.db"),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline().split()
+            if not line or line[0] != "READY":
+                raise RuntimeError(f"server did not start: {line}")
+            command = [sys.executable, "-m", "benchmarks.gateway_channel", "--drive", line[1]]
+            command += ["--runs", str(runs), "--server-pid", str(server.pid)]
+            out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    inside = {through: trio.run(in_process, runs, through) for through in ("supervisor", "service")}
+    print(f"command: `python -m benchmarks.gateway_channel --e2e {runs}`\n")
+    print(
+        "| path | runs at once | verified proposals/s | requests/s | server CPU µs/request "
+        "| client CPU µs/request |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| channel (2 processes) | {runs:,} | {result['proposals_per_s']:,.0f} | "
+        f"{result['requests_per_s']:,.0f} | {result['server_us_per_request']:.1f} | "
+        f"{result['client_us_per_request']:.1f} |"
+    )
+    for through, row in inside.items():
+        name = "Supervisor.submit" if through == "supervisor" else "GatewayService"
+        print(
+            f"| {name} in process | {runs:,} | {row['proposals_per_s']:,.0f} | "
+            f"{row['requests_per_s']:,.0f} | {row['cpu_us_per_request']:.1f} (with the callers) | - |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--serve", choices=["ws", "tcp", "unix"])
@@ -492,7 +699,21 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--transports", default="tcp,unix,ws-packed,ws")
+    parser.add_argument("--e2e", type=int, default=0, metavar="RUNS")
+    parser.add_argument("--serve-e2e", default="")
+    parser.add_argument("--drive", default="")
+    parser.add_argument("--runs", type=int, default=0)
+    parser.add_argument("--server-pid", type=int, default=0)
     args = parser.parse_args()
+    if args.serve_e2e:
+        trio.run(serve_gateway_channel, args.serve_e2e)
+        return
+    if args.drive:
+        trio.run(drive_runs, args.drive, args.runs, args.server_pid)
+        return
+    if args.e2e:
+        end_to_end(args.e2e)
+        return
     if args.serve:
         trio.run(serve, args.serve, args.variant, args.where)
         return
