@@ -13,10 +13,13 @@ of one external machine. Against it:
   missing content types, over-long ids; and random proposals (the model's raw text) to a
   live external run. Every refusal must be a 4xx ``application/problem+json`` whose
   ``status`` is the response's;
-- random frames to the streaming channel, when the checkout has one.
+- random byte streams to the streaming channel (served beside the HTTP API over one
+  service, in its own process): frames of random msgpack, request maps with wrong types,
+  bytes with no framing, lengths past the limit or torn. Every answer is a whole frame,
+  a refusal a 4xx problem, and the connection ends cleanly.
 
 After each, the server still answers ``/healthz`` and a well-formed external run still
-completes through it.
+completes through it (over HTTP, or over the channel).
 """
 
 from __future__ import annotations
@@ -467,3 +470,162 @@ def test_after_the_fuzzing_the_gateway_still_serves(served: Served) -> None:
     metrics = served.client.get("/metrics")
     assert metrics.status_code == 200
     assert "interlock_" in metrics.text
+
+
+# -- random frames to the streaming channel -------------------------------------------------
+
+#: ``python -c CHANNEL_SERVER REF DB``: the gateway and its streaming channel over one
+#: service in one process (``interlock serve`` does not open the channel yet); prints
+#: ``READY HTTP_PORT CHANNEL_URL``.
+CHANNEL_SERVER = """
+import functools, sys
+import trio
+from interlock.gateway import serve_gateway
+from interlock.gateway._channel import serve_channel
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            functools.partial(serve_gateway, sys.argv[1], db=sys.argv[2], port=0)
+        )
+        url = await nursery.start(functools.partial(serve_channel, server.app.service, port=0))
+        print("READY", server.port, url, flush=True)
+
+trio.run(main)
+"""
+
+
+class Channel:
+    """The gateway and its channel in one process."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int, url: str) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = url
+        host, _, channel_port = url.removeprefix("tcp://").rpartition(":")
+        self.address = (host, int(channel_port))
+
+    def exchange(self, data: bytes) -> list[Any]:
+        """Send ``data``, close the sending side, and read every answer until the server
+        closes the connection; each answer decoded."""
+        answers = []
+        with socket.create_connection(self.address, timeout=30) as sock:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        while received:
+            assert len(received) >= 4, f"a torn frame header: {received!r}"
+            size = int.from_bytes(received[:4], "big")
+            assert len(received) >= 4 + size, f"a torn frame: {size} bytes announced"
+            answers.append(msgspec.msgpack.decode(received[4 : 4 + size]))
+            received = received[4 + size :]
+        return answers
+
+
+@pytest.fixture(scope="module")
+def channel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Channel]:
+    pytest.importorskip("interlock.gateway._channel", reason="no streaming channel here")
+    tmp = tmp_path_factory.mktemp("gateway-channel-fuzz")
+    (tmp / "shop_app.py").write_text(APP, encoding="utf-8")
+    log = tmp / "serve.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHANNEL_SERVER, f"{tmp / 'shop_app.py'}:app", str(tmp / "j.db")],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), (
+            f"the channel server did not start: {line!r}\n"
+            + (log.read_text(errors="replace")[-3000:])
+        )
+        _, port, url = line.split()
+        yield Channel(proc, int(port), url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def packed(value: Any) -> bytes:
+    try:
+        return msgspec.msgpack.encode(value)
+    except (OverflowError, TypeError, UnicodeEncodeError):
+        return msgspec.msgpack.encode(repr(value))
+
+
+OPS = ("hello", "create_run", "get_run", "propose", "report", "verify", "nope", "")
+requests = st.fixed_dictionaries(
+    {
+        "id": st.integers(min_value=0, max_value=2**63 - 1) | values,
+        "op": st.sampled_from(OPS) | values,
+    },
+    optional={"run_id": ids | values, "body": values | shaped},
+)
+frames = (
+    requests.map(lambda r: frame(packed(r)))
+    | values.map(lambda v: frame(packed(v)))
+    | st.binary(min_size=1, max_size=64).map(frame)
+    | st.binary(max_size=64)  # no framing at all
+    | st.integers(min_value=0, max_value=2**32 - 1).map(lambda n: n.to_bytes(4, "big"))
+)
+
+
+@FUZZ
+@given(stream=st.lists(frames, min_size=1, max_size=6))
+@example(stream=[b"\xff\xff\xff\xff"])
+@example(stream=[frame(b"\x80")])
+@example(stream=[frame(packed({"id": 1, "op": "propose", "run_id": "x", "body": [1] * 3}))])
+@example(stream=[frame(packed({"id": 2**64 - 1, "op": "get_run", "run_id": "x"}))])
+def test_any_frames_get_answers_or_a_clean_close(channel: Channel, stream: list[bytes]) -> None:
+    answers = channel.exchange(b"".join(stream))
+    for answer in answers:
+        assert isinstance(answer, dict), answer
+        assert set(answer) <= {"id", "body", "problem"}, answer
+        problem = answer.get("problem")
+        if problem is not None:
+            assert 400 <= problem["status"] < 500, answer
+            assert problem["detail"], answer
+    assert channel.proc.poll() is None, "the channel's server exited"
+
+
+def test_after_random_frames_the_channel_still_completes_a_run(channel: Channel) -> None:
+    assert httpx.get(f"http://127.0.0.1:{channel.port}/healthz", timeout=30).status_code == 200
+    run_id = f"c-{uuid.uuid4().hex[:8]}"
+    call = '{"tool": "charge", "args": {"order": "o-1", "cents": 5}}'
+    requests = [
+        {
+            "id": 1,
+            "op": "create_run",
+            "body": {"machine": "shop", "run_id": run_id, "mode": "external"},
+        },
+        {"id": 2, "op": "propose", "run_id": run_id, "body": {"proposal": call}},
+    ]
+    created, verdict = channel.exchange(b"".join(frame(packed(r)) for r in requests))
+    assert created["body"]["id"] == run_id, created
+    assert verdict["body"]["accepted"], verdict
+    key = verdict["body"]["key"]
+    more = [
+        {"id": 3, "op": "report", "run_id": run_id, "body": {"key": key, "result": {}}},
+        {
+            "id": 4,
+            "op": "propose",
+            "run_id": run_id,
+            "body": {"proposal": '{"next": "COMPLETED", "data": {}}'},
+        },
+    ]
+    reported, done = channel.exchange(b"".join(frame(packed(r)) for r in more))
+    assert reported["body"]["accepted"], reported
+    assert done["body"]["outcome"] == "completed", done
