@@ -32,6 +32,7 @@ from interlock.gateway import (
 )
 from interlock.gateway._guard import Limits
 from interlock.gateway._keys import KeyRing, Principal
+from interlock.providers import ScriptedProvider
 from interlock.stores import open_sqlite_store
 
 pytestmark = pytest.mark.slow
@@ -410,6 +411,31 @@ async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> Non
         assert gone.status_code == 404
         late = await client.post("/v1/escalations/e-2/resume", json={"by": "ops"})
         assert late.status_code == 409
+
+
+# see test_the_stream_resumes_after_last_event_id
+@pytest.mark.filterwarnings(r"ignore:Async generator '(httpx|httpcore)\.:ResourceWarning")
+async def test_a_hosted_run_escalates_and_an_operator_resumes_it(tmp_path: Path) -> None:
+    app = App(shop(), provider=ScriptedProvider([BAD, BAD, BAD, DONE]))
+    db = tmp_path / "j.db"
+    async with gateway(app, db) as (_, client):
+        created = await client.post("/v1/runs", json={"machine": "shop", "run_id": "h-1"})
+        assert created.status_code == 201
+        async with client.stream("GET", "/v1/runs/h-1/stream") as stream:
+            async for line in stream.aiter_lines():
+                if line == "event: escalated":
+                    break
+        queue = (await client.get("/v1/escalations")).json()["escalations"]
+        assert [e["id"] for e in queue] == ["h-1"]
+        resumed = await client.post("/v1/escalations/h-1/resume", json={"by": "ops"})
+        assert resumed.status_code == 200
+        assert decode(resumed, RunOut).mode == "hosted"
+        # the runtime drives it on: the scripted model now finishes it
+        async with client.stream("GET", "/v1/runs/h-1/stream", params={"after": 1}) as stream:
+            ends = [line async for line in stream.aiter_lines() if line.startswith("event: ")]
+        assert ends[-1] == "event: completed"
+        assert decode(await client.get("/v1/runs/h-1"), RunOut).output == {"receipt": "r-9"}
+    assert kinds(await journal(db, "h-1")).count("resumed") == 1
 
 
 async def test_a_key_scoped_to_other_machines_gets_a_403(tmp_path: Path) -> None:
