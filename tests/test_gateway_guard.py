@@ -749,6 +749,39 @@ async def test_an_answer_before_the_body_is_read_says_connection_close(keyring):
             assert "connection" not in read.headers  # the body was read: kept alive
 
 
+async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
+    """hypercorn 0.18's HTTP/2 dies (a KeyError out of serve) on body data for a stream whose
+    response ended (pgjones/hypercorn#329); the guard ends such a stream only after its body."""
+    pytest.importorskip("h2")
+    routes = {**DEFAULT_ROUTES, ("POST", "/refuse-unread"): "agent"}
+    big = b"x" * 300_000
+
+    async def chunks():
+        for _ in range(100):
+            yield b"y" * 3000
+
+    with trio.fail_after(60):
+        async with (
+            served(guarded(EchoApp(), keyring, Limits(max_body=100_000), routes=routes)) as url,
+            httpx.AsyncClient(base_url=url, http1=False, http2=True) as client,
+        ):
+            unauthenticated = await client.post("/v1/runs", content=big)
+            assert unauthenticated.http_version == "HTTP/2"
+            assert_problem(unauthenticated, 401, "unauthorized")
+            assert "connection" not in unauthenticated.headers  # not allowed in HTTP/2
+            announced = await client.post("/v1/verify", content=big, headers=auth(AGENT_KEY))
+            assert_problem(announced, 413, "body-too-large")
+            streamed = await client.post("/v1/verify", content=chunks(), headers=auth(AGENT_KEY))
+            assert_problem(streamed, 413, "body-too-large")
+            unread = await client.post(
+                "/refuse-unread", content=big[:90_000], headers=auth(AGENT_KEY)
+            )
+            assert unread.status_code == 415
+            read = await client.post("/v1/verify", content=b"x" * 10, headers=auth(AGENT_KEY))
+            assert read.json()["read"] == 10
+            assert (await client.get("/healthz")).status_code == 200
+
+
 async def test_rate_limit_per_key(keyring):
     limits = Limits(rate=0.01, burst=2)
     with trio.fail_after(60):

@@ -387,6 +387,7 @@ class _Refusal(Exception):
 
 
 _CLOSE = (b"connection", b"close")
+_MULTIPLEXED = frozenset({"2", "3"})
 _CHALLENGE = (b"www-authenticate", b'Bearer realm="interlock"')
 _CHALLENGE_INVALID = (b"www-authenticate", b'Bearer realm="interlock", error="invalid_token"')
 _CHALLENGE_SCOPE = (b"www-authenticate", b'Bearer realm="interlock", error="insufficient_scope"')
@@ -395,16 +396,28 @@ _CHALLENGE_SCOPE = (b"www-authenticate", b'Bearer realm="interlock", error="insu
 class _Exchange:
     """One HTTP request's passage: counts the body on the way in, watches the response go out."""
 
-    __slots__ = ("_receive", "_send", "complete", "limit", "received", "refused", "started")
+    __slots__ = (
+        "_receive",
+        "_send",
+        "complete",
+        "limit",
+        "multiplexed",
+        "received",
+        "refused",
+        "started",
+    )
 
-    def __init__(self, receive: Receive, send: Send, limit: int, has_body: bool) -> None:
+    def __init__(
+        self, receive: Receive, send: Send, limit: int, has_body: bool, multiplexed: bool
+    ) -> None:
         self._receive = receive
         self._send = send
         self.limit = limit
         self.received = 0
         self.started = False
         self.refused = False
-        self.complete = not has_body  # the whole body has arrived
+        self.multiplexed = multiplexed  # HTTP/2: a body needs no header to be there
+        self.complete = not has_body and not multiplexed  # the whole body has arrived
 
     async def receive(self) -> Message:
         if self.refused:
@@ -426,19 +439,36 @@ class _Exchange:
     async def send(self, message: Message) -> None:
         if self.refused:
             return
-        if message["type"] == "http.response.start":
+        kind = message["type"]
+        if kind == "http.response.start":
             self.started = True
-            if not self.complete:
+            if not self.complete and not self.multiplexed:
                 # NOTE: an answer that starts before the body has all arrived (the app refusing
                 # it unread, say) leaves the server to close the connection: say so (see
                 # _send_problem).
                 message = {**message, "headers": [*message.get("headers", ()), _CLOSE]}
+        elif (
+            kind == "http.response.body"
+            and self.multiplexed
+            and not self.complete
+            and not message.get("more_body", False)
+        ):
+            # NOTE: see _drain: the stream must not end before the request body has.
+            await self._send({**message, "more_body": True})
+            await _drain(self._receive)
+            self.complete = True
+            message = {"type": "http.response.body", "body": b""}
         await self._send(message)
 
     async def refuse(self, refusal: _Refusal) -> None:
         self.refused = True
         self.started = True
-        await _send_problem(self._send, refusal, close=not self.complete)
+        await _send_problem(
+            self._send,
+            refusal,
+            close=not self.complete and not self.multiplexed,
+            drain=self._receive if self.multiplexed and not self.complete else None,
+        )
 
 
 def _too_large(limit: int) -> _Refusal:
@@ -452,6 +482,20 @@ def _too_large(limit: int) -> _Refusal:
     )
 
 
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of a request body, until it ends or the client goes away.
+
+    hypercorn 0.18's HTTP/2 crashes its whole trio server (a KeyError escapes serve) when
+    body data arrives for a stream whose response has ended (pgjones/hypercorn#329, open PRs
+    #312, #334). So over HTTP/2 an answer is sent at once, but its stream ends only after the
+    request's body has; the client can stop sending by resetting the stream.
+    """
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
 def _has_body(scope: Scope) -> bool:
     for name, value in scope["headers"]:
         if (name == b"content-length" and value.strip(b" \t0")) or name == b"transfer-encoding":
@@ -460,7 +504,12 @@ def _has_body(scope: Scope) -> bool:
 
 
 async def _send_problem(
-    send: Send, refusal: _Refusal, kind: str = "http", *, close: bool = False
+    send: Send,
+    refusal: _Refusal,
+    kind: str = "http",
+    *,
+    close: bool = False,
+    drain: Receive | None = None,
 ) -> None:
     headers = [
         (b"content-type", b"application/problem+json"),
@@ -473,7 +522,12 @@ async def _send_problem(
         # request and losing that request in the race.
         headers.append(_CLOSE)
     await send({"type": f"{kind}.response.start", "status": refusal.status, "headers": headers})
-    await send({"type": f"{kind}.response.body", "body": refusal.body})
+    if drain is None:
+        await send({"type": f"{kind}.response.body", "body": refusal.body})
+        return
+    await send({"type": f"{kind}.response.body", "body": refusal.body, "more_body": True})
+    await _drain(drain)
+    await send({"type": f"{kind}.response.body", "body": b""})
 
 
 class _Guard:
@@ -597,11 +651,20 @@ class _Guard:
             if announced is not None and announced > limits.max_body:
                 raise _too_large(limits.max_body)
         except _Refusal as refusal:
-            await _send_problem(send, refusal, close=_has_body(scope))
+            if scope.get("http_version", "1.1") in _MULTIPLEXED:
+                await _send_problem(send, refusal, drain=receive)
+            else:
+                await _send_problem(send, refusal, close=_has_body(scope))
             return
         if principal is not None:
             scope = {**scope, "interlock.principal": principal}
-        exchange = _Exchange(receive, send, limits.max_body, has_body)
+        exchange = _Exchange(
+            receive,
+            send,
+            limits.max_body,
+            has_body,
+            scope.get("http_version", "1.1") in _MULTIPLEXED,
+        )
         timeout = None if rule.streaming else limits.request_timeout
         try:
             if timeout is None:
