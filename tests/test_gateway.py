@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -712,13 +713,15 @@ async def test_bad_input_of_each_kind_is_a_4xx_problem_that_says_what_to_fix(
 
 ROUTES = [
     ("POST", "/v1/runs"),
-    ("POST", "/v1/runs/x-1/proposals"),
-    ("POST", "/v1/runs/x-1/results"),
+    ("POST", "/v1/runs/{id}/proposals"),
+    ("POST", "/v1/runs/{id}/results"),
     ("POST", "/v1/verify"),
-    ("POST", "/v1/escalations/x-1/resume"),
-    ("POST", "/v1/escalations/x-1/abort"),
+    ("POST", "/v1/escalations/{id}/resume"),
+    ("POST", "/v1/escalations/{id}/abort"),
     ("GET", "/v1/runs"),
-    ("GET", "/v1/runs/x-1/events"),
+    ("GET", "/v1/runs/{id}"),
+    ("GET", "/v1/runs/{id}/events"),
+    ("GET", "/v1/escalations/{id}"),
 ]
 
 
@@ -771,15 +774,21 @@ async def test_random_bodies_never_get_a_5xx(tmp_path: Path) -> None:
         await start(client, "x-1")
         seen: set[int] = set()
 
+        ids = st.sampled_from(["x-1"]) | st.text(min_size=1, max_size=30)
+
         @settings(
             max_examples=150,
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
         )
-        @given(route=st.sampled_from(ROUTES), body=bodies, query=queries)
-        def check(route: tuple[str, str], body: tuple[str, Any], query: dict[str, str]) -> None:
-            method, path = route
+        @given(route=st.sampled_from(ROUTES), run_id=ids, body=bodies, query=queries)
+        def check(
+            route: tuple[str, str], run_id: str, body: tuple[str, Any], query: dict[str, str]
+        ) -> None:
+            method, template = route
+            quoted = urllib.parse.quote(run_id.encode("utf-8", "surrogatepass"), safe="")
+            path = template.replace("{id}", quoted)
             kind, value = body
             if kind == "raw":
                 content, headers = value, {"content-type": "application/json"}
@@ -797,7 +806,7 @@ async def test_random_bodies_never_get_a_5xx(tmp_path: Path) -> None:
                     params=query,
                 )
             seen.add(response.status_code)
-            assert response.status_code < 500, (route, body, response.text)
+            assert response.status_code < 500, (route, run_id, body, response.text)
 
         await trio.to_thread.run_sync(check)
         assert any(400 <= s < 500 for s in seen)
