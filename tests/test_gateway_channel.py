@@ -3,6 +3,7 @@ frames, a real Supervisor journaling to SQLite in tmp_path through GatewayServic
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -65,23 +66,29 @@ def frame(message: Any) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-async def read_answers(stream: trio.SocketStream, count: int | None = None) -> list[Answer]:
-    """Read answer frames until ``count`` of them (or, with None, until the server closes)."""
-    buffer = bytearray()
+async def read_answers(
+    stream: trio.abc.ReceiveStream, count: int | None = None, buffer: bytearray | None = None
+) -> list[Answer]:
+    """Read answer frames until ``count`` of them (or, with None, until the server closes).
+
+    Pass the same ``buffer`` to read on where an earlier call stopped.
+    """
+    buffer = bytearray() if buffer is None else buffer
     answers: list[Answer] = []
-    while count is None or len(answers) < count:
-        data = await stream.receive_some(65536)
-        if not data:
-            assert not buffer, "the server closed inside a frame"
-            break
-        buffer += data
-        while len(buffer) >= 4:
+    while True:
+        while len(buffer) >= 4 and (count is None or len(answers) < count):
             (size,) = HEADER.unpack_from(buffer)
             if len(buffer) < 4 + size:
                 break
             answers.append(DECODE_ANSWER(bytes(buffer[4 : 4 + size])))
             del buffer[: 4 + size]
-    return answers
+        if count is not None and len(answers) >= count:
+            return answers
+        data = await stream.receive_some(65536)
+        if not data:
+            assert not buffer, "the server closed inside a frame"
+            return answers
+        buffer += data
 
 
 async def connect(url: str) -> trio.SocketStream:
@@ -476,3 +483,80 @@ async def test_no_frame_crashes_the_server_and_each_is_answered_or_the_connectio
             async with open_channel(url) as channel:
                 run = await channel.get_run("f-1")
                 assert run.id == "f-1"
+
+
+async def test_a_drain_answers_what_it_took_says_why_and_stops_accepting() -> None:
+    stop = trio.Event()
+    store = MemoryStore()
+    runs = 200
+    async with served(store, shutdown_trigger=stop.wait) as (_sup, _service, url):
+        with trio.fail_after(60):
+            async with open_channel(url) as channel:
+                for i in range(runs):
+                    await channel.create_run("shop", run_id=f"d-{i}")
+            stream = await connect(url)
+            await stream.send_all(
+                b"".join(
+                    frame(
+                        {
+                            "id": i,
+                            "op": "propose",
+                            "run_id": f"d-{i}",
+                            "body": {"proposal": CHARGE, "expected_seq": 1},
+                        }
+                    )
+                    for i in range(runs)
+                )
+            )
+            buffer = bytearray()
+            first = await read_answers(stream, 1, buffer)  # the server is at work
+            stop.set()
+            answers = first + await read_answers(stream, None, buffer)
+            await stream.aclose()
+            *answered, last = answers
+            assert last.id is None
+            assert last.problem is not None
+            assert last.problem.status == 503
+            assert last.problem.detail.startswith("the gateway is shutting down;")
+            with pytest.raises(
+                OSError, match=r"^all attempts to connect to 127\.0\.0\.1:\d+ failed$"
+            ):
+                await connect(url)
+    # every answer sent is a verdict whose intent is in the journal
+    assert answered
+    for answer in answered:
+        assert answer.problem is None
+        key = answer.body["key"]
+        events = await store.load(f"d-{answer.id}")
+        assert [
+            getattr(e, "key", None) for e in events if type(e).__name__ == "IntentRecorded"
+        ] == [key]
+
+
+async def test_a_client_that_reads_nothing_is_closed_after_send_timeout(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    path = str(tmp_path / "c.sock")
+    total = 50_000
+    async with served(MemoryStore(), path=path, send_timeout=5.0) as (_sup, _service, url):
+        stream = await trio.open_unix_socket(path)
+        flood = b"".join(
+            frame({"id": i, "op": "get_run", "run_id": f"n-{i}"}) for i in range(total)
+        )
+
+        async def send() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(flood)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            await trio.sleep(30)  # virtual time: the server gives up after 5 s
+            answers: list[Answer] = []
+            with contextlib.suppress(trio.BrokenResourceError):
+                answers = await read_answers(stream)
+            nursery.cancel_scope.cancel()
+        await stream.aclose()
+        assert len(answers) < total  # it was cut off, not answered in full
+        async with open_channel(url) as channel:  # and the server goes on
+            with pytest.raises(ChannelProblem, match=r"^404 Not Found"):
+                await channel.get_run("n-1")

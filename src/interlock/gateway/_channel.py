@@ -30,6 +30,7 @@ import os
 import stat
 import struct
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import msgspec
@@ -40,6 +41,8 @@ from ._keys import KeyRing, Unauthorized, check_bind
 from ._service import PROBLEMS, GatewayError, GatewayService
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from ._service import PrincipalLike
 
 __all__ = [
@@ -166,8 +169,10 @@ class _Connection:
         keyring: KeyRing,
         max_in_flight: int,
         max_frame: int,
+        send_timeout: float,
     ) -> None:
         self.service = service
+        self.send_timeout = send_timeout
         self.stream = stream
         self.keyring = keyring
         self.max_in_flight = max_in_flight
@@ -186,12 +191,20 @@ class _Connection:
         self.slot_freed = _Wakeup()  # the reader, or serve() draining, waits on it
         self.broken = False
         self.closing = False
+        self.stopping = False
+        self.reading = trio.CancelScope()
+
+    def stop(self) -> None:
+        """Take no more requests; answer those taken, say why, and close."""
+        self.stopping = True
+        self.reading.cancel()
 
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._writer)
             try:
-                await self._reader(nursery)
+                with self.reading:
+                    await self._reader(nursery)
             except _Closing as closing:
                 self._queue(_Answer(id=closing.request_id, problem=closing.problem), slot=False)
                 log.info("channel: closing a connection: %s", closing.problem.detail)
@@ -199,10 +212,23 @@ class _Connection:
                 self.broken = True
             # NOTE: the requests already taken are finished (their effects may be journaled
             # by now) and answered, then the writer flushes; only then does the socket close.
-            while self.in_flight or self.out:
-                if self.broken:
-                    break
+            while (self.in_flight or self.out) and not self.broken:
                 await self.slot_freed.wait()
+            if self.stopping and not self.broken:
+                self._queue(
+                    _Answer(
+                        id=None,
+                        problem=_problem(
+                            503,
+                            "Service Unavailable",
+                            "the gateway is shutting down; every request sent before this "
+                            "was answered; reconnect and send the others again",
+                        ),
+                    ),
+                    slot=False,
+                )
+                while self.out and not self.broken:
+                    await self.slot_freed.wait()
             self.closing = True
             self.wake_writer.wake()
             idle, self.idle = self.idle, []
@@ -480,6 +506,10 @@ class _Connection:
             self.out_answers += 1
         self.wake_writer.wake()
 
+    def _break(self) -> None:
+        self.broken = True
+        self.reading.cancel()
+
     async def _writer(self) -> None:
         while True:
             while not self.out:
@@ -490,9 +520,16 @@ class _Connection:
             freed, self.out_answers = self.out_answers, 0
             if not self.broken:
                 try:
-                    await self.stream.send_all(data)
+                    with trio.move_on_after(self.send_timeout) as timer:
+                        await self.stream.send_all(data)
+                    if timer.cancelled_caught:
+                        log.info(
+                            "channel: a client read no answer for %g s; closing it",
+                            self.send_timeout,
+                        )
+                        self._break()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self.broken = True  # the answers are dropped; the work goes on
+                    self._break()  # the answers are dropped; the work goes on
             self.in_flight -= freed
             self.slot_freed.wake()
 
@@ -506,13 +543,18 @@ async def serve_channel(
     keyring: KeyRing | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     max_frame: int = DEFAULT_MAX_FRAME,
+    send_timeout: float = 60.0,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    graceful_timeout: float = 10.0,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the streaming channel over ``service`` until cancelled.
+    """Serve the streaming channel over ``service`` until cancelled, or drained.
 
     Listens on ``host:port`` (TCP), or on the Unix socket ``path`` when given. Each
     connection is served in its own task: a broken or hostile client ends only its own
-    connection.
+    connection. When ``shutdown_trigger()`` returns, the channel drains: it stops
+    accepting, each connection stops reading, answers the requests it took, sends a 503
+    problem frame (id nil) saying so, and closes; then this returns.
 
     Args:
       service: the gateway's service (``GatewayApp.service``, or one made over a running
@@ -526,6 +568,10 @@ async def serve_channel(
         server stops reading that connection.
       max_frame: the largest frame accepted, in bytes; a larger one closes the
         connection with a 413 problem.
+      send_timeout: seconds an answer may wait for a client that reads nothing before
+        its connection is closed.
+      shutdown_trigger: an async callable; when it returns, the channel drains.
+      graceful_timeout: seconds the connections get to drain before they are cancelled.
       task_status: receives the channel's address, ``tcp://HOST:PORT`` or
         ``unix:PATH``, once it listens (pass it to ``open_channel``).
 
@@ -537,6 +583,11 @@ async def serve_channel(
         raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
     if max_frame < 16:
         raise ValueError(f"max_frame must be at least 16 bytes, got {max_frame}")
+    if not send_timeout > 0 or not graceful_timeout >= 0:
+        raise ValueError(
+            f"send_timeout must be > 0 and graceful_timeout >= 0 seconds, got "
+            f"{send_timeout} and {graceful_timeout}"
+        )
     keyring = KeyRing.from_env() if keyring is None else keyring
     listeners: list[trio.SocketListener]
     if path is not None:
@@ -560,18 +611,40 @@ async def serve_channel(
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         address = f"tcp://{shown}:{bound[1]}"
 
+    connections: set[_Connection] = set()
+    draining = trio.Event()
+
     async def handle(stream: trio.SocketStream) -> None:
-        connection = _Connection(service, stream, keyring, max_in_flight, max_frame)
+        connection = _Connection(service, stream, keyring, max_in_flight, max_frame, send_timeout)
+        connections.add(connection)
+        if draining.is_set():  # accepted just before the listeners closed
+            connection.stop()
         try:
             await connection.serve()
         except Exception:  # pragma: no cover - a bug must not end the other connections
             log.exception("channel: a connection failed")
+        finally:
+            connections.discard(connection)
 
     log.info("interlock channel listening on %s", address)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handle, listeners)
-            task_status.started(address)
+        async with trio.open_nursery() as serving:
+            async with trio.open_nursery() as accepting:
+                await accepting.start(
+                    partial(trio.serve_listeners, handle, listeners, handler_nursery=serving)
+                )
+                task_status.started(address)
+                if shutdown_trigger is None:
+                    await trio.sleep_forever()
+                await shutdown_trigger()
+                accepting.cancel_scope.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            draining.set()
+            log.info("channel: draining %d connections", len(connections))
+            for connection in list(connections):
+                connection.stop()
+            serving.cancel_scope.deadline = trio.current_time() + graceful_timeout
     finally:
         if path is not None:
             with contextlib.suppress(OSError):
