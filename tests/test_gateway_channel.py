@@ -22,6 +22,7 @@ from interlock import Machine, Tool, Worker, open_supervisor, replay
 from interlock.gateway import GatewayService, Problem, VerdictOut, VerifyItem
 from interlock.gateway._channel import OPS, serve_channel
 from interlock.gateway._channel_client import ChannelProblem, open_channel
+from interlock.gateway._guard import RateLimiter
 from interlock.gateway._keys import KeyRing, Principal, hash_key
 from interlock.stores import MemoryStore, open_sqlite_store
 
@@ -560,3 +561,19 @@ async def test_a_client_that_reads_nothing_is_closed_after_send_timeout(
         async with open_channel(url) as channel:  # and the server goes on
             with pytest.raises(ChannelProblem, match=r"^404 Not Found"):
                 await channel.get_run("n-1")
+
+
+async def test_a_rate_limiter_counts_each_request_frame_against_its_key() -> None:
+    limiter = RateLimiter(1.0, 2, clock=lambda: 0.0)  # time stands still: 2 requests, then none
+    async with served(MemoryStore(), rate_limiter=limiter) as (_sup, _service, url):
+        with trio.fail_after(60):
+            async with open_channel(url) as channel:
+                await channel.create_run("shop", run_id="t-1")
+                await channel.get_run("t-1")
+                with pytest.raises(
+                    ChannelProblem,
+                    match=r"^429 Too many requests: key 'anonymous' is over its rate of 1 "
+                    r"requests per second; retry after 1 s",
+                ) as refused:
+                    await channel.get_run("t-1")
+    assert refused.value.problem.type.endswith("/rate-limited")

@@ -37,6 +37,7 @@ import msgspec
 import trio
 
 from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
+from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
 from ._service import PROBLEMS, GatewayError, GatewayService
 
@@ -121,8 +122,8 @@ _BODIES: dict[str, Any] = {
 _NEEDS_RUN: Final = frozenset({"get_run", "propose", "report"})
 
 
-def _problem(status: int, title: str, detail: str) -> Problem:
-    slug = title.lower().replace(" ", "-")
+def _problem(status: int, title: str, detail: str, slug: str | None = None) -> Problem:
+    slug = slug or title.lower().replace(" ", "-")
     return Problem(type=PROBLEMS + slug, title=title, status=status, detail=detail)
 
 
@@ -170,9 +171,11 @@ class _Connection:
         max_in_flight: int,
         max_frame: int,
         send_timeout: float,
+        rate_limiter: RateLimiter | None,
     ) -> None:
         self.service = service
         self.send_timeout = send_timeout
+        self.rate_limiter = rate_limiter
         self.stream = stream
         self.keyring = keyring
         self.max_in_flight = max_in_flight
@@ -344,6 +347,20 @@ class _Connection:
         if op in _NEEDS_RUN and not request.run_id:
             self._refuse(request, 400, f"op {op!r} needs run_id: the run it is for")
             return
+        limiter = self.rate_limiter
+        if limiter is not None and self.principal is not None:
+            wait = limiter.check(self.principal.name)
+            if wait:
+                seconds = retry_after(wait)
+                problem = _problem(
+                    429,
+                    "Too many requests",
+                    f"key {self.principal.name!r} is over its rate of {limiter.rate:g} "
+                    f"requests per second; retry after {seconds} s, or send a verify batch",
+                    slug="rate-limited",
+                )
+                self._queue(_Answer(id=request.id, problem=problem), slot=False)
+                return
         key = request.run_id if op in _NEEDS_RUN else None
         if op == "create_run":
             # the run a pipelined create_run makes is the run its proposals name
@@ -546,6 +563,7 @@ async def serve_channel(
     send_timeout: float = 60.0,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 10.0,
+    rate_limiter: RateLimiter | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the streaming channel over ``service`` until cancelled, or drained.
@@ -572,6 +590,8 @@ async def serve_channel(
         its connection is closed.
       shutdown_trigger: an async callable; when it returns, the channel drains.
       graceful_timeout: seconds the connections get to drain before they are cancelled.
+      rate_limiter: counts every request frame against its key's rate (the HTTP guard's
+        ``RateLimiter``, shared or its own); over it, a 429 problem. None: no limit.
       task_status: receives the channel's address, ``tcp://HOST:PORT`` or
         ``unix:PATH``, once it listens (pass it to ``open_channel``).
 
@@ -615,7 +635,9 @@ async def serve_channel(
     draining = trio.Event()
 
     async def handle(stream: trio.SocketStream) -> None:
-        connection = _Connection(service, stream, keyring, max_in_flight, max_frame, send_timeout)
+        connection = _Connection(
+            service, stream, keyring, max_in_flight, max_frame, send_timeout, rate_limiter
+        )
         connections.add(connection)
         if draining.is_set():  # accepted just before the listeners closed
             connection.stop()
