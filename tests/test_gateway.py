@@ -924,3 +924,32 @@ def test_interlock_serve_refuses_a_public_address_without_a_key(tmp_path: Path) 
     )
     assert done.returncode == 1
     assert "refusing to serve on '0.0.0.0' without an API key" in done.stderr
+
+
+def test_interlock_serve_says_when_its_port_is_taken(tmp_path: Path) -> None:
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLOCK_")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "interlock",
+                "serve",
+                "--port",
+                str(port),
+                "--db",
+                str(tmp_path / "j.db"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in done.stderr

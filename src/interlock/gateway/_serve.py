@@ -201,7 +201,10 @@ async def serve_gateway(
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     nursery.start_soon(_on_sigterm, stop)
-                binds: list[str] = await nursery.start(run_server)
+                try:
+                    binds: list[str] = await nursery.start(run_server)
+                except (OSError, BaseExceptionGroup) as exc:
+                    raise _cannot_listen(exc, host, port) from None
                 server = GatewayServer(binds[0], gateway, stop)
                 log.info("interlock gateway listening on %s", server.url)
                 task_status.started(server)
@@ -218,6 +221,20 @@ async def serve_gateway(
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
+
+
+def _cannot_listen(exc: BaseException, host: str, port: int) -> BaseException:
+    """The error for a server that failed to start: one line when it could not bind."""
+    found = exc
+    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
+        found = found.exceptions[0]
+    if not isinstance(found, OSError):
+        return exc
+    return OSError(
+        found.errno,
+        f"cannot listen on {host} port {port}: {found.strerror or found}; choose another port "
+        "(0 picks a free one)",
+    )
 
 
 async def _on_sigterm(stop: trio.Event) -> None:
