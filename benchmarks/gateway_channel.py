@@ -510,6 +510,39 @@ def shop() -> Any:
     )
 
 
+class TrivialService:
+    """Answers like GatewayService after one checkpoint, deciding nothing: the channel's own
+    cost is what is left."""
+
+    async def create_run(self, body: Any, principal: Any = None) -> tuple[Any, bool]:
+        from interlock.gateway import RunOut
+
+        await trio.lowlevel.checkpoint()
+        run = RunOut(
+            id=body.run_id, machine="shop", mode="external", state="PAY", seq=1, outcome="running"
+        )
+        return run, True
+
+    async def propose(self, run_id: str, body: Any, principal: Any = None) -> Any:
+        from interlock.gateway import VerdictOut
+
+        await trio.lowlevel.checkpoint()
+        if "COMPLETED" in body.proposal:
+            return VerdictOut(
+                run_id=run_id, accepted=True, outcome="completed", state="COMPLETED", seq=6
+            )
+        return VerdictOut(
+            run_id=run_id, accepted=True, outcome="running", state="PAY", seq=3,
+            key=f"{run_id}:PAY:2", tool="charge", args={"cents": 500},
+        )  # fmt: skip
+
+    async def report(self, run_id: str, body: Any, principal: Any = None) -> Any:
+        from interlock.gateway import VerdictOut
+
+        await trio.lowlevel.checkpoint()
+        return VerdictOut(run_id=run_id, accepted=True, outcome="running", state="PAY", seq=5)
+
+
 async def serve_gateway_channel(db: str) -> None:
     from interlock import open_supervisor
     from interlock.gateway import GatewayService
@@ -517,6 +550,17 @@ async def serve_gateway_channel(db: str) -> None:
     from interlock.gateway._keys import KeyRing
     from interlock.stores import open_sqlite_store
 
+    if db == "trivial":
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(
+                lambda task_status: serve_channel(
+                    TrivialService(),  # type: ignore[arg-type]
+                    keyring=KeyRing(),
+                    task_status=task_status,
+                )
+            )
+            print(f"READY {url}", flush=True)
+            await trio.sleep_forever()
     store = await open_sqlite_store(db)
     try:
         async with open_supervisor([shop()], store) as sup, trio.open_nursery() as nursery:
@@ -577,6 +621,31 @@ async def one_step(channel: Any, i: int) -> None:
     assert end.outcome == "completed", end
 
 
+async def batched(sup: Any, runs: int) -> None:
+    """Each request decided in one task with submit_nowait, one Sync per batch: what a batch
+    path through the service could do."""
+    from interlock import Propose, Report
+    from interlock._messages import Sync
+
+    ids = [f"e-{i}" for i in range(runs)]
+    calls = [sup.submit_nowait(Propose(run_id=r, seq=1, raw=CHARGE)) for r in ids]
+    await sup.request(Sync(run_id=ids[0]))
+    done = [
+        sup.submit_nowait(Report(run_id=r, key=c.execute.key, ok=True, result={"charged": 500}))
+        for r, c in zip(ids, calls, strict=True)
+    ]
+    await sup.request(Sync(run_id=ids[0]))
+    ends = [
+        sup.submit_nowait(Propose(run_id=r, seq=d.seq, raw=DONE))
+        for r, d in zip(ids, done, strict=True)
+    ]
+    await sup.request(Sync(run_id=ids[1]))
+    assert all(e.outcome == "completed" for e in ends)
+    for r in ids:
+        if r in sup._runs:
+            sup.release(r)
+
+
 async def in_process(runs: int, through: str) -> dict[str, float]:
     """The same steps without the channel: Supervisor.submit, or GatewayService's methods."""
     import resource
@@ -629,9 +698,12 @@ async def in_process(runs: int, through: str) -> dict[str, float]:
                         nursery.start_soon(start, i)
                 step = by_supervisor if through == "supervisor" else by_service
                 cpu0, started = cpu(), time.monotonic()
-                async with trio.open_nursery() as nursery:
-                    for i in range(runs):
-                        nursery.start_soon(step, i)
+                if through == "batch":
+                    await batched(sup, runs)
+                else:
+                    async with trio.open_nursery() as nursery:
+                        for i in range(runs):
+                            nursery.start_soon(step, i)
                 wall, used = time.monotonic() - started, cpu() - cpu0
         finally:
             await store.aclose()
@@ -642,32 +714,35 @@ async def in_process(runs: int, through: str) -> dict[str, float]:
     }
 
 
+def over_channel(runs: int, db: str) -> dict[str, float]:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gateway_channel", "--serve-e2e", db],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise RuntimeError(f"server did not start: {line}")
+        command = [sys.executable, "-m", "benchmarks.gateway_channel", "--drive", line[1]]
+        command += ["--runs", str(runs), "--server-pid", str(server.pid)]
+        out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+        result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def end_to_end(runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.gateway_channel",
-                "--serve-e2e",
-                os.path.join(tmp, "j.db"),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert server.stdout is not None
-            line = server.stdout.readline().split()
-            if not line or line[0] != "READY":
-                raise RuntimeError(f"server did not start: {line}")
-            command = [sys.executable, "-m", "benchmarks.gateway_channel", "--drive", line[1]]
-            command += ["--runs", str(runs), "--server-pid", str(server.pid)]
-            out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-    inside = {through: trio.run(in_process, runs, through) for through in ("supervisor", "service")}
+        result = over_channel(runs, os.path.join(tmp, "j.db"))
+    trivial = over_channel(runs, "trivial")
+    inside = {
+        through: trio.run(in_process, runs, through)
+        for through in ("supervisor", "service", "batch")
+    }
     print(f"command: `python -m benchmarks.gateway_channel --e2e {runs}`\n")
     print(
         "| path | runs at once | verified proposals/s | requests/s | server CPU µs/request "
@@ -679,8 +754,17 @@ def end_to_end(runs: int) -> None:
         f"{result['requests_per_s']:,.0f} | {result['server_us_per_request']:.1f} | "
         f"{result['client_us_per_request']:.1f} |"
     )
+    print(
+        f"| channel over a trivial service (its own cost) | {runs:,} | "
+        f"{trivial['proposals_per_s']:,.0f} | {trivial['requests_per_s']:,.0f} | "
+        f"{trivial['server_us_per_request']:.1f} | {trivial['client_us_per_request']:.1f} |"
+    )
     for through, row in inside.items():
-        name = "Supervisor.submit" if through == "supervisor" else "GatewayService"
+        name = {
+            "supervisor": "Supervisor.submit",
+            "service": "GatewayService",
+            "batch": "submit_nowait + one Sync a batch",
+        }[through]
         print(
             f"| {name} in process | {runs:,} | {row['proposals_per_s']:,.0f} | "
             f"{row['requests_per_s']:,.0f} | {row['cpu_us_per_request']:.1f} (with the callers) | - |"
