@@ -960,8 +960,11 @@ def threaded_server():
     thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
     thread.start()
     assert started.wait(60), "the server did not start"
-    with httpx.Client(base_url=ready[0], timeout=30) as client:
-        yield client, app.errors
+    with (
+        httpx.Client(base_url=ready[0], timeout=30) as http1,
+        httpx.Client(base_url=ready[0], timeout=30, http1=False, http2=True) as http2,
+    ):
+        yield {"HTTP/1.1": http1, "HTTP/2": http2}, app.errors
     trio.from_thread.run_sync(stop[0].set, trio_token=token[0])
     thread.join(60)
 
@@ -992,14 +995,16 @@ paths = paths | st.text(
     ),
     body=st.binary(max_size=6000),
 )
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/2"])
 def test_random_headers_and_bodies_never_give_a_5xx(
-    threaded_server, method, path, authorization, body
+    threaded_server, version, method, path, authorization, body
 ):
     headers = {}
     if authorization is not None:  # h11 refuses to send a value with surrounding whitespace
         headers[b"authorization"] = authorization.strip(" \t").encode("latin-1")
-    client, escaped = threaded_server
-    response = client.request(method, path, headers=headers, content=body)
+    clients, escaped = threaded_server
+    response = clients[version].request(method, path, headers=headers, content=body)
+    assert response.http_version == version
     assert response.status_code < 500, (response.status_code, response.text)
     if response.status_code >= 400:
         assert response.headers["content-type"] == "application/problem+json"
