@@ -559,6 +559,22 @@ async def test_a_key_at_its_runs_in_flight_limit_gets_a_429(tmp_path: Path) -> N
         assert (await start(client, "q-2")).id == "q-2"
 
 
+async def test_the_streaming_channel_is_served_beside_http(tmp_path: Path) -> None:
+    from interlock.gateway._channel_client import open_channel
+
+    db = tmp_path / "j.db"
+    async with gateway(shop(), db, channel_port=0) as (server, client):
+        assert server.channel.startswith("tcp://127.0.0.1:")
+        async with open_channel(server.channel) as channel:
+            run = await channel.create_run("shop", run_id="c-1")
+            verdict = await channel.propose("c-1", CHARGE, run.seq)
+            assert verdict.key is not None
+        # the same service: HTTP sees what the channel did, and answers its retry
+        again = decode(await propose(client, "c-1", CHARGE, run.seq), VerdictOut)
+        assert (again.key, again.replayed) == (verdict.key, True)
+    assert kinds(await journal(db, "c-1")).count("intent_recorded") == 1
+
+
 async def test_stopping_finishes_the_requests_in_flight_first(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
     async with gateway(shop(), db) as (server, client):
@@ -859,6 +875,8 @@ def test_interlock_serve_drains_on_sigterm_and_exits_0(tmp_path: Path) -> None:
             str(db),
             "--port",
             "0",
+            "--channel-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -871,7 +889,8 @@ def test_interlock_serve_drains_on_sigterm_and_exits_0(tmp_path: Path) -> None:
             line = process.stdout.readline()
             assert line.startswith("interlock serve: http://127.0.0.1:"), line
             assert "loopback only" in line
-            url = line.split()[2]
+            url = line.split()[2].rstrip(",")
+            assert ", channel tcp://127.0.0.1:" in line
             with httpx.Client(base_url=url, timeout=30) as client:
                 created = client.post(
                     "/v1/runs", json={"machine": "shop", "run_id": "x-1", "mode": "external"}

@@ -366,6 +366,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=_port, default=8080, help="the TCP port (default 8080; 0: any free port)"
     )
+    streaming = serve.add_mutually_exclusive_group()
+    streaming.add_argument(
+        "--channel-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="also serve the streaming channel (pipelined msgpack frames) on this TCP port "
+        "of --host (0: any free port)",
+    )
+    streaming.add_argument(
+        "--channel-socket",
+        default=None,
+        metavar="PATH",
+        help="also serve the streaming channel on this Unix socket",
+    )
     return parser
 
 
@@ -1197,6 +1212,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 keyring=keyring,
+                channel_port=args.channel_port,
+                channel_path=args.channel_socket,
                 handle_signals=True,
             )
         )
@@ -1205,8 +1222,9 @@ async def _serve(args: argparse.Namespace) -> int:
             if keyring.open
             else f"{_count(len(keyring), 'API key')}"
         )
+        channel = f", channel {server.channel}" if server.channel else ""
         sys.stdout.write(
-            f"interlock serve: {server.url} (app {named}, journal {db}; {keys}); "
+            f"interlock serve: {server.url}{channel} (app {named}, journal {db}; {keys}); "
             "SIGTERM drains and stops\n"
         )
         sys.stdout.flush()

@@ -196,8 +196,8 @@ class GatewayApp:
       service: the operations it serves.
       prices: USD per million tokens by model, for the cost metric.
       max_body: the largest request body read, in bytes (413 past it).
-      channel: an ASGI app for WebSocket connections (the streaming channel), or None to
-        refuse them.
+      websocket: an ASGI app for WebSocket connections, or None to refuse them (the
+        streaming channel is served on its own socket: see ``serve_gateway``).
     """
 
     def __init__(
@@ -206,11 +206,11 @@ class GatewayApp:
         *,
         prices: Mapping[str, tuple[float, float]] | None = None,
         max_body: int = DEFAULT_MAX_BODY,
-        channel: ASGIApp | None = None,
+        websocket: ASGIApp | None = None,
     ) -> None:
         self.service = service
         self.max_body = max_body
-        self.channel = channel
+        self.websocket = websocket
         self.registry = CollectorRegistry()
         supervisor = service.supervisor
         self.registry.register(
@@ -248,8 +248,8 @@ class GatewayApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "websocket":
-            if self.channel is not None:
-                await self.channel(scope, receive, send)
+            if self.websocket is not None:
+                await self.websocket(scope, receive, send)
             else:
                 await receive()  # websocket.connect
                 await send({"type": "websocket.close", "code": 1008})

@@ -23,7 +23,7 @@ from .._messages import Sync
 from .._runtime import open_supervisor
 from .._stats import RuntimeStats
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
-from ._guard import Limits, RunQuota, guarded
+from ._guard import Limits, RateLimiter, RunQuota, guarded
 from ._keys import KeyRing, check_bind
 from ._service import GatewayService
 
@@ -43,7 +43,7 @@ def create_app(
     keyring: KeyRing | None = None,
     limits: Limits | None = None,
     prices: Mapping[str, tuple[float, float]] | None = None,
-    channel: ASGIApp | None = None,
+    websocket: ASGIApp | None = None,
     max_waiting: int = 20_000,
 ) -> GatewayApp:
     """The gateway's ASGI app over a running supervisor (or a service made from one).
@@ -59,7 +59,7 @@ def create_app(
         ``INTERLOCK_API_KEYS_FILE``), open (no key needed) when neither is set.
       limits: body size, rate, runs in flight and request timeout; defaults when None.
       prices: USD per million tokens by model, for the cost metric.
-      channel: an ASGI app for WebSocket connections (the streaming channel).
+      websocket: an ASGI app for WebSocket connections (refused without one).
       max_waiting: the most requests waiting on the journal before 503s.
 
     Returns:
@@ -75,7 +75,7 @@ def create_app(
             supervisor, max_waiting=max_waiting, quota=RunQuota(limits.runs_in_flight)
         )
     app = GatewayApp(
-        service, prices=prices, max_body=max(limits.max_body, DEFAULT_MAX_BODY), channel=channel
+        service, prices=prices, max_body=max(limits.max_body, DEFAULT_MAX_BODY), websocket=websocket
     )
     app.asgi = guarded(app, keyring, limits)
     return app
@@ -88,10 +88,13 @@ class GatewayServer:
       url: where it listens, e.g. ``http://127.0.0.1:8080``.
       port: the TCP port (the one picked, for port 0).
       app: the :class:`GatewayApp`; ``app.service`` holds the supervisor.
+      channel: the streaming channel's address, '' when it is not served.
     """
 
-    def __init__(self, url: str, app: GatewayApp, stop: trio.Event) -> None:
+    def __init__(self, url: str, app: GatewayApp, stop: trio.Event, channel: str = "") -> None:
         self.url = url
+        self.channel = channel
+        """The streaming channel's address (``tcp://HOST:PORT`` or ``unix:PATH``), or ''."""
         self.port = int(url.rsplit(":", 1)[1])
         self.app = app
         self._stop = stop
@@ -113,7 +116,8 @@ async def serve_gateway(
     port: int = 8080,
     keyring: KeyRing | None = None,
     limits: Limits | None = None,
-    channel: ASGIApp | None = None,
+    channel_port: int | None = None,
+    channel_path: str | None = None,
     handle_signals: bool = False,
     graceful_timeout: float = 10.0,
     task_status: trio.TaskStatus[GatewayServer] = trio.TASK_STATUS_IGNORED,
@@ -136,7 +140,10 @@ async def serve_gateway(
       port: the TCP port; 0 picks a free one (read it from the GatewayServer).
       keyring: the API keys; default from the environment (see :func:`create_app`).
       limits: the gateway's limits.
-      channel: an ASGI app for WebSocket connections (the streaming channel).
+      channel_port: also serve the streaming channel (length-prefixed msgpack frames, see
+        ``gateway._channel``) on this TCP port of ``host`` (0: a free one), over the same
+        service, keys and rate; None: no channel.
+      channel_path: serve the channel on this Unix socket instead.
       handle_signals: drain on SIGTERM (the CLI sets it; needs the main thread).
       graceful_timeout: the seconds requests in flight get to finish when stopping.
       task_status: receives the :class:`GatewayServer` once it listens.
@@ -168,9 +175,7 @@ async def serve_gateway(
                 stats=stats,
             ) as supervisor,
         ):
-            gateway = create_app(
-                supervisor, keyring=keyring, limits=limits, prices=app.prices, channel=channel
-            )
+            gateway = create_app(supervisor, keyring=keyring, limits=limits, prices=app.prices)
             config = Config()
             config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
             config.graceful_timeout = graceful_timeout
@@ -205,12 +210,31 @@ async def serve_gateway(
                     binds: list[str] = await nursery.start(run_server)
                 except (OSError, BaseExceptionGroup) as exc:
                     raise _cannot_listen(exc, host, port) from None
-                server = GatewayServer(binds[0], gateway, stop)
+                channel = ""
+                channel_done = trio.Event()
+                if channel_port is None and channel_path is None:
+                    channel_done.set()
+                else:
+                    channel = await nursery.start(
+                        _run_channel,
+                        gateway,
+                        host,
+                        channel_port,
+                        channel_path,
+                        keyring,
+                        limits,
+                        stop,
+                        graceful_timeout,
+                        channel_done,
+                    )
+                server = GatewayServer(binds[0], gateway, stop, channel)
                 log.info("interlock gateway listening on %s", server.url)
                 task_status.started(server)
-                # hypercorn returns once the requests in flight are answered; then no
-                # request can add work, and the journal gets everything decided so far.
+                # hypercorn (and the channel) return once the requests in flight are
+                # answered; then no request can add work, and the journal gets everything
+                # decided so far.
                 await served.wait()
+                await channel_done.wait()
                 await _flush(supervisor)
                 nursery.cancel_scope.cancel()
             # NOTE: leaving open_supervisor would wait for every hosted run to end; a
@@ -221,6 +245,39 @@ async def serve_gateway(
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
+
+
+async def _run_channel(
+    gateway: GatewayApp,
+    host: str,
+    port: int | None,
+    path: str | None,
+    keyring: KeyRing,
+    limits: Limits | None,
+    stop: trio.Event,
+    graceful_timeout: float,
+    done: trio.Event,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    from ._channel import serve_channel
+
+    limits = Limits() if limits is None else limits
+    limiter = RateLimiter(limits.rate, limits.effective_burst) if limits.rate is not None else None
+    try:
+        await serve_channel(
+            gateway.service,
+            host=host,
+            port=port or 0,
+            path=path,
+            keyring=keyring,
+            max_frame=limits.max_body,
+            shutdown_trigger=stop.wait,
+            graceful_timeout=graceful_timeout,
+            rate_limiter=limiter,
+            task_status=task_status,
+        )
+    finally:
+        done.set()
 
 
 def _cannot_listen(exc: BaseException, host: str, port: int) -> BaseException:
