@@ -350,6 +350,9 @@ async def test_a_server_with_keys_needs_hello_with_a_key_first() -> None:
                 assert channel.welcome.principal == "bot"
                 run = await channel.create_run("shop", run_id="k-1")
                 assert run.mode == "external"
+                # one key a connection: the requests taken so far were made with it
+                with pytest.raises(ChannelProblem, match=r"^409 Conflict: this connection already"):
+                    await channel.request("hello", None, {"key": key}, dict)
 
 
 async def test_verify_batches_over_the_channel(sqlite_store: Any) -> None:

@@ -195,6 +195,7 @@ class _Connection:
         self.broken = False
         self.closing = False
         self.stopping = False
+        self.greeted = False
         self.reading = trio.CancelScope()
 
     def stop(self) -> None:
@@ -324,6 +325,20 @@ class _Connection:
         if op == "hello":
             # NOTE: answered here, in order, so a client may pipeline its first requests
             # right behind its hello
+            if self.greeted:
+                self._queue(
+                    _Answer(
+                        id=request.id,
+                        problem=_problem(
+                            409,
+                            "Conflict",
+                            "this connection already said hello; the requests on it are "
+                            "made with that key; open another connection for another key",
+                        ),
+                    ),
+                    slot=False,
+                )
+                return
             try:
                 welcome = self._hello(self._body(request))
             except GatewayError as exc:
@@ -332,6 +347,7 @@ class _Connection:
             except _Closing as closing:
                 closing.request_id = request.id
                 raise
+            self.greeted = True
             self._queue(_Answer(id=request.id, body=welcome), slot=False)
             return
         if self.principal is None:
