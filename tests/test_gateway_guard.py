@@ -517,7 +517,9 @@ class EchoApp:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        if scope["path"] == "/refuse-unread":  # answers before reading the body, as a 415 does
+        if scope["path"] == "/early-start":  # starts its answer, then reads the body
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        elif scope["path"] == "/refuse-unread":  # answers before reading the body, as a 415 does
             await send({"type": "http.response.start", "status": 415, "headers": []})
             await send({"type": "http.response.body", "body": b"no"})
             return
@@ -543,13 +545,14 @@ class EchoApp:
                 "path": scope["path"],
             }
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
+        if scope["path"] != "/early-start":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
         await send({"type": "http.response.body", "body": answer})
 
 
@@ -753,7 +756,11 @@ async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
     """hypercorn 0.18's HTTP/2 dies (a KeyError out of serve) on body data for a stream whose
     response ended (pgjones/hypercorn#329); the guard ends such a stream only after its body."""
     pytest.importorskip("h2")
-    routes = {**DEFAULT_ROUTES, ("POST", "/refuse-unread"): "agent"}
+    routes = {
+        **DEFAULT_ROUTES,
+        ("POST", "/refuse-unread"): "agent",
+        ("POST", "/early-start"): "agent",
+    }
     big = b"x" * 300_000
 
     async def chunks():
@@ -777,6 +784,9 @@ async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
                 "/refuse-unread", content=big[:90_000], headers=auth(AGENT_KEY)
             )
             assert unread.status_code == 415
+            # Too late for a 413: the answer began; it ends (empty) once the body has.
+            early = await client.post("/early-start", content=chunks(), headers=auth(AGENT_KEY))
+            assert (early.status_code, early.content) == (200, b"")
             read = await client.post("/v1/verify", content=b"x" * 10, headers=auth(AGENT_KEY))
             assert read.json()["read"] == 10
             assert (await client.get("/healthz")).status_code == 200

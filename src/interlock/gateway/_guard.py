@@ -430,6 +430,10 @@ class _Exchange:
                 # sees a disconnect, and whatever it sends afterwards goes nowhere.
                 if not self.started:
                     await self.refuse(_too_large(self.limit))
+                elif self.multiplexed:
+                    # too late for a 413: end the stream the app began, after the body (_drain)
+                    await _drain(self._receive)
+                    await self._send({"type": "http.response.body", "body": b""})
                 self.refused = True
                 return {"type": "http.disconnect"}
             if not message.get("more_body", False):
