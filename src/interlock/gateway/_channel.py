@@ -6,8 +6,9 @@ frame is a 4-byte big-endian length and a msgpack map. A request is
 the answer), ``op`` one of :data:`OPS`, ``body`` the same Struct as the HTTP API's request
 body (``ProposalIn``, ``ResultIn``, ``RunCreate``, ``VerifyIn``). An answer is
 ``{id, body}`` or ``{id, problem}`` (``Problem``, as in problem+json). An answer with
-``id`` nil concerns the connection, not a request; it is the last frame before the server
-closes the connection.
+``id`` nil concerns the connection, not a request: a frame that is not a request, or the
+server's last frame before it closes the connection (a broken length, a refused key, a
+client that reads nothing, a drain).
 
 Requests of one run are handled one after another and answered in the order they came;
 requests of different runs are handled concurrently, so proposals of many runs on one
@@ -18,8 +19,9 @@ never an unbounded queue).
 
 Why frames on a socket and not a WebSocket: measured in benchmarks/gateway_channel.md,
 the server spends 2.1-2.6 us of CPU per message on frames, 4.5-5.8 us on a WebSocket
-carrying packs of frames, and ~166 us on a WebSocket with one message per proposal
-(hypercorn's trio worker).
+carrying packs of frames, and 136-197 us on a WebSocket with one message per proposal
+(hypercorn's trio worker). End to end over the real service, the channel's own part is
+25-28 us of the ~93 us a request costs.
 """
 
 from __future__ import annotations
