@@ -7,8 +7,9 @@ the answer), ``op`` one of :data:`OPS`, ``body`` the same Struct as the HTTP API
 body (``ProposalIn``, ``ResultIn``, ``RunCreate``, ``VerifyIn``). An answer is
 ``{id, body}`` or ``{id, problem}`` (``Problem``, as in problem+json). An answer with
 ``id`` nil concerns the connection, not a request: a frame that is not a request, or the
-server's last frame before it closes the connection (a broken length, a refused key, a
-client that reads nothing, a drain).
+server's last frame before it closes the connection (a length it will not read, a frame
+cut short by the end of the connection, a drain). A refused key is answered with the id of
+the request that carried (or lacked) it, and the connection closes after it.
 
 Requests of one run are handled one after another and answered in the order they came;
 requests of different runs are handled concurrently, so proposals of many runs on one
