@@ -517,6 +517,12 @@ class EchoApp:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["path"] == "/raises":  # a bug, before the body is read
+            raise RuntimeError("a bug in the app")
+        if scope["path"] == "/unfinished":  # begins an answer and leaves it
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"half", "more_body": True})
+            return
         if scope["path"] == "/early-start":  # starts its answer, then reads the body
             await send({"type": "http.response.start", "status": 200, "headers": []})
         elif scope["path"] == "/refuse-unread":  # answers before reading the body, as a 415 does
@@ -760,6 +766,8 @@ async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
         **DEFAULT_ROUTES,
         ("POST", "/refuse-unread"): "agent",
         ("POST", "/early-start"): "agent",
+        ("POST", "/raises"): "agent",
+        ("POST", "/unfinished"): "agent",
     }
     big = b"x" * 300_000
 
@@ -787,6 +795,13 @@ async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
             # Too late for a 413: the answer began; it ends (empty) once the body has.
             early = await client.post("/early-start", content=chunks(), headers=auth(AGENT_KEY))
             assert (early.status_code, early.content) == (200, b"")
+            # The app's own failings, before its body was read: still no crash.
+            unfinished = await client.post(
+                "/unfinished", content=big[:90_000], headers=auth(AGENT_KEY)
+            )
+            assert (unfinished.status_code, unfinished.content) == (200, b"half")
+            raised = await client.post("/raises", content=big[:90_000], headers=auth(AGENT_KEY))
+            assert raised.status_code == 500  # hypercorn's answer to an app that raised
             read = await client.post("/v1/verify", content=b"x" * 10, headers=auth(AGENT_KEY))
             assert read.json()["read"] == 10
             assert (await client.get("/healthz")).status_code == 200

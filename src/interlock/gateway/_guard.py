@@ -400,6 +400,7 @@ class _Exchange:
         "_receive",
         "_send",
         "complete",
+        "finished",
         "limit",
         "multiplexed",
         "received",
@@ -415,6 +416,7 @@ class _Exchange:
         self.limit = limit
         self.received = 0
         self.started = False
+        self.finished = False  # the answer's last body message went out
         self.refused = False
         self.multiplexed = multiplexed  # HTTP/2: a body needs no header to be there
         self.complete = not has_body and not multiplexed  # the whole body has arrived
@@ -462,6 +464,8 @@ class _Exchange:
             await _drain(self._receive)
             self.complete = True
             message = {"type": "http.response.body", "body": b""}
+        if kind == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
         await self._send(message)
 
     async def refuse(self, refusal: _Refusal) -> None:
@@ -670,17 +674,28 @@ class _Guard:
             scope.get("http_version", "1.1") in _MULTIPLEXED,
         )
         timeout = None if rule.streaming else limits.request_timeout
+        timed_out = False
         try:
             if timeout is None:
                 await self._app(scope, exchange.receive, exchange.send)
-                return
-            with trio.move_on_after(timeout) as cancel_scope:
-                await self._app(scope, exchange.receive, exchange.send)
+            else:
+                with trio.move_on_after(timeout) as cancel_scope:
+                    await self._app(scope, exchange.receive, exchange.send)
+                timed_out = cancel_scope.cancelled_caught
         except Exception:
             if exchange.refused:
                 return  # the app tripped over the disconnect the body limit gave it
+            if exchange.multiplexed and not exchange.complete:
+                await _drain(receive)  # before the server's 500 ends the stream (see _drain)
             raise
-        if cancel_scope.cancelled_caught and not exchange.started:
+        if exchange.multiplexed and not exchange.refused:
+            if exchange.started and not exchange.finished:
+                # the app left its answer unfinished (timed out, or a bug): end it after the body
+                await exchange.send({"type": "http.response.body", "body": b""})
+                return
+            if not exchange.started and not timed_out and not exchange.complete:
+                await _drain(receive)  # the server answers an app that answered nothing
+        if timed_out and not exchange.started:
             await exchange.refuse(
                 _Refusal(
                     504,
