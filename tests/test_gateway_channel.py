@@ -182,6 +182,9 @@ async def test_many_runs_on_one_connection_share_group_commits(sqlite_store: Any
                     nursery.start_soon(propose, i)
             after = sup.statistics()
     assert all(v is not None and v.accepted and v.key for v in verdicts)
+    # each caller got its own run's verdict back over the one connection
+    assert [v.run_id for v in verdicts if v is not None] == [f"r-{i}" for i in range(runs)]
+    assert len({v.key for v in verdicts if v is not None}) == runs
     flushes = after.flushes - before.flushes
     # one journal write per proposal would be `runs` flushes; concurrent requests of
     # different runs on one connection are decided and written together
