@@ -7,26 +7,36 @@ on loopback; ratios are taken within one run:
 - *ceiling*: hypercorn's trio worker (``hypercorn.trio.serve``, the server the gateway runs
   on) serving a bare ASGI endpoint that reads a tiny JSON POST and answers ``{"ok":true}``
   with ``content-length``. Nothing in it is interlock's.
-- *single proposals*: the gateway (``interlock.gateway.serve_gateway`` on a SQLite journal in
-  a temporary directory) with ``connections`` keep-alive connections, each driving its own
-  external runs of the benchmark's machine with one ``POST /v1/runs/{id}/proposals`` at a
-  time: each proposal is a legal transition with distinct data (A -> B -> A ...), so every
-  request is verified, journaled and acknowledged after its batch is durable. Reported:
-  proposals/s (wall), per CPU second of the server process (``/proc``), p50/p99 latency, and
-  the share of the ceiling (the goal is 0.7 or more).
+- *single proposals*: the gateway (``interlock.gateway.serve_gateway``, no per-key rate
+  limit, on a SQLite journal in a temporary directory) with ``connections`` keep-alive
+  connections, each driving its own external run of the benchmark's machine with one
+  ``POST /v1/runs/{id}/proposals`` at a time: each proposal is a legal transition with
+  distinct data (A -> B -> A ...), so every request is verified, journaled and acknowledged
+  after its batch is durable. The ceiling and this load are measured in turns over
+  ``ROUNDS`` rounds (a noisy neighbour lands on both); the ratio per round is taken per
+  second of the server process's CPU (``/proc``: the per-core goal, 0.7 or more) and in
+  requests/s, and the median round is reported.
 - *batches*: ``POST /v1/verify`` with 100 and 1,000 items (each item one run's next
-  transition; a batch touches each run once), from ``connections`` clients at a time:
-  verified, journaled proposals/s and p99 of a batch's round trip.
-- *channel*: the streaming channel (``interlock.gateway`` client of H3's channel) with the same
-  items, many runs multiplexed on one connection, when the checkout has one.
+  transition; a batch touches each run once) from a few connections at a time.
+- *in process*: the same transitions of as many runs through ``Supervisor.submit`` in one
+  process, no HTTP: the floor that the batch and channel paths are compared with.
+- *channel*: the streaming channel (``serve_channel`` over the gateway's own service, and
+  ``open_channel``'s client), 1,000 runs multiplexed on each of 1 and 4 connections, each run
+  a task proposing as soon as it has its last verdict.
+- *profile* (full run): the gateway process's main thread under cProfile (CPU time) over
+  the window of a batch-of-1,000 load, toggled by SIGUSR1/SIGUSR2 from the load generator.
 - *external step*: one external step (propose a ``lookup`` call, get the verdict and the key,
   report its result) over HTTP on one connection, one at a time, against the same step
   through ``Supervisor.submit`` in process on a SQLite journal: µs per step and the ratio.
 
+Figures per row: requests/s and proposals/s (wall), proposals per second of the server's
+CPU, p50/p99 of a request (of a batch, for the batches), and the CPU share of a core used by
+the server and by the load generator over the window.
+
 The load generator is a lean client (trio sockets, requests written as prepared bytes, the
-response parsed by hand: status line, ``content-length`` or chunked): it costs a few µs per
-request, so it is not the bottleneck; its own CPU share of a core is reported beside each
-row to show it.
+response parsed by hand: status line, ``content-length`` or chunked, ``connection: close``
+honoured): it costs a few µs per request, so it is not the bottleneck; its own CPU share of
+a core is reported beside each row to show it.
 
 Run it alone: ``python -m benchmarks.bench_gateway [--quick]`` prints the tables.
 """
@@ -34,10 +44,13 @@ Run it alone: ``python -m benchmarks.bench_gateway [--quick]`` prints the tables
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import functools
 import importlib.util
+import io
 import json
 import os
+import pstats
 import signal
 import subprocess
 import sys
@@ -52,11 +65,13 @@ import msgspec
 from benchmarks._harness import (
     ROOT,
     Progress,
+    area_of,
     child_env,
     child_main,
     no_progress,
     quantile,
     run_child,
+    short_path,
 )
 
 NAME = "gateway"
@@ -163,8 +178,12 @@ def _hypercorn_config() -> Any:
     return config
 
 
-def serve(kind: str, db: str) -> None:
-    """A server's process: print ``PORT n`` once it listens, then serve until killed."""
+def serve(kind: str, db: str, profile_to: str = "") -> None:
+    """A server's process: print ``PORT n`` once it listens, then serve until SIGTERM.
+
+    With ``profile_to``, the process's main thread runs under cProfile (its CPU time)
+    between SIGUSR1 and SIGUSR2, and the stats are written there when it stops.
+    """
     import trio
 
     async def bare() -> None:
@@ -197,8 +216,50 @@ def serve(kind: str, db: str) -> None:
                     functools.partial(serve_channel, started.app.service, port=0)
                 )
             _say_port(started.port, channel)
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    started.stop()  # drain, then return
+                    nursery.cancel_scope.cancel()
+                    break
 
-    trio.run(bare if kind == "bare" else gateway)
+    if not profile_to:
+        trio.run(bare if kind == "bare" else gateway)
+        return
+    # CPU time of the main thread (the time the event loop waits in epoll is not work),
+    # from SIGUSR1 to SIGUSR2: the load generator sends them around its measured window
+    profiler = cProfile.Profile(time.thread_time)
+    signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+    signal.signal(signal.SIGUSR2, lambda *_: profiler.disable())
+    try:
+        trio.run(gateway)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(profile_to)
+
+
+def profile_rows(path: str, top: int = 14) -> dict[str, Any]:
+    """The heaviest functions of a cProfile stats file (own time) and own time by area."""
+    stats = pstats.Stats(path, stream=io.StringIO())
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in raw.values()) or 1.0
+    areas: dict[str, float] = {}
+    for (filename, _line, name), entry in raw.items():
+        area = area_of(filename, name)
+        areas[area] = areas.get(area, 0.0) + entry[2] / total
+    ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "profile": [
+            {
+                "function": f"{short_path(filename)}:{line}({name})",
+                "calls": calls,
+                "own_s": own,
+                "cum_s": cumulative,
+                "own_share": own / total,
+            }
+            for (filename, line, name), (_cc, calls, own, cumulative, _callers) in ranked
+        ],
+        "profile_areas": dict(sorted(areas.items(), key=lambda kv: kv[1], reverse=True)),
+    }
 
 
 def _say_port(port: int, channel: str = "") -> None:
@@ -209,9 +270,9 @@ def _say_port(port: int, channel: str = "") -> None:
 class Server:
     """A server in its own process: started, its CPU read from /proc, stopped."""
 
-    def __init__(self, kind: str, db: str = "") -> None:
+    def __init__(self, kind: str, db: str = "", profile_to: str = "") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_gateway", "--serve", kind, db],
+            [sys.executable, "-m", "benchmarks.bench_gateway", "--serve", kind, db, profile_to],
             cwd=ROOT,
             env=child_env(),
             stdout=subprocess.PIPE,
@@ -240,8 +301,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(kind: str, db: str = "") -> Any:
-    server = Server(kind, db)
+def running(kind: str, db: str = "", profile_to: str = "") -> Any:
+    server = Server(kind, db, profile_to)
     try:
         yield server
     finally:
@@ -374,7 +435,12 @@ def process_cpu(pid: int) -> float:
 
 
 async def drive(
-    port: int, connections: int, seconds: float, worker: Worker, server_pid: int
+    port: int,
+    connections: int,
+    seconds: float,
+    worker: Worker,
+    server_pid: int,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Run ``connections`` workers: set up, a warm-up, then ``seconds`` measured."""
     import trio
@@ -385,7 +451,7 @@ async def drive(
         async with trio.open_nursery() as nursery:
             for conn in conns:
                 nursery.start_soon(worker, conn, load)
-            figures = await _window(load, seconds, server_pid)
+            figures = await _window(load, seconds, server_pid, profile)
             nursery.cancel_scope.cancel()
     finally:
         for conn in conns:
@@ -394,13 +460,18 @@ async def drive(
     return figures
 
 
-async def _window(load: Load, seconds: float, server_pid: int) -> dict[str, Any]:
-    """Wait for every worker to be ready, warm up, then measure ``seconds``."""
+async def _window(
+    load: Load, seconds: float, server_pid: int, profile: bool = False
+) -> dict[str, Any]:
+    """Wait for every worker to be ready, warm up, then measure ``seconds`` (and have the
+    server profile itself over them, with ``profile``)."""
     import trio
 
     with trio.fail_after(600):
         await load.all_ready.wait()
     await trio.sleep(max(0.2, seconds / 5))
+    if profile:
+        os.kill(server_pid, signal.SIGUSR1)
     load.on = True
     server_cpu = process_cpu(server_pid)
     cpu, started = time.process_time(), time.perf_counter()
@@ -409,6 +480,8 @@ async def _window(load: Load, seconds: float, server_pid: int) -> dict[str, Any]
     elapsed = time.perf_counter() - started
     client_cpu = time.process_time() - cpu
     server_cpu = process_cpu(server_pid) - server_cpu
+    if profile:
+        os.kill(server_pid, signal.SIGUSR2)
     return {
         "requests": len(load.latencies),
         "items": load.items,
@@ -449,6 +522,8 @@ def _load_child(config: dict[str, Any]) -> dict[str, Any]:
         return trio.run(external_steps, config["port"], config["steps"])
     if kind == "inprocess":
         return trio.run(inprocess_steps, config["db"], config["steps"])
+    if kind == "inprocess_load":
+        return trio.run(inprocess_load, config["db"], config["runs"], config["seconds"])
     if kind == "channel":
         return trio.run(
             channel_load,
@@ -474,6 +549,7 @@ def _load_child(config: dict[str, Any]) -> dict[str, Any]:
         config["seconds"],
         worker,
         config["server_pid"],
+        config.get("profile", False),
     )
 
 
@@ -647,6 +723,51 @@ async def inprocess_steps(db: str, steps: int) -> dict[str, Any]:
     return _step_figures(latencies)
 
 
+async def inprocess_load(db: str, runs: int, seconds: float) -> dict[str, Any]:
+    """The floor of the batch rows: ``runs`` external runs driven concurrently through
+    ``Supervisor.submit`` in this process (one task each, the next transition as soon as
+    the last verdict came), on a SQLite journal; no HTTP, no gateway."""
+    import trio
+
+    from interlock import Propose, open_supervisor
+    from interlock.stores import open_sqlite_store
+
+    load = Load(runs)
+    pid = os.getpid()
+    store = await open_sqlite_store(db)
+    try:
+        async with open_supervisor([build_machine()], store) as sup:
+
+            async def one_run() -> None:
+                run_id = _run_id("f")
+                await sup.start_run("cycle", run_id=run_id, external=True)
+                view = sup.view(run_id)
+                state, seq = view.state, view.seq
+                await load.ready()
+                timer = time.perf_counter
+                n = 0
+                while True:
+                    started = timer()
+                    verdict = await sup.submit(
+                        Propose(run_id=run_id, seq=seq, raw=transition(state, n))
+                    )
+                    load.record(timer() - started)
+                    if not verdict.accepted:
+                        raise RuntimeError(f"a legal transition was not accepted: {verdict}")
+                    state, seq = verdict.state, verdict.seq
+                    n += 1
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(runs):
+                    nursery.start_soon(one_run)
+                # the server is this process: its CPU is the whole process's
+                figures = await _window(load, seconds, pid)
+                nursery.cancel_scope.cancel()
+    finally:
+        await store.aclose()
+    return figures
+
+
 def _step_figures(latencies: list[float]) -> dict[str, Any]:
     return {
         "steps": len(latencies),
@@ -741,6 +862,23 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
                     ),
                 }
             )
+        progress("in process: Supervisor.submit, the same proposals", 0.6)
+        floor_runs = CHANNEL[level][0][1]
+        rows.append(
+            {
+                "label": f"in process: `Supervisor.submit`, {floor_runs:,} runs at once (no HTTP)",
+                "floor": True,
+                **run_child(
+                    "benchmarks.bench_gateway",
+                    {
+                        "kind": "inprocess_load",
+                        "db": str(tmp / "floor.db"),
+                        "runs": floor_runs,
+                        "seconds": seconds,
+                    },
+                ),
+            }
+        )
         if has_channel():
             for index, (conns, runs) in enumerate(CHANNEL[level]):
                 progress(f"the channel: {conns} connection(s) x {runs} runs", 0.65 + 0.05 * index)
@@ -760,6 +898,19 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
                 )
         else:
             results["missing_channel"] = "interlock.gateway has no streaming channel here"
+        if not quick:
+            progress("a profile of the gateway under batches of 1,000", 0.75)
+            stats = str(tmp / "gateway.prof")
+            with running("gateway", str(tmp / "profiled.db"), stats) as server:
+                _load(
+                    server,
+                    "verify",
+                    connections=BATCH_CONNECTIONS[level],
+                    seconds=seconds,
+                    batch=1000,
+                )
+            results.update(profile_rows(stats))
+            results["profile_label"] = "the gateway process under batches of 1,000, cProfile"
         progress("one external step, over HTTP and in process", 0.8)
         steps = STEPS[level]
         results["step_http"] = _load(gateway, "steps", steps=steps)
@@ -802,7 +953,7 @@ def render(results: dict[str, Any]) -> str:
             share(row, "share_of_ceiling"),
             share(row, "share_of_ceiling_cpu"),
             f"{row['server_cpu_share']:.0%}",
-            f"{row['client_cpu_share']:.0%}",
+            "(same process)" if row.get("floor") else f"{row['client_cpu_share']:.0%}",
         )
         for row in results["rows"]
     ]
@@ -843,15 +994,34 @@ def render(results: dict[str, Any]) -> str:
             f"rounds taken in turns: {rounds}; the table shows the median round); {met}.",
         ]
     batches = [row for row in results["rows"] if "batch" in row or "channel" in row]
+    floor = next((row for row in results["rows"] if row.get("floor")), None)
     if batches:
         best = max(batches, key=lambda row: row.get("items_per_server_cpu_s") or 0)
         per_core = best.get("items_per_server_cpu_s") or 0
+        against = ""
+        if floor and floor.get("items_per_server_cpu_s"):
+            against = (
+                f" The same proposals through `Supervisor.submit` in process, with no HTTP, make "
+                f"{floor['items_per_server_cpu_s']:,.0f} per CPU second: the best gateway path "
+                f"is {per_core / floor['items_per_server_cpu_s']:.2f} of that, so the rest of "
+                "the way to the goal is the supervisor's own cost per proposal"
+                + (" (the profile below)" if results.get("profile") else "")
+                + ", not the transport."
+            )
         parts += [
             "",
-            f"**Batches and the channel** (goal: {THROUGHPUT_GOAL:,.0f} verified, journaled proposals/s or more "
-            f"on one core): {per_core:,.0f} per server CPU second at best ({best['label']}), "
-            f"{best['items_per_s']:,.0f}/s in wall time; "
-            f"{'met' if per_core >= THROUGHPUT_GOAL else 'missed'}.",
+            f"**Batches and the channel** (goal: {THROUGHPUT_GOAL:,.0f} verified, journaled "
+            f"proposals/s or more on one core): {per_core:,.0f} per server CPU second at best "
+            f"({best['label']}), {best['items_per_s']:,.0f}/s in wall time; "
+            f"{'met' if per_core >= THROUGHPUT_GOAL else 'missed'}.{against}",
+        ]
+    if results.get("profile_areas"):
+        from benchmarks._harness import top_areas
+
+        parts += [
+            "",
+            f"Own time by area ({results['profile_label']}): "
+            f"{top_areas(results['profile_areas'], 8)}.",
         ]
     http, local = results.get("step_http"), results.get("step_inprocess")
     if http and local:
@@ -890,7 +1060,7 @@ def main(argv: list[str]) -> None:
     if argv[1:2] == ["--child"]:
         child_main(_child)
     elif argv[1:2] == ["--serve"]:
-        serve(argv[2], argv[3] if len(argv) > 3 else "")
+        serve(argv[2], argv[3] if len(argv) > 3 else "", argv[4] if len(argv) > 4 else "")
     else:
         quick = "--quick" in argv[1:]
 
