@@ -239,7 +239,8 @@ def write_markdown(
                 f"{merged['date']} ({merged['seconds']:,.0f} s), checkout "
                 f"{env['git'].get('commit') or 'unknown'}"
                 + (" with uncommitted changes" if env["git"].get("dirty") else "")
-                + f", load average at start {', '.join(map(str, env['load_average']))}.*",
+                + f", on {env['cpu']} ({env['cores']} cores), load average at start "
+                f"{', '.join(map(str, env['load_average']))}: compare its ratios within it.*",
                 "",
             ]
         parts.append(module.render(result))
