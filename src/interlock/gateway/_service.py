@@ -36,6 +36,7 @@ from .._events import (
 )
 from .._exceptions import (
     IllegalResumeTarget,
+    InterlockError,
     InvalidInputs,
     NoProvider,
     NotEscalated,
@@ -48,7 +49,7 @@ from .._exceptions import (
 )
 from .._handle import RunHandle
 from .._machine import ESCALATE, Step
-from .._messages import Propose, Reconciliation, Report, Resume, Verdict
+from .._messages import Propose, Reconciliation, Report, Resume, Sync, Verdict
 from .._view import RunState, RunView, fold
 from ..providers._base import render_prompt
 from ._api import (
@@ -662,10 +663,7 @@ class GatewayService:
             if run is None or run.seq != expected:
                 return await self._replay_proposal(run_id, proposal, expected)
             answer = _Answer(expected, proposal)
-            self._answers[run_id] = answer
-            self._answers.move_to_end(run_id)
-            if len(self._answers) > ANSWERS_KEPT:
-                self._answers.popitem(last=False)
+            self._remember(run_id, answer)
         if run is None:
             raise await self._not_live(run_id)
         if not run.external:
@@ -686,13 +684,7 @@ class GatewayService:
             verdict = await self._advance(run_id, verdict)
         except Exception as exc:
             error = _translate(exc)
-            if answer is not None:
-                # Requests waiting on this one get its error; a later retry is decided
-                # afresh (the error may have been passing: a 503, a store hiccup).
-                answer.error = error
-                answer.done.set()
-                if self._answers.get(run_id) is answer:
-                    del self._answers[run_id]
+            self._fail(run_id, answer, error)
             raise error from None
         out = verdict_out(verdict)
         self._note_reconcile(out)
@@ -700,6 +692,22 @@ class GatewayService:
             answer.verdict = out
             answer.done.set()
         return out
+
+    def _remember(self, run_id: str, answer: _Answer) -> None:
+        self._answers[run_id] = answer
+        self._answers.move_to_end(run_id)
+        if len(self._answers) > ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+
+    def _fail(self, run_id: str, answer: _Answer | None, error: GatewayError) -> None:
+        """Requests waiting on ``answer`` get ``error``; a later retry is decided afresh
+        (the error may have been passing: a 503, a store hiccup)."""
+        if answer is None:
+            return
+        answer.error = error
+        answer.done.set()
+        if self._answers.get(run_id) is answer:
+            del self._answers[run_id]
 
     async def _advance(self, run_id: str, verdict: Verdict) -> Verdict:
         """``verdict``, or the verdict of the last step state it led to (see _steps)."""
@@ -817,8 +825,15 @@ class GatewayService:
     async def verify_batch(
         self, body: VerifyIn, principal: PrincipalLike | None = None
     ) -> VerifyOut:
-        """Verify many proposals at once: all are submitted together, so they are decided
-        and journaled in one group commit (or a few, past the supervisor's max_batch)."""
+        """Verify many proposals at once, journaled in one group commit.
+
+        Each proposal of a live external run is decided at once in this task
+        (``Supervisor.submit_nowait``: no task and no wake-up per item), then one
+        ``Sync`` waits until the write that holds all their events is durable; only then
+        is any verdict answered. The rest (a recorded answer to repeat, a stale seq to
+        check against the journal, a run not live here) goes the way of a single proposal,
+        concurrently, in the same commit where it can.
+        """
         items = body.items
         self._admit(len(items))
         try:
@@ -831,21 +846,108 @@ class GatewayService:
                         item.run_id, item.proposal, item.expected_seq, item.usage, item.model
                     )
                 except GatewayError as exc:
-                    verdicts[index] = VerdictOut(
-                        run_id=item.run_id,
-                        accepted=False,
-                        outcome="",
-                        state="",
-                        seq=-1,
-                        problem=exc.problem(),
-                    )
+                    verdicts[index] = _item_problem(item, exc)
 
             async with trio.open_nursery() as nursery:
+                decided: list[tuple[int, Verdict, _Answer | None]] = []
                 for index, item in enumerate(items):
-                    nursery.start_soon(one, index, item)
+                    try:
+                        now = self._decide_now(item, principal)
+                    except GatewayError as exc:
+                        verdicts[index] = _item_problem(item, exc)
+                        continue
+                    if now is None:
+                        nursery.start_soon(one, index, item)
+                    else:
+                        decided.append((index, *now))
+                if decided:
+                    await self._answer_decided(decided, items, verdicts)
         finally:
             self.waiting -= len(items)
         return VerifyOut(verdicts=[v for v in verdicts if v is not None])
+
+    def _decide_now(
+        self, item: VerifyItem, principal: PrincipalLike | None
+    ) -> tuple[Verdict, _Answer | None] | None:
+        """Decide ``item`` in this task, or None when it must go the single proposal's way."""
+        sup = self.supervisor
+        run_id = item.run_id
+        run = sup._runs.get(run_id)
+        if run is None:
+            return None
+        self._allow(principal, ("agent",), run.machine.name)
+        if not run.external:
+            raise conflict(
+                f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
+                "runs created with mode 'external'"
+            )
+        expected = item.expected_seq
+        answer: _Answer | None = None
+        if expected is not None:
+            known = self._answers.get(run_id)
+            if known is not None and known.seq == expected and known.proposal == item.proposal:
+                return None  # a repeat: it gets the recorded answer
+            if run.seq != expected:
+                return None  # stale, or a retry answered before: read the journal
+            answer = _Answer(expected, item.proposal)
+            self._remember(run_id, answer)
+        try:
+            verdict = sup.submit_nowait(
+                Propose(
+                    run_id=run_id,
+                    seq=expected or 0,
+                    raw=item.proposal,
+                    usage=_usage(item.usage),
+                    model=item.model,
+                )
+            )
+        except Exception as exc:
+            error = _translate(exc)
+            self._fail(run_id, answer, error)
+            raise error from None
+        return verdict, answer
+
+    async def _answer_decided(
+        self,
+        decided: list[tuple[int, Verdict, _Answer | None]],
+        items: Sequence[VerifyItem],
+        verdicts: list[VerdictOut | None],
+    ) -> None:
+        """Wait until the decided items are durable, then settle and answer each."""
+        sup = self.supervisor
+        try:
+            # Answered after the write that holds every event decided before it; refused
+            # (an InterlockError) only after that write, if its run cannot take a Sync.
+            await sup.request(Sync(run_id=decided[0][1].run_id))
+        except (StoreError, trio.ClosedResourceError) as exc:
+            error = _translate(exc)
+            for index, _, answer in decided:
+                self._fail(items[index].run_id, answer, error)
+                verdicts[index] = _item_problem(items[index], error)
+            return
+        except InterlockError:
+            pass
+        for index, verdict, answer in decided:
+            run_id = verdict.run_id
+            run = sup._runs.get(run_id)
+            if run is not None and run.terminal and run.closed:
+                handle = sup.handles.get(run_id)  # as Supervisor.submit settles an ended run
+                if handle is not None and not handle.done:
+                    handle._finish(sup.result_of(run_id))
+                sup.release(run_id)
+            try:
+                verdict = await self._advance(run_id, verdict)
+            except Exception as exc:
+                error = _translate(exc)
+                self._fail(run_id, answer, error)
+                verdicts[index] = _item_problem(items[index], error)
+                continue
+            out = verdict_out(verdict)
+            self._note_reconcile(out)
+            if answer is not None:
+                answer.verdict = out
+                answer.done.set()
+            verdicts[index] = out
 
     # -- results ------------------------------------------------------------------
 
@@ -1082,6 +1184,13 @@ class GatewayService:
         if ok and self.waiting >= self.max_waiting:
             ok, detail = False, f"the journal is behind: {self.waiting} requests waiting"
         return ReadyOut(ready=ok, store=store.kind, waiting=self.waiting, detail=detail)
+
+
+def _item_problem(item: VerifyItem, error: GatewayError) -> VerdictOut:
+    """The entry of a batch item that got no verdict."""
+    return VerdictOut(
+        run_id=item.run_id, accepted=False, outcome="", state="", seq=-1, problem=error.problem()
+    )
 
 
 def _encode_cursor(offset: int) -> str:
