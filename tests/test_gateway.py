@@ -363,6 +363,34 @@ async def test_a_batch_is_verified_and_journaled_in_one_group_commit(tmp_path: P
     assert kinds(await journal(db, "b-0")).count("intent_recorded") == 1
 
 
+async def test_a_batch_answers_repeats_steps_and_ends_of_runs(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    async with gateway([shop(), checkout()], db) as (server, client):
+        a = await start(client, "a")
+        c = await start(client, "c", "checkout")
+        items = [
+            {"run_id": "a", "proposal": DONE, "expected_seq": a.seq},
+            {"run_id": "a", "proposal": DONE, "expected_seq": a.seq},  # a repeat, in the batch
+            {"run_id": "c", "proposal": CHARGE, "expected_seq": c.seq},
+        ]
+        verdicts = decode(await client.post("/v1/verify", json={"items": items}), VerifyOut)
+        first, repeat, call = verdicts.verdicts
+        assert (first.outcome, first.replayed) == ("completed", False)
+        assert (repeat.outcome, repeat.seq, repeat.replayed) == ("completed", first.seq, True)
+        assert call.key is not None
+        assert len(server.supervisor) == 1  # the completed run was released; c waits
+        done = decode(
+            await client.post(
+                "/v1/runs/c/results", json={"key": call.key, "result": {"charged": 7}}
+            ),
+            VerdictOut,
+        )
+        items = [{"run_id": "c", "proposal": '{"next": "RECEIPT"}', "expected_seq": done.seq}]
+        (end,) = decode(await client.post("/v1/verify", json={"items": items}), VerifyOut).verdicts
+        assert (end.outcome, end.state) == ("completed", "COMPLETED")  # the step ran
+    assert kinds(await journal(db, "a")).count("completed") == 1
+
+
 async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> None:
     async with gateway(shop(), tmp_path / "j.db") as (_, client):
         for run_id in ("e-1", "e-2"):
