@@ -141,9 +141,20 @@ async def test_a_hosted_run_of_the_demo_app_is_driven_and_watched_end_to_end(
         assert done.output == {"answer": "refunded 25.00 USD on ord-100001"}
         listed = (await client.get("/v1/runs", params={"machine": "refund"})).json()
         assert [r["id"] for r in listed["runs"]] == ["h-1"]
-        # a hosted run takes no proposals from outside
+        # a hosted run takes no proposals or results from outside, live or ended
         refused = await propose(client, "h-1", DONE, None)
         assert refused.status_code == 409
+        assert "is completed" in refused.json()["detail"]
+        refused = await propose(client, "h-1", DONE, 1)
+        assert refused.status_code == 409
+        assert "is hosted" in refused.json()["detail"]
+        key = next(
+            e["data"]["key"]
+            for e in (await client.get("/v1/runs/h-1/events")).json()["events"]
+            if e["kind"] == "intent_recorded"
+        )
+        result = await client.post("/v1/runs/h-1/results", json={"key": key, "result": 1})
+        assert result.status_code == 409
     assert kinds(await journal(tmp_path / "j.db", "h-1"))[-1] == "completed"
 
 

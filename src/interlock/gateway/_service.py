@@ -763,6 +763,7 @@ class GatewayService:
         """The recorded verdict of ``proposal`` made at seq ``expected``, read from the
         journal; a 409 if the run moved on by another request."""
         events = await self._load(run_id)
+        _external(run_id, events, "proposals")
         current = events[-1].seq
         if expected > current:
             raise conflict(
@@ -1010,6 +1011,7 @@ class GatewayService:
         """The recorded answer to the first report of ``key``, from the journal; None
         when the journal holds no outcome of it (yet)."""
         events = await self._load(run_id)
+        _external(run_id, events, "results")
         for index, event in enumerate(events):
             if (
                 isinstance(event, ToolCommitted | ToolFailed | ToolInDoubt)
@@ -1184,6 +1186,14 @@ class GatewayService:
         if ok and self.waiting >= self.max_waiting:
             ok, detail = False, f"the journal is behind: {self.waiting} requests waiting"
         return ReadyOut(ready=ok, store=store.kind, waiting=self.waiting, detail=detail)
+
+
+def _external(run_id: str, events: Sequence[JournalEvent], what: str) -> None:
+    if getattr(events[0], "external", False) is not True:
+        raise conflict(
+            f"run {run_id!r} is hosted: the runtime drives it; {what} are for runs created "
+            "with mode 'external'"
+        )
 
 
 def _item_problem(item: VerifyItem, error: GatewayError) -> VerdictOut:
