@@ -511,8 +511,8 @@ def shop() -> Any:
 
 
 class TrivialService:
-    """Answers like GatewayService after one checkpoint, deciding nothing: the channel's own
-    cost is what is left."""
+    """Answers like GatewayService after one checkpoint (per call, or per batch), deciding
+    nothing: the channel's own cost is what is left."""
 
     async def create_run(self, body: Any, principal: Any = None) -> tuple[Any, bool]:
         from interlock.gateway import RunOut
@@ -523,11 +523,21 @@ class TrivialService:
         )
         return run, True
 
-    async def propose(self, run_id: str, body: Any, principal: Any = None) -> Any:
-        from interlock.gateway import VerdictOut
+    async def verify_batch(self, body: Any, principal: Any = None) -> Any:
+        from interlock.gateway import VerifyOut
 
         await trio.lowlevel.checkpoint()
-        if "COMPLETED" in body.proposal:
+        return VerifyOut(verdicts=[self._verdict(i.run_id, i.proposal) for i in body.items])
+
+    async def propose(self, run_id: str, body: Any, principal: Any = None) -> Any:
+        await trio.lowlevel.checkpoint()
+        return self._verdict(run_id, body.proposal)
+
+    @staticmethod
+    def _verdict(run_id: str, proposal: str) -> Any:
+        from interlock.gateway import VerdictOut
+
+        if "COMPLETED" in proposal:
             return VerdictOut(
                 run_id=run_id, accepted=True, outcome="completed", state="COMPLETED", seq=6
             )

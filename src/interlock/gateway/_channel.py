@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import msgspec
 import trio
 
-from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
+from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn, VerifyItem
 from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
 from ._service import PROBLEMS, GatewayError, GatewayService
@@ -130,6 +130,22 @@ def _problem(status: int, title: str, detail: str, slug: str | None = None) -> P
     return Problem(type=PROBLEMS + slug, title=title, status=status, detail=detail)
 
 
+_INTERNAL: Final = _problem(
+    500,
+    "Internal Server Error",
+    "the gateway failed on this request (a bug; it is logged); retry, and report it if it persists",
+)
+
+
+class _Batch:
+    """Proposals of different runs, read together, for one worker to verify as a batch."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests: list[ChannelRequest]) -> None:
+        self.requests = requests
+
+
 class _Closing(Exception):
     """The connection must close, after this problem is sent."""
 
@@ -188,8 +204,11 @@ class _Connection:
         )
         self.in_flight = 0
         self.runs: dict[str, deque[ChannelRequest]] = {}
-        # runs (their ids) and requests of no run, waiting for a worker
-        self.ready: deque[str | ChannelRequest] = deque()
+        # runs (their ids), requests of no run and batches, waiting for a worker
+        self.ready: deque[str | ChannelRequest | _Batch] = deque()
+        # proposals of idle runs read together, verified as one batch (one group commit)
+        self.batch: list[ChannelRequest] = []
+        self.nursery: trio.Nursery | None = None
         self.idle: list[trio.lowlevel.Task] = []  # workers waiting for work
         self.out = bytearray()
         self.out_answers = 0  # answers in self.out whose slot frees once they are sent
@@ -208,6 +227,7 @@ class _Connection:
 
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
+            self.nursery = nursery
             nursery.start_soon(self._writer)
             try:
                 with self.reading:
@@ -217,6 +237,7 @@ class _Connection:
                 log.info("channel: closing a connection: %s", closing.problem.detail)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.broken = True
+            self._flush_batch()
             # NOTE: the requests already taken are finished (their effects may be journaled
             # by now) and answered, then the writer flushes; only then does the socket close.
             while (self.in_flight or self.out) and not self.broken:
@@ -250,6 +271,7 @@ class _Connection:
         buffer = bytearray()
         max_frame = self.max_frame
         while True:
+            self._flush_batch()
             data = await self.stream.receive_some(_READ)
             if not data:
                 if buffer:
@@ -277,6 +299,7 @@ class _Connection:
                 while self.in_flight >= self.max_in_flight:
                     # NOTE: back-pressure: stop reading until an answer is sent, so the
                     # client's socket fills and its writes wait
+                    self._flush_batch()
                     await self.slot_freed.wait()
                 self._take(payload, nursery)
             if pos:
@@ -392,10 +415,31 @@ class _Connection:
         if queue is not None:
             queue.append(request)  # its worker takes it after the run's earlier requests
             return
+        if op == "propose":
+            # the run is busy (its later requests queue) until the batch is answered
+            self.runs[key] = deque()
+            self.batch.append(request)
+            return
         self.runs[key] = deque((request,))
         self._schedule(key, nursery)
 
-    def _schedule(self, item: str | ChannelRequest, nursery: trio.Nursery) -> None:
+    def _flush_batch(self) -> None:
+        """Hand the proposals read together to one worker, as one batch."""
+        batch = self.batch
+        if not batch:
+            return
+        self.batch = []
+        assert self.nursery is not None
+        if len(batch) == 1:
+            (request,) = batch
+            assert request.run_id is not None
+            # first: the run's requests read after it wait behind it
+            self.runs[request.run_id].appendleft(request)
+            self._schedule(request.run_id, self.nursery)
+        else:
+            self._schedule(_Batch(batch), self.nursery)
+
+    def _schedule(self, item: str | ChannelRequest | _Batch, nursery: trio.Nursery) -> None:
         self.ready.append(item)
         if self.idle:
             trio.lowlevel.reschedule(self.idle.pop())
@@ -453,8 +497,68 @@ class _Connection:
                         await self._one(queue.popleft())
                 finally:
                     del self.runs[item]
+            elif isinstance(item, _Batch):
+                await self._verify(item.requests)
             else:
                 await self._one(item)
+
+    async def _verify(self, requests: list[ChannelRequest]) -> None:
+        """Answer proposals of many runs (one each) through one verify batch.
+
+        NOTE: the service decides a batch in one task and waits for one durable write,
+        where single proposals would take a task wake-up each; the answers are the same.
+        """
+        taken: list[ChannelRequest] = []
+        items: list[VerifyItem] = []
+        try:
+            for request in requests:
+                try:
+                    body = self._body(request)
+                except GatewayError as exc:
+                    self._queue(_Answer(id=request.id, problem=exc.problem()), slot=True)
+                    continue
+                assert request.run_id is not None
+                taken.append(request)
+                items.append(
+                    VerifyItem(
+                        run_id=request.run_id,
+                        proposal=body.proposal,
+                        usage=body.usage,
+                        expected_seq=body.expected_seq,
+                        model=body.model,
+                    )
+                )
+            if items:
+                answers = await self._verify_items(taken, items)
+                for answer in answers:
+                    self._queue(answer, slot=True)
+        finally:
+            # each run's later requests (read while the batch was decided) go on, in order
+            for request in requests:
+                assert request.run_id is not None
+                if self.runs[request.run_id]:
+                    self._schedule(request.run_id, self.nursery)  # type: ignore[arg-type]
+                else:
+                    del self.runs[request.run_id]
+
+    async def _verify_items(
+        self, requests: list[ChannelRequest], items: list[VerifyItem]
+    ) -> list[_Answer]:
+        try:
+            out = await self.service.verify_batch(VerifyIn(items=items), self.principal)
+            if len(out.verdicts) != len(items):  # pragma: no cover - a bug in the service
+                raise RuntimeError(f"{len(out.verdicts)} verdicts for {len(items)} proposals")
+        except GatewayError as exc:
+            return [_Answer(id=r.id, problem=exc.problem()) for r in requests]
+        except Exception:  # a bug: answered, logged, and the connection goes on
+            log.exception("channel: a batch of %d proposals failed", len(items))
+            return [_Answer(id=r.id, problem=_INTERNAL) for r in requests]
+        return [
+            _Answer(id=r.id, problem=v.problem)
+            if v.problem is not None
+            else _Answer(id=r.id, body=v)
+            for r, v in zip(requests, out.verdicts, strict=True)
+        ]
 
     async def _one(self, request: ChannelRequest) -> None:
         try:
@@ -464,15 +568,7 @@ class _Connection:
             answer = _Answer(id=request.id, problem=exc.problem())
         except Exception:  # a bug: answered, logged, and the connection goes on
             log.exception("channel: request %r (op %r) failed", request.id, request.op)
-            answer = _Answer(
-                id=request.id,
-                problem=_problem(
-                    500,
-                    "Internal Server Error",
-                    "the gateway failed on this request (a bug; it is logged); retry, and "
-                    "report it if it persists",
-                ),
-            )
+            answer = _Answer(id=request.id, problem=_INTERNAL)
         self._queue(answer, slot=True)
 
     @staticmethod
