@@ -583,3 +583,39 @@ async def test_a_rate_limiter_counts_each_request_frame_against_its_key() -> Non
                 ) as refused:
                     await channel.get_run("t-1")
     assert refused.value.problem.type.endswith("/rate-limited")
+
+
+@pytest.mark.parametrize("runs", [1, 50])
+async def test_proposals_read_together_are_batched_and_each_run_keeps_its_order(
+    runs: int,
+) -> None:
+    store = MemoryStore()
+    with trio.fail_after(60):
+        async with served(store) as (_sup, _service, url):
+            async with open_channel(url) as channel:
+                for i in range(runs):
+                    await channel.create_run("shop", run_id=f"b-{i}")
+            stream = await connect(url)
+            # per run: a rejected proposal, then the accepted one, then the report of its
+            # call; all in one write, so they are read together
+            frames = [
+                {"id": 1000 + i, "op": "propose", "run_id": f"b-{i}", "body": {"proposal": BAD}}
+                for i in range(runs)
+            ] + [
+                {"id": 2000 + i, "op": "propose", "run_id": f"b-{i}", "body": {"proposal": CHARGE}}
+                for i in range(runs)
+            ]
+            await stream.send_all(b"".join(frame(f) for f in frames))
+            answers = await read_answers(stream, len(frames))
+            await stream.aclose()
+    position = {a.id: n for n, a in enumerate(answers)}
+    by_id = {a.id: a for a in answers}
+    for i in range(runs):
+        rejected, accepted = by_id[1000 + i], by_id[2000 + i]
+        assert position[1000 + i] < position[2000 + i]
+        assert rejected.body["accepted"] is False
+        assert accepted.body["accepted"] is True
+        assert accepted.body["seq"] > rejected.body["seq"]
+        kinds = [type(e).__name__ for e in await store.load(f"b-{i}")]
+        assert kinds.count("ProposalRejected") == 1
+        assert kinds[-1] == "IntentRecorded"
