@@ -1,7 +1,9 @@
 """The verification gateway: agents in any language verify and commit through HTTP.
 
 ``interlock serve --app REF`` serves it; :func:`create_app` gives the ASGI app for
-embedding and :func:`serve_gateway` serves it with hypercorn on trio. The request and
+embedding and :func:`serve_gateway` serves it with hypercorn on trio (and, asked, the
+streaming channel, :func:`serve_channel`). :class:`KeyRing` and :class:`Limits` configure
+its keys and limits. The request and
 response bodies are the Structs of :mod:`interlock.gateway._api`, re-exported here.
 """
 
@@ -33,6 +35,9 @@ from ._api import (
     ViolationOut,
 )
 from ._app import GatewayApp, openapi_document
+from ._channel import serve_channel
+from ._guard import Limits
+from ._keys import KeyRing, Principal
 from ._serve import GatewayServer, create_app, serve_gateway
 from ._service import GatewayError, GatewayService, PrincipalLike
 
@@ -48,6 +53,9 @@ __all__ = [
     "GatewayServer",
     "GatewayService",
     "HealthOut",
+    "KeyRing",
+    "Limits",
+    "Principal",
     "PrincipalLike",
     "Problem",
     "ProposalIn",
@@ -67,5 +75,6 @@ __all__ = [
     "ViolationOut",
     "create_app",
     "openapi_document",
+    "serve_channel",
     "serve_gateway",
 ]
