@@ -308,7 +308,7 @@ async def test_msgpack_is_negotiated_both_ways(tmp_path: Path) -> None:
 # ends (as every SSE reader that has seen enough does); trio warns when they are collected.
 @pytest.mark.filterwarnings(r"ignore:Async generator '(httpx|httpcore)\.:ResourceWarning")
 async def test_the_stream_resumes_after_last_event_id(tmp_path: Path) -> None:
-    async with gateway(shop(), tmp_path / "j.db") as (_, client):
+    async with gateway(shop(), tmp_path / "j.db") as (server, client):
         run = await start(client, "s-1")
         bad = decode(await propose(client, "s-1", BAD, run.seq), VerdictOut)
 
@@ -343,6 +343,13 @@ async def test_the_stream_resumes_after_last_event_id(tmp_path: Path) -> None:
         assert later == [[(bad.seq + 1, "model_called"), (bad.seq + 2, "intent_recorded")]]
         broken = await client.get("/v1/runs/s-1/stream", headers={"last-event-id": "x"})
         assert broken.status_code == 400
+        # an idle stream gets keep-alive comments (proxies close silent connections)
+        server.app.heartbeat = 0.01
+        headers = {"last-event-id": str(bad.seq + 2)}
+        async with client.stream("GET", "/v1/runs/s-1/stream", headers=headers) as stream:
+            async for line in stream.aiter_lines():
+                if line == ": keep-alive":
+                    break
 
 
 async def test_a_batch_is_verified_and_journaled_in_one_group_commit(tmp_path: Path) -> None:

@@ -234,6 +234,8 @@ class GatewayApp:
         self._timed: dict[str, Any] = {}
         self._streams: set[trio.CancelScope] = set()
         self._openapi: bytes | None = None
+        self.heartbeat = 15.0
+        """Seconds an event stream may stay silent before a keep-alive comment is sent."""
         self.asgi: ASGIApp = self
         """What to serve: this app, or (from create_app) the guard around it."""
 
@@ -518,7 +520,9 @@ async def _stream(app: GatewayApp, request: _Request) -> None:
             raise _bad(
                 f"Last-Event-ID must be the seq of an event (an integer), got {last!r}"
             ) from None
-    events = await app.service.follow(request.params["id"], after, request.principal)
+    events = await app.service.follow(
+        request.params["id"], after, request.principal, heartbeat=app.heartbeat
+    )
     send = request.send
     await send(
         {
@@ -551,7 +555,7 @@ async def _stream(app: GatewayApp, request: _Request) -> None:
                             await send(
                                 {
                                     "type": "http.response.body",
-                                    "body": sse(event),
+                                    "body": b": keep-alive\n\n" if event is None else sse(event),
                                     "more_body": True,
                                 }
                             )

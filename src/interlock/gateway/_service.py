@@ -601,16 +601,27 @@ class GatewayService:
             raise _translate(exc) from None
 
     async def follow(
-        self, run_id: str, after: int = 0, principal: PrincipalLike | None = None
-    ) -> AsyncGenerator[EventOut, None]:
+        self,
+        run_id: str,
+        after: int = 0,
+        principal: PrincipalLike | None = None,
+        *,
+        heartbeat: float | None = None,
+    ) -> AsyncGenerator[EventOut | None, None]:
         """Every journal event of the run after seq ``after``, as it becomes durable, until
-        the run completes or fails (an escalated run is followed on: it may be resumed)."""
+        the run completes or fails (an escalated run is followed on: it may be resumed).
+
+        With ``heartbeat``, None is yielded after that many seconds without an event (an
+        SSE comment keeps proxies from closing an idle stream).
+        """
         if after < 0:
             raise GatewayError(400, "Bad Request", f"after must be a seq >= 0, got {after}")
         self._allow(principal, ("reader", "agent"), await self._machine_of(run_id))
-        return self._follow(run_id, after)
+        return self._follow(run_id, after, heartbeat)
 
-    async def _follow(self, run_id: str, after: int) -> AsyncGenerator[EventOut, None]:
+    async def _follow(
+        self, run_id: str, after: int, heartbeat: float | None
+    ) -> AsyncGenerator[EventOut | None, None]:
         seq = after
         while True:
             tick = self._ticks.get(run_id)
@@ -621,9 +632,15 @@ class GatewayService:
                 out = event_out(event)
                 seq = event.seq
                 yield out
-            if events and event_out(events[-1]).kind in _TERMINAL_KINDS:
+            if events and type(events[-1]).__struct_config__.tag in _TERMINAL_KINDS:
                 return
-            await tick.wait()
+            if heartbeat is None:
+                await tick.wait()
+                continue
+            with trio.move_on_after(heartbeat) as waited:
+                await tick.wait()
+            if waited.cancelled_caught:
+                yield None
 
     # -- proposals ----------------------------------------------------------------
 
