@@ -586,7 +586,7 @@ async def serve_gateway_channel(db: str) -> None:
         await store.aclose()
 
 
-async def drive_runs(url: str, runs: int, server_pid: int) -> None:
+async def drive_runs(url: str, runs: int, server_pid: int, only_propose: bool = False) -> None:
     from interlock.gateway._channel_client import open_channel
 
     async with open_channel(url) as channel:
@@ -596,12 +596,12 @@ async def drive_runs(url: str, runs: int, server_pid: int) -> None:
         cpu0, server0, started = time.process_time(), cpu_seconds(server_pid), time.monotonic()
         async with trio.open_nursery() as nursery:
             for i in range(runs):
-                nursery.start_soon(one_step, channel, i)
+                nursery.start_soon(propose_once if only_propose else one_step, channel, i)
         wall = time.monotonic() - started
         server = cpu_seconds(server_pid) - server0
         client = time.process_time() - cpu0
-    proposals = 2 * runs
-    requests = 3 * runs
+    proposals = runs if only_propose else 2 * runs
+    requests = runs if only_propose else 3 * runs
     print(
         json.dumps(
             {
@@ -619,6 +619,11 @@ async def drive_runs(url: str, runs: int, server_pid: int) -> None:
 
 async def partial_create(channel: Any, i: int) -> None:
     await channel.create_run("shop", run_id=f"e-{i}")
+
+
+async def propose_once(channel: Any, i: int) -> None:
+    call = await channel.propose(f"e-{i}", CHARGE, expected_seq=1)
+    assert call.accepted, call
 
 
 async def one_step(channel: Any, i: int) -> None:
@@ -724,7 +729,7 @@ async def in_process(runs: int, through: str) -> dict[str, float]:
     }
 
 
-def over_channel(runs: int, db: str) -> dict[str, float]:
+def over_channel(runs: int, db: str, only_propose: bool = False) -> dict[str, float]:
     server = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.gateway_channel", "--serve-e2e", db],
         stdout=subprocess.PIPE,
@@ -737,6 +742,7 @@ def over_channel(runs: int, db: str) -> dict[str, float]:
             raise RuntimeError(f"server did not start: {line}")
         command = [sys.executable, "-m", "benchmarks.gateway_channel", "--drive", line[1]]
         command += ["--runs", str(runs), "--server-pid", str(server.pid)]
+        command += ["--only-propose"] if only_propose else []
         out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
         result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
         return result
@@ -748,6 +754,8 @@ def over_channel(runs: int, db: str) -> dict[str, float]:
 def end_to_end(runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = over_channel(runs, os.path.join(tmp, "j.db"))
+    with tempfile.TemporaryDirectory() as tmp:
+        proposals = over_channel(runs, os.path.join(tmp, "j.db"), only_propose=True)
     trivial = over_channel(runs, "trivial")
     inside = {
         through: trio.run(in_process, runs, through)
@@ -763,6 +771,11 @@ def end_to_end(runs: int) -> None:
         f"| channel (2 processes) | {runs:,} | {result['proposals_per_s']:,.0f} | "
         f"{result['requests_per_s']:,.0f} | {result['server_us_per_request']:.1f} | "
         f"{result['client_us_per_request']:.1f} |"
+    )
+    print(
+        f"| channel, one accepted proposal a run | {runs:,} | "
+        f"{proposals['proposals_per_s']:,.0f} | {proposals['requests_per_s']:,.0f} | "
+        f"{proposals['server_us_per_request']:.1f} | {proposals['client_us_per_request']:.1f} |"
     )
     print(
         f"| channel over a trivial service (its own cost) | {runs:,} | "
@@ -796,6 +809,7 @@ def main() -> None:
     parser.add_argument("--e2e", type=int, default=0, metavar="RUNS")
     parser.add_argument("--serve-e2e", default="")
     parser.add_argument("--drive", default="")
+    parser.add_argument("--only-propose", action="store_true")
     parser.add_argument("--runs", type=int, default=0)
     parser.add_argument("--server-pid", type=int, default=0)
     args = parser.parse_args()
@@ -803,7 +817,7 @@ def main() -> None:
         trio.run(serve_gateway_channel, args.serve_e2e)
         return
     if args.drive:
-        trio.run(drive_runs, args.drive, args.runs, args.server_pid)
+        trio.run(drive_runs, args.drive, args.runs, args.server_pid, args.only_propose)
         return
     if args.e2e:
         end_to_end(args.e2e)
