@@ -334,8 +334,13 @@ async def test_an_undecodable_frame_gets_a_problem_and_the_connection_goes_on() 
 
 
 async def test_a_server_with_keys_needs_hello_with_a_key_first() -> None:
-    key = "k-" + "x" * 40
-    keyring = KeyRing([(bytes.fromhex(hash_key(key)), Principal("bot", frozenset({"agent"})))])
+    key, watcher = "k-" + "x" * 40, "w-" + "y" * 40
+    keyring = KeyRing(
+        [
+            (bytes.fromhex(hash_key(key)), Principal("bot", frozenset({"agent"}))),
+            (bytes.fromhex(hash_key(watcher)), Principal("watcher", frozenset({"reader"}))),
+        ]
+    )
     async with served(MemoryStore(), keyring=keyring) as (_sup, _service, url):
         with trio.fail_after(60):
             with pytest.raises(ChannelProblem, match=r"^401 Unauthorized: the API key is not one"):
@@ -356,6 +361,11 @@ async def test_a_server_with_keys_needs_hello_with_a_key_first() -> None:
                 # one key a connection: the requests taken so far were made with it
                 with pytest.raises(ChannelProblem, match=r"^409 Conflict: this connection already"):
                     await channel.request("hello", None, {"key": key}, dict)
+            # the key's roles hold on the channel as over HTTP
+            async with open_channel(url, key=watcher) as channel:
+                assert (await channel.get_run("k-1")).id == "k-1"
+                with pytest.raises(ChannelProblem, match=r"^403 Forbidden: key 'watcher' may not"):
+                    await channel.propose("k-1", CHARGE, expected_seq=1)
 
 
 async def test_verify_batches_over_the_channel(sqlite_store: Any) -> None:
