@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import trio
 
-from interlock import App, Go, Machine, Step, Tool, Worker, replay
+from interlock import App, Go, Machine, Step, Tool, Worker, open_supervisor, replay
 from interlock._demo import DemoConfig, build_app
 from interlock.gateway import (
     GatewayServer,
@@ -619,6 +619,43 @@ async def test_the_streaming_channel_is_served_beside_http(tmp_path: Path) -> No
         again = decode(await propose(client, "c-1", CHARGE, run.seq), VerdictOut)
         assert (again.key, again.replayed) == (verdict.key, True)
     assert kinds(await journal(db, "c-1")).count("intent_recorded") == 1
+
+
+async def test_a_proposal_cancelled_while_it_waits_is_answered_to_its_retry(
+    tmp_path: Path,
+) -> None:
+    """A request cut while it waits on the journal (a timeout, a client gone) leaves no
+    answer pending: its retry gets the decision the journal holds."""
+    from interlock._messages import Sync
+    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+
+    store = await open_sqlite_store(str(tmp_path / "j.db"))
+    async with open_supervisor([shop()], store) as supervisor:
+        service = GatewayService(supervisor)
+        run, _ = await service.create_run(RunCreate(machine="shop", run_id="k-1", mode="external"))
+        append = store.append
+        release, held = trio.Event(), trio.Event()
+
+        async def slow_append(events: Any) -> None:
+            held.set()
+            await release.wait()
+            await append(events)
+
+        store.append = slow_append
+        body = ProposalIn(proposal=CHARGE, expected_seq=run.seq)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.propose, "k-1", body)
+            await held.wait()
+            nursery.cancel_scope.cancel()  # the request is cut while its batch is written
+        release.set()
+        await supervisor.request(Sync(run_id="k-1"))
+        with trio.fail_after(30):  # a retry never waits on the cut request forever
+            retried = await service.propose("k-1", body)
+        assert (retried.replayed, retried.accepted) == (True, True)
+        assert retried.key == f"k-1:PAY:{retried.seq}"
+    events = await store.load("k-1")
+    await store.aclose()
+    assert kinds(events).count("intent_recorded") == 1
 
 
 async def test_stopping_finishes_the_requests_in_flight_first(tmp_path: Path) -> None:

@@ -703,6 +703,9 @@ class GatewayService:
             error = _translate(exc)
             self._fail(run_id, answer, error)
             raise error from None
+        except BaseException:  # cancelled (a timeout, a client gone): never leave it pending
+            self._fail(run_id, answer, _interrupted())
+            raise
         out = verdict_out(verdict)
         self._note_reconcile(out)
         if answer is not None:
@@ -932,6 +935,20 @@ class GatewayService:
         verdicts: list[VerdictOut | None],
     ) -> None:
         """Wait until the decided items are durable, then settle and answer each."""
+        try:
+            await self._settle_decided(decided, items, verdicts)
+        except BaseException:  # cancelled: the answers not given are never left pending
+            for index, _, answer in decided:
+                if answer is not None and not answer.done.is_set():
+                    self._fail(items[index].run_id, answer, _interrupted())
+            raise
+
+    async def _settle_decided(
+        self,
+        decided: list[tuple[int, Verdict, _Answer | None]],
+        items: Sequence[VerifyItem],
+        verdicts: list[VerdictOut | None],
+    ) -> None:
         sup = self.supervisor
         try:
             # Answered after the write that holds every event decided before it; refused
@@ -1203,6 +1220,14 @@ class GatewayService:
         if ok and self.waiting >= self.max_waiting:
             ok, detail = False, f"the journal is behind: {self.waiting} requests waiting"
         return ReadyOut(ready=ok, store=store.kind, waiting=self.waiting, detail=detail)
+
+
+def _interrupted() -> GatewayError:
+    """What a request waiting on another, identical one gets when that one was cancelled."""
+    return unavailable(
+        "the identical request this one waited for was interrupted before its answer; retry "
+        "it (the journal holds whatever was decided)"
+    )
 
 
 def _external(run_id: str, events: Sequence[JournalEvent], what: str) -> None:
