@@ -486,6 +486,13 @@ class GatewayService:
                 if existing is not None:
                     return existing, False
             raise _translate(exc) from None
+        except BaseException:  # cancelled: the slot goes with the run, if it was started
+            if owner is not None and self.quota is not None:
+                if body.run_id is not None and body.run_id in sup._runs:
+                    self._owners[body.run_id] = owner
+                else:
+                    self.quota.release(owner)
+            raise
         finally:
             self.waiting -= 1
         run = sup._runs.get(handle.run_id)
