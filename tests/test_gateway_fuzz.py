@@ -221,6 +221,7 @@ def test_schemathesis_finds_no_server_error(served: Served, tmp_path: Path) -> N
     cases = re.search(r"(\d+) generated, (\d+) passed", said)
     assert cases is not None, said[-3000:]
     assert int(cases[1]) == int(cases[2]) >= 200, cases[0]
+    print(f"schemathesis: {cases[0]} (not_a_server_error)")
     operations = json.loads(served.client.get("/openapi.json").text)["paths"]
     assert len(operations) >= 10, sorted(operations)
     served.assert_alive()
