@@ -34,6 +34,7 @@ if [ -n "${INTERLOCK_URL:-}" ]; then
 	URL=${INTERLOCK_URL%/}
 else
 	# port 0: the server picks a free port and prints its URL once it listens
+	: >"$WORK/serve.log" # exists before the loop reads it, however late the server starts
 	# shellcheck disable=SC2086 # INTERLOCK may be a command with arguments
 	${INTERLOCK:-interlock} serve --app interlock.demo:app --db "$WORK/journal.db" --port 0 \
 		>"$WORK/serve.log" 2>&1 &

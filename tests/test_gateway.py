@@ -621,6 +621,32 @@ async def test_the_streaming_channel_is_served_beside_http(tmp_path: Path) -> No
     assert kinds(await journal(db, "c-1")).count("intent_recorded") == 1
 
 
+async def test_the_limits_come_from_the_environment_and_the_channel_has_no_request_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``interlock serve`` takes its limits from INTERLOCK_GATEWAY_*; the per-key request
+    rate is HTTP's, and the channel (bounded by its requests in flight) is not held to it."""
+    from interlock.gateway._channel_client import open_channel
+
+    monkeypatch.setenv("INTERLOCK_GATEWAY_RATE", "1")
+    monkeypatch.setenv("INTERLOCK_GATEWAY_BURST", "1")
+    monkeypatch.setenv("INTERLOCK_GATEWAY_MAX_BODY", "4096")
+    async with gateway(shop(), tmp_path / "j.db", channel_port=0) as (server, client):
+        huge = await client.post(
+            "/v1/verify",
+            content=b"{" + b" " * 5000 + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert huge.status_code == 413, huge.text
+        statuses = [(await client.get("/v1/runs")).status_code for _ in range(3)]
+        assert 429 in statuses, statuses
+        async with open_channel(server.channel) as channel:
+            for index in range(5):
+                run = await channel.create_run("shop", run_id=f"r-{index}")
+                verdict = await channel.propose(run.id, CHARGE, run.seq)
+                assert verdict.key is not None
+
+
 async def test_a_proposal_cancelled_while_it_waits_is_answered_to_its_retry(
     tmp_path: Path,
 ) -> None:

@@ -23,7 +23,7 @@ from .._messages import Sync
 from .._runtime import open_supervisor
 from .._stats import RuntimeStats
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
-from ._guard import Limits, RateLimiter, RunQuota, guarded
+from ._guard import Limits, RunQuota, guarded
 from ._keys import KeyRing, check_bind
 from ._service import GatewayService
 
@@ -57,7 +57,8 @@ def create_app(
         :class:`GatewayService` over one.
       keyring: the accepted API keys; default ``KeyRing.from_env()`` (``INTERLOCK_API_KEY``,
         ``INTERLOCK_API_KEYS_FILE``), open (no key needed) when neither is set.
-      limits: body size, rate, runs in flight and request timeout; defaults when None.
+      limits: body size, rate, runs in flight and request timeout; default
+        ``Limits.from_env()`` (the ``INTERLOCK_GATEWAY_*`` variables, else the defaults).
       prices: USD per million tokens by model, for the cost metric.
       websocket: an ASGI app for WebSocket connections (refused without one).
       max_waiting: the most requests waiting on the journal before 503s.
@@ -66,7 +67,7 @@ def create_app(
       the app; ``app.asgi`` is the guarded ASGI callable to serve, ``app.drain()`` stops
       it taking work.
     """
-    limits = Limits() if limits is None else limits
+    limits = Limits.from_env() if limits is None else limits
     keyring = KeyRing.from_env() if keyring is None else keyring
     if isinstance(supervisor, GatewayService):
         service = supervisor
@@ -261,8 +262,10 @@ async def _run_channel(
 ) -> None:
     from ._channel import serve_channel
 
-    limits = Limits() if limits is None else limits
-    limiter = RateLimiter(limits.rate, limits.effective_burst) if limits.rate is not None else None
+    limits = Limits.from_env() if limits is None else limits
+    # NOTE: the per-key request rate is HTTP's: counted per frame it would cap the channel,
+    # whose point is throughput, at the HTTP rate (1,000 frames/s by default). The channel
+    # bounds each connection by its requests in flight instead (back-pressure).
     try:
         await serve_channel(
             gateway.service,
@@ -273,7 +276,6 @@ async def _run_channel(
             max_frame=limits.max_body,
             shutdown_trigger=stop.wait,
             graceful_timeout=graceful_timeout,
-            rate_limiter=limiter,
             task_status=task_status,
         )
     finally:
