@@ -130,3 +130,20 @@ async def test_after_a_restart_an_external_run_waits_for_its_caller(tmp_path: An
         assert replay(await store.load("x-1"), shop()).diverged == ()
     finally:
         await store.aclose()
+
+
+async def test_an_escalated_external_run_resumes_external_and_its_caller_drives_it_on() -> None:
+    store = MemoryStore()
+    async with open_supervisor([shop()], store) as sup:
+        await sup.start_run("shop", run_id="x-4", external=True)
+        verdict = await sup.submit(Propose(run_id="x-4", seq=1, raw=CHARGE))
+        assert verdict.execute is not None
+        doubt = await sup.submit(
+            Report(run_id="x-4", seq=verdict.seq, key=verdict.execute.key, ok=False, error="reset")
+        )
+        assert doubt.outcome == "escalated"
+        handle = await sup.resume_escalated("x-4", by="ana", note="not charged", to="PAY")
+        assert handle.external  # no actor: submit would refuse a run an actor drives
+        again = await sup.submit(Propose(run_id="x-4", seq=sup.view("x-4").seq, raw=CHARGE))
+        assert again.execute is not None
+        assert again.execute.key != verdict.execute.key

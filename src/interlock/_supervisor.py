@@ -553,7 +553,9 @@ class Supervisor:
         """Resume an escalated run, as operator ``by``, and return its new handle.
 
         The run re-enters through the gate: a ``payload`` (a proposal, as the model would
-        send it) is verified first, and if it is rejected nothing is journaled.
+        send it) is verified first, and if it is rejected nothing is journaled. A run
+        started with ``external=True`` stays external: it gets no actor, and its caller
+        drives it on with :meth:`submit`.
 
         Args:
           run_id: an escalated run in the store.
@@ -583,10 +585,11 @@ class Supervisor:
         verdict = await self.request(
             Resume(run_id=run_id, seq=run.seq, by=by, note=note, to=target, payload=payload or "")
         )
-        handle = RunHandle(run_id, run.machine.name)
+        handle = RunHandle(run_id, run.machine.name, external=run.external)
         self.handles[run_id] = handle
         if verdict.outcome == "running":
-            self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
+            if not run.external:  # an external run's caller drives it on: no actor
+                self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
         else:
             handle._finish(self.result_of(run_id))
             self.release(run_id)

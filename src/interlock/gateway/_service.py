@@ -20,7 +20,6 @@ import msgspec
 import trio
 
 from .. import _decider
-from .._breakers import CircuitBoard
 from .._events import (
     Completed,
     Escalated,
@@ -47,9 +46,8 @@ from .._exceptions import (
     UnknownMachine,
     UnknownState,
 )
-from .._handle import RunHandle
 from .._machine import ESCALATE, Step
-from .._messages import Propose, Reconciliation, Report, Resume, Sync, Verdict
+from .._messages import Propose, Reconciliation, Report, Sync, Verdict
 from .._view import RunState, RunView, fold
 from ..providers._base import render_prompt
 from ._api import (
@@ -1138,49 +1136,16 @@ class GatewayService:
         sup = self.supervisor
         self._admit()
         try:
-            if run.external:
-                await self._resume_external(run_id, body)
-            else:
-                await sup.resume_escalated(
-                    run_id, by=body.by, note=body.note, to=body.to, payload=body.payload
-                )
+            await sup.resume_escalated(
+                run_id, by=body.by, note=body.note, to=body.to, payload=body.payload
+            )
+            if run.external:  # the step states it resumed into, as for any request
+                await self._steps(run_id, None)
         except Exception as exc:
             raise _translate(exc) from None
         finally:
             self.waiting -= 1
         return self.run_out(await self._fold(run_id))
-
-    async def _resume_external(self, run_id: str, body: ResumeIn) -> None:
-        # NOTE: Supervisor.resume_escalated spawns an actor for the resumed run; an
-        # external run has none (its caller drives it), so it is resumed here with the
-        # same checks: escalated, a legal target, a payload verified on a trial copy.
-        sup = self.supervisor
-        run = _decider.escalated(await sup._load(run_id))
-        target = _decider.resume_target(run, body.to or "")
-        payload = body.payload or ""
-        if payload:
-            trial = fold(run.machine, await sup.store.load(run_id))
-            request = Resume(run_id=run_id, by=body.by, note=body.note, to=target, payload=payload)
-            attempt = _decider.decide(trial, request, sup.clock(), CircuitBoard(), [])
-            if attempt.violations:
-                raise PayloadRejected(run_id, attempt.violations)
-        verdict = await sup.request(
-            Resume(
-                run_id=run_id,
-                seq=run.seq,
-                by=body.by,
-                note=body.note,
-                to=target,
-                payload=payload,
-            )
-        )
-        handle = RunHandle(run_id, run.machine.name, external=True)
-        sup.handles[run_id] = handle
-        if verdict.outcome != "running":
-            handle._finish(sup.result_of(run_id))
-            sup.release(run_id)
-        else:
-            await self._advance(run_id, verdict)
 
     async def _last_operator_event(self, run_id: str, kind: type) -> Event | None:
         for event in reversed(await self._load(run_id)):
