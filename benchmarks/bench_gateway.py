@@ -20,8 +20,8 @@ on loopback; ratios are taken within one run:
   transition; a batch touches each run once) from a few connections at a time.
 - *in process*: the same transitions of as many runs through ``Supervisor.submit`` in one
   process, no HTTP: the floor that the batch and channel paths are compared with.
-- *channel*: the streaming channel (``serve_channel`` over the gateway's own service, and
-  ``open_channel``'s client), 1,000 runs multiplexed on each of 1 and 4 connections, each run
+- *channel*: the streaming channel (``serve_gateway(channel_port=0)``, as ``interlock serve
+  --channel-port``, and ``open_channel``'s client), 1,000 runs multiplexed on each of 1 and 4 connections, each run
   a task proposing as soon as it has its last verdict.
 - *profile* (full run): the gateway process's main thread under cProfile (CPU time) over
   the window of a batch-of-1,000 load, toggled by SIGUSR1/SIGUSR2 from the load generator.
@@ -201,21 +201,21 @@ def serve(kind: str, db: str, profile_to: str = "") -> None:
 
         # no per-key rate limit: the benchmark measures the server, not its throttle
         limits = Limits(rate=None, request_timeout=None)
+        # the streaming channel beside the HTTP API, over the same service and journal
+        channel = {"channel_port": 0} if has_channel() else {}
         async with trio.open_nursery() as nursery:
             started = await nursery.start(
                 functools.partial(
-                    serve_gateway, build_app(), db=db, host="127.0.0.1", port=0, limits=limits
+                    serve_gateway,
+                    build_app(),
+                    db=db,
+                    host="127.0.0.1",
+                    port=0,
+                    limits=limits,
+                    **channel,
                 )
             )
-            channel = ""
-            if has_channel():
-                from interlock.gateway._channel import serve_channel
-
-                # the channel over the same service (one supervisor, one journal)
-                channel = await nursery.start(
-                    functools.partial(serve_channel, started.app.service, port=0)
-                )
-            _say_port(started.port, channel)
+            _say_port(started.port, started.channel)
             with trio.open_signal_receiver(signal.SIGTERM) as signals:
                 async for _ in signals:
                     started.stop()  # drain, then return

@@ -13,8 +13,8 @@ of one external machine. Against it:
   missing content types, over-long ids; and random proposals (the model's raw text) to a
   live external run. Every refusal must be a 4xx ``application/problem+json`` whose
   ``status`` is the response's;
-- random byte streams to the streaming channel (served beside the HTTP API over one
-  service, in its own process): frames of random msgpack, request maps with wrong types,
+- random byte streams to the streaming channel (``--channel-port``, beside the HTTP API
+  over the same service): frames of random msgpack, request maps with wrong types,
   bytes with no framing, lengths past the limit or torn. Every answer is a whole frame,
   a refusal a 4xx problem, and the connection ends cleanly.
 
@@ -24,6 +24,7 @@ completes through it (over HTTP, or over the channel).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -98,6 +99,8 @@ class Served:
         self.url = url
         self.log = log
         self.client = httpx.Client(base_url=url, timeout=30)
+        self.channel_port: int | None = None
+        """The streaming channel's port, when it is served."""
 
     def output(self) -> str:
         return self.log.read_text(encoding="utf-8", errors="replace")[-4000:]
@@ -129,6 +132,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("gateway-fuzz")
     (tmp / "shop_app.py").write_text(APP, encoding="utf-8")
     port = free_port()
+    channel_port = free_port() if importlib.util.find_spec("interlock.gateway._channel") else None
+    channel = ["--channel-port", str(channel_port)] if channel_port is not None else []
     log = tmp / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -143,11 +148,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 str(tmp / "journal.db"),
                 "--port",
                 str(port),
+                *channel,
             ],
             stdout=out,
             stderr=out,
         )
     server = Served(proc, f"http://127.0.0.1:{port}", log)
+    server.channel_port = channel_port
     try:
         give_up = time.monotonic() + 60
         while True:
@@ -475,36 +482,13 @@ def test_after_the_fuzzing_the_gateway_still_serves(served: Served) -> None:
 
 # -- random frames to the streaming channel -------------------------------------------------
 
-#: ``python -c CHANNEL_SERVER REF DB``: the gateway and its streaming channel over one
-#: service in one process (``interlock serve`` does not open the channel yet); prints
-#: ``READY HTTP_PORT CHANNEL_URL``.
-CHANNEL_SERVER = """
-import functools, sys
-import trio
-from interlock.gateway import serve_gateway
-from interlock.gateway._channel import serve_channel
-
-async def main():
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(
-            functools.partial(serve_gateway, sys.argv[1], db=sys.argv[2], port=0)
-        )
-        url = await nursery.start(functools.partial(serve_channel, server.app.service, port=0))
-        print("READY", server.port, url, flush=True)
-
-trio.run(main)
-"""
-
 
 class Channel:
-    """The gateway and its channel in one process."""
+    """The streaming channel of the served gateway (``interlock serve --channel-port``)."""
 
-    def __init__(self, proc: subprocess.Popen[str], port: int, url: str) -> None:
-        self.proc = proc
-        self.port = port
-        self.url = url
-        host, _, channel_port = url.removeprefix("tcp://").rpartition(":")
-        self.address = (host, int(channel_port))
+    def __init__(self, served: Served, port: int) -> None:
+        self.served = served
+        self.address = ("127.0.0.1", port)
 
     def exchange(self, data: bytes) -> list[Any]:
         """Send ``data``, close the sending side, and read every answer until the server
@@ -526,34 +510,10 @@ class Channel:
 
 
 @pytest.fixture(scope="module")
-def channel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Channel]:
-    pytest.importorskip("interlock.gateway._channel", reason="no streaming channel here")
-    tmp = tmp_path_factory.mktemp("gateway-channel-fuzz")
-    (tmp / "shop_app.py").write_text(APP, encoding="utf-8")
-    log = tmp / "serve.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CHANNEL_SERVER, f"{tmp / 'shop_app.py'}:app", str(tmp / "j.db")],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), (
-            f"the channel server did not start: {line!r}\n"
-            + (log.read_text(errors="replace")[-3000:])
-        )
-        _, port, url = line.split()
-        yield Channel(proc, int(port), url)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+def channel(served: Served) -> Channel:
+    if served.channel_port is None:
+        pytest.skip("interlock serve has no --channel-port here")
+    return Channel(served, served.channel_port)
 
 
 def frame(payload: bytes) -> bytes:
@@ -599,11 +559,11 @@ def test_any_frames_get_answers_or_a_clean_close(channel: Channel, stream: list[
         if problem is not None:
             assert 400 <= problem["status"] < 500, answer
             assert problem["detail"], answer
-    assert channel.proc.poll() is None, "the channel's server exited"
+    assert channel.served.proc.poll() is None, f"the gateway exited:\n{channel.served.output()}"
 
 
 def test_after_random_frames_the_channel_still_completes_a_run(channel: Channel) -> None:
-    assert httpx.get(f"http://127.0.0.1:{channel.port}/healthz", timeout=30).status_code == 200
+    channel.served.assert_alive()
     run_id = f"c-{uuid.uuid4().hex[:8]}"
     call = '{"tool": "charge", "args": {"order": "o-1", "cents": 5}}'
     requests = [
