@@ -183,6 +183,9 @@ async def serve_gateway(
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")
             config.keep_alive_timeout = 75
+            # NOTE: hypercorn closes a connection after 1,000 requests by default; an agent
+            # proposing over one keep-alive connection would reconnect every 1,000 steps.
+            config.keep_alive_max_requests = 1_000_000
             stop = trio.Event()
 
             async def shutdown_trigger() -> None:
