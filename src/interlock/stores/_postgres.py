@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import trio
 
+from .._events import RunStarted
 from .._exceptions import IndexDamaged, RunNotFound, StoreError
 
 try:
@@ -26,6 +27,7 @@ except ImportError as exc:
     ) from exc
 
 from ._base import (
+    RUNNING,
     RunRecord,
     Store,
     another_writer,
@@ -36,6 +38,7 @@ from ._base import (
     looked_up,
     missing_index_row,
     missing_journal,
+    read_chunk,
     record_checksum,
     row_checksum,
     select_runs,
@@ -43,18 +46,27 @@ from ._base import (
     verified_record,
 )
 from ._check import Checker, CheckReport
+from ._leases import (
+    DEFAULT_CLAIM_LIMIT,
+    DEFAULT_TTL,
+    Lease,
+    check_limit,
+    check_owner,
+    check_run_ids,
+    check_ttl,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from .._events import Event, JournalEvent
 
 _T = TypeVar("_T")
 
 #: The schema version this module writes. A database from a newer version is refused;
-#: one from version 1 (no checksums in the runs index) is upgraded when opened for
-#: writing, and read as it is when opened read-only.
-SCHEMA_VERSION = 2
+#: one from version 1 (no checksums in the runs index) or 2 (no leases) is upgraded
+#: when opened for writing, and read as it is when opened read-only.
+SCHEMA_VERSION = 3
 
 #: Seconds to wait for the server when connecting, unless the DSN sets ``connect_timeout``.
 CONNECT_TIMEOUT = 10
@@ -91,6 +103,25 @@ _SCHEMA = (
         detail text NOT NULL DEFAULT '',
         crc bigint
     )""",
+    # The unfinished runs, so that recovery reads them and not the whole index.
+    "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (started, run_id) "
+    "WHERE outcome = 'running'",
+    # One row per run, written with its run_started. owner NULL: nobody holds it (never
+    # claimed, or released). epoch: the fencing token, +1 on every claim. expires: the
+    # server's clock ('-infinity': claimable at once). live: the run's outcome is
+    # running; external: its caller drives it, so no worker may claim it.
+    """CREATE TABLE IF NOT EXISTS leases (
+        run_id text COLLATE "C" PRIMARY KEY,
+        owner text,
+        epoch bigint NOT NULL DEFAULT 0,
+        expires timestamptz NOT NULL DEFAULT '-infinity',
+        live boolean NOT NULL,
+        external boolean NOT NULL DEFAULT false
+    )""",
+    # NOTE: the claim's order is the index's order, so a claim reads only the rows it
+    # takes (STACK.md: ORDER BY run_id alone rescans every claimed row).
+    "CREATE INDEX IF NOT EXISTS leases_claim ON leases (expires, run_id) "
+    "WHERE live AND NOT external",
 )
 #: Version 1 to 2: checksums in the runs index (filled in by _checksum_index), and
 #: none of the indexes listing no longer uses.
@@ -119,6 +150,46 @@ _SELECT_KEYS_IN = (
     "SELECT key FROM events WHERE kind = 'intent_recorded' AND key = ANY(%s::text[]) LIMIT 1"
 )
 
+_RETURN_LEASES = "RETURNING l.run_id, l.owner, l.epoch, extract(epoch FROM l.expires)::float8"
+#: New runs' lease rows: ``(run_id, owner, epoch, live, external)`` arrays and a ttl
+#: (owner NULL, epoch 0: unowned and claimable at once).
+_INSERT_LEASES = (
+    "INSERT INTO leases (run_id, owner, epoch, expires, live, external) "
+    "SELECT u.run_id, u.owner, u.epoch, CASE WHEN u.owner IS NULL THEN '-infinity' "
+    "ELSE now() + make_interval(secs => %s) END, u.live, u.external "
+    "FROM unnest(%s::text[], %s::text[], %s::int8[], %s::bool[], %s::bool[]) "
+    "AS u(run_id, owner, epoch, live, external)"
+)
+_SET_LIVE = (
+    "UPDATE leases SET live = u.live FROM unnest(%s::text[], %s::bool[]) AS u(run_id, live) "
+    "WHERE leases.run_id = u.run_id"
+)
+# NOTE: the rows are locked in run_id order by every statement that waits for a lock
+# (the fence, renew, release), so that two of them never deadlock; a claim skips
+# locked rows instead of waiting.
+_FENCE = (
+    "SELECT run_id, owner, epoch FROM leases WHERE run_id = ANY(%s::text[]) "
+    "ORDER BY run_id FOR SHARE"
+)
+_CLAIM = (
+    "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
+    "expires = now() + make_interval(secs => %s) "
+    "FROM (SELECT run_id FROM leases WHERE live AND NOT external AND expires < now() "
+    "ORDER BY expires, run_id LIMIT %s FOR UPDATE SKIP LOCKED) AS c "
+    f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
+)
+_RENEW = (
+    "UPDATE leases AS l SET expires = now() + make_interval(secs => %s) "
+    "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND owner = %s "
+    "ORDER BY run_id FOR UPDATE) AS h "
+    f"WHERE l.run_id = h.run_id {_RETURN_LEASES}"
+)
+_RELEASE = (
+    "UPDATE leases AS l SET owner = NULL, expires = now() "
+    "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND owner = %s "
+    "ORDER BY run_id FOR UPDATE) AS h WHERE l.run_id = h.run_id"
+)
+
 
 def _checksum_index(conn: psycopg.Connection[Any]) -> None:
     """Give every runs-index row that has none its checksum (upgrading from version 1).
@@ -132,6 +203,29 @@ def _checksum_index(conn: psycopg.Connection[Any]) -> None:
             "UPDATE runs SET crc = u.crc FROM unnest(%s::text[], %s::int8[]) AS u(run_id, crc) "
             "WHERE runs.run_id = u.run_id",
             ([row[0] for row in rows], [row_checksum(*row) for row in rows]),
+        )
+
+
+def _fill_leases(conn: psycopg.Connection[Any]) -> None:
+    """Give every run its lease row, unowned (upgrading from version 2).
+
+    Whether a run is external is read from its run_started event; a run whose first
+    event cannot be read is taken as driven by the runtime (``check`` reports it).
+    """
+    conn.execute(
+        "INSERT INTO leases (run_id, live) SELECT run_id, outcome = 'running' FROM runs "
+        "ON CONFLICT (run_id) DO NOTHING"
+    )
+    external: list[str] = []
+    with conn.cursor(binary=True) as cursor:
+        cursor.execute("SELECT run_id, body FROM events WHERE seq = 1 AND kind = 'run_started'")
+        for run_id, body in cursor:
+            started, _damage = read_chunk(run_id, 1, 1, bytes(body))
+            if started and getattr(started[0], "external", False) is True:
+                external.append(run_id)
+    if external:
+        conn.execute(
+            "UPDATE leases SET external = true WHERE run_id = ANY(%s::text[])", (external,)
         )
 
 
@@ -214,10 +308,13 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
                 )
             row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
             version = int(row[0]) if row is not None else None
-            if version == 1 and not readonly:
-                for statement in _UPGRADE_FROM_1:
-                    conn.execute(statement)
-                _checksum_index(conn)
+            if version in (1, 2) and not readonly:
+                if version == 1:
+                    for statement in _UPGRADE_FROM_1:
+                        conn.execute(statement)
+                    _checksum_index(conn)
+                # Version 2 to 3: the leases (their table and indexes are created above).
+                _fill_leases(conn)
                 conn.execute(
                     "UPDATE meta SET value = %s WHERE name = 'schema_version'",
                     (str(SCHEMA_VERSION),),
@@ -265,10 +362,12 @@ class PostgresStore(Store):
         schema: str,
         readonly: bool,
         checksums: bool = True,
+        leases: bool = True,
     ) -> None:
         """Wrap an open, prepared connection; use :func:`open_postgres_store` instead.
 
-        ``checksums`` is False only for a version 1 schema opened read-only.
+        ``checksums`` is False only for a version 1 schema opened read-only, ``leases``
+        only for a version 1 or 2 schema opened read-only.
         """
         self._conn: psycopg.Connection[Any] | None = conn
         self._dsn = dsn
@@ -278,6 +377,8 @@ class PostgresStore(Store):
         self._lock = trio.Lock()
         self._columns = f"{_RUN_COLUMNS}, crc" if checksums else _RUN_COLUMNS
         self._read = verified_record if checksums else stored_record
+        self._leases = leases
+        self._before_fenced_commit: Callable[[], object] | None = None
 
     @classmethod
     async def open(
@@ -346,10 +447,150 @@ class PostgresStore(Store):
             await trio.lowlevel.checkpoint()
             return
         params = encode_rows(events)
-        run_ids = list(dict.fromkeys(r[0] for r in params))
-        keys = [r[4] for r in params if r[2] == "intent_recorded"]
-        await self._call("append", lambda conn: _append_sync(conn, events, params, run_ids, keys))
-        self.bytes_written += sum(len(row[5]) for row in params)
+        _refused, written = await self._call(
+            "append", lambda conn: _append_sync(conn, events, params)
+        )
+        self.bytes_written += written
+
+    async def append_fenced(
+        self,
+        events: Sequence[Event],
+        fence: Mapping[str, int],
+        owner: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+    ) -> frozenset[str]:
+        """Append one batch, each run's events only if ``owner`` still holds its lease.
+
+        The group commit of a worker: one transaction, the lease rows of the batch's
+        runs locked (``FOR SHARE``) from their check to the commit, so a claim taking
+        one over either waits for the commit or is seen by the check, never both
+        commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
+        refused, none of their events written; the others commit, with their
+        runs-index rows, as :meth:`append` writes them (seqs checked, intent keys
+        unique). A lease past its expiry that no one claimed since is still held.
+
+        A run the batch starts (its first event ``run_started``) needs no entry in
+        ``fence``: its lease is taken in the same transaction, ``owner`` holding it at
+        epoch 1 for ``ttl`` seconds.
+
+        Args:
+          events: one batch, any runs, each run's in seq order.
+          fence: the epoch of ``owner``'s lease of each run of the batch (it may hold
+            other runs too).
+          owner: the worker appending.
+          ttl: seconds the lease of a run the batch starts lasts.
+
+        Returns:
+          the run ids refused (raise :class:`LeaseLost` for each, and drop them).
+
+        Raises:
+          ValueError: ``owner`` or ``ttl`` is unusable, or a run of the batch has no
+            fence and does not start in it.
+          StoreError: as :meth:`append`, for the runs that were not refused; then
+            nothing of the batch was written.
+          IndexDamaged: the index row of a run the batch continues is damaged.
+        """
+        check_owner(owner)
+        ttl = check_ttl(ttl)
+        self._writable("append_fenced")
+        if not events:
+            await trio.lowlevel.checkpoint()
+            return frozenset()
+        seen: set[str] = set()
+        for event in events:
+            run_id = event.run_id
+            if run_id not in seen:
+                seen.add(run_id)
+                if run_id not in fence and type(event) is not RunStarted:
+                    raise ValueError(
+                        f"run {run_id!r} has no epoch in fence, and the batch does not start "
+                        "it; pass the epoch of its lease (only a run the batch starts with "
+                        "run_started may have none)"
+                    )
+        params = encode_rows(events)
+        guard = _Fence(owner, fence, ttl, self._before_fenced_commit)
+        refused, written = await self._call(
+            "append_fenced", lambda conn: _append_sync(conn, events, params, guard)
+        )
+        self.bytes_written += written
+        return refused
+
+    async def claim(
+        self, owner: str, *, limit: int = DEFAULT_CLAIM_LIMIT, ttl: float = DEFAULT_TTL
+    ) -> list[Lease]:
+        """Lease up to ``limit`` claimable runs to ``owner`` for ``ttl`` seconds.
+
+        Claimable: outcome running, driven by the runtime (an external run's caller
+        drives it, so no worker claims it), and no lease, a released one or an expired
+        one, the longest expired first. One statement, ``FOR UPDATE SKIP LOCKED``, so
+        concurrent claims never take the same run; each claim gives its run the next
+        epoch. Expiry is the database server's clock.
+
+        Returns:
+          the leases granted, by run id (empty when nothing is claimable).
+
+        Raises:
+          ValueError: ``owner``, ``limit`` or ``ttl`` is unusable.
+          StoreError: the store is closed or read-only, or the server failed.
+        """
+        check_owner(owner)
+        limit = check_limit(limit)
+        ttl = check_ttl(ttl)
+        self._writable("claim")
+        rows = await self._call(
+            "claim", lambda conn: conn.execute(_CLAIM, (owner, ttl, limit)).fetchall()
+        )
+        return _leases_of(rows)
+
+    async def renew(self, owner: str, run_ids: Iterable[str], *, ttl: float) -> list[Lease]:
+        """Extend, to ``ttl`` seconds from now, the leases of ``run_ids`` ``owner`` holds.
+
+        A heartbeat: the epochs stay as they are. The runs another worker claimed
+        (or ``owner`` released) are absent from the result: those are lost.
+
+        Returns:
+          the leases renewed, by run id.
+
+        Raises:
+          ValueError: ``owner``, ``run_ids`` or ``ttl`` is unusable.
+          StoreError: the store is closed or read-only, or the server failed.
+        """
+        check_owner(owner)
+        ids = check_run_ids(run_ids)
+        ttl = check_ttl(ttl)
+        self._writable("renew")
+        if not ids:
+            await trio.lowlevel.checkpoint()
+            return []
+        rows = await self._call(
+            "renew", lambda conn: conn.execute(_RENEW, (ttl, ids, owner)).fetchall()
+        )
+        return _leases_of(rows)
+
+    async def release(self, owner: str, run_ids: Iterable[str]) -> None:
+        """Give up the leases of ``run_ids`` that ``owner`` holds: they expire now and
+        are held by nobody (their epochs stay, so the next claim still raises them),
+        and ``owner``'s fenced appends for them are refused from now on.
+
+        Raises:
+          ValueError: ``owner`` or ``run_ids`` is unusable.
+          StoreError: the store is closed or read-only, or the server failed.
+        """
+        check_owner(owner)
+        ids = check_run_ids(run_ids)
+        self._writable("release")
+        if not ids:
+            await trio.lowlevel.checkpoint()
+            return
+        await self._call("release", lambda conn: conn.execute(_RELEASE, (ids, owner)))
+
+    def _writable(self, what: str) -> None:
+        if self._readonly:
+            raise StoreError(
+                f"store {self._where}, schema {self._schema!r} is read-only; "
+                f"open it without readonly=True to {what}"
+            )
 
     async def load(self, run_id: str) -> list[JournalEvent]:
         select_run = f"SELECT {self._columns} FROM runs WHERE run_id = %s"
@@ -406,6 +647,28 @@ class PostgresStore(Store):
             [read(row) for row in rows], machine=machine, state=state, outcome=outcome, limit=limit
         )
 
+    async def unfinished(self) -> list[RunRecord]:
+        """Runs that are neither terminal nor escalated, oldest first; see
+        :meth:`Store.unfinished`.
+
+        Read through the indexes of unfinished runs (``runs_unfinished`` and the
+        leases' ``leases_claim``), so the time does not grow with the finished runs.
+        Each index is a copy of the other's answer: a run is listed if either has it,
+        and its row then checked, so damage to one row's outcome is still reported.
+        """
+        if not self._leases:  # an old schema opened read-only: no index to read
+            return await super().unfinished()
+        select = (
+            f"SELECT {self._columns} FROM runs WHERE outcome = 'running' UNION "
+            f"SELECT {self._columns} FROM runs WHERE run_id IN (SELECT run_id FROM leases "
+            "WHERE live AND NOT external)"
+        )
+        rows = await self._call("unfinished", lambda conn: conn.execute(select).fetchall())
+        read = self._read
+        return select_runs(
+            [read(row) for row in rows], machine=None, state=None, outcome=RUNNING, limit=None
+        )
+
     async def check(self) -> CheckReport:
         return await self._call("check", self._check_sync)
 
@@ -442,15 +705,61 @@ class PostgresStore(Store):
                     await trio.to_thread.run_sync(conn.close)
 
 
+def _leases_of(rows: Iterable[tuple[Any, ...]]) -> list[Lease]:
+    leases = [
+        Lease(run_id=run_id, owner=owner, epoch=epoch, expires=expires)
+        for run_id, owner, epoch, expires in rows
+    ]
+    leases.sort(key=lambda lease: lease.run_id)
+    return leases
+
+
+class _Fence(msgspec.Struct, frozen=True, gc=False):
+    """What a fenced append checks: the worker, its epochs by run, a new run's ttl."""
+
+    owner: str
+    epochs: Mapping[str, int]
+    ttl: float
+    before_commit: Callable[[], object] | None = None
+    """Called in the transaction, its writes done, just before the commit (tests hold
+    a transaction open with it, to race a claim against it)."""
+
+
 def _append_sync(
     conn: psycopg.Connection[Any],
     events: Sequence[Event],
     params: list[tuple[Any, ...]],
-    run_ids: list[str],
-    keys: list[str | None],
-) -> None:
+    fence: _Fence | None = None,
+) -> tuple[frozenset[str], int]:
+    """Write a batch in one transaction; with a ``fence``, only its runs still leased.
+
+    Returns:
+      the runs refused by the fence (none of their events written), and the framed
+      bytes written.
+    """
+    run_ids = list(dict.fromkeys(r[0] for r in params))
+    refused: frozenset[str] = frozenset()
     try:
         with conn.transaction(), conn.cursor() as cursor:
+            if fence is not None:
+                checked = [run_id for run_id in run_ids if run_id in fence.epochs]
+                if checked:
+                    # The lease rows stay locked (FOR SHARE) until the commit, so a claim
+                    # cannot take one between this check and the events' write: it skips
+                    # the row, or this waits for the claim and then sees its epoch.
+                    cursor.execute(_FENCE, (checked,), prepare=False)
+                    held = {
+                        run_id
+                        for run_id, owner, epoch in cursor.fetchall()
+                        if owner == fence.owner and epoch == fence.epochs[run_id]
+                    }
+                    refused = frozenset(checked).difference(held)
+                if refused:
+                    events = [event for event in events if event.run_id not in refused]
+                    params = [row for row in params if row[0] not in refused]
+                    run_ids = [run_id for run_id in run_ids if run_id not in refused]
+                    if not events:
+                        return refused, 0
             # NOTE: never a prepared statement: its generic plan for ANY(array) scans
             # the whole runs table once PostgreSQL switches to it.
             cursor.execute(_SELECT_RUNS_IN, (run_ids,), prepare=False)
@@ -463,9 +772,13 @@ def _append_sync(
                     copy.write_row(row)
             rows = [(*msgspec.structs.astuple(r), record_checksum(r)) for r in updates.values()]
             cursor.execute(_UPSERT_RUNS, [list(column) for column in zip(*rows, strict=True)])
+            _write_leases(cursor, events, current, updates, fence)
+            if fence is not None and fence.before_commit is not None:
+                fence.before_commit()
     except errors.UniqueViolation as exc:
-        if exc.diag.constraint_name == "events_intent_key" and keys:
-            found = conn.execute(_SELECT_KEYS_IN, (keys,)).fetchone()
+        if exc.diag.constraint_name == "events_intent_key":
+            keys = [r[4] for r in params if r[2] == "intent_recorded"]
+            found = conn.execute(_SELECT_KEYS_IN, (keys,)).fetchone() if keys else None
             key = found[0] if found else None
             raise StoreError(
                 f"idempotency key {key!r} was already recorded; nothing was written"
@@ -481,6 +794,42 @@ def _append_sync(
         raise StoreError(
             f"the batch breaks a constraint ({_reason(exc)}); nothing was written"
         ) from exc
+    return refused, sum(len(row[5]) for row in params)
+
+
+def _write_leases(
+    cursor: psycopg.Cursor[Any],
+    events: Sequence[Event],
+    current: Mapping[str, RunRecord],
+    updates: Mapping[str, RunRecord],
+    fence: _Fence | None,
+) -> None:
+    """Keep the leases in step with a batch: a row for each run it starts (the fence's
+    owner holds it at epoch 1; without a fence nobody does, and any worker may claim
+    it), and ``live`` for each run whose outcome left or went back to running."""
+    started = [
+        event for event in events if type(event) is RunStarted and event.run_id not in current
+    ]
+    if started:
+        owner = fence.owner if fence is not None else None
+        cursor.execute(
+            _INSERT_LEASES,
+            (
+                fence.ttl if fence is not None else 0.0,
+                [event.run_id for event in started],
+                [owner] * len(started),
+                [0 if owner is None else 1] * len(started),
+                [updates[event.run_id].outcome == RUNNING for event in started],
+                [event.external is True for event in started],
+            ),
+        )
+    changed = [
+        (run_id, record.outcome == RUNNING)
+        for run_id, record in updates.items()
+        if run_id in current and (current[run_id].outcome == RUNNING) != (record.outcome == RUNNING)
+    ]
+    if changed:
+        cursor.execute(_SET_LIVE, ([c[0] for c in changed], [c[1] for c in changed]))
 
 
 async def open_postgres_store(
@@ -505,5 +854,5 @@ async def open_postgres_store(
         raise ValueError("schema must be a non-empty PostgreSQL schema name")
     conn, version = await trio.to_thread.run_sync(_connect, dsn, schema, readonly)
     return PostgresStore(
-        conn, dsn, schema=schema, readonly=readonly, checksums=version >= SCHEMA_VERSION
+        conn, dsn, schema=schema, readonly=readonly, checksums=version >= 2, leases=version >= 3
     )
