@@ -104,7 +104,7 @@ async def test_pragmas_are_in_effect(tmp_path: Path, synchronous: str) -> None:
             "synchronous": synchronous.upper(),
             "foreign_keys": True,
             "busy_timeout": 5000,
-            "schema_version": 3,
+            "schema_version": 4,
         }
     # WAL is a property of the file, so another connection sees it too.
     assert raw_sql(tmp_path / "j.db", "PRAGMA journal_mode") == [("wal",)]
@@ -120,13 +120,17 @@ async def test_schema_is_created_and_versioned(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path):
         pass
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("3",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("4",)]
     tables = {
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
     assert tables == {"meta", "chunks", "intents", "runs"}
-    # Listing reads (and checks) every row of the runs index: no index on it would serve.
-    assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [("runs",)]
+    # Listing reads (and checks) every row of the runs index: no index on it would serve;
+    # the one index is of the unfinished runs, which resume reads (test_sqlite_single_writer).
+    assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [
+        ("runs",),
+        ("runs_unfinished",),
+    ]
     assert [row[1] for row in raw_sql(path, "PRAGMA table_info(runs)")][-1] == "crc"
     assert raw_sql(path, "PRAGMA page_size") == [(8192,)]
 
@@ -357,7 +361,7 @@ async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     raw_sql(path, "UPDATE meta SET value = '99' WHERE name = 'schema_version'")
     with pytest.raises(
         StoreError,
-        match=r"j\.db: database schema version 99 is newer than this interlock supports \(3\); "
+        match=r"j\.db: database schema version 99 is newer than this interlock supports \(4\); "
         r"upgrade interlock to open it$",
     ):
         await open_sqlite_store(path)
@@ -475,7 +479,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         await open_sqlite_store(path, readonly=True)
     assert str(info.value) == (
         f"{path}: database schema version 1 was written by an older interlock; open it once "
-        "without readonly=True to upgrade it in place to version 3 (every event is kept)"
+        "without readonly=True to upgrade it in place to version 4 (every event is kept)"
     )
     async with await open_sqlite_store(path) as store:
         assert await store.load("r-1") == one
@@ -497,7 +501,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
     assert tables == {"meta", "chunks", "intents", "runs"}
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("3",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("4",)]
     assert raw_sql(
         path, "SELECT run_id, first_seq, last_seq FROM chunks ORDER BY run_id, first_seq"
     ) == [
@@ -507,7 +511,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         ("r-3", 4, 5),
         ("r-4", 1, 5),
     ]
-    # Opened again, it is an ordinary version 3 database.
+    # Opened again, it is an ordinary version 4 database.
     async with await open_sqlite_store(path, readonly=True) as store:
         assert await store.load("r-1") == one
 
@@ -575,8 +579,11 @@ async def test_version_2_database_is_read_as_it_is_then_upgraded_in_place(tmp_pa
         assert await store.get_run("r-1") == index_updates(one, {})["r-1"]
         await store.append(run_events("r-3", 3.0))
         assert await store.check() == CheckReport(runs=3, events=15, problems=())
-    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("3",), ("3",)]
-    assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [("runs",)]
+    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("4",)]
+    assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [
+        ("runs",),
+        ("runs_unfinished",),
+    ]
     # Every row got its checksum: a change behind the store's back is now found.
     raw_sql(path, "UPDATE runs SET state = 'B' WHERE run_id = 'r-2'")
     async with await open_sqlite_store(path, readonly=True) as store:

@@ -16,10 +16,18 @@ header can hide a row from SQLite itself.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import fcntl
 import itertools
+import json
+import math
 import os
+import shlex
+import socket
 import sqlite3
+import sys
 import threading
+import time
 import urllib.parse
 import warnings
 import weakref
@@ -33,6 +41,7 @@ from .._exceptions import IndexDamaged, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, frame_events, unframe
 from ._base import (
     INDEX_CHANGES,
+    RUNNING,
     RunRecord,
     Store,
     another_writer,
@@ -52,17 +61,18 @@ from ._base import (
 from ._check import Checker, CheckReport
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from .._events import Event, JournalEvent
 
 _T = TypeVar("_T")
 
 #: The schema this module writes. A database from a newer version is refused; one from
-#: version 1 (a row per event) or 2 (no checksums in the runs index) is upgraded in place
-#: when opened for writing. Opened read-only, a version 2 database is read as it is: its
-#: index rows have no checksum to check.
-SCHEMA_VERSION = 3
+#: version 1 (a row per event), 2 (no checksums in the runs index) or 3 (no index of
+#: unfinished runs) is upgraded in place when opened for writing. Opened read-only, a
+#: version 2 database is read as it is (its index rows have no checksum to check), and
+#: a version 2 or 3 one finds its unfinished runs by reading every row.
+SCHEMA_VERSION = 4
 
 #: Milliseconds a connection waits for another process's write lock before failing.
 BUSY_TIMEOUT_MS = 5000
@@ -102,8 +112,9 @@ _JOURNAL = (
         seq INTEGER NOT NULL
     ) WITHOUT ROWID""",
 )
-# NOTE: no index on the runs table beyond its key: listing reads every row anyway, to
-# check each one (a filter in SQL would silently skip a row whose damage unmatched it).
+# NOTE: listing reads every row of the runs table, to check each one (a filter in SQL
+# would silently skip a row whose damage unmatched it). The one index beyond its key is
+# of the unfinished runs, which resume reads; see _UNFINISHED_INDEX.
 _SCHEMA = (
     _META,
     *_JOURNAL,
@@ -122,7 +133,15 @@ _SCHEMA = (
         crc INTEGER
     ) WITHOUT ROWID""",
 )
-
+#: Version 4: the unfinished runs, found without reading the whole index. A partial
+#: index holds exactly the rows whose outcome is running (SQLite keeps it in the
+#: transaction of every append), in the order unfinished() returns them; and the store
+#: keeps their number in ``meta`` in the same transaction (_COUNT_RUNNING), so a row the
+#: index lost (a damaged page, a row changed behind the store's back) is noticed, as the
+#: runs count notices a row the table lost.
+_UNFINISHED_INDEX = (
+    "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (started, run_id) WHERE outcome = 'running'"
+)
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail, crc"
 #: The index columns as read: text as BLOBs, so that text damaged into invalid UTF-8
 #: is reported with its row instead of failing the whole query.
@@ -130,6 +149,16 @@ _READ_COLUMNS = (
     "CAST(run_id AS BLOB), CAST(machine AS BLOB), CAST(state AS BLOB), CAST(outcome AS BLOB), "
     "seq, started, updated, CAST(reason AS BLOB), CAST(detail AS BLOB)"
 )
+#: The unfinished runs, oldest first, through runs_unfinished (a test reads its plan).
+_SELECT_UNFINISHED = (
+    f"SELECT {_READ_COLUMNS}, crc FROM runs INDEXED BY runs_unfinished "
+    "WHERE outcome = 'running' ORDER BY started, run_id"
+)
+_RUNNING_COUNTED = "SELECT value FROM meta WHERE name = 'running'"
+_COUNT_RUNNING = (
+    "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'running'"
+)
+_OUTCOME = "SELECT outcome FROM runs WHERE run_id = ?"
 _INSERT_CHUNK = "INSERT INTO chunks (run_id, first_seq, last_seq, body) VALUES (?, ?, ?, ?)"
 _INSERT_INTENT = "INSERT INTO intents (key, run_id, seq) VALUES (?, ?, ?)"
 _UPSERT_RUN = (
@@ -345,6 +374,207 @@ class _Checkpointer:
         self._thread.join()
 
 
+class JournalHeld(StoreError):
+    """Another process holds the journal for writing: one writer per SQLite journal.
+
+    Raised by :func:`open_sqlite_store` (and :func:`hold_journal`) before anything is
+    read, written or resumed, so the process that gets it has changed nothing.
+
+    Attributes:
+      path: the journal, as given.
+      holder: what the holder wrote in the lock file: ``pid``, ``host``, ``command`` and
+        ``since`` (a Unix time), or ``{}`` if it had not written it yet.
+    """
+
+    def __init__(self, path: str, holder: dict[str, Any], waited: float) -> None:
+        self.path = path
+        self.holder = holder
+        after = f" (after waiting {waited:g} s)" if waited > 0 else ""
+        super().__init__(
+            f"journal {path} is held by {_describe_holder(holder)}{after}; wait for it to "
+            "finish or stop it"
+        )
+
+
+#: The lock file of a journal: ``<db>.lock`` beside it.
+LOCK_SUFFIX = ".lock"
+#: Seconds between two tries to take a lock held by another process, when waiting for it.
+_LOCK_POLL = 0.05
+#: Seconds a failed try re-reads an empty lock file (its holder may be writing it).
+_HOLDER_READ = 0.5
+
+
+def _describe_holder(holder: dict[str, Any]) -> str:
+    """``pid 4242 (interlock resume, since 14:03:11)``, from what a holder wrote."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return "another process (it has not written who it is)"
+    words = str(holder.get("command", "")).split()
+    # the program and its subcommand: the words before the first option
+    name = " ".join(itertools.takewhile(lambda w: not w.startswith("-"), words[:3])) or "?"
+    where = ""
+    host = holder.get("host")
+    if isinstance(host, str) and host != socket.gethostname():
+        where = f" on host {host}"
+    since = holder.get("since")
+    when = ""
+    if isinstance(since, int | float) and math.isfinite(since):
+        moment = datetime.datetime.fromtimestamp(since)
+        today = datetime.datetime.now().date()
+        when = ", since " + moment.strftime(
+            "%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S"
+        )
+    return f"pid {pid}{where} ({name}{when})"
+
+
+def _command_line() -> str:
+    """This process's command line, as a person would type it."""
+    argv = list(sys.argv) or ["python"]
+    program = os.path.basename(argv[0])
+    if program == "__main__.py":  # python -m interlock
+        program = os.path.basename(os.path.dirname(argv[0])) or "python"
+    return shlex.join([program, *argv[1:]])[:500]
+
+
+class _WriterLock:
+    """This process's hold on one journal: an exclusive ``flock`` on ``<db>.lock``.
+
+    The kernel releases a ``flock`` when the last descriptor of its open file is
+    closed, so a holder killed even by SIGKILL releases the journal at once, and no
+    stale lock can outlive its process (unlike a pid file). The file stays (removing it
+    would race with a process about to lock it); what is in it names the holder, for
+    the error a second process gets, and means nothing once the lock is free.
+
+    The lock is the process's: stores of one process on one journal share it (counted),
+    as SQLite itself lets them; it is other processes that it keeps out.
+    """
+
+    __slots__ = ("count", "fd", "key")
+
+    def __init__(self, key: str, fd: int) -> None:
+        self.key = key
+        self.fd = fd
+        self.count = 1
+
+    def release(self) -> None:
+        """Let go of one hold; the last one unlocks the journal. Idempotent per hold."""
+        with _HELD_GUARD:
+            self.count -= 1
+            if self.count > 0 or _HELD.get(self.key) is not self:
+                return
+            del _HELD[self.key]
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)  # the holder it names is gone
+            os.close(self.fd)  # releases the flock
+
+
+#: The journals this process holds, by the real path of their lock file.
+_HELD: dict[str, _WriterLock] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _lock_path(path: str) -> str:
+    return os.path.realpath(path) + LOCK_SUFFIX
+
+
+def _try_lock(path: str) -> _WriterLock | dict[str, Any]:
+    """Take the journal's lock without waiting: the hold, or what the holder wrote."""
+    key = _lock_path(path)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            held.count += 1
+            return held
+        try:
+            fd = os.open(key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StoreError(
+                f"{path}: cannot open its lock file {key}: {exc.strerror}; the journal's "
+                "directory must be writable to write the journal"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return _read_holder(key)
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(
+                f"{path}: cannot lock {key}: {exc.strerror}; put the journal on a local file system"
+            ) from exc
+        try:
+            holder = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "command": _command_line(),
+                "since": time.time(),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        held = _HELD[key] = _WriterLock(key, fd)
+        return held
+
+
+def _read_holder(key: str) -> dict[str, Any]:
+    """What the lock's holder wrote in it; ``{}`` if it wrote nothing readable yet."""
+    deadline = time.monotonic() + _HOLDER_READ
+    while True:
+        try:
+            with open(key, "rb") as file:
+                holder = json.loads(file.read() or b"null")
+        except (OSError, ValueError):
+            holder = None
+        if isinstance(holder, dict) or time.monotonic() >= deadline:
+            return holder if isinstance(holder, dict) else {}
+        time.sleep(0.01)  # the holder took the lock and is writing who it is
+
+
+async def _take_lock(path: str, wait: float) -> _WriterLock:
+    """Take the journal's writer lock, waiting up to ``wait`` seconds for its holder.
+
+    Raises:
+      JournalHeld: another process still holds it after ``wait`` seconds (at once for 0).
+      ValueError: ``wait`` is negative or NaN.
+    """
+    if not wait >= 0:
+        raise ValueError(f"wait must be 0 or more seconds (math.inf: no limit); got {wait!r}")
+    deadline = trio.current_time() + wait
+    while True:
+        got = await trio.to_thread.run_sync(_try_lock, path)
+        if isinstance(got, _WriterLock):
+            return got
+        if trio.current_time() >= deadline:
+            raise JournalHeld(path, got, wait)
+        await trio.sleep(min(_LOCK_POLL, max(0.0, deadline - trio.current_time())))
+
+
+@contextlib.asynccontextmanager
+async def hold_journal(path: str | os.PathLike[str], *, wait: float = 0.0) -> AsyncIterator[None]:
+    """Hold the SQLite journal at ``path`` for writing, in this process, for the block.
+
+    What :func:`open_sqlite_store` takes when it opens a journal for writing, without
+    opening it: a command takes it before it reads what it will resume, so a second
+    one waits here (or fails here) before it has read or changed anything. Stores this
+    process opens on ``path`` inside the block share the hold.
+
+    Args:
+      path: the journal (the file need not exist).
+      wait: seconds to wait for another process's hold to end; 0 fails at once,
+        ``math.inf`` waits as long as it takes.
+
+    Raises:
+      JournalHeld: another process holds it (after ``wait`` seconds); the message names it.
+    """
+    held = await _take_lock(os.fspath(path), wait)
+    try:
+        yield
+    finally:
+        held.release()
+
+
 class SQLiteStore(Store):
     """The journal and the runs index in one SQLite file, in WAL mode.
 
@@ -370,8 +600,11 @@ class SQLiteStore(Store):
     database file alone, say) silently drops them, as SQLite does. :meth:`check`
     cannot see what is gone; it finds damage to what is there.
 
-    Other processes may read the file while the store writes it (WAL); a second
-    writer waits up to ``BUSY_TIMEOUT_MS`` for the write lock, then fails.
+    Other processes may read the file while the store writes it (WAL). One process
+    writes it: a store opened for writing holds ``<path>.lock`` (:func:`hold_journal`),
+    so a second process gets :class:`JournalHeld`, naming the first, before it has read
+    or written anything. (Stores of one process share the hold; their batches still
+    wait up to ``BUSY_TIMEOUT_MS`` for SQLite's write lock.)
     """
 
     kind = "sqlite"
@@ -385,10 +618,13 @@ class SQLiteStore(Store):
         readonly: bool,
         checkpointer: _Checkpointer | None = None,
         checksums: bool = True,
+        held: _WriterLock | None = None,
+        version: int = SCHEMA_VERSION,
     ) -> None:
         """Wrap an open, checked connection; use :func:`open_sqlite_store` instead.
 
-        ``checksums`` is False only for a version 2 database opened read-only.
+        ``checksums`` is False only for a version 2 database opened read-only; ``held``
+        is the writer's lock (None read-only), released when the store closes.
         """
         self._conn: sqlite3.Connection | None = conn
         self._path = path
@@ -400,9 +636,12 @@ class SQLiteStore(Store):
         self._readonly = readonly
         self._lock = trio.Lock()
         self._checkpointer = checkpointer
+        self._held = held
+        # Version 4 keeps the unfinished runs in an index of their own (and counts them).
+        self._indexed_unfinished = version >= 4
         # A store dropped without aclose() still ends its checkpoint thread and closes
         # its connection, then and there, with a ResourceWarning (as an unclosed file).
-        self._dropped = weakref.finalize(self, _dropped, conn, checkpointer, path)
+        self._dropped = weakref.finalize(self, _dropped, conn, checkpointer, path, held)
 
     @classmethod
     async def open(
@@ -411,9 +650,10 @@ class SQLiteStore(Store):
         *,
         synchronous: str = "NORMAL",
         readonly: bool = False,
+        wait: float = 0.0,
     ) -> SQLiteStore:
         """Same as :func:`open_sqlite_store`."""
-        return await open_sqlite_store(path, synchronous=synchronous, readonly=readonly)
+        return await open_sqlite_store(path, synchronous=synchronous, readonly=readonly, wait=wait)
 
     @property
     def path(self) -> str:
@@ -531,9 +771,19 @@ class SQLiteStore(Store):
                 for field, value in change(event).items():
                     move[_MOVE_FIELDS[field]] = value
         conn.execute("SAVEPOINT index_fast")
+        # The runs the batch ends, escalates or resumes: what they were, for the count of
+        # unfinished runs. Read as stored: the move below applies only to an intact row,
+        # and this path is left if any is not.
+        running = 0
+        for run_id, move in moves.items():
+            if move[3] is not None:
+                was = conn.execute(_OUTCOME, (run_id,)).fetchone()
+                running += (move[3] == RUNNING) - (was is not None and was[0] == RUNNING)
         inserted = moved = 0
         if started:
-            rows = [_index_row(r) for r in index_updates(started, {}).values()]
+            records = index_updates(started, {}).values()
+            running += sum(record.outcome == RUNNING for record in records)
+            rows = [_index_row(record) for record in records]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
         if moves:
             try:
@@ -547,6 +797,8 @@ class SQLiteStore(Store):
         if inserted == len(starting) and moved == len(moves):
             if inserted:
                 conn.execute(_COUNT_RUNS, (inserted,))
+            if running:
+                conn.execute(_COUNT_RUNNING, (running,))
             conn.execute("RELEASE index_fast")
             return True
         conn.execute("ROLLBACK TO index_fast")
@@ -566,6 +818,11 @@ class SQLiteStore(Store):
         updates = index_updates(batch.marks, current)
         conn.executemany(_UPSERT_RUN, [_index_row(r) for r in updates.values()])
         conn.execute(_COUNT_RUNS, (len(updates) - len(current),))
+        running = sum(r.outcome == RUNNING for r in updates.values()) - sum(
+            current[run_id].outcome == RUNNING for run_id in updates if run_id in current
+        )
+        if running:
+            conn.execute(_COUNT_RUNNING, (running,))
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
@@ -639,6 +896,49 @@ class SQLiteStore(Store):
             records.values(), machine=machine, state=state, outcome=outcome, limit=limit
         )
 
+    async def unfinished(self) -> list[RunRecord]:
+        """Runs that are neither terminal nor escalated, oldest first; see :meth:`Store.unfinished`.
+
+        Read through the index of unfinished runs, so the time it takes grows with their
+        number, not with the journal's. Each row is checked as :meth:`list_runs` checks
+        it (its checksum), and so is their number, against the count kept beside them.
+        A database of schema version 3 or older opened read-only has no such index: its
+        runs are all read, as :meth:`list_runs` does.
+
+        Raises:
+          IndexDamaged: a row fails its checksum, or the index lists a run that is not
+            unfinished or misses one (its count disagrees).
+        """
+        if not self._indexed_unfinished:
+            return await super().unfinished()
+
+        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
+            conn.execute("BEGIN")  # the rows and their count as of one moment
+            try:
+                return (
+                    conn.execute(_SELECT_UNFINISHED).fetchall(),
+                    conn.execute(_RUNNING_COUNTED).fetchone(),
+                )
+            finally:
+                conn.execute("COMMIT")
+
+        rows, counted = await self._call("unfinished", read)
+        records = {record.run_id: record for record in map(_verified, rows)}
+        for record in records.values():
+            if record.outcome != RUNNING:
+                raise IndexDamaged(
+                    record.run_id,
+                    f"the index of unfinished runs lists it, but its row says {record.outcome}",
+                )
+        if counted is None or counted[0] != str(len(records)):
+            unfinished = "an unknown number" if counted is None else repr(counted[0])
+            raise IndexDamaged(
+                None,
+                f"the index of unfinished runs holds {len(records)}, but {unfinished} runs "
+                "are unfinished",
+            )
+        return sorted(records.values(), key=lambda r: (r.started, r.run_id))
+
     @staticmethod
     def _check_count(rows: int, counted: Any) -> None:
         """Raise IndexDamaged unless the index holds a row per run started."""
@@ -683,6 +983,20 @@ class SQLiteStore(Store):
                 checker.run(run_id, [row[1:] for row in rows])
             intents = conn.execute("SELECT key, run_id, seq FROM intents")
             checker.intents_table(intents, "the intents table")
+            if self._indexed_unfinished and not checker.problems:
+                # Beside other damage of the index, a count that disagrees is one of its
+                # consequences (a row lost or changed); alone, it is damage of its own.
+                running = sum(record.outcome == RUNNING for record in index.values())
+                counted = conn.execute(_RUNNING_COUNTED).fetchone()
+                if counted is None or counted[0] != str(running):
+                    said = "nothing" if counted is None else repr(counted[0])
+                    checker.problem(
+                        None,
+                        None,
+                        f"{self._path}: the count of unfinished runs kept beside their index "
+                        f"says {said}, but {running} runs are unfinished; restore it from a "
+                        "backup",
+                    )
         except sqlite3.DatabaseError as exc:
             checker.stopped(f"{self._path}: cannot read on past the damage: {exc}")
         finally:
@@ -717,9 +1031,14 @@ class SQLiteStore(Store):
             async with self._lock:
                 conn, self._conn = self._conn, None
                 checkpointer, self._checkpointer = self._checkpointer, None
+                held, self._held = self._held, None
                 self._dropped.detach()
-                if conn is not None:
-                    await trio.to_thread.run_sync(_close, conn, checkpointer)
+                try:
+                    if conn is not None:
+                        await trio.to_thread.run_sync(_close, conn, checkpointer)
+                finally:
+                    if held is not None:
+                        held.release()  # after the connection: nothing of ours writes on
 
 
 def _close(conn: sqlite3.Connection, checkpointer: _Checkpointer | None) -> None:
@@ -730,7 +1049,12 @@ def _close(conn: sqlite3.Connection, checkpointer: _Checkpointer | None) -> None
     conn.close()
 
 
-def _dropped(conn: sqlite3.Connection, checkpointer: _Checkpointer | None, path: str) -> None:
+def _dropped(
+    conn: sqlite3.Connection,
+    checkpointer: _Checkpointer | None,
+    path: str,
+    held: _WriterLock | None = None,
+) -> None:
     """What aclose() would have done, for a store garbage-collected (or left at exit) open."""
     if checkpointer is not None:
         checkpointer.stop()  # not joined: this may run inside the garbage collector
@@ -741,6 +1065,8 @@ def _dropped(conn: sqlite3.Connection, checkpointer: _Checkpointer | None, path:
     )
     with contextlib.suppress(sqlite3.Error):
         conn.close()
+    if held is not None:
+        held.release()
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
@@ -834,7 +1160,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
             f"supports ({SCHEMA_VERSION}); upgrade interlock to open it"
         )
     if version is not None and version < SCHEMA_VERSION:
-        if version not in (1, 2):
+        if version not in (1, 2, 3):
             raise StoreError(f"{path}: database schema version {version} is not supported")
         if readonly and version == 1:
             raise StoreError(
@@ -862,13 +1188,14 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
         if version is None:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _SCHEMA:
+                for statement in (*_SCHEMA, _UNFINISHED_INDEX):
                     conn.execute(statement)
                 conn.execute(
                     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
                 conn.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('runs', '0')")
+                conn.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('running', '0')")
                 conn.execute("COMMIT")
             except Exception:
                 _rollback(conn)
@@ -887,7 +1214,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Upgrade a version 1 or 2 database to this version, in one transaction.
+    """Upgrade a version 1, 2 or 3 database to this version, in one transaction.
 
     A failure rolls everything back.
     """
@@ -899,6 +1226,8 @@ def _upgrade(conn: sqlite3.Connection) -> None:
             _chunks_from_events(conn)
         if version in (1, 2):
             _checksum_index(conn)
+        if version in (1, 2, 3):
+            _index_unfinished(conn)
             conn.execute(
                 "UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
             )
@@ -906,6 +1235,15 @@ def _upgrade(conn: sqlite3.Connection) -> None:
     except Exception:
         _rollback(conn)
         raise
+
+
+def _index_unfinished(conn: sqlite3.Connection) -> None:
+    """Version 3 to 4: the index of unfinished runs, and their number in ``meta``."""
+    conn.execute(_UNFINISHED_INDEX)
+    conn.execute(
+        "INSERT OR REPLACE INTO meta (name, value) "
+        "SELECT 'running', count(*) FROM runs WHERE outcome = 'running'"
+    )
 
 
 def _checksum_index(conn: sqlite3.Connection) -> None:
@@ -976,8 +1314,15 @@ async def open_sqlite_store(
     *,
     synchronous: str = "NORMAL",
     readonly: bool = False,
+    wait: float = 0.0,
 ) -> SQLiteStore:
     """Open (and create, if missing) the SQLite journal at ``path``.
+
+    One process writes a journal: opening it for writing takes an exclusive lock on
+    ``<path>.lock`` (see :func:`hold_journal`) before anything is read or written, and
+    the store holds it until it closes; the kernel drops it if the process dies.
+    Stores of one process share the hold. Read-only stores take no lock: they read
+    while another process writes.
 
     Args:
       path: the database file. A missing file is created with the schema; its
@@ -986,18 +1331,31 @@ async def open_sqlite_store(
         the last batches) or ``FULL`` (survives a power loss; an fsync per batch).
       readonly: open an existing database for reading only. Nothing is created,
         and :meth:`SQLiteStore.append` raises.
+      wait: seconds to wait for another process that holds the journal; 0 (the
+        default) fails at once, ``math.inf`` waits as long as it takes.
 
     Raises:
+      JournalHeld: another process holds the journal for writing (after ``wait``
+        seconds); the message names it (pid, command, since when).
       StoreError: ``path`` is a directory, its directory is missing, the file is
         not an interlock database, its schema is newer than this interlock, or
         (with ``readonly``) it does not exist.
-      ValueError: ``synchronous`` is neither ``NORMAL`` nor ``FULL``.
+      ValueError: ``synchronous`` is neither ``NORMAL`` nor ``FULL``, or ``wait`` is negative.
     """
     path = os.fspath(path)
     level = synchronous.upper()
     if level not in _SYNCHRONOUS:
         raise ValueError(f"synchronous must be 'NORMAL' or 'FULL'; got {synchronous!r}")
-    conn, checkpointer, version = await trio.to_thread.run_sync(_connect, path, level, readonly)
+    held = None
+    if not readonly:
+        await trio.to_thread.run_sync(lambda: _check_file(path, readonly=False))
+        held = await _take_lock(path, wait)
+    try:
+        conn, checkpointer, version = await trio.to_thread.run_sync(_connect, path, level, readonly)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
     return SQLiteStore(
         conn,
         path,
@@ -1005,4 +1363,6 @@ async def open_sqlite_store(
         readonly=readonly,
         checkpointer=checkpointer,
         checksums=version >= 3,
+        held=held,
+        version=version,
     )
