@@ -8,7 +8,11 @@ Every test runs against the real server of INTERLOCK_PG_DSN, each in a fresh sch
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +23,7 @@ import pytest
 import trio
 from psycopg import sql
 
+import interlock
 from interlock._events import (
     Completed,
     Escalated,
@@ -143,6 +148,78 @@ async def test_concurrent_claims_hand_each_run_to_one_worker(schema: str) -> Non
             assert {lease.owner for lease in leases} <= {owner}
         # Nothing is claimable while those leases last.
         assert await stores[1].claim("w-9") == []
+
+
+_CLAIMER = """
+import json, sys, trio
+from interlock.stores import open_postgres_store
+
+async def main(dsn, schema, owner):
+    async with await open_postgres_store(dsn, schema=schema) as store:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        got = []
+        while leases := await store.claim(owner, limit=10, ttl=600.0):
+            got += [[lease.run_id, lease.epoch, lease.owner] for lease in leases]
+        print(json.dumps(got), flush=True)
+
+trio.run(main, *sys.argv[1:])
+"""
+
+
+async def test_two_processes_claiming_at_once_take_each_run_once(schema: str) -> None:
+    runs = [f"r-{i:04d}" for i in range(1000)]
+    async with workers(schema, 1) as (a,):
+        await a.append([started(run_id) for run_id in runs])
+    source = os.path.dirname(os.path.dirname(interlock.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+    claimed: list[list[Any]] = []
+    with trio.fail_after(60):
+        procs = [
+            await trio.lowlevel.open_process(
+                [sys.executable, "-c", _CLAIMER, PG_DSN, schema, f"p-{n}"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            for n in range(2)
+        ]
+        try:
+            lines = [_LineReader(proc) for proc in procs]
+            for reader in lines:
+                assert await reader.line() == "ready"
+            for proc in procs:  # both go at once
+                assert proc.stdin is not None
+                await proc.stdin.send_all(b"go\n")
+            for reader in lines:
+                claimed += json.loads(await reader.line())
+            for proc in procs:
+                assert await proc.wait() == 0
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+    assert sorted(run_id for run_id, _epoch, _owner in claimed) == runs
+    assert {epoch for _run_id, epoch, _owner in claimed} == {1}
+    assert {owner for _run_id, _epoch, owner in claimed} <= {"p-0", "p-1"}
+
+
+class _LineReader:
+    """Lines from a child's stdout."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        assert proc.stdout is not None
+        self._stream = proc.stdout
+        self._buffer = b""
+
+    async def line(self) -> str:
+        while b"\n" not in self._buffer:
+            chunk = await self._stream.receive_some()
+            if not chunk:
+                raise AssertionError(f"the child ended before a line: {self._buffer!r}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
 
 
 async def test_the_epoch_grows_on_every_claim(schema: str) -> None:

@@ -1,0 +1,156 @@
+"""What fencing costs the PostgreSQL group commit: ``append`` against ``append_fenced``.
+
+Both write the same kind of batch through the same store (binary ``COPY`` of the events,
+one ``unnest`` upsert of the runs index); ``append_fenced`` also locks the batch's lease
+rows (``SELECT ... FOR SHARE``, one statement per batch) and keeps them locked until the
+commit. Measured, in one run and one fresh schema, at batch sizes 100, 1,000 and 10,000
+events (each batch: a tenth as many runs, ten events each, as a worker's batch carries
+several steps of many runs):
+
+- the two modes take turns batch by batch (which goes first alternates), each on its own
+  runs, so drift of the shared host hits both alike;
+- events/s over all of a mode's batches (wall time of the ``await``, encoding included),
+  and the median batch's milliseconds;
+- the ratio fenced / plain, the figure to read (absolute figures vary with the load):
+  of the events/s, and the median over rounds of the two batches' speed ratio within a
+  round (the steadier one on a loaded host).
+
+Run it: ``python -m benchmarks.pg_fencing [--quick]`` (INTERLOCK_PG_DSN, or the CI's
+``postgresql://postgres@127.0.0.1:5432/test``); it prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import statistics
+import sys
+import time
+
+import psycopg
+import trio
+from psycopg import sql
+
+from interlock._events import Event, RunStarted, Transitioned
+from interlock.stores import PostgresStore, open_postgres_store
+
+DSN = os.environ.get("INTERLOCK_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+SIZES = (100, 1_000, 10_000)
+EVENTS_PER_RUN = 10
+OWNER = "bench-worker"
+
+
+class Mode:
+    """One side of the comparison: its runs, their seqs, its batch times."""
+
+    def __init__(self, name: str, prefix: str, runs: int) -> None:
+        self.name = name
+        self.run_ids = [f"{prefix}-{i:05d}" for i in range(runs)]
+        self.seq = dict.fromkeys(self.run_ids, 1)
+        self.fence: dict[str, int] = {}
+        self.times: list[float] = []
+
+    def batch(self) -> list[Event]:
+        events: list[Event] = []
+        for run_id in self.run_ids:
+            seq = self.seq[run_id]
+            for n in range(1, EVENTS_PER_RUN + 1):
+                events.append(
+                    Transitioned(
+                        run_id=run_id,
+                        seq=seq + n,
+                        ts=1.0,
+                        src="WORK",
+                        dst="WORK",
+                        delta={"step": seq + n, "note": "x" * 40},
+                    )
+                )
+            self.seq[run_id] = seq + EVENTS_PER_RUN
+        return events
+
+
+async def measure(store: PostgresStore, size: int, events_per_mode: int) -> dict[str, Mode]:
+    runs = max(1, size // EVENTS_PER_RUN)
+    tag = f"b{size}"
+    plain = Mode("append", f"{tag}-plain", runs)
+    fenced = Mode("append_fenced", f"{tag}-fenced", runs)
+    started = [
+        RunStarted(run_id=run_id, seq=1, ts=1.0, machine="bench", state="WORK")
+        for run_id in plain.run_ids
+    ]
+    await store.append(started)
+    # The fenced runs are created by the worker itself: it holds them at epoch 1.
+    started = [
+        RunStarted(run_id=run_id, seq=1, ts=1.0, machine="bench", state="WORK")
+        for run_id in fenced.run_ids
+    ]
+    assert await store.append_fenced(started, {}, OWNER, ttl=3600.0) == frozenset()
+    fenced.fence = dict.fromkeys(fenced.run_ids, 1)
+    rounds = max(20, events_per_mode // size)
+    for n in range(rounds):
+        for mode in (plain, fenced) if n % 2 == 0 else (fenced, plain):
+            events = mode.batch()
+            begin = time.perf_counter()
+            if mode is plain:
+                await store.append(events)
+            else:
+                refused = await store.append_fenced(events, mode.fence, OWNER)
+                assert not refused, f"the benchmark's own leases were refused: {sorted(refused)}"
+            mode.times.append(time.perf_counter() - begin)
+    return {"plain": plain, "fenced": fenced}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
+
+
+async def main(quick: bool) -> None:
+    schema = f"interlock_bench_{secrets.token_hex(4)}"
+    events_per_mode = 10_000 if quick else 100_000
+    rows = []
+    store = await open_postgres_store(DSN, schema=schema)
+    try:
+        for size in SIZES:
+            modes = await measure(store, size, events_per_mode)
+            plain, fenced = modes["plain"], modes["fenced"]
+            rates = {}
+            for mode in (plain, fenced):
+                total = sum(mode.times)
+                rates[mode.name] = size * len(mode.times) / total
+            rows.append(
+                (
+                    size,
+                    len(plain.times),
+                    rates["append"],
+                    rates["append_fenced"],
+                    statistics.median(plain.times) * 1000,
+                    statistics.median(fenced.times) * 1000,
+                    rates["append_fenced"] / rates["append"],
+                    statistics.median(
+                        p / f for p, f in zip(plain.times, fenced.times, strict=True)
+                    ),
+                )
+            )
+    finally:
+        await store.aclose()
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    print(
+        "| batch (events) | batches per mode | append events/s | append_fenced events/s "
+        "| append median ms | append_fenced median ms | fenced / plain (events/s) "
+        "| fenced / plain (median of paired batches) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, batches, plain_rate, fenced_rate, plain_ms, fenced_ms, ratio, paired in rows:
+        print(
+            f"| {size:,} | {batches:,} | {_fmt(plain_rate)} | {_fmt(fenced_rate)} "
+            f"| {_fmt(plain_ms)} | {_fmt(fenced_ms)} | {ratio:.2f} | {paired:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10,000 events per mode and size")
+    args = parser.parse_args(sys.argv[1:])
+    trio.run(main, args.quick)
