@@ -380,13 +380,22 @@ class Supervisor:
                 "start_run(..., external=True)"
             )
         verdict = await self.request(msg)
-        run = self._runs.get(msg.run_id)
-        if run is not None and run.terminal and run.closed:
-            handle = self.handles.get(msg.run_id)
-            if handle is not None and not handle.done:
-                handle._finish(self.result_of(msg.run_id))
-            self.release(msg.run_id)
+        self.settle_external(msg.run_id)
         return verdict
+
+    def settle_external(self, run_id: str) -> None:
+        """If the external run ``run_id`` has ended (its last events durable), settle it:
+        its handle's :meth:`RunHandle.wait` returns, and it leaves the registry.
+
+        :meth:`submit` does this itself; a caller that decides requests with
+        :meth:`submit_nowait` (the gateway's batches) calls it once their batch is durable.
+        """
+        run = self._runs.get(run_id)
+        if run is not None and run.terminal and run.closed:
+            handle = self.handles.get(run_id)
+            if handle is not None and not handle.done:
+                handle._finish(self.result_of(run_id))
+            self.release(run_id)
 
     def _spawn(self, handle: RunHandle, verdict: Verdict, provider: Provider | None) -> None:
         from ._actor import Driver

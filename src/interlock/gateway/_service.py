@@ -969,12 +969,7 @@ class GatewayService:
             pass
         for index, verdict, answer in decided:
             run_id = verdict.run_id
-            run = sup._runs.get(run_id)
-            if run is not None and run.terminal and run.closed:
-                handle = sup.handles.get(run_id)  # as Supervisor.submit settles an ended run
-                if handle is not None and not handle.done:
-                    handle._finish(sup.result_of(run_id))
-                sup.release(run_id)
+            sup.settle_external(run_id)
             try:
                 verdict = await self._advance(run_id, verdict)
             except Exception as exc:
