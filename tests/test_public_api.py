@@ -12,12 +12,21 @@ from typing import Any
 import pytest
 
 import interlock
+import interlock.client
+import interlock.gateway
 import interlock.providers
 import interlock.stores
 import interlock.testing
 from interlock import _version
 
-PUBLIC_MODULES = [interlock, interlock.providers, interlock.stores, interlock.testing]
+PUBLIC_MODULES = [
+    interlock,
+    interlock.client,
+    interlock.gateway,
+    interlock.providers,
+    interlock.stores,
+    interlock.testing,
+]
 
 
 def _public_attributes(module: types.ModuleType) -> set[str]:

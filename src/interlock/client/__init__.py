@@ -7,7 +7,7 @@ after the retries, :class:`GatewayUnavailable`. The streaming channel's client
 ``interlock.gateway`` for throughput: many calls pipelined on one connection.
 """
 
-from typing import Any
+import typing as _typing
 
 from ..gateway._api import CallOut as CallOut
 from ..gateway._api import EscalationOut as EscalationOut
@@ -32,7 +32,7 @@ from ._sync import ExternalRun as ExternalRun
 _LAZY = ("ChannelClient", "ChannelProblem", "open_channel")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
         from ..gateway import _channel_client
 

@@ -7,8 +7,6 @@ its keys and limits. The request and
 response bodies are the Structs of :mod:`interlock.gateway._api`, re-exported here.
 """
 
-from __future__ import annotations
-
 from ._api import (
     AbortIn,
     CallOut,
