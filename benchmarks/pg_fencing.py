@@ -2,7 +2,7 @@
 
 Both write the same kind of batch through the same store (binary ``COPY`` of the events,
 one ``unnest`` upsert of the runs index); ``append_fenced`` also locks the batch's lease
-rows (``SELECT ... FOR SHARE``, one statement per batch) and keeps them locked until the
+rows (``SELECT ... FOR NO KEY UPDATE``, one statement per batch) and keeps them locked until the
 commit. Measured, in one run and one fresh schema, at batch sizes 100, 1,000 and 10,000
 events (each batch: a tenth as many runs, ten events each, as a worker's batch carries
 several steps of many runs):

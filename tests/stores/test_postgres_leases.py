@@ -271,7 +271,7 @@ async def test_an_expired_lease_taken_over_refuses_only_that_run(schema: str) ->
 
 async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None:
     """The takeover runs on another connection while the append's transaction is open
-    (its writes done, not committed): the lease row is held FOR SHARE, so the claim skips
+    (its lease rows checked, nothing committed): the lease row is locked, so the claim skips
     it; once the append commits, the next claim takes it and the old owner is refused."""
     inside = threading.Event()
     go_on = threading.Event()
@@ -283,7 +283,7 @@ async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None
     async with workers(schema, 2) as (a, b):
         await a.append_fenced([started("r-1"), started("r-2")], {}, "w-a")
         expire(schema, "r-1", "r-2")  # both claimable: the worker stopped past its ttl
-        a._before_fenced_commit = hold
+        a._after_fence_check = hold
         outcome: list[frozenset[str]] = []
 
         async def append() -> None:
@@ -299,7 +299,7 @@ async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None
         assert [(lease.run_id, lease.epoch) for lease in taken] == [("r-2", 2)]
         assert outcome == [frozenset()]
         assert await seqs(b, "r-1") == [1, 2]
-        a._before_fenced_commit = None
+        a._after_fence_check = None
         [lease] = await b.claim("w-b", ttl=60.0)
         assert (lease.run_id, lease.epoch) == ("r-1", 2)
         assert await a.append_fenced([step("r-1", 3, "w-a")], {"r-1": 1}, "w-a") == {"r-1"}
@@ -308,7 +308,7 @@ async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None
 
 async def test_a_fenced_append_during_a_claim_waits_then_is_refused(schema: str) -> None:
     """The other order: the takeover's transaction has locked and raised the lease but not
-    committed; the append's check waits for it (FOR SHARE), then sees the new epoch."""
+    committed; the append's check waits for it (the row lock), then sees the new epoch."""
     async with workers(schema, 1) as (a,):
         await a.append_fenced([started("r-1")], {}, "w-a")
         expire(schema, "r-1")
@@ -335,6 +335,50 @@ async def test_a_fenced_append_during_a_claim_waits_then_is_refused(schema: str)
                     await trio.to_thread.run_sync(takeover.commit)
         assert outcome == [frozenset({"r-1"})]
         assert await seqs(a, "r-1") == [1]
+
+
+async def test_two_workers_each_stale_on_the_others_run_do_not_deadlock(schema: str) -> None:
+    """Worker a holds r-a and still thinks it holds r-b; worker b the other way round.
+    Both append a batch for both runs at once, each completing its own: the check of one
+    waits for the other's commit (a shared lock upgraded to update a run's lease row would
+    deadlock the two), then each commits its run and is refused the other."""
+    inside = threading.Event()
+    go_on = threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert go_on.wait(60), "the test never let the append go on"
+
+    async with workers(schema, 3) as (a, b, c):
+        await c.append([started("r-a"), started("r-b")])
+        leases = {lease.run_id: lease.epoch for lease in await a.claim("w-a", ttl=600.0)}
+        assert leases == {"r-a": 1, "r-b": 1}
+        expire(schema, "r-b")
+        [lease] = await b.claim("w-b", ttl=600.0)
+        assert (lease.run_id, lease.epoch) == ("r-b", 2)
+        stale_b = {"r-a": 1, "r-b": 2}  # b believes it holds r-a too (as a did it once)
+        a._after_fence_check = hold
+        assert b._conn is not None
+        pid_b = b._conn.info.backend_pid
+        results: dict[str, frozenset[str]] = {}
+
+        async def append(store: PostgresStore, owner: str, fence: dict[str, int]) -> None:
+            mine = "r-a" if owner == "w-a" else "r-b"
+            other = "r-b" if owner == "w-a" else "r-a"
+            results[owner] = await store.append_fenced(
+                [done(mine, 2), step(other, 2, owner)], fence, owner
+            )
+
+        with trio.fail_after(60), raw(schema) as observer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append, a, "w-a", leases)
+                assert await trio.to_thread.run_sync(inside.wait, 60)
+                nursery.start_soon(append, b, "w-b", stale_b)
+                await trio.to_thread.run_sync(wait_for_lock, observer, pid_b)
+                go_on.set()
+        assert results == {"w-a": frozenset({"r-b"}), "w-b": frozenset({"r-a"})}
+        assert [type(e).__name__ for e in await c.load("r-a")] == ["RunStarted", "Completed"]
+        assert [type(e).__name__ for e in await c.load("r-b")] == ["RunStarted", "Completed"]
 
 
 async def test_racing_workers_never_both_write_a_run(schema: str) -> None:
@@ -488,6 +532,39 @@ async def test_a_damaged_outcome_of_an_unfinished_run_is_still_reported(schema: 
             conn.execute("UPDATE runs SET outcome = 'completed' WHERE run_id = 'r-1'")
         with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-1' is damaged"):
             await a.unfinished()
+
+
+async def test_check_compares_the_leases_with_the_runs_index(schema: str) -> None:
+    from interlock.stores import Problem
+
+    async with workers(schema, 1) as (a,):
+        await a.append([started("r-1"), started("r-2"), started("r-3"), done("r-3", 2)])
+        await a.claim("w-a")
+        assert (await a.check()).ok
+        with raw(schema) as conn:
+            conn.execute("DELETE FROM leases WHERE run_id = 'r-1'")
+            conn.execute("UPDATE leases SET live = false WHERE run_id = 'r-2'")
+            conn.execute("INSERT INTO leases (run_id, live) VALUES ('r-9', true)")
+        assert (await a.check()).problems == (
+            Problem(
+                run_id="r-1",
+                seq=None,
+                message="run 'r-1' has no lease row, so no worker would claim it; restore it "
+                "from a backup",
+            ),
+            Problem(
+                run_id="r-2",
+                seq=None,
+                message="the lease row of run 'r-2' says the run is finished, but its "
+                "runs-index row says running; restore it from a backup",
+            ),
+            Problem(
+                run_id="r-9",
+                seq=None,
+                message="the leases table holds a lease of run 'r-9', which the runs index "
+                "does not hold; restore it from a backup",
+            ),
+        )
 
 
 async def test_fenced_appends_keep_the_append_invariants(schema: str) -> None:

@@ -166,10 +166,14 @@ _SET_LIVE = (
 )
 # NOTE: the rows are locked in run_id order by every statement that waits for a lock
 # (the fence, renew, release), so that two of them never deadlock; a claim skips
-# locked rows instead of waiting.
+# locked rows instead of waiting. The fence locks FOR NO KEY UPDATE, not FOR SHARE:
+# its transaction may then update a row it locked (live, when a run ends), and two
+# workers each holding a shared lock on a run the other ends would deadlock
+# (test_two_workers_each_stale_on_the_others_run_do_not_deadlock). A claim skips a
+# row either lock holds.
 _FENCE = (
     "SELECT run_id, owner, epoch FROM leases WHERE run_id = ANY(%s::text[]) "
-    "ORDER BY run_id FOR SHARE"
+    "ORDER BY run_id FOR NO KEY UPDATE"
 )
 _CLAIM = (
     "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
@@ -378,7 +382,7 @@ class PostgresStore(Store):
         self._columns = f"{_RUN_COLUMNS}, crc" if checksums else _RUN_COLUMNS
         self._read = verified_record if checksums else stored_record
         self._leases = leases
-        self._before_fenced_commit: Callable[[], object] | None = None
+        self._after_fence_check: Callable[[], object] | None = None
 
     @classmethod
     async def open(
@@ -432,6 +436,10 @@ class PostgresStore(Store):
     async def append(self, events: Sequence[Event]) -> None:
         """Append one batch in one transaction; see :meth:`Store.append`.
 
+        Unfenced: it writes whoever holds the runs' leases. It is the path of a single
+        writer, and of runs started with no worker attached (their leases are nobody's,
+        so any worker may claim them); a worker appends with :meth:`append_fenced`.
+
         Raises:
           StoreError: the store is closed or read-only, a seq or an idempotency key
             is already stored (another process advanced a run, say), or the server
@@ -463,7 +471,7 @@ class PostgresStore(Store):
         """Append one batch, each run's events only if ``owner`` still holds its lease.
 
         The group commit of a worker: one transaction, the lease rows of the batch's
-        runs locked (``FOR SHARE``) from their check to the commit, so a claim taking
+        runs locked (``FOR NO KEY UPDATE``) from their check to the commit, so a claim taking
         one over either waits for the commit or is seen by the check, never both
         commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
         refused, none of their events written; the others commit, with their
@@ -509,7 +517,7 @@ class PostgresStore(Store):
                         "run_started may have none)"
                     )
         params = encode_rows(events)
-        guard = _Fence(owner, fence, ttl, self._before_fenced_commit)
+        guard = _Fence(owner, fence, ttl, self._after_fence_check)
         refused, written = await self._call(
             "append_fenced", lambda conn: _append_sync(conn, events, params, guard)
         )
@@ -564,7 +572,7 @@ class PostgresStore(Store):
             await trio.lowlevel.checkpoint()
             return []
         rows = await self._call(
-            "renew", lambda conn: conn.execute(_RENEW, (ttl, ids, owner)).fetchall()
+            "renew", lambda conn: conn.execute(_RENEW, (ttl, ids, owner), prepare=False).fetchall()
         )
         return _leases_of(rows)
 
@@ -583,7 +591,9 @@ class PostgresStore(Store):
         if not ids:
             await trio.lowlevel.checkpoint()
             return
-        await self._call("release", lambda conn: conn.execute(_RELEASE, (ids, owner)))
+        await self._call(
+            "release", lambda conn: conn.execute(_RELEASE, (ids, owner), prepare=False)
+        )
 
     def _writable(self, what: str) -> None:
         if self._readonly:
@@ -694,6 +704,8 @@ class PostgresStore(Store):
                 "SELECT key, run_id, seq FROM events WHERE kind = 'intent_recorded'"
             )
             checker.intents_table(intents, "the events table's key column")
+            if self._leases:
+                _check_leases(checker, conn.execute("SELECT run_id, live FROM leases"))
         return checker.report()
 
     async def aclose(self) -> None:
@@ -703,6 +715,40 @@ class PostgresStore(Store):
                 conn, self._conn = self._conn, None
                 if conn is not None:
                     await trio.to_thread.run_sync(conn.close)
+
+
+def _check_leases(checker: Checker, rows: Iterable[tuple[Any, ...]]) -> None:
+    """Compare the leases with the runs index: one lease row per run, ``live`` exactly
+    when the run is unfinished (claims and unfinished() trust it). A run whose index row
+    or journal already has a problem is not reported again for its lease."""
+    live = {run_id: flag for run_id, flag in rows}
+    reported = {problem.run_id for problem in checker.problems} | checker.damaged
+    for run_id, record in sorted(checker.index.items()):
+        flag = live.pop(run_id, None)
+        if run_id in reported:
+            continue
+        if flag is None:
+            checker.problem(
+                run_id,
+                None,
+                f"run {run_id!r} has no lease row, so no worker would claim it; "
+                "restore it from a backup",
+            )
+        elif flag != (record.outcome == RUNNING):
+            checker.problem(
+                run_id,
+                None,
+                f"the lease row of run {run_id!r} says the run is "
+                f"{'unfinished' if flag else 'finished'}, but its runs-index row says "
+                f"{record.outcome}; restore it from a backup",
+            )
+    for run_id in sorted(set(live) - reported - checker.journaled):
+        checker.problem(
+            run_id,
+            None,
+            f"the leases table holds a lease of run {run_id!r}, which the runs index does "
+            "not hold; restore it from a backup",
+        )
 
 
 def _leases_of(rows: Iterable[tuple[Any, ...]]) -> list[Lease]:
@@ -720,9 +766,9 @@ class _Fence(msgspec.Struct, frozen=True, gc=False):
     owner: str
     epochs: Mapping[str, int]
     ttl: float
-    before_commit: Callable[[], object] | None = None
-    """Called in the transaction, its writes done, just before the commit (tests hold
-    a transaction open with it, to race a claim against it)."""
+    after_check: Callable[[], object] | None = None
+    """Called in the transaction once the lease rows are locked and checked, before
+    the writes (tests hold the transaction open with it, to race others against it)."""
 
 
 def _append_sync(
@@ -744,7 +790,7 @@ def _append_sync(
             if fence is not None:
                 checked = [run_id for run_id in run_ids if run_id in fence.epochs]
                 if checked:
-                    # The lease rows stay locked (FOR SHARE) until the commit, so a claim
+                    # The lease rows stay locked (see _FENCE) until the commit, so a claim
                     # cannot take one between this check and the events' write: it skips
                     # the row, or this waits for the claim and then sees its epoch.
                     cursor.execute(_FENCE, (checked,), prepare=False)
@@ -754,6 +800,8 @@ def _append_sync(
                         if owner == fence.owner and epoch == fence.epochs[run_id]
                     }
                     refused = frozenset(checked).difference(held)
+                if fence.after_check is not None:
+                    fence.after_check()
                 if refused:
                     events = [event for event in events if event.run_id not in refused]
                     params = [row for row in params if row[0] not in refused]
@@ -773,8 +821,6 @@ def _append_sync(
             rows = [(*msgspec.structs.astuple(r), record_checksum(r)) for r in updates.values()]
             cursor.execute(_UPSERT_RUNS, [list(column) for column in zip(*rows, strict=True)])
             _write_leases(cursor, events, current, updates, fence)
-            if fence is not None and fence.before_commit is not None:
-                fence.before_commit()
     except errors.UniqueViolation as exc:
         if exc.diag.constraint_name == "events_intent_key":
             keys = [r[4] for r in params if r[2] == "intent_recorded"]
@@ -823,11 +869,11 @@ def _write_leases(
                 [event.external is True for event in started],
             ),
         )
-    changed = [
+    changed = sorted(
         (run_id, record.outcome == RUNNING)
         for run_id, record in updates.items()
         if run_id in current and (current[run_id].outcome == RUNNING) != (record.outcome == RUNNING)
-    ]
+    )
     if changed:
         cursor.execute(_SET_LIVE, ([c[0] for c in changed], [c[1] for c in changed]))
 
