@@ -8,6 +8,7 @@ import typing as _typing
 
 from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
+from ._enqueue import enqueue_run as enqueue_run
 from ._events import (
     BreakerTripped as BreakerTripped,
 )
@@ -344,6 +345,7 @@ __all__ = [
     "decode_message",
     "encode_event",
     "encode_message",
+    "enqueue_run",
     "expand_prompt",
     "hash_prompt",
     "open_supervisor",
