@@ -510,11 +510,13 @@ async def test_claims_and_recovery_read_only_the_unfinished_runs(schema: str) ->
             plans = {
                 name: "\n".join(row[0] for row in conn.execute("EXPLAIN " + query))
                 for name, query in [
-                    ("unfinished", "SELECT run_id FROM runs WHERE outcome = 'running'"),
+                    ("unfinished", _pg._SELECT_UNFINISHED),
                     ("claim", _pg._CLAIM.replace("%s", "'w'", 1).replace("%s", "10")),
                 ]
             }
         assert "runs_unfinished" in plans["unfinished"], plans["unfinished"]
+        assert "leases_claim" in plans["unfinished"], plans["unfinished"]
+        assert "Seq Scan" not in plans["unfinished"], plans["unfinished"]
         assert "Index Scan using leases_claim" in plans["claim"], plans["claim"]
         assert "Sort" not in plans["claim"], plans["claim"]
         assert len(await a.claim("w-a", limit=100)) == 10

@@ -150,6 +150,12 @@ _SELECT_KEYS_IN = (
     "SELECT key FROM events WHERE kind = 'intent_recorded' AND key = ANY(%s::text[]) LIMIT 1"
 )
 
+#: The unfinished runs, through both partial indexes (see PostgresStore.unfinished).
+_SELECT_UNFINISHED = (
+    f"SELECT {_RUN_COLUMNS}, crc FROM runs WHERE outcome = 'running' UNION "
+    f"SELECT {_RUN_COLUMNS}, crc FROM runs WHERE run_id IN "
+    "(SELECT run_id FROM leases WHERE live AND NOT external)"
+)
 _RETURN_LEASES = "RETURNING l.run_id, l.owner, l.epoch, extract(epoch FROM l.expires)::float8"
 #: New runs' lease rows: ``(run_id, owner, epoch, live, external)`` arrays and a ttl
 #: (owner NULL, epoch 0: unowned and claimable at once).
@@ -471,9 +477,9 @@ class PostgresStore(Store):
         """Append one batch, each run's events only if ``owner`` still holds its lease.
 
         The group commit of a worker: one transaction, the lease rows of the batch's
-        runs locked (``FOR NO KEY UPDATE``) from their check to the commit, so a claim taking
-        one over either waits for the commit or is seen by the check, never both
-        commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
+        runs locked (``FOR NO KEY UPDATE``) from their check to the commit, so a claim
+        taking one over either skips it until the commit or is seen by the check,
+        never both commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
         refused, none of their events written; the others commit, with their
         runs-index rows, as :meth:`append` writes them (seqs checked, intent keys
         unique). A lease past its expiry that no one claimed since is still held.
@@ -554,7 +560,8 @@ class PostgresStore(Store):
     async def renew(self, owner: str, run_ids: Iterable[str], *, ttl: float) -> list[Lease]:
         """Extend, to ``ttl`` seconds from now, the leases of ``run_ids`` ``owner`` holds.
 
-        A heartbeat: the epochs stay as they are. The runs another worker claimed
+        A heartbeat: the epochs stay as they are. A lease past its expiry that no one
+        claimed since is still ``owner``'s, and renewed. The runs another worker claimed
         (or ``owner`` released) are absent from the result: those are lost.
 
         Returns:
@@ -661,22 +668,24 @@ class PostgresStore(Store):
         """Runs that are neither terminal nor escalated, oldest first; see
         :meth:`Store.unfinished`.
 
-        Read through the indexes of unfinished runs (``runs_unfinished`` and the
-        leases' ``leases_claim``), so the time does not grow with the finished runs.
-        Each index is a copy of the other's answer: a run is listed if either has it,
-        and its row then checked, so damage to one row's outcome is still reported.
+        Read through the indexes of unfinished runs (``runs_unfinished``, and the
+        leases' ``leases_claim`` of the unfinished runs workers drive), so the time
+        does not grow with the finished runs. The two are independent copies: a run
+        either lists is read and its row checked, so a row whose outcome was damaged
+        is still reported (by its checksum). A finished run's row is not read: only
+        :meth:`list_runs` and :meth:`check` read every row.
         """
         if not self._leases:  # an old schema opened read-only: no index to read
             return await super().unfinished()
-        select = (
-            f"SELECT {self._columns} FROM runs WHERE outcome = 'running' UNION "
-            f"SELECT {self._columns} FROM runs WHERE run_id IN (SELECT run_id FROM leases "
-            "WHERE live AND NOT external)"
+        rows = await self._call(
+            "unfinished", lambda conn: conn.execute(_SELECT_UNFINISHED).fetchall()
         )
-        rows = await self._call("unfinished", lambda conn: conn.execute(select).fetchall())
-        read = self._read
         return select_runs(
-            [read(row) for row in rows], machine=None, state=None, outcome=RUNNING, limit=None
+            [verified_record(row) for row in rows],
+            machine=None,
+            state=None,
+            outcome=RUNNING,
+            limit=None,
         )
 
     async def check(self) -> CheckReport:
