@@ -53,7 +53,8 @@ from ._machine import Machine, Worker
 from ._version import __version__
 from ._view import violation_signature
 from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
-from .stores._open import open_store
+from .stores._open import open_store, sqlite_path
+from .stores._sqlite import JournalHeld, hold_journal
 from .workflows import WORKFLOWS
 
 if TYPE_CHECKING:
@@ -121,6 +122,19 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"must be between 0 and 65535 (0: any free port), got {value}"
         )
+    return value
+
+
+def _seconds(text: str) -> float:
+    """Seconds to wait: 0 or more, or ``inf`` for as long as it takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds (e.g. 30 or inf), got {text!r}"
+        ) from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds (inf: no limit), got {text}")
     return value
 
 
@@ -322,6 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     _metrics_options(resume, "the resumed runs")
     resume.add_argument(
         "--json", action="store_true", help="print the summary as one JSON document"
+    )
+    resume.add_argument(
+        "--wait",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="SQLite: if another process holds the journal, wait up to SECONDS for it to "
+        "finish, then resume what is still unfinished (default 0: name it and exit 2)",
     )
 
     replay = commands.add_parser(
@@ -1047,9 +1069,19 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
 
 
 async def _resume(args: argparse.Namespace) -> int:
+    app, named, db = _application(args)
+    path = sqlite_path(db)
+    if path is None or not await trio.Path(path).exists():  # missing: refused read-only
+        return await _resume_held(args, app, named, db)
+    # One writer per SQLite journal: held (or waited for) before the unfinished runs are
+    # read, so a second resume resumes nothing twice and fails before it changes anything.
+    async with hold_journal(path, wait=args.wait):
+        return await _resume_held(args, app, named, db)
+
+
+async def _resume_held(args: argparse.Namespace, app: App, named: str, db: str) -> int:
     from ._demo import resume_app, summarize_store
 
-    app, named, db = _application(args)
     metrics = _Metrics(args, app.prices)
     store = await open_store(db, readonly=True)  # a missing journal is an error, not a new one
     try:
@@ -1298,7 +1330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return trio.run(_command, args)
-    except (AppRefError, _Usage) as exc:
+    except (AppRefError, _Usage, JournalHeld) as exc:
         sys.stderr.write(_error(exc, args))
         return 2
     except InternalError as exc:  # one line too; INTERLOCK_DEBUG=1 shows the traceback
@@ -1317,7 +1349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not expected or len(expected) != len(leaves):
             raise
         sys.stderr.write(_error(expected[0], args))
-        return 2 if isinstance(expected[0], AppRefError | _Usage) else 1
+        return 2 if isinstance(expected[0], AppRefError | _Usage | JournalHeld) else 1
     except KeyboardInterrupt:
         return _interrupted(args)
 

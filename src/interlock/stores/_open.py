@@ -38,8 +38,14 @@ async def open_store(url: str | None, *, readonly: bool = False) -> Store:
 
         dsn, schema = _split_schema(url)
         return await open_postgres_store(dsn, schema=schema, readonly=readonly)
-    path = url.removeprefix(_SQLITE_PREFIX)
-    return await open_sqlite_store(path, readonly=readonly)
+    return await open_sqlite_store(url.removeprefix(_SQLITE_PREFIX), readonly=readonly)
+
+
+def sqlite_path(url: str | None) -> str | None:
+    """The SQLite file ``url`` names for :func:`open_store`, or None (memory, PostgreSQL)."""
+    if url is None or url == ":memory:" or url.startswith(_POSTGRES_SCHEMES):
+        return None
+    return url.removeprefix(_SQLITE_PREFIX)
 
 
 def _split_schema(url: str) -> tuple[str, str]:

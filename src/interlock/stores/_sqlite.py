@@ -410,8 +410,8 @@ def _describe_holder(holder: dict[str, Any]) -> str:
     if not isinstance(pid, int):
         return "another process (it has not written who it is)"
     words = str(holder.get("command", "")).split()
-    # the program and its subcommand: the words before the first option
-    name = " ".join(itertools.takewhile(lambda w: not w.startswith("-"), words[:3])) or "?"
+    # the program and its subcommand: the first word, and the words up to the first option
+    name = " ".join(words[:1] + list(itertools.takewhile(lambda w: w[:1] != "-", words[1:3])))
     where = ""
     host = holder.get("host")
     if isinstance(host, str) and host != socket.gethostname():
@@ -424,16 +424,18 @@ def _describe_holder(holder: dict[str, Any]) -> str:
         when = ", since " + moment.strftime(
             "%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S"
         )
-    return f"pid {pid}{where} ({name}{when})"
+    return f"pid {pid}{where} ({name or '?'}{when})"
 
 
 def _command_line() -> str:
     """This process's command line, as a person would type it."""
-    argv = list(sys.argv) or ["python"]
-    program = os.path.basename(argv[0])
-    if program == "__main__.py":  # python -m interlock
-        program = os.path.basename(os.path.dirname(argv[0])) or "python"
-    return shlex.join([program, *argv[1:]])[:500]
+    argv = list(sys.argv) or [""]
+    program = [os.path.basename(argv[0])]
+    if program[0] == "__main__.py":  # python -m interlock
+        program = [os.path.basename(os.path.dirname(argv[0])) or "python"]
+    elif program[0] in ("", "-c"):  # python -c, or an interpreter with no script
+        program = [os.path.basename(sys.executable) or "python", *filter(None, argv[:1])]
+    return shlex.join([*program, *argv[1:]])[:500]
 
 
 class _WriterLock:
