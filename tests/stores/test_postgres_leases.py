@@ -21,6 +21,8 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from psycopg import sql
 
 import interlock
@@ -659,3 +661,92 @@ async def test_a_version_2_schema_is_upgraded_with_a_lease_for_every_run(schema:
     assert version == ("3",)
     assert rows == [("ext", True, True), ("r-1", True, False), ("r-2", True, False)]
     assert {"runs_unfinished", "leases_claim"} <= indexes
+
+
+_RUNS = ("r-0", "r-1")
+_OWNERS = ("w-a", "w-b")
+_OPS = st.lists(
+    st.sampled_from(
+        [("claim", owner, "") for owner in _OWNERS]
+        + [("expire", "", run_id) for run_id in _RUNS]
+        + [
+            (op, owner, run_id)
+            for op in ("append", "renew", "release")
+            for owner in _OWNERS
+            for run_id in _RUNS
+        ]
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS)
+@example(ops=[("claim", "w-a", ""), ("release", "w-a", "r-0"), ("append", "w-a", "r-0")])
+@example(
+    ops=[
+        ("claim", "w-a", ""),
+        ("expire", "", "r-1"),
+        ("claim", "w-b", ""),
+        ("append", "w-a", "r-1"),
+        ("renew", "w-a", "r-1"),
+        ("append", "w-b", "r-1"),
+    ]
+)
+async def test_leases_follow_the_model(ops: list[tuple[str, str, str]]) -> None:
+    """Any sequence of claims, expiries, renewals, releases and fenced appends by two
+    workers does what a model of the leases says: claims take exactly the runs free or
+    expired and raise their epoch; an append commits exactly when the worker's epoch is
+    the run's and it is the owner; a renewal keeps exactly the leases still held."""
+    schema = f"interlock_test_{secrets.token_hex(6)}"
+    # The model: run -> [owner or None, epoch, expired], each worker's belief, seqs.
+    lease: dict[str, list[Any]] = {run_id: [None, 0, True] for run_id in _RUNS}
+    belief: dict[str, dict[str, int]] = {owner: {} for owner in _OWNERS}
+    seq = dict.fromkeys(_RUNS, 1)
+    try:
+        async with workers(schema, 2) as stores:
+            store = dict(zip(_OWNERS, stores, strict=True))
+            await stores[0].append([started(run_id) for run_id in _RUNS])
+            for op, owner, run_id in ops:
+                if op == "claim":
+                    got = await store[owner].claim(owner, ttl=600.0)
+                    free = [r for r in _RUNS if lease[r][2]]
+                    assert [g.run_id for g in got] == free
+                    for g in got:
+                        lease[g.run_id] = [owner, lease[g.run_id][1] + 1, False]
+                        assert (g.owner, g.epoch) == (owner, lease[g.run_id][1])
+                        belief[owner][g.run_id] = g.epoch
+                elif op == "expire":
+                    await trio.to_thread.run_sync(expire, schema, run_id)
+                    lease[run_id][2] = True
+                elif op == "append" and run_id in belief[owner]:
+                    epoch = belief[owner][run_id]
+                    refused = await store[owner].append_fenced(
+                        [step(run_id, seq[run_id] + 1, owner)], {run_id: epoch}, owner
+                    )
+                    held = lease[run_id][0] == owner and lease[run_id][1] == epoch
+                    assert refused == (frozenset() if held else {run_id})
+                    seq[run_id] += held
+                elif op == "renew":
+                    got = await store[owner].renew(owner, [run_id], ttl=600.0)
+                    held = lease[run_id][0] == owner
+                    assert [(g.run_id, g.epoch) for g in got] == (
+                        [(run_id, lease[run_id][1])] if held else []
+                    )
+                    if held:
+                        lease[run_id][2] = False
+                elif op == "release":
+                    await store[owner].release(owner, [run_id])
+                    if lease[run_id][0] == owner:
+                        lease[run_id] = [None, lease[run_id][1], True]
+            for run_id in _RUNS:
+                assert (await stores[1].get_run(run_id)).seq == seq[run_id]
+            assert (await stores[1].check()).ok
+            with raw(schema) as conn:
+                rows = conn.execute("SELECT run_id, owner, epoch FROM leases ORDER BY run_id")
+                assert [tuple(row) for row in rows] == [
+                    (run_id, lease[run_id][0], lease[run_id][1]) for run_id in _RUNS
+                ]
+    finally:
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
