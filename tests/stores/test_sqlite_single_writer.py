@@ -244,6 +244,13 @@ async def test_read_only_commands_work_while_the_journal_is_held(tmp_path: Path)
         assert "r-1" in done.stdout
         # ...and a writer is refused, naming the holder, having written nothing.
         before = path.read_bytes()
+        for args in (["demo", "--runs", "2"], ["resume"]):
+            done = await trio.to_thread.run_sync(lambda a=args: interlock(*a, "--db", str(path)))
+            assert done.returncode == 2, (args, done.stderr)
+            assert done.stderr.startswith(
+                f"interlock: error: journal {path} is held by pid {holder.pid} (python"
+            ), (args, done.stderr)
+            assert done.stderr.count("\n") == 1, done.stderr
         with pytest.raises(JournalHeld) as info:
             await open_sqlite_store(path)
         assert info.value.holder["pid"] == holder.pid
