@@ -10,7 +10,13 @@ The runs index is derived from the journal, and each of its rows carries the crc
 its fields (:func:`row_checksum`): a row that fails it is reported (:class:`IndexDamaged`),
 never believed. Listing runs therefore reads every row, whatever the filters, and counts
 them against the number of runs started, kept in ``meta``: one flipped byte in a page
-header can hide a row from SQLite itself.
+header can hide a row from SQLite itself. The unfinished runs, which resume reads, have a
+partial index of their own and a count of their own (schema version 4), so finding them
+does not grow with the journal.
+
+One process writes a journal: opening it for writing takes an exclusive ``flock`` on
+``<db>.lock`` (:func:`hold_journal`), which the kernel drops when the process dies, and a
+second process gets :class:`JournalHeld`, naming the holder, before it writes anything.
 """
 
 from __future__ import annotations
@@ -479,8 +485,8 @@ def _lock_path(path: str) -> str:
     return os.path.realpath(path) + LOCK_SUFFIX
 
 
-def _try_lock(path: str) -> _WriterLock | dict[str, Any]:
-    """Take the journal's lock without waiting: the hold, or what the holder wrote."""
+def _try_lock(path: str) -> _WriterLock | None:
+    """Take the journal's lock without waiting: the hold, or None if another process has it."""
     key = _lock_path(path)
     with _HELD_GUARD:
         held = _HELD.get(key)
@@ -498,7 +504,7 @@ def _try_lock(path: str) -> _WriterLock | dict[str, Any]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return _read_holder(key)
+            return None
         except OSError as exc:
             os.close(fd)
             raise StoreError(
@@ -545,11 +551,12 @@ async def _take_lock(path: str, wait: float) -> _WriterLock:
         raise ValueError(f"wait must be 0 or more seconds (math.inf: no limit); got {wait!r}")
     deadline = trio.current_time() + wait
     while True:
-        got = await trio.to_thread.run_sync(_try_lock, path)
-        if isinstance(got, _WriterLock):
-            return got
+        held = await trio.to_thread.run_sync(_try_lock, path)
+        if held is not None:
+            return held
         if trio.current_time() >= deadline:
-            raise JournalHeld(path, got, wait)
+            holder = await trio.to_thread.run_sync(_read_holder, _lock_path(path))
+            raise JournalHeld(path, holder, wait)
         await trio.sleep(min(_LOCK_POLL, max(0.0, deadline - trio.current_time())))
 
 
