@@ -15,6 +15,11 @@ several steps of many runs):
   of the events/s, and the median over rounds of the two batches' speed ratio within a
   round (the steadier one on a loaded host).
 
+Then what recovery reads: ``unfinished()`` and claiming every unfinished run, with 3,000
+unfinished runs in a journal of 3,000 and of 39,000 runs (the issue's two journals): both
+go through partial indexes of the unfinished runs, so neither should grow with the
+finished ones.
+
 Run it: ``python -m benchmarks.pg_fencing [--quick]`` (INTERLOCK_PG_DSN, or the CI's
 ``postgresql://postgres@127.0.0.1:5432/test``); it prints a Markdown table.
 """
@@ -32,7 +37,7 @@ import psycopg
 import trio
 from psycopg import sql
 
-from interlock._events import Event, RunStarted, Transitioned
+from interlock._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import PostgresStore, open_postgres_store
 
 DSN = os.environ.get("INTERLOCK_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -101,6 +106,63 @@ async def measure(store: PostgresStore, size: int, events_per_mode: int) -> dict
     return {"plain": plain, "fenced": fenced}
 
 
+async def recovery(finished: int, unfinished: int = 3_000) -> tuple[float, float, float]:
+    """Median seconds of ``unfinished()``, of ``list_runs(outcome="running")`` (what
+    ``unfinished()`` was: every row read and checked) and of claiming every unfinished run
+    (batches of 100), in a fresh schema of ``unfinished`` running runs and ``finished``
+    ended ones."""
+    schema = f"interlock_bench_{secrets.token_hex(4)}"
+    store = await open_postgres_store(DSN, schema=schema)
+    try:
+        for at in range(0, finished, 5_000):
+            events: list[Event] = []
+            for i in range(at, min(at + 5_000, finished)):
+                run_id = f"done-{i:06d}"
+                events.append(
+                    RunStarted(run_id=run_id, seq=1, ts=1.0, machine="bench", state="WORK")
+                )
+                events.append(Completed(run_id=run_id, seq=2, ts=2.0, state="DONE"))
+            await store.append(events)
+        await store.append(
+            [
+                RunStarted(run_id=f"open-{i:05d}", seq=1, ts=3.0, machine="bench", state="WORK")
+                for i in range(unfinished)
+            ]
+        )
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("ANALYZE {}.runs").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("ANALYZE {}.leases").format(sql.Identifier(schema)))
+        reads = []
+        for _ in range(5):
+            begin = time.perf_counter()
+            assert len(await store.unfinished()) == unfinished
+            reads.append(time.perf_counter() - begin)
+        scans = []
+        for _ in range(5):
+            begin = time.perf_counter()
+            assert len(await store.list_runs(outcome="running")) == unfinished
+            scans.append(time.perf_counter() - begin)
+        claims = []
+        for n in range(3):
+            begin = time.perf_counter()
+            taken = 0
+            while leases := await store.claim(f"bench-{n}", limit=100, ttl=3600.0):
+                taken += len(leases)
+            claims.append(time.perf_counter() - begin)
+            assert taken == unfinished
+            with psycopg.connect(DSN, autocommit=True) as conn:  # all claimable again
+                conn.execute(
+                    sql.SQL("UPDATE {}.leases SET expires = '-infinity'").format(
+                        sql.Identifier(schema)
+                    )
+                )
+        return statistics.median(reads), statistics.median(scans), statistics.median(claims)
+    finally:
+        await store.aclose()
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
 def _fmt(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
 
@@ -146,6 +208,20 @@ async def main(quick: bool) -> None:
         print(
             f"| {size:,} | {batches:,} | {_fmt(plain_rate)} | {_fmt(fenced_rate)} "
             f"| {_fmt(plain_ms)} | {_fmt(fenced_ms)} | {ratio:.2f} | {paired:.2f} |"
+        )
+
+    print()
+    print(
+        "| runs in the journal | of them unfinished | unfinished() ms (median of 5) "
+        "| every row read: list_runs(outcome='running') ms (median of 5) "
+        "| claim them all, 100 a claim, ms (median of 3) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for finished in (0, 36_000):
+        read, scan, claim = await recovery(finished)
+        print(
+            f"| {finished + 3_000:,} | 3,000 | {_fmt(read * 1000)} | {_fmt(scan * 1000)} "
+            f"| {_fmt(claim * 1000)} |"
         )
 
 
