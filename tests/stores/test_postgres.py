@@ -76,8 +76,8 @@ async def test_schema_and_tables_are_created(schema: str) -> None:
                 sql.Identifier(schema)
             )
         ).fetchone()
-    assert tables == {"meta", "events", "runs"}
-    assert version == ("2",)
+    assert tables == {"meta", "events", "runs", "leases"}
+    assert version == ("3",)
 
 
 @pytest.mark.postgres
@@ -190,8 +190,8 @@ async def test_version_1_schema_is_read_as_it_is_then_upgraded(schema: str) -> N
         version = conn.execute(
             sql.SQL("SELECT value FROM {}.meta WHERE name = 'schema_version'").format(ident)
         ).fetchone()
-    assert indexes == [("runs_pkey",)]
-    assert version == ("2",)
+    assert sorted(indexes) == [("runs_pkey",), ("runs_unfinished",)]
+    assert version == ("3",)
     # Every row has its checksum now: a change behind the store's back is found.
     admin(sql.SQL("UPDATE {}.runs SET outcome = 'completed'").format(ident))
     async with await open_postgres_store(PG_DSN, schema=schema, readonly=True) as store:

@@ -41,6 +41,7 @@ from interlock.stores import (
     RUNNING,
     CheckReport,
     IndexDamaged,
+    PostgresStore,
     Problem,
     RunRecord,
     SQLiteStore,
@@ -762,15 +763,15 @@ async def test_a_damaged_index_row_is_reported_by_every_read(
     matched the filter) or show a garbled one, with no error."""
     await two_runs(store)
     set_index_column(store, "r-1", column, value)
-    if isinstance(store, SQLiteStore):
-        # SQLite reads the unfinished runs through their own index (#18), and r-1 failed:
-        # what resume reads is the one unfinished run, checked, and nothing else.
+    if isinstance(store, (SQLiteStore, PostgresStore)):
+        # SQLite and PostgreSQL read the unfinished runs through their own index (#18), and
+        # r-1 failed: what resume reads is the one unfinished run, checked, and nothing else.
         assert [r.run_id for r in await store.unfinished()] == ["r-2"]
     for read in (
         lambda: store.list_runs(),
         lambda: store.list_runs(outcome=FAILED),
         lambda: store.list_runs(outcome=RUNNING),
-        *(() if isinstance(store, SQLiteStore) else (store.unfinished,)),
+        *(() if isinstance(store, (SQLiteStore, PostgresStore)) else (store.unfinished,)),
         store.escalations,
         lambda: store.list_runs(machine="refund", limit=1),
         lambda: store.get_run("r-1"),
