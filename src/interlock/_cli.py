@@ -138,6 +138,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (a run's inputs)."""
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object like \'{{"order_id": "o-1"}}\', got {text!r} ({exc})'
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object like \'{{"order_id": "o-1"}}\', got {type(value).__name__}'
+        )
+    return value
+
+
 def _url(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(
@@ -327,6 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
             "--json", action="store_true", default=argparse.SUPPRESS, help="print as JSON"
         )
 
+    enqueue = commands.add_parser(
+        "enqueue",
+        help="create a run in the journal with nothing driving it: the next resume (or worker) runs it",
+    )
+    enqueue.add_argument("machine", help="the machine of the run (one of the app's)")
+    enqueue.add_argument(
+        "--inputs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the run's inputs, a JSON object (default {})",
+    )
+    enqueue.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
+    _journal(enqueue, app=True)
+    _app(enqueue)
+    enqueue.add_argument("--json", action="store_true", help="print the run as one JSON document")
     resume = commands.add_parser(
         "resume", help="resume every unfinished run in a journal after a crash"
     )
@@ -1068,6 +1099,32 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     return 0
 
 
+async def _enqueue(args: argparse.Namespace) -> int:
+    from ._enqueue import enqueue_run
+
+    app, named, db = _application(args)
+    machine = app.machines.get(args.machine)
+    if machine is None:
+        raise _Usage(
+            f"the app {named} has no machine {args.machine!r}; its machines: "
+            + ", ".join(sorted(app.machines))
+        )
+    store = await open_store(db)
+    try:
+        run_id = await enqueue_run(store, machine, args.inputs, run_id=args.run_id)
+    finally:
+        await _close(store)
+    if args.json:
+        _print_json({"run_id": run_id, "machine": machine.name, "db": db})
+    else:
+        app_flag = f" --app {args.app}" if args.app else ""
+        sys.stdout.write(
+            f"enqueued run {run_id!r} of {machine.name!r} in {db}; `interlock resume{app_flag} "
+            f"--db {db}` drives it\n"
+        )
+    return 0
+
+
 async def _resume(args: argparse.Namespace) -> int:
     app, named, db = _application(args)
     path = sqlite_path(db)
@@ -1292,6 +1349,7 @@ _COMMANDS = {
     "show": _show,
     "escalations": _escalations,
     "resume": _resume,
+    "enqueue": _enqueue,
     "replay": _replay,
     "check": _check,
     "serve": _serve,

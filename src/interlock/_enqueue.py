@@ -59,8 +59,8 @@ async def enqueue_run(
         pass
     else:
         raise ProtocolError(
-            f"run {run_id!r} already exists in {store!r}; run ids must be unique (omit run_id "
-            "to have one generated)"
+            f"run {run_id!r} already exists in this journal; run ids must be unique (omit "
+            "run_id to have one generated)"
         )
     events: list[Event] = []
     _decider.start(
