@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -134,11 +135,20 @@ async def terminal_events(path: Path) -> dict[str, list[str]]:
 def resume(path: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "interlock", "resume", "--db", str(path),
-         "--latency", "100,300", "--chaos-rate", "0", *extra],
+         "--latency", "300,600", "--chaos-rate", "0", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+
+
+def holding_and_stopped(path: Path) -> subprocess.Popen[str]:
+    """A resume that holds the journal, stopped (SIGSTOP) so that it keeps holding it
+    whatever the machine's load, until the test lets it go on (SIGCONT)."""
+    first = resume(path)
+    wait_until(lambda: holder_pid(path) == first.pid, "the first resume to hold the journal")
+    first.send_signal(signal.SIGSTOP)
+    return first
 
 
 async def assert_every_run_finished_once(path: Path, runs: int) -> None:
@@ -147,9 +157,11 @@ async def assert_every_run_finished_once(path: Path, runs: int) -> None:
     for run_id, outcomes in ends.items():
         # Ended once: one Completed or Failed, or one Escalated (in doubt) and no more.
         assert outcomes in (["Completed"], ["Failed"], ["Escalated"]), (run_id, outcomes)
-    replayed = interlock("replay", "--all", "--db", str(path))
+    replayed = await trio.to_thread.run_sync(
+        lambda: interlock("replay", "--all", "--db", str(path))
+    )
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    checked = interlock("check", "--db", str(path))
+    checked = await trio.to_thread.run_sync(lambda: interlock("check", "--db", str(path)))
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -160,20 +172,15 @@ async def test_a_second_resume_names_the_holder_and_nothing_is_lost(tmp_path: Pa
     path = tmp_path / "j.db"
     await trio.to_thread.run_sync(crashed_demo, path, 24)
     with trio.fail_after(300):
-        first = resume(path)
-        await trio.to_thread.run_sync(
-            wait_until, lambda: holder_pid(path) == first.pid, "the first resume to hold it"
-        )
-        second = await trio.to_thread.run_sync(
-            lambda: subprocess.run(
-                [sys.executable, "-m", "interlock", "resume", "--db", str(path)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
+        first = await trio.to_thread.run_sync(holding_and_stopped, path)
+        try:
+            before = path.read_bytes()
+            second = await trio.to_thread.run_sync(
+                lambda: interlock("resume", "--db", str(path), "--chaos-rate", "0")
             )
-        )
-        assert first.poll() is None  # it held the journal all along
+            assert path.read_bytes() == before  # the second changed nothing
+        finally:
+            first.send_signal(signal.SIGCONT)
         assert second.returncode == 2, second.stderr
         assert second.stdout == ""
         lines = second.stderr.splitlines()
@@ -190,17 +197,25 @@ async def test_a_second_resume_names_the_holder_and_nothing_is_lost(tmp_path: Pa
 
 @pytest.mark.slow
 async def test_a_resume_told_to_wait_resumes_after_the_holder(tmp_path: Path) -> None:
-    """``--wait``: the second waits for the first, then finds nothing left and exits 0."""
+    """``--wait``: the second says it waits, waits for the first, then finds nothing left
+    and exits 0."""
     path = tmp_path / "j.db"
     await trio.to_thread.run_sync(crashed_demo, path, 12)
     with trio.fail_after(300):
-        first = resume(path)
-        await trio.to_thread.run_sync(
-            wait_until, lambda: holder_pid(path) == first.pid, "the first resume to hold it"
-        )
-        second = resume(path, "--wait", "240")
-        out2, err2 = await trio.to_thread.run_sync(lambda: second.communicate(timeout=280))
-        out1, err1 = await trio.to_thread.run_sync(lambda: first.communicate(timeout=60))
+        first = await trio.to_thread.run_sync(holding_and_stopped, path)
+        try:
+            second = resume(path, "--wait", "240")
+            assert second.stderr is not None
+            said = await trio.to_thread.run_sync(second.stderr.readline)
+            assert said.startswith(
+                f"interlock: journal {path} is held by pid {first.pid} (interlock resume, since "
+            ), said
+            assert said.endswith("); waiting up to 240 s\n"), said
+            assert second.poll() is None  # waiting, while the first is stopped
+        finally:
+            first.send_signal(signal.SIGCONT)
+        out1, err1 = await trio.to_thread.run_sync(lambda: first.communicate(timeout=240))
+        out2, err2 = await trio.to_thread.run_sync(lambda: second.communicate(timeout=240))
     assert first.returncode == 0, err1
     assert "12 runs resumed" in out1
     assert second.returncode == 0, err2
@@ -215,11 +230,8 @@ async def test_a_resume_killed_with_sigkill_releases_the_journal_at_once(tmp_pat
     path = tmp_path / "j.db"
     await trio.to_thread.run_sync(crashed_demo, path, 12)
     with trio.fail_after(300):
-        first = resume(path)
-        await trio.to_thread.run_sync(
-            wait_until, lambda: holder_pid(path) == first.pid, "the resume to hold it"
-        )
-        first.send_signal(signal.SIGKILL)
+        first = await trio.to_thread.run_sync(holding_and_stopped, path)
+        first.send_signal(signal.SIGKILL)  # stopped or not, it dies holding the journal
         await trio.to_thread.run_sync(lambda: first.communicate(timeout=60))
         # At once: a try that does not wait takes it.
         async with hold_journal(path):
@@ -227,7 +239,8 @@ async def test_a_resume_killed_with_sigkill_releases_the_journal_at_once(tmp_pat
         second = resume(path)
         out, err = await trio.to_thread.run_sync(lambda: second.communicate(timeout=240))
     assert second.returncode == 0, err
-    assert "runs resumed" in out
+    # (all 12, unless the first ended one in the moment between taking the lock and its stop)
+    assert re.search(r"interlock resume: \d+ runs resumed", out), out
     await assert_every_run_finished_once(path, 12)
 
 

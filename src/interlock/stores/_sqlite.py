@@ -390,15 +390,16 @@ class JournalHeld(StoreError):
       path: the journal, as given.
       holder: what the holder wrote in the lock file: ``pid``, ``host``, ``command`` and
         ``since`` (a Unix time), or ``{}`` if it had not written it yet.
+      who: the holder in words, e.g. ``pid 4242 (interlock resume, since 14:03:11)``.
     """
 
     def __init__(self, path: str, holder: dict[str, Any], waited: float) -> None:
         self.path = path
         self.holder = holder
+        self.who = _describe_holder(holder)
         after = f" (after waiting {waited:g} s)" if waited > 0 else ""
         super().__init__(
-            f"journal {path} is held by {_describe_holder(holder)}{after}; wait for it to "
-            "finish or stop it"
+            f"journal {path} is held by {self.who}{after}; wait for it to finish or stop it"
         )
 
 
@@ -540,8 +541,12 @@ def _read_holder(key: str) -> dict[str, Any]:
         time.sleep(0.01)  # the holder took the lock and is writing who it is
 
 
-async def _take_lock(path: str, wait: float) -> _WriterLock:
+async def _take_lock(
+    path: str, wait: float, on_wait: Callable[[JournalHeld], object] | None = None
+) -> _WriterLock:
     """Take the journal's writer lock, waiting up to ``wait`` seconds for its holder.
+
+    ``on_wait`` is called once, with the error it would raise (not raised), if it waits.
 
     Raises:
       JournalHeld: another process still holds it after ``wait`` seconds (at once for 0).
@@ -550,6 +555,7 @@ async def _take_lock(path: str, wait: float) -> _WriterLock:
     if not wait >= 0:
         raise ValueError(f"wait must be 0 or more seconds (math.inf: no limit); got {wait!r}")
     deadline = trio.current_time() + wait
+    waiting = False
     while True:
         held = await trio.to_thread.run_sync(_try_lock, path)
         if held is not None:
@@ -557,11 +563,20 @@ async def _take_lock(path: str, wait: float) -> _WriterLock:
         if trio.current_time() >= deadline:
             holder = await trio.to_thread.run_sync(_read_holder, _lock_path(path))
             raise JournalHeld(path, holder, wait)
+        if not waiting and on_wait is not None:
+            holder = await trio.to_thread.run_sync(_read_holder, _lock_path(path))
+            on_wait(JournalHeld(path, holder, 0.0))
+        waiting = True
         await trio.sleep(min(_LOCK_POLL, max(0.0, deadline - trio.current_time())))
 
 
 @contextlib.asynccontextmanager
-async def hold_journal(path: str | os.PathLike[str], *, wait: float = 0.0) -> AsyncIterator[None]:
+async def hold_journal(
+    path: str | os.PathLike[str],
+    *,
+    wait: float = 0.0,
+    on_wait: Callable[[JournalHeld], object] | None = None,
+) -> AsyncIterator[None]:
     """Hold the SQLite journal at ``path`` for writing, in this process, for the block.
 
     What :func:`open_sqlite_store` takes when it opens a journal for writing, without
@@ -573,11 +588,13 @@ async def hold_journal(path: str | os.PathLike[str], *, wait: float = 0.0) -> As
       path: the journal (the file need not exist).
       wait: seconds to wait for another process's hold to end; 0 fails at once,
         ``math.inf`` waits as long as it takes.
+      on_wait: called once if it has to wait, with the :class:`JournalHeld` it would
+        raise (its ``who`` names the holder), to say so.
 
     Raises:
       JournalHeld: another process holds it (after ``wait`` seconds); the message names it.
     """
-    held = await _take_lock(os.fspath(path), wait)
+    held = await _take_lock(os.fspath(path), wait, on_wait)
     try:
         yield
     finally:
