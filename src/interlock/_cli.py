@@ -1132,13 +1132,13 @@ async def _resume(args: argparse.Namespace) -> int:
     if path is None or not await trio.Path(path).exists():  # missing: refused read-only
         return await _resume_held(args, app, named, db)
 
-    # One writer per SQLite journal: held (or waited for) before the unfinished runs are
-    # read, so a second resume resumes nothing twice and fails before it changes anything.
     def waiting(held: JournalHeld) -> None:
         limit = "as long as it takes" if math.isinf(args.wait) else f"up to {args.wait:g} s"
         sys.stderr.write(f"interlock: journal {db} is held by {held.who}; waiting {limit}\n")
         sys.stderr.flush()
 
+    # One writer per SQLite journal: held (or waited for) before the unfinished runs are
+    # read, so a second resume resumes nothing twice and fails before it changes anything.
     async with hold_journal(path, wait=args.wait, on_wait=waiting):
         return await _resume_held(args, app, named, db)
 
