@@ -123,10 +123,7 @@ class AnthropicMessages(HttpProvider):
     def read(
         self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
-        try:
-            message = _read_message(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise self._bad_body(exc, body) from None
+        message = self._decoded(_read_message, body)
         return self._judge(message)
 
     def _judge(
@@ -186,10 +183,7 @@ class AnthropicMessages(HttpProvider):
         done = False
         for item in data:
             _event, _, payload = item.partition("\n") if "\n" in item else ("", "", item)
-            try:
-                event = msgspec.json.decode(payload)
-            except msgspec.DecodeError as exc:
-                raise self._bad_body(exc, payload.encode()) from None
+            event = self._decoded(msgspec.json.decode, payload)
             if not isinstance(event, dict):
                 continue
             kind = event.get("type")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -38,10 +38,14 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._machine import Machine
     from .._view import RunView
     from ._http import Transport
     from ._wire import ToolSpec
+
+_T = TypeVar("_T")
 
 _encode = msgspec.json.encode
 
@@ -325,6 +329,15 @@ class HttpProvider:
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
         raise NotImplementedError
 
+    def _decoded(self, decode: Callable[[Any], _T], body: bytes | str) -> _T:
+        """``decode(body)``; a body that is not the API's shape is a retryable
+        ProviderError quoting its start (a model's answer is never guessed at)."""
+        try:
+            return decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raw = body.encode() if isinstance(body, str) else body
+            raise self._bad_body(exc, raw) from None
+
     def _bad_body(self, exc: Exception, body: bytes) -> ProviderError:
         return ProviderError(
             f"{self.api} at {self.base_url} answered with a body that is not a {self.api} "
@@ -446,10 +459,7 @@ class OpenAIChat(HttpProvider):
     def read(
         self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
-        try:
-            completion = _read_completion(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise self._bad_body(exc, body) from None
+        completion = self._decoded(_read_completion, body)
         usage = _usage(completion.usage)
         if not completion.choices:
             return "", usage, envelope("the reply has no choices", ONE_TOOL_HINT), ()
@@ -540,10 +550,7 @@ class OpenAIChat(HttpProvider):
             if item == "[DONE]":
                 done = True
                 break
-            try:
-                chunk = msgspec.json.decode(item)
-            except msgspec.DecodeError as exc:
-                raise self._bad_body(exc, item.encode()) from None
+            chunk = self._decoded(msgspec.json.decode, item)
             if not isinstance(chunk, dict):
                 continue
             if isinstance(chunk.get("usage"), dict):
@@ -804,10 +811,7 @@ class OpenAIResponses(HttpProvider):
     def read(
         self, body: bytes, mode: str = "tools"
     ) -> tuple[str, TokenUsage, Violation | None, tuple[tuple[str, str], ...]]:
-        try:
-            response = _read_response(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise self._bad_body(exc, body) from None
+        response = self._decoded(_read_response, body)
         return self._judge(response)
 
     def _judge(
@@ -861,10 +865,7 @@ class OpenAIResponses(HttpProvider):
         for item in reversed(data):
             event, _, payload = item.partition("\n") if "\n" in item else ("", "", item)
             if event in ("response.completed", "response.incomplete", "response.failed"):
-                try:
-                    response = _read_completed(payload).response
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise self._bad_body(exc, payload.encode()) from None
+                response = self._decoded(_read_completed, payload).response
                 return self._judge(response)
         raise ProviderError(
             f"{self.api} at {self.base_url}: the stream ended before response.completed",
