@@ -1,5 +1,5 @@
-"""Optional dependencies: without psycopg or hypercorn installed, interlock works and says what to
-install when a ``postgresql://`` store is asked for."""
+"""Optional dependencies: without psycopg, hypercorn or httpx installed, interlock works and says
+what to install when a ``postgresql://`` store, the gateway or its client is asked for."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ MISSING_PSYCOPG = (
 # Runs its argument with psycopg and hypercorn made unimportable, as in an install without extras.
 WITHOUT_EXTRAS = (
     "import sys; sys.modules['psycopg'] = None; sys.modules['hypercorn'] = None; "
+    "sys.modules['httpx'] = None; "
     "sys.argv = ['interlock', *sys.argv[1:]]; "
 )
 
@@ -66,3 +67,23 @@ def test_demo_runs_without_psycopg_or_hypercorn(tmp_path):
     outcomes = json.loads(done.stdout)["outcomes"]
     assert sum(outcomes.values()) == 12
     assert set(outcomes) <= {"completed", "escalated", "failed"}
+
+
+def test_serve_without_hypercorn_prints_one_line_and_fails(tmp_path):
+    cli = "import runpy; runpy.run_module('interlock', run_name='__main__')"
+    done = python(cli, "serve", "--port", "0", "--db", "j.db", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr == (
+        "interlock: error: the gateway needs hypercorn, which is not installed; install the "
+        "gateway extra: pip install 'interlock[gateway]'\n"
+    )
+
+
+def test_the_client_without_httpx_says_which_extra_to_install():
+    done = python(
+        "\ntry:\n    import interlock.client\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    assert done.stdout == (
+        "interlock.client needs httpx, which is not installed; install the client extra: "
+        "pip install 'interlock[client]'\n"
+    )

@@ -9,6 +9,14 @@ after the retries, :class:`GatewayUnavailable`. The streaming channel's client
 
 import typing as _typing
 
+try:
+    import httpx as _httpx  # noqa: F401 - the clients are built on it
+except ImportError as _missing:
+    raise ImportError(
+        "interlock.client needs httpx, which is not installed; install the client extra: "
+        "pip install 'interlock[client]'"
+    ) from _missing
+
 from ..gateway._api import CallOut as CallOut
 from ..gateway._api import EscalationOut as EscalationOut
 from ..gateway._api import EventOut as EventOut

@@ -153,9 +153,16 @@ async def serve_gateway(
       ValueError: a non-loopback ``host`` with no API key configured, or bad limits.
       AppRefError: ``app_or_ref`` names no application.
       StoreError: the journal cannot be opened.
+      InterlockError: hypercorn (the ``[gateway]`` extra) is not installed.
     """
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
+    try:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+    except ImportError:
+        raise InterlockError(
+            "the gateway needs hypercorn, which is not installed; install the gateway extra: "
+            "pip install 'interlock[gateway]'"
+        ) from None
 
     from ..stores import open_store
 
