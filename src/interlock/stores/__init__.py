@@ -27,8 +27,11 @@ from ._base import (
 from ._check import CheckReport as CheckReport
 from ._check import Problem as Problem
 from ._memory import MemoryStore as MemoryStore
+from ._leases import Lease as Lease
 from ._open import open_store as open_store
+from ._sqlite import JournalHeld as JournalHeld
 from ._sqlite import SQLiteStore as SQLiteStore
+from ._sqlite import hold_journal as hold_journal
 from ._sqlite import open_sqlite_store as open_sqlite_store
 
 if _typing.TYPE_CHECKING:
@@ -43,12 +46,15 @@ __all__ = [
     "RUNNING",
     "CheckReport",
     "IndexDamaged",
+    "JournalHeld",
+    "Lease",
     "MemoryStore",
     "PostgresStore",
     "Problem",
     "RunRecord",
     "SQLiteStore",
     "Store",
+    "hold_journal",
     "open_postgres_store",
     "open_sqlite_store",
     "open_store",
