@@ -26,8 +26,8 @@ from ._base import (
 )
 from ._check import CheckReport as CheckReport
 from ._check import Problem as Problem
-from ._memory import MemoryStore as MemoryStore
 from ._leases import Lease as Lease
+from ._memory import MemoryStore as MemoryStore
 from ._open import open_store as open_store
 from ._sqlite import JournalHeld as JournalHeld
 from ._sqlite import SQLiteStore as SQLiteStore
