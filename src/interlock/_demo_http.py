@@ -35,7 +35,9 @@ PROVIDER_KINDS = (
 )
 
 
-def make_provider(kind: str, *, base_url: str | None, model: str | None, stream: bool = False) -> Provider:
+def make_provider(
+    kind: str, *, base_url: str | None, model: str | None, stream: bool = False
+) -> Provider:
     """The provider ``--provider KIND`` names (not ``sim``, the built-in simulated model).
 
     Raises:

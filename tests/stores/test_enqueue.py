@@ -92,7 +92,9 @@ async def test_bad_inputs_or_a_taken_run_id_write_nothing() -> None:
     with pytest.raises(RunNotFound):
         await store.get_run("q-1")
     await enqueue_run(store, orders(), {"order_id": "o-1"}, run_id="q-1")
-    with pytest.raises(ProtocolError, match=r"^run 'q-1' already exists in this journal; run ids must be unique"):
+    with pytest.raises(
+        ProtocolError, match=r"^run 'q-1' already exists in this journal; run ids must be unique"
+    ):
         await enqueue_run(store, orders(), {"order_id": "o-9"}, run_id="q-1")
     with pytest.raises(ProtocolError, match="run_id must be a non-empty string"):
         await enqueue_run(store, orders(), {"order_id": "o-1"}, run_id="")
