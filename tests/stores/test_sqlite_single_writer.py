@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -95,7 +96,7 @@ def wait_until(predicate, what: str, timeout: float = 90.0) -> None:
 
 def runs_started(path: Path) -> int:
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5) as conn:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as conn:
             row = conn.execute("SELECT value FROM meta WHERE name = 'runs'").fetchone()
     except sqlite3.Error:
         return 0
@@ -373,7 +374,7 @@ def run(run_id: str, ts: float, *, end: type | None = Completed) -> list:
 
 
 def plan(path: Path, sql: str) -> list[str]:
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         return [row[-1] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}")]
 
 
@@ -399,7 +400,7 @@ async def test_unfinished_runs_are_read_through_their_index(tmp_path: Path) -> N
         assert await store.unfinished() == [
             r for r in await store.list_runs() if r.outcome == RUNNING
         ]
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         indexed = conn.execute(
             "SELECT run_id FROM runs INDEXED BY runs_unfinished WHERE outcome = 'running'"
         ).fetchall()
@@ -415,7 +416,7 @@ async def test_a_version_3_journal_gets_the_index_when_opened_for_writing(tmp_pa
     async with await open_sqlite_store(path) as store:
         await store.append([*run("a", 1.0), *run("b", 2.0, end=None), *run("c", 3.0, end=None)])
     # As version 3 wrote it: no index, no count.
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("DROP INDEX runs_unfinished")
         conn.execute("DELETE FROM meta WHERE name = 'running'")
         conn.execute("UPDATE meta SET value = '3' WHERE name = 'schema_version'")
@@ -439,7 +440,7 @@ async def test_a_row_the_index_lost_is_reported_not_skipped(tmp_path: Path) -> N
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path) as store:
         await store.append([*run("a", 1.0, end=None), *run("b", 2.0, end=None)])
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("UPDATE runs SET outcome = 'completed' WHERE run_id = 'a'")
     async with await open_sqlite_store(path, readonly=True) as store:
         with pytest.raises(IndexDamaged) as info:
@@ -456,7 +457,7 @@ async def test_a_wrong_count_alone_is_a_problem_of_check(tmp_path: Path) -> None
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path) as store:
         await store.append(run("a", 1.0, end=None))
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("UPDATE meta SET value = '7' WHERE name = 'running'")
     async with await open_sqlite_store(path, readonly=True) as store:
         [problem] = (await store.check()).problems
