@@ -148,6 +148,29 @@ def child_main(handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     sys.stdout.flush()
 
 
+def run_alone(
+    module: str,
+    run: Callable[[bool, Progress], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    argv: Sequence[str],
+) -> dict[str, Any]:
+    """``python -m benchmarks.MODULE [--quick]``: run one section outside the suite, print
+    its tables and the command that produced them, and return its results."""
+    quick = "--quick" in argv[1:]
+
+    def show(description: str, fraction: float) -> None:
+        sys.stderr.write(f"[{fraction:4.0%}] {description}\n")
+
+    started = time.perf_counter()
+    results = run(quick, show)
+    print(render(results))
+    print(
+        f"\n`python -m benchmarks.{module}{' --quick' if quick else ''}` "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
+    return results
+
+
 @dataclass
 class Profile:
     """The heaviest functions of a cProfile run, as rows for RESULTS.md, and own time by area."""

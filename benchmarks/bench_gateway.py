@@ -70,6 +70,7 @@ from benchmarks._harness import (
     child_main,
     no_progress,
     quantile,
+    run_alone,
     run_child,
     short_path,
 )
@@ -1074,18 +1075,7 @@ def main(argv: list[str]) -> None:
     elif argv[1:2] == ["--serve"]:
         serve(argv[2], argv[3] if len(argv) > 3 else "", argv[4] if len(argv) > 4 else "")
     else:
-        quick = "--quick" in argv[1:]
-
-        def show(description: str, fraction: float) -> None:
-            sys.stderr.write(f"[{fraction:4.0%}] {description}\n")
-
-        started = time.perf_counter()
-        results = run(quick, show)
-        print(render(results))
-        print(
-            f"\n`python -m benchmarks.bench_gateway{' --quick' if quick else ''}` "
-            f"({time.perf_counter() - started:.0f} s)"
-        )
+        results = run_alone("bench_gateway", run, render, argv)
         json.dump(results, sys.stderr, default=str)
 
 

@@ -62,6 +62,7 @@ from benchmarks._harness import (
     child_main,
     no_progress,
     quantile,
+    run_alone,
     run_child,
     short_path,
 )
@@ -977,18 +978,7 @@ def main(argv: list[str]) -> None:
     elif argv[1:2] == ["--serve"]:
         serve(int(argv[2]))
     else:
-        quick = "--quick" in argv[1:]
-
-        def show(description: str, fraction: float) -> None:
-            sys.stderr.write(f"[{fraction:4.0%}] {description}\n")
-
-        started = time.perf_counter()
-        results = run(quick, show)
-        print(render(results))
-        print(
-            f"\n`python -m benchmarks.bench_providers{' --quick' if quick else ''}` "
-            f"({time.perf_counter() - started:.0f} s)"
-        )
+        run_alone("bench_providers", run, render, argv)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from benchmarks._harness import (
     child_main,
     no_progress,
     quantile,
+    run_alone,
     run_child,
 )
 
@@ -453,18 +454,7 @@ def main(argv: list[str]) -> None:
     elif argv[1:2] == ["--server"]:
         serve()
     else:
-        quick = "--quick" in argv[1:]
-
-        def show(description: str, fraction: float) -> None:
-            sys.stderr.write(f"[{fraction:4.0%}] {description}\n")
-
-        started = time.perf_counter()
-        results = run(quick, show)
-        print(render(results))
-        print(
-            f"\n`python -m benchmarks.http_clients{' --quick' if quick else ''}` "
-            f"({time.perf_counter() - started:.0f} s)"
-        )
+        run_alone("http_clients", run, render, argv)
 
 
 if __name__ == "__main__":
