@@ -199,7 +199,8 @@ class Proc:
             self.send(signal.SIGKILL)
             self.popen.wait(10)
             raise AssertionError(
-                f"{self.name} did not exit in {timeout:g} s (hang guard; killed it)\n{self.describe()}"
+                f"{self.name} did not exit in {timeout:g} s (a hang guard: killed it)\n"
+                + self.describe()
             ) from None
 
     def exit_ok(self, timeout: float = 120.0) -> None:
@@ -483,3 +484,28 @@ def drive_in_process(url: str, indices: Iterable[int]) -> None:
             await store.aclose()
 
     trio.run(main)
+
+
+def events_journaled(url: str) -> int:
+    """Events journaled so far (the runs index holds each run's last seq)."""
+    import psycopg
+
+    try:
+        return int(query(url, "SELECT COALESCE(SUM(seq), 0) FROM runs")[0][0])
+    except psycopg.Error:
+        return 0
+
+
+def held_by(url: str, owner: str) -> set[str]:
+    """The unfinished runs whose lease ``owner`` holds now."""
+    return {
+        run_id
+        for (run_id,) in query(url, "SELECT run_id FROM leases WHERE live AND owner = %s", (owner,))
+    }
+
+
+def check(url: str, runs: int) -> None:
+    """The end of every scenario: the audit finds nothing, and every run replays."""
+    problems = audit(url, runs=runs)
+    assert not problems, f"{len(problems)} violations, e.g.:\n" + "\n".join(problems[:30])
+    replay_all(url)

@@ -10,6 +10,9 @@ every committed call's key held exactly once), and ``interlock replay --all`` ex
 from __future__ import annotations
 
 import os
+import random
+import signal
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,6 +21,7 @@ from tests import _scaleout as so
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -84,3 +88,232 @@ def test_the_audit_finds_each_planted_violation(url: str) -> None:
     }
     missed = {name: text for name, text in expected.items() if not any(text in f for f in found)}
     assert not missed, f"the audit missed {missed}; it found:\n" + "\n".join(found)
+
+
+def report(name: str, started: float, url: str, **figures: object) -> None:
+    """One line of figures per scenario (shown with -s; the report quotes them)."""
+    taken = so.query(url, "SELECT count(*) FROM leases WHERE epoch > 1")[0][0]
+    shown = ", ".join(f"{k} {v}" for k, v in figures.items())
+    print(
+        f"\n{name}: {shown}, runs claimed more than once {taken}, outcomes "
+        f"{dict(so.outcomes(url))}, {time.monotonic() - started:.1f} s"
+    )
+
+
+#: Worker options of the scenarios: few runs at once, so runs flow while workers die.
+FLOW = ("--max-runs", "12", "--claim-batch", "6", "--poll", "0.2")
+
+
+def test_workers_sigkilled_repeatedly_while_runs_flow(url: str, tmp_path: Path) -> None:
+    runs, started, rng = 300, time.monotonic(), random.Random(18)
+    so.enqueue(url, range(runs))
+    with so.processes() as procs:
+        live = [so.worker(url, tmp_path, f"w{i}", *FLOW) for i in range(3)]
+        procs.extend(live)
+        killed: list[so.Proc] = []
+        for fraction in (0.15, 0.35, 0.55, 0.75):
+            so.wait_until(
+                f"{fraction:.0%} of {runs} runs terminal",
+                lambda f=fraction: so.progress(url)[0] >= f * runs,
+                timeout=120,
+                procs=procs,
+            )
+            victim = rng.choice(live)
+            held = so.held_by(url, victim.name)
+            victim.kill()
+            killed.append(victim)
+            live.remove(victim)
+            print(f"killed {victim.name} holding {len(held)} runs at {so.progress(url)}")
+            replacement = so.worker(url, tmp_path, f"w{2 + len(killed) + 1}", *FLOW)
+            live.append(replacement)
+            procs.append(replacement)
+        so.wait_until(
+            f"all {runs} runs terminal", lambda: so.progress(url)[0] == runs, timeout=180,
+            procs=procs,
+        )  # fmt: skip
+        for proc in live:
+            proc.send(signal.SIGTERM)
+        for proc in live:
+            proc.exit_ok(60)
+    summaries = [proc.summary() for proc in live]
+    so.check(url, runs)
+    taken = so.query(url, "SELECT count(*) FROM leases WHERE epoch > 1")[0][0]
+    assert taken > 0, "no run was claimed twice: the kills took no run from its worker"
+    report(
+        "SIGKILL", started, url, runs=runs, kills=len(killed),
+        lost=sum(s["lost"] for s in summaries), duplicates=0,
+    )  # fmt: skip
+
+
+def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(url: str, tmp_path: Path) -> None:
+    first, later, started = 80, 60, time.monotonic()
+    so.enqueue(url, range(first))
+    with so.processes() as procs:
+        a = so.worker(url, tmp_path, "a", "--poll", "0.2")
+        procs.append(a)
+        # Stop it mid-flight: every run leased to it, a few events into each.
+        so.wait_until(
+            "worker a to hold every run, a few steps in",
+            lambda: len(so.held_by(url, "a")) == first
+            and so.events_journaled(url) >= 2 * first,
+            timeout=60, procs=procs,
+        )  # fmt: skip
+        a.send(signal.SIGSTOP)
+        stopped = time.monotonic()
+        held = so.held_by(url, "a")
+        assert held, f"worker a held no run when stopped\n{a.describe()}"
+        # A small worker: it takes some of a's runs once their leases expire, not all.
+        b = so.worker(url, tmp_path, "b", "--max-runs", "4", "--claim-batch", "2", "--poll", "0.2")
+        procs.append(b)
+        so.wait_until(
+            "worker b to take over one of a's runs",
+            lambda: bool(held & set(_owned(url, "b"))),
+            timeout=60, procs=procs,
+        )  # fmt: skip
+        time.sleep(max(0.0, stopped + 5.0 - time.monotonic()))  # stopped ~5 s, ttl 2 s
+        a.send(signal.SIGCONT)
+        so.enqueue(url, range(first, first + later))
+        so.wait_until(
+            f"all {first + later} runs terminal",
+            lambda: so.progress(url)[0] == first + later,
+            timeout=180, procs=procs,
+        )  # fmt: skip
+        for proc in (a, b):
+            proc.send(signal.SIGTERM)
+        for proc in (a, b):
+            proc.exit_ok(60)
+    summary = a.summary()
+    owners = so.lease_owners(url)
+    taken = {run for run in held if owners[run] != "a"}
+    kept = held - taken
+    lost_lines = [line for line in a.stderr().splitlines() if "lease lost for run" in line]
+    assert summary["lost"] > 0, f"worker a lost no lease though stopped 5 s\n{a.describe()}"
+    assert lost_lines, f"worker a's stderr names no lost lease\n{a.describe()}"
+    assert taken, f"b took none of a's runs\n{tails([a, b])}"
+    assert kept, f"a kept none of its runs (b took all {len(held)}); nothing shows it carried on"
+    new = {f"order-{i:06d}" for i in range(first, first + later)}
+    assert any(owners[run] == "a" for run in new), f"a drove none of the new runs\n{a.describe()}"
+    so.check(url, first + later)
+    report(
+        "SIGSTOP", started, url, runs=first + later, held_when_stopped=len(held),
+        taken_by_b=len(taken), kept_by_a=len(kept), lost=summary["lost"], duplicates=0,
+    )  # fmt: skip
+
+
+def _owned(url: str, owner: str) -> list[str]:
+    return [
+        run_id
+        for (run_id,) in so.query(url, "SELECT run_id FROM leases WHERE owner = %s", (owner,))
+    ]
+
+
+def tails(procs: list[so.Proc]) -> str:
+    return so.tails(procs)
+
+
+@pytest.fixture
+def cluster(dsn: str) -> Iterator[so.Cluster]:
+    """A PostgreSQL cluster of this test's own, so it can be restarted."""
+    try:
+        made = so.Cluster()
+    except (RuntimeError, OSError, KeyError) as exc:
+        pytest.skip(f"cannot create a private PostgreSQL cluster here: {exc}")
+    try:
+        made.start()
+        yield made
+    finally:
+        made.destroy()
+
+
+def test_workers_ride_out_a_postgres_restart(cluster: so.Cluster, tmp_path: Path) -> None:
+    runs, started = 240, time.monotonic()
+    url = so.journal_url(cluster.dsn, so.new_schema())
+    so.enqueue(url, range(runs))
+    with so.processes() as procs:
+        procs.extend(so.worker(url, tmp_path, f"w{i}", *FLOW) for i in range(2))
+        so.wait_until(
+            "a quarter of the runs terminal", lambda: so.progress(url)[0] >= runs // 4,
+            timeout=120, procs=procs,
+        )  # fmt: skip
+        cluster.stop("immediate")  # a crash of the server, connections cut
+        time.sleep(2.0)
+        cluster.start()
+        at_restart = so.progress(url)[0]
+        so.wait_until(
+            f"all {runs} runs terminal after the restart", lambda: so.progress(url)[0] == runs,
+            timeout=180, procs=procs,
+        )  # fmt: skip
+        for proc in procs:
+            assert proc.popen.poll() is None, f"a worker died with the server\n{proc.describe()}"
+            proc.send(signal.SIGTERM)
+        for proc in procs:
+            proc.exit_ok(60)
+    summaries = [proc.summary() for proc in procs]
+    assert at_restart < runs, "every run ended before the restart; nothing was tested"
+    so.check(url, runs)
+    report(
+        "restart", started, url, runs=runs, terminal_at_restart=at_restart,
+        lost=sum(s["lost"] for s in summaries), duplicates=0,
+    )  # fmt: skip
+
+
+def test_two_resumes_at_once_finish_every_run_once(url: str, tmp_path: Path) -> None:
+    runs, started = 300, time.monotonic()
+    so.enqueue(url, range(runs))
+    with so.processes() as procs:
+        # A worker killed mid-flight leaves runs leased to a dead owner, and runs never claimed.
+        dead = so.worker(url, tmp_path, "dead", "--max-runs", "60", "--claim-batch", "60")
+        procs.append(dead)
+        so.wait_until(
+            "a tenth of the runs terminal", lambda: so.progress(url)[0] >= runs // 10,
+            timeout=120, procs=procs,
+        )  # fmt: skip
+        dead.kill()
+        orphaned = so.held_by(url, "dead")
+        args = ["resume", "--app", so.APP, "--db", url, "--lease-ttl", "2", "--json"]
+        resumes = [so.Proc(f"resume{i}", args, tmp_path) for i in range(2)]
+        procs.extend(resumes)
+        for proc in resumes:
+            proc.exit_ok(180)
+    assert orphaned, "the killed worker held no run; nothing was left to a dead owner"
+    so.check(url, runs)
+    report(
+        "two resumes", started, url, runs=runs, left_to_the_dead=len(orphaned),
+        resumed=[p.summary().get("resumed") for p in resumes], duplicates=0,
+    )  # fmt: skip
+
+
+def test_sigterm_drains_and_releases_leases(url: str, tmp_path: Path) -> None:
+    runs, started = 150, time.monotonic()
+    so.enqueue(url, range(runs))
+    with so.processes() as procs:
+        first = so.worker(url, tmp_path, "first", "--drain-timeout", "20")
+        procs.append(first)
+        so.wait_until(
+            "worker first to hold every run, a few steps in",
+            lambda: len(so.held_by(url, "first")) + so.progress(url)[0] == runs
+            and so.events_journaled(url) >= 2 * runs,
+            timeout=60, procs=procs,
+        )  # fmt: skip
+        first.send(signal.SIGTERM)
+        first.exit_ok(60)
+        summary = first.summary()
+        unfinished = runs - so.progress(url)[0]
+        still_held = so.query(
+            url, "SELECT l.run_id, l.owner, l.expires > now() FROM leases l JOIN runs r "
+            "USING (run_id) WHERE r.outcome = 'running' AND (l.owner IS NOT NULL OR "
+            "l.expires > now()) ORDER BY 1",
+        )  # fmt: skip
+        assert not still_held, (
+            f"drained worker left leases held: {still_held[:5]}\n{first.describe()}"
+        )
+        assert unfinished > 0, "every run finished before the drain; nothing was released"
+        assert summary["released"] == unfinished, (summary, unfinished)
+        second = so.worker(url, tmp_path, "second", "--until-idle")
+        procs.append(second)
+        second.exit_ok(120)
+    so.check(url, runs)
+    report(
+        "drain", started, url, runs=runs, released=summary["released"],
+        finished_by_second=second.summary()["finished"], duplicates=0,
+    )  # fmt: skip
