@@ -22,6 +22,7 @@ from .._machine import Machine
 from .._messages import Sync
 from .._runtime import open_supervisor
 from .._stats import RuntimeStats
+from ..stores import LeasingStore
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
 from ._guard import Limits, RunQuota, guarded
 from ._keys import KeyRing, check_bind
@@ -132,6 +133,11 @@ async def serve_gateway(
     ``graceful_timeout`` seconds), ends the event streams, flushes the journal, stops the
     hosted runs (each resumes from its journal next time), and returns.
 
+    On PostgreSQL (a store with leases) the gateway is stateless: it resumes nothing,
+    enqueues the hosted runs it is asked to start for workers (``interlock worker``) to
+    drive, and folds each external run from the store when a request for it comes; any
+    number of instances serve the same database (see :class:`GatewayService`).
+
     Args:
       app_or_ref: an :class:`~interlock.App`, a machine or machines, or a reference
         (``module:attribute`` or ``path/file.py:attribute``).
@@ -172,6 +178,9 @@ async def serve_gateway(
     url = db or app.store
     store = await open_store(url)
     stats = RuntimeStats()
+    # NOTE: on a store that other processes write (PostgreSQL), workers drive the hosted
+    # runs and any instance the external ones: resuming them here would hold them here.
+    shared = isinstance(store, LeasingStore)
     try:
         async with (
             app.open(url or ":memory:"),
@@ -179,7 +188,7 @@ async def serve_gateway(
                 list(app.machines.values()),
                 store,
                 provider=app.provider,
-                resume=True,
+                resume=not shared,
                 stats=stats,
             ) as supervisor,
         ):

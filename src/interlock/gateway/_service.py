@@ -8,11 +8,20 @@ Retries are safe. A proposal sent with ``expected_seq`` is answered once: the sa
 proposal at the same ``expected_seq`` gets the recorded verdict (from memory while the
 process lives, else read back from the run's journal), never a second decision. A result
 is keyed by its idempotency key: a repeated report gets the key's recorded outcome.
+
+On a store that other processes write too (PostgreSQL: several gateway instances and
+workers in front of one database), an instance holds nothing another one needs. A hosted
+run it is asked to start is enqueued for a worker (``interlock worker``) to claim; reads
+come from the store; an external run it does not hold is folded from the store on its
+first request, and a copy another instance has advanced is dropped and folded again. Two
+instances deciding the same run at once conflict on the seq in the store: the loser
+answers 409 and drops its copy, so the next request reads the run afresh.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,6 +29,8 @@ import msgspec
 import trio
 
 from .. import _decider
+from .._breakers import CircuitBoard
+from .._enqueue import enqueue_run
 from .._events import (
     Completed,
     Escalated,
@@ -47,9 +58,19 @@ from .._exceptions import (
     UnknownState,
 )
 from .._machine import ESCALATE, Step
-from .._messages import Propose, Reconciliation, Report, Sync, Verdict
+from .._messages import (
+    Abort,
+    Propose,
+    Reconciliation,
+    Recover,
+    Report,
+    Resume,
+    Sync,
+    Verdict,
+)
 from .._view import RunState, RunView, fold
 from ..providers._base import render_prompt
+from ..stores import LeasingStore
 from ._api import (
     AbortIn,
     CallOut,
@@ -90,6 +111,10 @@ ANSWERS_KEPT = 100_000
 MAX_STEPS = 1000
 #: Events per page of GET /v1/runs/{id}/events, at most.
 MAX_EVENTS_PAGE = 10_000
+#: Seconds an event stream waits between two looks at the store for events another
+#: process wrote (a shared store), doubled up to POLL_MAX while nothing comes.
+POLL_MIN = 0.1
+POLL_MAX = 1.0
 _TERMINAL_KINDS = frozenset({"completed", "failed"})
 _ENDINGS = (Completed, Failed, Escalated)
 # The events that begin the decision of a new request: a decision's events run from its
@@ -269,6 +294,25 @@ class _Answer:
         self.error: GatewayError | None = None
 
 
+class _Follower:
+    """One event stream's inbox: the events of its run this process wrote since it looked."""
+
+    __slots__ = ("events", "tick")
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.tick = trio.Event()
+
+    def add(self, event: Event) -> None:
+        self.events.append(event)
+        self.tick.set()
+
+    def take(self) -> list[Event]:
+        events, self.events = self.events, []
+        self.tick = trio.Event()
+        return events
+
+
 class GatewayService:
     """The API's operations over a running :class:`~interlock.Supervisor`.
 
@@ -280,6 +324,10 @@ class GatewayService:
       retry_after: the seconds a 503 asks the caller to wait.
       quota: the most unfinished runs each key may have (``gateway._guard.RunQuota``);
         a key at its limit gets a 429 when it starts another run.
+
+    On a store with leases (PostgreSQL), where workers and other gateway instances write
+    the same journal, the service keeps no state another instance needs (see the module):
+    :attr:`shared` is set, and :attr:`enqueues` when hosted runs go to workers.
     """
 
     def __init__(
@@ -301,36 +349,54 @@ class GatewayService:
         """Set when the server stops: new mutating requests get a 503."""
         self._answers: OrderedDict[str, _Answer] = OrderedDict()
         self._reconciling: set[tuple[str, str]] = set()
-        self._ticks: dict[str, trio.Event] = {}
         self.quota = quota
         self._owners: dict[str, str] = {}  # run id -> the key that holds a quota slot for it
+        store = supervisor.store
+        self.shared = isinstance(store, LeasingStore)
+        """Whether other processes write the journal too (PostgreSQL): reads then go to the
+        store, and external runs are folded from it on demand."""
+        self.enqueues = self.shared and getattr(store, "leasing", False) is True
+        """Whether a hosted run is enqueued for a worker (``interlock worker``) to drive,
+        instead of being driven in this process."""
+        self.poll = (POLL_MIN, POLL_MAX)
+        """The shortest and longest wait of an event stream between looks at a shared store."""
+        self._loading: dict[str, trio.Lock] = {}
+        self._followers: dict[str, list[_Follower]] = {}
         self._watch_store()
 
     # -- plumbing -----------------------------------------------------------------
 
     def _watch_store(self) -> None:
-        # NOTE: the journal writer calls store.append once per batch; wrapping it on the
-        # instance tells the event streams (follow) that a run's journal grew, with no
-        # polling and no cost when nobody follows.
-        store = self.supervisor.store
-        append = store.append
-        ticks = self._ticks
-
+        # NOTE: told of every batch the journal writer made durable, the event streams
+        # (follow) get this process's writes with no polling and no reload of the journal,
+        # at no cost when nobody follows.
         owners = self._owners
+        followers = self._followers
 
-        async def append_and_tick(events: Sequence[Event]) -> None:
-            await append(events)
+        def written(events: Sequence[Event]) -> None:
             if owners:
                 for event in events:
                     if isinstance(event, _ENDINGS) and event.run_id in owners:
                         self._release(event.run_id)
-            if ticks:
-                for run_id in {e.run_id for e in events}:
-                    tick = ticks.pop(run_id, None)
-                    if tick is not None:
-                        tick.set()
+            if followers:
+                for event in events:
+                    waiting = followers.get(event.run_id)
+                    if waiting is not None:
+                        for follower in waiting:
+                            follower.add(event)
 
-        store.append = append_and_tick  # type: ignore[method-assign]
+        listeners = getattr(self.supervisor, "on_written", None)
+        if listeners is not None:
+            listeners.append(written)
+            return
+        store = self.supervisor.store
+        append = store.append
+
+        async def append_and_tell(events: Sequence[Event]) -> None:
+            await append(events)
+            written(events)
+
+        store.append = append_and_tell  # type: ignore[method-assign]
 
     def _release(self, run_id: str) -> None:
         name = self._owners.pop(run_id, None)
@@ -383,13 +449,16 @@ class GatewayService:
             raise _translate(exc) from None
 
     async def _fold(self, run_id: str) -> RunState:
-        """The run as its journal holds it (the live state, if it is live here)."""
+        """The run as its journal holds it (the live state, if it is live here and, on a
+        shared store, no other process has written it since)."""
         run = self.supervisor._runs.get(run_id)
-        if run is not None:
+        if run is not None and not self.shared:
             return run
         store = self.supervisor.store
         try:
             record = await store.get_run(run_id)
+            if run is not None and run.seq >= record.seq:
+                return run
             machine = self.supervisor.machine(record.machine)
             return fold(machine, await store.load(run_id))
         except UnknownMachine:
@@ -399,6 +468,108 @@ class GatewayService:
             ) from None
         except Exception as exc:
             raise _translate(exc) from None
+
+    async def _held(
+        self, run_id: str, *, behind: int | None = None, check: bool = False
+    ) -> RunState | None:
+        """This process's copy of the run, to decide a request on.
+
+        On a shared store an external run this process does not hold is folded from the
+        store (and held from then on), and a copy older than seq ``behind`` (or, with
+        ``check``, than the store's) is dropped and folded again: another instance advanced
+        the run. None when no copy can be held here: no such run is live (not shared), or
+        the run is hosted (a worker drives it) or has ended.
+        """
+        sup = self.supervisor
+        run = sup._runs.get(run_id)
+        if not self.shared or (run is not None and not run.external):
+            return run
+        if run is not None and not check and (behind is None or run.seq >= behind):
+            return run
+        lock = self._loading.get(run_id)
+        if lock is None:
+            lock = self._loading[run_id] = trio.Lock()
+        try:
+            async with lock:
+                return await self._load_held(run_id, behind, check)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._loading.pop(run_id, None)
+
+    async def _load_held(self, run_id: str, behind: int | None, check: bool) -> RunState | None:
+        sup = self.supervisor
+        store = sup.store
+        run = sup._runs.get(run_id)
+        try:
+            record = await store.get_run(run_id)
+        except Exception as exc:
+            raise _translate(exc) from None
+        if run is not None and run.seq >= max(record.seq, behind or 0):
+            return run  # loaded meanwhile by another request, or not stale after all
+        if run is not None:
+            self._drop(run_id, run)
+        if record.outcome != "running":
+            return None
+        try:
+            machine = sup.machine(record.machine)
+        except UnknownMachine:
+            raise conflict(
+                f"run {run_id!r} is of machine {record.machine!r}, which this gateway's "
+                f"application does not have (it has: {', '.join(sup.machines)})"
+            ) from None
+        try:
+            run = fold(machine, await store.load(run_id))
+        except Exception as exc:
+            raise _translate(exc) from None
+        if not run.external:
+            return None
+        if run_id in sup._runs:  # started or loaded by a request that did not wait here
+            return sup._runs[run_id]
+        sup._runs[run_id] = run
+        if run.terminal and not run.closed:  # its last write was cut short: close it
+            try:
+                await sup.request(Recover(run_id=run_id))
+            except Exception as exc:
+                raise _translate(exc) from None
+            sup.settle_external(run_id)
+            return None
+        return run
+
+    def _drop(self, run_id: str, run: RunState | None = None) -> None:
+        """Forget this process's copy of an external run (``run``, if given and still
+        the one held): the next request folds it from the store."""
+        runs = self.supervisor._runs
+        held = runs.get(run_id)
+        if held is not None and held.external and (run is None or held is run):
+            del runs[run_id]
+
+    async def _write_failed(self, run_id: str, before: int, exc: Exception) -> GatewayError:
+        """The answer to a request of an external run whose events could not be written:
+        on a shared store, a 409 when another process wrote the run meanwhile (the seq
+        conflict of two instances deciding it at once), else what ``exc`` means."""
+        if not self.shared or not isinstance(exc, StoreError):
+            return _translate(exc)
+        self._drop(run_id)
+        try:
+            record = await self.supervisor.store.get_run(run_id)
+        except Exception:
+            return _translate(exc)
+        if record.seq <= before:
+            return _translate(exc)
+        return conflict(
+            f"run {run_id!r} was advanced by another gateway instance (or process) at the "
+            f"same time: the journal holds it at seq {record.seq}, this request was decided "
+            f"at seq {before} and nothing of it was written; GET the run (or its last "
+            "verdict) and send the request again at the run's seq"
+        )
+
+    async def _submit(self, run: RunState, msg: Propose | Report | Reconciliation) -> Verdict:
+        """``supervisor.submit(msg)``, a lost race answered as :meth:`_write_failed` says."""
+        before = run.seq
+        try:
+            return await self.supervisor.submit(msg)
+        except StoreError as exc:
+            raise await self._write_failed(run.run_id, before, exc) from None
 
     def run_out(self, run: RunState) -> RunOut:
         """A run (live, or folded from its journal) as the API's RunOut."""
@@ -449,7 +620,9 @@ class GatewayService:
         """Start a run; return it and whether this request created it.
 
         A retry with the same ``run_id``, machine, inputs and mode gets the existing run
-        (created False); the same id with anything else is a 409.
+        (created False); the same id with anything else is a 409. On a store with leases
+        (:attr:`enqueues`) a hosted run is enqueued, not driven here: the answer is the run
+        as the store holds it (its initial state, running) and a worker drives it.
         """
         self._allow(principal, ("agent",), body.machine)
         sup = self.supervisor
@@ -465,10 +638,12 @@ class GatewayService:
                 return existing, False
         self._admit()
         try:
-            owner = self._take_slot(principal)
-        except GatewayError:
+            owner = await self._take_slot_swept(principal)
+        except BaseException:
             self.waiting -= 1
             raise
+        if self.enqueues and not external:
+            return await self._enqueue(body, owner)
         try:
             handle = await sup.start_run(
                 body.machine, body.inputs, run_id=body.run_id, external=external
@@ -502,6 +677,60 @@ class GatewayService:
         if run is None:  # a hosted run may have finished already
             run = await self._fold(handle.run_id)
         return self.run_out(run), True
+
+    async def _enqueue(self, body: RunCreate, owner: str | None) -> tuple[RunOut, bool]:
+        """Create the hosted run in the store for a worker to claim (see create_run)."""
+        sup = self.supervisor
+        try:
+            try:
+                run_id = await enqueue_run(
+                    sup.store, sup.machine(body.machine), body.inputs, run_id=body.run_id
+                )
+            finally:
+                self.waiting -= 1
+        except Exception as exc:
+            if owner is not None and self.quota is not None:
+                self.quota.release(owner)
+            if body.run_id is not None and isinstance(exc, ProtocolError | StoreError):
+                # Created meanwhile, by another request here or another instance.
+                existing = await self._existing(body, False)
+                if existing is not None:
+                    return existing, False
+            raise _translate(exc) from None
+        except BaseException:
+            if owner is not None and self.quota is not None:
+                self.quota.release(owner)
+            raise
+        if owner is not None:
+            # NOTE: a worker writes its end, so this process never sees it: the slot is
+            # given back when the key is at its limit and the store says the run ended.
+            self._owners[run_id] = owner
+        return self.run_out(await self._fold(run_id)), True
+
+    async def _take_slot_swept(self, principal: PrincipalLike | None) -> str | None:
+        """:meth:`_take_slot`; on a shared store, a key at its limit first gets back the
+        slots of its runs that other processes ended."""
+        if not self.shared or self.quota is None or principal is None:
+            return self._take_slot(principal)
+        try:
+            return self._take_slot(principal)
+        except GatewayError:
+            pass
+        name = principal.name
+        store = self.supervisor.store
+        for run_id in [r for r, owner in self._owners.items() if owner == name]:
+            if run_id in self.supervisor._runs:
+                continue
+            try:
+                record = await store.get_run(run_id)
+            except RunNotFound:
+                self._release(run_id)
+                continue
+            except Exception as exc:
+                raise _translate(exc) from None
+            if record.outcome != "running":
+                self._release(run_id)
+        return self._take_slot(principal)
 
     async def _existing(self, body: RunCreate, external: bool) -> RunOut | None:
         assert body.run_id is not None
@@ -627,25 +856,81 @@ class GatewayService:
     async def _follow(
         self, run_id: str, after: int, heartbeat: float | None
     ) -> AsyncGenerator[EventOut | None, None]:
-        seq = after
-        while True:
-            tick = self._ticks.get(run_id)
-            if tick is None:
-                tick = self._ticks[run_id] = trio.Event()
-            events = await self._load(run_id)
-            for event in events[seq:]:
-                out = event_out(event)
-                seq = event.seq
-                yield out
-            if events and type(events[-1]).__struct_config__.tag in _TERMINAL_KINDS:
-                return
-            if heartbeat is None:
-                await tick.wait()
-                continue
-            with trio.move_on_after(heartbeat) as waited:
-                await tick.wait()
-            if waited.cancelled_caught:
-                yield None
+        # NOTE: the journal is read once; then this process's writes of the run come from
+        # the journal writer (see _watch_store) and, on a shared store, other processes'
+        # writes from polling the run's index row: the journal is read again only when
+        # that row says the run grew, and only from the first event not yet sent.
+        follower = _Follower()
+        self._followers.setdefault(run_id, []).append(follower)
+        try:
+            seq = after
+            events: Sequence[JournalEvent | Event] = await self._load_after(run_id, seq)
+            if not events:
+                try:
+                    record = await self.supervisor.store.get_run(run_id)
+                except Exception as exc:
+                    raise _translate(exc) from None
+                if record.outcome in _TERMINAL_KINDS and record.seq <= seq:
+                    return  # it ended at or before ``after``
+            poll, poll_max = self.poll
+            quiet = 0.0  # seconds since the last event or keep-alive
+            while True:
+                for event in events:
+                    if event.seq <= seq:
+                        continue
+                    if event.seq > seq + 1:  # a gap (another process's writes): read them
+                        break
+                    seq = event.seq
+                    quiet, poll = 0.0, self.poll[0]
+                    yield event_out(event)
+                    if type(event).__struct_config__.tag in _TERMINAL_KINDS:
+                        return
+                else:
+                    events = ()
+                if events:  # stopped at a gap
+                    events = await self._load_after(run_id, seq)
+                    continue
+                wait = heartbeat if heartbeat is not None else math.inf
+                if self.shared:
+                    wait = min(wait - quiet, poll) if heartbeat is not None else poll
+                with trio.move_on_after(max(wait, 0.0)):
+                    await follower.tick.wait()
+                if follower.tick.is_set():
+                    events = follower.take()
+                    continue
+                quiet += max(wait, 0.0)
+                if self.shared:
+                    grown = await self._grown(run_id, seq)
+                    if grown:
+                        events = await self._load_after(run_id, seq)
+                        continue
+                    poll = min(poll * 2, poll_max)
+                if heartbeat is not None and quiet >= heartbeat:
+                    quiet = 0.0
+                    yield None
+        finally:
+            waiting = self._followers.get(run_id)
+            if waiting is not None:
+                waiting.remove(follower)
+                if not waiting:
+                    del self._followers[run_id]
+
+    async def _grown(self, run_id: str, seq: int) -> bool:
+        """Whether the store holds events of the run after ``seq``."""
+        try:
+            return (await self.supervisor.store.get_run(run_id)).seq > seq
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    async def _load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
+        """The run's journal events after ``seq``."""
+        load_after = getattr(self.supervisor.store, "load_after", None)
+        if load_after is not None:
+            try:
+                return list(await load_after(run_id, seq))
+            except Exception as exc:
+                raise _translate(exc) from None
+        return (await self._load(run_id))[seq:]  # seqs run from 1 without gaps
 
     # -- proposals ----------------------------------------------------------------
 
@@ -675,9 +960,9 @@ class GatewayService:
         usage: Usage | None,
         model: str,
     ) -> VerdictOut:
-        sup = self.supervisor
-        run = sup._runs.get(run_id)
         answer: _Answer | None = None
+        # A copy behind the seq the caller saw is one another instance advanced: reload it.
+        run = await self._held(run_id, behind=expected)
         if expected is not None:
             known = self._answers.get(run_id)
             if known is not None and known.seq == expected and known.proposal == proposal:
@@ -694,14 +979,15 @@ class GatewayService:
                 "runs created with mode 'external'"
             )
         try:
-            verdict = await sup.submit(
+            verdict = await self._submit(
+                run,
                 Propose(
                     run_id=run_id,
                     seq=expected or 0,
                     raw=proposal,
                     usage=_usage(usage),
                     model=model,
-                )
+                ),
             )
             verdict = await self._advance(run_id, verdict)
         except Exception as exc:
@@ -757,7 +1043,7 @@ class GatewayService:
             if not isinstance(spec, Step):
                 return verdict
             proposal = _decider.step_proposal(run_id, run.seq, run.state, spec, RunView(run))
-            verdict = await sup.submit(proposal)
+            verdict = await self._submit(run, proposal)
         return verdict
 
     async def _not_live(self, run_id: str) -> GatewayError:
@@ -771,6 +1057,11 @@ class GatewayService:
                 f"run {run_id!r} is {record.outcome} in state {record.state!r}; it takes no "
                 "more proposals or results"
                 + ("; an operator resumes it" if record.outcome == "escalated" else "")
+            )
+        if self.shared:
+            return conflict(
+                f"run {run_id!r} is hosted: a worker drives it (interlock worker); "
+                "proposals and results are for runs created with mode 'external'"
             )
         return conflict(
             f"run {run_id!r} is running but not in this gateway (another process drives it); "
@@ -875,7 +1166,7 @@ class GatewayService:
                     verdicts[index] = _item_problem(item, exc)
 
             async with trio.open_nursery() as nursery:
-                decided: list[tuple[int, Verdict, _Answer | None]] = []
+                decided: list[tuple[int, Verdict, _Answer | None, int]] = []
                 for index, item in enumerate(items):
                     try:
                         now = self._decide_now(item, principal)
@@ -894,8 +1185,9 @@ class GatewayService:
 
     def _decide_now(
         self, item: VerifyItem, principal: PrincipalLike | None
-    ) -> tuple[Verdict, _Answer | None] | None:
-        """Decide ``item`` in this task, or None when it must go the single proposal's way."""
+    ) -> tuple[Verdict, _Answer | None, int] | None:
+        """Decide ``item`` in this task, or None when it must go the single proposal's way;
+        the verdict, the answer to settle and the run's seq before the decision."""
         sup = self.supervisor
         run_id = item.run_id
         run = sup._runs.get(run_id)
@@ -917,6 +1209,7 @@ class GatewayService:
                 return None  # stale, or a retry answered before: read the journal
             answer = _Answer(expected, item.proposal)
             self._remember(run_id, answer)
+        before = run.seq
         try:
             verdict = sup.submit_nowait(
                 Propose(
@@ -931,11 +1224,11 @@ class GatewayService:
             error = _translate(exc)
             self._fail(run_id, answer, error)
             raise error from None
-        return verdict, answer
+        return verdict, answer, before
 
     async def _answer_decided(
         self,
-        decided: list[tuple[int, Verdict, _Answer | None]],
+        decided: list[tuple[int, Verdict, _Answer | None, int]],
         items: Sequence[VerifyItem],
         verdicts: list[VerdictOut | None],
     ) -> None:
@@ -943,14 +1236,14 @@ class GatewayService:
         try:
             await self._settle_decided(decided, items, verdicts)
         except BaseException:  # cancelled: the answers not given are never left pending
-            for index, _, answer in decided:
+            for index, _, answer, _ in decided:
                 if answer is not None and not answer.done.is_set():
                     self._fail(items[index].run_id, answer, _interrupted())
             raise
 
     async def _settle_decided(
         self,
-        decided: list[tuple[int, Verdict, _Answer | None]],
+        decided: list[tuple[int, Verdict, _Answer | None, int]],
         items: Sequence[VerifyItem],
         verdicts: list[VerdictOut | None],
     ) -> None:
@@ -960,14 +1253,14 @@ class GatewayService:
             # (an InterlockError) only after that write, if its run cannot take a Sync.
             await sup.request(Sync(run_id=decided[0][1].run_id))
         except (StoreError, trio.ClosedResourceError) as exc:
-            error = _translate(exc)
-            for index, _, answer in decided:
+            for index, verdict, answer, before in decided:
+                error = await self._write_failed(verdict.run_id, before, exc)
                 self._fail(items[index].run_id, answer, error)
                 verdicts[index] = _item_problem(items[index], error)
             return
         except InterlockError:
             pass
-        for index, verdict, answer in decided:
+        for index, verdict, answer, _ in decided:
             run_id = verdict.run_id
             sup.settle_external(run_id)
             try:
@@ -999,6 +1292,9 @@ class GatewayService:
         self._allow(principal, ("agent",), await self._machine_of(run_id))
         sup = self.supervisor
         run = sup._runs.get(run_id)
+        if self.shared and (run is None or run.pending is None or run.pending.key != body.key):
+            # Not held, or not awaiting this key: another instance may have advanced it.
+            run = await self._held(run_id, check=True)
         if run is not None and not run.external:
             raise conflict(
                 f"run {run_id!r} is hosted: the runtime executes its tools; results are for "
@@ -1031,7 +1327,11 @@ class GatewayService:
                     latency=body.latency,
                     applied=body.applied,
                 )
-            verdict = await self._advance(run_id, await sup.submit(msg))
+            if run is None:
+                verdict = await sup.submit(msg)  # refused: no such run is live here
+            else:
+                verdict = await self._submit(run, msg)
+            verdict = await self._advance(run_id, verdict)
         except Exception as exc:
             raise _translate(exc) from None
         finally:
@@ -1120,6 +1420,7 @@ class GatewayService:
             raise invalid("resume takes a payload (a corrected proposal) or to (a state), not both")
         self._allow(principal, ("operator",), await self._machine_of(run_id))
         run = await self._fold(run_id)
+        before = run.seq
         if run.state != ESCALATE:
             last = await self._last_operator_event(run_id, Resumed)
             if isinstance(last, Resumed) and (last.by, last.note, last.payload) == (
@@ -1131,16 +1432,55 @@ class GatewayService:
         sup = self.supervisor
         self._admit()
         try:
-            await sup.resume_escalated(
-                run_id, by=body.by, note=body.note, to=body.to, payload=body.payload
-            )
-            if run.external:  # the step states it resumed into, as for any request
-                await self._steps(run_id, None)
+            if self.enqueues and not run.external:
+                await self._write_operator(
+                    run,
+                    Resume(
+                        run_id=run_id,
+                        seq=run.seq,
+                        by=body.by,
+                        note=body.note,
+                        to=body.to or "",
+                        payload=body.payload or "",
+                    ),
+                )
+            else:
+                self._drop_stale(run_id, run)
+                await sup.resume_escalated(
+                    run_id, by=body.by, note=body.note, to=body.to, payload=body.payload
+                )
+                if run.external:  # the step states it resumed into, as for any request
+                    await self._steps(run_id, None)
         except Exception as exc:
-            raise _translate(exc) from None
+            raise await self._write_failed(run_id, before, exc) from None
         finally:
             self.waiting -= 1
         return self.run_out(await self._fold(run_id))
+
+    def _drop_stale(self, run_id: str, current: RunState) -> None:
+        """Drop this process's copy of the run if it is older than ``current`` (the run as
+        the store holds it): the supervisor then folds it afresh."""
+        held = self.supervisor._runs.get(run_id)
+        if held is not None and held is not current and held.seq < current.seq:
+            self._drop(run_id, held)
+
+    async def _write_operator(self, run: RunState, msg: Resume | Abort) -> None:
+        """Decide an operator's request of a hosted run that no process here holds (a
+        worker drives it), and write its events; a worker claims the resumed run.
+
+        Raises:
+          NotEscalated, IllegalResumeTarget, UnknownState: as the supervisor raises them.
+          PayloadRejected: the gate rejected a resume's payload; nothing was written.
+          StoreError: the events could not be written (another process wrote the run).
+        """
+        _decider.escalated(run)
+        if isinstance(msg, Resume):
+            msg = msgspec.structs.replace(msg, to=_decider.resume_target(run, msg.to))
+        events: list[Event] = []
+        verdict = _decider.decide(run, msg, self.supervisor.clock(), CircuitBoard(), events)
+        if isinstance(msg, Resume) and msg.payload and verdict.violations:
+            raise PayloadRejected(run.run_id, verdict.violations)
+        await self.supervisor.store.append(events)
 
     async def _last_operator_event(self, run_id: str, kind: type) -> Event | None:
         for event in reversed(await self._load(run_id)):
@@ -1156,15 +1496,20 @@ class GatewayService:
         """End an escalated run in FAILED; a retry of the same abort gets the failed run."""
         self._allow(principal, ("operator",), await self._machine_of(run_id))
         run = await self._fold(run_id)
+        before = run.seq
         if run.state != ESCALATE:
             last = await self._last_operator_event(run_id, Failed)
             if isinstance(last, Failed) and last.reason.startswith(f"aborted by {body.by}"):
                 return self.run_out(run)
         self._admit()
         try:
-            await self.supervisor.abort_escalated(run_id, by=body.by, note=body.note)
+            if self.enqueues and not run.external:
+                await self._write_operator(run, Abort(run_id=run_id, by=body.by, note=body.note))
+            else:
+                self._drop_stale(run_id, run)
+                await self.supervisor.abort_escalated(run_id, by=body.by, note=body.note)
         except Exception as exc:
-            raise _translate(exc) from None
+            raise await self._write_failed(run_id, before, exc) from None
         finally:
             self.waiting -= 1
         return self.run_out(await self._fold(run_id))
