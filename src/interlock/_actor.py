@@ -131,6 +131,7 @@ class Driver:
         "deadline_passed",
         "deadline_token",
         "done",
+        "draining",
         "in_provider",
         "model",
         "run_id",
@@ -145,6 +146,8 @@ class Driver:
         """The scope the run's actor runs in (see run_actor)."""
         self.done = False
         """The actor has stopped: the watchdog's entries for it are void."""
+        self.draining = False
+        """Stop at the next step boundary, before asking the model again (a drain)."""
         self.cancelled = False
         """cancel_run cancelled the scope (not the deadline)."""
         self.deadline_passed = False
@@ -253,6 +256,8 @@ async def _drive(
                 told = None
                 durable = False
                 continue
+            if driver.draining:
+                break  # a drain: the step in flight is done; the next one is not started
             if verdict.retry_in > 0:
                 await _backoff(driver, verdict.retry_in)
             proposal = await _next_proposal(port, driver, view, provider)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -50,6 +51,7 @@ from ._exceptions import (
 )
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
+from ._leasing import DEFAULT_TTL
 from ._machine import Machine, Worker
 from ._version import __version__
 from ._view import violation_signature
@@ -137,6 +139,37 @@ def _seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds (inf: no limit), got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (e.g. 0.5), got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
+    return value
+
+
+def _lease_ttl(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=DEFAULT_TTL,
+        metavar="SECONDS",
+        help="PostgreSQL: how long the leases this process takes last; heartbeats renew "
+        f"them every third of it (default {DEFAULT_TTL:g})",
+    )
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -242,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of corrupted model answers (default 0.1)",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of inputs and chaos (default 0)")
+    _lease_ttl(demo)
     demo.add_argument(
         "--db",
         type=_url,
@@ -372,10 +406,75 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument(
         "--wait",
         type=_seconds,
-        default=0.0,
+        default=None,
         metavar="SECONDS",
         help="SQLite: if another process holds the journal, wait up to SECONDS for it to "
-        "finish, then resume what is still unfinished (default 0: name it and exit 2)",
+        "finish, then resume what is still unfinished (default 0: name it and exit 2). "
+        "PostgreSQL: wait up to SECONDS for the runs other processes lease (default the "
+        "lease ttl + 2 s, by when a crashed process's leases have expired)",
+    )
+    _lease_ttl(resume)
+
+    worker = commands.add_parser(
+        "worker",
+        help="PostgreSQL: claim runs from the journal and drive them, beside any number of "
+        "other workers (SIGTERM drains and exits 0)",
+    )
+    _app(worker)
+    _journal(worker, app=True)
+    _demo_options(worker, chaos=True)
+    _lease_ttl(worker)
+    worker.add_argument(
+        "--max-runs",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="the most runs driven at once (default 1000)",
+    )
+    worker.add_argument(
+        "--claim-batch",
+        type=_positive_int,
+        default=100,
+        metavar="N",
+        help="the most runs taken per claim (default 100)",
+    )
+    worker.add_argument(
+        "--poll",
+        type=_positive_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="how often an idle worker looks for claimable runs (default 0.5)",
+    )
+    worker.add_argument(
+        "--owner",
+        default=None,
+        metavar="NAME",
+        help="the worker's name in the leases table (default host:pid:random)",
+    )
+    worker.add_argument(
+        "--until-idle",
+        action="store_true",
+        help="exit 0 once nothing is claimable and no run is driven here (after waiting up "
+        "to --wait for runs other processes lease)",
+    )
+    worker.add_argument(
+        "--wait",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="with --until-idle: how long to wait for runs other processes lease (default "
+        "the lease ttl + 2 s: a crashed process's leases expire by then)",
+    )
+    worker.add_argument(
+        "--drain-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the steps in flight get to finish (default 30)",
+    )
+    _metrics_options(worker, "the worker's runs")
+    worker.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON document at exit"
     )
 
     replay = commands.add_parser(
@@ -558,6 +657,7 @@ async def _demo(args: argparse.Namespace) -> int:
         base_url=args.base_url,
         model=args.model,
         stream=args.stream,
+        lease_ttl=args.lease_ttl,
     )
     if args.provider == "sim" and (args.base_url or args.model or args.stream):
         raise InterlockError(
@@ -1139,7 +1239,7 @@ async def _resume(args: argparse.Namespace) -> int:
 
     # One writer per SQLite journal: held (or waited for) before the unfinished runs are
     # read, so a second resume resumes nothing twice and fails before it changes anything.
-    async with hold_journal(path, wait=args.wait, on_wait=waiting):
+    async with hold_journal(path, wait=args.wait or 0.0, on_wait=waiting):
         return await _resume_held(args, app, named, db)
 
 
@@ -1162,9 +1262,15 @@ async def _resume_held(args: argparse.Namespace, app: App, named: str, db: str) 
             return 0
     finally:
         await _close(store)
-    with metrics:
+    with metrics, _log_leases(lambda: "interlock resume"):
         summary = await resume_app(
-            app, db, stats=metrics.stats, on_start=metrics.started, named=named
+            app,
+            db,
+            stats=metrics.stats,
+            on_start=metrics.started,
+            named=named,
+            lease_ttl=args.lease_ttl,
+            wait=args.wait,
         )
         if args.json:
             _print_json(summary)
@@ -1195,6 +1301,117 @@ def _what_if(refs: Sequence[str]) -> dict[str, tuple[str, Machine]]:
         for name, machine in load_app(ref, "--machine").machines.items():
             machines[name] = (ref, machine)
     return machines
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    import signal
+
+    from ._worker import WorkerControl, run_worker
+
+    app, named, db = _application(args)
+    if sqlite_path(db) is not None:
+        raise _Usage(
+            f"interlock worker needs a PostgreSQL journal (--db postgresql://...), where runs "
+            f"are leased to workers; {db} is a SQLite journal, which one process drives: "
+            "run `interlock resume` on it"
+        )
+    metrics = _Metrics(args, app.prices)
+    control: WorkerControl | None = None
+    name = args.owner or "?"
+
+    def started(worker: WorkerControl) -> None:
+        nonlocal control, name
+        control = worker
+        name = worker.owner
+        metrics.started(worker.supervisor)
+        assert worker.supervisor.leases is not None
+        sys.stderr.write(
+            f"interlock worker {name}: ready on {_where(db)} (lease ttl "
+            f"{worker.supervisor.leases.ttl:g} s, up to {args.max_runs} runs)\n"
+        )
+        sys.stderr.flush()
+
+    async def on_signals(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if control is not None and not control.draining:
+                    sys.stderr.write(
+                        f"interlock worker {name}: {signal.Signals(signum).name}: draining "
+                        f"(the steps in flight finish, then the leases are released)\n"
+                    )
+                    sys.stderr.flush()
+                    control.drain()
+                else:  # a second signal: stop now; the leases expire
+                    nursery.cancel_scope.cancel()
+
+    with _log_leases(lambda: f"interlock worker {name}"), metrics:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(on_signals)
+            summary = await run_worker(
+                app,
+                db,
+                owner=args.owner,
+                lease_ttl=args.lease_ttl,
+                max_runs=args.max_runs,
+                claim_batch=args.claim_batch,
+                poll=args.poll,
+                until_idle=args.until_idle,
+                idle_wait=args.wait,
+                drain_timeout=args.drain_timeout,
+                stats=metrics.stats,
+                on_start=started,
+                named=named,
+            )
+            nursery.cancel_scope.cancel()
+        await metrics.held()
+    if args.json:
+        _print_json(msgspec.to_builtins(summary))
+    else:
+        how = "drained" if summary.drained else "idle"
+        sys.stdout.write(
+            f"interlock worker {summary.owner}: {how} after {summary.wall_seconds} s; claimed "
+            f"{summary.claimed}, finished {summary.finished} ({summary.completed} completed, "
+            f"{summary.failed} failed, {summary.escalated} escalated), lost {summary.lost} "
+            f"leases, released {summary.released}\n"
+        )
+    return 0
+
+
+@contextlib.contextmanager
+def _log_leases(prefix: Callable[[], str]) -> Iterator[None]:
+    """Print the leases' and the worker's log lines (a lost lease, a claim that failed) on
+    stderr, one line each, after ``prefix()``."""
+    import logging
+
+    class _Prefixed(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"{prefix()}: {record.getMessage()}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Prefixed())
+    loggers = [logging.getLogger(n) for n in ("interlock.leases", "interlock.worker")]
+    loggers.append(logging.getLogger("interlock.supervisor"))
+    saved = [(logger.level, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, (level, propagate) in zip(loggers, saved, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+def _where(db: str) -> str:
+    from .stores._open import _split_schema
+    from .stores._postgres import describe_dsn
+
+    dsn, schema = _split_schema(db)
+    return f"{describe_dsn(dsn)} schema {schema}"
 
 
 async def _replay(args: argparse.Namespace) -> int:
@@ -1360,6 +1577,7 @@ _COMMANDS = {
     "replay": _replay,
     "check": _check,
     "serve": _serve,
+    "worker": _worker,
 }
 
 
@@ -1382,7 +1600,8 @@ async def _command(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     return
 
-        await nursery.start(watch)
+        if args.command != "worker":  # a worker drains on SIGINT and SIGTERM itself
+            await nursery.start(watch)
         code = await _COMMANDS[args.command](args)
         nursery.cancel_scope.cancel()
     if interrupted:

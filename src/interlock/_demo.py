@@ -16,6 +16,7 @@ import trio
 from ._app import App
 from ._exceptions import InterlockError
 from ._hotpath import IMPLEMENTATION
+from ._leasing import DEFAULT_TTL, is_leasing
 from ._runtime import open_supervisor
 from ._stats import LatencyHistogram, RuntimeStats
 from ._supervisor import Supervisor
@@ -73,6 +74,7 @@ class DemoConfig:
     base_url: str | None = None
     model: str | None = None
     stream: bool = False
+    lease_ttl: float = DEFAULT_TTL
 
     def effects_path(self) -> str:
         return self.effects or effects_path(self.db)
@@ -275,7 +277,11 @@ async def run_demo(
         async with app.lifespan(config.db) as backend, _model_server(config, app, views):
             assert isinstance(backend, Backend)
             async with open_supervisor(
-                list(app.machines.values()), store, provider=app.provider, stats=stats
+                list(app.machines.values()),
+                store,
+                provider=app.provider,
+                stats=stats,
+                lease_ttl=config.lease_ttl,
             ) as supervisor:
                 views["supervisor"] = supervisor
                 if on_start is not None:
@@ -416,9 +422,16 @@ async def resume_app(
     stats: RuntimeStats | None = None,
     on_start: Callable[[Supervisor], None] | None = None,
     named: str = "",
+    lease_ttl: float = DEFAULT_TTL,
+    wait: float | None = None,
 ) -> dict[str, Any]:
     """Resume every unfinished run in the journal ``db`` with ``app``'s machines, wait for
     all, and summarize the whole journal (see :func:`summarize_store`).
+
+    On PostgreSQL the runs are leased: this claims what is claimable, as a worker that
+    exits when idle (:func:`~interlock.run_worker` with ``until_idle``), waiting up to
+    ``wait`` seconds (default ``lease_ttl`` + 2) for the runs other processes lease. Two
+    resumes at once split the runs between them.
 
     An external run (``start_run(..., external=True)``) is left to its caller, which
     drives it with ``Supervisor.submit``: the summary counts them under ``"external"``
@@ -434,6 +447,11 @@ async def resume_app(
     stats = stats if stats is not None else RuntimeStats()
     store = await open_store(db) if db != ":memory:" else await open_store(None)
     started = time.perf_counter()
+    if is_leasing(store):
+        await store.aclose()
+        return await _resume_leased(
+            app, db, stats=stats, on_start=on_start, named=named, lease_ttl=lease_ttl, wait=wait
+        )
     try:
         external = [
             record.run_id
@@ -465,6 +483,68 @@ async def resume_app(
             return {**summary, "external": len(external), "external_runs": external}
     finally:
         with trio.CancelScope(shield=True):  # closed even when Ctrl-C cancelled the runs
+            await store.aclose()
+
+
+async def _resume_leased(
+    app: App,
+    db: str,
+    *,
+    stats: RuntimeStats,
+    on_start: Callable[[Supervisor], None] | None,
+    named: str,
+    lease_ttl: float,
+    wait: float | None,
+) -> dict[str, Any]:
+    """:func:`resume_app` on a journal with leases: a worker until idle, then the summary."""
+    from ._worker import run_worker
+
+    started = time.perf_counter()
+    report = await run_worker(
+        app,
+        db,
+        lease_ttl=lease_ttl,
+        until_idle=True,
+        idle_wait=wait,
+        stats=stats,
+        on_start=(lambda control: on_start(control.supervisor)) if on_start else None,
+        named=named,
+    )
+    store = await open_store(db, readonly=True)
+    try:
+        async with app.open(db, named) as effects:
+            summary = await summarize_store(
+                store,
+                list(app.machines),
+                effects,
+                stats=stats,
+                wall=time.perf_counter() - started,
+                db=db,
+                resumed=report.claimed,
+            )
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+    external = await _unfinished_external(db, app)
+    return {
+        **summary,
+        "external": len(external),
+        "external_runs": external,
+        "leased_elsewhere": report.waited_for,
+        "lost": report.lost,
+    }
+
+
+async def _unfinished_external(db: str, app: App) -> list[str]:
+    store = await open_store(db, readonly=True)
+    try:
+        return [
+            record.run_id
+            for record in await store.unfinished()
+            if record.machine in app.machines and _is_external(await store.load(record.run_id))
+        ]
+    finally:
+        with trio.CancelScope(shield=True):
             await store.aclose()
 
 

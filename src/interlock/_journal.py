@@ -13,7 +13,7 @@ import trio
 from ._exceptions import InterlockError, InternalError, StoreError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable, Sequence
 
     from ._events import Event
     from ._messages import Request, Verdict
@@ -49,6 +49,10 @@ class GroupCommit:
       contain: turns a bug met while deciding a request into the error that ends its run.
       forget: called with the run ids of a batch that could not be written, and the error.
       max_batch: the most requests decided per write.
+
+    A supervisor on a store with leases sets :attr:`fenced` (the fenced append, which
+    returns the runs it refused) and :attr:`refusal` (the error of a refused run's
+    requests); the other runs of a batch commit.
     """
 
     __slots__ = (
@@ -59,7 +63,10 @@ class GroupCommit:
         "_inline",
         "_queue",
         "closed",
+        "fenced",
         "max_batch",
+        "on_written",
+        "refusal",
         "stats",
         "store",
     )
@@ -83,6 +90,10 @@ class GroupCommit:
         self._queue: deque[_Pending] = deque()
         self._inline: list[Event] = []  # decided by submit_nowait, not yet written
         self._idle: trio.lowlevel.Task | None = None
+        self.fenced: Callable[[list[Event]], Awaitable[frozenset[str]]] | None = None
+        self.refusal: Callable[[str], Exception] | None = None
+        self.on_written: list[Callable[[Sequence[Event]], object]] = []
+        """Called after each batch is durable, with the events written."""
 
     async def request(self, msg: Request) -> Verdict:
         """See :meth:`Supervisor.request`."""
@@ -154,27 +165,49 @@ class GroupCommit:
                     replies.append((pending, outcome.Error(self._contain(pending.msg, exc))))
                     del events[mark:]
             if events:
-                error = await self._write(events)
+                error, refused = await self._write(events)
                 if error is not None:
                     replies = [(p, outcome.Error(error)) for p, _ in replies]
+                elif refused:
+                    replies = self._refuse(replies, refused)
             for pending, reply in replies:
                 if not pending.cancelled:
                     trio.lowlevel.reschedule(pending.task, reply)
 
-    async def _write(self, events: list[Event]) -> StoreError | None:
-        """Append one batch; on failure, forget its runs and return the error."""
+    def _refuse(
+        self, replies: list[tuple[_Pending, outcome.Outcome[Verdict]]], refused: frozenset[str]
+    ) -> list[tuple[_Pending, outcome.Outcome[Verdict]]]:
+        """The replies of a batch some runs of which the fence refused: theirs are errors."""
+        refusal = self.refusal
+        assert refusal is not None
+        return [
+            (p, outcome.Error(refusal(p.msg.run_id)) if p.msg.run_id in refused else reply)
+            for p, reply in replies
+        ]
+
+    async def _write(self, events: list[Event]) -> tuple[StoreError | None, frozenset[str]]:
+        """Append one batch; on failure, forget its runs and return the error. Also
+        returns the runs a fenced append refused (none of their events were written)."""
         started = time.perf_counter()
+        refused: frozenset[str] = frozenset()
         try:
-            await self.store.append(events)
+            if self.fenced is None:
+                await self.store.append(events)
+            else:
+                refused = await self.fenced(events)
         except (StoreError, OSError) as exc:
             error = (
                 exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
             )
             self._forget({e.run_id for e in events}, error)
-            return error
+            return error, refused
+        if refused:
+            events = [event for event in events if event.run_id not in refused]
+        for listener in self.on_written:
+            listener(events)
         stats = self.stats
         stats.flush_latency.record(time.perf_counter() - started)
         stats.flush_events["batches"] += 1
         stats.flush_events["events"] += len(events)
         stats.batch_sizes.record(len(events) * 1e-6)
-        return None
+        return None, refused

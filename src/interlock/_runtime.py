@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ._exceptions import InterlockError
+from ._leasing import DEFAULT_TTL
 from ._supervisor import Clock, Supervisor
 
 if TYPE_CHECKING:
@@ -24,6 +26,14 @@ if TYPE_CHECKING:
 #: A young-generation pass walks every live run task, and the loop allocates steadily:
 #: fewer, larger passes (benchmarks/bench_concurrency.py measures the difference).
 GC_THRESHOLD = (200_000, 20, 100)
+
+
+async def _release_all(supervisor: Supervisor) -> None:
+    """Release the leases of the runs left unfinished, so another process may claim them
+    at once instead of after their expiry; best effort (the store may be gone)."""
+    assert supervisor.leases is not None
+    with trio.CancelScope(shield=True), trio.move_on_after(5), suppress(InterlockError):
+        await supervisor.leases.release(list(supervisor.leases.epochs))  # else they expire
 
 
 def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
@@ -71,6 +81,8 @@ async def open_supervisor(
     stats: RuntimeStats | None = None,
     max_batch: int = 8192,
     gc_threshold: tuple[int, int, int] | None = GC_THRESHOLD,
+    owner: str | None = None,
+    lease_ttl: float = DEFAULT_TTL,
 ) -> AsyncIterator[Supervisor]:
     """Run a supervisor for the duration of an ``async with`` block.
 
@@ -96,6 +108,13 @@ async def open_supervisor(
         benchmarks/RESULTS.md. After a burst of start_run calls, ``gc.freeze()`` halves
         the remaining collection work (frozen garbage is never collected, so freeze
         only once the start-up garbage is gone).
+      owner: on a store with leases (PostgreSQL), this process's name in the leases
+        table; ``host:pid:random`` if omitted.
+      lease_ttl: on a store with leases, seconds each lease lasts; a heartbeat renews
+        them every third of that. Every run the supervisor starts, claims or resumes is
+        leased to it, and each batch is appended fenced: a run whose lease another
+        process took is dropped with :class:`LeaseLost`, the rest of the batch commits.
+        Leaving the block releases the leases of the runs left unfinished.
     """
     if gc_threshold is not None:
         _tune_gc(gc_threshold)
@@ -104,12 +123,21 @@ async def open_supervisor(
 
         store = MemoryStore()
     supervisor = Supervisor(
-        machines, store, provider=provider, clock=clock, stats=stats, max_batch=max_batch
+        machines,
+        store,
+        provider=provider,
+        clock=clock,
+        stats=stats,
+        max_batch=max_batch,
+        owner=owner,
+        lease_ttl=lease_ttl,
     )
     try:
         async with trio.open_nursery() as outer:
             await outer.start(supervisor._journal.serve)
             await outer.start(supervisor._watchdog.serve)
+            if supervisor.leases is not None:
+                await outer.start(supervisor.leases.heartbeat, supervisor._holds)
             try:
                 async with trio.open_nursery() as actors:
                     supervisor._actors = actors
@@ -121,6 +149,8 @@ async def open_supervisor(
             finally:
                 supervisor._actors = None
                 supervisor._journal.closed = True
+                if supervisor.leases is not None:
+                    await _release_all(supervisor)
                 outer.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The two nurseries wrap whatever ended the block (the caller's own error, a

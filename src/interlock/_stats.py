@@ -149,6 +149,8 @@ class RuntimeStats:
         self.flush_events: defaultdict[str] = defaultdict(int)  # "batches", "events", "bytes"
         self.batch_sizes = LatencyHistogram()  # reused as a size histogram (events, not seconds)
         self.escalations_pending = 0  # runs parked in ESCALATE, store-wide once counted at start
+        self.leases_lost = 0  # runs dropped because another process took their leases
+        self.leases_claimed = 0  # runs claimed (a worker, a resume on PostgreSQL)
 
     def histogram(self, table: dict[str, LatencyHistogram], key: str) -> LatencyHistogram:
         """The histogram of ``key`` in ``table``, created on first use."""

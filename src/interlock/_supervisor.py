@@ -8,10 +8,12 @@ watchdog (``_watchdog``) keeps the deadlines and timeouts, and each run's actor
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -22,6 +24,7 @@ from ._events import Event, describe_exception
 from ._exceptions import (
     InterlockError,
     InternalError,
+    LeaseLost,
     NoProvider,
     PayloadRejected,
     ProtocolError,
@@ -32,6 +35,7 @@ from ._exceptions import (
 )
 from ._handle import RunHandle, RunResult
 from ._journal import GroupCommit
+from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
 from ._machine import FAILED, Machine
 from ._messages import (
     Abort,
@@ -58,6 +62,8 @@ if TYPE_CHECKING:
 
 Clock = Callable[[], float]
 
+_log = logging.getLogger("interlock.supervisor")
+
 _MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
 
 #: How many released runs' results a supervisor keeps to answer late requests clearly.
@@ -82,6 +88,8 @@ class Supervisor:
         clock: Clock = time.time,
         max_batch: int = 8192,
         stats: RuntimeStats | None = None,
+        owner: str | None = None,
+        lease_ttl: float = DEFAULT_TTL,
     ) -> None:
         self.machines: dict[str, Machine] = {}
         for machine in machines:
@@ -112,9 +120,59 @@ class Supervisor:
         # Runs whose in-memory state was dropped because a batch holding their events
         # could not be written (see _forget): their later requests get that error.
         self._lost: dict[str, Exception] = {}
+        # Leased runs dropped because a batch could not be written: a worker adopts them
+        # again once the store is back (readopting), instead of letting the leases expire.
+        self._unwritten: set[str] = set()
+        self._adopting: set[str] = set()  # claimed, their journals being folded
+        self.readopting = False
         # How the latest released runs ended, so a late request gets a clear answer; the
         # oldest are forgotten, so a process that runs millions of runs stays flat.
         self._ended: dict[str, RunResult] = {}
+        self.leases: Leases | None = None
+        """This supervisor's leases, on a store that has them (PostgreSQL); else None."""
+        self._draining = False
+        self._no_drivers: trio.Event | None = None
+        if is_leasing(store):
+            self.leases = Leases(
+                store,  # type: ignore[arg-type]
+                owner if owner is not None else default_owner(),
+                lease_ttl,
+                is_external=self._is_external,
+                lose=self._lose,
+            )
+            self._journal.fenced = self.leases.append
+            self._journal.refusal = self._refusal
+
+    @property
+    def on_written(self) -> list[Callable[[Sequence[Event]], object]]:
+        """Callbacks called after each journal batch is durable, with the events written
+        (a fenced batch's refused runs excluded)."""
+        return self._journal.on_written
+
+    def _holds(self, run_id: str) -> bool:
+        """Whether this supervisor still wants ``run_id``'s lease (the heartbeat asks)."""
+        return run_id in self._runs or run_id in self._unwritten or run_id in self._adopting
+
+    def _is_external(self, run_id: str) -> bool:
+        run = self._runs.get(run_id)
+        return run is not None and run.external
+
+    def _refusal(self, run_id: str) -> Exception:
+        return self._lost.get(run_id) or StoreError(f"run {run_id!r} was refused by the store")
+
+    def _lose(self, errors: Mapping[str, Exception]) -> None:
+        """Drop runs whose leases another process took: their requests get ``errors``,
+        and their actors stop (a call in flight is cut; its outcome is the new owner's
+        to reconcile)."""
+        for run_id, error in errors.items():
+            self._runs.pop(run_id, None)
+            self._lost[run_id] = error
+            if len(self._lost) > ENDED_KEPT:
+                del self._lost[next(iter(self._lost))]
+            driver = self._drivers.get(run_id)
+            if driver is not None:
+                driver.cancel()
+            self.stats.leases_lost += 1
 
     def provider_for(self, machine: str) -> Provider | None:
         if isinstance(self._provider, Mapping):
@@ -281,6 +339,11 @@ class Supervisor:
             self._lost[run_id] = error
             if len(self._lost) > ENDED_KEPT:
                 del self._lost[next(iter(self._lost))]
+            if self.leases is not None and run_id in self.leases:
+                if self.readopting:
+                    self._unwritten.add(run_id)
+                else:
+                    self.leases.forget(run_id)
 
     def _contain(self, msg: Request, exc: Exception) -> InternalError:
         """A bug met while deciding ``msg``: it ends that run only, never the supervisor.
@@ -374,6 +437,10 @@ class Supervisor:
           StoreError: the batch holding the request's events could not be written.
         """
         run = self._runs.get(msg.run_id)
+        if run is None and self.leases is not None and msg.run_id not in self._ended:
+            # Several processes may serve one journal's external runs (gateways in front
+            # of one PostgreSQL): load it from the journal; the seq check orders writers.
+            run = await self._load_external(msg.run_id)
         if run is not None and not run.external:
             raise ProtocolError(
                 f"run {msg.run_id!r} is driven by its actor; submit is for runs started with "
@@ -402,6 +469,7 @@ class Supervisor:
 
         assert self._actors is not None
         driver = self._drivers[handle.run_id] = Driver(handle.run_id)
+        driver.draining = self._draining
         self._actors.start_soon(
             self._drive, handle, driver, verdict, provider, name=f"run:{handle.run_id}"
         )
@@ -433,6 +501,8 @@ class Supervisor:
             driver.done = True
             if self._drivers.get(run_id) is driver:
                 del self._drivers[run_id]
+            if not self._drivers and self._no_drivers is not None:
+                self._no_drivers.set()
             self._settle(handle, error)
 
     def _settle(self, handle: RunHandle, error: Exception | None) -> None:
@@ -444,6 +514,16 @@ class Supervisor:
             self.release(handle.run_id)
         elif error is not None:
             handle._finish(None, error)
+        elif handle.run_id in self._lost and not handle.done:
+            handle._finish(None, self._lost[handle.run_id])
+        elif self._draining and run is not None and not handle.done:
+            handle._finish(
+                None,
+                InterlockError(
+                    f"run {handle.run_id!r} was left unfinished in state {run.state!r} by a "
+                    "drain, at a step boundary; whoever claims or resumes it next continues it"
+                ),
+            )
         elif not handle.done:
             handle._finish(
                 None, InterlockError(f"run {handle.run_id!r} was cancelled before it finished")
@@ -471,6 +551,8 @@ class Supervisor:
         store; whoever holds the handle keeps its result). How it ended is kept for the
         latest :data:`ENDED_KEPT` runs, so a late request gets a clear answer."""
         self._runs.pop(run_id, None)
+        if self.leases is not None:
+            self.leases.forget(run_id)
         driver = self._drivers.pop(run_id, None)
         if driver is not None:
             driver.done = True
@@ -488,12 +570,28 @@ class Supervisor:
         with the same key if its tool is idempotent or read-only, reconciled if its tool
         can reconcile, and otherwise escalated with reason ``in_doubt_side_effect``.
 
+        On a store with leases (PostgreSQL), only the runs nobody holds are resumed: each
+        is claimed first (see :meth:`claim_runs`), so two processes resuming one journal
+        split its runs; the runs another live process leases are its own, and a dead
+        process's become claimable when its leases expire. External runs are then not
+        loaded here: :meth:`submit` loads one on its first request.
+
         Raises:
           JournalCorrupt, IndexDamaged: a journal or the runs index is damaged; no run
             was resumed (``interlock check`` lists the damage).
           NoProvider: a run to resume needs a model and there is no provider for its
             machine; no run was resumed.
         """
+        if self.leases is not None:
+            # Several processes share this journal: take only the runs nobody holds (a
+            # dead process's, once its leases expire), in claims of a thousand.
+            handles: list[RunHandle] = []
+            while True:
+                claimed = await self.leases.claim(1000)
+                if not claimed:
+                    return handles
+                self.stats.leases_claimed += len(claimed)
+                handles += await self._adopt([lease.run_id for lease in claimed], provider)
         # Fold every journal before resuming any run: a damaged one (JournalCorrupt,
         # IndexDamaged) then stops the resume before it has started anything.
         folded = []
@@ -518,6 +616,11 @@ class Supervisor:
                     f"{run.run_id!r} cannot be resumed; pass provider= to open_supervisor() "
                     "or resume_unfinished()"
                 )
+        return await self._recover(folded, provider)
+
+    async def _recover(self, folded: list[RunState], provider: Provider | None) -> list[RunHandle]:
+        """Register folded runs, decide each one's recovery, make them durable with one
+        flush, and start their actors."""
         if not folded:
             return []
         # Decide every recovery now and make them durable with one flush, not one each.
@@ -529,15 +632,118 @@ class Supervisor:
                 verdicts.append(None)
                 continue
             verdicts.append(self.submit_nowait(Recover(run_id=run.run_id)))
-        await self.request(Sync(run_id=folded[-1].run_id))
+        with suppress(LeaseLost):  # that run alone was refused (another process took it)
+            await self.request(Sync(run_id=folded[-1].run_id))
         handles = []
         for run, verdict in zip(folded, verdicts, strict=True):
+            if run.run_id not in self._runs:
+                continue  # its lease was lost before the recovery was written
             handle = RunHandle(run.run_id, run.machine.name, external=run.external)
             self.handles[run.run_id] = handle
             if verdict is not None and not run.external:  # an external run waits for its caller
                 self._spawn(handle, verdict, provider or self.provider_for(run.machine.name))
             handles.append(handle)
         return handles
+
+    # -- leases (a store that has them: PostgreSQL) --------------------------------
+
+    def _require_leases(self, what: str) -> Leases:
+        if self.leases is None:
+            raise InterlockError(
+                f"{what} needs a store with leases (PostgreSQL, schema 3, opened for writing); "
+                f"this supervisor's store is {self.store!r}"
+            )
+        return self.leases
+
+    async def claim_runs(self, limit: int, *, provider: Provider | None = None) -> list[RunHandle]:
+        """Claim up to ``limit`` claimable runs from the store and drive them (a worker's
+        claim): each is folded from its journal and recovered as :meth:`resume_unfinished`
+        recovers a run (a call in doubt is re-executed, reconciled or escalated).
+
+        A claimed run this supervisor cannot drive (its machine is not registered here,
+        its state is unknown, it has no provider, its journal is damaged) is logged and
+        left: its lease expires and another process may claim it.
+
+        Raises:
+          InterlockError: the store has no leases.
+          StoreError: the store failed.
+        """
+        leases = self._require_leases("claim_runs")
+        claimed = await leases.claim(limit)
+        self.stats.leases_claimed += len(claimed)
+        return await self._adopt([lease.run_id for lease in claimed], provider)
+
+    async def readopt(self, *, provider: Provider | None = None) -> list[RunHandle]:
+        """Drive again the runs whose leases this supervisor still holds but whose
+        in-memory state was dropped because a batch could not be written (the database
+        went away): folded afresh from the journal, which holds what was durable."""
+        leases = self._require_leases("readopt")
+        ids = [run_id for run_id in self._unwritten if run_id in leases]
+        self._unwritten.clear()
+        return await self._adopt(ids, provider)
+
+    async def _adopt(self, run_ids: Sequence[str], provider: Provider | None) -> list[RunHandle]:
+        self._adopting.update(run_ids)
+        try:
+            return await self._adopt_held(run_ids, provider)
+        finally:
+            self._adopting.difference_update(run_ids)
+
+    async def _adopt_held(
+        self, run_ids: Sequence[str], provider: Provider | None
+    ) -> list[RunHandle]:
+        folded = []
+        for run_id in run_ids:
+            try:
+                events = await self.store.load(run_id)
+                name = getattr(events[0], "machine", "") if events else ""
+                machine = self.machines.get(name)
+                if machine is None:
+                    raise UnknownMachine(name, list(self.machines))
+                run = fold(machine, events)
+                if not run.terminal and run.state not in machine.states:
+                    raise UnknownState(run_id, run.state, name, list(machine.states), "is in")
+                if (provider or self.provider_for(name)) is None and machine.needs_provider:
+                    raise NoProvider(f"machine {name!r} has worker states but no provider here")
+            except StoreError:
+                raise
+            except InterlockError as exc:
+                self._cannot_drive(run_id, exc)
+                continue
+            self._lost.pop(run_id, None)
+            folded.append(run)
+        return await self._recover(folded, provider)
+
+    def _cannot_drive(self, run_id: str, exc: Exception) -> None:
+        assert self.leases is not None
+        self.leases.forget(run_id)  # not renewed: it expires, and another process may claim it
+        _log.warning(
+            "run %r was claimed by %s, which cannot drive it: %s; it is left to expire for "
+            "another process",
+            run_id,
+            self.leases.owner,
+            exc,
+        )
+
+    def drain(self) -> None:
+        """Stop every run at its next step boundary: the step in flight (a model call, a
+        tool call) finishes and is journaled, the next one is not started. Runs started
+        later stop likewise. The runs stay unfinished; release their leases (a worker) or
+        resume them later."""
+        self._draining = True
+        for driver in self._drivers.values():
+            driver.draining = True
+
+    async def wait_undriven(self) -> None:
+        """Return once no run has an actor running here (after a :meth:`drain`)."""
+        while self._drivers:
+            self._no_drivers = trio.Event()
+            await self._no_drivers.wait()
+
+    @property
+    def driving(self) -> int:
+        """How many runs have an actor running here now."""
+        return len(self._drivers)
 
     async def _load(self, run_id: str) -> RunState:
         run = self._runs.get(run_id)
@@ -546,8 +752,47 @@ class Supervisor:
         record = await self.store.get_run(run_id)
         machine = self.machine(record.machine)
         run = fold(machine, await self.store.load(run_id))
+        if self.leases is not None and not run.external and run_id not in self.leases:
+            # Another process may drive it: take its lease first, or leave it alone.
+            if not await self.leases.take([run_id]):
+                raise ProtocolError(
+                    f"run {run_id!r} is leased by another process, which drives it; wait for "
+                    "it to finish or release the run (its lease expires if that process is "
+                    "gone), then retry"
+                )
+            run = fold(machine, await self.store.load(run_id))  # as of the lease, not before
         self._runs[run_id] = run
+        self._lost.pop(run_id, None)
         return run
+
+    async def _load_external(self, run_id: str) -> RunState | None:
+        """Fold an unfinished external run from the journal and register it; None if the
+        journal has no such run or it is not an unfinished external run."""
+        try:
+            record = await self.store.get_run(run_id)
+        except RunNotFound:
+            return None
+        machine = self.machines.get(record.machine)
+        if machine is None or record.outcome != "running":
+            return None
+        run = self._runs.get(run_id)
+        if run is not None:
+            return run
+        run = fold(machine, await self.store.load(run_id))
+        if not run.external:
+            return None
+        self._runs[run_id] = run
+        self._lost.pop(run_id, None)
+        if run_id not in self.handles:
+            self.handles[run_id] = RunHandle(run_id, machine.name, external=True)
+        return run
+
+    def forget_run(self, run_id: str) -> None:
+        """Drop an external run's in-memory state (another process advanced it: the next
+        request loads it afresh from the journal). Its handle stays."""
+        run = self._runs.get(run_id)
+        if run is not None and run.external:
+            del self._runs[run_id]
 
     async def resume_escalated(
         self,

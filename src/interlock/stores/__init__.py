@@ -27,6 +27,7 @@ from ._base import (
 from ._check import CheckReport as CheckReport
 from ._check import Problem as Problem
 from ._leases import Lease as Lease
+from ._leases import LeasingStore as LeasingStore
 from ._memory import MemoryStore as MemoryStore
 from ._open import open_store as open_store
 from ._sqlite import JournalHeld as JournalHeld
@@ -48,6 +49,7 @@ __all__ = [
     "IndexDamaged",
     "JournalHeld",
     "Lease",
+    "LeasingStore",
     "MemoryStore",
     "PostgresStore",
     "Problem",

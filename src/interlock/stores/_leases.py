@@ -20,7 +20,7 @@ import msgspec
 from .._exceptions import LeaseLost
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Collection, Iterable, Mapping, Sequence
 
     from .._events import Event
 
@@ -49,9 +49,18 @@ class LeasingStore(Protocol):
     """What a store offers workers: claims, heartbeats, release and fenced appends."""
 
     async def claim(
-        self, owner: str, *, limit: int = DEFAULT_CLAIM_LIMIT, ttl: float = DEFAULT_TTL
+        self,
+        owner: str,
+        *,
+        limit: int = DEFAULT_CLAIM_LIMIT,
+        ttl: float = DEFAULT_TTL,
+        run_ids: Iterable[str] | None = None,
     ) -> list[Lease]:
-        """Lease up to ``limit`` claimable runs to ``owner`` for ``ttl`` seconds."""
+        """Lease up to ``limit`` claimable runs (or the named ``run_ids``) to ``owner``."""
+        ...
+
+    async def held_elsewhere(self, owner: str) -> list[Lease]:
+        """The unfinished runs other owners hold unexpired leases of."""
         ...
 
     async def renew(self, owner: str, run_ids: Iterable[str], *, ttl: float) -> list[Lease]:
@@ -69,8 +78,10 @@ class LeasingStore(Protocol):
         owner: str,
         *,
         ttl: float = DEFAULT_TTL,
+        unfenced: Collection[str] = (),
     ) -> frozenset[str]:
-        """Append the events of the runs whose lease is still ``(owner, fence[run])``."""
+        """Append the events of the runs whose lease is still ``(owner, fence[run])``
+        (and of the ``unfenced`` runs, seq-checked only)."""
         ...
 
 

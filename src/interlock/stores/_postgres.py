@@ -57,7 +57,7 @@ from ._leases import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
     from .._events import Event, JournalEvent
 
@@ -187,6 +187,23 @@ _CLAIM = (
     "FROM (SELECT run_id FROM leases WHERE live AND NOT external AND expires < now() "
     "ORDER BY expires, run_id LIMIT %s FOR UPDATE SKIP LOCKED) AS c "
     f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
+)
+# A claim of named runs (an operator resuming an escalated run, a worker re-adopting):
+# taken unless another owner holds an unexpired lease; not limited to live runs, since
+# an escalated run is not live until it is resumed.
+_CLAIM_NAMED = (
+    "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
+    "expires = now() + make_interval(secs => %s) "
+    "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND NOT external "
+    "AND (owner IS NULL OR owner = %s OR expires < now()) "
+    "ORDER BY run_id FOR UPDATE) AS c "
+    f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
+)
+#: The unfinished runs others hold: live, driven by the runtime, leased and unexpired.
+_HELD_ELSEWHERE = (
+    "SELECT run_id, owner, epoch, extract(epoch FROM expires)::float8 FROM leases "
+    "WHERE live AND NOT external AND owner IS NOT NULL AND owner <> %s AND expires >= now() "
+    "ORDER BY expires, run_id"
 )
 _RENEW = (
     "UPDATE leases AS l SET expires = now() + make_interval(secs => %s) "
@@ -473,6 +490,7 @@ class PostgresStore(Store):
         owner: str,
         *,
         ttl: float = DEFAULT_TTL,
+        unfenced: Collection[str] = (),
     ) -> frozenset[str]:
         """Append one batch, each run's events only if ``owner`` still holds its lease.
 
@@ -494,6 +512,9 @@ class PostgresStore(Store):
             other runs too).
           owner: the worker appending.
           ttl: seconds the lease of a run the batch starts lasts.
+          unfenced: runs written with no lease check, only the seq check of
+            :meth:`append`: the external runs, whose callers drive them through any
+            gateway (two writers of one conflict on a seq, and the second is refused).
 
         Returns:
           the run ids refused (raise :class:`LeaseLost` for each, and drop them).
@@ -516,7 +537,7 @@ class PostgresStore(Store):
             run_id = event.run_id
             if run_id not in seen:
                 seen.add(run_id)
-                if run_id not in fence and type(event) is not RunStarted:
+                if run_id not in fence and run_id not in unfenced and type(event) is not RunStarted:
                     raise ValueError(
                         f"run {run_id!r} has no epoch in fence, and the batch does not start "
                         "it; pass the epoch of its lease (only a run the batch starts with "
@@ -531,7 +552,12 @@ class PostgresStore(Store):
         return refused
 
     async def claim(
-        self, owner: str, *, limit: int = DEFAULT_CLAIM_LIMIT, ttl: float = DEFAULT_TTL
+        self,
+        owner: str,
+        *,
+        limit: int = DEFAULT_CLAIM_LIMIT,
+        ttl: float = DEFAULT_TTL,
+        run_ids: Iterable[str] | None = None,
     ) -> list[Lease]:
         """Lease up to ``limit`` claimable runs to ``owner`` for ``ttl`` seconds.
 
@@ -540,6 +566,10 @@ class PostgresStore(Store):
         one, the longest expired first. One statement, ``FOR UPDATE SKIP LOCKED``, so
         concurrent claims never take the same run; each claim gives its run the next
         epoch. Expiry is the database server's clock.
+
+        With ``run_ids``, only those runs, whether live or not (an escalated run an
+        operator resumes), each unless another owner holds an unexpired lease of it;
+        ``limit`` does not apply.
 
         Returns:
           the leases granted, by run id (empty when nothing is claimable).
@@ -552,10 +582,47 @@ class PostgresStore(Store):
         limit = check_limit(limit)
         ttl = check_ttl(ttl)
         self._writable("claim")
+        if run_ids is not None:
+            ids = check_run_ids(run_ids)
+            if not ids:
+                await trio.lowlevel.checkpoint()
+                return []
+            rows = await self._call(
+                "claim",
+                lambda conn: conn.execute(
+                    _CLAIM_NAMED, (owner, ttl, ids, owner), prepare=False
+                ).fetchall(),
+            )
+            return _leases_of(rows)
         rows = await self._call(
             "claim", lambda conn: conn.execute(_CLAIM, (owner, ttl, limit)).fetchall()
         )
         return _leases_of(rows)
+
+    async def held_elsewhere(self, owner: str) -> list[Lease]:
+        """The unfinished runs that owners other than ``owner`` hold leases of, unexpired,
+        soonest to expire first: what a resume waits for (a dead process's runs become
+        claimable when its leases expire).
+
+        Raises:
+          StoreError: the server failed.
+        """
+        check_owner(owner)
+        if not self._leases:
+            await trio.lowlevel.checkpoint()
+            return []
+        rows = await self._call(
+            "held_elsewhere", lambda conn: conn.execute(_HELD_ELSEWHERE, (owner,)).fetchall()
+        )
+        return [
+            Lease(run_id=run_id, owner=held_by, epoch=epoch, expires=expires)
+            for run_id, held_by, epoch, expires in rows
+        ]
+
+    @property
+    def leasing(self) -> bool:
+        """Whether this store leases runs to writers (schema 3, opened for writing)."""
+        return self._leases and not self._readonly
 
     async def renew(self, owner: str, run_ids: Iterable[str], *, ttl: float) -> list[Lease]:
         """Extend, to ``ttl`` seconds from now, the leases of ``run_ids`` ``owner`` holds.

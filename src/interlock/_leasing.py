@@ -1,0 +1,219 @@
+"""A supervisor's leases on a store that has them (PostgreSQL): which runs it holds, at
+which epoch, the fenced group commit, and the heartbeat that keeps them.
+
+Every run a supervisor drives on such a store is leased to it: the runs it starts (the
+lease is taken in the batch that starts them), the runs it claims (a worker, a resume)
+and the runs an operator resumes through it. Each batch is appended with
+:meth:`~interlock.stores.LeasingStore.append_fenced`, so the store refuses the events of
+a run whose lease another process took meanwhile; only that run is dropped
+(:class:`~interlock.LeaseLost`), the others of the batch commit. External runs are not
+leased: their callers drive them through any gateway, and the seq check orders them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._events import RunStarted
+from ._exceptions import LeaseLost, StoreError
+from .stores._leases import DEFAULT_TTL, check_owner, check_ttl, lease_lost
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    from ._events import Event
+    from .stores._leases import Lease, LeasingStore
+
+__all__ = ["DEFAULT_TTL", "Leases", "default_owner"]
+
+log = logging.getLogger("interlock.leases")
+
+#: The longest a heartbeat waits before retrying after the store failed.
+_MAX_BACKOFF = 5.0
+
+
+def default_owner() -> str:
+    """A name for this process as a lease owner: ``host:pid:random`` (the random part
+    tells two processes apart after a pid is reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def is_leasing(store: object) -> bool:
+    """Whether ``store`` leases runs to its writers (a PostgreSQL store, schema 3)."""
+    return getattr(store, "leasing", False) is True
+
+
+class Leases:
+    """The leases one supervisor holds, by run id, and the fenced append of its batches.
+
+    Args:
+      store: a store with leases.
+      owner: this process's name in the leases table (see :func:`default_owner`).
+      ttl: seconds each lease lasts after a claim or a heartbeat.
+      is_external: whether a run is driven by its caller (those are not leased).
+      lose: called with the runs whose leases were found lost, and their errors.
+    """
+
+    def __init__(
+        self,
+        store: LeasingStore,
+        owner: str,
+        ttl: float,
+        *,
+        is_external: Callable[[str], bool],
+        lose: Callable[[dict[str, LeaseLost]], None],
+    ) -> None:
+        self.store = store
+        self.owner = check_owner(owner)
+        self.ttl = check_ttl(ttl)
+        self.epochs: dict[str, int] = {}
+        """The epoch of each run this process holds."""
+        self.lost = 0
+        """How many leases this process has lost (counted once per run and epoch)."""
+        self._is_external = is_external
+        self._lose = lose
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self.epochs
+
+    def hold(self, leases: Iterable[Lease]) -> None:
+        """Record leases the store granted (a claim)."""
+        for lease in leases:
+            self.epochs[lease.run_id] = lease.epoch
+
+    def forget(self, run_id: str) -> int | None:
+        """Stop holding ``run_id`` (it ended, or was dropped); returns its epoch."""
+        return self.epochs.pop(run_id, None)
+
+    async def append(self, events: Sequence[Event]) -> frozenset[str]:
+        """Append one batch fenced by this process's leases; see the module.
+
+        Returns:
+          the runs refused: their leases are lost, none of their events written.
+        """
+        epochs = self.epochs
+        fence: dict[str, int] = {}
+        unfenced: list[str] = []
+        started: list[str] = []
+        unheld: set[str] = set()
+        seen: set[str] = set()
+        for event in events:
+            run_id = event.run_id
+            if run_id in seen:
+                continue
+            seen.add(run_id)
+            epoch = epochs.get(run_id)
+            if epoch is not None:
+                fence[run_id] = epoch
+            elif type(event) is RunStarted:
+                if event.external is not True:
+                    started.append(run_id)
+            elif self._is_external(run_id):
+                unfenced.append(run_id)
+            else:  # a run this process does not hold: never written unfenced
+                unheld.add(run_id)
+        if unheld:
+            events = [event for event in events if event.run_id not in unheld]
+        refused = await self.store.append_fenced(
+            events, fence, self.owner, ttl=self.ttl, unfenced=unfenced
+        )
+        for run_id in started:
+            if run_id not in refused:
+                epochs[run_id] = 1
+        if refused:
+            self._drop(refused)
+        if unheld:
+            self._drop(unheld, held=False)
+            refused = refused | unheld
+        return refused
+
+    def _drop(self, run_ids: Iterable[str], *, held: bool = True) -> None:
+        errors: dict[str, LeaseLost] = {}
+        for run_id in run_ids:
+            epoch = self.epochs.pop(run_id, 0)
+            if held:
+                self.lost += 1
+                errors[run_id] = lease_lost(run_id, self.owner, epoch)
+                log.warning("lease lost for run %r (epoch %d): %s", run_id, epoch, errors[run_id])
+            else:
+                errors[run_id] = LeaseLost(
+                    f"run {run_id!r}: {self.owner!r} holds no lease of it, so its events were "
+                    "not written (a bug: every run a leased supervisor writes is claimed or "
+                    "started by it); drop the run, and resume the journal to continue it"
+                )
+                log.error("%s", errors[run_id])
+        self._lose(errors)
+
+    async def claim(self, limit: int) -> list[Lease]:
+        """Claim up to ``limit`` claimable runs, and hold them."""
+        leases = await self.store.claim(self.owner, limit=limit, ttl=self.ttl)
+        self.hold(leases)
+        return leases
+
+    async def take(self, run_ids: Sequence[str]) -> list[Lease]:
+        """Claim the named runs (unless another process holds them), and hold them."""
+        leases = await self.store.claim(self.owner, run_ids=run_ids, ttl=self.ttl)
+        self.hold(leases)
+        return leases
+
+    async def release(self, run_ids: Iterable[str]) -> None:
+        """Give up the leases of ``run_ids``: claimable by any process at once."""
+        ids = [run_id for run_id in run_ids if self.epochs.pop(run_id, None) is not None]
+        if ids:
+            await self.store.release(self.owner, ids)
+
+    async def renew(self, live: Callable[[str], bool]) -> None:
+        """One heartbeat: renew the leases of the runs still ``live`` here, forget the
+        others, and drop the runs whose leases another process took."""
+        for run_id in [run_id for run_id in self.epochs if not live(run_id)]:
+            del self.epochs[run_id]
+        held = dict(self.epochs)
+        if not held:
+            return
+        renewed = await self.store.renew(self.owner, list(held), ttl=self.ttl)
+        kept = {lease.run_id for lease in renewed if lease.epoch == held[lease.run_id]}
+        # A run claimed or released meanwhile (its epoch changed here) is not judged on
+        # this answer; only one this process held all along and the store no longer does.
+        gone = [
+            run_id
+            for run_id, epoch in held.items()
+            if run_id not in kept and self.epochs.get(run_id) == epoch
+        ]
+        if gone:
+            self._drop(gone)
+
+    async def heartbeat(
+        self,
+        live: Callable[[str], bool],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Renew every ``ttl / 3`` seconds until cancelled; a failing store is retried
+        with backoff (the leases stay this process's until another claims them)."""
+        task_status.started()
+        period = self.ttl / 3
+        backoff = min(period, 0.1)
+        while True:
+            await trio.sleep(period)
+            try:
+                await self.renew(live)
+            except StoreError as exc:
+                log.warning("lease heartbeat of %s failed: %s; retrying", self.owner, exc)
+                while True:
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, _MAX_BACKOFF)
+                    try:
+                        await self.renew(live)
+                    except StoreError:
+                        continue
+                    break
+                backoff = min(period, 0.1)
