@@ -195,6 +195,9 @@ from ._replay import (
     replay as replay,
 )
 from ._runtime import open_supervisor as open_supervisor
+from ._worker import WorkerControl as WorkerControl
+from ._worker import WorkerSummary as WorkerSummary
+from ._worker import run_worker as run_worker
 from ._stats import RuntimeStats as RuntimeStats
 from ._stats import SupervisorStatistics as SupervisorStatistics
 from ._supervisor import (
@@ -340,6 +343,8 @@ __all__ = [
     "Verdict",
     "Violation",
     "Worker",
+    "WorkerControl",
+    "WorkerSummary",
     "__version__",
     "decode_event",
     "decode_message",
@@ -349,6 +354,7 @@ __all__ = [
     "expand_prompt",
     "hash_prompt",
     "open_supervisor",
+    "run_worker",
     "replay",
     "serve_metrics",
     "whole_prompts",

@@ -1,0 +1,311 @@
+"""A supervisor on PostgreSQL holds a lease on every run it drives and writes fenced: a run
+whose lease another process takes is dropped there alone (LeaseLost), the heartbeat finds
+such a loss without a write, a drain stops runs at a step boundary, and the runs other
+processes hold are left to them. Real PostgreSQL; skipped without INTERLOCK_PG_DSN."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import psycopg
+import pytest
+import trio
+
+from interlock import (
+    InterlockError,
+    LeaseLost,
+    Machine,
+    ProtocolError,
+    RunView,
+    TokenUsage,
+    Tool,
+    ToolContext,
+    Worker,
+    enqueue_run,
+    open_supervisor,
+)
+from interlock.providers import Proposal
+from interlock.stores import PostgresStore, open_postgres_store
+
+pytestmark = pytest.mark.postgres
+
+DSN = os.environ.get("INTERLOCK_PG_DSN", "")
+if not DSN:
+    pytest.skip(
+        "INTERLOCK_PG_DSN is not set; set it to a PostgreSQL DSN to run the leased supervisor "
+        "tests",
+        allow_module_level=True,
+    )
+
+
+class NoteArgs(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+
+
+CALLS: list[str] = []
+
+
+class Gate:
+    """A tool that waits for ``open`` before it returns (to hold a call in flight)."""
+
+    def __init__(self) -> None:
+        self.open = trio.Event()
+        self.entered = trio.Event()
+
+    async def __call__(self, args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+        self.entered.set()
+        await self.open.wait()
+        CALLS.append(ctx.key)
+        return {"noted": args.text}
+
+
+NOTE = '{"tool": "note", "args": {"text": "hi"}}'
+DONE = '{"next": "COMPLETED", "data": {}}'
+
+
+def machine(tool: Any) -> Machine:
+    return Machine(
+        "notes",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["note"])},
+        tools=[Tool("note", tool, NoteArgs, idempotent=True)],
+    )
+
+
+class Script:
+    """Answers NOTE, then DONE, per run; each answer waits for ``go`` (set by default)."""
+
+    model = "script"
+
+    def __init__(self, *, held: bool = False) -> None:
+        self.go = trio.Event()
+        if not held:
+            self.go.set()
+        self.calls: dict[str, int] = {}
+        self.waiting = 0
+        self.asked = trio.Event()  # set (and replaced) whenever a call starts waiting
+
+    async def until_waiting(self, count: int) -> None:
+        while self.waiting < count:
+            await self.asked.wait()
+
+    async def propose(self, view: RunView) -> Proposal:
+        n = self.calls[view.run_id] = self.calls.get(view.run_id, 0) + 1
+        self.waiting += 1
+        self.asked.set()
+        self.asked = trio.Event()
+        try:
+            await self.go.wait()
+        finally:
+            self.waiting -= 1
+        return Proposal(NOTE if n == 1 else DONE, TokenUsage(1, 1), self.model)
+
+
+async def immediate(args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+    CALLS.append(ctx.key)
+    return {"noted": args.text}
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[PostgresStore]:
+    schema = f"leased_{uuid.uuid4().hex[:10]}"
+    opened = await open_postgres_store(DSN, schema=schema)
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def sql(store: PostgresStore, statement: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{store.schema}"')
+        cursor = conn.execute(statement, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def expire(store: PostgresStore, run_id: str) -> None:
+    sql(
+        store,
+        "UPDATE leases SET expires = now() - interval '1 second' WHERE run_id = %s",
+        (run_id,),
+    )
+
+
+async def kinds(store: PostgresStore, run_id: str) -> list[str]:
+    return [type(event).__name__ for event in await store.load(run_id)]
+
+
+async def test_runs_started_are_leased_to_the_supervisor_and_released_when_it_ends(
+    store: PostgresStore,
+) -> None:
+    async with open_supervisor([machine(immediate)], store, provider=Script(), owner="me") as sup:
+        assert sup.leases is not None
+        assert sup.leases.owner == "me"
+        handle = await sup.start_run("notes", run_id="r-1")
+        assert sql(store, "SELECT owner, epoch FROM leases WHERE run_id = 'r-1'") == [("me", 1)]
+        result = await handle.wait()
+    assert result.outcome == "completed"
+    # The run ended: its lease row says it is not live, so no worker claims it.
+    assert sql(store, "SELECT live FROM leases WHERE run_id = 'r-1'") == [(False,)]
+    assert await store.claim("other") == []
+
+
+async def test_a_run_whose_lease_was_taken_is_dropped_alone(store: PostgresStore) -> None:
+    """Three runs wait for the model; one's lease expires and another process claims it.
+    When the model answers, that run's events are refused (LeaseLost on its handle, none
+    of its new events in the journal); the two others commit in the same batches."""
+    script = Script(held=True)
+    CALLS.clear()
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        async with open_supervisor(
+            [machine(immediate)], store, provider=script, owner="victim", lease_ttl=30
+        ) as sup:
+            handles = [await sup.start_run("notes", run_id=f"r-{i}") for i in range(3)]
+            await script.until_waiting(3)
+            expire(store, "r-1")
+            taken = await other.claim("thief")
+            assert [(lease.run_id, lease.epoch) for lease in taken] == [("r-1", 2)]
+            before = await kinds(store, "r-1")
+            script.go.set()
+            with pytest.raises(LeaseLost, match=r"run 'r-1': worker 'victim' no longer holds"):
+                await handles[1].wait()
+            assert (await handles[0].wait()).outcome == "completed"
+            assert (await handles[2].wait()).outcome == "completed"
+            assert sup.leases is not None
+            assert "r-1" not in sup.leases
+            assert sup.leases.lost == 1
+    finally:
+        await other.aclose()
+    assert await kinds(store, "r-1") == before == ["RunStarted"]
+    assert sorted(CALLS) == ["r-0:WORK:3", "r-2:WORK:3"]  # r-1's tool never ran
+    assert sql(store, "SELECT owner, epoch FROM leases WHERE run_id = 'r-1'") == [("thief", 2)]
+
+
+async def test_the_heartbeat_finds_a_lost_lease_with_no_write_and_stops_the_run(
+    store: PostgresStore,
+) -> None:
+    """A run waits for a model that does not answer: no write will tell it. Its lease is
+    taken over; the next heartbeat (ttl 0.6 s: every 0.2 s) drops it and cuts the wait."""
+    script = Script(held=True)
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        async with open_supervisor(
+            [machine(immediate)], store, provider=script, owner="victim", lease_ttl=0.6
+        ) as sup:
+            handle = await sup.start_run("notes", run_id="r-1")
+            await script.until_waiting(1)
+            expire(store, "r-1")
+            assert [lease.epoch for lease in await other.claim("thief", ttl=60)] == [2]
+            with trio.fail_after(30), pytest.raises(LeaseLost):
+                await handle.wait()
+            assert script.waiting == 0  # the wait for the model was cut
+    finally:
+        await other.aclose()
+
+
+async def test_heartbeats_keep_a_slow_run_leased_past_its_ttl(store: PostgresStore) -> None:
+    """A model call three times longer than the lease: the heartbeat renews it, no other
+    process can claim the run meanwhile, and the run completes."""
+    script = Script(held=True)
+    async with open_supervisor(
+        [machine(immediate)], store, provider=script, owner="me", lease_ttl=0.5
+    ) as sup:
+        handle = await sup.start_run("notes", run_id="r-1")
+        await trio.sleep(1.5)
+        assert await store.claim("thief") == []
+        script.go.set()
+        assert (await handle.wait()).outcome == "completed"
+        assert sup.leases is not None
+        assert sup.leases.lost == 0
+
+
+async def test_a_drain_finishes_the_call_in_flight_and_starts_no_model_call(
+    store: PostgresStore,
+) -> None:
+    gate = Gate()
+    script = Script()
+    CALLS.clear()
+    async with open_supervisor([machine(gate)], store, provider=script, owner="me") as sup:
+        handle = await sup.start_run("notes", run_id="r-1")
+        await gate.entered.wait()
+        sup.drain()
+        gate.open.set()
+        with trio.fail_after(30):
+            await sup.wait_undriven()
+        with pytest.raises(InterlockError, match="left unfinished in state 'WORK' by a drain"):
+            await handle.wait()
+        assert script.calls == {"r-1": 1}  # the model was not asked again
+        assert sup.leases is not None
+        await sup.leases.release(["r-1"])
+    # The call is committed, and the run is claimable at once, at the next epoch.
+    assert (await kinds(store, "r-1"))[-2:] == ["IntentRecorded", "ToolCommitted"]
+    assert CALLS == ["r-1:WORK:3"]
+    assert [(lease.run_id, lease.epoch) for lease in await store.claim("next")] == [("r-1", 2)]
+
+
+async def test_resume_takes_only_what_nobody_holds(store: PostgresStore) -> None:
+    """Two runs enqueued, one of them claimed by a live worker: a resume drives the other
+    one alone, and leaves the held one to its worker."""
+    spec = machine(immediate)
+    await enqueue_run(store, spec, run_id="free")
+    await enqueue_run(store, spec, run_id="held")
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        held = await other.claim("worker-1", run_ids=["held"], ttl=60)
+    finally:
+        await other.aclose()
+    assert [(lease.run_id, lease.epoch) for lease in held] == [("held", 1)]
+    async with open_supervisor([spec], store, provider=Script(), owner="resume") as sup:
+        handles = await sup.resume_unfinished()
+        assert [handle.run_id for handle in handles] == ["free"]
+        assert (await handles[0].wait()).outcome == "completed"
+    assert (await store.get_run("held")).outcome == "running"
+    assert await kinds(store, "held") == ["RunStarted"]
+    assert [lease.run_id for lease in await store.held_elsewhere("resume")] == ["held"]
+
+
+async def test_an_operator_cannot_take_a_run_another_process_drives(
+    store: PostgresStore,
+) -> None:
+    spec = machine(immediate)
+    await enqueue_run(store, spec, run_id="r-1")
+    sql(store, "UPDATE leases SET owner = 'w', epoch = 1, expires = now() + interval '1 hour'")
+    async with open_supervisor([spec], store, provider=Script(), owner="op") as sup:
+        with pytest.raises(ProtocolError, match="leased by another process, which drives it"):
+            await sup.abort_escalated("r-1", by="ops")
+
+
+async def test_external_runs_are_not_leased_and_any_process_drives_them(
+    store: PostgresStore,
+) -> None:
+    """An external run started by one supervisor is driven on by another (a second
+    gateway): it is loaded on its first request; workers never claim it."""
+    spec = machine(immediate)
+    from interlock import Propose
+
+    async with open_supervisor([spec], store, owner="gateway-a") as first:
+        await first.start_run("notes", run_id="x-1", external=True)
+    assert await store.claim("worker") == []
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        async with open_supervisor([spec], other, owner="gateway-b") as second:
+            verdict = await second.submit(Propose(run_id="x-1", seq=1, raw=DONE, model="m"))
+            assert verdict.accepted
+            assert verdict.outcome == "completed"
+    finally:
+        await other.aclose()
+    assert (await store.get_run("x-1")).outcome == "completed"
+
+
+async def test_a_worker_on_sqlite_is_refused(tmp_path: Any) -> None:
+    from interlock import App, run_worker
+
+    with pytest.raises(InterlockError, match="a worker needs a PostgreSQL journal"):
+        await run_worker(App([machine(immediate)], provider=Script()), str(tmp_path / "j.db"))
