@@ -305,6 +305,22 @@ class RuntimeCollector(Collector):
             "Runs parked in ESCALATE waiting for an operator",
             value=float(stats.escalations_pending),
         )
+        leases = supervisor.leases if supervisor is not None else None
+        yield GaugeMetricFamily(
+            "interlock_leases_held",
+            "Runs this process holds leases of (PostgreSQL: a worker, a resume, a gateway)",
+            value=float(len(leases)) if leases is not None else 0.0,
+        )
+        yield CounterMetricFamily(
+            "interlock_leases_claimed",
+            "Runs claimed from the journal (PostgreSQL)",
+            value=float(stats.leases_claimed),
+        )
+        yield CounterMetricFamily(
+            "interlock_leases_lost",
+            "Runs dropped because another process took their leases (PostgreSQL)",
+            value=float(stats.leases_lost),
+        )
         reasons = CounterMetricFamily(
             "interlock_escalations",
             "Runs escalated, by machine and reason (a breaker, in_doubt_side_effect, "
