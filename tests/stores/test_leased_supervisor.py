@@ -309,3 +309,41 @@ async def test_a_worker_on_sqlite_is_refused(tmp_path: Any) -> None:
 
     with pytest.raises(InterlockError, match="a worker needs a PostgreSQL journal"):
         await run_worker(App([machine(immediate)], provider=Script()), str(tmp_path / "j.db"))
+
+
+async def test_circuits_are_per_process(store: PostgresStore) -> None:
+    """Circuits are kept per process, not in the database: three failures open the
+    circuit of the process that saw them, and another process on the same journal still
+    sends its first call downstream. With W workers a dead downstream therefore sees up to
+    W times the calls one process sends before its circuit opens (README: Scale-out)."""
+    from interlock import BreakerPolicy, ToolError
+
+    calls: list[str] = []
+
+    async def down(args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+        calls.append(ctx.key)
+        raise ToolError("downstream is down", applied=False)
+
+    spec = Machine(
+        "notes",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["note"])},
+        tools=[Tool("note", down, NoteArgs, idempotent=True)],
+        breakers=BreakerPolicy(consecutive_failures=1, circuit_failures=3, circuit_cooldown=600),
+    )
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        async with (
+            open_supervisor([spec], store, provider=Script(), owner="a") as first,
+            open_supervisor([spec], other, provider=Script(), owner="b") as second,
+        ):
+            for i in range(3):  # one at a time: each failure is counted before the next call
+                await (await first.start_run("notes", run_id=f"a-{i}")).wait()
+            assert first.circuit_state("note") == "open"
+            assert second.circuit_state("note") == "closed"
+            await (await second.start_run("notes", run_id="b-0")).wait()
+            await (await first.start_run("notes", run_id="a-3")).wait()
+    finally:
+        await other.aclose()
+    assert calls == ["a-0:WORK:3", "a-1:WORK:3", "a-2:WORK:3", "b-0:WORK:3"]
+    assert (await store.get_run("a-3")).outcome == "escalated"  # refused by a's open circuit
