@@ -142,7 +142,9 @@ def tails(procs: Iterable[Proc], chars: int = 1500) -> str:
 class Proc:
     """``python -m interlock ARGS`` as a process, its streams in files (never a full pipe)."""
 
-    def __init__(self, name: str, args: list[str], logs: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], logs: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.args = name, args
         self.out_path, self.err_path = logs / f"{name}.out", logs / f"{name}.err"
         with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
@@ -151,7 +153,7 @@ class Proc:
                 stdout=out,
                 stderr=err,
                 cwd=ROOT,
-                env={**os.environ, "COLUMNS": COLUMNS},
+                env={**os.environ, "COLUMNS": COLUMNS, **(env or {})},
             )
         self.signals: list[str] = []
 
@@ -167,7 +169,9 @@ class Proc:
 
     def describe(self, chars: int = 1500) -> str:
         state = "running" if self.popen.poll() is None else f"exit {self.popen.returncode}"
-        sent = f", signals {' '.join(self.signals)}" if self.signals else ""
+        sent = f", signals {' '.join(self.signals[-6:])}" if self.signals else ""
+        if len(self.signals) > 6:
+            sent += f" (the last 6 of {len(self.signals)})"
         return (
             f"--- {self.name} (pid {self.pid}, {state}{sent}): interlock {' '.join(self.args)}\n"
             f"stderr tail: {self.stderr()[-chars:]}\nstdout tail: {self.stdout()[-chars:]}"
@@ -230,7 +234,13 @@ class Proc:
 
 
 def worker(
-    url: str, logs: Path, name: str, *extra: str, ttl: float = 2.0, ready: bool = True
+    url: str,
+    logs: Path,
+    name: str,
+    *extra: str,
+    ttl: float = 2.0,
+    ready: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     """Start ``interlock worker --app APP --db URL --lease-ttl TTL --json --owner NAME EXTRA``
     and wait for its ready line."""
@@ -239,6 +249,7 @@ def worker(
         ["worker", "--app", APP, "--db", url, "--lease-ttl", f"{ttl:g}", "--owner", name,
          "--json", *extra],
         logs,
+        env,
     )  # fmt: skip
     if ready:
         proc.wait_for_stderr(f"interlock worker {name}: ready")
@@ -509,3 +520,36 @@ def check(url: str, runs: int) -> None:
     problems = audit(url, runs=runs)
     assert not problems, f"{len(problems)} violations, e.g.:\n" + "\n".join(problems[:30])
     replay_all(url)
+
+
+def open_transactions(url: str) -> set[str]:
+    """The lock modes held on the journal's ``leases`` table by sessions idle in a
+    transaction (a process stopped between two statements of one)."""
+    _, schema = _scaleout_app().split_url(url)
+    rows = query(
+        url,
+        "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE l.granted AND n.nspname = %s AND c.relname = 'leases' "
+        "AND a.state LIKE 'idle in transaction%%' AND a.pid <> pg_backend_pid()",
+        (schema,),
+    )
+    return {mode for (mode,) in rows}
+
+
+def stop_at(proc: Proc, url: str, *, mid_transaction: bool, attempts: int = 300) -> None:
+    """SIGSTOP ``proc`` (the only process writing ``url``) at a moment when it holds an open
+    transaction on the leases (``mid_transaction``: e.g. between the fence and the insert
+    of an append, its lease rows locked), or when it holds none. Stops and continues it
+    until the moment comes."""
+    for _ in range(attempts):
+        proc.send(signal.SIGSTOP)
+        time.sleep(0.05)  # the statement it was running ends; the session goes idle
+        if bool(open_transactions(url)) == mid_transaction:
+            return
+        proc.send(signal.SIGCONT)
+        time.sleep(0.005 * (_ % 7))
+    raise AssertionError(
+        f"{proc.name} was never stopped {'inside' if mid_transaction else 'outside'} a "
+        f"transaction in {attempts} tries\n{proc.describe()}"
+    )

@@ -61,8 +61,11 @@ if TYPE_CHECKING:
     import psycopg
 
 #: Seconds each side effect holds its answer back after it is applied, so that a kill or a
-#: stop lands between the effect and its commit often (the call is then in doubt).
-EFFECT_DELAY = (0.005, 0.025)
+#: stop lands between the effect and its commit often (the call is then in doubt); a test
+#: slows a process's runs down with ``SCALEOUT_EFFECT_DELAY=LOW,HIGH``.
+EFFECT_DELAY = tuple(
+    float(s) for s in os.environ.get("SCALEOUT_EFFECT_DELAY", "0.005,0.025").split(",")
+)
 #: Connections to the downstream per process.
 POOL = 4
 

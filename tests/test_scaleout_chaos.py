@@ -145,31 +145,66 @@ def test_workers_sigkilled_repeatedly_while_runs_flow(url: str, tmp_path: Path) 
     )  # fmt: skip
 
 
-def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(url: str, tmp_path: Path) -> None:
-    first, later, started = 80, 60, time.monotonic()
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "between-writes",
+        pytest.param(
+            "mid-append",
+            marks=pytest.mark.xfail(
+                reason="a worker stopped inside a transaction holds its lease rows (FOR NO KEY "
+                "UPDATE) until it resumes, so its expired runs cannot be claimed (SKIP LOCKED); "
+                "see /tmp/team/scaleout-chaos-findings.md 1",
+                strict=True,
+            ),
+        ),
+    ],
+)
+def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
+    url: str, tmp_path: Path, moment: str
+) -> None:
+    """SIGSTOP ~5 s, lease ttl 2 s. ``between-writes``: stopped holding no transaction; a
+    small worker b takes some of its runs, and after SIGCONT a's late writes for those are
+    refused while it drives the rest and new runs. ``mid-append``: stopped inside a
+    transaction that locks its runs' lease rows (a pause in the middle of a write): the
+    stalled transaction must not keep the runs from b past the lease's expiry."""
+    first, later, started = 100, 60, time.monotonic()
+    mid = moment == "mid-append"
+    slow = {"SCALEOUT_EFFECT_DELAY": "0.4,0.8"}  # a's runs outlast b's start
     so.enqueue(url, range(first))
     with so.processes() as procs:
-        a = so.worker(url, tmp_path, "a", "--poll", "0.2")
+        a = so.worker(url, tmp_path, "a", "--poll", "0.2", env=slow)
         procs.append(a)
-        # Stop it mid-flight: every run leased to it, a few events into each.
         so.wait_until(
             "worker a to hold every run, a few steps in",
             lambda: len(so.held_by(url, "a")) == first
             and so.events_journaled(url) >= 2 * first,
             timeout=60, procs=procs,
         )  # fmt: skip
-        a.send(signal.SIGSTOP)
+        # b: started while a holds every run, so it has none until a's leases expire; small
+        # (between-writes) so that it takes some of a's runs, not all.
+        capacity = "1000" if mid else "4"
+        b = so.worker(url, tmp_path, "b", "--max-runs", capacity, "--claim-batch", capacity,
+                      "--poll", "0.2", env=slow)  # fmt: skip
+        procs.append(b)
+        so.stop_at(a, url, mid_transaction=mid)
         stopped = time.monotonic()
         held = so.held_by(url, "a")
         assert held, f"worker a held no run when stopped\n{a.describe()}"
-        # A small worker: it takes some of a's runs once their leases expire, not all.
-        b = so.worker(url, tmp_path, "b", "--max-runs", "4", "--claim-batch", "2", "--poll", "0.2")
-        procs.append(b)
-        so.wait_until(
-            "worker b to take over one of a's runs",
-            lambda: bool(held & set(_owned(url, "b"))),
-            timeout=60, procs=procs,
-        )  # fmt: skip
+        if mid:
+            so.wait_until(
+                f"worker b to take all {len(held)} runs of the stopped worker a once their "
+                "leases expired (a is stopped inside a transaction on the leases: "
+                f"{sorted(so.open_transactions(url))})",
+                lambda: not so.held_by(url, "a"),
+                timeout=30, procs=procs,
+            )  # fmt: skip
+        else:
+            so.wait_until(
+                "worker b to take over one of a's runs",
+                lambda: bool(held & set(_owned(url, "b"))),
+                timeout=60, procs=procs,
+            )  # fmt: skip
         time.sleep(max(0.0, stopped + 5.0 - time.monotonic()))  # stopped ~5 s, ttl 2 s
         a.send(signal.SIGCONT)
         so.enqueue(url, range(first, first + later))
@@ -190,12 +225,21 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(url: str, tmp_
     assert summary["lost"] > 0, f"worker a lost no lease though stopped 5 s\n{a.describe()}"
     assert lost_lines, f"worker a's stderr names no lost lease\n{a.describe()}"
     assert taken, f"b took none of a's runs\n{tails([a, b])}"
-    assert kept, f"a kept none of its runs (b took all {len(held)}); nothing shows it carried on"
-    new = {f"order-{i:06d}" for i in range(first, first + later)}
-    assert any(owners[run] == "a" for run in new), f"a drove none of the new runs\n{a.describe()}"
+    named = {
+        line.split("lease lost for run ", 1)[1].split(" ", 1)[0].strip("'") for line in lost_lines
+    }
+    assert named <= taken, (
+        f"worker a lost the leases of {len(named - taken)} runs no other worker took (e.g. "
+        f"{sorted(named - taken)[:3]}; b took {len(taken)}): it did not carry on with the runs "
+        f"it still held\n{a.describe()}"
+    )
+    if not mid:
+        assert kept, f"a kept none of its {len(held)} runs: nothing shows it carried on"
+        new = {f"order-{i:06d}" for i in range(first, first + later)}
+        assert any(owners[run] == "a" for run in new), f"a drove no new run\n{a.describe()}"
     so.check(url, first + later)
     report(
-        "SIGSTOP", started, url, runs=first + later, held_when_stopped=len(held),
+        f"SIGSTOP {moment}", started, url, runs=first + later, held_when_stopped=len(held),
         taken_by_b=len(taken), kept_by_a=len(kept), lost=summary["lost"], duplicates=0,
     )  # fmt: skip
 
