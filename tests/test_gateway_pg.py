@@ -302,21 +302,25 @@ async def read_stream(instance: Instance, run_id: str, into: list[dict[str, Any]
 
 async def test_an_external_run_driven_through_two_instances_in_turn(cluster: Cluster) -> None:
     single = await drive("shop-single", lambda step: cluster.a)
-    streamed: list[dict[str, Any]] = []
-    # A hang guard: the nursery waits for B's stream, which must end by itself with the run.
+    streams: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    # A hang guard: the nursery waits for both streams, which must end by themselves with
+    # the run. The last request goes through B: A's stream hears it only from the store.
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
 
-            def follow() -> None:  # on B, while A and B drive it
-                nursery.start_soon(read_stream, cluster.b, "shop-both", streamed)
+            def follow() -> None:  # on A and on B, while both drive it
+                for instance in (cluster.a, cluster.b):
+                    nursery.start_soon(read_stream, instance, "shop-both", streams[instance.name])
 
             both = await drive("shop-both", lambda step: (cluster.a, cluster.b)[step % 2], follow)
     assert _comparable(both, "shop-both") == _comparable(single, "shop-single")
     journal = await cluster.journal("shop-both")
     assert journal == await cluster.journal("shop-single")
-    # B's stream heard every event, A's writes too, in order, once each.
-    assert [e["seq"] for e in streamed] == list(range(1, len(journal) + 1))
-    assert [e["event"] for e in streamed][-1] == "completed"
+    # Each stream heard every event, the other instance's writes too, in order, once each.
+    assert len(both) % 2 == 0  # so the last request went through B
+    for streamed in streams.values():
+        assert [e["seq"] for e in streamed] == list(range(1, len(journal) + 1))
+        assert streamed[-1]["event"] == "completed"
     for instance in (cluster.a, cluster.b):
         run = await instance.ok("GET", "/v1/runs/shop-both")
         assert (run["outcome"], run["state"], run["seq"]) == (
@@ -477,3 +481,82 @@ async def test_a_hosted_run_is_enqueued_and_a_worker_drives_it(cluster: Cluster)
         "COMPLETED",
         {"checked": True},
     )
+
+
+async def escalate(instance: Instance, run_id: str) -> dict[str, Any]:
+    """Start the shop run ``run_id`` on ``instance`` and escalate it: three proposals in a
+    row that the gate rejects trip the failure breaker."""
+    path = f"/v1/runs/{run_id}"
+    run = await instance.ok(
+        "POST", "/v1/runs", {"machine": "shop", "run_id": run_id, "mode": "external"}
+    )
+    verdict: dict[str, Any] = {"seq": run["seq"]}
+    for _ in range(3):
+        verdict = await instance.ok(
+            "POST", f"{path}/proposals", {"proposal": BAD_CHARGE, "expected_seq": verdict["seq"]}
+        )
+    assert verdict["outcome"] == "escalated", verdict
+    return verdict
+
+
+async def test_escalations_are_resumed_and_aborted_through_any_instance(cluster: Cluster) -> None:
+    await escalate(cluster.a, "shop-resumed")
+    await escalate(cluster.a, "shop-aborted")
+    queue = await cluster.b.ok("GET", "/v1/escalations")
+    assert {e["id"] for e in queue["escalations"]} == {"shop-resumed", "shop-aborted"}
+
+    resumed = await cluster.b.ok(
+        "POST", "/v1/escalations/shop-resumed/resume", {"by": "op", "note": "cents fixed"}
+    )
+    assert (resumed["outcome"], resumed["state"]) == ("running", "PAY")
+    # A retry of the resume, on the other instance, gets the run as it is.
+    again = await cluster.a.ok(
+        "POST", "/v1/escalations/shop-resumed/resume", {"by": "op", "note": "cents fixed"}
+    )
+    assert again["seq"] == resumed["seq"]
+    # ... and A, which escalated it, drives it on from what B wrote.
+    path = "/v1/runs/shop-resumed"
+    charge = await cluster.a.ok(
+        "POST", f"{path}/proposals", {"proposal": CHARGE, "expected_seq": resumed["seq"]}
+    )
+    assert charge["accepted"], charge
+    charged = await cluster.b.ok(
+        "POST", f"{path}/results", {"key": charge["key"], "result": {"charged": 150}}
+    )
+    assert charged["state"] == "PAY"
+
+    aborted = await cluster.a.ok(
+        "POST", "/v1/escalations/shop-aborted/abort", {"by": "op", "note": "duplicate order"}
+    )
+    assert aborted["outcome"] == "failed"
+    seen = await cluster.b.ok("GET", "/v1/runs/shop-aborted")
+    assert (seen["outcome"], seen["seq"]) == ("failed", aborted["seq"])
+    assert (await cluster.b.ok("GET", "/v1/escalations"))["escalations"] == []
+
+
+async def test_a_batch_raced_on_two_instances(cluster: Cluster) -> None:
+    run_id = "shop-batch"
+    run = await cluster.a.ok(
+        "POST", "/v1/runs", {"machine": "shop", "run_id": run_id, "mode": "external"}
+    )
+    first = {"run_id": run_id, "proposal": BAD_CHARGE, "expected_seq": run["seq"]}
+    rejected = (await cluster.a.ok("POST", "/v1/verify", {"items": [first]}))["verdicts"][0]
+    # The retry on B loads the run there: both instances now hold it at the same seq.
+    replayed = (await cluster.b.ok("POST", "/v1/verify", {"items": [first]}))["verdicts"][0]
+    assert replayed["replayed"] is True
+    assert replayed["seq"] == rejected["seq"]
+
+    item = {"run_id": run_id, "proposal": CHARGE, "expected_seq": rejected["seq"]}
+    answers = await _race(cluster, "/v1/verify", {"items": [item]})
+    verdicts = sorted(
+        (answer["verdicts"][0] for _, status, answer in answers if status == 200),
+        key=lambda verdict: verdict["problem"] is not None,
+    )
+    assert [status for _, status, _ in answers] == [200, 200]
+    won, lost = verdicts
+    assert won["accepted"] is True, won
+    assert lost["problem"]["status"] == 409, lost
+    assert run_id in lost["problem"]["detail"], lost
+    journal = await cluster.journal(run_id)
+    assert [e["kind"] for e in journal].count("intent_recorded") == 1
+    assert journal[-1]["seq"] == won["seq"]

@@ -115,6 +115,10 @@ MAX_EVENTS_PAGE = 10_000
 #: process wrote (a shared store), doubled up to POLL_MAX while nothing comes.
 POLL_MIN = 0.1
 POLL_MAX = 1.0
+#: Seconds an external run's copy, on a shared store, stays in memory after its last
+#: request; then it is dropped (the run may go on through another instance), and the next
+#: request here folds it again.
+HELD_IDLE = 300.0
 _TERMINAL_KINDS = frozenset({"completed", "failed"})
 _ENDINGS = (Completed, Failed, Escalated)
 # The events that begin the decision of a new request: a decision's events run from its
@@ -361,6 +365,9 @@ class GatewayService:
         self.poll = (POLL_MIN, POLL_MAX)
         """The shortest and longest wait of an event stream between looks at a shared store."""
         self._loading: dict[str, trio.Lock] = {}
+        self.held_idle = HELD_IDLE
+        """Seconds an external run's copy stays in memory after its last request (shared store)."""
+        self._used: OrderedDict[str, float] = OrderedDict()  # run id -> its last request
         self._followers: dict[str, list[_Follower]] = {}
         self._watch_store()
 
@@ -484,6 +491,7 @@ class GatewayService:
         run = sup._runs.get(run_id)
         if not self.shared or (run is not None and not run.external):
             return run
+        self._use(run_id)
         if run is not None and not check and (behind is None or run.seq >= behind):
             return run
         lock = self._loading.get(run_id)
@@ -534,6 +542,21 @@ class GatewayService:
             sup.settle_external(run_id)
             return None
         return run
+
+    def _use(self, run_id: str) -> None:
+        """Note a request of an external run; drop the copies idle for ``held_idle`` s."""
+        used = self._used
+        now = trio.current_time()
+        used[run_id] = now
+        used.move_to_end(run_id)
+        horizon = now - self.held_idle
+        while used:
+            oldest, when = next(iter(used.items()))
+            if when > horizon:
+                break
+            del used[oldest]
+            if oldest not in self._loading:
+                self._drop(oldest)
 
     def _drop(self, run_id: str, run: RunState | None = None) -> None:
         """Forget this process's copy of an external run (``run``, if given and still
@@ -653,8 +676,8 @@ class GatewayService:
         except Exception as exc:
             if owner is not None and self.quota is not None:
                 self.quota.release(owner)
-            if isinstance(exc, ProtocolError):
-                # Another request created it meanwhile: the same answer as a retry.
+            if isinstance(exc, ProtocolError) or (self.shared and isinstance(exc, StoreError)):
+                # Another request (or instance) created it meanwhile: answered as a retry.
                 existing = await self._existing(body, external)
                 if existing is not None:
                     return existing, False
@@ -669,6 +692,8 @@ class GatewayService:
         finally:
             self.waiting -= 1
         run = sup._runs.get(handle.run_id)
+        if self.shared and external:
+            self._use(handle.run_id)
         if owner is not None:
             if run is not None and not run.closed:
                 self._owners[handle.run_id] = owner
