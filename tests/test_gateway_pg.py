@@ -80,7 +80,16 @@ APP = textwrap.dedent(
             "CHECK": Step(lambda view: Go("COMPLETED", {"checked": True}), next=["COMPLETED"]),
         },
     )
-    app = App([shop, tally])
+    # A hosted machine whose first step proposes an illegal move: it escalates every time.
+    stuck = Machine(
+        "stuck",
+        "TRY",
+        {
+            "TRY": Step(lambda view: Go("COMPLETED"), next=["WAIT"]),
+            "WAIT": Step(lambda view: Go("COMPLETED"), next=["COMPLETED"]),
+        },
+    )
+    app = App([shop, tally, stuck])
     """
 )
 
@@ -416,6 +425,36 @@ async def test_an_instance_killed_mid_run_leaves_the_run_to_the_other(cluster: C
     assert await cluster.journal("shop-killed") == await cluster.journal("shop-alone")
 
 
+async def work(cluster: Cluster) -> dict[str, Any]:
+    """Run ``interlock worker --until-idle`` on the cluster's database; its summary."""
+    worker = await trio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "interlock",
+            "worker",
+            "--app",
+            cluster.ref,
+            "--db",
+            cluster.db,
+            "--until-idle",
+            "--json",
+        ],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr.decode()
+    summary: dict[str, Any] = json.loads(worker.stdout)
+    return summary
+
+
+async def _need_worker() -> None:
+    why = await trio.to_thread.run_sync(_worker_available)
+    if why:
+        pytest.skip(why)
+
+
 def _worker_available() -> str:
     """'' when ``interlock worker`` exists, else why not."""
     done = subprocess.run(
@@ -445,34 +484,14 @@ async def test_a_hosted_run_is_enqueued_and_a_worker_drives_it(cluster: Cluster)
     assert status == 409, problem
     assert "hosted" in problem["detail"], problem
 
-    why = await trio.to_thread.run_sync(_worker_available)
-    if why:
-        pytest.skip(why)
+    await _need_worker()
     streamed: list[dict[str, Any]] = []
     # A hang guard: the nursery waits for B's stream, which must end by itself with the run.
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read_stream, cluster.b, "tally-1", streamed)
-            worker = await trio.run_process(
-                [
-                    sys.executable,
-                    "-m",
-                    "interlock",
-                    "worker",
-                    "--app",
-                    cluster.ref,
-                    "--db",
-                    cluster.db,
-                    "--until-idle",
-                    "--json",
-                ],
-                capture_stdout=True,
-                capture_stderr=True,
-                check=False,
-            )
-            assert worker.returncode == 0, worker.stderr.decode()
-            summary = json.loads(worker.stdout)
-            assert summary["completed"] >= 1, summary
+            summary = await work(cluster)
+            assert summary["completed"] == 1, summary
     assert streamed[-1]["event"] == "completed"
     assert [e["seq"] for e in streamed] == list(range(1, len(streamed) + 1))
     run = await cluster.a.ok("GET", "/v1/runs/tally-1")
@@ -560,3 +579,28 @@ async def test_a_batch_raced_on_two_instances(cluster: Cluster) -> None:
     journal = await cluster.journal(run_id)
     assert [e["kind"] for e in journal].count("intent_recorded") == 1
     assert journal[-1]["seq"] == won["seq"]
+
+
+async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: Cluster) -> None:
+    await _need_worker()
+    await cluster.a.ok("POST", "/v1/runs", {"machine": "stuck", "run_id": "stuck-1"})
+    assert (await work(cluster))["escalated"] == 1
+    queue = (await cluster.b.ok("GET", "/v1/escalations"))["escalations"]
+    assert [e["id"] for e in queue] == ["stuck-1"]
+    escalated_at = queue[0]["seq"]
+
+    resumed = await cluster.b.ok("POST", "/v1/escalations/stuck-1/resume", {"by": "op"})
+    assert (resumed["outcome"], resumed["state"]) == ("running", "TRY")
+    assert resumed["seq"] == escalated_at + 2  # resumed, transitioned: written, not driven
+    await trio.sleep(0.5)  # neither gateway drives it: it waits for a worker
+    assert (await cluster.a.ok("GET", "/v1/runs/stuck-1"))["seq"] == resumed["seq"]
+    assert (await work(cluster))["escalated"] == 1  # claimed and driven by a worker again
+
+    aborted = await cluster.a.ok(
+        "POST", "/v1/escalations/stuck-1/abort", {"by": "op", "note": "gave up"}
+    )
+    assert aborted["outcome"] == "failed"
+    assert aborted["reason"] == "aborted by op: gave up"
+    journal = await cluster.journal("stuck-1")
+    assert [e["kind"] for e in journal].count("resumed") == 2  # the resume and the abort
+    assert journal[-1]["kind"] == "failed"
