@@ -105,8 +105,11 @@ def move(to: str) -> str:
 class Instance:
     """One ``interlock serve`` process on the test's database."""
 
-    def __init__(self, name: str, ref: str, db: str, logs: Path) -> None:
+    def __init__(
+        self, name: str, ref: str, db: str, logs: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
+        self.env = {**os.environ, **(env or {})}
         self.ref = ref
         self.db = db
         self.log = logs / f"serve-{name}.log"
@@ -132,6 +135,7 @@ class Instance:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                env=self.env,
             )
 
     async def start(self) -> None:
@@ -182,15 +186,15 @@ class Instance:
 class Cluster:
     """Two instances (``a``, ``b``) on one fresh schema, and the app file they serve."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str] | None = None) -> None:
         (tmp_path / "pg_shop_app.py").write_text(APP, encoding="utf-8")
         self.ref = f"{tmp_path / 'pg_shop_app.py'}:app"
         self.schema = f"interlock_gw_{secrets.token_hex(5)}"
         separator = "&" if "?" in PG_DSN else "?"
         self.db = f"{PG_DSN}{separator}schema={self.schema}"
         self.tmp_path = tmp_path
-        self.a = Instance("a", self.ref, self.db, tmp_path)
-        self.b = Instance("b", self.ref, self.db, tmp_path)
+        self.a = Instance("a", self.ref, self.db, tmp_path, env)
+        self.b = Instance("b", self.ref, self.db, tmp_path, env)
 
     async def journal(self, run_id: str) -> list[dict[str, Any]]:
         """The run's journal, without what varies between two runs of the same requests
@@ -604,3 +608,26 @@ async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: 
     journal = await cluster.journal("stuck-1")
     assert [e["kind"] for e in journal].count("resumed") == 2  # the resume and the abort
     assert journal[-1]["kind"] == "failed"
+
+
+async def test_a_key_at_its_limit_gets_back_the_slots_of_runs_ended_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # One run in flight per key (the anonymous key: no API keys), counted per instance.
+    cluster = Cluster(tmp_path, {"INTERLOCK_GATEWAY_RUNS_IN_FLIGHT": "1"})
+    try:
+        await cluster.a.start()
+        await cluster.b.start()
+        answers = await drive("shop-quota-1", lambda step: cluster.b if step else cluster.a)
+        assert answers[-1]["outcome"] == "completed"  # started on A, ended through B
+        second = {"machine": "shop", "run_id": "shop-quota-2", "mode": "external"}
+        # A never wrote the first run's end, yet the key's slot is free again there.
+        assert (await cluster.a.ok("POST", "/v1/runs", second))["outcome"] == "running"
+        third = {"machine": "shop", "run_id": "shop-quota-3", "mode": "external"}
+        status, problem = await cluster.a.request("POST", "/v1/runs", third)
+        assert status == 429, problem  # the second run is still in flight
+    finally:
+        with trio.CancelScope(shield=True):
+            await cluster.a.aclose()
+            await cluster.b.aclose()
+            await trio.to_thread.run_sync(cluster.drop)

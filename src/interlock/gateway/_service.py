@@ -565,6 +565,7 @@ class GatewayService:
         held = runs.get(run_id)
         if held is not None and held.external and (run is None or held is run):
             del runs[run_id]
+            self.supervisor.handles.pop(run_id, None)
 
     async def _write_failed(self, run_id: str, before: int, exc: Exception) -> GatewayError:
         """The answer to a request of an external run whose events could not be written:
@@ -743,9 +744,9 @@ class GatewayService:
             pass
         name = principal.name
         store = self.supervisor.store
+        # NOTE: a run held here may have been ended by another instance too: the store
+        # decides for every run, one index row each, only when the key is at its limit.
         for run_id in [r for r, owner in self._owners.items() if owner == name]:
-            if run_id in self.supervisor._runs:
-                continue
             try:
                 record = await store.get_run(run_id)
             except RunNotFound:
@@ -755,6 +756,7 @@ class GatewayService:
                 raise _translate(exc) from None
             if record.outcome != "running":
                 self._release(run_id)
+                self._drop(run_id)
         return self._take_slot(principal)
 
     async def _existing(self, body: RunCreate, external: bool) -> RunOut | None:
