@@ -258,6 +258,7 @@ async def drive(run_id: str, pick: Any, created: Any = None) -> list[dict[str, A
     run = await pick(0).ok(
         "POST", "/v1/runs", {"machine": "shop", "run_id": run_id, "mode": "external"}
     )
+    assert run["driven_by"] == "caller"
     answers.append(run)
     if created is not None:
         created()
@@ -476,6 +477,7 @@ def _worker_available() -> str:
 async def test_a_hosted_run_is_enqueued_and_a_worker_drives_it(cluster: Cluster) -> None:
     created = await cluster.a.ok("POST", "/v1/runs", {"machine": "tally", "run_id": "tally-1"})
     assert (created["mode"], created["state"], created["outcome"]) == ("hosted", "ADD", "running")
+    assert created["driven_by"] == "worker"
     assert created["seq"] == 1  # run_started only: nothing drove it in the gateway
     seen = await cluster.b.ok("GET", "/v1/runs/tally-1")
     assert (seen["state"], seen["outcome"], seen["seq"]) == ("ADD", "running", 1)

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 Mode = Literal["hosted", "external"]
+DrivenBy = Literal["gateway", "worker", "caller"]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 RunId = Annotated[
     str,
@@ -147,6 +148,11 @@ class RunOut(_Out):
     """A completed run's output."""
     reason: str = ""
     """Why an escalated or failed run stopped."""
+    driven_by: DrivenBy = "gateway"
+    """Who drives the run: ``caller`` (an external run: its caller, through any gateway
+    instance), ``gateway`` (a hosted run this gateway's process drives: on SQLite) or
+    ``worker`` (a hosted run on PostgreSQL: an ``interlock worker`` claims and drives it;
+    until one does, it waits in its initial state)."""
 
 
 class RunSummary(_Out):

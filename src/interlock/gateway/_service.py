@@ -634,6 +634,7 @@ class GatewayService:
             ),
             output=run.output if outcome == "completed" else None,
             reason=reason,
+            driven_by="caller" if run.external else "worker" if self.enqueues else "gateway",
         )
 
     # -- runs ---------------------------------------------------------------------
