@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,7 @@ ORDER = (
     "providers",
     "instructions",
     "gateway",
+    "scaleout",
 )
 
 
@@ -34,13 +36,15 @@ def available() -> list[str]:
     """The names of the benchmarks this checkout can run.
 
     ``metrics`` needs both ``bench_metrics.py`` and the runtime's metrics collector
-    (``interlock._metrics``).
+    (``interlock._metrics``); ``scaleout`` needs PostgreSQL (``INTERLOCK_PG_DSN``).
     """
     names = []
     for name in ORDER:
         if not (HERE / f"bench_{name}.py").exists():
             continue
         if name == "metrics" and importlib.util.find_spec("interlock._metrics") is None:
+            continue
+        if name == "scaleout" and not os.environ.get("INTERLOCK_PG_DSN"):
             continue
         names.append(name)
     return names

@@ -81,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in names]
+        if unknown == ["scaleout"]:
+            parser.error("the scaleout benchmark needs PostgreSQL: set INTERLOCK_PG_DSN")
         if unknown:
             parser.error(f"unknown benchmark {unknown[0]!r}; choose from: {', '.join(names)}")
         names = [n for n in names if n in wanted]

@@ -281,6 +281,20 @@ def _journal(sync: str) -> Callable[[Results, float], Outcome]:
     return check
 
 
+def _pg_group_commit(results: Results, target: float) -> Outcome:
+    rows = results["scaleout"].get("throughput") or []
+    if not rows:
+        return Outcome("not measured", None)
+    fewest = min(rows, key=lambda r: r["events_per_transaction"])
+    value = fewest["events_per_transaction"]
+    met = value > target
+    return Outcome(
+        f"{value:,.1f} events per transaction (the fewest, {fewest['workers']} worker(s))",
+        met,
+        "" if met else f"{value:,.2f} events per transaction: one commit per event",
+    )
+
+
 def _providers(results: Results, target: float) -> Outcome:
     from benchmarks.bench_providers import BARE, HTTP_CHAT, LOCAL, SIMULATED, find
 
@@ -420,6 +434,11 @@ _JOURNAL_CLOSING = (
     "The store writes one row per run per batch and updates the runs index from each run's last "
     "event; the journal section compares it with the SQLite ceiling and one commit per event."
 )
+_PG_GROUP_COMMIT_CLOSING = (
+    "Each worker's supervisor writes every step its runs took since the last flush in one "
+    "fenced transaction; one event per transaction means it flushes per event: check that "
+    "the journal writer batches on PostgreSQL as it does on SQLite."
+)
 
 GOALS: tuple[Goal, ...] = (
     Goal(
@@ -552,6 +571,16 @@ GOALS: tuple[Goal, ...] = (
         _gateway_throughput,
         _GATEWAY_CLOSING,
         "profile",
+    ),
+    Goal(
+        "pg_group_commit",
+        "PostgreSQL group commit under workers: batches, not one row per event",
+        "scaleout",
+        1,
+        "events the workers wrote ÷ the PostgreSQL transactions that wrote them (distinct "
+        "xmin), the fewest of the throughput rows; more than one is met",
+        _pg_group_commit,
+        _PG_GROUP_COMMIT_CLOSING,
     ),
 )
 

@@ -49,8 +49,9 @@ OWNER = "bench-worker"
 class Mode:
     """One side of the comparison: its runs, their seqs, its batch times."""
 
-    def __init__(self, name: str, prefix: str, runs: int) -> None:
+    def __init__(self, name: str, prefix: str, runs: int, per_run: int = EVENTS_PER_RUN) -> None:
         self.name = name
+        self.per_run = per_run
         self.run_ids = [f"{prefix}-{i:05d}" for i in range(runs)]
         self.seq = dict.fromkeys(self.run_ids, 1)
         self.fence: dict[str, int] = {}
@@ -60,7 +61,7 @@ class Mode:
         events: list[Event] = []
         for run_id in self.run_ids:
             seq = self.seq[run_id]
-            for n in range(1, EVENTS_PER_RUN + 1):
+            for n in range(1, self.per_run + 1):
                 events.append(
                     Transitioned(
                         run_id=run_id,
@@ -71,15 +72,19 @@ class Mode:
                         delta={"step": seq + n, "note": "x" * 40},
                     )
                 )
-            self.seq[run_id] = seq + EVENTS_PER_RUN
+            self.seq[run_id] = seq + self.per_run
         return events
 
 
-async def measure(store: PostgresStore, size: int, events_per_mode: int) -> dict[str, Mode]:
+async def measure(
+    store: PostgresStore, size: int, events_per_mode: int, max_rounds: int | None = None
+) -> dict[str, Mode]:
+    """Both modes in turns on batches of ``size`` events (a batch under ten events is one
+    run's), ``events_per_mode`` events each (at least 20 batches, at most ``max_rounds``)."""
     runs = max(1, size // EVENTS_PER_RUN)
     tag = f"b{size}"
-    plain = Mode("append", f"{tag}-plain", runs)
-    fenced = Mode("append_fenced", f"{tag}-fenced", runs)
+    plain = Mode("append", f"{tag}-plain", runs, size // runs)
+    fenced = Mode("append_fenced", f"{tag}-fenced", runs, size // runs)
     started = [
         RunStarted(run_id=run_id, seq=1, ts=1.0, machine="bench", state="WORK")
         for run_id in plain.run_ids
@@ -93,6 +98,8 @@ async def measure(store: PostgresStore, size: int, events_per_mode: int) -> dict
     assert await store.append_fenced(started, {}, OWNER, ttl=3600.0) == frozenset()
     fenced.fence = dict.fromkeys(fenced.run_ids, 1)
     rounds = max(20, events_per_mode // size)
+    if max_rounds is not None:
+        rounds = min(rounds, max_rounds)
     for n in range(rounds):
         for mode in (plain, fenced) if n % 2 == 0 else (fenced, plain):
             events = mode.batch()
@@ -104,6 +111,24 @@ async def measure(store: PostgresStore, size: int, events_per_mode: int) -> dict
                 assert not refused, f"the benchmark's own leases were refused: {sorted(refused)}"
             mode.times.append(time.perf_counter() - begin)
     return {"plain": plain, "fenced": fenced}
+
+
+def compare(size: int, modes: dict[str, Mode]) -> dict[str, float]:
+    """One row of the comparison: batches, events/s and median ms of each mode, the ratios."""
+    plain, fenced = modes["plain"], modes["fenced"]
+    rates = {mode.name: size * len(mode.times) / sum(mode.times) for mode in (plain, fenced)}
+    return {
+        "batch": size,
+        "batches": len(plain.times),
+        "append_events_per_s": rates["append"],
+        "fenced_events_per_s": rates["append_fenced"],
+        "append_median_ms": statistics.median(plain.times) * 1000,
+        "fenced_median_ms": statistics.median(fenced.times) * 1000,
+        "ratio": rates["append_fenced"] / rates["append"],
+        "paired_ratio": statistics.median(
+            p / f for p, f in zip(plain.times, fenced.times, strict=True)
+        ),
+    }
 
 
 async def recovery(finished: int, unfinished: int = 3_000) -> tuple[float, float, float]:
@@ -174,26 +199,8 @@ async def main(quick: bool) -> None:
     store = await open_postgres_store(DSN, schema=schema)
     try:
         for size in SIZES:
-            modes = await measure(store, size, events_per_mode)
-            plain, fenced = modes["plain"], modes["fenced"]
-            rates = {}
-            for mode in (plain, fenced):
-                total = sum(mode.times)
-                rates[mode.name] = size * len(mode.times) / total
-            rows.append(
-                (
-                    size,
-                    len(plain.times),
-                    rates["append"],
-                    rates["append_fenced"],
-                    statistics.median(plain.times) * 1000,
-                    statistics.median(fenced.times) * 1000,
-                    rates["append_fenced"] / rates["append"],
-                    statistics.median(
-                        p / f for p, f in zip(plain.times, fenced.times, strict=True)
-                    ),
-                )
-            )
+            compared = compare(size, await measure(store, size, events_per_mode))
+            rows.append(tuple(compared.values()))
     finally:
         await store.aclose()
         with psycopg.connect(DSN, autocommit=True) as conn:

@@ -18,10 +18,13 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 def expected_benchmarks() -> set[str]:
-    """Every ``bench_<name>.py``; ``metrics`` only once the runtime has its collector."""
+    """Every ``bench_<name>.py``; ``metrics`` only once the runtime has its collector,
+    ``scaleout`` only with PostgreSQL."""
     names = {path.stem.removeprefix("bench_") for path in BENCHMARKS.glob("bench_*.py")}
     if importlib.util.find_spec("interlock._metrics") is None:
         names.discard("metrics")
+    if not os.environ.get("INTERLOCK_PG_DSN"):
+        names.discard("scaleout")
     return names
 
 
@@ -167,3 +170,38 @@ def test_merge_without_recorded_results_says_what_to_do(tmp_path: Path) -> None:
     said = " ".join((proc.stdout + proc.stderr).split())
     assert f"cannot merge into {tmp_path / 'results.json'}" in said
     assert "run the whole suite first" in said
+
+
+@pytest.mark.skipif(
+    not os.environ.get("INTERLOCK_PG_DSN"),
+    reason="the scaleout benchmark needs PostgreSQL: set INTERLOCK_PG_DSN",
+)
+def test_quick_scaleout_drives_every_run_on_real_workers(tmp_path: Path) -> None:
+    """The section's figures come from runs that really ended: every run completed under
+    1, 2 and 4 workers, in batches; the killed worker's runs completed on the survivors."""
+    proc = run_benchmarks("--quick", "--only", "scaleout", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    section = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))["benchmarks"][
+        "scaleout"
+    ]
+    assert "error" not in section, section.get("traceback")
+    rows = section["throughput"]
+    assert sorted(row["workers"] for row in rows) == [1, 2, 4]
+    for row in rows:
+        assert row["outcomes"] == {"completed": row["runs"]}, row
+        assert sum(row["claimed"]) == row["runs"], row
+        assert row["lost"] == 0, row
+        assert row["events"] == 15 * row["runs"], row  # 16 events a run, run_started enqueued
+        assert row["events_per_transaction"] > 1, row
+    assert [c["empty_claims"] for c in section["claims"]] == [50]
+    (failover,) = section["failover"]
+    assert failover["runs"] > 0, "the killed worker held no run"
+    assert failover["outcomes"] == {"completed": 60}, failover
+    assert [f["batch"] for f in section["fencing"]] == [1, 100, 1000]
+    goal = next(
+        g
+        for g in json.loads((tmp_path / "results.json").read_text())["goals"]
+        if g["key"] == "pg_group_commit"
+    )
+    assert goal["met"] is True
+    assert "## Scale-out on PostgreSQL" in (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
