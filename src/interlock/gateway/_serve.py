@@ -178,9 +178,10 @@ async def serve_gateway(
     url = db or app.store
     store = await open_store(url)
     stats = RuntimeStats()
-    # NOTE: on a store that other processes write (PostgreSQL), workers drive the hosted
-    # runs and any instance the external ones: resuming them here would hold them here.
-    shared = isinstance(store, LeasingStore)
+    # NOTE: on a store with leases (PostgreSQL), workers drive the hosted runs and any
+    # instance the external ones: resuming them here would hold them here. (A PostgreSQL
+    # schema older than the leases has one writer, as SQLite: it resumes.)
+    workers = isinstance(store, LeasingStore) and getattr(store, "leasing", False) is True
     try:
         async with (
             app.open(url or ":memory:"),
@@ -188,7 +189,7 @@ async def serve_gateway(
                 list(app.machines.values()),
                 store,
                 provider=app.provider,
-                resume=not shared,
+                resume=not workers,
                 stats=stats,
             ) as supervisor,
         ):
