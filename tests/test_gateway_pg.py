@@ -633,3 +633,39 @@ async def test_a_key_at_its_limit_gets_back_the_slots_of_runs_ended_elsewhere(
             await cluster.a.aclose()
             await cluster.b.aclose()
             await trio.to_thread.run_sync(cluster.drop)
+
+
+async def test_an_idle_copy_is_dropped_and_folded_again(tmp_path: Path) -> None:
+    """In process: the copies of external runs a service holds go once idle; the next
+    request folds the run again, as another instance may have advanced it meanwhile."""
+    from interlock import open_supervisor
+    from interlock._app import load_app
+    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+
+    cluster = Cluster(tmp_path)
+    app = load_app(cluster.ref)
+    store = await open_store(cluster.db)
+    try:
+        async with open_supervisor(list(app.machines.values()), store) as supervisor:
+            service = GatewayService(supervisor)
+            assert service.shared
+            assert service.enqueues
+            service.held_idle = 0.0
+            first, _ = await service.create_run(
+                RunCreate(machine="shop", run_id="idle-1", mode="external")
+            )
+            await service.create_run(RunCreate(machine="shop", run_id="idle-2", mode="external"))
+            assert "idle-1" not in supervisor._runs  # dropped when idle-2 was used
+            assert "idle-2" in supervisor._runs
+            verdict = await service.propose(
+                "idle-1", ProposalIn(proposal=CHARGE, expected_seq=first.seq)
+            )
+            assert verdict.accepted
+            assert "idle-1" in supervisor._runs  # folded again for the request
+            assert "idle-2" not in supervisor._runs
+            hosted, _ = await service.create_run(RunCreate(machine="tally", run_id="idle-3"))
+            assert (hosted.driven_by, hosted.seq) == ("worker", 1)
+            assert "idle-3" not in supervisor._runs  # enqueued, not driven here
+    finally:
+        await store.aclose()
+        await trio.to_thread.run_sync(cluster.drop)

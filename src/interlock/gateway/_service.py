@@ -552,7 +552,7 @@ class GatewayService:
         horizon = now - self.held_idle
         while used:
             oldest, when = next(iter(used.items()))
-            if when > horizon:
+            if when >= horizon:  # never the run of this request
                 break
             del used[oldest]
             if oldest not in self._loading:
