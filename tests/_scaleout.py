@@ -121,14 +121,22 @@ def enqueue(url: str, indices: Iterable[int]) -> list[str]:
 
 
 def wait_until(
-    what: str, done: Callable[[], bool], *, timeout: float, procs: Iterable[Proc] = ()
+    what: str,
+    done: Callable[[], bool],
+    *,
+    timeout: float,
+    procs: Iterable[Proc] = (),
+    explain: Callable[[], str] | None = None,
 ) -> None:
-    """Poll ``done`` until true; past ``timeout`` (a hang guard) fail naming ``what`` and
-    the stderr tails of ``procs``."""
+    """Poll ``done`` until true; past ``timeout`` (a hang guard) fail naming ``what``, what
+    ``explain()`` says of the state then, and the stderr tails of ``procs``."""
     give_up = time.monotonic() + timeout
     while not done():
         if time.monotonic() > give_up:
-            raise AssertionError(f"gave up after {timeout:g} s waiting for {what}\n{tails(procs)}")
+            said = f"{explain()}\n" if explain is not None else ""
+            raise AssertionError(
+                f"gave up after {timeout:g} s waiting for {what}\n{said}{tails(procs)}"
+            )
         time.sleep(0.05)
 
 
@@ -553,3 +561,41 @@ def stop_at(proc: Proc, url: str, *, mid_transaction: bool, attempts: int = 300)
         f"{proc.name} was never stopped {'inside' if mid_transaction else 'outside'} a "
         f"transaction in {attempts} tries\n{proc.describe()}"
     )
+
+
+def in_flight(url: str, state: str) -> int:
+    """Calls made in ``state`` whose intent is journaled and whose outcome is not."""
+    rows = query(
+        url,
+        "SELECT count(*) FROM events i WHERE i.kind = 'intent_recorded' AND i.key LIKE %s "
+        "AND NOT EXISTS (SELECT 1 FROM events o WHERE o.run_id = i.run_id AND o.key = i.key "
+        "AND o.kind <> 'intent_recorded')",
+        (f"%:{state}:%",),
+    )
+    return int(rows[0][0])
+
+
+def leases_of(url: str, owner: str, limit: int = 5) -> str:
+    """The live leases ``owner`` holds, as rows to show in a failure."""
+    rows = query(
+        url,
+        "SELECT l.run_id, l.epoch, l.expires < now() AS expired, r.state, r.seq FROM leases l "
+        "JOIN runs r USING (run_id) WHERE l.live AND l.owner = %s ORDER BY 1",
+        (owner,),
+    )
+    return f"{len(rows)} live leases of {owner} (run, epoch, expired, state, seq): {rows[:limit]}"
+
+
+def lock_holders(url: str) -> str:
+    """Who holds locks on the journal's leases table now (pid, state, mode, query), to show
+    in a failure."""
+    _, schema = _scaleout_app().split_url(url)
+    rows = query(
+        url,
+        "SELECT a.pid, a.state, l.mode, l.granted, left(a.query, 80) FROM pg_locks l "
+        "JOIN pg_stat_activity a USING (pid) JOIN pg_class c ON c.oid = l.relation "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s "
+        "AND c.relname = 'leases' AND a.pid <> pg_backend_pid()",
+        (schema,),
+    )
+    return f"sessions locking {schema}.leases: {rows}"

@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 EFFECT_DELAY = tuple(
     float(s) for s in os.environ.get("SCALEOUT_EFFECT_DELAY", "0.005,0.025").split(",")
 )
+#: Seconds each side effect takes before it reaches the downstream (its request in flight):
+#: none by default; a test sets ``SCALEOUT_EFFECT_LEAD=LOW,HIGH`` to pause a process there.
+EFFECT_LEAD = tuple(float(s) for s in os.environ.get("SCALEOUT_EFFECT_LEAD", "0,0").split(","))
 #: Connections to the downstream per process.
 POOL = 4
 
@@ -182,9 +185,10 @@ class _Current:
 current = _Current()
 
 
-async def _effect_delay(key: str) -> None:
-    low, high = EFFECT_DELAY
-    await trio.sleep(low + (zlib.crc32(key.encode()) % 1000) / 1000 * (high - low))
+async def _effect_delay(key: str, delay: tuple[float, ...] = EFFECT_DELAY) -> None:
+    low, high = delay
+    if high > 0:
+        await trio.sleep(low + (zlib.crc32(key.encode()) % 1000) / 1000 * (high - low))
 
 
 def _execution(tool: str, ctx: ToolContext) -> tuple[str, tuple[Any, ...]]:
@@ -238,6 +242,7 @@ async def lookup(args: Lookup, ctx: ToolContext) -> dict[str, Any]:
 
 async def reserve(args: Reserve, ctx: ToolContext) -> dict[str, Any]:
     # Idempotent as the downstream is: the key is the reservation's primary key.
+    await _effect_delay(ctx.key, EFFECT_LEAD)
     _, row = await current.get().run(
         [
             _execution("reserve", ctx),
@@ -254,6 +259,7 @@ async def reserve(args: Reserve, ctx: ToolContext) -> dict[str, Any]:
 
 async def charge(args: Charge, ctx: ToolContext) -> dict[str, Any]:
     # Not idempotent: every execution charges again.
+    await _effect_delay(ctx.key, EFFECT_LEAD)
     _, row = await current.get().run(
         [
             _execution("charge", ctx),
@@ -269,6 +275,7 @@ async def charge(args: Charge, ctx: ToolContext) -> dict[str, Any]:
 
 async def notify(args: Notify, ctx: ToolContext) -> dict[str, Any]:
     # Not idempotent either, but the downstream can say whether a key went out (reconcile).
+    await _effect_delay(ctx.key, EFFECT_LEAD)
     _, row = await current.get().run(
         [
             _execution("notify", ctx),

@@ -94,9 +94,13 @@ def report(name: str, started: float, url: str, **figures: object) -> None:
     """One line of figures per scenario (shown with -s; the report quotes them)."""
     taken = so.query(url, "SELECT count(*) FROM leases WHERE epoch > 1")[0][0]
     shown = ", ".join(f"{k} {v}" for k, v in figures.items())
+    reasons = so.query(
+        url, "SELECT reason, count(*) FROM runs WHERE outcome = 'escalated' GROUP BY 1"
+    )
     print(
         f"\n{name}: {shown}, runs claimed more than once {taken}, outcomes "
-        f"{dict(so.outcomes(url))}, {time.monotonic() - started:.1f} s"
+        f"{dict(so.outcomes(url))} (escalated: {dict(reasons)}), "  # type: ignore[arg-type]
+        f"{time.monotonic() - started:.1f} s"
     )
 
 
@@ -158,6 +162,16 @@ def test_workers_sigkilled_repeatedly_while_runs_flow(url: str, tmp_path: Path) 
                 strict=True,
             ),
         ),
+        pytest.param(
+            "mid-tool",
+            marks=pytest.mark.xfail(
+                reason="a worker resumed from a pause with a side effect in flight may still "
+                "send it after another worker reconciled and re-ran the call (the lease loss "
+                "cancels the call only if the heartbeat runs first); see "
+                "/tmp/team/scaleout-chaos-findings.md 5",
+                strict=False,  # a race: some runs show no duplicate
+            ),
+        ),
     ],
 )
 def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
@@ -167,10 +181,19 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
     small worker b takes some of its runs, and after SIGCONT a's late writes for those are
     refused while it drives the rest and new runs. ``mid-append``: stopped inside a
     transaction that locks its runs' lease rows (a pause in the middle of a write): the
-    stalled transaction must not keep the runs from b past the lease's expiry."""
+    stalled transaction must not keep the runs from b past the lease's expiry.
+    ``mid-tool``: stopped while most runs' ``notify`` requests are in flight (not yet at
+    the downstream); b takes every run, reconciles those calls (not applied) and sends them:
+    a, resumed, must not send them again."""
     first, later, started = 100, 60, time.monotonic()
-    mid = moment == "mid-append"
-    slow = {"SCALEOUT_EFFECT_DELAY": "0.4,0.8"}  # a's runs outlast b's start
+    mid = moment != "between-writes"  # b takes every run
+    # a's runs outlast b's start: each side effect answers late, or (mid-tool) is slow to
+    # reach the downstream, so a pause catches the requests in flight.
+    slow = (
+        {"SCALEOUT_EFFECT_LEAD": "0.3,0.6"}
+        if moment == "mid-tool"
+        else {"SCALEOUT_EFFECT_DELAY": "0.4,0.8"}
+    )
     so.enqueue(url, range(first))
     with so.processes() as procs:
         a = so.worker(url, tmp_path, "a", "--poll", "0.2", env=slow)
@@ -187,17 +210,23 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
         b = so.worker(url, tmp_path, "b", "--max-runs", capacity, "--claim-batch", capacity,
                       "--poll", "0.2", env=slow)  # fmt: skip
         procs.append(b)
-        so.stop_at(a, url, mid_transaction=mid)
+        if moment == "mid-tool":
+            so.wait_until(
+                "half of a's runs with their notify call in flight",
+                lambda: so.in_flight(url, "NOTIFY") >= first // 2,
+                timeout=60, procs=procs,
+            )  # fmt: skip
+        so.stop_at(a, url, mid_transaction=moment == "mid-append")
         stopped = time.monotonic()
         held = so.held_by(url, "a")
         assert held, f"worker a held no run when stopped\n{a.describe()}"
         if mid:
             so.wait_until(
                 f"worker b to take all {len(held)} runs of the stopped worker a once their "
-                "leases expired (a is stopped inside a transaction on the leases: "
-                f"{sorted(so.open_transactions(url))})",
+                "leases expired (a's open transactions hold on the leases: "
+                f"{sorted(so.open_transactions(url)) or 'nothing'})",
                 lambda: not so.held_by(url, "a"),
-                timeout=30, procs=procs,
+                timeout=15, procs=procs, explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
             )  # fmt: skip
         else:
             so.wait_until(
