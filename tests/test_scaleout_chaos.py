@@ -226,7 +226,7 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
                 "leases expired (a's open transactions hold on the leases: "
                 f"{sorted(so.open_transactions(url)) or 'nothing'})",
                 lambda: not so.held_by(url, "a"),
-                timeout=15, procs=procs, explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
+                timeout=10, procs=procs, explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
             )  # fmt: skip
         else:
             so.wait_until(
@@ -257,7 +257,7 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
     named = {
         line.split("lease lost for run ", 1)[1].split(" ", 1)[0].strip("'") for line in lost_lines
     }
-    assert named <= taken, (
+    assert named <= taken, (  # see /tmp/team/scaleout-chaos-findings.md 2
         f"worker a lost the leases of {len(named - taken)} runs no other worker took (e.g. "
         f"{sorted(named - taken)[:3]}; b took {len(taken)}): it did not carry on with the runs "
         f"it still held\n{a.describe()}"
@@ -382,6 +382,7 @@ def test_sigterm_drains_and_releases_leases(url: str, tmp_path: Path) -> None:
         )
         assert unfinished > 0, "every run finished before the drain; nothing was released"
         assert summary["released"] == unfinished, (summary, unfinished)
+        assert summary["drained"] is True, f"the drain did not finish in time: {summary}"
         second = so.worker(url, tmp_path, "second", "--until-idle")
         procs.append(second)
         second.exit_ok(120)
