@@ -195,9 +195,6 @@ from ._replay import (
     replay as replay,
 )
 from ._runtime import open_supervisor as open_supervisor
-from ._worker import WorkerControl as WorkerControl
-from ._worker import WorkerSummary as WorkerSummary
-from ._worker import run_worker as run_worker
 from ._stats import RuntimeStats as RuntimeStats
 from ._stats import SupervisorStatistics as SupervisorStatistics
 from ._supervisor import (
@@ -225,6 +222,9 @@ from ._version import __version__ as __version__
 from ._view import Frame as Frame
 from ._view import RunView as RunView
 from ._view import ToolResult as ToolResult
+from ._worker import WorkerControl as WorkerControl
+from ._worker import WorkerSummary as WorkerSummary
+from ._worker import run_worker as run_worker
 
 if _typing.TYPE_CHECKING:
     from ._metrics import RuntimeCollector as RuntimeCollector
@@ -354,8 +354,8 @@ __all__ = [
     "expand_prompt",
     "hash_prompt",
     "open_supervisor",
-    "run_worker",
     "replay",
+    "run_worker",
     "serve_metrics",
     "whole_prompts",
 ]

@@ -57,7 +57,8 @@ class Leases:
       owner: this process's name in the leases table (see :func:`default_owner`).
       ttl: seconds each lease lasts after a claim or a heartbeat.
       is_external: whether a run is driven by its caller (those are not leased).
-      lose: called with the runs whose leases were found lost, and their errors.
+      lose: called with the runs dropped (a lost lease, a stale external run) and the
+        error each one's requests get.
     """
 
     def __init__(
@@ -67,7 +68,7 @@ class Leases:
         ttl: float,
         *,
         is_external: Callable[[str], bool],
-        lose: Callable[[dict[str, LeaseLost]], None],
+        lose: Callable[[dict[str, StoreError]], None],
     ) -> None:
         self.store = store
         self.owner = check_owner(owner)
@@ -129,15 +130,38 @@ class Leases:
         for run_id in started:
             if run_id not in refused:
                 epochs[run_id] = 1
-        if refused:
+        if refused and unfenced:
+            stale = refused.intersection(unfenced)
+            if stale:
+                self._stale(stale)
+                refused_leases = refused.difference(stale)
+                if refused_leases:
+                    self._drop(refused_leases)
+            else:
+                self._drop(refused)
+        elif refused:
             self._drop(refused)
         if unheld:
             self._drop(unheld, held=False)
             refused = refused | unheld
         return refused
 
+    def _stale(self, run_ids: Iterable[str]) -> None:
+        """External runs another process advanced since this one loaded them: dropped here
+        (the next request loads them afresh), not a lost lease."""
+        self._lose(
+            {
+                run_id: StoreError(
+                    f"run {run_id!r} was advanced by another process (another gateway) since "
+                    "this one loaded it, so this batch's events for it were not written; read "
+                    "the run again and retry"
+                )
+                for run_id in run_ids
+            }
+        )
+
     def _drop(self, run_ids: Iterable[str], *, held: bool = True) -> None:
-        errors: dict[str, LeaseLost] = {}
+        errors: dict[str, StoreError] = {}
         for run_id in run_ids:
             epoch = self.epochs.pop(run_id, 0)
             if held:

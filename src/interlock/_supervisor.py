@@ -161,9 +161,9 @@ class Supervisor:
         return self._lost.get(run_id) or StoreError(f"run {run_id!r} was refused by the store")
 
     def _lose(self, errors: Mapping[str, Exception]) -> None:
-        """Drop runs whose leases another process took: their requests get ``errors``,
-        and their actors stop (a call in flight is cut; its outcome is the new owner's
-        to reconcile)."""
+        """Drop runs the store refused (another process took their leases, or advanced an
+        external run): their requests get ``errors``, and their actors stop (a call in
+        flight is cut; its outcome is the new owner's to reconcile)."""
         for run_id, error in errors.items():
             self._runs.pop(run_id, None)
             self._lost[run_id] = error
@@ -172,7 +172,8 @@ class Supervisor:
             driver = self._drivers.get(run_id)
             if driver is not None:
                 driver.cancel()
-            self.stats.leases_lost += 1
+            if isinstance(error, LeaseLost):
+                self.stats.leases_lost += 1
 
     def provider_for(self, machine: str) -> Provider | None:
         if isinstance(self._provider, Mapping):

@@ -347,3 +347,33 @@ async def test_circuits_are_per_process(store: PostgresStore) -> None:
         await other.aclose()
     assert calls == ["a-0:WORK:3", "a-1:WORK:3", "a-2:WORK:3", "b-0:WORK:3"]
     assert (await store.get_run("a-3")).outcome == "escalated"  # refused by a's open circuit
+
+
+async def test_a_stale_external_run_is_refused_alone_in_its_batch(store: PostgresStore) -> None:
+    """Two processes drive external runs of one journal (two gateways). One advances x-1
+    behind the other's back; the other's next batch holds x-1 (stale) and y-1: x-1 alone is
+    refused, with an error that says to read the run again, and y-1 commits."""
+    from interlock import Propose, StoreError, Sync
+
+    spec = machine(immediate)
+    other = await open_postgres_store(DSN, schema=store.schema)
+    try:
+        async with (
+            open_supervisor([spec], store, owner="a") as first,
+            open_supervisor([spec], other, owner="b") as second,
+        ):
+            await first.start_run("notes", run_id="x-1", external=True)
+            await first.start_run("notes", run_id="y-1", external=True)
+            await second.submit(Propose(run_id="x-1", seq=1, raw=NOTE, model="m"))
+            first.submit_nowait(Propose(run_id="x-1", seq=1, raw=DONE, model="m"))
+            first.submit_nowait(Propose(run_id="y-1", seq=1, raw=DONE, model="m"))
+            await first.request(Sync(run_id="y-1"))
+            with pytest.raises(StoreError, match="'x-1' was advanced by another process"):
+                await first.request(Sync(run_id="x-1"))
+            assert first.statistics().runs_in_flight == 1  # y-1 is still registered
+            assert first.leases is not None
+            assert first.leases.lost == 0  # not a lost lease
+    finally:
+        await other.aclose()
+    assert (await store.get_run("y-1")).outcome == "completed"
+    assert await kinds(store, "x-1") == ["RunStarted", "ModelCalled", "IntentRecorded"]

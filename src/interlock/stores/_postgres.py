@@ -205,6 +205,13 @@ _HELD_ELSEWHERE = (
     "WHERE live AND NOT external AND owner IS NOT NULL AND owner <> %s AND expires >= now() "
     "ORDER BY expires, run_id"
 )
+# The runs-index rows of the batch's unfenced runs (external runs, which any gateway may
+# drive), locked in run_id order until the commit: two writers of one such run then
+# check its seq one after the other, and the second is refused alone, not its batch.
+_LOCK_UNFENCED = (
+    "SELECT run_id, seq FROM runs WHERE run_id = ANY(%s::text[]) ORDER BY run_id "
+    "FOR NO KEY UPDATE"
+)
 _RENEW = (
     "UPDATE leases AS l SET expires = now() + make_interval(secs => %s) "
     "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND owner = %s "
@@ -544,7 +551,7 @@ class PostgresStore(Store):
                         "run_started may have none)"
                     )
         params = encode_rows(events)
-        guard = _Fence(owner, fence, ttl, self._after_fence_check)
+        guard = _Fence(owner, fence, ttl, frozenset(unfenced), self._after_fence_check)
         refused, written = await self._call(
             "append_fenced", lambda conn: _append_sync(conn, events, params, guard)
         )
@@ -837,11 +844,13 @@ def _leases_of(rows: Iterable[tuple[Any, ...]]) -> list[Lease]:
 
 
 class _Fence(msgspec.Struct, frozen=True, gc=False):
-    """What a fenced append checks: the worker, its epochs by run, a new run's ttl."""
+    """What a fenced append checks: the worker, its epochs by run, a new run's ttl, and
+    the runs it writes checked by seq alone."""
 
     owner: str
     epochs: Mapping[str, int]
     ttl: float
+    unfenced: frozenset[str] = frozenset()
     after_check: Callable[[], object] | None = None
     """Called in the transaction once the lease rows are locked and checked, before
     the writes (tests hold the transaction open with it, to race others against it)."""
@@ -876,6 +885,21 @@ def _append_sync(
                         if owner == fence.owner and epoch == fence.epochs[run_id]
                     }
                     refused = frozenset(checked).difference(held)
+                if fence.unfenced:
+                    # Unfenced runs are written only where the batch follows on from the
+                    # stored seq; one another writer advanced is refused (returned) alone.
+                    first: dict[str, int] = {}
+                    for row in params:
+                        if row[0] in fence.unfenced:
+                            first.setdefault(row[0], row[1])
+                    cursor.execute(_LOCK_UNFENCED, (sorted(first),), prepare=False)
+                    stored = dict(cursor.fetchall())
+                    stale = {
+                        run_id
+                        for run_id, seq in first.items()
+                        if run_id not in stored or stored[run_id] + 1 != seq
+                    }
+                    refused = refused | stale if stale else refused
                 if fence.after_check is not None:
                     fence.after_check()
                 if refused:
