@@ -23,8 +23,8 @@ what is measured, not a model or a tool. Ratios are taken within one run:
   apart: ``interlock.enqueue_run`` one run at a time against the bulk path.
 - *claims*: ``store.claim(owner, limit=100)`` in process on a journal of 10,000 and of
   100,000 claimable runs, until half are claimed; then the empty claim (every run leased),
-  an idle worker's poll. p50/p99 ms.
-- *failover*: three workers (``--lease-ttl`` 2, then 5, ``--poll`` 0.5) drive runs of 40
+  an idle worker's poll, before and after a ``VACUUM`` of the leases. p50/p99 ms.
+- *failover*: three workers (``--lease-ttl`` 2, then 5, ``--poll`` 0.5) drive runs of 100
   model calls of 50 ms each; once all are claimed and under way, the worker holding the
   most is SIGKILLed (at a random point of the heartbeat's period). For each run it held:
   the seconds from the SIGKILL to the run's next event (written by a survivor, its
@@ -74,7 +74,7 @@ EMPTY_CLAIMS = (50, 300)
 FAILOVER = (((2.0, 1),), ((2.0, 5), (5.0, 5)))
 FAILOVER_WORKERS = 3
 FAILOVER_RUNS = 60
-FAILOVER_STEPS = 40
+FAILOVER_STEPS = 100
 FAILOVER_LATENCY = 0.05
 FAILOVER_POLL = 0.5
 #: Batch sizes of the fencing comparison, events per mode and most batches (quick, full).
@@ -189,6 +189,8 @@ class CpuWindow:
             "workers_cores": workers / wall,
             "server_cores": server / wall,
             "host_busy": host_busy / host_total if host_total else float("nan"),
+            # what the host's busy cores spent on neither (other users' tests, mostly)
+            "others_cores": max(0.0, (host_busy - workers - server) / wall),
         }
 
 
@@ -443,6 +445,13 @@ def measure_claims(base: str, size: int, empty_claims: int) -> dict[str, Any]:
                 leases = await store.claim("bench-idle", limit=100, ttl=3600.0)
                 empty.append(time.perf_counter() - begin)
                 assert not leases, "a claim found a run after every run was claimed"
+            # every claim left a dead row version in the claim index until a vacuum
+            conn.execute("VACUUM leases")
+            vacuumed: list[float] = []
+            for _ in range(empty_claims):
+                begin = time.perf_counter()
+                await store.claim("bench-idle", limit=100, ttl=3600.0)
+                vacuumed.append(time.perf_counter() - begin)
         finally:
             await store.aclose()
         return {
@@ -453,6 +462,8 @@ def measure_claims(base: str, size: int, empty_claims: int) -> dict[str, Any]:
             "empty_claims": len(empty),
             "empty_p50_ms": quantile(empty, 0.5) * 1000,
             "empty_p99_ms": quantile(empty, 0.99) * 1000,
+            "vacuumed_p50_ms": quantile(vacuumed, 0.5) * 1000,
+            "vacuumed_p99_ms": quantile(vacuumed, 0.99) * 1000,
         }
 
     with fresh_schema(base, "claim") as schema:
@@ -582,6 +593,11 @@ def _one_kill(
             ).fetchall()
         )
         orphans = list(left)
+        if not orphans:
+            raise RuntimeError(
+                f"the killed worker {victim.owner} held no unfinished run (held: {held}); "
+                "the runs ended before the kill: make them longer (FAILOVER_STEPS)"
+            )
         moved = "SELECT count(DISTINCT run_id) FROM events WHERE run_id = ANY(%s) AND ts > %s"
         wait_for(
             "the killed worker's runs to progress",
@@ -679,6 +695,12 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         for size in CLAIM_TABLES[level]:
             progress(f"claims on {size:,} claimable runs", 0.5)
             results["claims"].append(measure_claims(base, size, EMPTY_CLAIMS[level]))
+        results["failover_setup"] = {
+            "workers": FAILOVER_WORKERS,
+            "runs": FAILOVER_RUNS,
+            "steps": FAILOVER_STEPS,
+            "latency_s": FAILOVER_LATENCY,
+        }
         results["failover"] = []
         for ttl, kills in FAILOVER[level]:
             progress(f"failover: lease ttl {ttl:g} s, {kills} kill(s)", 0.6)
@@ -695,6 +717,7 @@ def render(results: dict[str, Any]) -> str:
     from benchmarks._report import num, table
 
     enqueue = results["enqueue"]
+    setup = results["failover_setup"]
     throughput = table(
         [
             "workers",
@@ -707,6 +730,7 @@ def render(results: dict[str, Any]) -> str:
             "workers' CPU (cores)",
             "postgres CPU (cores)",
             "host busy",
+            "others' CPU (cores)",
             "runs per worker CPU s",
             "÷ 1 worker",
             "runs per CPU s (workers + postgres)",
@@ -724,6 +748,7 @@ def render(results: dict[str, Any]) -> str:
                 f"{r['workers_cores']:.2f}",
                 f"{r['server_cores']:.2f}",
                 f"{r['host_busy']:.0%}",
+                num(r.get("others_cores"), 2),
                 f"{r['runs_per_worker_cpu_s']:,.0f}",
                 f"{r['per_cpu_vs_one_worker']:.2f}",
                 f"{r['runs_per_cpu_s']:,.0f}",
@@ -742,7 +767,9 @@ def render(results: dict[str, Any]) -> str:
         "transactions that wrote them (distinct `xmin`): the group commit's batch. "
         "*postgres CPU*: the `postgres` processes on the host (the workers' backends; other "
         "users' that outlive the window too); *host busy*: of all "
-        f"{os.cpu_count()} cores, other users' load included. Median runs/s against 1 worker: "
+        f"{os.cpu_count()} cores, other users' load included; *others' CPU*: the busy cores "
+        "less the workers and the server (other users' load, in cores). Median runs/s "
+        "against 1 worker: "
         + ", ".join(f"{k} workers {v:.2f}×" for k, v in scaling.items() if k != "1")
         + ".",
         "",
@@ -755,7 +782,9 @@ def render(results: dict[str, Any]) -> str:
         f"({enqueue['bulk_runs_per_s'] / enqueue['single_runs_per_s']:.0f}×).",
         "",
         "**Claims** (`store.claim(owner, limit=100)` in process, until half the runs are "
-        "claimed; then the empty claim of an idle worker, every run leased):",
+        "claimed; then the empty claim of an idle worker, every run leased, before and after "
+        "a `VACUUM` of the leases: each claim leaves a dead row version in the claim index, "
+        "which an empty claim walks past until a vacuum):",
         "",
         table(
             [
@@ -765,6 +794,7 @@ def render(results: dict[str, Any]) -> str:
                 "claim p99 ms",
                 "empty p50 ms",
                 "empty p99 ms",
+                "empty after VACUUM p50 / p99 ms",
             ],
             [
                 (
@@ -774,13 +804,14 @@ def render(results: dict[str, Any]) -> str:
                     num(c["claim_p99_ms"], 2),
                     num(c["empty_p50_ms"], 2),
                     num(c["empty_p99_ms"], 2),
+                    f"{num(c['vacuumed_p50_ms'], 2)} / {num(c['vacuumed_p99_ms'], 2)}",
                 )
                 for c in results["claims"]
             ],
         ),
         "",
-        f"**Failover** ({FAILOVER_WORKERS} workers, {FAILOVER_RUNS} runs of "
-        f"{FAILOVER_STEPS} model calls of {FAILOVER_LATENCY * 1000:.0f} ms per kill; the worker "
+        f"**Failover** ({setup['workers']} workers, {setup['runs']} runs of "
+        f"{setup['steps']} model calls of {setup['latency_s'] * 1000:.0f} ms per kill; the worker "
         "holding the most runs SIGKILLed once they are under way; per run it held, the "
         "seconds from the SIGKILL to its next event, written by a survivor):",
         "",
