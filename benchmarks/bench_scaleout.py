@@ -66,7 +66,7 @@ APP = "benchmarks/scaleout_app.py:app"
 RUNS = (200, 4000)
 WORKERS = (1, 2, 4)
 #: Rounds of the worker counts, taken in turns (quick, full).
-ROUNDS = (1, 3)
+ROUNDS = (1, 5)
 #: Claimable runs in the claim journals (quick, full).
 CLAIM_TABLES = ((2_000,), (10_000, 100_000))
 EMPTY_CLAIMS = (50, 300)
