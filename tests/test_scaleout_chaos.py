@@ -43,7 +43,10 @@ def url(dsn: str) -> Iterator[str]:
     """A journal URL in a schema of this test's own (and its downstream beside it)."""
     schema = so.new_schema()
     yield so.journal_url(dsn, schema)
-    so.drop_schemas(dsn, schema)
+    if os.environ.get("SCALEOUT_KEEP"):  # to read a failed scenario's journal afterwards
+        print(f"\nkept schema {schema} and {schema}_effects")
+    else:
+        so.drop_schemas(dsn, schema)
 
 
 def test_the_audit_finds_each_planted_violation(url: str) -> None:
@@ -335,10 +338,11 @@ def test_two_resumes_at_once_finish_every_run_once(url: str, tmp_path: Path) -> 
     so.enqueue(url, range(runs))
     with so.processes() as procs:
         # A worker killed mid-flight leaves runs leased to a dead owner, and runs never claimed.
-        dead = so.worker(url, tmp_path, "dead", "--max-runs", "60", "--claim-batch", "60")
+        dead = so.worker(url, tmp_path, "dead", *FLOW)
         procs.append(dead)
         so.wait_until(
-            "a tenth of the runs terminal", lambda: so.progress(url)[0] >= runs // 10,
+            "a tenth of the runs terminal, the worker holding runs",
+            lambda: so.progress(url)[0] >= runs // 10 and len(so.held_by(url, "dead")) >= 6,
             timeout=120, procs=procs,
         )  # fmt: skip
         dead.kill()
