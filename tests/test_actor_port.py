@@ -92,6 +92,9 @@ class OwnPort:
     def call_args(self, run_id: str, call: ToolCall) -> Any:
         return self._run.validated
 
+    def lease_guard(self, run_id: str) -> None:
+        return None  # not leased
+
 
 def _sync() -> Sync:
     return Sync(run_id="r-1")
@@ -105,6 +108,7 @@ def test_the_port_is_the_protocol_and_nothing_more() -> None:
     }
     assert members == {
         "request", "submit_nowait", "view", "arm_deadline", "arm_timeout", "call_args",
+        "lease_guard",
     }  # fmt: skip
     own = {name for name in dir(OwnPort) if not name.startswith("_")}
     assert members <= own

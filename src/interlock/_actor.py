@@ -116,6 +116,24 @@ class ActorPort(Protocol):
         """The args to run ``call`` with: as the gate validated them, if it did."""
         ...
 
+    def lease_guard(self, run_id: str) -> LeaseGuard | None:
+        """The guard of the run's lease, if it is leased (PostgreSQL), else None."""
+        ...
+
+
+class LeaseGuard(Protocol):
+    """What keeps a leased run's side effects under its lease (see _leasing.Leases)."""
+
+    async def confirm(self, run_id: str, *, lapsed_only: bool = False) -> None:
+        """Raise LeaseLost unless the lease is still held (renewing it)."""
+        ...
+
+    def open_scope(self, run_id: str) -> trio.CancelScope:
+        """A scope cancelled when the lease is no longer surely held."""
+        ...
+
+    def close_scope(self, run_id: str, scope: trio.CancelScope) -> None: ...
+
 
 class Driver:
     """What the actor of one run does right now, as far as the watchdog needs to know:
@@ -484,6 +502,7 @@ async def execute_call(
     tool: Tool = view.definition.tool_by_name[call.tool]
     args = port.call_args(run_id, call)
     policy = tool.retry
+    guard = port.lease_guard(run_id)
     while True:
         if attempts.attempt:  # the latest attempt failed: retry it, or report the failure
             if not _may_retry(tool, attempts):
@@ -497,8 +516,12 @@ async def execute_call(
             run_id=run_id, state=attempts.state, key=call.key, attempt=attempts.attempt
         )
         token = port.arm_timeout(driver, tool.timeout)
+        lapsed = False
         try:
-            result = await tool.execute(args, ctx)
+            if guard is None:
+                result = await tool.execute(args, ctx)
+            else:
+                result, lapsed = await _under_lease(guard, run_id, tool, args, ctx)
         except BaseException as exc:
             timed_out = driver.tool_cut == token  # its timeout, not cancel_run or a shutdown
             if _passes_through(exc) and not (timed_out and _cancelled(exc)):
@@ -513,6 +536,16 @@ async def execute_call(
             continue
         finally:
             driver.tool_token = 0
+        if lapsed:
+            assert guard is not None
+            await guard.confirm(run_id)  # LeaseLost: another process took the run
+            attempts.error = (
+                "cut: this process could not renew the run's lease in time (it stalled), so "
+                "the attempt was stopped"
+            )
+            attempts.retryable = True
+            attempts.applied = None
+            continue
         payload, problem = _journalable(result)
         if problem is not None:
             attempts.error = (
@@ -535,6 +568,23 @@ async def execute_call(
             raise _Cut(report)
         return report
     return _failure(run_id, attempts)
+
+
+async def _under_lease(
+    guard: LeaseGuard, run_id: str, tool: Tool, args: Any, ctx: ToolContext
+) -> tuple[Any, bool]:
+    """One attempt of a leased run's call, only while its lease is surely held: a process
+    that stalled past that (a pause, a partition) confirms the lease before it starts a
+    side effect, and one in flight is cut when the lease lapses. Returns the result, and
+    whether the attempt was cut so."""
+    await guard.confirm(run_id, lapsed_only=True)
+    scope = guard.open_scope(run_id)
+    try:
+        with scope:
+            return await tool.execute(args, ctx), False
+    finally:
+        guard.close_scope(run_id, scope)
+    return None, True  # the scope caught its own cancellation: the lease lapsed
 
 
 def _journalable(result: Any) -> tuple[Any, str | None]:

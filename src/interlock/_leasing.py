@@ -13,6 +13,7 @@ leased: their callers drive them through any gateway, and the seq check orders t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_TTL", "Leases", "default_owner"]
 
 log = logging.getLogger("interlock.leases")
+
+#: The share of a lease's ttl, from when its claim or renewal was sent, during which this
+#: process takes it as surely still its own (the rest is margin for the clocks' drift).
+SURE = 0.8
 
 #: The longest a heartbeat waits before retrying after the store failed.
 _MAX_BACKOFF = 5.0
@@ -77,6 +82,10 @@ class Leases:
         """The epoch of each run this process holds."""
         self.lost = 0
         """How many leases this process has lost (counted once per run and epoch)."""
+        self.until: dict[str, float] = {}
+        """Until when (trio's clock) each lease is surely still this process's: when the
+        claim or renewal that granted it was sent, plus :data:`SURE` of the ttl."""
+        self._scopes: dict[str, trio.CancelScope] = {}
         self._is_external = is_external
         self._lose = lose
 
@@ -86,14 +95,61 @@ class Leases:
     def __contains__(self, run_id: object) -> bool:
         return run_id in self.epochs
 
-    def hold(self, leases: Iterable[Lease]) -> None:
-        """Record leases the store granted (a claim)."""
+    def hold(self, leases: Iterable[Lease], sent: float) -> None:
+        """Record leases the store granted (a claim sent at ``sent``, trio's clock)."""
+        sure = sent + SURE * self.ttl
         for lease in leases:
             self.epochs[lease.run_id] = lease.epoch
+            self._extend(lease.run_id, sure)
+
+    def _extend(self, run_id: str, sure: float) -> None:
+        self.until[run_id] = sure
+        scope = self._scopes.get(run_id)
+        if scope is not None:
+            scope.deadline = sure
 
     def forget(self, run_id: str) -> int | None:
         """Stop holding ``run_id`` (it ended, or was dropped); returns its epoch."""
+        self.until.pop(run_id, None)
         return self.epochs.pop(run_id, None)
+
+    # -- side effects only under a lease (the actor's guard) ------------------------
+
+    def guard(self, run_id: str) -> Leases | None:
+        """This, if ``run_id`` is leased here (its tool calls are then guarded), else None."""
+        return self if run_id in self.epochs else None
+
+    async def confirm(self, run_id: str, *, lapsed_only: bool = False) -> None:
+        """Make sure this process still holds ``run_id``'s lease, renewing it now (with
+        ``lapsed_only``, only if its sure time has passed: a stalled process).
+
+        Raises:
+          LeaseLost: another process took the run (it is dropped here).
+          StoreError: the store could not say.
+        """
+        if lapsed_only and trio.current_time() < self.until.get(run_id, -math.inf):
+            return
+        epoch = self.epochs.get(run_id)
+        if epoch is None:
+            raise lease_lost(run_id, self.owner, 0)
+        sent = trio.current_time()
+        renewed = await self.store.renew(self.owner, [run_id], ttl=self.ttl)
+        if any(lease.epoch == epoch for lease in renewed) and self.epochs.get(run_id) == epoch:
+            self._extend(run_id, sent + SURE * self.ttl)
+            return
+        self._drop([run_id])
+        raise lease_lost(run_id, self.owner, epoch)
+
+    def open_scope(self, run_id: str) -> trio.CancelScope:
+        """A cancel scope for one side effect of ``run_id``, cancelled when its lease is no
+        longer surely held (moved on by every renewal)."""
+        scope = trio.CancelScope(deadline=self.until.get(run_id, -math.inf))
+        self._scopes[run_id] = scope
+        return scope
+
+    def close_scope(self, run_id: str, scope: trio.CancelScope) -> None:
+        if self._scopes.get(run_id) is scope:
+            del self._scopes[run_id]
 
     async def append(self, events: Sequence[Event]) -> frozenset[str]:
         """Append one batch fenced by this process's leases; see the module.
@@ -124,12 +180,14 @@ class Leases:
                 unheld.add(run_id)
         if unheld:
             events = [event for event in events if event.run_id not in unheld]
+        sent = trio.current_time()
         refused = await self.store.append_fenced(
             events, fence, self.owner, ttl=self.ttl, unfenced=unfenced
         )
         for run_id in started:
             if run_id not in refused:
                 epochs[run_id] = 1
+                self._extend(run_id, sent + SURE * self.ttl)
         if refused and unfenced:
             stale = refused.intersection(unfenced)
             if stale:
@@ -163,11 +221,18 @@ class Leases:
     def _drop(self, run_ids: Iterable[str], *, held: bool = True) -> None:
         errors: dict[str, StoreError] = {}
         for run_id in run_ids:
-            epoch = self.epochs.pop(run_id, 0)
+            epoch = self.epochs.pop(run_id, None)
+            self.until.pop(run_id, None)
+            scope = self._scopes.get(run_id)
+            if scope is not None:
+                scope.cancel()  # a side effect in flight for a run this process lost
             if held:
-                self.lost += 1
-                errors[run_id] = lease_lost(run_id, self.owner, epoch)
-                log.warning("lease lost for run %r (epoch %d): %s", run_id, epoch, errors[run_id])
+                errors[run_id] = lease_lost(run_id, self.owner, epoch or 0)
+                if epoch is not None:  # told once, whichever of a write and a heartbeat saw it
+                    self.lost += 1
+                    log.warning(
+                        "lease lost for run %r (epoch %d): %s", run_id, epoch, errors[run_id]
+                    )
             else:
                 errors[run_id] = LeaseLost(
                     f"run {run_id!r}: {self.owner!r} holds no lease of it, so its events were "
@@ -179,19 +244,25 @@ class Leases:
 
     async def claim(self, limit: int) -> list[Lease]:
         """Claim up to ``limit`` claimable runs, and hold them."""
-        leases = await self.store.claim(self.owner, limit=limit, ttl=self.ttl)
-        self.hold(leases)
+        # Never the runs held here: one past its expiry is renewed by the heartbeat, not
+        # claimed again (a second copy of a run this process drives).
+        sent = trio.current_time()
+        leases = await self.store.claim(
+            self.owner, limit=limit, ttl=self.ttl, exclude=list(self.epochs)
+        )
+        self.hold(leases, sent)
         return leases
 
     async def take(self, run_ids: Sequence[str]) -> list[Lease]:
         """Claim the named runs (unless another process holds them), and hold them."""
+        sent = trio.current_time()
         leases = await self.store.claim(self.owner, run_ids=run_ids, ttl=self.ttl)
-        self.hold(leases)
+        self.hold(leases, sent)
         return leases
 
     async def release(self, run_ids: Iterable[str]) -> None:
         """Give up the leases of ``run_ids``: claimable by any process at once."""
-        ids = [run_id for run_id in run_ids if self.epochs.pop(run_id, None) is not None]
+        ids = [run_id for run_id in run_ids if self.forget(run_id) is not None]
         if ids:
             await self.store.release(self.owner, ids)
 
@@ -199,12 +270,17 @@ class Leases:
         """One heartbeat: renew the leases of the runs still ``live`` here, forget the
         others, and drop the runs whose leases another process took."""
         for run_id in [run_id for run_id in self.epochs if not live(run_id)]:
-            del self.epochs[run_id]
+            self.forget(run_id)
         held = dict(self.epochs)
         if not held:
             return
+        sent = trio.current_time()
         renewed = await self.store.renew(self.owner, list(held), ttl=self.ttl)
         kept = {lease.run_id for lease in renewed if lease.epoch == held[lease.run_id]}
+        sure = sent + SURE * self.ttl
+        for run_id in kept:
+            if self.epochs.get(run_id) == held[run_id]:
+                self._extend(run_id, sure)
         # A run claimed or released meanwhile (its epoch changed here) is not judged on
         # this answer; only one this process held all along and the store no longer does.
         gone = [

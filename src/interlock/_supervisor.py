@@ -268,6 +268,11 @@ class Supervisor:
         :meth:`Watchdog.arm_timeout`."""
         return self._watchdog.arm_timeout(driver, seconds)
 
+    def lease_guard(self, run_id: str) -> Leases | None:
+        """The guard of ``run_id``'s lease, if this supervisor leases it; see
+        :meth:`ActorPort.lease_guard`."""
+        return self.leases.guard(run_id) if self.leases is not None else None
+
     def call_args(self, run_id: str, call: ToolCall) -> Any:
         """The args to run ``call`` with: those the guards saw, if the call was decided in
         this process, else validated again from the journal's (recovery)."""
@@ -491,6 +496,15 @@ class Supervisor:
             await run_actor(self, driver, verdict, provider)
         except InterlockError as exc:
             error = exc
+            if (
+                isinstance(exc, StoreError)
+                and not isinstance(exc, LeaseLost)
+                and self.readopting
+                and self.leases is not None
+                and run_id in self.leases
+                and self._runs.pop(run_id, None) is not None
+            ):
+                self._unwritten.add(run_id)  # the store failed under it: adopted again later
         except Exception as exc:
             error = InternalError(
                 f"run {run_id!r} was stopped by a bug in interlock: {describe_exception(exc)}; "

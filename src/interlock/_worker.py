@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
+from ._events import Completed, Escalated, Failed
 from ._exceptions import InterlockError, StoreError
 from ._leasing import DEFAULT_TTL, is_leasing
 from ._runtime import open_supervisor
 from .stores import open_store
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from ._app import App
+    from ._events import Event
     from ._stats import RuntimeStats
     from ._supervisor import Supervisor
 
@@ -163,15 +166,15 @@ async def run_worker(
         ):
             worker = WorkerControl(supervisor)
             supervisor.readopting = True
-            before = dict(supervisor.stats.runs_finished)
+            summary = WorkerSummary(owner=worker.owner)
+            supervisor.on_written.append(partial(_count_ends, summary))
             if on_start is not None:
                 on_start(worker)
-            summary = WorkerSummary(owner=worker.owner)
             await _serve(worker, summary, max_runs, claim_batch, poll, until_idle, wait)
             if worker.draining:
                 summary.drained = True
                 summary.released = await _drain(supervisor, drain_timeout)
-            _count(summary, supervisor, before)
+            summary.lost = supervisor.leases.lost if supervisor.leases is not None else 0
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
@@ -261,15 +264,17 @@ async def _drain(supervisor: Supervisor, seconds: float) -> int:
     return len(held)
 
 
-def _count(summary: WorkerSummary, supervisor: Supervisor, before: dict[Any, int]) -> None:
-    assert supervisor.leases is not None
-    summary.lost = supervisor.leases.lost
-    for (_machine, outcome), count in supervisor.stats.runs_finished.items():
-        done = count - before.get((_machine, outcome), 0)
-        if outcome == "completed":
-            summary.completed += done
-        elif outcome == "failed":
-            summary.failed += done
-        elif outcome == "escalated":
-            summary.escalated += done
-    summary.finished = summary.completed + summary.failed + summary.escalated
+def _count_ends(summary: WorkerSummary, events: Sequence[Event]) -> None:
+    """Count the runs whose end this worker wrote (durable: a batch that failed, or a
+    run refused by the fence, is not counted)."""
+    for event in events:
+        kind = type(event)
+        if kind is Completed:
+            summary.completed += 1
+        elif kind is Failed:
+            summary.failed += 1
+        elif kind is Escalated:
+            summary.escalated += 1
+        else:
+            continue
+        summary.finished += 1

@@ -14,6 +14,7 @@ import msgspec
 import psycopg
 import pytest
 import trio
+import trio.lowlevel
 
 from interlock import (
     InterlockError,
@@ -377,3 +378,74 @@ async def test_a_stale_external_run_is_refused_alone_in_its_batch(store: Postgre
         await other.aclose()
     assert (await store.get_run("y-1")).outcome == "completed"
     assert await kinds(store, "x-1") == ["RunStarted", "ModelCalled", "IntentRecorded"]
+
+
+class Stalling:
+    """A tool that stalls the whole process (a blocking call: as a SIGSTOP or a long GC
+    pause would) for ``stall`` seconds, then sends its side effect; ``during`` runs in a
+    thread while it stalls (another process taking the lease, say)."""
+
+    def __init__(self, stall: float, during: Any = None) -> None:
+        self.stall = stall
+        self.during = during
+        self.sent: list[tuple[str, int]] = []
+
+    async def __call__(self, args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+        if ctx.attempt == 1:
+            import threading
+            import time
+
+            thread = threading.Thread(target=self.during) if self.during else None
+            if thread is not None:
+                thread.start()
+            time.sleep(self.stall)  # noqa: ASYNC251 (the point: the event loop stops, no heartbeat runs)
+            if thread is not None:
+                thread.join()
+        await trio.lowlevel.checkpoint()  # the request would leave here
+        self.sent.append((ctx.key, ctx.attempt))
+        return {"noted": args.text}
+
+
+async def test_a_side_effect_is_not_sent_past_a_stall_that_lost_the_lease(
+    store: PostgresStore,
+) -> None:
+    """The process stalls inside a tool call longer than the lease; meanwhile another
+    process takes the run. When it wakes, the call is cut before it sends anything, and
+    the run is dropped with LeaseLost: the new owner alone decides what happens to it."""
+
+    def take_over() -> None:
+        import time
+
+        time.sleep(0.8)  # past the lease (ttl 0.6 s)
+        expire(store, "r-1")
+        sql(
+            store,
+            "UPDATE leases SET owner = 'thief', epoch = epoch + 1, "
+            "expires = now() + interval '1 hour' WHERE run_id = 'r-1'",
+        )
+
+    tool = Stalling(1.2, take_over)
+    async with open_supervisor(
+        [machine(tool)], store, provider=Script(), owner="victim", lease_ttl=0.6
+    ) as sup:
+        handle = await sup.start_run("notes", run_id="r-1")
+        with trio.fail_after(30), pytest.raises(LeaseLost):
+            await handle.wait()
+    assert tool.sent == []
+    assert (await kinds(store, "r-1"))[-1] == "IntentRecorded"  # in doubt, for 'thief'
+
+
+async def test_a_stall_that_kept_the_lease_cuts_the_attempt_and_retries_it(
+    store: PostgresStore,
+) -> None:
+    """The same stall with nobody taking the run: the attempt in flight is cut when the
+    lease is no longer surely held, the lease is confirmed, and the idempotent call is
+    tried again with its key: one side effect, from the second attempt."""
+    tool = Stalling(1.0)
+    async with open_supervisor(
+        [machine(tool)], store, provider=Script(), owner="me", lease_ttl=0.6
+    ) as sup:
+        handle = await sup.start_run("notes", run_id="r-1")
+        with trio.fail_after(30):
+            assert (await handle.wait()).outcome == "completed"
+    assert tool.sent == [("r-1:WORK:3", 2)]

@@ -513,7 +513,13 @@ async def test_claims_and_recovery_read_only_the_unfinished_runs(schema: str) ->
                 name: "\n".join(row[0] for row in conn.execute("EXPLAIN " + query))
                 for name, query in [
                     ("unfinished", _pg._SELECT_UNFINISHED),
-                    ("claim", _pg._CLAIM.replace("%s", "'w'", 1).replace("%s", "10")),
+                    (
+                        "claim",  # owner, ttl, the runs held already (excluded), limit
+                        _pg._CLAIM.replace("%s", "'w'", 1)
+                        .replace("%s", "10", 1)
+                        .replace("%s", "'{u-1,u-2}'", 1)
+                        .replace("%s", "10"),
+                    ),
                 ]
             }
         assert "runs_unfinished" in plans["unfinished"], plans["unfinished"]
@@ -521,7 +527,7 @@ async def test_claims_and_recovery_read_only_the_unfinished_runs(schema: str) ->
         assert "Seq Scan" not in plans["unfinished"], plans["unfinished"]
         assert "Index Scan using leases_claim" in plans["claim"], plans["claim"]
         assert "Sort" not in plans["claim"], plans["claim"]
-        assert len(await a.claim("w-a", limit=100)) == 10
+        assert len(await a.claim("w-a", limit=100, exclude=["u-1"])) == 9
         assert [r.run_id for r in await a.unfinished()] == [f"u-{i}" for i in range(10)]
 
 

@@ -55,6 +55,7 @@ class LeasingStore(Protocol):
         limit: int = DEFAULT_CLAIM_LIMIT,
         ttl: float = DEFAULT_TTL,
         run_ids: Iterable[str] | None = None,
+        exclude: Iterable[str] = (),
     ) -> list[Lease]:
         """Lease up to ``limit`` claimable runs (or the named ``run_ids``) to ``owner``."""
         ...

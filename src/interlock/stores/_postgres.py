@@ -132,6 +132,10 @@ _UPGRADE_FROM_1 = (
     "DROP INDEX IF EXISTS runs_machine",
 )
 
+#: Seconds the server lets a session of the store sit idle inside a transaction before it
+#: ends it (never, for a process that is not stalled: its statements follow one another).
+IDLE_IN_TRANSACTION = 5.0
+
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail"
 _COPY_EVENTS = "COPY events (run_id, seq, kind, ts, key, body) FROM STDIN (FORMAT BINARY)"
 _COPY_TYPES = ("text", "int8", "text", "float8", "text", "bytea")
@@ -185,6 +189,7 @@ _CLAIM = (
     "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
     "expires = now() + make_interval(secs => %s) "
     "FROM (SELECT run_id FROM leases WHERE live AND NOT external AND expires < now() "
+    "AND run_id <> ALL(%s::text[]) "
     "ORDER BY expires, run_id LIMIT %s FOR UPDATE SKIP LOCKED) AS c "
     f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
 )
@@ -209,8 +214,7 @@ _HELD_ELSEWHERE = (
 # drive), locked in run_id order until the commit: two writers of one such run then
 # check its seq one after the other, and the second is refused alone, not its batch.
 _LOCK_UNFENCED = (
-    "SELECT run_id, seq FROM runs WHERE run_id = ANY(%s::text[]) ORDER BY run_id "
-    "FOR NO KEY UPDATE"
+    "SELECT run_id, seq FROM runs WHERE run_id = ANY(%s::text[]) ORDER BY run_id FOR NO KEY UPDATE"
 )
 _RENEW = (
     "UPDATE leases AS l SET expires = now() + make_interval(secs => %s) "
@@ -332,7 +336,17 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
             if not readonly:
                 conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
             conn.execute(sql.SQL("SET search_path TO {}").format(ident))
-            if not readonly:
+            current = None
+            if "meta" in tables:
+                found = conn.execute(
+                    "SELECT value FROM meta WHERE name = 'schema_version'"
+                ).fetchone()
+                current = int(found[0]) if found is not None else None
+            # NOTE: not even CREATE ... IF NOT EXISTS on a current schema: creating an
+            # index waits for a lock on its table, and while it waits in the lock queue
+            # every other writer's INSERT waits behind it (a stalled worker's open
+            # transaction would hold up every process that connects).
+            if not readonly and current != SCHEMA_VERSION:
                 for statement in _SCHEMA:
                     conn.execute(statement)
                 conn.execute(
@@ -367,6 +381,13 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
         # NOTE: the transaction above ended, and SET (not SET LOCAL) outlives it.
         if readonly:
             conn.execute("SET default_transaction_read_only = on")
+        # A process stopped inside a transaction (SIGSTOP, a pause) would hold its lease
+        # rows locked, and claims skip locked rows: the server ends such a transaction.
+        conn.execute(
+            sql.SQL("SET idle_in_transaction_session_timeout = {}").format(
+                sql.Literal(f"{int(IDLE_IN_TRANSACTION * 1000)}ms")
+            )
+        )
     except psycopg.Error as exc:
         raise StoreError(f"cannot set up schema {schema!r} in {where}: {_reason(exc)}") from exc
     return version
@@ -565,6 +586,7 @@ class PostgresStore(Store):
         limit: int = DEFAULT_CLAIM_LIMIT,
         ttl: float = DEFAULT_TTL,
         run_ids: Iterable[str] | None = None,
+        exclude: Iterable[str] = (),
     ) -> list[Lease]:
         """Lease up to ``limit`` claimable runs to ``owner`` for ``ttl`` seconds.
 
@@ -576,7 +598,8 @@ class PostgresStore(Store):
 
         With ``run_ids``, only those runs, whether live or not (an escalated run an
         operator resumes), each unless another owner holds an unexpired lease of it;
-        ``limit`` does not apply.
+        ``limit`` does not apply. ``exclude``: runs not to claim (those ``owner`` holds
+        already: one past its expiry is renewed, not claimed again).
 
         Returns:
           the leases granted, by run id (empty when nothing is claimable).
@@ -601,8 +624,10 @@ class PostgresStore(Store):
                 ).fetchall(),
             )
             return _leases_of(rows)
+        skip = check_run_ids(exclude)
         rows = await self._call(
-            "claim", lambda conn: conn.execute(_CLAIM, (owner, ttl, limit)).fetchall()
+            "claim",
+            lambda conn: conn.execute(_CLAIM, (owner, ttl, skip, limit), prepare=False).fetchall(),
         )
         return _leases_of(rows)
 
