@@ -134,6 +134,10 @@ class LeaseGuard(Protocol):
 
     def close_scope(self, run_id: str, scope: trio.CancelScope) -> None: ...
 
+    def epoch(self, run_id: str) -> int:
+        """The run's lease epoch (0 once it is not held)."""
+        ...
+
 
 class Driver:
     """What the actor of one run does right now, as far as the watchdog needs to know:
@@ -513,7 +517,11 @@ async def execute_call(
         attempts.attempt += 1
         attempts.retry_after = None
         ctx = ToolContext(
-            run_id=run_id, state=attempts.state, key=call.key, attempt=attempts.attempt
+            run_id=run_id,
+            state=attempts.state,
+            key=call.key,
+            attempt=attempts.attempt,
+            epoch=0 if guard is None else guard.epoch(run_id),
         )
         token = port.arm_timeout(driver, tool.timeout)
         lapsed = False
@@ -657,7 +665,14 @@ async def reconcile_call(
     token = port.arm_timeout(driver, tool.timeout)
     try:
         args = tool.validator.from_builtins(call.args)
-        ctx = ToolContext(run_id=run_id, state=verdict.state, key=call.key, attempt=0)
+        guard = port.lease_guard(run_id)
+        ctx = ToolContext(
+            run_id=run_id,
+            state=verdict.state,
+            key=call.key,
+            attempt=0,
+            epoch=0 if guard is None else guard.epoch(run_id),
+        )
         found = await tool.reconcile(call.key, args, ctx)
     except BaseException as exc:
         timed_out = driver.tool_cut == token

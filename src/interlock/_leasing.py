@@ -140,6 +140,10 @@ class Leases:
         self._drop([run_id])
         raise lease_lost(run_id, self.owner, epoch)
 
+    def epoch(self, run_id: str) -> int:
+        """The epoch of ``run_id``'s lease here, 0 if it is not held."""
+        return self.epochs.get(run_id, 0)
+
     def open_scope(self, run_id: str) -> trio.CancelScope:
         """A cancel scope for one side effect of ``run_id``, cancelled when its lease is no
         longer surely held (moved on by every renewal)."""

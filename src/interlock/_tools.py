@@ -169,6 +169,10 @@ class ToolContext:
     """The idempotency key, ``run_id:state:seq``; pass it downstream so a retry cannot double-apply."""
     attempt: int
     """1 for the first attempt, 2 for the first retry, ..."""
+    epoch: int = 0
+    """The run's lease epoch on PostgreSQL (0 where runs are not leased): it grows each
+    time another process takes the run over. A downstream that keeps the highest epoch it
+    has seen per key can refuse a late call from a process that stalled and lost the run."""
 
 
 class Execute(Protocol):

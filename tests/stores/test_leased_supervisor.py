@@ -389,8 +389,10 @@ class Stalling:
         self.stall = stall
         self.during = during
         self.sent: list[tuple[str, int]] = []
+        self.epochs: list[int] = []
 
     async def __call__(self, args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+        self.epochs.append(ctx.epoch)
         if ctx.attempt == 1:
             import threading
             import time
@@ -449,3 +451,4 @@ async def test_a_stall_that_kept_the_lease_cuts_the_attempt_and_retries_it(
         with trio.fail_after(30):
             assert (await handle.wait()).outcome == "completed"
     assert tool.sent == [("r-1:WORK:3", 2)]
+    assert tool.epochs == [1, 1]  # the downstream sees the lease epoch (still 1: kept)
