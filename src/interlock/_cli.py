@@ -1218,11 +1218,15 @@ async def _enqueue(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"run_id": run_id, "machine": machine.name, "db": db})
     else:
-        app_flag = f" --app {args.app}" if args.app else ""
-        sys.stdout.write(
-            f"enqueued run {run_id!r} of {machine.name!r} in {db}; `interlock resume{app_flag} "
-            f"--db {db}` drives it\n"
+        app_flag = f" --app {shlex.quote(args.app)}" if args.app else ""
+        where = shlex.quote(db)
+        driver = (
+            f"`interlock resume{app_flag} --db {where}` drives it"
+            if sqlite_path(db) is not None
+            else f"a worker (`interlock worker{app_flag} --db {where}`) or `interlock resume` "
+            "on it drives it"
         )
+        sys.stdout.write(f"enqueued run {run_id!r} of {machine.name!r} in {db}; {driver}\n")
     return 0
 
 

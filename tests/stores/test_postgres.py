@@ -219,8 +219,9 @@ async def test_an_event_another_writer_committed_first_is_named(schema: str) -> 
             await store.append(events[1:])
         assert str(info.value) == (
             "run 'r-1' is already at seq 2 in the store, so this batch cannot append seq 2: "
-            "another process advanced the run; keep one writer per journal (leases for several "
-            "writers come with scale-out, issue #18); nothing was written"
+            "another process advanced the run; keep one writer per SQLite journal, and on "
+            "PostgreSQL drive runs through leases (a supervisor, `interlock worker` or "
+            "`interlock resume` takes them); nothing was written"
         )
 
 

@@ -723,8 +723,9 @@ async def test_a_chunk_another_writer_stored_is_named(tmp_path: Path) -> None:
             await store.append(events[2:])
         assert str(info.value) == (
             "run 'r-1' is already at seq 4 in the store, so this batch cannot append seq 3: "
-            "another process advanced the run; keep one writer per journal (leases for several "
-            "writers come with scale-out, issue #18); nothing was written"
+            "another process advanced the run; keep one writer per SQLite journal, and on "
+            "PostgreSQL drive runs through leases (a supervisor, `interlock worker` or "
+            "`interlock resume` takes them); nothing was written"
         )
 
 

@@ -468,8 +468,9 @@ async def test_commits_and_failures_may_share_an_intent_key(store: Store) -> Non
 
 
 ANOTHER_WRITER = (
-    "another process advanced the run; keep one writer per journal (leases for several "
-    "writers come with scale-out, issue #18); nothing was written"
+    "another process advanced the run; keep one writer per SQLite journal, and on "
+    "PostgreSQL drive runs through leases (a supervisor, `interlock worker` or "
+    "`interlock resume` takes them); nothing was written"
 )
 
 

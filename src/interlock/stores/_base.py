@@ -413,8 +413,9 @@ def another_writer(run_id: str, stored: int, appended: int) -> StoreError:
     """The error for a batch appending ``appended`` to a run stored up to ``stored``."""
     return StoreError(
         f"run {run_id!r} is already at seq {stored} in the store, so this batch cannot append "
-        f"seq {appended}: another process advanced the run; keep one writer per journal (leases "
-        "for several writers come with scale-out, issue #18); nothing was written"
+        f"seq {appended}: another process advanced the run; keep one writer per SQLite "
+        "journal, and on PostgreSQL drive runs through leases (a supervisor, `interlock "
+        "worker` or `interlock resume` takes them); nothing was written"
     )
 
 
