@@ -172,6 +172,8 @@ def test_merge_without_recorded_results_says_what_to_do(tmp_path: Path) -> None:
     assert "run the whole suite first" in said
 
 
+@pytest.mark.postgres
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("INTERLOCK_PG_DSN"),
     reason="the scaleout benchmark needs PostgreSQL: set INTERLOCK_PG_DSN",
