@@ -394,15 +394,17 @@ def audit(url: str, *, runs: int | None = None) -> list[str]:
             )
     # Side effects, from the downstream tables themselves.
     executed = Counter()
-    pids: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for tool, key, pid in query(url, "SELECT tool, key, pid FROM executions ORDER BY id"):
+    by: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for tool, key, pid, epoch in query(
+        url, "SELECT tool, key, pid, epoch FROM executions ORDER BY id"
+    ):
         executed[(tool, key)] += 1
-        pids[(tool, key)].append(int(pid))
+        by[(tool, key)].append(f"pid {pid} epoch {epoch}")
     for (tool, key), count in sorted(executed.items()):
         if tool in ONCE_ONLY and count > 1:
             problems.append(
-                f"duplicate side effect: {tool} key {key} executed {count} times (by pids "
-                f"{pids[(tool, key)]})"
+                f"duplicate side effect: {tool} key {key} executed {count} times (by "
+                f"{', '.join(by[(tool, key)])})"
             )
     held: dict[str, Counter[str]] = {}
     for tool, table in EFFECT_TABLES.items():

@@ -14,7 +14,7 @@ The downstream systems are PostgreSQL tables in a sibling schema of the journal'
 ``<schema>_effects``, opened by the app's lifespan from the journal's own DSN:
 
     executions     one row per execution of a side-effecting tool, no unique constraint;
-                   ``pid`` says which process did it
+                   ``pid`` and ``epoch`` (the run's lease epoch) say which process did it
     charges        one row per charge, no unique constraint (a real payment API that is
                    not idempotent): a key with two rows is a double charge
     reservations   keyed by the idempotency key (the idempotent API dedupes)
@@ -75,7 +75,8 @@ POOL = 4
 DOWNSTREAM = """
 CREATE TABLE IF NOT EXISTS executions (
     id bigserial PRIMARY KEY, tool text NOT NULL, key text NOT NULL, run_id text NOT NULL,
-    attempt int NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
+    attempt int NOT NULL, pid int NOT NULL, epoch bigint NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE TABLE IF NOT EXISTS charges (
     id bigserial PRIMARY KEY, key text NOT NULL, run_id text NOT NULL, amount numeric NOT NULL
@@ -193,8 +194,9 @@ async def _effect_delay(key: str, delay: tuple[float, ...] = EFFECT_DELAY) -> No
 
 def _execution(tool: str, ctx: ToolContext) -> tuple[str, tuple[Any, ...]]:
     return (
-        "INSERT INTO executions (tool, key, run_id, attempt, pid) VALUES (%s, %s, %s, %s, %s)",
-        (tool, ctx.key, ctx.run_id, ctx.attempt, os.getpid()),
+        "INSERT INTO executions (tool, key, run_id, attempt, pid, epoch) "
+        "VALUES (%s, %s, %s, %s, %s, %s)",
+        (tool, ctx.key, ctx.run_id, ctx.attempt, os.getpid(), ctx.epoch),
     )
 
 

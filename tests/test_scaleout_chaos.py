@@ -60,8 +60,9 @@ def test_the_audit_finds_each_planted_violation(url: str) -> None:
     charged = one("SELECT key FROM charges WHERE run_id = 'order-000000'")
     so.query(url, "INSERT INTO charges (key, run_id, amount) SELECT key, run_id, amount "
              "FROM charges WHERE key = %s RETURNING id", (charged,))  # fmt: skip
-    so.query(url, "INSERT INTO executions (tool, key, run_id, attempt, pid) SELECT tool, key, "
-             "run_id, 1, 0 FROM executions WHERE key = %s RETURNING id", (charged,))  # fmt: skip
+    so.query(url, "INSERT INTO executions (tool, key, run_id, attempt, pid, epoch) SELECT "
+             "tool, key, run_id, 1, 0, 0 FROM executions WHERE key = %s RETURNING id",
+             (charged,))  # fmt: skip
     so.query(url, "DELETE FROM events WHERE run_id = 'order-000001' AND seq = 3 RETURNING seq")
     last = one("SELECT seq FROM runs WHERE run_id = 'order-000002'")
     so.query(url, "DELETE FROM events WHERE run_id = 'order-000002' AND seq = %s RETURNING seq",
@@ -152,31 +153,7 @@ def test_workers_sigkilled_repeatedly_while_runs_flow(url: str, tmp_path: Path) 
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "moment",
-    [
-        "between-writes",
-        pytest.param(
-            "mid-append",
-            marks=pytest.mark.xfail(
-                reason="a worker stopped inside a transaction holds its lease rows (FOR NO KEY "
-                "UPDATE) until it resumes, so its expired runs cannot be claimed (SKIP LOCKED); "
-                "see /tmp/team/scaleout-chaos-findings.md 1",
-                strict=True,
-            ),
-        ),
-        pytest.param(
-            "mid-tool",
-            marks=pytest.mark.xfail(
-                reason="a worker resumed from a pause with a side effect in flight may still "
-                "send it after another worker reconciled and re-ran the call (the lease loss "
-                "cancels the call only if the heartbeat runs first); see "
-                "/tmp/team/scaleout-chaos-findings.md 5",
-                strict=False,  # a race: some runs show no duplicate
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("moment", ["between-writes", "mid-append", "mid-tool"])
 def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
     url: str, tmp_path: Path, moment: str
 ) -> None:
@@ -184,7 +161,8 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
     small worker b takes some of its runs, and after SIGCONT a's late writes for those are
     refused while it drives the rest and new runs. ``mid-append``: stopped inside a
     transaction that locks its runs' lease rows (a pause in the middle of a write): the
-    stalled transaction must not keep the runs from b past the lease's expiry.
+    stalled transaction must not keep the runs from b for long (the server ends a
+    transaction left idle: the store sets idle_in_transaction_session_timeout).
     ``mid-tool``: stopped while most runs' ``notify`` requests are in flight (not yet at
     the downstream); b takes every run, reconciles those calls (not applied) and sends them:
     a, resumed, must not send them again."""
@@ -229,7 +207,8 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
                 "leases expired (a's open transactions hold on the leases: "
                 f"{sorted(so.open_transactions(url)) or 'nothing'})",
                 lambda: not so.held_by(url, "a"),
-                timeout=10, procs=procs, explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
+                timeout=10, procs=procs,
+                explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
             )  # fmt: skip
         else:
             so.wait_until(
@@ -260,7 +239,7 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
     named = {
         line.split("lease lost for run ", 1)[1].split(" ", 1)[0].strip("'") for line in lost_lines
     }
-    assert named <= taken, (  # see /tmp/team/scaleout-chaos-findings.md 2
+    assert named <= taken, (
         f"worker a lost the leases of {len(named - taken)} runs no other worker took (e.g. "
         f"{sorted(named - taken)[:3]}; b took {len(taken)}): it did not carry on with the runs "
         f"it still held\n{a.describe()}"
