@@ -64,3 +64,29 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
         assert (done.returncode, done.stderr) == (code, said), args
     listed = interlock("runs", "--db", db, "--json")
     assert [r["run_id"] for r in json.loads(listed.stdout)["runs"]] == ["r-1"]
+
+
+def test_an_inputs_file_enqueues_one_run_per_line_in_one_write(tmp_path: Path) -> None:
+    db = str(tmp_path / "q.db")
+    lines = tmp_path / "tickets.jsonl"
+    lines.write_text(f"{ROUTER}\n\n{ROUTER}\n{ROUTER}\n")
+    made = interlock("enqueue", "router", "--db", db, "--inputs-file", str(lines), "--json")
+    assert made.returncode == 0, made.stderr
+    ids = json.loads(made.stdout)["run_ids"]
+    assert len(set(ids)) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(f"{ROUTER}\n[1]\n")
+    refused = interlock("enqueue", "router", "--db", db, "--inputs-file", str(bad))
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        f"interlock: error: --inputs-file {bad}, line 2: expected a JSON object like "
+        '\'{"order_id": "o-1"}\', got list\n'
+    )
+    both = interlock("enqueue", "router", "--db", db, "--inputs-file", str(lines), "--run-id", "x")
+    assert both.returncode == 2
+    assert "drop --inputs and --run-id" in both.stderr
+    listed = interlock("runs", "--db", db, "--json")
+    assert sorted(r["run_id"] for r in json.loads(listed.stdout)["runs"]) == sorted(ids)
+    resumed = interlock("resume", "--db", db, "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["resumed"] == 3

@@ -9,6 +9,7 @@ import typing as _typing
 from ._app import App as App
 from ._breakers import BREAKERS as BREAKERS
 from ._enqueue import enqueue_run as enqueue_run
+from ._enqueue import enqueue_runs as enqueue_runs
 from ._events import (
     BreakerTripped as BreakerTripped,
 )
@@ -351,6 +352,7 @@ __all__ = [
     "encode_event",
     "encode_message",
     "enqueue_run",
+    "enqueue_runs",
     "expand_prompt",
     "hash_prompt",
     "open_supervisor",

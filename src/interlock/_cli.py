@@ -46,6 +46,7 @@ from ._exceptions import (
     AppRefError,
     InterlockError,
     InternalError,
+    InvalidInputs,
     JournalCorrupt,
     RunNotFound,
 )
@@ -385,11 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument(
         "--inputs",
         type=_json_object,
-        default={},
+        default=None,
         metavar="JSON",
         help="the run's inputs, a JSON object (default {})",
     )
     enqueue.add_argument("--run-id", default=None, help="the run's id (default: a random one)")
+    enqueue.add_argument(
+        "--inputs-file",
+        default=None,
+        metavar="PATH",
+        help="create one run per line of PATH, each line the run's inputs as a JSON object "
+        "('-': stdin), all in one write (ids generated)",
+    )
     _journal(enqueue, app=True)
     _app(enqueue)
     enqueue.add_argument("--json", action="store_true", help="print the run as one JSON document")
@@ -1201,7 +1209,7 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
 
 
 async def _enqueue(args: argparse.Namespace) -> int:
-    from ._enqueue import enqueue_run
+    from ._enqueue import enqueue_run, enqueue_runs
 
     app, named, db = _application(args)
     machine = app.machines.get(args.machine)
@@ -1210,24 +1218,73 @@ async def _enqueue(args: argparse.Namespace) -> int:
             f"the app {named} has no machine {args.machine!r}; its machines: "
             + ", ".join(sorted(app.machines))
         )
+    many = None
+    if args.inputs_file is not None:
+        if args.run_id is not None or args.inputs is not None:
+            raise _Usage(
+                "--inputs-file gives every run's inputs (one JSON object per line); drop "
+                "--inputs and --run-id"
+            )
+        lines = await _inputs_lines(args.inputs_file)
+        many = [inputs for _, inputs in lines]
     store = await open_store(db)
     try:
-        run_id = await enqueue_run(store, machine, args.inputs, run_id=args.run_id)
+        if many is None:
+            ids = [await enqueue_run(store, machine, args.inputs or {}, run_id=args.run_id)]
+        else:
+            try:
+                ids = await enqueue_runs(store, machine, many)
+            except InvalidInputs as exc:
+                index = getattr(exc, "index", None)
+                if index is None:
+                    raise
+                raise InvalidInputs(
+                    f"--inputs-file {args.inputs_file}, line {lines[index][0]}: "
+                    f"{exc.__cause__ or exc}; nothing was written"
+                ) from None
     finally:
         await _close(store)
     if args.json:
-        _print_json({"run_id": run_id, "machine": machine.name, "db": db})
+        if many is None:
+            _print_json({"run_id": ids[0], "machine": machine.name, "db": db})
+        else:
+            _print_json({"run_ids": ids, "machine": machine.name, "db": db})
     else:
         app_flag = f" --app {shlex.quote(args.app)}" if args.app else ""
         where = shlex.quote(db)
+        them = "it" if many is None else "them"
         driver = (
-            f"`interlock resume{app_flag} --db {where}` drives it"
+            f"`interlock resume{app_flag} --db {where}` drives {them}"
             if sqlite_path(db) is not None
             else f"a worker (`interlock worker{app_flag} --db {where}`) or `interlock resume` "
-            "on it drives it"
+            f"on it drives {them}"
         )
-        sys.stdout.write(f"enqueued run {run_id!r} of {machine.name!r} in {db}; {driver}\n")
+        what = f"run {ids[0]!r}" if many is None else _count(len(ids), "run")
+        sys.stdout.write(f"enqueued {what} of {machine.name!r} in {db}; {driver}\n")
     return 0
+
+
+async def _inputs_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """The inputs of ``--inputs-file`` with their line numbers: one JSON object per line
+    (``-``: stdin)."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = await trio.Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _Usage(f"--inputs-file {path}: {exc.strerror or exc}") from None
+    inputs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            inputs.append((number, _json_object(line)))
+        except argparse.ArgumentTypeError as exc:
+            raise _Usage(f"--inputs-file {path}, line {number}: {exc}") from None
+    if not inputs:
+        raise _Usage(f"--inputs-file {path} holds no inputs; write one JSON object per line")
+    return inputs
 
 
 async def _resume(args: argparse.Namespace) -> int:

@@ -13,13 +13,13 @@ from ._exceptions import ProtocolError, RunNotFound
 from ._messages import Start
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from ._events import Event
     from ._machine import Machine
     from .stores import Store
 
-__all__ = ["enqueue_run"]
+__all__ = ["enqueue_run", "enqueue_runs"]
 
 
 async def enqueue_run(
@@ -68,3 +68,76 @@ async def enqueue_run(
     )
     await store.append(events)
     return run_id
+
+
+async def enqueue_runs(
+    store: Store,
+    machine: Machine,
+    inputs: Iterable[Mapping[str, Any] | None],
+    *,
+    run_ids: Sequence[str] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> list[str]:
+    """Create many runs of ``machine`` in one write (one transaction) and return their ids,
+    in order, once durable; see :func:`enqueue_run`. All or nothing: if any inputs are
+    refused, or any run id is taken, nothing is written.
+
+    Args:
+      store: an open store.
+      machine: the runs' machine.
+      inputs: each run's inputs, checked against the machine's ``inputs`` schema.
+      run_ids: the runs' ids, one per inputs; random ones if omitted.
+      clock: the time recorded in the events.
+
+    Raises:
+      InvalidInputs: some inputs break the machine's schema (the message says which,
+        counting from 0, and so does its ``index``); nothing was written.
+      ProtocolError: ``run_ids`` does not match ``inputs`` one to one, repeats an id, or
+        names a run already in the store; nothing was written.
+      StoreError: the events could not be written.
+    """
+    from ._exceptions import InvalidInputs
+
+    payloads = []
+    for index, item in enumerate(inputs):
+        try:
+            payloads.append(machine.check_inputs(item))
+        except InvalidInputs as exc:
+            error = InvalidInputs(f"inputs[{index}]: {exc}; nothing was written")
+            error.index = index  # type: ignore[attr-defined]
+            raise error from exc
+    if run_ids is None:
+        ids = [f"run-{uuid.uuid4().hex[:16]}" for _ in payloads]
+    else:
+        ids = list(run_ids)
+        if len(ids) != len(payloads):
+            raise ProtocolError(
+                f"run_ids holds {len(ids)} ids for {len(payloads)} inputs; give one per inputs "
+                "(or none, to have them generated)"
+            )
+        for run_id in ids:
+            if not isinstance(run_id, str) or not run_id:
+                raise ProtocolError(f"run ids must be non-empty strings, not {run_id!r}")
+        seen: set[str] = set()
+        for run_id in ids:
+            if run_id in seen:
+                raise ProtocolError(f"run id {run_id!r} is given twice; run ids must be unique")
+            seen.add(run_id)
+        for run_id in ids:
+            try:
+                await store.get_run(run_id)
+            except RunNotFound:
+                continue
+            raise ProtocolError(
+                f"run {run_id!r} already exists in this journal; run ids must be unique "
+                "(omit run_ids to have them generated); nothing was written"
+            )
+    events: list[Event] = []
+    now = clock()
+    for run_id, payload in zip(ids, payloads, strict=True):
+        _decider.start(
+            machine, Start(run_id=run_id, machine=machine.name, inputs=payload), now, events
+        )
+    if events:
+        await store.append(events)
+    return ids

@@ -99,3 +99,33 @@ async def test_bad_inputs_or_a_taken_run_id_write_nothing() -> None:
     with pytest.raises(ProtocolError, match="run_id must be a non-empty string"):
         await enqueue_run(store, orders(), {"order_id": "o-1"}, run_id="")
     assert len(await store.load("q-1")) == 1
+
+
+async def test_many_runs_are_enqueued_in_one_write_or_none_are(store: Store) -> None:
+    from interlock import enqueue_runs
+
+    ids = await enqueue_runs(store, orders(), [{"order_id": f"o-{i}"} for i in range(50)])
+    assert len(set(ids)) == 50
+    assert all(run_id.startswith("run-") for run_id in ids)
+    assert {r.run_id for r in await store.unfinished()} == set(ids)
+    named = await enqueue_runs(
+        store, orders(), [{"order_id": "a"}, {"order_id": "b"}], run_ids=["n-1", "n-2"]
+    )
+    assert named == ["n-1", "n-2"]
+    before = len(await store.list_runs())
+    with pytest.raises(InvalidInputs, match=r"^inputs\[1\]: .*nothing was written$") as info:
+        await enqueue_runs(store, orders(), [{"order_id": "ok"}, {"order_id": 5}])
+    assert info.value.index == 1  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError, match="run 'n-2' already exists"):
+        await enqueue_runs(
+            store, orders(), [{"order_id": "x"}, {"order_id": "y"}], run_ids=["n-3", "n-2"]
+        )
+    with pytest.raises(ProtocolError, match="'n-4' is given twice"):
+        await enqueue_runs(store, orders(), [{"order_id": "x"}] * 2, run_ids=["n-4", "n-4"])
+    with pytest.raises(ProtocolError, match="run_ids holds 1 ids for 2 inputs"):
+        await enqueue_runs(store, orders(), [{"order_id": "x"}] * 2, run_ids=["n-5"])
+    assert len(await store.list_runs()) == before  # nothing of the refused batches
+    async with open_supervisor([orders()], store, provider=model()) as sup:
+        handles = await sup.resume_unfinished()
+        assert {(await h.wait()).outcome for h in handles} == {"completed"}
+    assert len(handles) == 52
