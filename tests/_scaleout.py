@@ -601,3 +601,22 @@ def lock_holders(url: str) -> str:
         (schema,),
     )
     return f"sessions locking {schema}.leases: {rows}"
+
+
+def check_summaries(procs: Iterable[Proc], runs: int) -> list[dict[str, Any]]:
+    """The --json summaries of ``procs`` (every process that drove the runs, none killed)
+    count every run's end once: their ``finished`` sum to ``runs``, each the sum of its
+    outcomes."""
+    procs = list(procs)
+    summaries = [proc.summary() for proc in procs]
+    for proc, s in zip(procs, summaries, strict=True):
+        ends = s["completed"] + s["failed"] + s["escalated"]
+        assert s["finished"] == ends, (
+            f"{proc.name}: finished {s['finished']} != outcomes {ends}: {s}"
+        )
+    finished = sum(s["finished"] for s in summaries)
+    assert finished == runs, (
+        f"the workers say they finished {finished} runs, the journal holds {runs}: "
+        + "; ".join(f"{p.name} {s}" for p, s in zip(procs, summaries, strict=True))
+    )
+    return summaries

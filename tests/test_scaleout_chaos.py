@@ -228,7 +228,7 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
             proc.send(signal.SIGTERM)
         for proc in (a, b):
             proc.exit_ok(60)
-    summary = a.summary()
+    summary = so.check_summaries([a, b], first + later)[0]
     owners = so.lease_owners(url)
     taken = {run for run in held if owners[run] != "a"}
     kept = held - taken
@@ -303,7 +303,7 @@ def test_workers_ride_out_a_postgres_restart(cluster: so.Cluster, tmp_path: Path
             proc.send(signal.SIGTERM)
         for proc in procs:
             proc.exit_ok(60)
-    summaries = [proc.summary() for proc in procs]
+    summaries = so.check_summaries(procs, runs)
     assert at_restart < runs, "every run ended before the restart; nothing was tested"
     so.check(url, runs)
     report(
@@ -369,6 +369,7 @@ def test_sigterm_drains_and_releases_leases(url: str, tmp_path: Path) -> None:
         second = so.worker(url, tmp_path, "second", "--until-idle")
         procs.append(second)
         second.exit_ok(120)
+    so.check_summaries([first, second], runs)
     so.check(url, runs)
     report(
         "drain", started, url, runs=runs, released=summary["released"],
