@@ -207,7 +207,7 @@ def test_a_worker_stopped_past_its_lease_is_fenced_and_carries_on(
                 "leases expired (a's open transactions hold on the leases: "
                 f"{sorted(so.open_transactions(url)) or 'nothing'})",
                 lambda: not so.held_by(url, "a"),
-                timeout=10, procs=procs,
+                timeout=20, procs=procs,
                 explain=lambda: f"{so.leases_of(url, 'a')}\n{so.lock_holders(url)}",
             )  # fmt: skip
         else:
