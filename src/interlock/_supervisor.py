@@ -701,6 +701,17 @@ class Supervisor:
         self._adopting.update(run_ids)
         try:
             return await self._adopt_held(run_ids, provider)
+        except StoreError:
+            # The store failed mid-way (the database went away): the runs not adopted
+            # yet stay held, for the next readopt, or are let go to expire.
+            assert self.leases is not None
+            for run_id in run_ids:
+                if run_id not in self._runs and run_id in self.leases:
+                    if self.readopting:
+                        self._unwritten.add(run_id)
+                    else:
+                        self.leases.forget(run_id)
+            raise
         finally:
             self._adopting.difference_update(run_ids)
 
