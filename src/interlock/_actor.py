@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import trio
 
+from ._breakers import LEASE_CUT
 from ._decider import step_proposal
 from ._events import TokenUsage, Violation, describe_exception, unjournalable
 from ._exceptions import ProviderError
@@ -547,10 +548,7 @@ async def execute_call(
         if lapsed:
             assert guard is not None
             await guard.confirm(run_id)  # LeaseLost: another process took the run
-            attempts.error = (
-                "cut: this process could not renew the run's lease in time (it stalled), so "
-                "the attempt was stopped"
-            )
+            attempts.error = f"{LEASE_CUT} (it stalled), so the attempt was stopped"
             attempts.retryable = True
             attempts.applied = None
             continue

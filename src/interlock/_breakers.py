@@ -22,6 +22,11 @@ CIRCUIT = "circuit"
 BREAKERS = (CONSECUTIVE_FAILURES, REPEAT, TOKEN_BUDGET, STEP_BUDGET, DEADLINE, CIRCUIT)
 
 
+#: How the error of an attempt the runtime itself cut begins (this process stalled past
+#: its lease): not the downstream's failure, so no circuit counts it.
+LEASE_CUT = "cut: this process could not renew the run's lease in time"
+
+
 @dataclass(frozen=True, slots=True)
 class Trip:
     """A breaker decision: ``value`` reached ``limit``."""
@@ -162,7 +167,10 @@ class CircuitBoard:
     def record(
         self, tool: str, ok: bool, now: float, policy: BreakerPolicy, error: str = ""
     ) -> None:
-        """Count the outcome of one call of ``tool``."""
+        """Count the outcome of one call of ``tool`` (a failure the runtime caused, see
+        :data:`LEASE_CUT`, is not the tool's and is not counted)."""
+        if not ok and error.startswith(LEASE_CUT):
+            return
         circuit = self._circuits.get(tool)
         if circuit is None:
             if ok:

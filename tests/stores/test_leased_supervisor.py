@@ -452,3 +452,26 @@ async def test_a_stall_that_kept_the_lease_cuts_the_attempt_and_retries_it(
             assert (await handle.wait()).outcome == "completed"
     assert tool.sent == [("r-1:WORK:3", 2)]
     assert tool.epochs == [1, 1]  # the downstream sees the lease epoch (still 1: kept)
+
+
+async def test_an_attempt_cut_by_a_stall_is_in_doubt_and_not_the_tools_failure(
+    store: PostgresStore,
+) -> None:
+    """A call of a tool that is not safe to repeat, cut because the process stalled past
+    its lease (kept): it is in doubt (escalated, no reconcile), and the tool's circuit,
+    which opens at one failure here, does not count it."""
+    from interlock import BreakerPolicy
+
+    tool = Stalling(1.0)
+    spec = Machine(
+        "notes",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["note"])},
+        tools=[Tool("note", tool, NoteArgs)],
+        breakers=BreakerPolicy(circuit_failures=1),
+    )
+    async with open_supervisor([spec], store, provider=Script(), owner="me", lease_ttl=0.6) as sup:
+        result = await (await sup.start_run("notes", run_id="r-1")).wait()
+        assert sup.circuit_state("note") == "closed"
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+    assert tool.sent == []  # cut before it sent anything, and not tried again
