@@ -431,7 +431,7 @@ async def resume_app(
     On PostgreSQL the runs are leased: this claims what is claimable, as a worker that
     exits when idle (:func:`~interlock.run_worker` with ``until_idle``), waiting up to
     ``wait`` seconds (default ``lease_ttl`` + 2) for the runs other processes lease. Two
-    resumes at once split the runs between them.
+    resumes at once never drive one run twice.
 
     An external run (``start_run(..., external=True)``) is left to its caller, which
     drives it with ``Supervisor.submit``: the summary counts them under ``"external"``

@@ -475,3 +475,20 @@ async def test_an_attempt_cut_by_a_stall_is_in_doubt_and_not_the_tools_failure(
         assert sup.circuit_state("note") == "closed"
     assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
     assert tool.sent == []  # cut before it sent anything, and not tried again
+
+
+async def test_an_operator_takes_a_run_the_moment_its_worker_escalated_it(
+    store: PostgresStore,
+) -> None:
+    """A worker escalated a run (its lease row: still the worker's, unexpired, not live)
+    and goes on with others; no one drives that run, so an operator takes it at once."""
+    spec = machine(immediate)
+    await enqueue_run(store, spec, run_id="e-1")
+    sql(
+        store,
+        "UPDATE leases SET owner = 'worker', epoch = 1, live = false, "
+        "expires = now() + interval '1 hour' WHERE run_id = 'e-1'",
+    )
+    async with open_supervisor([spec], store, provider=Script(), owner="ops") as ops:
+        assert ops.leases is not None
+        assert [lease.epoch for lease in await ops.leases.take(["e-1"])] == [2]

@@ -193,14 +193,14 @@ _CLAIM = (
     "ORDER BY expires, run_id LIMIT %s FOR UPDATE SKIP LOCKED) AS c "
     f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
 )
-# A claim of named runs (an operator resuming an escalated run, a worker re-adopting):
-# taken unless another owner holds an unexpired lease; not limited to live runs, since
-# an escalated run is not live until it is resumed.
+# A claim of named runs (an operator resuming an escalated run): taken unless another
+# owner holds an unexpired lease of a live run; a run that is not live (escalated, or
+# ended) is driven by nobody, whoever held it last.
 _CLAIM_NAMED = (
     "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
     "expires = now() + make_interval(secs => %s) "
     "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND NOT external "
-    "AND (owner IS NULL OR owner = %s OR expires < now()) "
+    "AND (NOT live OR owner IS NULL OR owner = %s OR expires < now()) "
     "ORDER BY run_id FOR UPDATE) AS c "
     f"WHERE l.run_id = c.run_id {_RETURN_LEASES}"
 )
@@ -597,7 +597,8 @@ class PostgresStore(Store):
         epoch. Expiry is the database server's clock.
 
         With ``run_ids``, only those runs, whether live or not (an escalated run an
-        operator resumes), each unless another owner holds an unexpired lease of it;
+        operator resumes), each unless it is live and another owner holds an unexpired
+        lease of it;
         ``limit`` does not apply. ``exclude``: runs not to claim (those ``owner`` holds
         already: one past its expiry is renewed, not claimed again).
 
