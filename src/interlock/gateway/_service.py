@@ -392,18 +392,7 @@ class GatewayService:
                         for follower in waiting:
                             follower.add(event)
 
-        listeners = getattr(self.supervisor, "on_written", None)
-        if listeners is not None:
-            listeners.append(written)
-            return
-        store = self.supervisor.store
-        append = store.append
-
-        async def append_and_tell(events: Sequence[Event]) -> None:
-            await append(events)
-            written(events)
-
-        store.append = append_and_tell  # type: ignore[method-assign]
+        self.supervisor.on_written.append(written)
 
     def _release(self, run_id: str) -> None:
         name = self._owners.pop(run_id, None)
