@@ -387,6 +387,9 @@ def _on_propose(
             tool=decision.tool.name,
             args=decision.args,
             key=key,
+            # A call that moves on when it succeeds (call_and_move): the verified move.
+            next=decision.target or msgspec.UNSET,
+            data=decision.data if decision.target and decision.data else msgspec.UNSET,
         )
         # The gate's hash, and the args as the guards saw them: the tool runs on those.
         run.apply(intent, decision.call_hash, validated=decision.value)
@@ -647,8 +650,14 @@ def _commit(
     result: Any,
     **fields: Any,
 ) -> Verdict:
-    """Journal the pending call's result (executed, or reported applied by reconcile)."""
+    """Journal the pending call's result (executed, or reported applied by reconcile), and
+    the move its intent named, if any (call_and_move): in the same write, so the two are
+    durable together and no model call comes between them."""
+    intent = run.pending
     _emit(run, events, ToolCommitted, now, tool=tool.name, key=key, result=result, **fields)
+    if intent is not None and intent.next is not msgspec.UNSET:
+        data = intent.data if intent.data is not msgspec.UNSET else {}
+        _transition(run, events, now, intent.next, data, "call")
     return _verdict(run, True)
 
 

@@ -149,7 +149,8 @@ class Transitioned(Event, frozen=True, tag="transitioned"):
     """Changes to the run's data carried by the transition."""
     reason: str = "proposal"
     """``proposal``, ``step``, ``breaker``, ``fallback``, ``operator``, ``recovery``,
-    ``in_doubt`` or ``provider``."""
+    ``in_doubt``, ``provider``, or ``call``: the move an ``intent_recorded`` named
+    (``next``), made as that call committed."""
     delta_in_proposal: bool | msgspec.UnsetType = msgspec.UNSET
     """True when ``delta`` is left out because it is exactly the ``data`` of the proposal
     journaled just before (the ``raw`` of that ``model_called`` or ``step_proposed``):
@@ -164,6 +165,14 @@ class IntentRecorded(Event, frozen=True, tag="intent_recorded"):
     args: dict[str, Any]
     key: str
     """The idempotency key, ``run_id:state:seq`` of this event."""
+    next: str | msgspec.UnsetType = msgspec.UNSET
+    """Set for a call that moves on when it succeeds (a ``Worker(call_and_move=True)``
+    state): the verified state to move to. The ``tool_committed`` of ``key`` is then
+    followed, in the same write, by a ``transitioned`` to it with ``delta`` ``data``; a
+    call that fails makes no move. Absent (UNSET) for a plain call, so intents written
+    before it exists decode and replay as they were."""
+    data: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    """The verified data of that move; absent when it carries none (or there is no move)."""
 
 
 class ToolCommitted(Event, frozen=True, tag="tool_committed"):

@@ -1,5 +1,11 @@
 """The verification gate: parse -> transition / tool allowed -> schema -> guards -> breakers.
 
+In a ``Worker(call_and_move=True)`` state a proposal may both call a tool and name the
+state to move to when the call succeeds; the call and the move then go through the same
+stages together (tool allowed and transition legal, then the args' and the data's
+schemas, then the call's guards and breakers), and the first stage with a violation
+rejects the whole proposal.
+
 Pure and deterministic: a decision depends only on the machine, the run's state,
 the raw proposal, the clock reading passed in and the shared circuit board. It
 never raises for bad input; it returns violations.
@@ -39,6 +45,12 @@ _EMPTY_OBJECT = msgspec.Raw(b"{}")
 _SHAPE_HINT = (
     'send exactly one JSON object: {"tool": NAME, "args": {...}} to call a tool, or '
     '{"next": STATE, "data": {...}} to move on; no Markdown fences, no trailing commas'
+)
+_MOVE_SHAPE_HINT = (
+    'send exactly one JSON object: {"tool": NAME, "args": {...}} to call a tool, '
+    '{"next": STATE, "data": {...}} to move on, or {"tool": NAME, "args": {...}, '
+    '"next": STATE, "data": {...}} to call a tool and move on once it succeeds; '
+    "no Markdown fences, no trailing commas"
 )
 
 
@@ -96,13 +108,14 @@ class _Plan:
 
     ``decoder`` decodes a whole call proposal in one pass, through a tagged union of
     one envelope Struct per allowed tool whose schema is a msgspec Struct
-    (``{"tool": NAME, "args": {...}}``, optional ``data``, ``next`` only as null). It
+    (``{"tool": NAME, "args": {...}}``, optional ``data``, ``next`` only as null, or as
+    a string where ``moves``: the state allows call and move). It
     succeeds only on proposals the two-pass path accepts up to the guards and
     breakers, with the same args; anything it refuses goes through the two-pass
     path, which explains the rejection. None when no such tool is allowed.
     """
 
-    __slots__ = ("by_name", "by_type", "decoder", "max_bytes")
+    __slots__ = ("by_name", "by_type", "decoder", "max_bytes", "moves")
 
     def __init__(self, machine: Machine, state: str) -> None:
         tables = machine.tables
@@ -110,6 +123,7 @@ class _Plan:
         spec = machine.states.get(state)
         cap = None if spec is None else spec.max_proposal_bytes
         self.max_bytes: int = machine.max_proposal_bytes if cap is None else cap
+        self.moves: bool = bool(getattr(spec, "call_and_move", False))
         self.by_name: dict[str, _Call] = {}
         self.by_type: dict[type, _Call] = {}
         self.decoder: msgspec.json.Decoder[Any] | None = None
@@ -129,7 +143,7 @@ class _Plan:
                     [
                         ("args", struct | msgspec.UnsetType, _UNSET),
                         ("data", msgspec.Raw, _EMPTY_OBJECT),
-                        ("next", None, None),
+                        ("next", (str | None) if self.moves else None, None),
                     ],
                     tag_field="tool",
                     tag=name,
@@ -232,7 +246,20 @@ def verify(
                 call = plan.by_type.get(type(envelope))
                 args = envelope.args
                 if call is not None and args is not _UNSET and scan_json(raw) is None:
-                    return _checked_call(machine, run, call, args, now, circuits)
+                    target = envelope.next
+                    if target is None:
+                        return _checked_call(machine, run, call, args, now, circuits)
+                    # The call passed its first two stages; the move must pass them too.
+                    state_id = machine.tables.state_id(run.state)
+                    illegal = _illegal_move(machine, run, target, state_id)
+                    if illegal is not None:
+                        return Decision((illegal,))
+                    data, violations = _move_data(machine, run, envelope.data)
+                    if violations:
+                        return Decision(violations)
+                    return _moving(
+                        _checked_call(machine, run, call, args, now, circuits), target, data
+                    )
         return _verify(machine, run, raw, now, circuits)
     except RecursionError:
         # msgspec (and pydantic) decode nested JSON recursively; a proposal nested
@@ -278,6 +305,9 @@ def _verify(
         return _reject(
             decision, Violation("malformed", "$", f"proposal is not valid JSON: {exc}", _SHAPE_HINT)
         )
+    moves = bool(getattr(machine.states.get(run.state), "call_and_move", False))
+    if envelope.tool is not None and envelope.next is not None and moves:
+        return _verify_call_and_move(machine, run, envelope, decision, state_id, now, circuits)
     if (envelope.tool is None) == (envelope.next is None):
         which = "both" if envelope.tool is not None else "neither"
         return _reject(
@@ -285,8 +315,9 @@ def _verify(
             Violation(
                 "malformed",
                 "$",
-                f'proposal has {which} of "tool" and "next"; it needs exactly one',
-                _SHAPE_HINT,
+                f'proposal has {which} of "tool" and "next"; it needs exactly one'
+                + (" (or both, to call a tool and move on)" if moves else ""),
+                _MOVE_SHAPE_HINT if moves else _SHAPE_HINT,
             ),
         )
     if envelope.tool is not None:
@@ -303,38 +334,84 @@ def _verify_call(
     now: float,
     circuits: CircuitBoard | None,
 ) -> Decision:
-    tables = machine.tables
     name = envelope.tool
     assert name is not None
-    code = tables.check_call(run.state, name)
-    if code != OK:
-        allowed = ", ".join(tables.allowed_tools(state_id)) or "none"
-        if code == UNKNOWN_TOOL:
-            return _reject(
-                decision,
-                Violation(
-                    "unknown_tool",
-                    "tool",
-                    f"tool {name!r} does not exist; tools allowed in state {run.state!r}: {allowed}",
-                    f"call one of: {allowed}"
-                    if allowed != "none"
-                    else _next_hint(machine, state_id),
-                ),
-            )
-        return _reject(
-            decision,
-            Violation(
-                "tool_not_allowed",
-                "tool",
-                f"tool {name!r} is not allowed in state {run.state!r}; allowed here: {allowed}",
-                f"call one of: {allowed}" if allowed != "none" else _next_hint(machine, state_id),
-            ),
-        )
+    refused = _tool_refused(machine, run, name, state_id)
+    if refused is not None:
+        return _reject(decision, refused)
     call = _plan(machine, run.state).by_name[name]
     args, violations = call.tool.validator.validate_json(envelope.args)
     if violations:
         return _reject(decision, *violations)
     return _checked_call(machine, run, call, args, now, circuits)
+
+
+def _tool_refused(machine: Machine, run: RunState, name: str, state_id: int) -> Violation | None:
+    """Why ``name`` may not be called in the run's state, or None when it may."""
+    tables = machine.tables
+    code = tables.check_call(run.state, name)
+    if code == OK:
+        return None
+    allowed = ", ".join(tables.allowed_tools(state_id)) or "none"
+    hint = f"call one of: {allowed}" if allowed != "none" else _next_hint(machine, state_id)
+    if code == UNKNOWN_TOOL:
+        return Violation(
+            "unknown_tool",
+            "tool",
+            f"tool {name!r} does not exist; tools allowed in state {run.state!r}: {allowed}",
+            hint,
+        )
+    return Violation(
+        "tool_not_allowed",
+        "tool",
+        f"tool {name!r} is not allowed in state {run.state!r}; allowed here: {allowed}",
+        hint,
+    )
+
+
+def _verify_call_and_move(
+    machine: Machine,
+    run: RunState,
+    envelope: _Envelope,
+    decision: Decision,
+    state_id: int,
+    now: float,
+    circuits: CircuitBoard | None,
+) -> Decision:
+    """A call that moves on when it succeeds: the call and the move, stage by stage.
+
+    Stage one is the tool allowed here and the transition legal; stage two the args'
+    schema and the data's; then the call's guards and breakers. The first stage with a
+    violation rejects the proposal with every violation of that stage (the move's name
+    ``next`` or ``data`` as their path), so nothing runs.
+    """
+    name, target = envelope.tool, envelope.next
+    assert name is not None
+    assert target is not None
+    first = [
+        v
+        for v in (
+            _tool_refused(machine, run, name, state_id),
+            _illegal_move(machine, run, target, state_id),
+        )
+        if v is not None
+    ]
+    if first:
+        return _reject(decision, *first)
+    call = _plan(machine, run.state).by_name[name]
+    args, violations = call.tool.validator.validate_json(envelope.args)
+    data, data_violations = _move_data(machine, run, envelope.data)
+    if violations or data_violations:
+        return _reject(decision, *violations, *data_violations)
+    return _moving(_checked_call(machine, run, call, args, now, circuits), target, data)
+
+
+def _moving(decision: Decision, target: str, data: dict[str, Any]) -> Decision:
+    """``decision`` on a call, with the move it makes once it succeeds (if accepted)."""
+    if not decision.violations:
+        decision.target = target
+        decision.data = data
+    return decision
 
 
 _sorted_json = msgspec.json.Encoder(order="sorted")  # for the repeat breaker's message
@@ -409,57 +486,68 @@ def _next_hint(machine: Machine, state_id: int) -> str:
 def _verify_transition(
     machine: Machine, run: RunState, envelope: _Envelope, decision: Decision, state_id: int
 ) -> Decision:
-    tables = machine.tables
     target = envelope.next
     assert target is not None
+    illegal = _illegal_move(machine, run, target, state_id)
+    if illegal is not None:
+        return _reject(decision, illegal)
+    data, violations = _move_data(machine, run, envelope.data)
+    if violations:
+        return _reject(decision, *violations)
+    decision.data = data
+    decision.target = target
+    return decision
+
+
+def _illegal_move(machine: Machine, run: RunState, target: str, state_id: int) -> Violation | None:
+    """Why the run may not move to ``target`` from its state, or None when it may."""
+    tables = machine.tables
     code = tables.check_transition(state_id, tables.state_id(target))
-    if code != OK:
-        legal = ", ".join(tables.legal_next(state_id)) or "none"
-        if code == UNKNOWN_STATE:
-            message = (
-                f"state {target!r} does not exist; legal next states from {run.state!r}: {legal}"
-            )
-        else:
-            message = (
-                f"transition {run.state} -> {target} is not allowed; legal next states from "
-                f"{run.state!r}: {legal}"
-            )
-        return _reject(
-            decision,
-            Violation("illegal_transition", "next", message, f"propose next: one of {legal}"),
+    if code == OK:
+        return None
+    legal = ", ".join(tables.legal_next(state_id)) or "none"
+    if code == UNKNOWN_STATE:
+        message = f"state {target!r} does not exist; legal next states from {run.state!r}: {legal}"
+    else:
+        message = (
+            f"transition {run.state} -> {target} is not allowed; legal next states from "
+            f"{run.state!r}: {legal}"
         )
+    return Violation("illegal_transition", "next", message, f"propose next: one of {legal}")
+
+
+def _move_data(
+    machine: Machine, run: RunState, raw: msgspec.Raw
+) -> tuple[dict[str, Any], tuple[Violation, ...]]:
+    """A move's ``data`` as JSON builtins, checked against the state's data schema, or
+    its violations (each with a path under ``data``)."""
     validator = machine.data_validators.get(run.state)
     if validator is not None:
-        data, violations = validator.validate_json(envelope.data)
+        value, violations = validator.validate_json(raw)
         if violations:
-            return _reject(
-                decision,
-                *(
-                    Violation(
-                        v.code,
-                        v.path.replace("args", "data", 1),
-                        v.message.replace("args", "data", 1),
-                        v.hint.replace("args", "data"),
-                    )
-                    for v in violations
-                ),
+            return {}, tuple(
+                Violation(
+                    v.code,
+                    v.path.replace("args", "data", 1),
+                    v.message.replace("args", "data", 1),
+                    v.hint.replace("args", "data"),
+                )
+                for v in violations
             )
-        decision.data = validator.to_builtins(data)
+        data: dict[str, Any] = validator.to_builtins(value)
     else:
         try:
-            decision.data = _dict_decoder.decode(envelope.data)
+            data = _dict_decoder.decode(raw)
         except msgspec.ValidationError as exc:
-            return _reject(
-                decision,
+            return {}, (
                 Violation(
                     "schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"
                 ),
             )
-    problem = unjournalable(decision.data)
+    problem = unjournalable(data)
     if problem is not None:  # as for a call's args (see _checked_call)
-        return _reject(decision, unjournalable_violation("data", problem))
-    decision.target = target
-    return decision
+        return {}, (unjournalable_violation("data", problem),)
+    return data, ()
 
 
 # -- what keeps a proposal from being read exactly ------------------------------------

@@ -66,6 +66,10 @@ class Worker:
       instructions: what the model is told to do in this state.
       data: optional schema for the ``data`` a transition out of this state carries.
       max_proposal_bytes: the largest proposal accepted here; None for the machine's.
+      call_and_move: also accept a call that names the state to move to once it
+        succeeds, ``{"tool": NAME, "args": {...}, "next": STATE, "data": {...}}``: the
+        call and the move are both verified before the tool runs, and the move is made
+        when the call commits, with no second model call. Off by default.
     """
 
     next: Sequence[str]
@@ -73,6 +77,7 @@ class Worker:
     instructions: str = ""
     data: Any = None
     max_proposal_bytes: int | None = None
+    call_and_move: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,16 @@ class Machine:
                 raise MachineDefinitionError(
                     f"machine {self.name!r}: state {name!r}: Step needs a function view -> "
                     f"Call | Go; got {spec.fn!r}"
+                )
+            if isinstance(spec, Worker) and spec.call_and_move not in (True, False):
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r}: call_and_move must be True or "
+                    f"False; got {spec.call_and_move!r}"
+                )
+            if isinstance(spec, Worker) and spec.call_and_move and not spec.tools:
+                raise MachineDefinitionError(
+                    f"machine {self.name!r}: state {name!r} sets call_and_move but allows no "
+                    "tools; give it tools=[...] or leave call_and_move off"
                 )
             if not spec.next:
                 raise MachineDefinitionError(
