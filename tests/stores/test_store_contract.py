@@ -962,5 +962,28 @@ async def test_random_batches_round_trip(
         for run_id, events in journals.items():
             assert await store.load(run_id) == events
             assert await store.get_run(run_id) == expected_index[run_id]
+            # A follower's tail read, from every seq (batches split a run's journal into
+            # chunks on SQLite: a tail may start inside one).
+            for after in range(len(events) + 1):
+                assert await store.load_after(run_id, after) == events[after:], after
         expected_order = sorted(expected_index.values(), key=lambda r: (r.started, r.run_id))
         assert await store.list_runs() == expected_order
+
+
+async def test_a_tail_read_of_a_missing_run_or_a_damaged_tail_is_named(store: Store) -> None:
+    with pytest.raises(RunNotFound):
+        await store.load_after("nope", 0)
+    with pytest.raises(RunNotFound):
+        await store.load_after("nope", 3)
+    events = [
+        started("r-1", ts=1.0),
+        *(moved("r-1", seq, f"S{seq}", f"S{seq + 1}", ts=float(seq)) for seq in range(2, 6)),
+    ]
+    await store.append(events[:2])
+    for event in events[2:]:
+        await store.append([event])  # one batch each: the damage below removes one
+    assert await store.load_after("r-1", 5) == []
+    assert await store.load_after("r-1", 9) == []
+    delete_event(store, "r-1", 4)
+    with pytest.raises(JournalCorrupt, match="'r-1'"):
+        await store.load_after("r-1", 2)

@@ -266,10 +266,14 @@ def read_chunk(
 
 
 def read_chunks(
-    run_id: str, rows: Iterable[tuple[int, int, bytes]]
+    run_id: str, rows: Iterable[tuple[int, int, bytes]], after: int = 0
 ) -> tuple[list[JournalEvent], list[Damage]]:
     """Check a run's chunks, in first_seq order: each one's frames, and that they start at
     seq 1 and follow one another.
+
+    With ``after``, the rows are those holding the events after seq ``after`` (the first
+    may start earlier, and must start no later than ``after + 1``), and only those events
+    are returned.
 
     Returns:
       the events (all of them only if there is no damage), and every damage found:
@@ -278,7 +282,11 @@ def read_chunks(
     events: list[JournalEvent] = []
     damages: list[Damage] = []
     expected = 1
+    first = True
     for first_seq, last_seq, body in rows:
+        if first and after:  # a tail read: the chunk holding seq after + 1 comes first
+            expected = first_seq if first_seq <= after + 1 else after + 1
+        first = False
         if first_seq != expected:
             damages.append(
                 (
@@ -294,7 +302,7 @@ def read_chunks(
         if damage is not None:
             damages.append(damage)
         if not damages:
-            events += chunk
+            events += chunk if first_seq > after else [e for e in chunk if e.seq > after]
         expected = last_seq + 1
     return events, damages
 
@@ -316,6 +324,19 @@ def decode_chunks(
     if damages:
         raise JournalCorrupt(damages[0][1])
     last = events[-1].seq if events else 0
+    if last < indexed_seq:
+        raise cut_short(run_id, last, indexed_seq)
+    return events
+
+
+def decode_chunks_after(
+    run_id: str, rows: Iterable[tuple[int, int, bytes]], indexed_seq: int, after: int
+) -> list[JournalEvent]:
+    """:func:`decode_chunks` of the rows holding a run's events after seq ``after``."""
+    events, damages = read_chunks(run_id, rows, after)
+    if damages:
+        raise JournalCorrupt(damages[0][1])
+    last = events[-1].seq if events else after
     if last < indexed_seq:
         raise cut_short(run_id, last, indexed_seq)
     return events

@@ -12,6 +12,7 @@ from ._base import (
     Store,
     check_batch,
     decode_chunks,
+    decode_chunks_after,
     encode_rows,
     index_updates,
     missing_index_row,
@@ -77,6 +78,20 @@ class MemoryStore(Store):
         if record is None:
             raise missing_index_row(run_id)
         return decode_chunks(run_id, [(seq, seq, body) for seq, body in journal], record.seq)
+
+    async def load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
+        """The events of ``run_id`` after seq ``seq`` (see :meth:`SQLiteStore.load_after`)."""
+        await trio.lowlevel.checkpoint()
+        journal = self._journal.get(run_id)
+        record = self._runs.get(run_id)
+        if journal is None:
+            if record is not None:
+                raise missing_journal(run_id, record.seq)
+            raise RunNotFound(run_id)
+        if record is None:
+            raise missing_index_row(run_id)
+        rows = [(s, s, body) for s, body in journal if s > seq]
+        return decode_chunks_after(run_id, rows, record.seq, seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
         await trio.lowlevel.checkpoint()

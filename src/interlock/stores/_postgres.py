@@ -33,6 +33,7 @@ from ._base import (
     another_writer,
     check_batch,
     decode_chunks,
+    decode_chunks_after,
     encode_rows,
     index_updates,
     looked_up,
@@ -730,6 +731,33 @@ class PostgresStore(Store):
         if not events:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, events, record.seq)
+
+    async def load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
+        """The events of ``run_id`` after seq ``seq`` (a follower's tail read); checked as
+        :meth:`load` checks them.
+
+        Raises:
+          RunNotFound: no such run.
+          JournalCorrupt, IndexDamaged: as :meth:`load`.
+        """
+        select_run = f"SELECT {self._columns} FROM runs WHERE run_id = %s"
+
+        def fetch(conn: psycopg.Connection[Any]) -> tuple[Any, list[tuple[int, int, bytes]]]:
+            row = conn.execute(select_run, (run_id,)).fetchone()
+            with conn.cursor(binary=True) as cursor:
+                cursor.execute(
+                    "SELECT seq, seq, body FROM events WHERE run_id = %s AND seq > %s ORDER BY seq",
+                    (run_id, seq),
+                )
+                return row, cursor.fetchall()
+
+        row, events = await self._call("load_after", fetch)
+        if row is None:
+            if events:
+                raise missing_index_row(run_id)
+            raise RunNotFound(run_id)
+        record = looked_up(run_id, self._read(row))
+        return decode_chunks_after(run_id, events, record.seq, seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
         select_run = f"SELECT {self._columns} FROM runs WHERE run_id = %s"

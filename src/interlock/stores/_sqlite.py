@@ -53,6 +53,7 @@ from ._base import (
     another_writer,
     check_batch,
     decode_chunks,
+    decode_chunks_after,
     index_updates,
     looked_up,
     missing_index_row,
@@ -204,6 +205,10 @@ _ADVANCE_RUN = (
 #: Where each field of INDEX_CHANGES goes in a move of _index_fast (the SET of _ADVANCE_RUN).
 _MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
+_SELECT_CHUNKS_AFTER = (
+    "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? AND last_seq > ? "
+    "ORDER BY first_seq"
+)
 _HAS_CHUNKS = "SELECT 1 FROM chunks WHERE run_id = ? LIMIT 1"
 _LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 
@@ -883,6 +888,27 @@ class SQLiteStore(Store):
         if not chunks:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, chunks, record.seq)
+
+    async def load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
+        """The events of ``run_id`` after seq ``seq`` (a follower's tail read); checked as
+        :meth:`load` checks them.
+
+        Raises:
+          RunNotFound: no such run.
+          JournalCorrupt, IndexDamaged: as :meth:`load`.
+        """
+        select_run = f"{self._select} WHERE run_id = ?"
+
+        def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
+            row = conn.execute(select_run, (run_id,)).fetchone()
+            return row, conn.execute(_SELECT_CHUNKS_AFTER, (run_id, seq)).fetchall()
+
+        row, chunks = await self._call("load_after", read)
+        if row is None:
+            await self.get_run(run_id)  # raises what is wrong: no run, or no index row
+            raise RunNotFound(run_id)
+        record = looked_up(run_id, self._read(row))
+        return decode_chunks_after(run_id, chunks, record.seq, seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
         select_run = f"{self._select} WHERE run_id = ?"
