@@ -90,6 +90,13 @@ _ANSWER = (
 )
 
 
+_CALL_AND_MOVE = (
+    "call and move: a call may also name the state to move to once it succeeds, "
+    '{"tool": NAME, "args": {...}, "next": STATE, "data": {...}}; if the call fails, '
+    "the run stays here"
+)
+
+
 def _render_frame(frame: Frame) -> str:
     text = f"  [{frame.seq}] {frame.kind}: {frame.text}"
     for violation in frame.violations:
@@ -119,6 +126,8 @@ def _header(view: RunView) -> str:
                 schema = msgspec.json.encode(view.tool_schema(name)).decode()
                 lines.append(f"  - {name}: {view.tool_description(name)} args schema: {schema}")
         lines.append(f"legal next states: {', '.join(view.legal_next) or 'none'}")
+        if getattr(machine.states.get(view.state), "call_and_move", False):
+            lines.append(_CALL_AND_MOVE)
         header = headers[view.state] = "\n".join(lines)
     return header
 
