@@ -33,6 +33,7 @@ from ._wire import (
     envelope,
     joined,
     judge_calls,
+    split_move,
     system_text,
     tool_specs,
 )
@@ -292,6 +293,10 @@ class HttpProvider:
             text = response.body.decode("utf-8", "replace")
             parsed = self.read(response.body, mode)
         raw, usage, violation, extra = parsed
+        if violation is None and getattr(
+            view.definition.states.get(view.state), "call_and_move", False
+        ):
+            raw = split_move(raw)  # a call that names its move: the move out of its args
         return Proposal(
             raw,
             usage,

@@ -8,6 +8,12 @@ A tool call becomes a proposal byte for byte: ``{"tool":NAME,"args":ARGUMENTS}``
 model's ``arguments`` text spliced in unchanged, so the gate judges exactly what the model
 sent (duplicate keys, the size cap, the schema). A call of the ``transition`` tool is its
 arguments alone, ``{"next": ..., "data": ...}``, which is already a move.
+
+In a ``Worker(call_and_move=True)`` state every tool also takes the optional parameters
+``next`` (one of the legal next states) and, where the state has a data schema,
+``next_data``: a call that sets ``next`` becomes ``{"tool":NAME,"next":...,"data":...,
+"args":...}`` (see :func:`split_move`), one model call that both calls and moves. Strict
+mode needs every parameter required, so there they are nullable, and null means "no move".
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import msgspec
 
 from .._events import TokenUsage, Violation
 from .._exceptions import MachineDefinitionError
+from .._hotpath import scan_json
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,6 +36,10 @@ if TYPE_CHECKING:
 
 #: The default name of the tool that moves the run to its next state.
 TRANSITION = "transition"
+#: The parameters a tool takes in a call-and-move state: the state to move to once the
+#: call succeeds, and the data of that move (only where the state has a data schema).
+MOVE_NEXT = "next"
+MOVE_DATA = "next_data"
 
 _encode = msgspec.json.encode
 _TOOL_PREFIX = b'{"tool":'
@@ -98,15 +109,31 @@ def _build_specs(
     tables = machine.tables
     sid = tables.state_id(state)
     specs = []
+    legal = list(tables.legal_next(sid))
+    validator = machine.data_validators.get(state)
+    moves = bool(getattr(machine.states.get(state), "call_and_move", False))
     for name in tables.allowed_tools(sid):
         tool = machine.tool_by_name[name]
         schema = tool.validator.json_schema()
+        what = f"tool {name!r} of machine {machine.name!r}"
         if strict:
-            schema = strict_schema(schema, f"tool {name!r} of machine {machine.name!r}")
-        specs.append(ToolSpec(name, tool.description or name, schema))
-    legal = list(tables.legal_next(sid))
+            schema = strict_schema(schema, what)
+        description = tool.description or name
+        if moves and legal:
+            move_data = None
+            if validator is not None:
+                move_data = validator.json_schema()
+                if strict:
+                    move_data = strict_schema(
+                        move_data, f"the data of state {state!r} of machine {machine.name!r}"
+                    )
+            schema = _with_move(schema, legal, move_data, strict, f"{what} in state {state!r}")
+            description += (
+                f" Set {MOVE_NEXT} to move the run to that state once this call succeeds"
+                " (no move if it fails)."
+            )
+        specs.append(ToolSpec(name, description, schema))
     if legal:
-        validator = machine.data_validators.get(state)
         data: dict[str, Any] = (
             validator.json_schema() if validator is not None else {"type": "object"}
         )
@@ -138,6 +165,92 @@ def _build_specs(
             )
         )
     return tuple(specs)
+
+
+def _with_move(
+    schema: dict[str, Any],
+    legal: list[str],
+    data: dict[str, Any] | None,
+    strict: bool,
+    what: str,
+) -> dict[str, Any]:
+    """A tool's parameters with the optional move (``next``, and ``next_data`` when the
+    state has a data schema) added; in strict mode they are required and nullable.
+
+    Raises:
+      MachineDefinitionError: the tool has a parameter of one of those names, or its
+        parameters are not a JSON Schema object with properties.
+    """
+    properties = schema.get("properties")
+    if schema.get("type") != "object" or not isinstance(properties, dict):
+        raise MachineDefinitionError(
+            f"{what} cannot take a move (call_and_move): its parameters are not a JSON "
+            "Schema object with properties; give it a msgspec Struct or a dataclass as args, "
+            "or leave call_and_move off"
+        )
+    added = [MOVE_NEXT] if data is None else [MOVE_NEXT, MOVE_DATA]
+    clash = [name for name in added if name in properties]
+    if clash:
+        raise MachineDefinitionError(
+            f"{what} has a parameter named {clash[0]!r}, the name a call-and-move state "
+            f"gives the move; rename the parameter or leave call_and_move off"
+        )
+    move: dict[str, Any] = {
+        "type": "string",
+        "enum": legal,
+        "description": "the state to move to once this call succeeds; "
+        + ("null" if strict else "leave it out")
+        + " to stay here",
+    }
+    extra: dict[str, Any] = {MOVE_NEXT: move}
+    if data is not None:
+        extra[MOVE_DATA] = {**data, "description": f"the data of that move (with {MOVE_NEXT})"}
+    if strict:
+        extra = {
+            key: {"anyOf": [value, {"type": "null"}], "description": value["description"]}
+            for key, value in extra.items()
+        }
+        for value in extra.values():
+            value["anyOf"][0] = {k: v for k, v in value["anyOf"][0].items() if k != "description"}
+    required = list(schema.get("required", []))
+    return {
+        **schema,
+        "properties": {**properties, **extra},
+        "required": [*required, *extra] if strict else required,
+    }
+
+
+def split_move(raw: str) -> str:
+    """The proposal of a call that names its move in its arguments (a call-and-move
+    state): ``next`` and ``next_data`` out of ``args``, as the proposal's ``next`` and
+    ``data``; a null ``next`` (strict mode) is no move. Anything else is returned as it
+    is, and the gate judges it (a defect of the text, an unknown parameter, ...)."""
+    if f'"{MOVE_NEXT}"' not in raw and f'"{MOVE_DATA}"' not in raw:
+        return raw
+    if scan_json(raw.encode()) is not None:
+        return raw  # the gate names the defect, in the model's own bytes
+    try:
+        proposal = msgspec.json.decode(raw)
+    except msgspec.DecodeError:  # pragma: no cover - scan_json refuses all msgspec does
+        return raw
+    if not isinstance(proposal, dict) or not isinstance(proposal.get("args"), dict):
+        return raw
+    args = proposal["args"]
+    if MOVE_NEXT not in args and MOVE_DATA not in args:
+        return raw
+    target = args.pop(MOVE_NEXT, None)
+    data = args.pop(MOVE_DATA, None)
+    out: dict[str, Any] = {"tool": proposal.pop("tool", None)}
+    if target is not None:
+        out["next"] = target
+        if data is not None:
+            out["data"] = data
+    elif data is not None:
+        out["data"] = data  # data without a move: the gate reads it as a plain call's (unread)
+    proposal.pop("args")
+    out.update(proposal)  # anything else the model sent, for the gate to refuse
+    out["args"] = args
+    return _encode(out).decode()
 
 
 def strict_schema(schema: dict[str, Any], what: str) -> dict[str, Any]:
@@ -242,6 +355,11 @@ def system_text(view: RunView, mode: str = "tools") -> str:
                 if legal
                 else "There is no next state from here."
             )
+        )
+    if legal and getattr(run.machine.states.get(run.state), "call_and_move", False):
+        lines.append(
+            f"A tool call may also move on: set its {MOVE_NEXT!r} to the state to move to once "
+            "the call succeeds (the run stays here if it fails)."
         )
     text = "\n".join(lines)
     cache["system"] = (key, text)
@@ -384,11 +502,28 @@ def parse_raw(raw: str, seq: int) -> tuple[str, str, str] | None:
             try:
                 name = msgspec.json.decode(raw[8:at])
             except msgspec.DecodeError:
-                return None
+                return _moving_call(call_id, raw)
             if isinstance(name, str):
                 return (call_id, name, raw[at + len(_ARGS) : -1])
         return None
     return (call_id, TRANSITION, raw)
+
+
+def _moving_call(call_id: str, raw: str) -> tuple[str, str, str] | None:
+    """The call a :func:`split_move` proposal was made from: its move back in its arguments."""
+    try:
+        proposal = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(proposal, dict):
+        return None
+    name, args = proposal.get("tool"), proposal.get("args")
+    if not isinstance(name, str) or not isinstance(args, dict) or "next" not in proposal:
+        return None
+    arguments = {**args, MOVE_NEXT: proposal["next"]}
+    if "data" in proposal:
+        arguments[MOVE_DATA] = proposal["data"]
+    return (call_id, name, _encode(arguments).decode())
 
 
 def to_raw(name: str, arguments: str, transition: str = TRANSITION) -> tuple[str, Violation | None]:
