@@ -226,3 +226,29 @@ def test_split_move_takes_the_move_out_of_the_args() -> None:
     assert split_move(twice) == twice
     plain = '{"tool":"lookup","args":{"order_id":"o1"}}'
     assert split_move(plain) is plain
+
+
+@pytest.mark.parametrize("form", ["in-args", "top-level"])
+async def test_structured_output_takes_the_move_in_the_args_or_beside_them(form: str) -> None:
+    """OpenAIChat(output="json_schema", strict=True): the proposal is the message content;
+    the schema offers next and next_data in each tool's args, and a proposal with the move
+    at the top level, as the prompt shows it, is taken as it is."""
+    text = (
+        '{"tool": "lookup", "args": {"order_id": "o1", "next": "COMPLETED", '
+        '"next_data": {"total": 40}}}'
+        if form == "in-args"
+        else '{"tool": "lookup", "args": {"order_id": "o1"}, "next": "COMPLETED", '
+        '"data": {"total": 40}}'
+    )
+    store = MemoryStore()
+    async with open_fake_llm(scripted_brain([Reply(text=text, finish="stop")])) as fake:
+        provider = OpenAIChat("m", base_url=fake.openai_base_url, output="json_schema", strict=True)
+        async with provider, open_supervisor([shop()], store, provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    assert (result.outcome, result.output) == ("completed", {"total": 40})
+    assert len(fake.requests) == 1
+    schema = fake.requests[0].body["response_format"]["json_schema"]["schema"]
+    encoded = msgspec.json.encode(schema).decode()
+    assert '"next_data"' in encoded
+    assert "A tool call may also move on" in fake.requests[0].body["messages"][0]["content"]
