@@ -97,6 +97,16 @@ class ActorPort(Protocol):
         """Decide ``msg`` and return its verdict once its events are durable."""
         ...
 
+    async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
+        """Decide the run's proposal and return its verdict: at once where acting on it
+        before its events are durable is harmless (it moves the run on and the run stays
+        running, it is rejected, or it calls a read-only tool), else once they are
+        durable (a run end, an escalation, a call of any other tool: its intent is
+        durable before it runs). The events are written before any later verdict of the
+        run is sent. ``lagging``: the previous verdict was a move or a rejection, whose
+        events may still wait for a flush; this proposal's are written now."""
+        ...
+
     def submit_nowait(self, msg: Request) -> Verdict:
         """Decide ``msg`` now; its events are written before any later verdict is sent."""
         ...
@@ -258,6 +268,7 @@ async def _drive(
 ) -> None:
     """The loop proper: from ``verdict`` (or what a cut carried) until the run stops running."""
     durable = True
+    lagging = False  # the run's latest verdict may have left its events unwritten
     proposal = carried if isinstance(carried, Propose) else None
     told = carried if isinstance(carried, Report | Reconciliation) else None
     attempts = carried if isinstance(carried, _Attempts) else None
@@ -284,9 +295,12 @@ async def _drive(
             if verdict.retry_in > 0:
                 await _backoff(driver, verdict.retry_in)
             proposal = await _next_proposal(port, driver, view, provider)
-        verdict = await port.request(proposal)
+        verdict = await port.propose(proposal, lagging=lagging)
         proposal = None
-        durable = True
+        lagging = verdict.execute is None and verdict.outcome == "running"
+        # A verdict that ends or escalates the run is durable; one that keeps it running
+        # may have been sent before its events were (see ActorPort.propose).
+        durable = verdict.outcome != "running"
     if not durable:
         await port.request(Sync(run_id=driver.run_id))
 

@@ -1,5 +1,8 @@
 """The journal writer: requests decided in batches, each batch's events written with one
-append (group commit), and every verdict sent only after the batch holding it is durable."""
+append (group commit). A verdict is sent once the batch holding it is durable, or, for a
+verdict whose action is harmless to repeat (see :attr:`GroupCommit.early`), as soon as
+its events are in the batch: batches are written one after another, in order, so every
+verdict follows all earlier events of its run into the journal."""
 
 from __future__ import annotations
 
@@ -16,9 +19,15 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from ._events import Event
-    from ._messages import Request, Verdict
+    from ._messages import Propose, Request, Verdict
     from ._stats import RuntimeStats
     from .stores import Store
+
+
+#: How a decided request's verdict goes out (see GroupCommit.early): once its events are
+#: durable; at once, its events written now (the writer is woken); or at once, its events
+#: written with the run's next request that wakes the writer (they may lag one step).
+DURABLE, WRITE, LAG = 0, 1, 2
 
 
 class _Pending:
@@ -53,6 +62,16 @@ class GroupCommit:
     A supervisor on a store with leases sets :attr:`fenced` (the fenced append, which
     returns the runs it refused) and :attr:`refusal` (the error of a refused run's
     requests); the other runs of a batch commit.
+
+    A supervisor also sets :attr:`early`, which says of a decided request how its verdict
+    goes out: :data:`DURABLE` (a run actor's proposal, see :meth:`propose`, answered
+    once its events are durable), :data:`WRITE` (answered at once, the writer woken) or
+    :data:`LAG` (answered at once; its events wait for the next request that wakes the
+    writer, so they share its flush). A verdict answered before its events are durable
+    is one a crash that loses them cannot make harmful: the run refolds to before it.
+    Should their batch then fail to be written, the run is forgotten like the batch's
+    others, whatever its actor decided meanwhile is dropped unwritten, and its next
+    request gets the error.
     """
 
     __slots__ = (
@@ -62,7 +81,9 @@ class GroupCommit:
         "_idle",
         "_inline",
         "_queue",
+        "_waiting",
         "closed",
+        "early",
         "fenced",
         "max_batch",
         "on_written",
@@ -88,10 +109,14 @@ class GroupCommit:
         self._contain = contain
         self._forget = forget
         self._queue: deque[_Pending] = deque()
-        self._inline: list[Event] = []  # decided by submit_nowait, not yet written
+        self._inline: list[Event] = []  # decided by submit_nowait or propose, not yet written
+        self._waiting: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
+        """Proposals decided by propose whose events are in _inline, waiting for them."""
         self._idle: trio.lowlevel.Task | None = None
         self.fenced: Callable[[list[Event]], Awaitable[frozenset[str]]] | None = None
         self.refusal: Callable[[str], Exception] | None = None
+        self.early: Callable[[Request, Verdict], int] | None = None
+        """When a verdict may be sent, and its events written: DURABLE, WRITE or LAG."""
         self.on_written: list[Callable[[Sequence[Event]], object]] = []
         """Called after each batch is durable, with the events written."""
 
@@ -125,12 +150,56 @@ class GroupCommit:
             raise self._contain(msg, exc) from exc
         idle = self._idle
         if idle is not None and inline:
+            early = self.early
+            if early is None or early(msg, verdict) != LAG:
+                self._idle = None
+                trio.lowlevel.reschedule(idle)
+        return verdict
+
+    async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
+        """Decide a run actor's proposal now, in its task, and return the verdict: at once
+        where :attr:`early` allows (its events are written before any later verdict of
+        the run is sent), else once the batch holding them is durable.
+
+        Args:
+          msg: the proposal.
+          lagging: the run's previous verdict was sent with its events left for a later
+            write (:data:`LAG`): this one's are written now, so a run's journal lags it
+            by one step at most.
+
+        Raises:
+          InterlockError: the proposal was refused (as by :meth:`request`), or the batch
+            holding its events could not be written.
+        """
+        if self.closed:
+            raise trio.ClosedResourceError("supervisor is closed")
+        inline = self._inline
+        mark = len(inline)
+        try:
+            verdict = self._decide(msg, inline)
+        except InterlockError:
+            raise
+        except Exception as exc:
+            del inline[mark:]
+            raise self._contain(msg, exc) from exc
+        mode = DURABLE if self.early is None else self.early(msg, verdict)
+        if mode == DURABLE:
+            pending = _Pending(msg, trio.lowlevel.current_task())
+            self._waiting.append((pending, outcome.Value(verdict)))
+        idle = self._idle
+        if idle is not None and (mode != LAG or lagging):
             self._idle = None
             trio.lowlevel.reschedule(idle)
+        if mode == DURABLE:
+            result: Verdict = await trio.lowlevel.wait_task_rescheduled(pending)
+            return result
+        # NOTE: a checkpoint, so a run whose every step is answered at once still lets
+        # the writer (and every other task) run between its steps.
+        await trio.lowlevel.checkpoint()
         return verdict
 
     async def _wait_for_work(self) -> None:
-        if self._queue or self._inline:
+        if self._queue or self._inline or self._waiting:
             await trio.lowlevel.checkpoint()
             return
         self._idle = trio.lowlevel.current_task()
@@ -154,7 +223,10 @@ class GroupCommit:
             # Events decided inline came first; they are written first.
             events: list[Event] = self._inline
             self._inline = []
-            replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
+            # Proposals decided in their actors' tasks (see propose), their events in
+            # self._inline: answered after this write, with the requests decided below.
+            replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = self._waiting
+            self._waiting = []
             for pending in batch:
                 mark = len(events)
                 try:
@@ -185,6 +257,23 @@ class GroupCommit:
             for p, reply in replies
         ]
 
+    def _drop_inline(
+        self, run_ids: set[str] | frozenset[str], error: Callable[[str], Exception]
+    ) -> None:
+        """Drop the events decided, while a batch was being written, for runs that batch
+        lost: a verdict sent early let their actors go on, and what those decided
+        meanwhile must never reach the journal without what came before it. The
+        proposals among them that wait for the next write get ``error(run_id)``."""
+        inline = self._inline
+        if inline:
+            self._inline = [event for event in inline if event.run_id not in run_ids]
+        waiting = self._waiting
+        if waiting:
+            self._waiting = [
+                (p, outcome.Error(error(p.msg.run_id)) if p.msg.run_id in run_ids else reply)
+                for p, reply in waiting
+            ]
+
     async def _write(self, events: list[Event]) -> tuple[StoreError | None, frozenset[str]]:
         """Append one batch; on failure, forget its runs and return the error. Also
         returns the runs a fenced append refused (none of their events were written)."""
@@ -199,10 +288,14 @@ class GroupCommit:
             error = (
                 exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
             )
-            self._forget({e.run_id for e in events}, error)
+            lost = {e.run_id for e in events}
+            self._forget(lost, error)
+            self._drop_inline(lost, lambda _: error)
             return error, refused
         if refused:
             events = [event for event in events if event.run_id not in refused]
+            assert self.refusal is not None
+            self._drop_inline(refused, self.refusal)
         for listener in self.on_written:
             listener(events)
         stats = self.stats

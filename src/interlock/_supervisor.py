@@ -34,7 +34,7 @@ from ._exceptions import (
     UnknownState,
 )
 from ._handle import RunHandle, RunResult
-from ._journal import GroupCommit
+from ._journal import DURABLE, LAG, WRITE, GroupCommit
 from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
 from ._machine import FAILED, Machine
 from ._messages import (
@@ -113,6 +113,8 @@ class Supervisor:
         self._journal = GroupCommit(
             store, self.stats, self._decide, self._contain, self._forget, max_batch
         )
+        self._journal.early = self._early
+        self._reported = ""  # the tool of the latest Report decided (see _early)
         self._actors: trio.Nursery | None = None
         self._provider = provider
         self._next_id = 0
@@ -244,6 +246,18 @@ class Supervisor:
         """
         return self._journal.submit_nowait(msg)
 
+    async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
+        """Decide a run actor's proposal in its task; the verdict comes at once where
+        acting on it before its events are durable is harmless (see :meth:`_early`),
+        else after the journal flush, as from :meth:`request`.
+
+        Raises:
+          ProtocolError: the proposal is out of order or names no live run.
+          StoreError: the batch holding the proposal's events could not be written.
+          trio.ClosedResourceError: the supervisor is shutting down.
+        """
+        return await self._journal.propose(msg, lagging=lagging)
+
     @property
     def max_batch(self) -> int:
         """The most requests decided per journal write."""
@@ -309,10 +323,55 @@ class Supervisor:
                         outcome=ended.outcome,
                     )
             run = self._run(msg.run_id)
+            if type(msg) is Report:  # the tool reported on, for _early (called next)
+                pending = run.pending
+                self._reported = pending.tool if pending is not None else ""
             verdict = _decider.decide(run, msg, now, self._circuits, events)
         if len(events) > mark:
             self.stats.count(run.machine, msg, events, mark)
         return verdict
+
+    def _early(self, msg: Request, verdict: Verdict) -> int:
+        """How ``verdict`` goes out (see :attr:`GroupCommit.early`): :data:`DURABLE`
+        (sent once its events are durable), :data:`WRITE` (sent at once, written now) or
+        :data:`LAG` (sent at once, written with the run's next flush).
+
+        Only a run this process drives gets a verdict before its events are durable (its
+        actor acts on it and journals what follows here; an external run's caller is
+        answered once durable), and only where a crash that loses them is harmless: the
+        run refolds to before the proposal and asks the model again. So a proposal that
+        moves the run on, is rejected, or waits out a provider failure (the next model
+        call is its only effect: LAG, its record shares the next call's flush), or calls
+        a read-only tool (no effect anywhere: WRITE). Not a call of any other tool: an
+        idempotent tool is safe to repeat with the same key and args, but the model asked
+        again after a crash may propose another call, under another key once a rejection
+        or a provider failure moved the seq on; so its intent is durable before it runs,
+        as one that is not idempotent. Nor a run end or an escalation, which the caller
+        and the operators see.
+
+        The commit of a call that is safe to repeat or can reconcile is LAG too: a crash
+        that loses it re-runs the call with its key, or reconciles it. That of a call that
+        is neither is written at once, so the window in which a crash leaves it in doubt
+        (escalated to a human) stays one flush.
+        """
+        kind = type(msg)
+        if kind is Propose:
+            if verdict.outcome != "running":
+                return DURABLE
+            run = self._runs.get(msg.run_id)
+            if run is None or run.external:
+                return DURABLE
+            call = verdict.execute
+            if call is None:
+                return LAG
+            return WRITE if run.machine.tool_by_name[call.tool].read_only else DURABLE
+        if kind is Report and verdict.outcome == "running":
+            run = self._runs.get(msg.run_id)
+            if run is not None and not run.external:
+                tool = run.machine.tool_by_name.get(self._reported)
+                if tool is not None and (tool.safe_to_repeat or tool.reconcile is not None):
+                    return LAG
+        return WRITE
 
     def _start(self, msg: Start, now: float, events: list[Event]) -> tuple[RunState, Verdict]:
         machine = self.machine(msg.machine)
