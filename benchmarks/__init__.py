@@ -29,6 +29,7 @@ ORDER = (
     "instructions",
     "gateway",
     "scaleout",
+    "peers",
 )
 
 

@@ -327,7 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     meta["environment"]["load_average_end"] = environment()["load_average"]
     if recorded is not None:
         for name in args.names:
-            recorded["benchmarks"][name] = {**results[name], "merged": meta}
+            section = results[name]
+            carry = getattr(load(name), "carry", None)
+            previous = recorded["benchmarks"].get(name)
+            if carry is not None and "error" not in section:  # it keeps its earlier runs
+                section = carry(previous if previous and "error" not in previous else {}, section)
+            recorded["benchmarks"][name] = {**section, "merged": meta}
             if name not in recorded["meta"]["benchmarks"]:
                 recorded["meta"]["benchmarks"].append(name)
         meta, results = recorded["meta"], recorded["benchmarks"]

@@ -381,6 +381,255 @@ def _gateway_throughput(results: Results, target: float) -> Outcome:
     )
 
 
+# -- the peers' workloads (issue 19) ---------------------------------------------------------
+
+
+def _peer_runs(results: Results) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The latest run of the peers section and the first one (``before``), if it differs."""
+    section = results["peers"]
+    runs = section.get("runs") or [section]
+    return runs[-1], (runs[0] if len(runs) > 1 else None)
+
+
+def _before(run: dict[str, Any] | None, text: str) -> list[str]:
+    if run is None:
+        return []
+    return [f"Before ({run.get('label') or 'first run'}, `{run['git']['commit']}`): {text}."]
+
+
+def _peers_memory_vs_burr(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import BURR, CALL_AND_MOVE, INTERLOCK, PLAIN, find
+
+    def figures(run: dict[str, Any]) -> tuple[float, float | None, float]:
+        shipped = find(run["memory"], INTERLOCK)["us_per_step"]
+        burr = find(run["memory"], BURR)
+        plain = find(run["memory"], PLAIN)["us_per_step"]
+        return shipped, burr["us_per_step"] if burr else None, plain
+
+    run, first = _peer_runs(results)
+    shipped, burr, plain = figures(run)
+    if burr is None:
+        return Outcome(
+            f"{shipped:.0f} µs per step; Burr not measured (not installed)",
+            None,
+            notes=[f"Plain-Python loop: {plain:.1f} µs per step ({shipped / plain:.0f}×)."],
+        )
+    value = shipped / burr
+    met = value <= target
+    notes = [
+        f"The plain-Python loop ratio this implies: at most {target * burr / plain:.0f}× the plain "
+        f"loop's {plain:.1f} µs; interlock is at {shipped / plain:.0f}×, Burr at {burr / plain:.0f}×."
+    ]
+    moved = find(run["memory"], CALL_AND_MOVE)
+    if moved is not None:
+        notes.append(
+            f"With call-and-move proposals (20 tool calls, the last moving to DONE): "
+            f"{moved['us_per_step']:.0f} µs per step, {moved['us_per_step'] / burr:.2f}× Burr."
+        )
+    if first is not None:
+        s0, b0, _p0 = figures(first)
+        notes += _before(
+            first, f"{s0:.0f} µs vs Burr {b0:.0f} µs, {s0 / b0:.2f}×" if b0 else f"{s0:.0f} µs"
+        )
+    if not met and run.get("profile_areas"):
+        notes.append(f"Own time by area: {top_areas(run['profile_areas'])}.")
+    return Outcome(
+        f"{shipped:.0f} µs vs Burr {burr:.0f} µs per step: {value:.2f}× Burr",
+        met,
+        ""
+        if met
+        else f"{value / target:.1f}× over the {target}× allowance ({shipped - target * burr:+.0f} µs per step)",
+        notes,
+    )
+
+
+def _peers_loop_target(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import INTERLOCK, find
+
+    run, first = _peer_runs(results)
+    value = find(run["memory"], INTERLOCK)["us_per_step"]
+    met = value <= target
+    notes = []
+    if first is not None:
+        notes += _before(
+            first, f"{find(first['memory'], INTERLOCK)['us_per_step']:.0f} µs per step"
+        )
+    return Outcome(
+        f"{value:.0f} µs per step, one run at a time",
+        met,
+        "" if met else _missed_by(value, target, lower_is_better=True, unit=" µs"),
+        notes,
+    )
+
+
+def _peers_fsyncs(results: Results, target: float) -> Outcome:
+    run, first = _peer_runs(results)
+
+    def per_kind(r: dict[str, Any]) -> dict[str, float | None]:
+        return {row["tool"]: row.get("fsyncs_per_step") for row in r["durable"] if row["tool"]}
+
+    kinds = per_kind(run)
+    covered = {k: v for k, v in kinds.items() if k in ("read-only", "idempotent")}
+    if not covered or any(v is None for v in covered.values()):
+        return Outcome("fsyncs not counted (no strace)", None)
+    worst = max(covered.values())
+    met = worst <= target
+    measured = "; ".join(f"{k} {v:.2f}" for k, v in kinds.items() if v is not None)
+    notes = [
+        "The store's flushes per step: "
+        + "; ".join(
+            f"{row['tool']} {row['flushes_per_step']:.2f}" for row in run["durable"] if row["tool"]
+        )
+        + "."
+    ]
+    if first is not None:
+        before = per_kind(first)
+        notes += _before(
+            first, "; ".join(f"{k} {v:.2f}" for k, v in before.items() if v is not None)
+        )
+    return Outcome(
+        f"fsyncs per step: {measured}",
+        met,
+        "" if met else f"{worst:.2f} fsyncs per step, {worst / target:.1f}× the one allowed",
+        notes,
+    )
+
+
+def _peers_durable_rate(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import BURR_SQLITE, BURR_SQLITE_WAL, find
+
+    run, first = _peer_runs(results)
+
+    def burr_best(r: dict[str, Any]) -> dict[str, Any] | None:
+        rows = [
+            row
+            for row in (find(r["durable"], BURR_SQLITE), find(r["durable"], BURR_SQLITE_WAL))
+            if row
+        ]
+        return max(rows, key=lambda row: row["steps_per_s"]) if rows else None
+
+    burr = burr_best(run)
+    if burr is None:
+        return Outcome("Burr not measured (not installed)", None)
+    rows = [row for row in run["durable"] if row["tool"] in ("read-only", "idempotent")]
+    slowest = min(rows, key=lambda r: r["steps_per_s"])
+    value = slowest["steps_per_s"] / burr["steps_per_s"]
+    met = value >= target
+    notes = [
+        f"{row['label']}: {row['steps_per_s']:,.0f} steps/s ({row['steps_per_s'] / burr['steps_per_s']:.2f}× "
+        f"Burr's best), {row.get('fsyncs_per_step', float('nan')):.2f} fsyncs per step."
+        for row in run["durable"]
+        if row["tool"]
+    ]
+    notes += [
+        f"{row['label']}: {row['steps_per_s']:,.0f} steps/s, "
+        f"{row.get('fsyncs_per_step', float('nan')):.2f} fsyncs per step."
+        for row in run["durable"]
+        if not row["tool"]
+    ]
+    if first is not None:
+        b = burr_best(first)
+        notes += _before(
+            first,
+            "; ".join(f"{r['tool']} {r['steps_per_s']:,.0f}" for r in first["durable"] if r["tool"])
+            + (f" steps/s vs Burr's best {b['steps_per_s']:,.0f}" if b else ""),
+        )
+    if not met and run.get("profile_durable_areas"):
+        notes.append(
+            f"Own time by area (idempotent tool): {top_areas(run['profile_durable_areas'])}."
+        )
+    return Outcome(
+        f"{slowest['steps_per_s']:,.0f} steps/s ({slowest['tool']} tool, the slower of read-only and "
+        f"idempotent) vs Burr {burr['steps_per_s']:,.0f} ({burr['label'].removeprefix('Burr, ')}): {value:.2f}×",
+        met,
+        ""
+        if met
+        else _missed_by(
+            slowest["steps_per_s"], burr["steps_per_s"], lower_is_better=False, unit="/s"
+        ),
+        notes,
+    )
+
+
+def _peers_concurrency(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import conc
+
+    run, first = _peer_runs(results)
+    size = 10_000 if conc(run, "interlock", 10_000) else min(r["runs"] for r in run["concurrency"])
+
+    def ratio_at(r: dict[str, Any], n: int) -> float | None:
+        shipped, bare = conc(r, "interlock", n), conc(r, "bare trio", n)
+        return shipped["wall_s"] / bare["wall_s"] if shipped and bare else None
+
+    value = ratio_at(run, size)
+    if value is None:
+        return Outcome("not measured", None)
+    shipped, bare = conc(run, "interlock", size), conc(run, "bare trio", size)
+    met = value <= target if size == 10_000 else None
+    notes = [
+        f"CPU: {shipped['cpu_s']:.1f} s vs {bare['cpu_s']:.1f} s ({shipped['cpu_s'] / bare['cpu_s']:.1f}×)."
+    ]
+    big = ratio_at(run, 100_000)
+    if big is not None:
+        notes.append(f"100,000 runs: {big:.2f}× bare trio's wall time.")
+    if first is not None and ratio_at(first, size) is not None:
+        notes += _before(first, f"{ratio_at(first, size):.2f}× at {size:,} runs")
+    return Outcome(
+        f"{size:,} runs: {shipped['wall_s']:.1f} s vs bare trio {bare['wall_s']:.1f} s ({value:.2f}×)",
+        met,
+        "" if met or met is None else _margin(value, target, "bare trio"),
+        notes,
+    )
+
+
+def _peers_memory(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import conc
+
+    run, first = _peer_runs(results)
+    row = conc(run, "interlock", 100_000)
+    if row is None:
+        return Outcome("100,000 runs not measured (quick run)", None)
+    bare = conc(run, "bare trio", 100_000)
+    gib = row["peak_rss_mib"] / 1024
+    met = gib < target
+    notes = (
+        [
+            f"Bare trio: {bare['peak_rss_mib'] / 1024:.2f} GiB ({gib * 1024 / bare['peak_rss_mib']:.1f}×)."
+        ]
+        if bare
+        else []
+    )
+    if first is not None and conc(first, "interlock", 100_000):
+        notes += _before(
+            first, f"{conc(first, 'interlock', 100_000)['peak_rss_mib'] / 1024:.2f} GiB"
+        )
+    return Outcome(
+        f"100,000 runs ({row.get('completed') or 0:,} completed): peak RSS {gib:.2f} GiB",
+        met,
+        "" if met else f"{gib / target:.2f}× the {target} GiB limit (+{gib - target:.2f} GiB)",
+        notes,
+    )
+
+
+def _peers_instructions(results: Results, target: float) -> Outcome:
+    from benchmarks.bench_peers import BURR, INTERLOCK, PLAIN, find
+
+    run, first = _peer_runs(results)
+    if not run["instructions"]:
+        return Outcome("not counted (quick run, or no valgrind)", None)
+
+    def text(r: dict[str, Any]) -> str:
+        rows = {label: find(r["instructions"], label) for label in (INTERLOCK, BURR, PLAIN)}
+        return ", ".join(
+            f"{label} {row['per_step'] / 1000:.0f}k"
+            for label, row in rows.items()
+            if row is not None
+        )
+
+    notes = _before(first, text(first)) if first is not None and first["instructions"] else []
+    return Outcome(f"instructions per step: {text(run)}", True, "", notes)
+
+
 _TRANSITION_CLOSING = (
     "Per call, the ratio is bounded by the Python-level call into C (the empty C call row), not "
     "by the check; net of the call the compiled check is far ahead. A batch form checking a "
@@ -438,6 +687,24 @@ _PG_GROUP_COMMIT_CLOSING = (
     "Each worker's supervisor writes every step its runs took since the last flush in one "
     "fenced transaction; one event per transaction means it flushes per event: check that "
     "the journal writer batches on PostgreSQL as it does on SQLite."
+)
+
+_PEERS_MEMORY_CLOSING = (
+    "Where one run goes at a time nothing is batched: every step pays the supervisor's two "
+    "task switches, the decide path (fold, verify, build the events) and a flush of its own. "
+    "A tool call that names its next state saves the separate model call for the move; the "
+    "rest needs the decide path compiled over a typed run state (the issue's third part)."
+)
+_PEERS_DURABLE_CLOSING = (
+    "Each flush is one fsync with synchronous=FULL; the intent flushed before the tool runs is "
+    "what a read-only or idempotent tool does not need (the issue's first part: its intent "
+    "shares the flush of its commit, and the commit, the move and the next call's record "
+    "share one)."
+)
+_PEERS_CONCURRENCY_CLOSING = (
+    "As for the concurrency goals: the per-step work of a run (two wake-ups, the decide path, "
+    "the journal) over bare trio's one sleep per step; the collector's share is in the "
+    "concurrency section."
 )
 
 GOALS: tuple[Goal, ...] = (
@@ -581,6 +848,75 @@ GOALS: tuple[Goal, ...] = (
         "xmin), the fewest of the throughput rows; more than one is met",
         _pg_group_commit,
         _PG_GROUP_COMMIT_CLOSING,
+    ),
+    Goal(
+        "peers_memory",
+        "Peers: one run at a time, in memory, at most 0.5× Burr's µs per step (the 20-step script)",
+        "peers",
+        0.5,
+        "interlock's µs per step ÷ Burr's, in-memory state, one run at a time, same run",
+        _peers_memory_vs_burr,
+        _PEERS_MEMORY_CLOSING,
+        "profile",
+    ),
+    Goal(
+        "peers_loop_target",
+        "Peers: one run at a time, in memory, at most 20 µs per step (the loop goal, the target)",
+        "peers",
+        20,
+        "interlock's µs per step, one run at a time, MemoryStore",
+        _peers_loop_target,
+        _PEERS_MEMORY_CLOSING,
+        "profile",
+    ),
+    Goal(
+        "peers_fsyncs",
+        "Peers: durable in SQLite (synchronous=FULL), at most one fsync per step for read-only "
+        "and idempotent tools",
+        "peers",
+        1,
+        "fsync + fdatasync calls (strace -f -c) per step, two sizes differenced",
+        _peers_fsyncs,
+        _PEERS_DURABLE_CLOSING,
+        "profile_durable",
+    ),
+    Goal(
+        "peers_durable_rate",
+        "Peers: durable in SQLite (synchronous=FULL), at least Burr's steps/s with its SQLite persister",
+        "peers",
+        1,
+        "interlock's steps/s (the slower of read-only and idempotent tools) ÷ Burr's with "
+        "SQLitePersister, the faster of its two connections (rollback journal, WAL), "
+        "synchronous=FULL, one run at a time",
+        _peers_durable_rate,
+        _PEERS_DURABLE_CLOSING,
+        "profile_durable",
+    ),
+    Goal(
+        "peers_concurrency",
+        "Peers: 10,000 concurrent runs at most 1.3× bare trio's wall time",
+        "peers",
+        1.3,
+        "wall time of interlock ÷ bare trio doing only the sleeps, 10,000 runs",
+        _peers_concurrency,
+        _PEERS_CONCURRENCY_CLOSING,
+    ),
+    Goal(
+        "peers_memory_100k",
+        "Peers: 100,000 concurrent runs under 1.5 GiB peak RSS",
+        "peers",
+        1.5,
+        "peak RSS (VmHWM) in GiB of 100,000 concurrent runs",
+        _peers_memory,
+        _MEMORY_CLOSING,
+    ),
+    Goal(
+        "peers_instructions",
+        "Peers: instructions per step (cachegrind) reported before and after each change",
+        "peers",
+        0,
+        "cachegrind I refs per step, one run at a time in memory, two sizes differenced",
+        _peers_instructions,
     ),
 )
 

@@ -207,3 +207,89 @@ def test_quick_scaleout_drives_every_run_on_real_workers(tmp_path: Path) -> None
     )
     assert goal["met"] is True
     assert "## Scale-out on PostgreSQL" in (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+
+
+def _bench_peers():  # type: ignore[no-untyped-def]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import bench_peers
+
+    return bench_peers
+
+
+def test_quick_peers_compares_completed_runs_of_every_workload(tmp_path: Path) -> None:
+    """The peers section measures every workload of issue 19 on runs that really ended,
+    counts fsyncs and flushes per tool kind, and evaluates its goals."""
+    proc = run_benchmarks("--quick", "--only", "peers", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    section = results["benchmarks"]["peers"]
+    assert "error" not in section, section.get("traceback")
+    peers = _bench_peers()
+    memory = {row["label"]: row for row in section["memory"]}
+    assert {peers.INTERLOCK, peers.PLAIN} <= set(memory)
+    durable = {row["label"]: row for row in section["durable"]}
+    assert [row["tool"] for row in section["durable"] if row["tool"]] == list(peers.TOOL_KINDS)
+    if peers.HAVE_BURR:
+        assert {peers.BURR, peers.BURR_ASYNC} <= set(memory)
+        assert {peers.BURR_SQLITE, peers.BURR_SQLITE_WAL} <= set(durable)
+    else:
+        assert peers.NO_BURR in section["notes"]
+    for row in section["durable"]:
+        assert row["steps_per_s"] > 0, row
+        if row["tool"]:  # interlock: the store flushed at least once per run
+            assert row["flushes_per_step"] >= 1 / peers.STEPS, row
+        if "fsyncs_per_step" in row:  # with synchronous=FULL every step reaches the disk
+            assert row["fsyncs_per_step"] > 0, row
+    rows = section["concurrency"]
+    assert {(r["label"], r["runs"]) for r in rows} == {
+        (label, n) for label in ("bare trio", "interlock") for n in (100, 300)
+    }
+    for row in rows:
+        if row["label"] == "interlock":
+            assert row["completed"] == row["runs"], row
+    goals = {g["key"]: g for g in results["goals"] if g["bench"] == "peers"}
+    assert set(goals) == {g.key for g in _goals() if g.bench == "peers"}
+    assert goals["peers_memory_100k"]["met"] is None  # 100,000 runs are not run in quick mode
+    markdown = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+    assert f"## {_title_of('peers')}" in markdown
+    assert section["git"]["commit"] in markdown
+
+
+def _goals():  # type: ignore[no-untyped-def]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks._goals import GOALS
+
+    return GOALS
+
+
+def test_peers_merge_keeps_the_earlier_run_as_before() -> None:
+    peers = _bench_peers()
+    first = {"runs": [{"label": "", "quick": False, "git": {"commit": "aaa"}, "memory": []}]}
+    merged = peers.carry({}, first)
+    assert [r["label"] for r in merged["runs"]] == ["before"]
+    second = {"runs": [{"label": "", "quick": False, "git": {"commit": "bbb"}, "memory": []}]}
+    again = peers.carry(merged, second)
+    assert [(r["label"], r["git"]["commit"]) for r in again["runs"]] == [
+        ("before", "aaa"),
+        ("after", "bbb"),
+    ]
+    assert again["git"]["commit"] == "bbb"  # the section's figures are the latest run's
+
+
+def test_peers_burr_application_runs_the_same_twenty_steps() -> None:
+    peers = _bench_peers()
+    if not peers.HAVE_BURR:
+        pytest.skip("burr is not installed: pip install apache-burr (the bench extra)")
+    raws = peers._raws()
+    action, _result, state = peers.burr_app(raws).run(halt_after=["done"])
+    assert action.name == "done"
+    assert state["step"] == peers.STEPS
+    assert len(state["results"]) == peers.STEPS - 1
+    assert state["moved"] == "DONE"
+    assert peers.plain_run(raws) == {
+        "step": peers.STEPS,
+        "results": state["results"],
+        "state": "DONE",
+    }
