@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -153,7 +154,7 @@ def fsyncs(kind: str, shape: str, runs: int) -> float | None:
             if done.returncode != 0:
                 return None
             total = 0
-            for line in open(out.name).read().splitlines():
+            for line in Path(out.name).read_text().splitlines():
                 fields = line.split()
                 if fields and fields[-1] in ("fsync", "fdatasync"):
                     total += int(fields[3])  # % time, seconds, usecs/call, calls
