@@ -212,3 +212,39 @@ async def test_a_failed_write_stops_a_run_that_ran_ahead_and_writes_nothing_afte
         assert (await handle.wait()).outcome == "completed"
     events = await store.load("r-1")
     assert replay(events, build("read_only", Noop(store), moves=False)).ok
+
+
+@pytest.mark.parametrize("kind", ["idempotent", "reconcile"])
+async def test_a_call_that_names_its_next_state_is_one_flush_a_step(
+    kind: str, autojump_clock: Any
+) -> None:
+    """A call-and-move step: its commit and its move share the next call's flush."""
+    store = SlowStore()
+    noop = Noop(store)
+    options = dict(KINDS[kind])
+    if kind == "reconcile":
+        options["reconcile"] = noop.reconcile
+    spec = Machine(
+        "steps",
+        initial="A",
+        states={
+            "A": Worker(next=["B", "COMPLETED"], tools=["noop"], call_and_move=True),
+            "B": Worker(next=["A", "COMPLETED"], tools=["noop"], call_and_move=True),
+        },
+        tools=[Tool("noop", noop.execute, args=Args, **options)],
+    )
+    raws = [
+        f'{{"tool": "noop", "args": {{"n": {n}}}, "next": "{"B" if n % 2 == 0 else "A"}"}}'
+        for n in range(STEPS)
+    ]
+    provider = ScriptedProvider([*raws, FINISH])
+    async with open_supervisor([spec], store, provider=provider, clock=trio.current_time) as sup:
+        handle = await sup.start_run("steps", run_id="r-1")
+        started = trio.current_time()
+        assert (await handle.wait()).outcome == "completed"
+        waited = trio.current_time() - started
+    assert waited == STEPS + 1
+    assert noop.durable == [True] * STEPS
+    step = ["ToolCommitted", "Transitioned", "ModelCalled", "IntentRecorded"]
+    assert store.batches[2:-1] == [step] * (STEPS - 1)
+    assert replay(await store.load("r-1"), spec).ok
