@@ -248,3 +248,43 @@ async def test_a_call_that_names_its_next_state_is_one_flush_a_step(
     step = ["ToolCommitted", "Transitioned", "ModelCalled", "IntentRecorded"]
     assert store.batches[2:-1] == [step] * (STEPS - 1)
     assert replay(await store.load("r-1"), spec).ok
+
+
+async def test_leaving_the_supervisor_writes_what_was_answered_before_its_flush(
+    autojump_clock: Any,
+) -> None:
+    """A move is answered before its flush and written with the next one. When the block
+    is left (cancelled, as by Ctrl-C) while the run waits for its next model call, the
+    move is written on the way out, not lost for a resume to redo."""
+    store = SlowStore()
+    noop = Noop(store)
+    spec = build("read_only", noop, moves=True)
+
+    class MoveThenHang:
+        model = "m"
+        calls = 0
+
+        async def propose(self, view: Any) -> Any:
+            from interlock import TokenUsage
+            from interlock.providers import Proposal
+
+            self.calls += 1
+            if self.calls == 2:
+                self.asked_again.set()
+            if self.calls == 1:
+                return Proposal('{"next": "B"}', TokenUsage(1, 1), "m")
+            await trio.sleep_forever()
+
+    provider = MoveThenHang()
+    provider.asked_again = trio.Event()  # type: ignore[attr-defined]
+    with trio.CancelScope() as scope:
+        async with open_supervisor(
+            [spec], store, provider=provider, clock=trio.current_time
+        ) as sup:
+            await sup.start_run("steps", run_id="r-1")
+            await provider.asked_again.wait()  # type: ignore[attr-defined]
+            assert "Transitioned" not in [type(e).__name__ for e in store.written]
+            scope.cancel()
+            await trio.sleep(1)
+    assert scope.cancelled_caught
+    assert [type(e).__name__ for e in await store.load("r-1")][-1] == "Transitioned"

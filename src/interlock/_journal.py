@@ -81,7 +81,9 @@ class GroupCommit:
         "_idle",
         "_inline",
         "_queue",
+        "_turned",
         "_waiting",
+        "_writing",
         "closed",
         "early",
         "fenced",
@@ -119,6 +121,8 @@ class GroupCommit:
         """When a verdict may be sent, and its events written: DURABLE, WRITE or LAG."""
         self.on_written: list[Callable[[Sequence[Event]], object]] = []
         """Called after each batch is durable, with the events written."""
+        self._turned: trio.Event | None = None  # set by serve after each batch (see close)
+        self._writing = False
 
     async def request(self, msg: Request) -> Verdict:
         """See :meth:`Supervisor.request`."""
@@ -237,7 +241,15 @@ class GroupCommit:
                     replies.append((pending, outcome.Error(self._contain(pending.msg, exc))))
                     del events[mark:]
             if events:
-                error, refused = await self._write(events)
+                self._writing = True
+                try:
+                    error, refused = await self._write(events)
+                finally:
+                    self._writing = False
+                    turned = self._turned
+                    if turned is not None:
+                        self._turned = None
+                        turned.set()
                 if error is not None:
                     replies = [(p, outcome.Error(error)) for p, _ in replies]
                 elif refused:
@@ -245,6 +257,23 @@ class GroupCommit:
             for pending, reply in replies:
                 if not pending.cancelled:
                     trio.lowlevel.reschedule(pending.task, reply)
+
+    async def close(self) -> None:
+        """Refuse new requests, and write what was decided and not yet written: the
+        events of verdicts sent before their flush (a move, a rejection), so leaving the
+        supervisor (cancelled too, as by Ctrl-C) leaves nothing for a resume to redo.
+
+        Runs once the actors are done; the writer task may be gone (cancelled), so this
+        writes itself, after the batch the writer may be writing.
+        """
+        self.closed = True
+        while self._writing:
+            turned = self._turned = self._turned or trio.Event()
+            await turned.wait()
+        events, self._inline = self._inline, []
+        self._waiting = []  # their actors are gone
+        if events:
+            await self._write(events)
 
     def _refuse(
         self, replies: list[tuple[_Pending, outcome.Outcome[Verdict]]], refused: frozenset[str]

@@ -148,6 +148,10 @@ async def open_supervisor(
                     yield supervisor
             finally:
                 supervisor._actors = None
+                # What was answered before its flush (a move, a rejection) is written
+                # now, so a clean exit (or a Ctrl-C) leaves nothing for a resume to redo.
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    await supervisor._journal.close()
                 supervisor._journal.closed = True
                 if supervisor.leases is not None:
                     await _release_all(supervisor)
