@@ -384,6 +384,10 @@ def _gateway_throughput(results: Results, target: float) -> Outcome:
 # -- the peers' workloads (issue 19) ---------------------------------------------------------
 
 
+#: bench_peers' run length (imported lazily elsewhere; a constant here for the notes).
+STEPS_PER_RUN = 20
+
+
 def _peer_runs(results: Results) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The latest run of the peers section and the first one (``before``), if it differs."""
     section = results["peers"]
@@ -482,6 +486,13 @@ def _peers_fsyncs(results: Results, target: float) -> Outcome:
         )
         + "."
     ]
+    notes.append(
+        f"Per {STEPS_PER_RUN}-step run (the run's start is flushed once per run, not per step): "
+        + "; ".join(
+            f"{k} {v * STEPS_PER_RUN:.1f} fsyncs" for k, v in kinds.items() if v is not None
+        )
+        + "."
+    )
     if first is not None:
         before = per_kind(first)
         notes += _before(

@@ -88,7 +88,10 @@ TOOL_KINDS = ("read-only", "idempotent", "not idempotent")
 INTERLOCK = "interlock"
 CALL_AND_MOVE = "interlock, call-and-move proposals"
 BURR = "Burr, in-memory state (sync)"
+BURR_EXPR = "Burr, in-memory state (sync), expr condition as in its counter example"
 BURR_ASYNC = "Burr, in-memory state (async actions, asyncio)"
+#: Changes when the workload changes: ``carry`` keeps earlier runs of the same version only.
+WORKLOAD_VERSION = 2
 PLAIN = "plain-Python loop"
 BURR_SQLITE = "Burr, SQLitePersister (its own connection: rollback journal)"
 BURR_SQLITE_WAL = "Burr, SQLitePersister on a WAL connection"
@@ -135,10 +138,16 @@ def plain_run(raws: list[bytes]) -> dict[str, Any]:
     return state
 
 
-def burr_app(raws: list[bytes], *, asynchronous: bool = False, persister: Any = None) -> Any:
-    """The 20-step script as a Burr application (Burr's counter-example shape)."""
-    from burr.core import ApplicationBuilder, State, default, expr
+def burr_graph(raws: list[bytes], *, asynchronous: bool = False, condition: str = "lmda") -> Any:
+    """The 20-step script as a Burr graph (Burr's counter-example shape), built once.
+
+    ``condition``: ``lmda``, a Python function of the state (``Condition.lmda``), or
+    ``expr``, the counter example's ``expr("step < 19")`` (parsed and evaluated as an
+    expression at every transition, several times slower).
+    """
+    from burr.core import Condition, State, default, expr
     from burr.core.action import action
+    from burr.core.graph import GraphBuilder
 
     last = len(raws) - 1
 
@@ -168,13 +177,37 @@ def burr_app(raws: list[bytes], *, asynchronous: bool = False, persister: Any = 
             moved = _decide(raws[state["step"]])
             return {"moved": moved}, state.update(step=state["step"] + 1, moved=moved)
 
+    def more(state: State) -> bool:
+        return bool(state["step"] < last)
+
+    again = Condition.lmda(more, ["step"]) if condition == "lmda" else expr(f"step < {last}")
+    return (
+        GraphBuilder()
+        .with_actions(work=work, done=done)
+        .with_transitions(("work", "work", again), ("work", "done", default))
+        .build()
+    )
+
+
+def burr_app(
+    raws: list[bytes],
+    *,
+    asynchronous: bool = False,
+    persister: Any = None,
+    graph: Any = None,
+    app_id: str | None = None,
+) -> Any:
+    """One run of the script: a Burr application over ``graph`` (built here if not given)."""
+    from burr.core import ApplicationBuilder
+
     builder = (
         ApplicationBuilder()
-        .with_actions(work=work, done=done)
-        .with_transitions(("work", "work", expr(f"step < {last}")), ("work", "done", default))
+        .with_graph(graph if graph is not None else burr_graph(raws, asynchronous=asynchronous))
         .with_state(step=0, results=[], moved="")
         .with_entrypoint("work")
     )
+    if app_id is not None:
+        builder = builder.with_identifiers(app_id=app_id)
     if persister is not None:
         builder = builder.with_state_persister(persister)
     return builder.build()
@@ -278,8 +311,11 @@ def interlock_runs(
 # -- Burr -------------------------------------------------------------------------------
 
 
-def burr_runs(runs: int, *, asynchronous: bool = False, sqlite: str = "") -> dict[str, Any]:
+def burr_runs(
+    runs: int, *, asynchronous: bool = False, sqlite: str = "", condition: str = "lmda"
+) -> dict[str, Any]:
     raws = _raws()
+    graph = burr_graph(raws, asynchronous=asynchronous, condition=condition)
     persister = None
     directory = tempfile.TemporaryDirectory(prefix="burr-peers-")
     if sqlite:
@@ -297,8 +333,8 @@ def burr_runs(runs: int, *, asynchronous: bool = False, sqlite: str = "") -> dic
     final = 0
     started = time.perf_counter()
     cpu = time.process_time()
-    for _ in range(runs):
-        app = burr_app(raws, asynchronous=asynchronous, persister=persister)
+    for i in range(runs):
+        app = burr_app(raws, persister=persister, graph=graph, app_id=f"r{i}")
         if asynchronous:
             _action, _result, state = asyncio.run(app.arun(halt_after=["done"]))
         else:
@@ -306,10 +342,12 @@ def burr_runs(runs: int, *, asynchronous: bool = False, sqlite: str = "") -> dic
         final += state["step"] == STEPS
     wall = time.perf_counter() - started
     cpu = time.process_time() - cpu
-    if persister is not None:
+    persisted = None
+    if persister is not None:  # every step was saved: one row per action
+        (persisted,) = persister.connection.execute("SELECT count(*) FROM burr_state").fetchone()
         persister.connection.close()
     directory.cleanup()
-    return {"wall_s": wall, "cpu_s": cpu, "completed": final}
+    return {"wall_s": wall, "cpu_s": cpu, "completed": final, "persisted": persisted}
 
 
 def plain_runs(runs: int) -> dict[str, Any]:
@@ -341,7 +379,10 @@ def _measure(config: dict[str, Any]) -> dict[str, Any]:
         )
     if kind == "burr":
         return burr_runs(
-            runs, asynchronous=config.get("async", False), sqlite=config.get("sqlite", "")
+            runs,
+            asynchronous=config.get("async", False),
+            sqlite=config.get("sqlite", ""),
+            condition=config.get("condition", "lmda"),
         )
     return plain_runs(runs)
 
@@ -524,6 +565,13 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         memory_plan.insert(1, (BURR, {"kind": "burr", "runs": seq_runs["burr"], "warmup": 5}))
         memory_plan.insert(
             2,
+            (
+                BURR_EXPR,
+                {"kind": "burr", "runs": seq_runs["burr"], "warmup": 5, "condition": "expr"},
+            ),
+        )
+        memory_plan.insert(
+            3,
             (BURR_ASYNC, {"kind": "burr", "runs": seq_runs["burr"], "warmup": 5, "async": True}),
         )
     samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in memory_plan}
@@ -533,6 +581,8 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             result["us_per_step"] = result["wall_s"] / (config["runs"] * STEPS) * 1e6
             result["cpu_us_per_step"] = result["cpu_s"] / (config["runs"] * STEPS) * 1e6
             result["runs"] = config["runs"]
+            if "flushes" in result:
+                result["flushes_per_step"] = result["flushes"] / (config["runs"] * STEPS)
             _check_completed(label, config["runs"], result)
             samples[label].append(result)
     memory_rows = [
@@ -642,6 +692,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     )
     current = {
         "label": os.environ.get("PEERS_LABEL", ""),
+        "workload_version": WORKLOAD_VERSION,
         "date": started_at,
         "git": _git(),
         "quick": quick,
@@ -665,7 +716,11 @@ def carry(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     The new run is labelled by ``PEERS_LABEL`` or, without it, ``before`` when it is the
     first and ``after`` otherwise; at most the four latest runs are kept.
     """
-    earlier = [r for r in previous.get("runs", []) if not r.get("quick")]
+    earlier = [
+        r
+        for r in previous.get("runs", [])
+        if not r.get("quick") and r.get("workload_version") == WORKLOAD_VERSION
+    ]
     latest = dict(new["runs"][-1])
     latest["label"] = latest["label"] or ("after" if earlier else "before")
     history = [*earlier, latest][-4:]
@@ -711,6 +766,7 @@ def render(results: dict[str, Any]) -> str:
                 num(row["cpu_us_per_step"]),
                 ratio(row["us_per_step"] / burr["us_per_step"]) if burr else "–",
                 ratio(row["us_per_step"] / plain["us_per_step"]) if plain else "–",
+                num(row["flushes"] / (row["runs"] * STEPS), 2) if "flushes" in row else "–",
             )
             for row in run["memory"]
         ]
@@ -724,6 +780,7 @@ def render(results: dict[str, Any]) -> str:
                     "CPU µs/step",
                     "× Burr",
                     "× plain loop",
+                    "store flushes/step",
                 ],
                 body,
             )

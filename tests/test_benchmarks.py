@@ -231,8 +231,10 @@ def test_quick_peers_compares_completed_runs_of_every_workload(tmp_path: Path) -
     durable = {row["label"]: row for row in section["durable"]}
     assert [row["tool"] for row in section["durable"] if row["tool"]] == list(peers.TOOL_KINDS)
     if peers.HAVE_BURR:
-        assert {peers.BURR, peers.BURR_ASYNC} <= set(memory)
+        assert {peers.BURR, peers.BURR_EXPR, peers.BURR_ASYNC} <= set(memory)
         assert {peers.BURR_SQLITE, peers.BURR_SQLITE_WAL} <= set(durable)
+        for label in (peers.BURR_SQLITE, peers.BURR_SQLITE_WAL):  # every step was persisted
+            assert durable[label]["persisted"] == durable[label]["completed"] * peers.STEPS
     else:
         assert peers.NO_BURR in section["notes"]
     for row in section["durable"]:
@@ -266,16 +268,23 @@ def _goals():  # type: ignore[no-untyped-def]
 
 def test_peers_merge_keeps_the_earlier_run_as_before() -> None:
     peers = _bench_peers()
-    first = {"runs": [{"label": "", "quick": False, "git": {"commit": "aaa"}, "memory": []}]}
-    merged = peers.carry({}, first)
+
+    def section(commit: str, version: int = peers.WORKLOAD_VERSION) -> dict:  # type: ignore[type-arg]
+        run = {"label": "", "quick": False, "workload_version": version, "git": {"commit": commit}}
+        return {"runs": [run]}
+
+    merged = peers.carry({}, section("aaa"))
     assert [r["label"] for r in merged["runs"]] == ["before"]
-    second = {"runs": [{"label": "", "quick": False, "git": {"commit": "bbb"}, "memory": []}]}
-    again = peers.carry(merged, second)
+    again = peers.carry(merged, section("bbb"))
     assert [(r["label"], r["git"]["commit"]) for r in again["runs"]] == [
         ("before", "aaa"),
         ("after", "bbb"),
     ]
     assert again["git"]["commit"] == "bbb"  # the section's figures are the latest run's
+    # a run of another version of the workload is not compared with: it is dropped
+    stale = peers.carry({}, section("old", version=peers.WORKLOAD_VERSION - 1))
+    fresh = peers.carry(stale, section("new"))
+    assert [(r["label"], r["git"]["commit"]) for r in fresh["runs"]] == [("before", "new")]
 
 
 def test_peers_burr_application_runs_the_same_twenty_steps() -> None:
