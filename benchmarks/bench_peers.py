@@ -400,69 +400,48 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 _STRACE_CALLS = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(fsync|fdatasync)\s*$")
 
 
+def _child_under(tool: list[str], config: dict[str, Any], timeout: float) -> str:
+    """Run this module's child for ``config`` under ``tool`` (strace, valgrind); its stderr.
+
+    Raises:
+      RuntimeError: the child failed; the message holds the end of its stderr.
+    """
+    child = [sys.executable, "-m", "benchmarks.bench_peers", "--child"]
+    proc = subprocess.run(
+        [*tool, *child, msgspec.json.encode(config).decode()],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool[0]} on {config} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc.stderr
+
+
 def count_fsyncs(strace: str, config: dict[str, Any]) -> int:
     """fsync + fdatasync calls of a child (all its threads) running ``config``."""
     with tempfile.NamedTemporaryFile(prefix="peers-strace-", suffix=".txt") as summary:
-        proc = subprocess.run(
-            [
-                strace,
-                "-f",
-                "-c",
-                "-e",
-                "trace=fsync,fdatasync",
-                "-o",
-                summary.name,
-                sys.executable,
-                "-m",
-                "benchmarks.bench_peers",
-                "--child",
-                msgspec.json.encode(config).decode(),
-            ],
-            cwd=ROOT,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+        command = [strace, "-f", "-c", "-e", "trace=fsync,fdatasync", "-o", summary.name]
+        _child_under(command, config, timeout=600)
         with open(summary.name, encoding="utf-8") as file:
             text = file.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"strace of {config} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    total = 0
-    for line in text.splitlines():
-        match = _STRACE_CALLS.match(line)
-        if match:
-            total += int(match.group(1))
-    return total
+    matches = (_STRACE_CALLS.match(line) for line in text.splitlines())
+    return sum(int(match.group(1)) for match in matches if match)
 
 
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
 def count_instructions(valgrind: str, config: dict[str, Any]) -> int:
-    proc = subprocess.run(
-        [
-            valgrind,
-            "--tool=cachegrind",
-            "--cache-sim=no",
-            "--cachegrind-out-file=/dev/null",
-            sys.executable,
-            "-m",
-            "benchmarks.bench_peers",
-            "--child",
-            msgspec.json.encode(config).decode(),
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    match = _REFS.search(proc.stderr)
-    if proc.returncode != 0 or match is None:
-        raise RuntimeError(f"valgrind on {config} exited {proc.returncode}: {proc.stderr[-800:]}")
+    """Instructions (cachegrind's ``I refs``) of a child running ``config``."""
+    command = [valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
+    stderr = _child_under(command, config, timeout=1200)
+    match = _REFS.search(stderr)
+    if match is None:
+        raise RuntimeError(f"valgrind on {config} printed no instruction count: {stderr[-800:]}")
     return int(match.group(1).replace(",", ""))
 
 
