@@ -25,7 +25,7 @@ class RunResult(msgspec.Struct, frozen=True, gc=False):
 class RunHandle:
     """A started run. ``await handle.wait()`` returns its :class:`RunResult`."""
 
-    __slots__ = ("_done", "_error", "_result", "external", "machine", "run_id")
+    __slots__ = ("_done", "_error", "_finished", "_result", "external", "machine", "run_id")
 
     def __init__(self, run_id: str, machine: str, *, external: bool = False) -> None:
         self.run_id = run_id
@@ -33,13 +33,16 @@ class RunHandle:
         self.external = external
         """The run is driven by its caller (``start_run(external=True)``), not an actor:
         it finishes only as the caller's requests finish it."""
-        self._done = trio.Event()
+        # NOTE: made by the first wait() only: a trio.Event holds a set, the largest
+        # part of a handle, and most handles of a busy process are never awaited.
+        self._done: trio.Event | None = None
         self._result: RunResult | None = None
         self._error: BaseException | None = None
+        self._finished = False
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     async def wait(self) -> RunResult:
         """Wait until the run is terminal or escalated, and return how it ended.
@@ -48,7 +51,12 @@ class RunHandle:
           StoreError: the run's journal could not be written; its state is unknown.
           InternalError: a bug in interlock stopped the run; its journal is intact.
         """
-        await self._done.wait()
+        if not self._finished:
+            if self._done is None:
+                self._done = trio.Event()
+            await self._done.wait()
+        else:
+            await trio.lowlevel.checkpoint()  # as Event.wait does when it is set
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -57,4 +65,6 @@ class RunHandle:
     def _finish(self, result: RunResult | None, error: BaseException | None = None) -> None:
         self._result = result
         self._error = error
-        self._done.set()
+        self._finished = True
+        if self._done is not None:
+            self._done.set()

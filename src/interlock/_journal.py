@@ -31,14 +31,25 @@ DURABLE, WRITE, LAG = 0, 1, 2
 
 
 class _Pending:
-    """A request waiting for its verdict; also the wait's abort function (see request)."""
+    """A request waiting for its verdict; also the wait's abort function (see request),
+    and, once decided, its reply (``verdict`` or ``error``): no tuple and no outcome
+    object per waiting run until the reply is sent."""
 
-    __slots__ = ("cancelled", "msg", "task")
+    __slots__ = ("cancelled", "error", "msg", "task", "verdict")
 
     def __init__(self, msg: Request, task: trio.lowlevel.Task) -> None:
         self.msg = msg
         self.task = task
         self.cancelled = False
+        self.verdict: Verdict | None = None
+        self.error: BaseException | None = None
+
+    def reply(self) -> outcome.Outcome[Verdict]:
+        error = self.error
+        if error is not None:
+            return outcome.Error(error)
+        assert self.verdict is not None
+        return outcome.Value(self.verdict)
 
     def __call__(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
         self.cancelled = True
@@ -112,7 +123,7 @@ class GroupCommit:
         self._forget = forget
         self._queue: deque[_Pending] = deque()
         self._inline: list[Event] = []  # decided by submit_nowait or propose, not yet written
-        self._waiting: list[tuple[_Pending, outcome.Outcome[Verdict]]] = []
+        self._waiting: list[_Pending] = []
         """Proposals decided by propose whose events are in _inline, waiting for them."""
         self._idle: trio.lowlevel.Task | None = None
         self.fenced: Callable[[list[Event]], Awaitable[frozenset[str]]] | None = None
@@ -189,7 +200,8 @@ class GroupCommit:
         mode = DURABLE if self.early is None else self.early(msg, verdict)
         if mode == DURABLE:
             pending = _Pending(msg, trio.lowlevel.current_task())
-            self._waiting.append((pending, outcome.Value(verdict)))
+            pending.verdict = verdict
+            self._waiting.append(pending)
         idle = self._idle
         if idle is not None and (mode != LAG or lagging):
             self._idle = None
@@ -229,17 +241,18 @@ class GroupCommit:
             self._inline = []
             # Proposals decided in their actors' tasks (see propose), their events in
             # self._inline: answered after this write, with the requests decided below.
-            replies: list[tuple[_Pending, outcome.Outcome[Verdict]]] = self._waiting
+            replies: list[_Pending] = self._waiting
             self._waiting = []
             for pending in batch:
                 mark = len(events)
                 try:
-                    replies.append((pending, outcome.Value(decide(pending.msg, events))))
+                    pending.verdict = decide(pending.msg, events)
                 except InterlockError as exc:
-                    replies.append((pending, outcome.Error(exc)))
+                    pending.error = exc
                 except Exception as exc:  # a bug: it ends that run only (see contain)
-                    replies.append((pending, outcome.Error(self._contain(pending.msg, exc))))
+                    pending.error = self._contain(pending.msg, exc)
                     del events[mark:]
+                replies.append(pending)
             if events:
                 self._writing = True
                 try:
@@ -251,12 +264,13 @@ class GroupCommit:
                         self._turned = None
                         turned.set()
                 if error is not None:
-                    replies = [(p, outcome.Error(error)) for p, _ in replies]
+                    for pending in replies:
+                        pending.error = error
                 elif refused:
-                    replies = self._refuse(replies, refused)
-            for pending, reply in replies:
+                    self._refuse(replies, refused)
+            for pending in replies:
                 if not pending.cancelled:
-                    trio.lowlevel.reschedule(pending.task, reply)
+                    trio.lowlevel.reschedule(pending.task, pending.reply())
 
     async def close(self) -> None:
         """Refuse new requests, and write what was decided and not yet written: the
@@ -275,16 +289,13 @@ class GroupCommit:
         if events:
             await self._write(events)
 
-    def _refuse(
-        self, replies: list[tuple[_Pending, outcome.Outcome[Verdict]]], refused: frozenset[str]
-    ) -> list[tuple[_Pending, outcome.Outcome[Verdict]]]:
+    def _refuse(self, replies: list[_Pending], refused: frozenset[str]) -> None:
         """The replies of a batch some runs of which the fence refused: theirs are errors."""
         refusal = self.refusal
         assert refusal is not None
-        return [
-            (p, outcome.Error(refusal(p.msg.run_id)) if p.msg.run_id in refused else reply)
-            for p, reply in replies
-        ]
+        for pending in replies:
+            if pending.msg.run_id in refused:
+                pending.error = refusal(pending.msg.run_id)
 
     def _drop_inline(
         self, run_ids: set[str] | frozenset[str], error: Callable[[str], Exception]
@@ -296,12 +307,9 @@ class GroupCommit:
         inline = self._inline
         if inline:
             self._inline = [event for event in inline if event.run_id not in run_ids]
-        waiting = self._waiting
-        if waiting:
-            self._waiting = [
-                (p, outcome.Error(error(p.msg.run_id)) if p.msg.run_id in run_ids else reply)
-                for p, reply in waiting
-            ]
+        for pending in self._waiting:
+            if pending.msg.run_id in run_ids:
+                pending.error = error(pending.msg.run_id)
 
     async def _write(self, events: list[Event]) -> tuple[StoreError | None, frozenset[str]]:
         """Append one batch; on failure, forget its runs and return the error. Also

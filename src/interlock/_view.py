@@ -139,6 +139,10 @@ def violation_signature(violations: Iterable[Violation]) -> int:
     return hash64(text.encode()) or 1
 
 
+#: The turns of every run that has none (see RunState.turns): never appended to.
+_NO_TURNS: list[tuple[int, str, tuple[tuple[str, str], ...]]] = []
+
+
 class RunState:
     """Everything the supervisor knows of one run; rebuilt by folding its events.
 
@@ -150,10 +154,8 @@ class RunState:
 
     __slots__ = (
         "_data_version",
-        "_data_view",
         "_final_delta",
         "_hash_state",
-        "_inputs_view",
         "closed",
         "consecutive_failures",
         "data",
@@ -192,9 +194,6 @@ class RunState:
         self.seq = 0
         self.inputs: dict[str, Any] = {}
         self.data: dict[str, Any] = {}
-        # Read-only views for RunView, made once: guards read them on every proposal.
-        self._inputs_view = MappingProxyType(self.inputs)
-        self._data_view = MappingProxyType(self.data)
         self.started_ts = 0.0
         self.last_ts = 0.0
         self.tokens = 0
@@ -231,10 +230,11 @@ class RunState:
         """The whole prompt of the run's latest model call (the base of the next one's delta)."""
         self.prompt_seq = 0
         """The seq of the run's latest model call; 0 before the first."""
-        self.turns: list[tuple[int, str, tuple[tuple[str, str], ...]]] = []
+        self.turns: list[tuple[int, str, tuple[tuple[str, str], ...]]] = _NO_TURNS
         """The model calls whose response was journaled (HTTP providers): ``(seq, raw,
         extra_calls)``, so a provider can rebuild the conversation from the run alone.
-        Empty for providers that journal no response (nothing is kept for them)."""
+        Empty for providers that journal no response (nothing is kept for them: the
+        empty list is one shared by every run until its first turn, never appended to)."""
         self._hash_state: PromptHashState | None = None
         """For the supervisor: the SHA-256 state of ``prompt`` part-way (hash_prompt_after)."""
         self._data_version = 0
@@ -299,6 +299,8 @@ class RunState:
                 self.prompt_seq = event.seq
                 if event.response is not msgspec.UNSET:
                     extra = event.extra_calls
+                    if self.turns is _NO_TURNS:
+                        self.turns = []
                     self.turns.append(
                         (event.seq, event.raw, () if extra is msgspec.UNSET else extra)
                     )
@@ -400,7 +402,6 @@ class RunState:
                 self.external = event.external is True
                 self.state = state
                 self.inputs = dict(inputs)
-                self._inputs_view = MappingProxyType(self.inputs)
                 self.started_ts = event.ts
             case _:  # pragma: no cover - the union is closed
                 raise ProtocolError(f"unknown event {event!r}")
@@ -508,14 +509,16 @@ class RunView:
         """The seq of the run's last journal event."""
         return self._run.seq
 
+    # NOTE: a read-only proxy made on each read, not kept by the run: two proxies per
+    # live run cost more memory than making one costs time (tens of ns per guard).
     @property
     def inputs(self) -> Mapping[str, Any]:
-        return self._run._inputs_view
+        return MappingProxyType(self._run.inputs)
 
     @property
     def data(self) -> Mapping[str, Any]:
         """The run's data: what transitions carried (``Go.data``), merged in order."""
-        return self._run._data_view
+        return MappingProxyType(self._run.data)
 
     @property
     def tokens(self) -> int:

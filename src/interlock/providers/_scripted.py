@@ -61,7 +61,8 @@ class ScriptedProvider:
     async def propose(self, view: RunView) -> Proposal:
         latency = self._latency(view) if callable(self._latency) else self._latency
         if latency > 0:
-            await trio.sleep(latency)
+            # trio.sleep's own body: one coroutine frame less per run waiting on the model.
+            await trio.sleep_until(trio.current_time() + latency)
         else:
             await trio.lowlevel.checkpoint()
         prompt = render_prompt(view)
