@@ -90,3 +90,66 @@ def test_result_msgpack_cannot_hold_is_kept_as_given() -> None:
         "ToolResult(tool='t', args={}, result={'big': 1180591620717411303424, 'set': {1, 2}}, "
         "key='k', seq=1)"
     )
+
+
+def _committed(args: dict[str, Any], result: Any) -> Any:
+    """A run folded through a call of ``args`` committed with ``result``: its view."""
+    from benchmarks._workload import build_machine, run_state
+    from interlock import IntentRecorded, RunView, ToolCommitted
+
+    run = run_state(build_machine())
+    run.apply(
+        IntentRecorded(
+            run_id=run.run_id, seq=2, ts=2.0, state="WORK", tool="refund", args=args, key="k2"
+        )
+    )
+    run.apply(
+        ToolCommitted(run_id=run.run_id, seq=3, ts=3.0, tool="refund", key="k2", result=result)
+    )
+    return RunView(run)
+
+
+@given(_args, _values)
+def test_a_folded_commit_reads_back_its_args_and_result_whatever_its_frame_shows(
+    args: dict[str, Any], value: Any
+) -> None:
+    # The frame's JSON is the only copy of args and result where it holds them whole
+    # (short, and equal when decoded); else they are packed. Either way they read back.
+    view = _committed(args, value)
+    (done,) = view.results
+    assert done.args == args
+    assert list(done.args) == list(args)
+    assert done.result == value
+    assert done == ToolResult("refund", args, value, "k2", 3)
+    assert view.history[-1].text.startswith("refund(")
+
+
+@pytest.mark.parametrize(
+    ("args", "result"),
+    [
+        ({"a": math.inf, "b": -0.0}, {"x": math.inf}),  # JSON shows inf as null
+        ({"long": "x" * 300}, ["y" * 300]),  # the frame cuts it at 200 characters
+        ({"a": 1}, {"n": [1, 2.5, None, True, "s"]}),  # held in the frame text
+        ({"b": b"raw"}, {"c": b"bytes"}),  # JSON shows bytes as base64 text
+    ],
+)
+def test_a_folded_commit_keeps_what_its_frame_text_cannot_hold(
+    args: dict[str, Any], result: Any
+) -> None:
+    view = _committed(args, result)
+    (done,) = view.results
+    assert done.args == args
+    assert done.result == result
+    if "b" in args and isinstance(args["b"], float):
+        assert math.copysign(1.0, done.args["b"]) == -1.0
+    assert done.result is not done.result
+
+
+def test_a_folded_commit_shares_its_frame_text_instead_of_a_copy() -> None:
+    view = _committed({"order_id": "ORD-000001", "tags": ["a"]}, {"ok": True})
+    (done,) = view.results
+    frame = view.history[-1]
+    assert frame.text == 'refund({"order_id":"ORD-000001","tags":["a"]}) -> {"ok":true}'
+    assert done._args is frame.text  # one copy of the args and the result: the frame's
+    assert done.args == {"order_id": "ORD-000001", "tags": ["a"]}
+    assert done.result == {"ok": True}

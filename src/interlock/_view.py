@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 _pack = msgspec.msgpack.Encoder().encode
 _unpack = msgspec.msgpack.Decoder(dict[str, Any]).decode
 _unpack_any = msgspec.msgpack.Decoder().decode
+_from_json = msgspec.json.Decoder(dict[str, Any]).decode
+_from_json_any = msgspec.json.Decoder().decode
+
+#: How long a value's JSON may be in a history frame before it is cut (see _short).
+_SHORT = 200
 
 
 class ToolResult:
@@ -49,32 +54,66 @@ class ToolResult:
 
     A run keeps every committed call for its guards and steps (``view.results``), so
     the call's ``args``, and its ``result`` when that is an object or an array, are held
-    as their msgpack encoding, a fraction of the size of a dict of strings, and decoded
-    (to an equal, fresh value) each time they are read. A scalar result is held as it
-    is: packing would make ``None``, a bool or a short string bigger.
+    encoded, a fraction of the size of a dict of strings, and decoded (to an equal,
+    fresh value) each time they are read. A scalar result is held as it is: encoding
+    would make ``None``, a bool or a short string bigger.
+
+    The encoding is the JSON the run's history frame of the call already shows
+    (``tool(ARGS) -> RESULT``, see :meth:`RunState.apply`), where that text holds it
+    whole and decodes back to an equal value: the frame's text is then the only copy.
+    Otherwise it is msgpack of its own.
     """
 
-    __slots__ = ("_args", "_packed", "_result", "key", "seq", "tool")
+    __slots__ = ("_args", "_end", "_packed", "_result", "key", "seq", "tool")
 
     tool: str
     key: str
     seq: int
-    _args: bytes
+    _args: bytes | str
+    """The args as msgpack, or (``_end`` > 0) the frame text holding them as JSON."""
+    _end: int
+    """Where the args' JSON ends in the frame text ``_args``; 0: ``_args`` is msgpack."""
     _result: Any
-    _packed: bool
+    _packed: int
+    """0: ``_result`` is the result; 1: its msgpack; 2: it is JSON in the frame text."""
 
-    def __init__(self, tool: str, args: dict[str, Any], result: Any, key: str, seq: int) -> None:
-        # The journal held these args (the supervisor refuses what msgpack cannot hold),
-        # so they pack.
+    def __init__(
+        self,
+        tool: str,
+        args: dict[str, Any],
+        result: Any,
+        key: str,
+        seq: int,
+        *,
+        _text: str = "",
+        _args_json: str = "",
+        _result_json: str = "",
+    ) -> None:
         setattr_ = object.__setattr__
         setattr_(self, "tool", tool)
-        setattr_(self, "_args", _pack(args))
-        packed = type(result) is dict or type(result) is list
+        end = 0
+        if (
+            _text
+            and type(args) is dict
+            and len(_args_json) <= _SHORT
+            and _from_json(_args_json) == args
+        ):
+            end = len(tool) + 1 + len(_args_json)
+            setattr_(self, "_args", _text)
+        else:
+            # The journal held these args (the supervisor refuses what msgpack cannot
+            # hold), so they pack.
+            setattr_(self, "_args", _pack(args))
+        setattr_(self, "_end", end)
+        packed = 1 if type(result) is dict or type(result) is list else 0
         if packed:
-            try:
-                result = _pack(result)
-            except ENCODING_ERRORS:  # not from the journal: keep it as it was given
-                packed = False
+            if end and len(_result_json) <= _SHORT and _from_json_any(_result_json) == result:
+                packed, result = 2, None
+            else:
+                try:
+                    result = _pack(result)
+                except ENCODING_ERRORS:  # not from the journal: keep it as it was given
+                    packed = 0
         setattr_(self, "_result", result)
         setattr_(self, "_packed", packed)
         setattr_(self, "key", key)
@@ -83,12 +122,20 @@ class ToolResult:
     @property
     def args(self) -> dict[str, Any]:
         """The call's args, as journaled."""
-        return _unpack(self._args)
+        end = self._end
+        if end:
+            return _from_json(self._args[len(self.tool) + 1 : end])  # type: ignore[index]
+        return _unpack(self._args)  # type: ignore[arg-type]
 
     @property
     def result(self) -> Any:
         """The tool's result, as journaled."""
-        return _unpack_any(self._result) if self._packed else self._result
+        packed = self._packed
+        if packed == 1:
+            return _unpack_any(self._result)
+        if packed == 2:
+            return _from_json_any(self._args[self._end + 5 :])  # after ") -> "
+        return self._result
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ToolResult is immutable; cannot set {name!r}")
@@ -329,15 +376,21 @@ class RunState:
                 self.validated = None
                 self.consecutive_failures = 0
                 args = intent.args if intent is not None and intent.key == key else {}
-                self.results.append(ToolResult(event.tool, args, result, key, event.seq))
-                self._push(
-                    Frame(
-                        "tool_result",
+                args_json, result_json = _json(args), _json(result)
+                text = f"{event.tool}({_cut(args_json)}) -> {_cut(result_json)}"
+                self.results.append(
+                    ToolResult(
+                        event.tool,
+                        args,
+                        result,
+                        key,
                         event.seq,
-                        f"{event.tool}({_short(args)}) -> {_short(result)}",
-                        first_seq=event.seq,
+                        _text=text,
+                        _args_json=args_json,
+                        _result_json=result_json,
                     )
                 )
+                self._push(Frame("tool_result", event.seq, text, first_seq=event.seq))
             case ToolFailed(error=error):
                 self.pending = None
                 self.validated = None
@@ -461,9 +514,16 @@ def _call_hash(tool: str, args: Any) -> int:
     return proposal_hash(tool.encode(), canonical_args(args))
 
 
-def _short(value: Any, limit: int = 200) -> str:
-    text = msgspec.json.encode(value).decode()
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _cut(text: str, limit: int = _SHORT) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any, limit: int = _SHORT) -> str:
+    return _cut(_json(value), limit)
 
 
 class RunView:
