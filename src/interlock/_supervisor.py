@@ -12,7 +12,7 @@ import logging
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -222,7 +222,10 @@ class Supervisor:
 
     # -- requests ---------------------------------------------------------------
 
-    async def request(self, msg: Request) -> Verdict:
+    # NOTE: request and propose hand back the writer's coroutine rather than await it in
+    # one of their own: a frame less per run waiting for a flush, which at 100,000 runs
+    # is most of them.
+    def request(self, msg: Request) -> Coroutine[Any, Any, Verdict]:
         """Submit one request and wait for its verdict (sent after the journal flush).
 
         Raises:
@@ -230,7 +233,7 @@ class Supervisor:
           StoreError: the batch holding the request's events could not be written.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
-        return await self._journal.request(msg)
+        return self._journal.request(msg)
 
     def submit_nowait(self, msg: Request) -> Verdict:
         """Decide a request now, in the caller's task, without waiting for the journal.
@@ -246,7 +249,7 @@ class Supervisor:
         """
         return self._journal.submit_nowait(msg)
 
-    async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
+    def propose(self, msg: Propose, *, lagging: bool = False) -> Coroutine[Any, Any, Verdict]:
         """Decide a run actor's proposal in its task; the verdict comes at once where
         acting on it before its events are durable is harmless (see :meth:`_early`),
         else after the journal flush, as from :meth:`request`.
@@ -256,7 +259,7 @@ class Supervisor:
           StoreError: the batch holding the proposal's events could not be written.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
-        return await self._journal.propose(msg, lagging=lagging)
+        return self._journal.propose(msg, lagging=lagging)
 
     @property
     def max_batch(self) -> int:
