@@ -153,3 +153,24 @@ def test_a_folded_commit_shares_its_frame_text_instead_of_a_copy() -> None:
     assert done._args is frame.text  # one copy of the args and the result: the frame's
     assert done.args == {"order_id": "ORD-000001", "tags": ["a"]}
     assert done.result == {"ok": True}
+
+
+def test_a_folded_commit_reads_back_its_key_made_by_the_runtime_or_not() -> None:
+    view = _committed({"a": 1}, None)
+    assert view.results[0].key == "k2"  # not the runtime's form: held as it is
+    from benchmarks._workload import build_machine, run_state
+    from interlock import IntentRecorded, RunView, ToolCommitted
+
+    run = run_state(build_machine(), "r-9")
+    key = "r-9:WORK:2"  # the decider's form: {run id}:{state}:{intent seq}
+    run.apply(
+        IntentRecorded(
+            run_id="r-9", seq=2, ts=2.0, state="WORK", tool="refund", args={"a": 1}, key=key
+        )
+    )
+    run.apply(ToolCommitted(run_id="r-9", seq=3, ts=3.0, tool="refund", key=key, result=None))
+    (done,) = RunView(run).results
+    assert done.key == key
+    assert done._key == 2  # only the seq is held
+    assert done == ToolResult("refund", {"a": 1}, None, key, 3)
+    assert RunView(run).last_result("refund") is None

@@ -64,11 +64,15 @@ class ToolResult:
     Otherwise it is msgpack of its own.
     """
 
-    __slots__ = ("_args", "_end", "_packed", "_result", "key", "seq", "tool")
+    __slots__ = ("_args", "_end", "_key", "_packed", "_result", "_run_id", "_state", "seq", "tool")
 
     tool: str
-    key: str
     seq: int
+    _key: str | int
+    """The key, or (an int) the seq of its intent in a key the runtime made: the key is
+    then ``{run id}:{state}:{that seq}``, built on read (see :attr:`key`)."""
+    _run_id: str
+    _state: str
     _args: bytes | str
     """The args as msgpack, or (``_end`` > 0) the frame text holding them as JSON."""
     _end: int
@@ -88,9 +92,22 @@ class ToolResult:
         _text: str = "",
         _args_json: str = "",
         _result_json: str = "",
+        _run_id: str = "",
+        _state: str = "",
+        _intent_seq: int = 0,
     ) -> None:
         setattr_ = object.__setattr__
         setattr_(self, "tool", tool)
+        run_id = state = ""
+        if _intent_seq and key == f"{_run_id}:{_state}:{_intent_seq}":
+            # The key the decider made for the call: the strings it is made of are the
+            # run's own, so only the seq is held (a new string a step otherwise).
+            run_id, state = _run_id, _state
+            setattr_(self, "_key", _intent_seq)
+        else:
+            setattr_(self, "_key", key)
+        setattr_(self, "_run_id", run_id)
+        setattr_(self, "_state", state)
         end = 0
         if (
             _text
@@ -116,8 +133,15 @@ class ToolResult:
                     packed = 0
         setattr_(self, "_result", result)
         setattr_(self, "_packed", packed)
-        setattr_(self, "key", key)
         setattr_(self, "seq", seq)
+
+    @property
+    def key(self) -> str:
+        """The call's idempotency key."""
+        key = self._key
+        if type(key) is str:
+            return key
+        return f"{self._run_id}:{self._state}:{key}"
 
     @property
     def args(self) -> dict[str, Any]:
@@ -378,6 +402,9 @@ class RunState:
                 args = intent.args if intent is not None and intent.key == key else {}
                 args_json, result_json = _json(args), _json(result)
                 text = f"{event.tool}({_cut(args_json)}) -> {_cut(result_json)}"
+                state = self.state
+                if intent is not None and intent.state != state:
+                    state = intent.state
                 self.results.append(
                     ToolResult(
                         event.tool,
@@ -388,6 +415,9 @@ class RunState:
                         _text=text,
                         _args_json=args_json,
                         _result_json=result_json,
+                        _run_id=self.run_id,
+                        _state=state,
+                        _intent_seq=intent.seq if intent is not None else 0,
                     )
                 )
                 self._push(Frame("tool_result", event.seq, text, first_seq=event.seq))
