@@ -68,6 +68,11 @@ class _Attempts:
 _Carried = Propose | _Attempts | Report | Reconciliation
 
 
+#: What run_actor passes _drive after a cut in place of the verdict it started from:
+#: only its outcome is read then (the run is running; what the cut carried goes on).
+_RUNNING = Verdict(run_id="", seq=0, accepted=True, state="", outcome="running")
+
+
 class _Cut(Exception):  # a signal inside the actor, never raised out of it
     """The watchdog cut the run's scope; go on with ``carried`` in a fresh scope."""
 
@@ -243,9 +248,13 @@ async def run_actor(
     carried: _Carried | None = None
     while True:
         scope = driver.scope
+        # NOTE: the verdict goes to _drive, not kept here for the run's life: a fresh
+        # scope after a cut goes on from what the cut carried, as a running run.
+        drive = _drive(port, driver, view, verdict, provider, carried)
+        verdict = _RUNNING
         try:
             with scope:
-                await _drive(port, driver, view, verdict, provider, carried)
+                await drive
         except _Cut as cut:
             carried = cut.carried
         else:

@@ -554,8 +554,10 @@ class Supervisor:
 
         run_id = handle.run_id
         error: Exception | None = None
+        actor = run_actor(self, driver, verdict, provider)
+        del verdict, provider  # the actor's now: not held by this frame for the run's life
         try:
-            await run_actor(self, driver, verdict, provider)
+            await actor
         except InterlockError as exc:
             error = exc
             if (

@@ -64,7 +64,7 @@ class ToolResult:
     Otherwise it is msgpack of its own.
     """
 
-    __slots__ = ("_args", "_end", "_key", "_packed", "_result", "_run_id", "_state", "seq", "tool")
+    __slots__ = ("_args", "_key", "_mode", "_result", "_run_id", "_state", "seq", "tool")
 
     tool: str
     seq: int
@@ -74,12 +74,12 @@ class ToolResult:
     _run_id: str
     _state: str
     _args: bytes | str
-    """The args as msgpack, or (``_end`` > 0) the frame text holding them as JSON."""
-    _end: int
-    """Where the args' JSON ends in the frame text ``_args``; 0: ``_args`` is msgpack."""
+    """The args as msgpack, or (``_mode >> 2`` > 0) the frame text holding them as JSON."""
     _result: Any
-    _packed: int
-    """0: ``_result`` is the result; 1: its msgpack; 2: it is JSON in the frame text."""
+    _mode: int
+    """``end << 2 | packed``: where the args' JSON ends in the frame text ``_args`` (0:
+    ``_args`` is msgpack), and how the result is held (0: ``_result`` is the result;
+    1: its msgpack; 2: JSON in the frame text, after the args)."""
 
     def __init__(
         self,
@@ -121,7 +121,6 @@ class ToolResult:
             # The journal held these args (the supervisor refuses what msgpack cannot
             # hold), so they pack.
             setattr_(self, "_args", _pack(args))
-        setattr_(self, "_end", end)
         packed = 1 if type(result) is dict or type(result) is list else 0
         if packed:
             if end and len(_result_json) <= _SHORT and _from_json_any(_result_json) == result:
@@ -132,7 +131,7 @@ class ToolResult:
                 except ENCODING_ERRORS:  # not from the journal: keep it as it was given
                     packed = 0
         setattr_(self, "_result", result)
-        setattr_(self, "_packed", packed)
+        setattr_(self, "_mode", end << 2 | packed)  # one slot for both: 16 bytes a step
         setattr_(self, "seq", seq)
 
     @property
@@ -146,7 +145,7 @@ class ToolResult:
     @property
     def args(self) -> dict[str, Any]:
         """The call's args, as journaled."""
-        end = self._end
+        end = self._mode >> 2
         if end:
             return _from_json(self._args[len(self.tool) + 1 : end])  # type: ignore[index]
         return _unpack(self._args)  # type: ignore[arg-type]
@@ -154,11 +153,11 @@ class ToolResult:
     @property
     def result(self) -> Any:
         """The tool's result, as journaled."""
-        packed = self._packed
+        packed = self._mode & 3
         if packed == 1:
             return _unpack_any(self._result)
         if packed == 2:
-            return _from_json_any(self._args[self._end + 5 :])  # after ") -> "
+            return _from_json_any(self._args[(self._mode >> 2) + 5 :])  # after ") -> "
         return self._result
 
     def __setattr__(self, name: str, value: Any) -> None:
