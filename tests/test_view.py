@@ -174,3 +174,42 @@ def test_a_folded_commit_reads_back_its_key_made_by_the_runtime_or_not() -> None
     assert done._key == 2  # only the seq is held
     assert done == ToolResult("refund", {"a": 1}, None, key, 3)
     assert RunView(run).last_result("refund") is None
+
+
+@given(st.lists(st.sampled_from(["a", "b", "call"]), max_size=24))
+def test_history_compacts_rejections_as_a_whole_fold_does(steps: list[str]) -> None:
+    # Rejections ("a", "b": two mistakes) between calls: the compacted history read after
+    # every step equals the one compacted from scratch (the signatures of every item).
+    from benchmarks._workload import build_machine, run_state
+    from interlock import IntentRecorded, ProposalRejected, RunView, ToolCommitted, Violation
+    from interlock._hotpath import compact_failures
+    from interlock._view import violation_signature
+
+    run = run_state(build_machine(), "r")
+    view = RunView(run)
+    full: list[int] = []
+    for step in steps:
+        seq = run.seq + 1
+        if step == "call":
+            key = f"r:WORK:{seq}"
+            run.apply(
+                IntentRecorded(
+                    run_id="r", seq=seq, ts=1.0, state="WORK", tool="refund", args={}, key=key
+                )
+            )
+            run.apply(
+                ToolCommitted(run_id="r", seq=seq + 1, ts=1.0, tool="refund", key=key, result=1)
+            )
+            full.append(0)
+        else:
+            violations = (Violation(step, f"mistake {step}", "fix it", "$"),)
+            run.apply(
+                ProposalRejected(run_id="r", seq=seq, ts=1.0, state="WORK", violations=violations)
+            )
+            full.append(violation_signature(violations))
+        fresh = RunView(run).history
+        assert view.history == fresh
+        assert [(f.kind, f.count) for f in fresh] == [
+            ("rejected" if full[first] else "tool_result", count)
+            for first, _last, count in compact_failures(full)
+        ]

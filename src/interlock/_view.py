@@ -272,6 +272,8 @@ class RunState:
         self.repeat_counts: dict[int, int] = {}
         self.history: list[Frame] = []
         self.signatures: list[int] = []
+        """The repeat signature of each history item (0 for one that is not a rejection),
+        up to the latest rejection: the items after it are 0, and not held (see _push)."""
         self.results: list[ToolResult] = []
         self.pending: IntentRecorded | None = None
         self.validated: Any = None
@@ -320,8 +322,14 @@ class RunState:
         return {done.key: done.result for done in self.results}
 
     def _push(self, frame: Frame, signature: int = 0) -> None:
-        self.history.append(frame)
-        self.signatures.append(signature)
+        history = self.history
+        history.append(frame)
+        if signature:
+            signatures = self.signatures
+            missing = len(history) - 1 - len(signatures)
+            if missing:
+                signatures.extend([0] * missing)
+            signatures.append(signature)
 
     def apply(
         self,
@@ -650,7 +658,15 @@ class RunView:
         # step's work O(new items), not O(history).
         history = run.history
         frames: list[Frame] = []
-        for first, last, count in compact_failures(run.signatures[start:]):
+        signatures = run.signatures  # the zeros after the latest rejection are not held
+        held = len(signatures)
+        if held >= size:
+            part = signatures[start:]
+        elif start >= held:
+            part = [0] * (size - start)
+        else:
+            part = signatures[start:] + [0] * (size - held)
+        for first, last, count in compact_failures(part):
             frame = history[start + last]
             if count > 1:
                 frame = Frame(
