@@ -209,6 +209,9 @@ def violation_signature(violations: Iterable[Violation]) -> int:
     return hash64(text.encode()) or 1
 
 
+#: The data of every run that has none (see RunState.data): never changed in place.
+_NO_DATA: dict[str, Any] = {}
+
 #: The turns of every run that has none (see RunState.turns): never appended to.
 _NO_TURNS: list[tuple[int, str, tuple[tuple[str, str], ...]]] = []
 
@@ -263,7 +266,9 @@ class RunState:
         self.state = ""
         self.seq = 0
         self.inputs: dict[str, Any] = {}
-        self.data: dict[str, Any] = {}
+        self.data: dict[str, Any] = _NO_DATA
+        """Shared by every run without data until its first transition that has some:
+        never changed in place then (see apply)."""
         self.started_ts = 0.0
         self.last_ts = 0.0
         self.tokens = 0
@@ -450,6 +455,8 @@ class RunState:
                 self.state = dst
                 self.consecutive_failures = 0
                 if delta:
+                    if self.data is _NO_DATA:
+                        self.data = {}
                     self.data.update(delta)
                     self._data_version += 1
                 self._push(Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
@@ -491,7 +498,9 @@ class RunState:
             case RunStarted(state=state, inputs=inputs):
                 self.external = event.external is True
                 self.state = state
-                self.inputs = dict(inputs)
+                # The event's own dict (fresh from check_inputs or the journal; nothing
+                # changes it): a copy would be one more dict per live run.
+                self.inputs = inputs if type(inputs) is dict else dict(inputs)
                 self.started_ts = event.ts
             case _:  # pragma: no cover - the union is closed
                 raise ProtocolError(f"unknown event {event!r}")
