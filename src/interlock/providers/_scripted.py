@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from .._view import RunView
 
 
+def _abort(_: object) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED
+
+
 class ScriptExhausted(ProviderError):
     """The script has no more outputs for this run. Retrying cannot help: the run
     escalates with ``provider_unavailable`` at once."""
@@ -61,8 +65,12 @@ class ScriptedProvider:
     async def propose(self, view: RunView) -> Proposal:
         latency = self._latency(view) if callable(self._latency) else self._latency
         if latency > 0:
-            # trio.sleep's own body: one coroutine frame less per run waiting on the model.
-            await trio.sleep_until(trio.current_time() + latency)
+            # trio.sleep(latency), with the bodies of sleep_until and sleep_forever
+            # inlined: the same cancel scope with a deadline, without their two frames
+            # and the abort closure each sleep makes (per run waiting on the model).
+            with trio.move_on_at(trio.current_time() + latency):
+                await trio.lowlevel.wait_task_rescheduled(_abort)
+                raise RuntimeError("the scripted provider's sleep was rescheduled")
         else:
             await trio.lowlevel.checkpoint()
         prompt = render_prompt(view)
