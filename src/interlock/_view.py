@@ -160,6 +160,51 @@ class ToolResult:
             return _from_json_any(self._args[(self._mode >> 2) + 5 :])  # after ") -> "
         return self._result
 
+    @classmethod
+    def _in_frame(
+        cls,
+        tool: str,
+        args: dict[str, Any],
+        result: Any,
+        key: str,
+        seq: int,
+        text: str,
+        args_json: str,
+        result_json: str,
+        run_id: str,
+        state: str,
+        intent_seq: int,
+    ) -> ToolResult:
+        """What RunState.apply commits: ``ToolResult(..., _text=text, ...)``, its
+        arguments positional and its slots set directly (a step's hot path)."""
+        if not (type(args) is dict and len(args_json) <= _SHORT and _from_json(args_json) == args):
+            return cls(tool, args, result, key, seq)
+        self = cls.__new__(cls)
+        _set_tool(self, tool)
+        _set_seq(self, seq)
+        _set_args(self, text)
+        end = len(tool) + 1 + len(args_json)
+        if intent_seq and key == f"{run_id}:{state}:{intent_seq}":
+            _set_key(self, intent_seq)
+            _set_run_id(self, run_id)
+            _set_state(self, state)
+        else:
+            _set_key(self, key)
+            _set_run_id(self, "")
+            _set_state(self, "")
+        packed = 1 if type(result) is dict or type(result) is list else 0
+        if packed:
+            if len(result_json) <= _SHORT and _from_json_any(result_json) == result:
+                packed, result = 2, None
+            else:
+                try:
+                    result = _pack(result)
+                except ENCODING_ERRORS:
+                    packed = 0
+        _set_result(self, result)
+        _set_mode(self, end << 2 | packed)
+        return self
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ToolResult is immutable; cannot set {name!r}")
 
@@ -181,6 +226,16 @@ class ToolResult:
             f"ToolResult(tool={self.tool!r}, args={self.args!r}, result={self.result!r}, "
             f"key={self.key!r}, seq={self.seq!r})"
         )
+
+
+_set_tool = ToolResult.tool.__set__  # type: ignore[attr-defined]
+_set_seq = ToolResult.seq.__set__  # type: ignore[attr-defined]
+_set_args = ToolResult._args.__set__  # type: ignore[attr-defined]
+_set_key = ToolResult._key.__set__  # type: ignore[attr-defined]
+_set_run_id = ToolResult._run_id.__set__  # type: ignore[attr-defined]
+_set_state = ToolResult._state.__set__  # type: ignore[attr-defined]
+_set_result = ToolResult._result.__set__  # type: ignore[attr-defined]
+_set_mode = ToolResult._mode.__set__  # type: ignore[attr-defined]
 
 
 class Frame(msgspec.Struct, frozen=True, gc=False):
@@ -418,18 +473,18 @@ class RunState:
                 if intent is not None and intent.state != state:
                     state = intent.state
                 self.results.append(
-                    ToolResult(
+                    ToolResult._in_frame(
                         event.tool,
                         args,
                         result,
                         key,
                         event.seq,
-                        _text=text,
-                        _args_json=args_json,
-                        _result_json=result_json,
-                        _run_id=self.run_id,
-                        _state=state,
-                        _intent_seq=intent.seq if intent is not None else 0,
+                        text,
+                        args_json,
+                        result_json,
+                        self.run_id,
+                        state,
+                        intent.seq if intent is not None else 0,
                     )
                 )
                 self._push(Frame("tool_result", event.seq, text, first_seq=event.seq))
