@@ -74,12 +74,13 @@ class ToolResult:
     _run_id: str
     _state: str
     _args: bytes | str
-    """The args as msgpack, or (``_mode >> 2`` > 0) the frame text holding them as JSON."""
+    """The args as msgpack, or (``_mode & 4``) the frame text holding them as JSON."""
     _result: Any
     _mode: int
-    """``end << 2 | packed``: where the args' JSON ends in the frame text ``_args`` (0:
-    ``_args`` is msgpack), and how the result is held (0: ``_result`` is the result;
-    1: its msgpack; 2: JSON in the frame text, after the args)."""
+    """``tail << 3 | in_text << 2 | packed``: whether ``_args`` is the frame text holding
+    the args as JSON (else msgpack) and how many characters follow them there, and how
+    the result is held (0: ``_result`` is the result; 1: its msgpack; 2: JSON in the
+    frame text, after the args)."""
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class ToolResult:
                 except ENCODING_ERRORS:  # not from the journal: keep it as it was given
                     packed = 0
         setattr_(self, "_result", result)
-        setattr_(self, "_mode", end << 2 | packed)  # one slot for both: 16 bytes a step
+        tail = len(_text) - end if end else 0
+        setattr_(self, "_mode", tail << 3 | (4 if end else 0) | packed)
         setattr_(self, "seq", seq)
 
     @property
@@ -145,9 +147,10 @@ class ToolResult:
     @property
     def args(self) -> dict[str, Any]:
         """The call's args, as journaled."""
-        end = self._mode >> 2
-        if end:
-            return _from_json(self._args[len(self.tool) + 1 : end])  # type: ignore[index]
+        mode = self._mode
+        if mode & 4:
+            text: str = self._args  # type: ignore[assignment]
+            return _from_json(text[len(self.tool) + 1 : len(text) - (mode >> 3)])
         return _unpack(self._args)  # type: ignore[arg-type]
 
     @property
@@ -157,7 +160,8 @@ class ToolResult:
         if packed == 1:
             return _unpack_any(self._result)
         if packed == 2:
-            return _from_json_any(self._args[(self._mode >> 2) + 5 :])  # after ") -> "
+            text: str = self._args  # type: ignore[assignment]
+            return _from_json_any(text[len(text) - (self._mode >> 3) + 5 :])  # after ") -> "
         return self._result
 
     @classmethod
@@ -202,7 +206,9 @@ class ToolResult:
                 except ENCODING_ERRORS:
                     packed = 0
         _set_result(self, result)
-        _set_mode(self, end << 2 | packed)
+        # NOTE: the length of what follows the args (") -> " and the result), not where
+        # they end: a short result keeps this a small int, which every run shares.
+        _set_mode(self, (len(text) - end) << 3 | 4 | packed)
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
