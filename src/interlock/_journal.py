@@ -150,21 +150,26 @@ class GroupCommit:
         result: Verdict = await trio.lowlevel.wait_task_rescheduled(pending)
         return result
 
-    def submit_nowait(self, msg: Request) -> Verdict:
-        """See :meth:`Supervisor.submit_nowait`."""
+    def _decide_now(self, msg: Request) -> Verdict:
+        """Decide ``msg`` in the caller's task, its events added to those not yet written;
+        a bug met deciding it leaves none of them (see contain)."""
         if self.closed:
             raise trio.ClosedResourceError("supervisor is closed")
         inline = self._inline
         mark = len(inline)
         try:
-            verdict = self._decide(msg, inline)
+            return self._decide(msg, inline)
         except InterlockError:
             raise
         except Exception as exc:
             del inline[mark:]
             raise self._contain(msg, exc) from exc
+
+    def submit_nowait(self, msg: Request) -> Verdict:
+        """See :meth:`Supervisor.submit_nowait`."""
+        verdict = self._decide_now(msg)
         idle = self._idle
-        if idle is not None and inline:
+        if idle is not None and self._inline:
             early = self.early
             if early is None or early(msg, verdict) != LAG:
                 self._idle = None
@@ -186,17 +191,7 @@ class GroupCommit:
           InterlockError: the proposal was refused (as by :meth:`request`), or the batch
             holding its events could not be written.
         """
-        if self.closed:
-            raise trio.ClosedResourceError("supervisor is closed")
-        inline = self._inline
-        mark = len(inline)
-        try:
-            verdict = self._decide(msg, inline)
-        except InterlockError:
-            raise
-        except Exception as exc:
-            del inline[mark:]
-            raise self._contain(msg, exc) from exc
+        verdict = self._decide_now(msg)
         mode = DURABLE if self.early is None else self.early(msg, verdict)
         if mode == DURABLE:
             pending = _Pending(msg, trio.lowlevel.current_task())

@@ -67,8 +67,8 @@ class MemoryStore(Store):
         self.appends += 1
         await trio.lowlevel.checkpoint()
 
-    async def load(self, run_id: str) -> list[JournalEvent]:
-        await trio.lowlevel.checkpoint()
+    def _stored(self, run_id: str) -> tuple[list[tuple[int, bytes]], RunRecord]:
+        """A run's frames and index row, or the error that says which is missing."""
         journal = self._journal.get(run_id)
         record = self._runs.get(run_id)
         if journal is None:
@@ -77,19 +77,17 @@ class MemoryStore(Store):
             raise RunNotFound(run_id)
         if record is None:
             raise missing_index_row(run_id)
+        return journal, record
+
+    async def load(self, run_id: str) -> list[JournalEvent]:
+        await trio.lowlevel.checkpoint()
+        journal, record = self._stored(run_id)
         return decode_chunks(run_id, [(seq, seq, body) for seq, body in journal], record.seq)
 
     async def load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
         """The events of ``run_id`` after seq ``seq`` (see :meth:`SQLiteStore.load_after`)."""
         await trio.lowlevel.checkpoint()
-        journal = self._journal.get(run_id)
-        record = self._runs.get(run_id)
-        if journal is None:
-            if record is not None:
-                raise missing_journal(run_id, record.seq)
-            raise RunNotFound(run_id)
-        if record is None:
-            raise missing_index_row(run_id)
+        journal, record = self._stored(run_id)
         rows = [(s, s, body) for s, body in journal if s > seq]
         return decode_chunks_after(run_id, rows, record.seq, seq)
 
