@@ -137,6 +137,11 @@ _UPGRADE_FROM_1 = (
 #: ends it (never, for a process that is not stalled: its statements follow one another).
 IDLE_IN_TRANSACTION = 5.0
 
+#: Seconds one statement of a writing session may take before the server cancels it: far
+#: more than any of the store's statements needs (a batch's COPY takes milliseconds), so
+#: only a process stalled in the middle of one (SIGSTOP, a pause) reaches it.
+STATEMENT_TIMEOUT = 10.0
+
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail"
 _COPY_EVENTS = "COPY events (run_id, seq, kind, ts, key, body) FROM STDIN (FORMAT BINARY)"
 _COPY_TYPES = ("text", "int8", "text", "float8", "text", "bytea")
@@ -389,6 +394,15 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
                 sql.Literal(f"{int(IDLE_IN_TRANSACTION * 1000)}ms")
             )
         )
+        if not readonly:
+            # ...and one stopped in the middle of a statement (a COPY waits for the rest of
+            # its rows, "active", not idle): the server cancels the statement, the
+            # transaction ends, and its lease rows are free for another worker's claim.
+            conn.execute(
+                sql.SQL("SET statement_timeout = {}").format(
+                    sql.Literal(f"{int(STATEMENT_TIMEOUT * 1000)}ms")
+                )
+            )
     except psycopg.Error as exc:
         raise StoreError(f"cannot set up schema {schema!r} in {where}: {_reason(exc)}") from exc
     return version
