@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import msgspec
 import trio
 
-from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn, VerifyItem
+from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
 from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
 from ._service import PROBLEMS, GatewayError, GatewayService
@@ -111,7 +111,9 @@ class _IdOnly(msgspec.Struct):
     id: Id
 
 
-_ENCODE = msgspec.msgpack.Encoder().encode
+_ENCODER = msgspec.msgpack.Encoder()
+_ENCODE_INTO = _ENCODER.encode_into
+_NO_LENGTH: Final = bytes(4)  # a frame's length, written once its body is
 _DECODE_REQUEST = msgspec.msgpack.Decoder(ChannelRequest).decode
 _DECODE_ID = msgspec.msgpack.Decoder(_IdOnly).decode
 _BODIES: dict[str, Any] = {
@@ -122,6 +124,7 @@ _BODIES: dict[str, Any] = {
     "report": msgspec.msgpack.Decoder(ResultIn).decode,
     "verify": msgspec.msgpack.Decoder(VerifyIn).decode,
 }
+_DECODE_PROPOSAL = _BODIES["propose"]
 _NEEDS_RUN: Final = frozenset({"get_run", "propose", "report"})
 
 
@@ -135,6 +138,10 @@ _INTERNAL: Final = _problem(
     "Internal Server Error",
     "the gateway failed on this request (a bug; it is logged); retry, and report it if it persists",
 )
+
+
+def _bad_body(op: str, exc: Exception) -> GatewayError:
+    return GatewayError(422, "Unprocessable Content", f"the body of op {op!r} is invalid: {exc}")
 
 
 class _Batch:
@@ -268,42 +275,58 @@ class _Connection:
     # -- reading --------------------------------------------------------------------
 
     async def _reader(self, nursery: trio.Nursery) -> None:
-        buffer = bytearray()
+        # NOTE: frames are sliced out of each read as it came (one copy per frame); only
+        # a frame cut across reads is gathered in ``partial`` until it is whole.
+        partial = bytearray()
         max_frame = self.max_frame
+        max_in_flight = self.max_in_flight
+        unpack = HEADER.unpack_from
+        take = self._take
+        receive = self.stream.receive_some
         while True:
             self._flush_batch()
-            data = await self.stream.receive_some(_READ)
+            data = await receive(_READ)
             if not data:
-                if buffer:
+                if partial:
                     raise _Closing(
                         _problem(
                             400,
                             "Bad Request",
-                            f"the connection ended inside a frame ({len(buffer)} bytes of it "
+                            f"the connection ended inside a frame ({len(partial)} bytes of it "
                             "were read); send whole frames: a 4-byte big-endian length, then "
                             "that many bytes of msgpack",
                         )
                     )
                 return
-            buffer += data
+            if partial:
+                partial += data
+                if len(partial) < 4:
+                    continue
+                (size,) = unpack(partial, 0)
+                if size > max_frame or size == 0:
+                    raise _Closing(self._bad_size(size))
+                if len(partial) - 4 < size:
+                    continue  # the frame is not whole yet
+                data = bytes(partial)
+                partial = bytearray()
             pos = 0
-            end = len(buffer)
+            end = len(data)
             while end - pos >= 4:
-                (size,) = HEADER.unpack_from(buffer, pos)
+                (size,) = unpack(data, pos)
                 if size > max_frame or size == 0:
                     raise _Closing(self._bad_size(size))
                 if end - pos - 4 < size:
                     break
-                payload = bytes(buffer[pos + 4 : pos + 4 + size])
+                payload = data[pos + 4 : pos + 4 + size]
                 pos += 4 + size
-                while self.in_flight >= self.max_in_flight:
+                while self.in_flight >= max_in_flight:
                     # NOTE: back-pressure: stop reading until an answer is sent, so the
                     # client's socket fills and its writes wait
                     self._flush_batch()
                     await self.slot_freed.wait()
-                self._take(payload, nursery)
-            if pos:
-                del buffer[:pos]
+                take(payload, nursery)
+            if pos < end:
+                partial += memoryview(data)[pos:]
 
     def _bad_size(self, size: int) -> Problem:
         if size == 0:
@@ -341,6 +364,23 @@ class _Connection:
             )
             return
         op = request.op
+        if (
+            op == "propose"
+            and request.run_id
+            and self.principal is not None
+            and self.rate_limiter is None
+        ):
+            # NOTE: the common frame, taken as the general path below takes it (nothing
+            # to refuse), with none of its checks.
+            self.in_flight += 1
+            run_id = request.run_id
+            queue = self.runs.get(run_id)
+            if queue is not None:
+                queue.append(request)
+            else:
+                self.runs[run_id] = deque()
+                self.batch.append(request)
+            return
         if op not in OPS:
             self._refuse(
                 request,
@@ -506,58 +546,57 @@ class _Connection:
         """Answer proposals of many runs (one each) through one verify batch.
 
         NOTE: the service decides a batch in one task and waits for one durable write,
-        where single proposals would take a task wake-up each; the answers are the same.
+        where single proposals would take a task wake-up each; the answers are the same,
+        and all of them go into the writer's buffer at once.
         """
         taken: list[ChannelRequest] = []
-        items: list[VerifyItem] = []
+        run_ids: list[str] = []
+        bodies: list[ProposalIn] = []
+        decode = _DECODE_PROPOSAL
         try:
             for request in requests:
                 try:
-                    body = self._body(request)
-                except GatewayError as exc:
-                    self._queue(_Answer(id=request.id, problem=exc.problem()), slot=True)
+                    body = decode(request.body)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    self._queue(
+                        _Answer(id=request.id, problem=_bad_body("propose", exc).problem()),
+                        slot=True,
+                    )
                     continue
                 assert request.run_id is not None
                 taken.append(request)
-                items.append(
-                    VerifyItem(
-                        run_id=request.run_id,
-                        proposal=body.proposal,
-                        usage=body.usage,
-                        expected_seq=body.expected_seq,
-                        model=body.model,
-                    )
-                )
-            if items:
-                answers = await self._verify_items(taken, items)
-                for answer in answers:
-                    self._queue(answer, slot=True)
+                run_ids.append(request.run_id)
+                bodies.append(body)
+            if bodies:
+                self._queue_all(await self._verify_items(taken, run_ids, bodies))
         finally:
             # each run's later requests (read while the batch was decided) go on, in order
+            runs = self.runs
             for request in requests:
-                assert request.run_id is not None
-                if self.runs[request.run_id]:
-                    self._schedule(request.run_id, self.nursery)  # type: ignore[arg-type]
+                run_id = request.run_id
+                assert run_id is not None
+                if runs[run_id]:
+                    self._schedule(run_id, self.nursery)  # type: ignore[arg-type]
                 else:
-                    del self.runs[request.run_id]
+                    del runs[run_id]
 
     async def _verify_items(
-        self, requests: list[ChannelRequest], items: list[VerifyItem]
+        self, requests: list[ChannelRequest], run_ids: list[str], bodies: list[ProposalIn]
     ) -> list[_Answer]:
         try:
-            out = await self.service.verify_batch(VerifyIn(items=items), self.principal)
-            if len(out.verdicts) != len(items):  # pragma: no cover - a bug in the service
-                raise RuntimeError(f"{len(out.verdicts)} verdicts for {len(items)} proposals")
+            verdicts = await self.service.verify_many(run_ids, bodies, self.principal)
+            if len(verdicts) != len(bodies):  # pragma: no cover - a bug in the service
+                raise RuntimeError(f"{len(verdicts)} verdicts for {len(bodies)} proposals")
         except GatewayError as exc:
             return [_Answer(id=r.id, problem=exc.problem()) for r in requests]
         except Exception:  # a bug: answered, logged, and the connection goes on
-            log.exception("channel: a batch of %d proposals failed", len(items))
+            log.exception("channel: a batch of %d proposals failed", len(bodies))
             return [_Answer(id=r.id, problem=_INTERNAL) for r in requests]
         return [
             _Answer(id=r.id, problem=v.problem)
             if v.problem is not None
             else _Answer(id=r.id, body=v)
-            for r, v in zip(requests, out.verdicts, strict=True)
+            for r, v in zip(requests, verdicts, strict=True)
         ]
 
     async def _one(self, request: ChannelRequest) -> None:
@@ -581,9 +620,7 @@ class _Connection:
         try:
             return decode(request.body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise GatewayError(
-                422, "Unprocessable Content", f"the body of op {op!r} is invalid: {exc}"
-            ) from None
+            raise _bad_body(op, exc) from None
 
     async def _handle(self, request: ChannelRequest) -> Any:
         op = request.op
@@ -622,21 +659,38 @@ class _Connection:
     # -- writing --------------------------------------------------------------------
 
     def _queue(self, answer: _Answer, *, slot: bool) -> None:
-        try:
-            body = _ENCODE(answer)
-        except (TypeError, OverflowError, msgspec.EncodeError) as exc:  # pragma: no cover
-            log.exception("channel: an answer could not be encoded")
-            body = _ENCODE(
-                _Answer(
-                    id=answer.id,
-                    problem=_problem(500, "Internal Server Error", f"unencodable answer: {exc}"),
-                )
-            )
-        self.out += HEADER.pack(len(body))
-        self.out += body
+        self._put(answer)
         if slot:
             self.out_answers += 1
         self.wake_writer.wake()
+
+    def _queue_all(self, answers: list[_Answer]) -> None:
+        """Queue many answers, each of which frees a slot, with one wake-up of the writer."""
+        put = self._put
+        for answer in answers:
+            put(answer)
+        self.out_answers += len(answers)
+        self.wake_writer.wake()
+
+    def _put(self, answer: _Answer) -> None:
+        """Frame ``answer`` into the writer's buffer: encoded in place, after its length."""
+        out = self.out
+        start = len(out)
+        out += _NO_LENGTH
+        try:
+            _ENCODE_INTO(answer, out, -1)
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:  # pragma: no cover
+            log.exception("channel: an answer could not be encoded")
+            del out[start + 4 :]
+            _ENCODE_INTO(
+                _Answer(
+                    id=answer.id,
+                    problem=_problem(500, "Internal Server Error", f"unencodable answer: {exc}"),
+                ),
+                out,
+                -1,
+            )
+        HEADER.pack_into(out, start, len(out) - start - 4)
 
     def _break(self) -> None:
         self.broken = True

@@ -120,7 +120,7 @@ POLL_MAX = 1.0
 #: request here folds it again.
 HELD_IDLE = 300.0
 _TERMINAL_KINDS = frozenset({"completed", "failed"})
-_ENDINGS = (Completed, Failed, Escalated)
+_ENDINGS = frozenset({Completed, Failed, Escalated})  # (by type: none is subclassed)
 # The events that begin the decision of a new request: a decision's events run from its
 # first event up to (not including) the next of these. A step_proposed is not one: in an
 # external run the gateway runs the steps the answer reached before answering.
@@ -245,9 +245,12 @@ def _translate(exc: Exception) -> GatewayError:
     raise exc
 
 
+_NO_USAGE = TokenUsage()  # frozen: one for every proposal that reports none
+
+
 def _usage(usage: Usage | None) -> TokenUsage:
     if usage is None:
-        return TokenUsage()
+        return _NO_USAGE
     return TokenUsage(usage.prompt, usage.completion, usage.cached, usage.reasoning)
 
 
@@ -286,16 +289,37 @@ def event_out(event: JournalEvent | Event) -> EventOut:
 
 
 class _Answer:
-    """The answer to one proposal at one seq: in flight until ``done`` is set."""
+    """The answer to one proposal at one seq: in flight until :meth:`settle`.
 
-    __slots__ = ("done", "error", "proposal", "seq", "verdict")
+    NOTE: the event a retry waits on is made only when one does (a batch makes an
+    answer per proposal, and almost none is ever waited on).
+    """
+
+    __slots__ = ("_event", "error", "proposal", "seq", "settled", "verdict")
 
     def __init__(self, seq: int, proposal: str) -> None:
         self.seq = seq
         self.proposal = proposal
-        self.done = trio.Event()
+        self.settled = False
+        self._event: trio.Event | None = None
         self.verdict: VerdictOut | None = None
         self.error: GatewayError | None = None
+
+    def settle(self) -> None:
+        """The verdict or the error is set: wake whoever waits for it."""
+        self.settled = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    async def wait(self) -> None:
+        """Wait until settled (a checkpoint if it is already)."""
+        if self.settled:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._event is None:
+            self._event = trio.Event()
+        await self._event.wait()
 
 
 class _Follower:
@@ -382,8 +406,9 @@ class GatewayService:
 
         def written(events: Sequence[Event]) -> None:
             if owners:
+                endings = _ENDINGS
                 for event in events:
-                    if isinstance(event, _ENDINGS) and event.run_id in owners:
+                    if type(event) in endings and event.run_id in owners:
                         self._release(event.run_id)
             if followers:
                 for event in events:
@@ -991,10 +1016,7 @@ class GatewayService:
         if run is None:
             raise await self._not_live(run_id)
         if not run.external:
-            raise conflict(
-                f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
-                "runs created with mode 'external'"
-            )
+            raise _hosted(run_id)
         try:
             verdict = await self._submit(
                 run,
@@ -1018,7 +1040,7 @@ class GatewayService:
         self._note_reconcile(out)
         if answer is not None:
             answer.verdict = out
-            answer.done.set()
+            answer.settle()
         return out
 
     def _remember(self, run_id: str, answer: _Answer) -> None:
@@ -1033,7 +1055,7 @@ class GatewayService:
         if answer is None:
             return
         answer.error = error
-        answer.done.set()
+        answer.settle()
         if self._answers.get(run_id) is answer:
             del self._answers[run_id]
 
@@ -1086,7 +1108,7 @@ class GatewayService:
         )
 
     async def _recorded_answer(self, answer: _Answer) -> VerdictOut:
-        await answer.done.wait()
+        await answer.wait()
         if answer.verdict is None:
             assert answer.error is not None
             raise answer.error
@@ -1159,7 +1181,22 @@ class GatewayService:
     async def verify_batch(
         self, body: VerifyIn, principal: PrincipalLike | None = None
     ) -> VerifyOut:
-        """Verify many proposals at once, journaled in one group commit.
+        """Verify many proposals at once, journaled in one group commit (see
+        :meth:`verify_many`)."""
+        items = body.items
+        return VerifyOut(
+            verdicts=await self.verify_many([item.run_id for item in items], items, principal)
+        )
+
+    async def verify_many(
+        self,
+        run_ids: Sequence[str],
+        bodies: Sequence[ProposalIn | VerifyItem],
+        principal: PrincipalLike | None = None,
+    ) -> list[VerdictOut]:
+        """Verify the proposal ``bodies[i]`` for the run ``run_ids[i]``, for every i, in
+        one group commit; one verdict each, in order (an item that got none has
+        ``problem`` set).
 
         Each proposal of a live external run is decided at once in this task
         (``Supervisor.submit_nowait``: no task and no wake-up per item), then one
@@ -1168,100 +1205,112 @@ class GatewayService:
         check against the journal, a run not live here) goes the way of a single proposal,
         concurrently, in the same commit where it can.
         """
-        items = body.items
-        self._admit(len(items))
+        count = len(bodies)
+        self._admit(count)
         try:
-            verdicts: list[VerdictOut | None] = [None] * len(items)
+            verdicts: list[VerdictOut | None] = [None] * count
 
-            async def one(index: int, item: VerifyItem) -> None:
+            async def one(index: int) -> None:
+                run_id, item = run_ids[index], bodies[index]
                 try:
-                    self._allow(principal, ("agent",), await self._machine_of(item.run_id))
+                    self._allow(principal, ("agent",), await self._machine_of(run_id))
                     verdicts[index] = await self._propose(
-                        item.run_id, item.proposal, item.expected_seq, item.usage, item.model
+                        run_id, item.proposal, item.expected_seq, item.usage, item.model
                     )
                 except GatewayError as exc:
-                    verdicts[index] = _item_problem(item, exc)
+                    verdicts[index] = _item_problem(run_id, exc)
 
-            async with trio.open_nursery() as nursery:
-                decided: list[tuple[int, Verdict, _Answer | None, int]] = []
-                for index, item in enumerate(items):
+            # NOTE: one loop, no call of the service's own per item: per proposal this is
+            # most of what the gateway itself costs a batch. The machines the key may
+            # propose for are checked once per machine, not once per item.
+            sup = self.supervisor
+            runs = sup._runs
+            answers = self._answers
+            submit = sup.submit_nowait
+            allowed: set[str] = set()
+            decided: list[tuple[int, Verdict, _Answer | None, int]] = []
+            later: list[int] = []
+            for index in range(count):
+                run_id = run_ids[index]
+                item = bodies[index]
+                run = runs.get(run_id)
+                if run is None:
+                    later.append(index)
+                    continue
+                answer: _Answer | None = None
+                try:
+                    machine = run.machine.name
+                    if principal is not None and machine not in allowed:
+                        self._allow(principal, ("agent",), machine)
+                        allowed.add(machine)
+                    if not run.external:
+                        raise _hosted(run_id)
+                    expected = item.expected_seq
+                    if expected is not None:
+                        known = answers.get(run_id)
+                        if (
+                            known is not None
+                            and known.seq == expected
+                            and known.proposal == item.proposal
+                        ):
+                            later.append(index)  # a repeat: it gets the recorded answer
+                            continue
+                        if run.seq != expected:
+                            later.append(index)  # stale, or answered before: the journal says
+                            continue
+                        answer = _Answer(expected, item.proposal)
+                        self._remember(run_id, answer)
+                    before = run.seq
+                    usage = item.usage
                     try:
-                        now = self._decide_now(item, principal)
-                    except GatewayError as exc:
-                        verdicts[index] = _item_problem(item, exc)
-                        continue
-                    if now is None:
-                        nursery.start_soon(one, index, item)
-                    else:
-                        decided.append((index, *now))
-                if decided:
-                    await self._answer_decided(decided, items, verdicts)
+                        verdict = submit(
+                            Propose(
+                                run_id=run_id,
+                                seq=expected or 0,
+                                raw=item.proposal,
+                                usage=_NO_USAGE if usage is None else _usage(usage),
+                                model=item.model,
+                            )
+                        )
+                    except Exception as exc:
+                        error = _translate(exc)
+                        self._fail(run_id, answer, error)
+                        raise error from None
+                except GatewayError as exc:
+                    verdicts[index] = _item_problem(run_id, exc)
+                    continue
+                decided.append((index, verdict, answer, before))
+            if later:
+                async with trio.open_nursery() as nursery:
+                    for index in later:
+                        nursery.start_soon(one, index)
+                    if decided:
+                        await self._answer_decided(decided, run_ids, verdicts)
+            elif decided:
+                await self._answer_decided(decided, run_ids, verdicts)
         finally:
-            self.waiting -= len(items)
-        return VerifyOut(verdicts=[v for v in verdicts if v is not None])
-
-    def _decide_now(
-        self, item: VerifyItem, principal: PrincipalLike | None
-    ) -> tuple[Verdict, _Answer | None, int] | None:
-        """Decide ``item`` in this task, or None when it must go the single proposal's way;
-        the verdict, the answer to settle and the run's seq before the decision."""
-        sup = self.supervisor
-        run_id = item.run_id
-        run = sup._runs.get(run_id)
-        if run is None:
-            return None
-        self._allow(principal, ("agent",), run.machine.name)
-        if not run.external:
-            raise conflict(
-                f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
-                "runs created with mode 'external'"
-            )
-        expected = item.expected_seq
-        answer: _Answer | None = None
-        if expected is not None:
-            known = self._answers.get(run_id)
-            if known is not None and known.seq == expected and known.proposal == item.proposal:
-                return None  # a repeat: it gets the recorded answer
-            if run.seq != expected:
-                return None  # stale, or a retry answered before: read the journal
-            answer = _Answer(expected, item.proposal)
-            self._remember(run_id, answer)
-        before = run.seq
-        try:
-            verdict = sup.submit_nowait(
-                Propose(
-                    run_id=run_id,
-                    seq=expected or 0,
-                    raw=item.proposal,
-                    usage=_usage(item.usage),
-                    model=item.model,
-                )
-            )
-        except Exception as exc:
-            error = _translate(exc)
-            self._fail(run_id, answer, error)
-            raise error from None
-        return verdict, answer, before
+            self.waiting -= count
+        return [v for v in verdicts if v is not None]
 
     async def _answer_decided(
         self,
         decided: list[tuple[int, Verdict, _Answer | None, int]],
-        items: Sequence[VerifyItem],
+        run_ids: Sequence[str],
         verdicts: list[VerdictOut | None],
     ) -> None:
         """Wait until the decided items are durable, then settle and answer each."""
         try:
-            await self._settle_decided(decided, items, verdicts)
+            await self._settle_decided(decided, run_ids, verdicts)
         except BaseException:  # cancelled: the answers not given are never left pending
             for index, _, answer, _ in decided:
-                if answer is not None and not answer.done.is_set():
-                    self._fail(items[index].run_id, answer, _interrupted())
+                if answer is not None and not answer.settled:
+                    self._fail(run_ids[index], answer, _interrupted())
             raise
 
     async def _settle_decided(
         self,
         decided: list[tuple[int, Verdict, _Answer | None, int]],
-        items: Sequence[VerifyItem],
+        run_ids: Sequence[str],
         verdicts: list[VerdictOut | None],
     ) -> None:
         sup = self.supervisor
@@ -1272,26 +1321,42 @@ class GatewayService:
         except (StoreError, trio.ClosedResourceError) as exc:
             for index, verdict, answer, before in decided:
                 error = await self._write_failed(verdict.run_id, before, exc)
-                self._fail(items[index].run_id, answer, error)
-                verdicts[index] = _item_problem(items[index], error)
+                self._fail(run_ids[index], answer, error)
+                verdicts[index] = _item_problem(run_ids[index], error)
             return
         except InterlockError:
             pass
+        runs = sup._runs
+        settle = sup.settle_external
+        reconciling = self._reconciling
         for index, verdict, answer, _ in decided:
             run_id = verdict.run_id
-            sup.settle_external(run_id)
-            try:
-                verdict = await self._advance(run_id, verdict)
-            except Exception as exc:
-                error = _translate(exc)
-                self._fail(run_id, answer, error)
-                verdicts[index] = _item_problem(items[index], error)
-                continue
+            settle(run_id)
+            # NOTE: _steps' first look, inlined: only a run that reached a step state
+            # (rare) pays for the coroutine that runs its steps.
+            if verdict.execute is None and not verdict.reconcile:
+                run = runs.get(run_id)
+                if (
+                    run is not None
+                    and run.external
+                    and not run.closed
+                    and run.pending is None
+                    and isinstance(run.machine.states.get(run.state), Step)
+                ):
+                    try:
+                        verdict = await self._advance(run_id, verdict)
+                    except Exception as exc:
+                        error = _translate(exc)
+                        self._fail(run_id, answer, error)
+                        verdicts[index] = _item_problem(run_ids[index], error)
+                        continue
             out = verdict_out(verdict)
-            self._note_reconcile(out)
+            reconcile = out.reconcile
+            if reconcile is not None:
+                reconciling.add((run_id, reconcile.key))
             if answer is not None:
                 answer.verdict = out
-                answer.done.set()
+                answer.settle()
             verdicts[index] = out
 
     # -- results ------------------------------------------------------------------
@@ -1567,10 +1632,17 @@ def _external(run_id: str, events: Sequence[JournalEvent], what: str) -> None:
         )
 
 
-def _item_problem(item: VerifyItem, error: GatewayError) -> VerdictOut:
+def _item_problem(run_id: str, error: GatewayError) -> VerdictOut:
     """The entry of a batch item that got no verdict."""
     return VerdictOut(
-        run_id=item.run_id, accepted=False, outcome="", state="", seq=-1, problem=error.problem()
+        run_id=run_id, accepted=False, outcome="", state="", seq=-1, problem=error.problem()
+    )
+
+
+def _hosted(run_id: str) -> GatewayError:
+    return conflict(
+        f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
+        "runs created with mode 'external'"
     )
 
 
