@@ -1012,6 +1012,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             decide = json.loads(timings.read_text()) if timings.exists() else None
             results["split"] = split(timed, memory, decide)
             results["split_label"] = f"the channel, {conns} connection(s) × {runs:,} runs"
+            results["split_note"] = split_text(results)
         else:
             results["missing_channel"] = "interlock.gateway has no streaming channel here"
         if not quick:
