@@ -235,6 +235,61 @@ async def test_the_answers_of_one_run_come_in_order_and_its_requests_are_decided
         assert rejected.body["seq"] < accepted.body["seq"]
 
 
+@pytest.mark.parametrize("cut", [1, 3, 4, 5, 17, 4096])
+async def test_frames_cut_anywhere_across_reads_are_read_whole(cut: int) -> None:
+    """However the bytes arrive (a header cut in two, a frame over many reads, several
+    frames and the start of the next in one read), every request is read whole, once."""
+    runs = 6
+    requests: list[dict[str, Any]] = []
+    for i in range(runs):
+        run_id = f"cut-{i}"
+        requests += [
+            {
+                "id": 3 * i + 1,
+                "op": "create_run",
+                "body": {"machine": "shop", "mode": "external", "run_id": run_id},
+            },
+            {"id": 3 * i + 2, "op": "propose", "run_id": run_id, "body": {"proposal": BAD}},
+            {"id": 3 * i + 3, "op": "propose", "run_id": run_id, "body": {"proposal": CHARGE}},
+        ]
+    data = b"".join(frame(r) for r in requests)
+    async with served(MemoryStore()) as (_sup, _service, url):
+        with trio.fail_after(60):
+            stream = await connect(url)
+            for start in range(0, len(data), cut):
+                await stream.send_all(data[start : start + cut])
+                await trio.sleep(0.001)  # so the server reads this piece on its own
+            answers = await read_answers(stream, len(requests))
+            await stream.aclose()
+    by_id = {a.id: a for a in answers}
+    assert sorted(by_id) == [r["id"] for r in requests]
+    for i in range(runs):
+        created, rejected, accepted = (by_id[3 * i + k] for k in (1, 2, 3))
+        assert created.problem is None
+        assert created.body["id"] == f"cut-{i}"
+        assert rejected.body["violations"][0]["code"] == "schema"
+        assert accepted.body["accepted"] is True
+
+
+async def test_a_connection_ending_inside_a_frame_is_told_how_much_was_read() -> None:
+    async with served(MemoryStore()) as (_sup, _service, url):
+        with trio.fail_after(60):
+            stream = await connect(url)
+            whole = frame({"id": 1, "op": "get_run", "run_id": "nope"})
+            cut = frame({"id": 2, "op": "get_run", "run_id": "nope"})[:7]
+            await stream.send_all(whole + cut)
+            await stream.send_eof()
+            answers = await read_answers(stream)
+            await stream.aclose()
+    assert [a.id for a in answers] == [1, None]
+    assert answers[0].problem is not None
+    assert answers[0].problem.status == 404
+    closing = answers[1].problem
+    assert closing is not None
+    assert closing.status == 400
+    assert closing.detail.startswith("the connection ended inside a frame (7 bytes of it")
+
+
 async def test_back_pressure_holds_at_most_max_in_flight_requests_of_a_connection() -> None:
     limit = 16
     gate = trio.Event()
