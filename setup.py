@@ -1,4 +1,5 @@
-"""Build the compiled hot path (ext/_hot.pyx -> interlock._hot).
+"""Build the compiled hot path (ext/_hot.pyx -> interlock._hot) and the compiled decide
+path (ext/_decide.pyx -> interlock._decide).
 
 Everything else lives in pyproject.toml. Set INTERLOCK_NO_EXTENSIONS=1 to
 install the pure-Python twin only.
@@ -17,7 +18,10 @@ else:
     from setuptools import Extension
 
     ext_modules = cythonize(
-        [Extension("interlock._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"])],
+        [
+            Extension("interlock._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"]),
+            Extension("interlock._decide", ["ext/_decide.pyx"], extra_compile_args=["-O2", "-g0"]),
+        ],
         compiler_directives={"language_level": 3, "embedsignature": True},
     )
 

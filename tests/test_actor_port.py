@@ -30,7 +30,7 @@ from interlock._actor import ActorPort, Driver, run_actor
 from interlock._breakers import CircuitBoard
 from interlock._events import Event
 from interlock._messages import Request
-from interlock._view import fold
+from interlock._view import PyRunState, fold
 from interlock.providers import ScriptedProvider, render_prompt
 
 
@@ -142,8 +142,8 @@ async def test_rendering_a_prompt_leaves_the_run_as_it_was() -> None:
     port = OwnPort()
     port.submit_nowait(Propose(run_id="r-1", seq=1, raw="{", model="m", prompt="p"))
     run = port._run
-    before = {name: repr(getattr(run, name)) for name in type(run).__slots__}
+    before = {name: repr(getattr(run, name)) for name in PyRunState.__slots__}
     view = port.view("r-1")
     first = render_prompt(view)
     assert render_prompt(view) == first  # from the view's memo the second time
-    assert {name: repr(getattr(run, name)) for name in type(run).__slots__} == before
+    assert {name: repr(getattr(run, name)) for name in PyRunState.__slots__} == before

@@ -201,14 +201,14 @@ async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: 
     break the arithmetic) ends that run with an InternalError; the others go on."""
     from interlock import InternalError, _decider
 
-    original = _decider._on_propose
+    original = _decider._propose  # the decide path in use: compiled, or its twin
 
     def broken(run: Any, msg: Any, *rest: Any) -> Any:
         if msg.run_id == "bad-1":
             raise ZeroDivisionError("a bug")
         return original(run, msg, *rest)
 
-    monkeypatch.setattr(_decider, "_on_propose", broken)
+    monkeypatch.setattr(_decider, "_propose", broken)
     store = MemoryStore()
     healthy = job("healthy")
     async with open_supervisor([healthy], store, provider=ScriptedProvider([CALL, DONE])) as sup:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from . import _breakers
+from . import _breakers, _gate
 from ._breakers import Trip, check_budgets
 from ._events import (
     BreakerTripped,
@@ -59,7 +60,7 @@ from ._messages import (
     ToolCall,
     Verdict,
 )
-from ._view import RunState, RunView, proposal_data
+from ._view import DECIDE_IMPLEMENTATION, RunState, RunView, proposal_data
 
 if TYPE_CHECKING:
     from ._machine import BreakerPolicy
@@ -162,7 +163,7 @@ def propose(
     run: RunState, msg: Propose, now: float, circuits: Circuits, events: list[Event]
 ) -> Verdict:
     """:func:`decide` for a proposal, the request of nearly every step."""
-    return _on_propose(run, msg, now, circuits, events)
+    return _propose(run, msg, now, circuits, events)
 
 
 def decide(
@@ -175,11 +176,16 @@ def decide(
       ProtocolError: the request is stale, out of order, or for a run that has ended.
       NotEscalated, IllegalResumeTarget: an operator request the run cannot take.
     """
+    kind = type(msg)  # the two requests of nearly every step first, by identity
+    if kind is Report:
+        return _report(run, msg, now, circuits, events)  # type: ignore[arg-type]
+    if kind is Propose:
+        return _propose(run, msg, now, circuits, events)  # type: ignore[arg-type]
     match msg:
         case Propose():
-            return _on_propose(run, msg, now, circuits, events)
+            return _propose(run, msg, now, circuits, events)
         case Report():
-            return _on_report(run, msg, now, circuits, events)
+            return _report(run, msg, now, circuits, events)
         case Reconciliation():
             return _on_reconciliation(run, msg, now, events)
         case Recover():
@@ -832,6 +838,21 @@ def _on_abort(run: RunState, msg: Abort, now: float, events: list[Event]) -> Ver
     )
     _emit(run, events, Failed, now, state=FAILED, reason=reason)
     return _verdict(run, True)
+
+
+# -- the implementation -------------------------------------------------------------------
+
+# The decide path of a step: compiled (interlock._decide) where the run state is, else
+# this module's own. The compiled path decides the ordinary proposal and success itself
+# and hands everything else to _on_propose and _on_report, its pure-Python twins.
+_propose = _on_propose
+_report = _on_report
+if DECIDE_IMPLEMENTATION == "compiled":
+    from . import _decide
+
+    _decide.bind_decider(sys.modules[__name__], _gate, _breakers)
+    _propose = _decide.on_propose
+    _report = _decide.on_report
 
 
 __all__ = [

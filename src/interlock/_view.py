@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from ._events import (
     expand_prompt,
 )
 from ._exceptions import ProtocolError
-from ._hotpath import compact_failures, hash64, proposal_hash
+from ._hotpath import NO_EXTENSIONS, compact_failures, hash64, proposal_hash
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -279,6 +280,10 @@ _NO_TURNS: list[tuple[int, str, tuple[tuple[str, str], ...]]] = []
 
 class RunState:
     """Everything the supervisor knows of one run; rebuilt by folding its events.
+
+    The pure-Python twin (``PyRunState``) of the compiled ``interlock._decide.RunState``,
+    which has the same attributes (its counters, seq and clock readings typed) and the
+    same :meth:`apply`; ``RunState`` is the one :data:`DECIDE_IMPLEMENTATION` names.
 
     Mutated only by :meth:`apply`, so that a live run and a run folded from the
     journal after a crash are the same object state. The exceptions are the caches
@@ -785,3 +790,23 @@ class RunView:
     def legal_next(self) -> tuple[str, ...]:
         tables = self._run.machine.tables
         return tables.legal_next(tables.state_id(self._run.state))
+
+
+# -- the implementation ---------------------------------------------------------------------
+
+#: The pure-Python run state: the twin of the compiled one (``tests/hot/test_decide.py``).
+PyRunState = RunState
+
+#: Which run state and decide path are in use: ``compiled`` (``interlock._decide``, built
+#: from ext/_decide.pyx) or ``python`` (``PyRunState`` and the decider's own paths).
+DECIDE_IMPLEMENTATION = "python"
+
+if not NO_EXTENSIONS:
+    try:
+        from . import _decide
+    except ImportError:  # pragma: no cover - only a broken install gets here
+        pass
+    else:
+        _decide.bind_view(sys.modules[__name__])
+        RunState = _decide.RunState  # type: ignore[misc,assignment]
+        DECIDE_IMPLEMENTATION = "compiled"

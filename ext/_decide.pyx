@@ -1,0 +1,647 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""The decide path, compiled: a run's state as a typed object, its fold, and the accepted
+path of a step (a model's proposal verified and its events built; a tool's success
+committed).
+
+The pure-Python twin is ``interlock._view.PyRunState`` (the fold) and ``interlock._decider``'s
+``_on_propose`` and ``_on_report`` (the paths): every decision this module does not make
+itself (a step's proposal, a rejection, a provider failure, a failed call, anything out
+of the ordinary) it hands to them, before it has changed anything, or, once the model
+call is journaled, to the very helpers the twin uses. ``tests/hot/test_decide.py`` holds
+the two to the same events and the same folded state.
+
+What typing buys: the run's counters, clock readings and seq are C fields read and
+written without an object each; the fold dispatches on the event's type by identity; the
+accepted call is verified (budgets, the single-decode path, the guards, the canonical
+hash, the repeat count, the circuit) and its two events built with no Python frame in
+between.
+"""
+
+from cpython.dict cimport PyDict_GetItem
+from cpython.object cimport PyObject
+
+import msgspec
+
+from interlock._events import (
+    BreakerTripped,
+    Completed,
+    Escalated,
+    Failed,
+    IntentRecorded,
+    ModelCalled,
+    ProposalRejected,
+    ProviderFailed,
+    Reconciled,
+    Resumed,
+    RunStarted,
+    StepProposed,
+    ToolCommitted,
+    ToolFailed,
+    ToolInDoubt,
+    Transitioned,
+    expand_prompt,
+    hash_prompt_after,
+)
+from interlock._exceptions import ProtocolError
+from interlock._machine import ESCALATE, FAILED
+from interlock._messages import ToolCall, Verdict
+from interlock._hot import common_affixes, hash64, scan_json
+
+cdef object UNSET = msgspec.UNSET
+cdef object _json_encode = msgspec.json.encode
+#: How long a value's JSON may be in a history frame before it is cut (``_view._SHORT``).
+cdef Py_ssize_t _SHORT = 200
+
+
+cdef inline str _cut_json(str text):
+    return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
+cdef object _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+
+#: A model call journals its prompt as a delta against the previous one when the two share
+#: at least this many characters (as the twin: ``_decider._MIN_SHARED_PROMPT``).
+cdef Py_ssize_t _MIN_SHARED_PROMPT = 64
+
+# Bound by interlock._view (bind_view) and interlock._decider (bind_decider) once they are
+# imported: they import this module, so it cannot import them.
+cdef object _in_frame = None  # ToolResult._in_frame
+cdef object _Frame = None
+cdef object _violation_signature = None
+cdef object _proposal_data = None
+cdef object _call_hash = None
+cdef object _NO_DATA = None
+cdef object _NO_TURNS = None
+cdef object _RunView = None
+
+cdef object _py_on_propose = None
+cdef object _py_on_report = None
+cdef object _verify = None
+cdef object _checked_call = None
+cdef object _plan = None
+cdef object _reject = None
+cdef object _transition = None
+cdef object _is_fallback = None
+cdef object _CircuitBoard = None
+cdef object _Decision = None
+cdef object _canonical_encode = None
+cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
+
+
+def bind_view(namespace):
+    """Take what the fold needs from ``interlock._view`` (which imports this module)."""
+    global _in_frame, _Frame, _violation_signature, _proposal_data, _call_hash
+    global _NO_DATA, _NO_TURNS, _RunView, _canonical_encode
+    _in_frame = namespace.ToolResult._in_frame
+    _Frame = namespace.Frame
+    _violation_signature = namespace.violation_signature
+    _proposal_data = namespace.proposal_data
+    _call_hash = namespace._call_hash
+    if namespace._SHORT != _SHORT:  # pragma: no cover - a twin changed alone
+        raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+    _NO_DATA = namespace._NO_DATA
+    _NO_TURNS = namespace._NO_TURNS
+    _RunView = namespace.RunView
+    _canonical_encode = namespace.canonical_encoder.encode
+
+
+def bind_decider(namespace, gate, breakers):
+    """Take the twin's paths and helpers from ``interlock._decider`` and the gate's."""
+    global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
+    global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
+    _py_on_propose = namespace._on_propose
+    _py_on_report = namespace._on_report
+    _reject = namespace._reject
+    _transition = namespace._transition
+    _is_fallback = namespace._is_fallback
+    _DELTA_BY_REFERENCE = namespace._DELTA_BY_REFERENCE
+    _verify = gate.verify
+    _checked_call = gate._checked_call
+    _plan = gate._plan
+    _Decision = gate.Decision
+    _CircuitBoard = breakers.CircuitBoard
+
+
+cdef class RunState:
+    """Everything the supervisor knows of one run; rebuilt by folding its events.
+
+    The compiled twin of ``interlock._view.PyRunState``: the same attributes (the
+    counters, seq and clock readings typed), the same :meth:`apply`.
+    """
+
+    cdef public str run_id
+    cdef public object machine
+    cdef public str state
+    cdef public long long seq
+    cdef public object inputs
+    cdef public object data
+    cdef public double started_ts
+    cdef public double last_ts
+    cdef public long long tokens
+    cdef public long long steps
+    cdef public long long consecutive_failures
+    cdef public dict repeat_counts
+    cdef public list history
+    cdef public list signatures
+    cdef public list results
+    cdef public object pending
+    cdef public object validated
+    cdef public long long doubts
+    cdef public bint external
+    cdef public long long provider_failures
+    cdef public double provider_failures_since
+    cdef public str proposal_raw
+    cdef public object _final_delta
+    cdef public object escalation
+    cdef public object output
+    cdef public str previous
+    cdef public bint closed
+    cdef public str prompt
+    cdef public long long prompt_seq
+    cdef public object turns
+    cdef public object _hash_state
+    cdef public long long _data_version
+
+    def __init__(self, str run_id, machine):
+        self.run_id = run_id
+        self.machine = machine
+        self.state = ""
+        self.seq = 0
+        self.inputs = {}
+        self.data = _NO_DATA
+        self.started_ts = 0.0
+        self.last_ts = 0.0
+        self.tokens = 0
+        self.steps = 0
+        self.consecutive_failures = 0
+        self.repeat_counts = {}
+        self.history = []
+        self.signatures = []
+        self.results = []
+        self.pending = None
+        self.validated = None
+        self.doubts = 0
+        self.external = False
+        self.provider_failures = 0
+        self.provider_failures_since = 0.0
+        self.proposal_raw = ""
+        self._final_delta = None
+        self.escalation = None
+        self.output = None
+        self.previous = ""
+        self.closed = False
+        self.prompt = ""
+        self.prompt_seq = 0
+        self.turns = _NO_TURNS
+        self._hash_state = None
+        self._data_version = 0
+
+    @property
+    def terminal(self):
+        return _terminal(self.machine, self.state)
+
+    @property
+    def committed(self):
+        """Every committed call's result by idempotency key (built from ``results`` on each read)."""
+        return {done.key: done.result for done in self.results}
+
+    cdef inline void _push(self, frame, object signature=0) except *:
+        cdef list history = self.history
+        cdef list signatures
+        cdef Py_ssize_t missing
+        history.append(frame)
+        if signature:
+            signatures = self.signatures
+            missing = len(history) - 1 - len(signatures)
+            if missing:
+                signatures.extend([0] * missing)
+            signatures.append(signature)
+
+    cpdef apply(self, event, object call_hash=0, object prompt=None, object validated=None):
+        """Fold one event into the state (see ``PyRunState.apply``).
+
+        Raises:
+          ProtocolError: if the event is out of order for this run.
+        """
+        cdef long long seq = event.seq
+        if seq != self.seq + 1:
+            raise ProtocolError(
+                f"run {self.run_id!r}: event seq {seq} does not follow {self.seq}; "
+                "the journal is missing or repeating events"
+            )
+        self.seq = seq
+        self.last_ts = event.ts
+        kind = type(event)
+        if kind is ModelCalled:
+            self._model_called(event, prompt)
+        elif kind is IntentRecorded:
+            self.proposal_raw = ""
+            self.pending = event
+            self.validated = validated
+            self.doubts = 0
+            call = call_hash or _call_hash(event.tool, event.args)
+            counts = self.repeat_counts
+            counts[call] = counts.get(call, 0) + 1
+        elif kind is ToolCommitted:
+            self._committed(event)
+        elif kind is Transitioned:
+            self._transitioned(event)
+        elif kind is StepProposed:
+            if event.source != "operator":
+                self.steps += 1
+            self.proposal_raw = event.raw
+        elif kind is ProposalRejected:
+            violations = event.violations
+            self.proposal_raw = ""
+            self.consecutive_failures += 1
+            text = "; ".join([v.message for v in violations])
+            self._push(
+                _Frame("rejected", seq, text, violations=violations, first_seq=seq),
+                _violation_signature(violations),
+            )
+        elif kind is ToolFailed:
+            self.pending = None
+            self.validated = None
+            self.consecutive_failures += 1
+            self._push(_Frame("tool_failed", seq, f"{event.tool} failed: {event.error}", first_seq=seq))
+        elif kind is BreakerTripped:
+            self._push(
+                _Frame("breaker", seq, f"breaker {event.breaker}: {event.detail}", first_seq=seq)
+            )
+        elif kind is Escalated:
+            self.escalation = event
+            self.closed = True
+        elif kind is Resumed:
+            self.escalation = None
+            self.closed = False
+            self.consecutive_failures = 0
+            self.repeat_counts.clear()
+            self._push(
+                _Frame(
+                    "resumed", seq, f"resumed by {event.by}: {event.note}".rstrip(": "), first_seq=seq
+                )
+            )
+        elif kind is Completed:
+            self.output = (self._final_delta or None) if event.output_in_delta else event.output
+            self._final_delta = None
+            self.closed = True
+        elif kind is ToolInDoubt:
+            self.doubts += 1
+        elif kind is Reconciled:
+            pass  # the call stays pending: a commit, an execution or an escalation follows
+        elif kind is ProviderFailed:
+            if not self.provider_failures:
+                self.provider_failures_since = event.ts
+            self.provider_failures += 1
+        elif kind is Failed:
+            self.output = {"reason": event.reason}
+            self.closed = True
+        elif kind is RunStarted:
+            self.external = event.external is True
+            self.state = event.state
+            inputs = event.inputs
+            self.inputs = inputs if type(inputs) is dict else dict(inputs)
+            self.started_ts = event.ts
+        else:
+            raise ProtocolError(f"unknown event {event!r}")
+
+    cdef void _model_called(self, event, object prompt) except *:
+        usage = event.usage
+        self.tokens += usage.prompt + usage.completion
+        self.steps += 1
+        self.provider_failures = 0
+        self.proposal_raw = event.raw
+        if prompt is None:
+            try:
+                prompt = expand_prompt(self.prompt_seq, self.prompt, event)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+        self.prompt = prompt
+        self.prompt_seq = event.seq
+        if event.response is not UNSET:
+            extra = event.extra_calls
+            if self.turns is _NO_TURNS:
+                self.turns = []
+            self.turns.append((event.seq, event.raw, () if extra is UNSET else extra))
+
+    cdef void _committed(self, event) except *:
+        intent = self.pending
+        key = event.key
+        result = event.result
+        self.pending = None
+        self.validated = None
+        self.consecutive_failures = 0
+        args = intent.args if intent is not None and intent.key == key else {}
+        cdef str args_json = _json_encode(args).decode()
+        cdef str result_json = _json_encode(result).decode()
+        tool = event.tool
+        text = f"{tool}({_cut_json(args_json)}) -> {_cut_json(result_json)}"
+        state = self.state
+        if intent is not None and intent.state != state:
+            state = intent.state
+        self.results.append(
+            _in_frame(
+                tool,
+                args,
+                result,
+                key,
+                event.seq,
+                text,
+                args_json,
+                result_json,
+                self.run_id,
+                state,
+                intent.seq if intent is not None else 0,
+            )
+        )
+        self._push(_Frame("tool_result", event.seq, text, first_seq=event.seq))
+
+    cdef void _transitioned(self, event) except *:
+        src = event.src
+        dst = event.dst
+        delta = event.delta
+        if event.delta_in_proposal:
+            delta = _proposal_data(self.run_id, event.seq, self.proposal_raw)
+        self.proposal_raw = ""
+        if dst in self.machine.success_states:
+            self._final_delta = delta
+        self.previous = src
+        self.state = dst
+        self.consecutive_failures = 0
+        if delta:
+            if self.data is _NO_DATA:
+                self.data = {}
+            self.data.update(delta)
+            self._data_version += 1
+        self._push(_Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
+
+
+# -- the accepted path --------------------------------------------------------------------
+
+
+cdef inline bint _terminal(machine, str state) except -1:
+    """``Machine.is_terminal``, inline."""
+    return state in machine.success_states or state == ESCALATE or state == FAILED
+
+
+cdef inline str _outcome(machine, str state):
+    """``Machine.outcome``, inline."""
+    if state in machine.success_states:
+        return "completed"
+    if state == ESCALATE:
+        return "escalated"
+    if state == FAILED:
+        return "failed"
+    return "running"
+
+
+cdef inline object _verdict(RunState run, bint accepted):
+    state = run.state
+    return Verdict(
+        run_id=run.run_id,
+        seq=run.seq,
+        accepted=accepted,
+        state=state,
+        outcome=_outcome(run.machine, state),
+    )
+
+
+cdef bint _ordinary(RunState run, msg) except -1:
+    """Whether ``msg`` is a model's proposal the compiled path decides from its first
+    event on: at the run's seq, with text as it is journaled, and no failure to handle."""
+    cdef long long seq = msg.seq
+    if seq and seq != run.seq:
+        return False
+    if run.pending is not None or msg.source != "model" or msg.error or msg.defect:
+        return False
+    if msg.envelope is not None or msg.legacy:
+        return False
+    if not (msg.raw.isascii() and msg.prompt.isascii() and msg.model.isascii()):
+        return False
+    response = msg.response
+    if response is not None and not response.isascii():
+        return False
+    return not _terminal(run.machine, run.state)
+
+
+def on_propose(RunState run, msg, double now, circuits, list events):
+    """``_decider._on_propose``, compiled for a model's proposal (see the module)."""
+    if not _ordinary(run, msg):
+        return _py_on_propose(run, msg, now, circuits, events)
+    machine = run.machine
+    state = run.state
+    raw = msg.raw
+    prompt = msg.prompt
+    cdef Py_ssize_t size = len(prompt)
+    cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
+    text = prompt
+    if run.prompt_seq:
+        prefix, suffix = common_affixes(run.prompt, prompt)
+        shared = prefix
+        tail = size - suffix
+        if prefix + suffix >= _MIN_SHARED_PROMPT:
+            base = run.prompt_seq
+            text = prompt[prefix : size - suffix]
+        else:
+            prefix = suffix = 0
+    prompt_hash, hash_state = hash_prompt_after(run._hash_state, run.prompt, prompt, shared, tail)
+    # Only the fields that differ from their defaults: a keyword a Struct must match
+    # against its fields costs more than the field's default.
+    response = msg.response
+    extra = msg.extra_calls
+    if response is None and not extra:
+        called = ModelCalled(
+            run_id=run.run_id,
+            seq=run.seq + 1,
+            ts=now,
+            state=state,
+            model=msg.model,
+            prompt_hash=prompt_hash,
+            prompt=text,
+            raw=raw,
+            usage=msg.usage,
+            latency=msg.latency,
+            prompt_base=base,
+            prompt_prefix=prefix,
+            prompt_suffix=suffix,
+        )
+    else:
+        called = ModelCalled(
+            run_id=run.run_id,
+            seq=run.seq + 1,
+            ts=now,
+            state=state,
+            model=msg.model,
+            prompt_hash=prompt_hash,
+            prompt=text,
+            raw=raw,
+            usage=msg.usage,
+            latency=msg.latency,
+            prompt_base=base,
+            prompt_prefix=prefix,
+            prompt_suffix=suffix,
+            response=UNSET if response is None else response,
+            extra_calls=tuple(extra) if extra else UNSET,
+        )
+    run.apply(called, 0, prompt)
+    events.append(called)
+    run._hash_state = hash_state
+    encoded = raw.encode()
+    accepted = _accept_call(run, machine, encoded, now, circuits)
+    if type(accepted) is tuple:
+        call, builtins, value, call_hash = <tuple>accepted
+        tool = call.tool
+        key = f"{run.run_id}:{state}:{run.seq + 1}"
+        intent = IntentRecorded(
+            run_id=run.run_id, seq=run.seq + 1, ts=now, state=state, tool=call.name,
+            args=builtins, key=key,
+        )
+        run.apply(intent, call_hash, None, value)
+        events.append(intent)
+        verdict = Verdict(
+            run_id=run.run_id,
+            seq=run.seq,
+            accepted=True,
+            state=state,
+            outcome="running",
+            execute=ToolCall(call.name, builtins, key),
+        )
+        return verdict
+    decision = _verify(machine, run, encoded, now, circuits) if accepted is None else accepted
+    return _decided(run, msg, decision, raw, now, events)
+
+
+cdef object _decided(RunState run, msg, decision, raw, double now, list events):
+    """The rest of the twin's ``_on_propose``, for what the compiled gate left to the
+    Python one: a rejection, a transition, a call that moves on."""
+    if decision.violations:
+        return _reject(run, events, now, decision.violations, decision.trip)
+    machine = run.machine
+    state = run.state
+    if decision.tool is not None:
+        key = f"{run.run_id}:{state}:{run.seq + 1}"
+        target = decision.target
+        data = decision.data
+        intent = IntentRecorded(
+            run_id=run.run_id,
+            seq=run.seq + 1,
+            ts=now,
+            state=state,
+            tool=decision.tool.name,
+            args=decision.args,
+            key=key,
+            next=target or UNSET,
+            data=data if target and data else UNSET,
+        )
+        run.apply(intent, decision.call_hash, None, decision.value)
+        events.append(intent)
+        return Verdict(
+            run_id=run.run_id,
+            seq=run.seq,
+            accepted=True,
+            state=run.state,
+            outcome=_outcome(machine, run.state),
+            execute=ToolCall(decision.tool.name, decision.args, key),
+        )
+    reason = "fallback" if _is_fallback(machine, state) else "proposal"
+    data = decision.data
+    by_reference = (
+        len(raw) >= _DELTA_BY_REFERENCE
+        and bool(data)
+        and _proposal_data(run.run_id, run.seq + 1, raw) == data
+    )
+    _transition(run, events, now, decision.target, data, reason, by_reference=by_reference)
+    return _verdict(run, True)
+
+
+cdef object _accept_call(RunState run, machine, bytes raw, double now, circuits):
+    """The gate's accepted path for a call that does not move on: ``(call, builtins,
+    value, call_hash)``; a ``Decision`` where a guard, the encoding, the repeat breaker
+    (the Python gate's, which explains them) or the circuit refused the call; None for
+    whatever else the Python gate must decide from the start (it explains a rejection,
+    and decides a transition or a call that moves on). Nothing it does before it
+    answers None has an effect: the circuit, which counts a trial call, is asked last."""
+    budgets = machine.budgets
+    if run.tokens > budgets.tokens or run.steps > budgets.steps:
+        return None
+    if now - run.started_ts > budgets.deadline:
+        return None
+    plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
+    decoder = plan.decoder
+    if decoder is None or len(raw) > plan.max_bytes:
+        return None
+    try:
+        envelope = decoder.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    cdef PyObject* found = PyDict_GetItem(plan.by_type, type(envelope))
+    if found is NULL:
+        return None
+    call = <object>found
+    args = envelope.args
+    if args is UNSET or envelope.next is not None:
+        return None
+    if scan_json(raw) is not None:
+        return None
+    guards = call.guards
+    if guards:
+        view = _RunView(run)
+        for guard in guards:
+            try:
+                rejected = guard(args, view)
+            except Exception:
+                return _refused(run, machine, call, args, now, circuits)
+            if rejected is not None:
+                return _refused(run, machine, call, args, now, circuits)
+    plain = call.plain
+    builtins = call.to_builtins(args)
+    try:
+        canonical = _canonical_encode(args if plain else builtins)
+    except _ENCODING_ERRORS:
+        return _refused(run, machine, call, args, now, circuits)
+    call_hash = hash64(canonical, call.seed)
+    policy = machine.breakers
+    if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
+        return _refused(run, machine, call, args, now, circuits)
+    if circuits is not None and (type(circuits) is not _CircuitBoard or circuits._circuits):
+        refusal = circuits.check(call.name, now, policy)
+        if refusal is not None:
+            return _Decision((refusal[0],), refusal[1])
+    return (call, builtins, args, call_hash)
+
+
+cdef object _refused(RunState run, machine, call, args, double now, circuits):
+    """The Python gate's decision on a call the compiled one found refused (by a guard,
+    the journal's encoding or the repeat breaker): it explains the refusal, guards and all."""
+    return _checked_call(machine, run, call, args, now, circuits)
+
+
+def on_report(RunState run, msg, double now, circuits, list events):
+    """``_decider._on_report``, compiled for the success of the call the run waits for."""
+    pending = run.pending
+    cdef long long seq = msg.seq
+    if pending is None or not msg.ok or (seq and seq != run.seq):
+        return _py_on_report(run, msg, now, circuits, events)
+    key = msg.key
+    if pending.key != key or _terminal(run.machine, run.state):
+        return _py_on_report(run, msg, now, circuits, events)
+    machine = run.machine
+    tool = machine.tool_by_name[pending.tool]
+    name = tool.name
+    circuits.record(name, True, now, machine.breakers, msg.error)
+    committed = ToolCommitted(
+        run_id=run.run_id,
+        seq=run.seq + 1,
+        ts=now,
+        tool=name,
+        key=key,
+        result=msg.result,
+        attempts=msg.attempts,
+        latency=msg.latency,
+    )
+    run.apply(committed)
+    events.append(committed)
+    target = pending.next
+    if target is not UNSET:
+        # The move its intent named (call_and_move), in the same write.
+        data = pending.data
+        _transition(run, events, now, target, {} if data is UNSET else data, "call")
+    return _verdict(run, True)

@@ -1,0 +1,347 @@
+"""The compiled decide path (``interlock._decide``, from ext/_decide.pyx) and its pure-Python
+twin (``interlock._view.PyRunState`` and ``interlock._decider``'s own paths) agree.
+
+Each test drives the same requests through both, one run state of each kind, and asserts
+the same verdicts (or the same error), the same events, and the same folded state after
+every request; hypothesis writes the requests: calls that pass, fail a guard, repeat, name
+a tool not allowed or a state not legal, break the schema or the JSON, move on, fail at the
+provider, carry text UTF-8 cannot hold, come at a stale seq; reports that succeed, fail,
+or name another key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from interlock import (
+    BreakerPolicy,
+    Budgets,
+    Go,
+    Machine,
+    Reject,
+    RunView,
+    Step,
+    Tool,
+    ToolContext,
+    Worker,
+    _decider,
+    _view,
+)
+from interlock._breakers import CircuitBoard
+from interlock._events import Event, TokenUsage
+from interlock._messages import Propose, Report, Start
+
+if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
+    pytest.skip(
+        "INTERLOCK_NO_EXTENSIONS is set: there is no compiled decide path to compare",
+        allow_module_level=True,
+    )
+try:
+    compiled: ModuleType = importlib.import_module("interlock._decide")
+except ImportError as exc:
+    pytest.skip(
+        f"interlock._decide cannot be imported ({exc}); "
+        "build it with `python setup.py build_ext --inplace`",
+        allow_module_level=True,
+    )
+
+pytestmark = pytest.mark.c_extension
+
+
+class Refund(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+    amount: float
+
+
+class Lookup(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+
+
+def within_total(args: Refund, view: RunView) -> Reject | None:
+    if args.amount > view.inputs["total"]:
+        return Reject(f"args.amount: {args.amount} is over the total", "refund less", "args.amount")
+    return None
+
+
+def odd_guard(args: Refund, view: RunView) -> Any:
+    if args.amount == 13:
+        raise RuntimeError("thirteen")
+    if args.amount == 14:
+        return "not a Reject"
+    return None
+
+
+async def noop(args: Any, ctx: ToolContext) -> dict[str, Any]:
+    return {"ok": True}
+
+
+def shop() -> Machine:
+    return Machine(
+        "shop",
+        initial="WORK",
+        states={
+            "WORK": Worker(next=["MOVE", "CHECK", "DONE"], tools=["refund", "lookup", "charge"]),
+            "MOVE": Worker(next=["DONE", "WORK"], tools=["refund"], call_and_move=True),
+            "CHECK": Step(lambda view: Go("DONE", {"checked": True}), next=["DONE"]),
+        },
+        tools=[
+            Tool("refund", noop, Refund, guards=(within_total, odd_guard), idempotent=True),
+            Tool("lookup", noop, Lookup, read_only=True),
+            Tool("charge", noop, Lookup),
+        ],
+        breakers=BreakerPolicy(consecutive_failures=4, repeats=2, circuit_failures=2),
+        budgets=Budgets(steps=14, tokens=10**6, deadline=10**6),
+    )
+
+
+MACHINE = shop()
+
+RAWS = (
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 5}}',
+    '{"tool": "refund", "args": {"order_id": "o2", "amount": 7.5}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 500}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 13}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 14}}',
+    '{"tool": "refund", "args": {"order_id": "o1"}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 5, "x": 1}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "order_id": "o2", "amount": 5}}',
+    '{"tool": "refund", "args": {"order_id": "o3", "amount": 1}, "next": "DONE"}',
+    '{"tool": "refund", "args": {"order_id": "o3", "amount": 1}, "next": "WORK", "data": {"k": 1}}',
+    '{"tool": "lookup", "args": {"order_id": "o1"}}',
+    '{"tool": "charge", "args": {"order_id": "o9"}}',
+    '{"tool": "nope", "args": {}}',
+    '{"next": "MOVE", "data": {"n": 1}}',
+    '{"next": "CHECK"}',
+    '{"next": "DONE", "data": {"answer": 42}}',
+    '{"next": "NOWHERE"}',
+    '{"tool": "refund", "args": {"order_id": "é", "amount": 2}}',
+    "not json",
+    "",
+    '{"tool": "refund", "args": {"order_id": "\\ud800", "amount": 2}}',
+)
+
+PROMPTS = (
+    "",
+    "p",
+    "system: refund the order\n" * 4,
+    "system: refund the order\n" * 4 + "history: one more line\n",
+    "system: refund the order\n" * 4 + "history: one more line\nand another\n",
+    "système: rembourser\n" * 4,
+    "a lone \udc80 surrogate",
+)
+
+proposals = st.builds(
+    lambda raw, prompt, model, error, usage, stale, response, extra: (
+        "propose",
+        dict(
+            raw=raw,
+            prompt=prompt,
+            model=model,
+            error=error,
+            usage=TokenUsage(prompt=usage, completion=usage // 2),
+            response=response,
+            extra_calls=extra,
+        ),
+        stale,
+    ),
+    # Mostly what passes (so runs go on long enough to call, commit and move), and
+    # everything else often enough.
+    st.one_of(st.sampled_from(RAWS[:2] + RAWS[8:11] + RAWS[13:15]), st.sampled_from(RAWS)),
+    st.one_of(st.sampled_from(PROMPTS[2:5]), st.sampled_from(PROMPTS)),
+    st.sampled_from(("m", "m", "m", "modèle")),
+    st.sampled_from(("",) * 7 + ("timeout",)),
+    st.integers(min_value=0, max_value=3000),
+    st.sampled_from((False,) * 7 + (True,)),
+    st.sampled_from((None, None, '{"id": 1}', "réponse")),
+    st.sampled_from(((), (), (("refund", "{}"),))),
+)
+reports = st.builds(
+    lambda ok, wrong_key, applied, result: ("report", ok, wrong_key, applied, result),
+    st.sampled_from((True, True, True, False)),
+    st.sampled_from((False,) * 7 + (True,)),
+    st.sampled_from((None, False, True)),
+    st.sampled_from(({"ok": True}, [1, 2], "done", None, {"big": "x" * 300})),
+)
+# Mostly a proposal and the report of its call, as a run goes; and either one alone.
+requests = st.lists(
+    st.one_of(st.tuples(proposals, reports), st.tuples(proposals), st.tuples(reports)),
+    min_size=1,
+    max_size=20,
+).map(lambda groups: [request for group in groups for request in group])
+
+
+class Side:
+    """One implementation's run: its state, circuits, events and clock."""
+
+    def __init__(self, compiled_path: bool) -> None:
+        self.compiled = compiled_path
+        self.propose = compiled.on_propose if compiled_path else _decider._on_propose
+        self.report = compiled.on_report if compiled_path else _decider._on_report
+        cls = compiled.RunState if compiled_path else _view.PyRunState
+        self.circuits = CircuitBoard()
+        self.events: list[Event] = []
+        start = Start(run_id="r-1", machine="shop", inputs={"total": 100.0})
+        real = _decider.RunState
+        _decider.RunState = cls  # type: ignore[misc]
+        try:
+            self.run, _ = _decider.start(MACHINE, start, 1000.0, self.events)
+        finally:
+            _decider.RunState = real  # type: ignore[misc]
+        assert type(self.run) is cls
+
+    def __call__(self, request: tuple[Any, ...], now: float) -> tuple[Any, ...]:
+        run = self.run
+        if request[0] == "propose":
+            fields, stale = request[1], request[2]
+            msg: Any = Propose(run_id="r-1", seq=run.seq - 1 if stale else run.seq, **fields)
+            decide = self.propose
+        else:
+            _, ok, wrong_key, applied, result = request
+            key = run.pending.key if run.pending is not None and not wrong_key else "r-1:X:1"
+            msg = Report(
+                run_id="r-1",
+                seq=run.seq,
+                key=key,
+                ok=ok,
+                result=result if ok else None,
+                error="" if ok else "it broke",
+                applied=applied,
+            )
+            decide = self.report
+        mark = len(self.events)
+        try:
+            verdict = decide(run, msg, now, self.circuits, self.events)
+        except Exception as exc:
+            return ("raised", type(exc), str(exc), self.events[mark:])
+        return ("returned", verdict, self.events[mark:])
+
+
+def state_of(run: Any) -> dict[str, Any]:
+    """Every attribute of a run state, the prompt hash's progress as what it hashed."""
+    names = [name for name in _view.PyRunState.__slots__ if name != "machine"]
+    out = {name: getattr(run, name) for name in names if name != "_hash_state"}
+    hashed = run._hash_state
+    out["_hash_state"] = (
+        None if hashed is None else (hashed[0], hashed[1], hashed[2].copy().hexdigest())
+    )
+    out["results"] = [(r.tool, r.args, r.result, r.key, r.seq) for r in run.results]
+    out["terminal"] = run.terminal
+    out["committed"] = run.committed
+    return out
+
+
+def drive(requests_: list[tuple[Any, ...]]) -> tuple[Side, Side]:
+    fast, twin = Side(True), Side(False)
+    now = 1000.0
+    for request in requests_:
+        now += 0.5
+        got, want = fast(request, now), twin(request, now)
+        assert got == want
+        assert state_of(fast.run) == state_of(twin.run)
+    assert fast.events == twin.events
+    return fast, twin
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests)
+def test_the_compiled_path_decides_every_request_as_its_twin_does(
+    requests_: list[tuple[Any, ...]],
+) -> None:
+    drive(requests_)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests)
+def test_a_compiled_fold_of_the_journal_is_the_twins_fold(requests_: list[tuple[Any, ...]]) -> None:
+    fast, _ = drive(requests_)
+    events = list(fast.events)
+    real = _view.RunState
+    try:
+        folded_fast = _view.fold(MACHINE, events)
+        _view.RunState = _view.PyRunState  # type: ignore[misc]
+        folded_twin = _view.fold(MACHINE, events)
+    finally:
+        _view.RunState = real  # type: ignore[misc]
+    assert type(folded_fast) is compiled.RunState
+    assert type(folded_twin) is _view.PyRunState
+    folded = state_of(folded_fast)
+    assert folded == state_of(folded_twin)
+    # Folded from the journal is the state the decisions left (the caches start empty,
+    # and the args the guards saw are not journaled).
+    live = state_of(fast.run)
+    for cache in ("_hash_state", "validated"):
+        folded.pop(cache)
+        live.pop(cache)
+    assert folded == live
+
+
+def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
+    """The ordinary call and its success are decided by the compiled module itself: the
+    twin's paths are never entered for them (their counters stay at zero)."""
+    calls = {"propose": 0, "report": 0}
+    real_propose, real_report = _decider._on_propose, _decider._on_report
+
+    def counted(name: str, function: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            calls[name] += 1
+            return function(*args)
+
+        return wrapper
+
+    compiled.bind_decider(
+        type(
+            "Twin",
+            (),
+            {
+                "_on_propose": staticmethod(counted("propose", real_propose)),
+                "_on_report": staticmethod(counted("report", real_report)),
+                "_reject": staticmethod(_decider._reject),
+                "_transition": staticmethod(_decider._transition),
+                "_is_fallback": staticmethod(_decider._is_fallback),
+                "_DELTA_BY_REFERENCE": _decider._DELTA_BY_REFERENCE,
+            },
+        ),
+        importlib.import_module("interlock._gate"),
+        importlib.import_module("interlock._breakers"),
+    )
+    try:
+        side = Side(True)
+        for i in range(5):
+            raw = f'{{"tool": "refund", "args": {{"order_id": "o{i}", "amount": 5}}}}'
+            kind, verdict, events = side(
+                ("propose", dict(raw=raw, prompt="p" * (80 + i)), False), 1.0 + i
+            )
+            assert kind == "returned"
+            assert verdict.execute is not None
+            assert [type(e).__name__ for e in events] == ["ModelCalled", "IntentRecorded"]
+            kind, verdict, events = side(("report", True, False, None, {"ok": True}), 1.5 + i)
+            assert kind == "returned"
+            assert verdict.accepted
+            assert [type(e).__name__ for e in events] == ["ToolCommitted"]
+        assert calls == {"propose": 0, "report": 0}
+        # A rejection is the twin's to decide.
+        side(("propose", dict(raw="not json", prompt="p"), False), 9.0)
+        assert calls == {"propose": 0, "report": 0}  # handed its helpers, not its path
+        side(("propose", dict(raw=RAWS[0], prompt="p", error="boom"), False), 10.0)
+        assert calls["propose"] == 1
+    finally:
+        compiled.bind_decider(
+            _decider,
+            importlib.import_module("interlock._gate"),
+            importlib.import_module("interlock._breakers"),
+        )
+
+
+def test_the_runtime_runs_on_the_compiled_state() -> None:
+    assert _view.DECIDE_IMPLEMENTATION == "compiled"
+    assert _view.RunState is compiled.RunState
+    assert _decider._propose is compiled.on_propose
+    assert _decider._report is compiled.on_report
