@@ -21,8 +21,10 @@ never an unbounded queue).
 Why frames on a socket and not a WebSocket: measured in benchmarks/gateway_channel.md,
 the server spends 2.1-2.6 us of CPU per message on frames, 4.5-5.8 us on a WebSocket
 carrying packs of frames, and 136-197 us on a WebSocket with one message per proposal
-(hypercorn's trio worker). End to end over the real service, the channel's own part is
-14-20 us of the ~65 us an accepted proposal costs the server.
+(hypercorn's trio worker). End to end over the real service on SQLite (the split in
+benchmarks/RESULTS.md), an accepted proposal costs the server ~30-35 us of CPU: the journal
+the largest part, then the decide path; the channel's own code (frames read and decoded,
+answers encoded and written) is a few us of it.
 """
 
 from __future__ import annotations
