@@ -645,3 +645,27 @@ def on_report(RunState run, msg, double now, circuits, list events):
         data = pending.data
         _transition(run, events, now, target, {} if data is UNSET else data, "call")
     return _verdict(run, True)
+
+
+# -- encode and frame ---------------------------------------------------------------------
+
+
+def encode_rows(list events, dict tags, keyed, encode, frame):
+    """``stores._base._encode_rows``, compiled: each event as ``(run_id, seq, kind, ts,
+    key, framed msgpack)``, with ``tags`` the kind of each event type, ``keyed`` the types
+    that carry an idempotency key, ``encode`` the journal's encoder and ``frame`` the hot
+    path's ``frame_event``. Raises what ``encode`` raises."""
+    cdef Py_ssize_t i, n = len(events)
+    cdef list rows = [None] * n
+    for i in range(n):
+        event = events[i]
+        kind = type(event)
+        rows[i] = (
+            event.run_id,
+            event.seq,
+            tags[kind],
+            event.ts,
+            event.key if kind in keyed else None,
+            frame(encode(event)),
+        )
+    return rows

@@ -345,3 +345,39 @@ def test_the_runtime_runs_on_the_compiled_state() -> None:
     assert _view.RunState is compiled.RunState
     assert _decider._propose is compiled.on_propose
     assert _decider._report is compiled.on_report
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests)
+def test_the_compiled_rows_are_the_twins_rows(requests_: list[tuple[Any, ...]]) -> None:
+    """Encoded and framed for the journal, byte for byte the same."""
+    from interlock.stores import _base
+
+    fast, _ = drive(requests_)
+    events = list(fast.events)
+    rows = compiled.encode_rows(events, _base._TAGS, _base._KEYED, _base._encode, _base.frame_event)
+    assert rows == _base._encode_rows_py(events)
+    assert _base._encode_rows(events) == rows  # the store's path is the compiled one
+
+
+def test_an_event_the_journal_cannot_encode_raises_as_in_the_twin() -> None:
+    from interlock._events import RunStarted
+    from interlock.stores import _base
+
+    good = RunStarted(run_id="r-1", seq=1, ts=1.0, machine="shop", state="WORK")
+    bad = RunStarted(
+        run_id="r-2", seq=1, ts=1.0, machine="shop", state="WORK", inputs={"x": object()}
+    )
+    raised = []
+    for encode_rows in (
+        lambda events: compiled.encode_rows(
+            events, _base._TAGS, _base._KEYED, _base._encode, _base.frame_event
+        ),
+        _base._encode_rows_py,
+    ):
+        with pytest.raises(TypeError) as info:
+            encode_rows([good, bad])
+        raised.append(str(info.value))
+    assert raised[0] == raised[1]
+    with pytest.raises(_base.StoreError, match="run 'r-2' cannot be encoded"):
+        _base.encode_rows([good, bad])
