@@ -194,3 +194,38 @@ def test_each_refusal_says_what_was_wrong(data: bytes, message: str) -> None:
     assert str(excinfo.value) == (
         f"POST /x to 127.0.0.1:9: sent a response that is not valid HTTP/1.1 ({message})"
     )
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # a bare-LF blank line before the first CRLF CRLF: the head ends there
+        b"HTTP/1.1 200 OK\r\nx-a: 1\n\r\nbody\r\n\r\nmore",
+        b"HTTP/1.1 200 OK\nx-a: 1\n\nbody\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx-a: 1\r\n\nbody\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx-a: 1\ncontent-length: 4\r\n\r\nbody",
+        # CRLF line ends only: the first CRLF CRLF
+        b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 4\r\n\r\nbody",
+    ],
+)
+def test_the_head_ends_at_its_first_blank_line_whatever_its_line_ends(data: bytes) -> None:
+    for cuts in ([], [5], [17, 18, 19, 20, 21]):
+        assert trio.run(parse, data, cuts)[:3] == h11_parse(data)
+
+
+@pytest.mark.parametrize(
+    ("length", "framing"),
+    [("12", 12), ("0012", 12), ("0", 0), ("12, 12", 12), ("12 ,12", 12)],
+)
+def test_a_content_length_reads_as_one_number(length: str, framing: int) -> None:
+    from interlock.providers._http import _framing
+
+    assert _framing(200, {"content-length": length}) == framing
+
+
+@pytest.mark.parametrize("length", ["\u0661\u0662", "1" * 16, "12, 13", "-1", "1e3", ""])
+def test_a_content_length_that_is_not_one_ascii_number_is_refused(length: str) -> None:
+    from interlock.providers._http import _BadHttp, _framing
+
+    with pytest.raises(_BadHttp, match="content-length"):
+        _framing(200, {"content-length": length})

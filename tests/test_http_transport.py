@@ -477,6 +477,77 @@ async def test_a_finished_requests_deadline_never_cuts_the_next_on_its_connectio
     assert server.connections == 2
 
 
+async def test_a_request_after_every_deadline_passed_still_times_out(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """Once the heap of deadlines is empty the watcher sleeps with no deadline; the next
+    request's deadline must wake it."""
+
+    async def answer(request: Request, respond: Responder) -> None:
+        if request.target == "/v1/hang":
+            await trio.sleep_forever()
+        await respond.reply(200, request.body)
+
+    server = await start(nursery, answer)
+    async with Transport(server.url, timeout=5) as transport:
+        assert (await transport.post("/fast", b"1")).body == b"1"
+        await trio.sleep(60)  # past its deadline: the heap is empty again
+        started = trio.current_time()
+        with pytest.raises(ProviderError, match="no complete response within 5 seconds"):
+            await transport.post("/hang", b"2")
+        assert trio.current_time() - started == pytest.approx(5, abs=0.5)
+
+
+async def test_a_body_larger_than_the_socket_takes_at_once_arrives_whole(
+    nursery: trio.Nursery,
+) -> None:
+    body = bytes(range(256)) * 16384  # 4 MiB: more than one send() hands the kernel
+
+    async def echo(request: Request, respond: Responder) -> None:
+        await respond.reply(200, request.body)
+
+    server = await start(nursery, echo)
+    async with Transport(server.url) as transport:
+        response = await transport.post("/x", body)
+    assert server.requests[0].body == body
+    assert response.body == body
+
+
+async def test_the_idle_check_without_poll_finds_a_closed_connection(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where select.poll is missing (Windows), the idle check falls back to select."""
+    from interlock.providers import _http
+
+    monkeypatch.setattr(_http, "_HAS_POLL", False)
+
+    async def once(request: Request, respond: Responder) -> None:
+        await respond.reply(200, b"{}")
+        await respond.stream.aclose()
+
+    server = await start(nursery, once)
+    async with Transport(server.url) as transport:
+        await transport.post("/x", b"{}")
+        await trio.sleep(0.05)
+        await transport.post("/x", b"{}")
+    assert server.connections == 2
+
+
+async def test_an_idle_connection_is_checked_with_one_poll_object(nursery: trio.Nursery) -> None:
+    server = await start(nursery, ok)
+    async with Transport(server.url) as transport:
+        for _ in range(3):
+            await transport.post("/x", b"{}")
+        pool = transport._pool
+        assert pool is not None
+        (connection,) = pool.idle
+        poller = connection.poller
+        assert poller is not None
+        await transport.post("/x", b"{}")
+        assert connection.poller is poller  # made once, on the first reuse
+    assert server.connections == 1
+
+
 async def test_a_connection_dropped_mid_body_is_retryable(nursery: trio.Nursery) -> None:
     async def drop(request: Request, respond: Responder) -> None:
         await respond.raw(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + b'{"partial": ')

@@ -377,3 +377,70 @@ def _envelope() -> Any:
     from interlock.providers._wire import envelope
 
     return envelope("the model answered with text instead of a tool call: hi", "call a tool")
+
+
+def _parse_raw_by_decoding(raw: str, seq: int) -> tuple[str, str, str] | None:
+    """parse_raw as it was before its shortcut for plain names: the name always decoded."""
+    from interlock.providers._wire import _moving_call
+
+    if not raw:
+        return None
+    call_id = f"call_{seq}"
+    if raw.startswith('{"tool":'):
+        at = raw.find(',"args":')
+        if at > 0:
+            try:
+                name = msgspec.json.decode(raw[8:at])
+            except msgspec.DecodeError:
+                return _moving_call(call_id, raw)
+            if isinstance(name, str):
+                return (call_id, name, raw[at + 8 : -1])
+        return None
+    return (call_id, "transition", raw)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.text(max_size=12),
+        st.sampled_from(['"a', 'a"', '"', '""', '"a"b"', '"a\\"b"', '"\\u0041"', ' "a"', '"\x01"']),
+    ),
+    st.sampled_from(["{}", '{"a":1}', "", "{"]),
+)
+def test_a_calls_name_is_read_as_decoding_it_would(name: str, args: str) -> None:
+    quoted = msgspec.json.encode(name).decode() if not name.startswith(('"', " ")) else name
+    for raw in (f'{{"tool":{quoted},"args":{args}}}', f'{{"tool":{name},"args":{args}}}'):
+        assert parse_raw(raw, 3) == _parse_raw_by_decoding(raw, 3)
+
+
+def test_a_body_follows_the_providers_settings_when_they_change() -> None:
+    """The bytes after the conversation are kept per state; changing a setting the body
+    shows (model, output limit, temperature, streaming) is seen by the next call."""
+    from interlock import Start
+    from interlock._decider import start
+    from interlock._view import RunView
+    from interlock.providers._wire import tool_specs
+
+    spec = Machine(
+        "m",
+        initial="W",
+        states={"W": Worker(next=["COMPLETED"], tools=["t"])},
+        tools=[Tool("t", noop, Args)],
+    )
+    run, _ = start(spec, Start(run_id="r", machine="m"), 0.0, [])
+    for make in (
+        chat,
+        lambda: OpenAIResponses("m", base_url=URL),
+        lambda: AnthropicMessages("m", base_url="http://x"),
+    ):
+        provider = make()
+        view = RunView(run)
+        specs = tool_specs(view)
+        provider.request_body(view, specs)
+        changes = {"model": "other", "max_tokens": 77, "temperature": 0.5, "stream": True}
+        for name, value in changes.items():
+            setattr(provider, name, value)
+            fresh = make()
+            for done, set_value in list(changes.items())[: list(changes).index(name) + 1]:
+                setattr(fresh, done, set_value)
+            assert provider.request_body(view, specs) == fresh.request_body(RunView(run), specs)

@@ -20,12 +20,14 @@ from ._wire import (
     ONE_CALL,
     ONE_TOOL_HINT,
     Exchange,
-    assemble,
+    cached_closing,
     clip,
     encoded_tools,
     envelope,
-    joined,
+    framing,
     judge_calls,
+    memo,
+    parts,
     system_text,
 )
 
@@ -96,15 +98,38 @@ class AnthropicMessages(HttpProvider):
             headers["x-api-key"] = self._key
         return headers
 
-    def _messages(self, view: RunView) -> list[bytes]:
-        steps = joined(view, "messages", _messages_step)
-        return [_BEGIN, steps, _NEXT] if steps else [_BEGIN, _NEXT]
+    def _opening(self, view: RunView) -> bytes:
+        """The body's start up to the first user turn, kept on the view while the
+        system text, the model and the output limit stay."""
+        text = system_text(view)
+        cache = memo(view)
+        found = cache.get("messages_head")
+        limit = self.max_tokens or 1024
+        if found is None or found[0] is not text or found[1] != (self.model, limit):
+            head = {"model": self.model, "max_tokens": limit, "system": text}
+            opening = framing(head, "messages", {})[0] + _BEGIN
+            found = cache["messages_head"] = (text, (self.model, limit), opening)
+        return found[2]  # type: ignore[no-any-return]
 
     @staticmethod
     def _tool(spec: ToolSpec) -> dict[str, Any]:
         return {"name": spec.name, "description": spec.description, "input_schema": spec.parameters}
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        """The exact body: ``{"model":...,"max_tokens":...,"system":...,"messages":[begin,
+        turns..., next],...rest}``, joined once from the parts kept on the view and on the
+        provider."""
+        options = (self.model, self.temperature, self.stream)
+        closing = cached_closing(
+            self._closings,
+            specs,
+            options,
+            lambda: b"," + _NEXT + framing({"model": self.model}, "messages", self._rest(specs))[1],
+        )
+        return b"".join([self._opening(view), *parts(view, "messages", _messages_step), closing])
+
+    def _rest(self, specs: tuple[ToolSpec, ...]) -> dict[str, Any]:
+        """The body's fields after the messages."""
         body: dict[str, Any] = {
             "tools": msgspec.Raw(encoded_tools(self._tools, specs, self._tool)),
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
@@ -113,12 +138,7 @@ class AnthropicMessages(HttpProvider):
             body["temperature"] = self.temperature
         if self.stream:
             body["stream"] = True
-        head = {
-            "model": self.model,
-            "max_tokens": self.max_tokens or 1024,
-            "system": system_text(view),
-        }
-        return assemble(head, "messages", self._messages(view), body)
+        return body
 
     def read(
         self, body: bytes, mode: str = "tools"

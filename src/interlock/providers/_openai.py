@@ -26,13 +26,15 @@ from ._wire import (
     ONE_TOOL_HINT,
     TRANSITION,
     Exchange,
-    assemble,
+    cached_closing,
     check_machine,
     clip,
     encoded_tools,
     envelope,
-    joined,
+    framing,
     judge_calls,
+    memo,
+    parts,
     split_move,
     system_text,
     tool_specs,
@@ -238,6 +240,8 @@ class HttpProvider:
         self._transport: Transport | None = transport
         self._own_transport = transport is None
         self._tools: dict[int, tuple[Any, bytes]] = {}
+        self._closings: dict[int, tuple[Any, Any, bytes]] = {}
+        """Per state's specs: the body's bytes after the conversation (see request_body)."""
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r})"
@@ -418,10 +422,18 @@ class OpenAIChat(HttpProvider):
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
-    def _messages(self, view: RunView) -> list[bytes]:
-        system = _encode({"role": "system", "content": system_text(view, self.mode_for(view))})
-        steps = joined(view, "chat", _chat_step)
-        return [system, steps, _NEXT_USER] if steps else [system, _NEXT_USER]
+    def _system(self, view: RunView, mode: str) -> bytes:
+        """The body's start up to the system message, kept on the view while its text and
+        the model stay."""
+        run = view._run
+        key = (run.state, run._data_version, mode, self.model)
+        cache = memo(view)
+        found = cache.get("chat_system")
+        if found is None or found[0] != key:  # what system_text's own memo is keyed on
+            opening = _encode({"model": self.model})[:-1] + b',"messages":['
+            system = _encode({"role": "system", "content": system_text(view, mode)})
+            found = cache["chat_system"] = (key, opening + system)
+        return found[1]  # type: ignore[no-any-return]
 
     def _tool(self, spec: ToolSpec) -> dict[str, Any]:
         function: dict[str, Any] = {
@@ -434,9 +446,36 @@ class OpenAIChat(HttpProvider):
         return {"type": "function", "function": function}
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        """The exact body: ``{"model":...,"messages":[system, steps..., next],...rest}``,
+        joined once from the parts kept on the view and on the provider."""
+        mode = self.mode_for(view)
+        options = (
+            mode,
+            self.model,
+            self.profile,
+            self.max_tokens,
+            self.temperature,
+            self.stream,
+            self.strict,
+            self.transition,
+        )
+        closing = cached_closing(
+            self._closings,
+            specs,
+            options,
+            lambda: (
+                b","
+                + _NEXT_USER
+                + framing({"model": self.model}, "messages", self._rest(specs, mode))[1]
+            ),
+        )
+        return b"".join([self._system(view, mode), *parts(view, "chat", _chat_step), closing])
+
+    def _rest(self, specs: tuple[ToolSpec, ...], mode: str) -> dict[str, Any]:
+        """The body's fields after the messages."""
         profile = self.profile
         body: dict[str, Any] = {}
-        if self.mode_for(view) == "tools":
+        if mode == "tools":
             body["tools"] = msgspec.Raw(encoded_tools(self._tools, specs, self._tool))
             if profile.tool_choice:
                 body["tool_choice"] = profile.tool_choice
@@ -459,7 +498,7 @@ class OpenAIChat(HttpProvider):
             body["stream"] = True
             if profile.stream_usage:
                 body["stream_options"] = {"include_usage": True}
-        return assemble({"model": self.model}, "messages", self._messages(view), body)
+        return body
 
     def read(
         self, body: bytes, mode: str = "tools"
@@ -784,9 +823,16 @@ class OpenAIResponses(HttpProvider):
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
 
-    def _items(self, view: RunView) -> list[bytes]:
-        steps = joined(view, "responses", _responses_step)
-        return [steps, _NEXT_ITEM] if steps else [_NEXT_ITEM]
+    def _opening(self, view: RunView) -> bytes:
+        """The body's start up to the input items, kept on the view while the
+        instructions and the model stay."""
+        text = system_text(view)
+        cache = memo(view)
+        found = cache.get("responses_head")
+        if found is None or found[0] is not text or found[1] != self.model:
+            opening = framing({"model": self.model, "instructions": text}, "input", {})[0]
+            found = cache["responses_head"] = (text, self.model, opening)
+        return found[2]  # type: ignore[no-any-return]
 
     def _tool(self, spec: ToolSpec) -> dict[str, Any]:
         return {
@@ -798,6 +844,23 @@ class OpenAIResponses(HttpProvider):
         }
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
+        """The exact body: ``{"model":...,"instructions":...,"input":[steps..., next],
+        ...rest}``, joined once from the parts kept on the view and on the provider."""
+        options = (self.model, self.max_tokens, self.temperature, self.stream, self.strict)
+        closing = cached_closing(
+            self._closings,
+            specs,
+            options,
+            lambda: _NEXT_ITEM + framing({"model": self.model}, "input", self._rest(specs))[1],
+        )
+        steps = parts(view, "responses", _responses_step)
+        if not steps:
+            return self._opening(view) + closing
+        steps[0] = steps[0][1:]  # the first item has no comma before it
+        return b"".join([self._opening(view), *steps, b",", closing])
+
+    def _rest(self, specs: tuple[ToolSpec, ...]) -> dict[str, Any]:
+        """The body's fields after the input items."""
         body: dict[str, Any] = {
             "tools": msgspec.Raw(encoded_tools(self._tools, specs, self._tool)),
             "tool_choice": "required",
@@ -810,8 +873,7 @@ class OpenAIResponses(HttpProvider):
             body["temperature"] = self.temperature
         if self.stream:
             body["stream"] = True
-        head = {"model": self.model, "instructions": system_text(view)}
-        return assemble(head, "input", self._items(view), body)
+        return body
 
     def read(
         self, body: bytes, mode: str = "tools"

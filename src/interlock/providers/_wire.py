@@ -55,8 +55,7 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Exchange:
+class Exchange(msgspec.Struct, frozen=True, gc=False):
     """One step of the conversation as the model sees it.
 
     ``call``: the assistant's call ``(id, name, arguments)``, or None when the step has
@@ -70,6 +69,8 @@ class Exchange:
     reply: str
     error: bool = False
     extra: tuple[tuple[str, str, str], ...] = ()
+    # NOTE: a Struct, not a frozen dataclass: one is made per step of every run, and a
+    # frozen dataclass's __init__ sets each field through object.__setattr__ (4x slower).
 
 
 ONE_CALL = (
@@ -445,9 +446,13 @@ def _exchange(
     call = None if turn is None else parse_raw(turn[1], turn[0])
     if call is None or turn is None:
         return Exchange(None, f"[{frame.kind}] {text}", error)
-    extra = tuple(
-        (f"{call[0]}_{index}", name, arguments)
-        for index, (name, arguments) in enumerate(turn[2], 1)
+    extra = (
+        tuple(
+            (f"{call[0]}_{index}", name, arguments)
+            for index, (name, arguments) in enumerate(turn[2], 1)
+        )
+        if turn[2]
+        else ()
     )
     if frame.kind == "tool_result":
         reply = _result_text(run, frame.seq)
@@ -458,28 +463,38 @@ def _exchange(
     return Exchange(call, reply, error, extra)
 
 
-def joined(view: RunView, key: str, render: Callable[[Exchange], bytes]) -> bytes:
+def parts(view: RunView, key: str, render: Callable[[Exchange], bytes]) -> list[bytes]:
     """Every step of the conversation rendered by ``render`` (a provider's wire format),
-    joined by commas: each step is rendered once, and the text of the steps that can no
-    longer change is kept joined on the view, so a call adds only its new steps."""
+    each with a comma before it, in a new list: the request body is then one join of
+    them with its fixed parts (one copy of the conversation per call, not one per piece).
+
+    Each step is rendered once: the fragments of the steps that can no longer change
+    are kept on the view (only the last step can change: a repeated rejection joins it),
+    so a call renders its new steps only."""
     state = _steps(view)
     steps = state.steps
     if not steps:
-        return b""
+        return []
     cache = memo(view)
     found = cache.get(key)
-    if found is None or found[0] != state.generation or found[1] > len(steps) - 1:
-        generation, count, prefix, last_step, last = state.generation, 0, b"", None, b""
+    if found is None or found[0] != state.generation or len(found[1]) > len(steps) - 1:
+        stable: list[bytes] = []
+        last_step, last = None, b""
     else:
-        generation, count, prefix, last_step, last = found
-    for index in range(count, len(steps) - 1):
+        _generation, stable, last_step, last = found
+    for index in range(len(stable), len(steps) - 1):
         step = steps[index]
-        fragment = last if step is last_step else render(step)
-        prefix = prefix + b"," + fragment if prefix else fragment
+        stable.append(last if step is last_step else b"," + render(step))
     final = steps[-1]
-    fragment = last if final is last_step else render(final)
-    cache[key] = (generation, len(steps) - 1, prefix, final, fragment)
-    return prefix + b"," + fragment if prefix else fragment
+    if final is not last_step:
+        last = b"," + render(final)
+    cache[key] = (state.generation, stable, final, last)
+    return [*stable, last]
+
+
+def joined(view: RunView, key: str, render: Callable[[Exchange], bytes]) -> bytes:
+    """The fragments of :func:`parts` joined by commas (b"" for no step)."""
+    return b"".join(parts(view, key, render))[1:]
 
 
 def _result_text(run: Any, seq: int) -> str:
@@ -499,8 +514,18 @@ def parse_raw(raw: str, seq: int) -> tuple[str, str, str] | None:
     if raw.startswith('{"tool":'):
         at = raw.find(_ARGS)
         if at > 0:
+            quoted = raw[8:at]
+            inner = quoted[1:-1]
+            if (
+                len(quoted) >= 2
+                and quoted[0] == '"' == quoted[-1]
+                and '"' not in inner
+                and "\\" not in inner
+                and inner.isprintable()
+            ):
+                return (call_id, inner, raw[at + len(_ARGS) : -1])  # what decoding gives
             try:
-                name = msgspec.json.decode(raw[8:at])
+                name = msgspec.json.decode(quoted)
             except msgspec.DecodeError:
                 return _moving_call(call_id, raw)
             if isinstance(name, str):
@@ -573,6 +598,29 @@ def assemble(head: dict[str, Any], key: str, parts: list[bytes], rest: dict[str,
     if len(tail) > 2:
         return start + (b"," if head else b"") + middle + b"," + tail[1:]
     return start + (b"," if head else b"") + middle + b"}"
+
+
+def framing(head: dict[str, Any], key: str, rest: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The bytes before and after the array in :func:`assemble`: ``opening + b",".join(parts)
+    + closing == assemble(head, key, parts, rest)``, so a provider encodes them once."""
+    start = _encode(head)[:-1] if head else b"{"
+    tail = _encode(rest)
+    opening = start + (b"," if head else b"") + b'"' + key.encode() + b'":['
+    return opening, (b"]," + tail[1:] if len(tail) > 2 else b"]}")
+
+
+def cached_closing(
+    cache: dict[int, tuple[Any, Any, bytes]],
+    specs: tuple[ToolSpec, ...],
+    options: Any,
+    build: Callable[[], bytes],
+) -> bytes:
+    """``build()``, kept per ``specs`` (one per state) while ``options`` (the provider's
+    settings the bytes depend on) stay equal."""
+    found = cache.get(id(specs))
+    if found is None or found[0] is not specs or found[1] != options:
+        found = cache[id(specs)] = (specs, options, build())
+    return found[2]
 
 
 def encoded_tools(
