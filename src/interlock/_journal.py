@@ -86,6 +86,7 @@ class GroupCommit:
     """
 
     __slots__ = (
+        "_append_now",
         "_contain",
         "_decide",
         "_forget",
@@ -134,6 +135,12 @@ class GroupCommit:
         """Called after each batch is durable, with the events written."""
         self._turned: trio.Event | None = None  # set by serve after each batch (see close)
         self._writing = False
+        immediate = getattr(store, "immediate_append", None)
+        self._append_now: Callable[[Sequence[Event]], None] | None = (
+            immediate() if immediate is not None else None
+        )
+        """A store with nothing to wait for (``MemoryStore.append_now``): where the writer
+        would be woken and no batch is being written, the caller's task writes at once."""
 
     async def request(self, msg: Request) -> Verdict:
         """See :meth:`Supervisor.request`."""
@@ -168,12 +175,18 @@ class GroupCommit:
     def submit_nowait(self, msg: Request) -> Verdict:
         """See :meth:`Supervisor.submit_nowait`."""
         verdict = self._decide_now(msg)
-        idle = self._idle
-        if idle is not None and self._inline:
+        if self._inline:
             early = self.early
             if early is None or early(msg, verdict) != LAG:
-                self._idle = None
-                trio.lowlevel.reschedule(idle)
+                if self._may_write_now():
+                    error = self._write_now()
+                    if error is not None:
+                        raise error
+                    return verdict
+                idle = self._idle
+                if idle is not None:
+                    self._idle = None
+                    trio.lowlevel.reschedule(idle)
         return verdict
 
     async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
@@ -193,6 +206,13 @@ class GroupCommit:
         """
         verdict = self._decide_now(msg)
         mode = DURABLE if self.early is None else self.early(msg, verdict)
+        if (mode != LAG or lagging) and self._may_write_now():
+            # Durable now, in this task: the write has nothing to wait for.
+            error = self._write_now()
+            if error is not None:
+                raise error
+            await trio.lowlevel.checkpoint()
+            return verdict
         if mode == DURABLE:
             pending = _Pending(msg, trio.lowlevel.current_task())
             pending.verdict = verdict
@@ -306,6 +326,52 @@ class GroupCommit:
             if pending.msg.run_id in run_ids:
                 pending.error = error(pending.msg.run_id)
 
+    def _may_write_now(self) -> bool:
+        """Whether the caller's task may write what was decided now (see _append_now):
+        the store appends with nothing to wait for, nothing is fenced, and no batch is
+        being written or waits to be (so the journal's order is the decisions' order)."""
+        return (
+            self._append_now is not None
+            and self.fenced is None
+            and not self._writing
+            and not self._queue
+            and not self._waiting
+            and not self.closed
+        )
+
+    def _write_now(self) -> StoreError | None:
+        """Write the events decided so far in the caller's task (see _may_write_now); on
+        failure, forget their runs (as :meth:`_write` does) and return the error."""
+        events, self._inline = self._inline, []
+        if not events:
+            return None
+        started = time.perf_counter()
+        assert self._append_now is not None
+        try:
+            self._append_now(events)
+        except (StoreError, OSError) as exc:
+            return self._lost(events, exc)
+        self._written(events, started)
+        return None
+
+    def _lost(self, events: list[Event], exc: StoreError | OSError) -> StoreError:
+        """A batch that could not be written: its runs are forgotten; the error."""
+        error = exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
+        lost = {e.run_id for e in events}
+        self._forget(lost, error)
+        self._drop_inline(lost, lambda _: error)
+        return error
+
+    def _written(self, events: list[Event], started: float) -> None:
+        """A batch is durable: tell the listeners, count it."""
+        for listener in self.on_written:
+            listener(events)
+        stats = self.stats
+        stats.flush_latency.record(time.perf_counter() - started)
+        stats.flush_events["batches"] += 1
+        stats.flush_events["events"] += len(events)
+        stats.batch_sizes.record(len(events) * 1e-6)
+
     async def _write(self, events: list[Event]) -> tuple[StoreError | None, frozenset[str]]:
         """Append one batch; on failure, forget its runs and return the error. Also
         returns the runs a fenced append refused (none of their events were written)."""
@@ -317,22 +383,10 @@ class GroupCommit:
             else:
                 refused = await self.fenced(events)
         except (StoreError, OSError) as exc:
-            error = (
-                exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
-            )
-            lost = {e.run_id for e in events}
-            self._forget(lost, error)
-            self._drop_inline(lost, lambda _: error)
-            return error, refused
+            return self._lost(events, exc), refused
         if refused:
             events = [event for event in events if event.run_id not in refused]
             assert self.refusal is not None
             self._drop_inline(refused, self.refusal)
-        for listener in self.on_written:
-            listener(events)
-        stats = self.stats
-        stats.flush_latency.record(time.perf_counter() - started)
-        stats.flush_events["batches"] += 1
-        stats.flush_events["events"] += len(events)
-        stats.batch_sizes.record(len(events) * 1e-6)
+        self._written(events, started)
         return None, refused

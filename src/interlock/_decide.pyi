@@ -1,0 +1,28 @@
+"""Type stub of the compiled decide path (ext/_decide.pyx); its twin is ``_view.PyRunState``
+and ``_decider``'s own paths."""
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ._events import Event
+from ._messages import Propose, Report, Verdict
+from ._view import PyRunState
+
+class RunState(PyRunState): ...
+
+def bind_view(namespace: ModuleType) -> None: ...
+def bind_decider(namespace: Any, gate: ModuleType, breakers: ModuleType) -> None: ...
+def on_propose(
+    run: RunState, msg: Propose, now: float, circuits: Any, events: list[Event]
+) -> Verdict: ...
+def on_report(
+    run: RunState, msg: Report, now: float, circuits: Any, events: list[Event]
+) -> Verdict: ...
+def encode_rows(
+    events: list[Event],
+    tags: dict[type[Event], str],
+    keyed: frozenset[type[Event]],
+    encode: Callable[[Any], bytes],
+    frame: Callable[[bytes], bytes],
+) -> list[tuple[str, int, str, float, str | None, bytes]]: ...
