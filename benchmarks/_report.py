@@ -94,6 +94,12 @@ def hot_path() -> dict[str, Any]:
     pyx = ROOT / "ext" / "_hot.pyx"
     if so.exists() and pyx.exists():
         info["compiled_newer_than_pyx"] = so.stat().st_mtime >= pyx.stat().st_mtime
+    # The decide path (ext/_decide.pyx): the run state and a step's accepted path.
+    info["decide"] = importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION
+    decide_pyx = ROOT / "ext" / "_decide.pyx"
+    if info["decide"] == "compiled" and decide_pyx.exists():
+        decide_so = Path(importlib.import_module("interlock._decide").__file__ or "")
+        info["decide_newer_than_pyx"] = decide_so.stat().st_mtime >= decide_pyx.stat().st_mtime
     return info
 
 
@@ -168,7 +174,13 @@ def environment_markdown(env: dict[str, Any], command: str, started: str, second
         f"- **OS / Python:** {env['os']} / {env['python']}",
         "- **Versions:** " + ", ".join(f"{name} {v}" for name, v in env["versions"].items()),
         f"- **Hot path:** `interlock._hotpath` selected **{hot['selected']}**"
-        f" (`{hot.get('compiled_module', '?')}`{freshness})",
+        f" (`{hot.get('compiled_module', '?')}`{freshness})"
+        + (
+            f"; the decide path (ext/_decide.pyx): **{hot['decide']}**"
+            + ("" if hot.get("decide_newer_than_pyx", True) else " (OLDER than its .pyx: stale)")
+            if "decide" in hot
+            else ""
+        ),
         f"- **Checkout:** {env['git'].get('commit') or 'unknown'}"
         + (" with uncommitted changes" if env["git"].get("dirty") else ""),
     ]

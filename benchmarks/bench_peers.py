@@ -87,6 +87,7 @@ STEPS = 20
 TOOL_KINDS = ("read-only", "idempotent", "not idempotent")
 INTERLOCK = "interlock"
 CALL_AND_MOVE = "interlock, call-and-move proposals"
+TWIN = "interlock, the decide path's pure-Python twin"
 BURR = "Burr, in-memory state (sync)"
 BURR_EXPR = "Burr, in-memory state (sync), expr condition as in its counter example"
 BURR_ASYNC = "Burr, in-memory state (async actions, asyncio)"
@@ -367,8 +368,24 @@ def plain_runs(runs: int) -> dict[str, Any]:
 # -- children ---------------------------------------------------------------------------
 
 
+def use_decide_twin() -> bool:
+    """Run this process's steps on the pure-Python run state and decide path (the twin of
+    ext/_decide.pyx), the rest of the runtime as it is; False where there is no compiled
+    one to switch from."""
+    from interlock import _decider, _view
+
+    if _view.DECIDE_IMPLEMENTATION != "compiled":
+        return False
+    _view.RunState = _decider.RunState = _view.PyRunState  # type: ignore[misc]
+    _decider._propose = _decider._on_propose
+    _decider._report = _decider._on_report
+    return True
+
+
 def _measure(config: dict[str, Any]) -> dict[str, Any]:
     kind, runs = config["kind"], config["runs"]
+    if config.get("decide") == "python" and not use_decide_twin():
+        raise RuntimeError("the decide path is not compiled here: no twin to compare with")
     if kind == "interlock":
         return interlock_runs(
             runs,
@@ -540,6 +557,19 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             "This tree does not accept a tool call naming the state to move to "
             '(`{"tool", "args", "next"}`): no call-and-move row.'
         )
+    if importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION == "compiled":
+        memory_plan.insert(
+            1,
+            (
+                TWIN,
+                {
+                    "kind": "interlock",
+                    "runs": seq_runs["interlock"],
+                    "warmup": 2,
+                    "decide": "python",
+                },
+            ),
+        )
     if HAVE_BURR:
         memory_plan.insert(1, (BURR, {"kind": "burr", "runs": seq_runs["burr"], "warmup": 5}))
         memory_plan.insert(
@@ -643,6 +673,8 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             (INTERLOCK, {"kind": "interlock"}, (5, 25)),
             (PLAIN, {"kind": "plain"}, (200, 2_000)),
         ]
+        if importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION == "compiled":
+            plan.insert(1, (TWIN, {"kind": "interlock", "decide": "python"}, (5, 25)))
         if HAVE_BURR:
             plan.insert(1, (BURR, {"kind": "burr"}, (10, 50)))
         for label, config, (lo, hi) in plan:
