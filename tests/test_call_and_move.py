@@ -497,3 +497,30 @@ def test_a_live_run_makes_one_model_call_per_call_and_move_step_and_replays() ->
     ]
     events = trio.run(_record, plain, two_step)
     assert [type(e).__name__ for e in events].count("ModelCalled") == 4
+
+
+def test_show_prints_the_move_an_intent_makes_when_its_call_succeeds() -> None:
+    from interlock._cli import _describe
+    from interlock._events import IntentRecorded
+
+    plain = IntentRecorded(
+        run_id="r", seq=3, ts=1.0, state="WORK", tool="lookup", args={"id": 1}, key="r:WORK:3"
+    )
+    moving = IntentRecorded(
+        run_id="r",
+        seq=3,
+        ts=1.0,
+        state="WORK",
+        tool="lookup",
+        args={"id": 1},
+        key="r:WORK:3",
+        next="PAY",
+        data={"note": "paid"},
+    )
+    assert _describe(plain) == 'intent lookup({"id":1}) key=r:WORK:3'
+    assert (
+        _describe(moving)
+        == 'intent lookup({"id":1}) key=r:WORK:3, then -> PAY data {"note":"paid"}'
+    )
+    bare = msgspec.structs.replace(moving, data=msgspec.UNSET)
+    assert _describe(bare) == 'intent lookup({"id":1}) key=r:WORK:3, then -> PAY'

@@ -873,7 +873,11 @@ def _describe(event: Any) -> str:
                 f"[{v.code}] {v.message} -> {v.hint}" for v in violations
             )
         case IntentRecorded(tool=tool, args=args, key=key):
-            return f"intent {tool}({_short(args)}) key={key}"
+            line = f"intent {tool}({_short(args)}) key={key}"
+            if event.next is not msgspec.UNSET:  # call and move: the move it makes on success
+                data = event.data if event.data is not msgspec.UNSET else None
+                line += f", then -> {event.next}" + (f" data {_short(data)}" if data else "")
+            return line
         case ToolCommitted(tool=tool, result=result, attempts=attempts):
             how = (
                 "as reconciled, not executed again" if event.reconciled else f"attempts {attempts}"
