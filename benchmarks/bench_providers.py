@@ -25,7 +25,8 @@ Two measurements, as ratios of one run:
   process, started by ``python -m benchmarks.bench_providers --serve``; it reads the step
   from the conversation it is sent) over loopback HTTP with ``max_in_flight`` 256; and
   ``OpenAIChat`` with the in-process transport of the per-call part (the provider's code
-  and the journaling of the exact bodies, no HTTP). Reported: runs/s, step latency p50/p99
+  and the journaling of the exact bodies, no HTTP), and the same with the bodies dropped
+  from its proposals (the provider's code alone). Reported: runs/s, step latency p50/p99
   (from one call of the model to the run's next, or to its end), CPU µs per step of the
   runtime process (``process_time`` over its ``trio.run``), the fake server's CPU beside
   it, and the CPU the provider layer adds per step over the simulated provider. A smaller
@@ -42,6 +43,7 @@ import functools
 import gc
 import io
 import itertools
+import math
 import os
 import pstats
 import shutil
@@ -74,6 +76,7 @@ PROVIDERS = ("OpenAIChat", "OpenAIResponses", "AnthropicMessages")
 API = {"OpenAIChat": "chat", "OpenAIResponses": "responses", "AnthropicMessages": "messages"}
 SIMULATED = "simulated (ScriptedProvider)"
 LOCAL = "OpenAIChat, in-process transport"
+UNJOURNALED = "OpenAIChat, in-process transport, bodies not journaled"
 BARE = "floor: simulated + a bare loopback exchange"
 HTTP_CHAT = "OpenAIChat, HTTP"
 MAX_IN_FLIGHT = 256
@@ -205,6 +208,24 @@ def local_provider(name: str, lookups: int, steps: int) -> Any:
         run_header=RUN_HEADER,
         transport=LocalTransport(API[name], lookups, steps),
     )
+
+
+class Unjournaled:
+    """Wraps a provider: its proposals with the request and response bodies dropped, so the
+    journal records no prompt (the in-process row minus this one: what journaling the exact
+    bodies costs; this one minus the simulated row: the provider's own code)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.model = inner.model
+        self.check = inner.check
+
+    async def propose(self, view: Any) -> Any:
+        proposal = await self.inner.propose(view)
+        return msgspec.structs.replace(proposal, prompt="", response=None)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class Recording(LocalTransport):
@@ -607,6 +628,8 @@ def measure_runs(config: dict[str, Any]) -> dict[str, Any]:
             inner = BareExchange(config["url"], bodies, inner)
     elif kind == "local":
         inner = local_provider(config["provider"], lookups, steps)
+        if not config.get("bodies", True):
+            inner = Unjournaled(inner)
     else:
         inner = make_provider(config["provider"], config["url"])
     provider = Timed(inner)
@@ -718,6 +741,9 @@ def configurations(quick: bool, url: str) -> list[dict[str, Any]]:
     for name in PROVIDERS if not quick else PROVIDERS[:1]:
         configs.append({**base, "kind": "http", "provider": name, "label": f"{name}, HTTP"})
     configs.append({**base, "kind": "local", "provider": "OpenAIChat", "label": LOCAL})
+    configs.append(
+        {**base, "kind": "local", "provider": "OpenAIChat", "bodies": False, "label": UNJOURNALED}
+    )
     return configs
 
 
@@ -915,37 +941,7 @@ def render(results: dict[str, Any]) -> str:
             body,
         ),
     ]
-    simulated, http, local, bare = (
-        find(results, SIMULATED),
-        find(results, HTTP_CHAT),
-        find(results, LOCAL),
-        find(results, BARE),
-    )
-    if simulated and http and local and bare:
-        floor = bare["cpu_us_per_step"] - simulated["cpu_us_per_step"]
-        exchange = http["cpu_us_per_step"] - local["cpu_us_per_step"]
-        parts += [
-            "",
-            f"The floor: the same bytes exchanged over a bare keep-alive socket add "
-            f"{num(floor)} µs a step to the simulated run ({floor / simulated['cpu_us_per_step']:+.0%}): "
-            "that much any HTTP provider pays here, in trio's wait for the socket and in the "
-            f"kernel's loopback. OpenAIChat's HTTP exchange costs {num(exchange)} µs (HTTP "
-            f"minus in-process), {num(exchange - floor)} µs over that floor; its code and the "
-            "journaling of the exact bodies "
-            f"{num(local['cpu_us_per_step'] - simulated['cpu_us_per_step'])} µs more.",
-        ]
-    if simulated and http and local:
-        parts += [
-            "",
-            f"Where OpenAIChat's {num(http['cpu_us_per_step'])} µs of CPU per step go: the "
-            f"runtime's own step {num(simulated['cpu_us_per_step'])} µs (simulated); the "
-            f"provider's code and the journaling of the exact bodies "
-            f"{num(local['cpu_us_per_step'] - simulated['cpu_us_per_step'])} µs (in-process "
-            f"transport minus simulated); the HTTP exchange "
-            f"{num(http['cpu_us_per_step'] - local['cpu_us_per_step'])} µs (HTTP minus "
-            f"in-process), {(http['cpu_us_per_step'] - local['cpu_us_per_step']) / http['cpu_us_per_step']:.0%} "
-            "of the step.",
-        ]
+    parts += _split_paragraphs(results)
     if results.get("profile_areas"):
         inclusive = results.get("profile_inclusive") or {}
         parts += [
@@ -961,6 +957,71 @@ def render(results: dict[str, Any]) -> str:
             ),
         ]
     return "\n".join(parts)
+
+
+def split(results: dict[str, Any]) -> dict[str, float] | None:
+    """Where OpenAIChat's CPU per step over the simulated provider goes, in µs per step:
+    ``floor`` (the bare exchange of the same bytes), ``transport`` (the HTTP exchange over
+    the floor: HTTP minus in-process minus the floor), ``code`` (the provider's own code:
+    in-process with the bodies not journaled minus simulated; without that row, it holds
+    the journaling too) and ``bodies`` (journaling the exact bodies: in-process minus that
+    row), with ``added`` their sum and ``simulated`` the base."""
+    simulated, http, local, bare = (
+        find(results, SIMULATED),
+        find(results, HTTP_CHAT),
+        find(results, LOCAL),
+        find(results, BARE),
+    )
+    if not (simulated and http and local and bare):
+        return None
+    base = simulated["cpu_us_per_step"]
+    floor = bare["cpu_us_per_step"] - base
+    unjournaled = find(results, UNJOURNALED)
+    local_us = local["cpu_us_per_step"]
+    code = (unjournaled["cpu_us_per_step"] if unjournaled else local_us) - base
+    return {
+        "simulated": base,
+        "added": http["cpu_us_per_step"] - base,
+        "floor": floor,
+        "transport": http["cpu_us_per_step"] - local_us - floor,
+        "code": code,
+        "bodies": local_us - base - code if unjournaled else math.nan,
+    }
+
+
+def _split_paragraphs(results: dict[str, Any]) -> list[str]:
+    from benchmarks._report import num
+
+    parts = split(results)
+    if parts is None:
+        return []
+    base = parts["simulated"]
+
+    def share(value: float) -> str:
+        return f"{num(value)} µs ({value / base:+.0%})"
+
+    bodies = (
+        f"; journaling the exact request and response bodies (hashing, the delta against the "
+        f"previous request, encoding: the journal's work) {share(parts['bodies'])} (in-process "
+        "minus in-process with the bodies not journaled)"
+        if not math.isnan(parts["bodies"])
+        else " (with the journaling of the exact bodies)"
+    )
+    return [
+        "",
+        f"Where OpenAIChat over HTTP adds {share(parts['added'])} a step over the simulated "
+        f"provider's {num(base)} µs: the floor {share(parts['floor'])}, the same bytes "
+        "exchanged over a bare keep-alive socket with no HTTP library (trio's wait for the "
+        "socket: a park, an epoll registration and a wake per exchange; the kernel's "
+        "loopback; the queue for the in-flight limit), which any HTTP provider pays here; the "
+        f"transport over that floor {share(parts['transport'])} (HTTP minus in-process minus "
+        "the floor: the request head, the response head's parse, the deadline, the "
+        "connection's idle check, the exchange's frames); the provider's own code "
+        f"{share(parts['code'])} (in-process with the bodies not journaled minus simulated: "
+        f"the request body joined from the parts kept on the view, the exact read){bodies}. "
+        "The in-process rows include a scheduler checkpoint standing in for the wait on the "
+        "server, so the transport's share is, if anything, understated by one.",
+    ]
 
 
 def _child(config: dict[str, Any]) -> dict[str, Any]:
