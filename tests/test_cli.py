@@ -226,11 +226,14 @@ def test_corrupt_database_is_one_line_error_and_untouched(tmp_path):
     assert bogus.read_bytes() == before
 
 
-def test_version_names_the_hot_path():
+def test_version_names_the_hot_path_and_the_decide_path():
+    from interlock._hotpath import IMPLEMENTATION
+    from interlock._view import DECIDE_IMPLEMENTATION
+
     done = interlock("--version")
     assert done.returncode == 0
     assert done.stdout.startswith("interlock 0.")
-    assert "hot path: " in done.stdout
+    assert f"(hot path: {IMPLEMENTATION}, decide path: {DECIDE_IMPLEMENTATION})" in done.stdout
 
 
 def _digest(path):

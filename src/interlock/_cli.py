@@ -55,7 +55,7 @@ from ._hotpath import IMPLEMENTATION
 from ._leasing import DEFAULT_TTL
 from ._machine import Machine, Worker
 from ._version import __version__
-from ._view import violation_signature
+from ._view import DECIDE_IMPLEMENTATION, violation_signature
 from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
 from .stores._open import open_store, sqlite_path
 from .stores._sqlite import JournalHeld, hold_journal
@@ -240,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"interlock {__version__} (hot path: {IMPLEMENTATION})",
+        version=(
+            f"interlock {__version__} (hot path: {IMPLEMENTATION}, "
+            f"decide path: {DECIDE_IMPLEMENTATION})"
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
