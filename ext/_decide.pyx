@@ -669,3 +669,11 @@ def encode_rows(list events, dict tags, keyed, encode, frame):
             frame(encode(event)),
         )
     return rows
+
+
+def accept_call(RunState run, bytes raw, double now, circuits):
+    """The compiled gate's accepted path on its own, for the benchmarks and the tests:
+    ``(call, builtins, value, call_hash)`` for a call it accepts, a ``Decision`` for one a
+    guard, the encoding, the repeat breaker or the circuit refused, None for whatever the
+    Python gate (``verify``) must decide (see ``_accept_call``)."""
+    return _accept_call(run, run.machine, raw, now, circuits)
