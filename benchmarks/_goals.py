@@ -667,19 +667,23 @@ _TRANSITION_CLOSING = (
     "whole supervisor batch in one call would close it."
 )
 _VERIFY_CLOSING = (
-    "Beyond decoding, the accepted path is Python-level work of a few tenths of a µs each: the "
-    "guard and its `RunView`, the args' canonical encoding and its hash, the `Decision`, the "
-    "budget and circuit checks. Compiling the gate's module unchanged with Cython gave nothing. "
-    "Closing it needs the accepted path written as typed Cython (one compiled call that checks "
-    "the tables, hashes the decoded args and updates the repeat counts) and guards that can be "
-    "compiled (declared comparisons such as `amount <= inputs.total`)."
+    "The gate as a step runs it is compiled now (ext/_decide.pyx: budgets, the single-decode "
+    "path, the guard, the canonical hash, the repeat count and the circuit in one call, the "
+    "Python gate only for what it rejects). What is left over msgspec's decode is the guard, "
+    "a Python function called with a `RunView`, the exact-reading scan and the args' "
+    "canonical encoding and its hash: closing the rest needs guards that can be compiled "
+    "(declared comparisons such as `amount <= inputs.total`)."
 )
 _LOOP_CLOSING = (
-    "No single function dominates: the cost is per-step machinery (two task switches, folding "
-    "and journaling three events, the prompt's delta and hash, histogram records). One task "
-    "switch per step instead of two would save at most half the scheduler's floor; the rest "
-    "needs the decide path and the per-event work (encode, frame, index) written as typed "
-    "compiled code over a run's state."
+    "The decide path is compiled (ext/_decide.pyx: the run's typed state and its fold, the "
+    "accepted call verified and its events built, the commit, the events encoded and framed), "
+    "and a memory store's write happens in the run's own task. What remains is per-step "
+    "machinery spread thin over Python functions of a few µs each: trio's scheduler (a "
+    "checkpoint per proposal and per model call), the actor's loop (the model call's timeout "
+    "entry, the tool's context and timeout), the provider's prompt rendering and hash, the "
+    "stats counters and the store's bookkeeping. No single function is worth compiling alone; "
+    "closing it needs the actor's loop compiled with them, or several steps of a run decided "
+    "per task switch."
 )
 _CONCURRENCY_CLOSING = (
     "Every interlock row journals to a SQLite file, so the runtime's work includes the disk. "
@@ -709,9 +713,8 @@ _PROVIDERS_CLOSING = (
 _GATEWAY_CLOSING = (
     "The transport is not what is missing: batches and the channel run at nearly the rate "
     "of the same proposals submitted in process with no HTTP. The rest is the supervisor's "
-    "own cost per proposal (the decider, the gate, the view's fold, the stats counters) and "
-    "the gateway service's batch settling: the decide path written as typed compiled code "
-    "over a compact run state (the step-at-its-floor issue) is what would close it."
+    "own cost per proposal (the decide path, compiled now, the stats counters, the journal) "
+    "and the gateway service's batch settling."
 )
 _GATEWAY_THROUGHPUT_CLOSING = (
     "Measured by parts (the split in the notes), the largest share of the server's CPU per "
@@ -722,8 +725,8 @@ _GATEWAY_THROUGHPUT_CLOSING = (
     "and the gateway's own code (frames, dispatch, settling, encoding the verdicts) with "
     "trio's scheduling and the sockets. Closing it on SQLite needs the journal's cost per "
     "proposal cut severalfold (fewer pages written per run and commit: the runs index not "
-    "rewritten for every run in every batch), then the decide path compiled and the "
-    "gateway's per-message Python thinned further."
+    "rewritten for every run in every batch); the decide path is compiled (ext/_decide.pyx), "
+    "and the gateway's per-message Python could be thinned further."
 )
 _JOURNAL_CLOSING = (
     "The store writes one row per run per batch and updates the runs index from each run's last "
@@ -736,10 +739,12 @@ _PG_GROUP_COMMIT_CLOSING = (
 )
 
 _PEERS_MEMORY_CLOSING = (
-    "Where one run goes at a time nothing is batched: every step pays the supervisor's two "
-    "task switches, the decide path (fold, verify, build the events) and a flush of its own. "
-    "A tool call that names its next state saves the separate model call for the move; the "
-    "rest needs the decide path compiled over a typed run state (the issue's third part)."
+    "One run at a time nothing is batched, so every step pays the whole per-step machinery: "
+    "the decide path is compiled now (the twin row shows what that saved) and a memory "
+    "store's write no longer hops to the writer task; what is left is spread thin (see the "
+    "loop goal): trio's checkpoints, the actor's loop, the provider's prompt, the counters. "
+    "A call that names its next state saves the model call of the move, which a scripted "
+    "model does not show."
 )
 _PEERS_DURABLE_CLOSING = (
     "Each flush is one fsync with synchronous=FULL; the intent flushed before the tool runs is "
