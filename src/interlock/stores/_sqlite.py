@@ -46,6 +46,8 @@ from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted
 from .._exceptions import IndexDamaged, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, frame_events, unframe
 from ._base import (
+    COMPLETED,
+    FAILED,
     INDEX_CHANGES,
     RUNNING,
     RunRecord,
@@ -165,7 +167,6 @@ _RUNNING_COUNTED = "SELECT value FROM meta WHERE name = 'running'"
 _COUNT_RUNNING = (
     "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'running'"
 )
-_OUTCOME = "SELECT outcome FROM runs WHERE run_id = ?"
 _INSERT_CHUNK = "INSERT INTO chunks (run_id, first_seq, last_seq, body) VALUES (?, ?, ?, ?)"
 _INSERT_INTENT = "INSERT INTO intents (key, run_id, seq) VALUES (?, ?, ?)"
 _UPSERT_RUN = (
@@ -180,30 +181,32 @@ _INSERT_RUN = (
     f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO NOTHING"
 )
-#: The name of :func:`row_checksum` in the SQL of a writing connection.
-_CHECKSUM_SQL = "interlock_row_checksum"
 #: The number of runs started, so that a row missing from the index is noticed.
 _RUNS_COUNTED = "SELECT value FROM meta WHERE name = 'runs'"
 _COUNT_RUNS = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'runs'"
-_STORED_CHECKSUM = (
-    f"{_CHECKSUM_SQL}(run_id, machine, state, outcome, seq, started, updated, reason, detail)"
+#: A continuing run's index row moves on only from the row it moves from (the one this
+#: store last wrote, or the stored one, read and checked against its checksum): every
+#: stored column is compared with that row, so a row damaged or changed since is not moved
+#: (and never re-checksummed as good), and the row count tells whether every run was where
+#: the batch says it was. The new checksum is computed in Python, once per row. A run whose
+#: outcome stays is moved without outcome, reason and detail in the SET, so that SQLite
+#: leaves the index of unfinished runs alone (it rewrites a partial index whenever a column
+#: of its WHERE is set, changed or not).
+_MOVE_FROM = (
+    "WHERE run_id = ?5 AND machine = ?6 AND state = ?7 AND outcome = ?8 AND seq = ?9 "
+    "AND started = ?10 AND updated = ?11 AND reason = ?12 AND detail = ?13 AND crc = ?14"
 )
-#: What sqlite3 says when a function's argument cannot be converted (text that is not
-#: UTF-8) or the function raises (a field of a type no interlock writes): a damaged row.
-_FUNCTION_FAILED = "user-defined function raised exception"
-#: A continuing run's index row moves on only from the seq before the batch's first, and
-#: only if it passes its checksum (a damaged row must not be re-checksummed as good): the
-#: row count tells whether every run was where the batch says it was.
-_ADVANCE_RUN = (
-    "UPDATE runs SET seq = ?1, updated = ?2, state = COALESCE(?3, state), "
-    "outcome = COALESCE(?4, outcome), reason = COALESCE(?5, reason), "
-    "detail = COALESCE(?6, detail), "
-    f"crc = {_CHECKSUM_SQL}(run_id, machine, COALESCE(?3, state), COALESCE(?4, outcome), "
-    "?1, started, ?2, COALESCE(?5, reason), COALESCE(?6, detail)) "
-    f"WHERE run_id = ?7 AND seq = ?8 AND crc = {_STORED_CHECKSUM}"
+_MOVE_ROW = f"UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4 {_MOVE_FROM}"
+_MOVE_ROW_OUTCOME = (
+    "UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, outcome = ?15, "
+    f"reason = ?16, detail = ?17 {_MOVE_FROM}"
 )
-#: Where each field of INDEX_CHANGES goes in a move of _index_fast (the SET of _ADVANCE_RUN).
+#: Where each field of INDEX_CHANGES goes in a move of _index_fast.
 _MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
+#: Index rows a store remembers (the last it wrote of each run, see SQLiteStore._rows), so
+#: that moving one on needs neither a read nor a checksum computed in SQL. About 300 bytes
+#: each; past this many, the runs written longest ago are forgotten (and read again).
+REMEMBERED_ROWS = 65_536
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 _SELECT_CHUNKS_AFTER = (
     "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? AND last_seq > ? "
@@ -310,6 +313,26 @@ def _unverified(row: Sequence[Any]) -> RunRecord:
 def _index_row(record: RunRecord) -> tuple[Any, ...]:
     """The parameters of _INSERT_RUN and _UPSERT_RUN for ``record``."""
     return (*msgspec.structs.astuple(record), record_checksum(record))
+
+
+#: An index row as a store remembers it: ``(machine, state, outcome, seq, started, updated,
+#: reason, detail, crc)``, the columns after the run id, in order.
+_Row = tuple[Any, ...]
+#: Outcomes after which a run's row is not moved again (escalated runs may resume).
+_FINISHED = frozenset({COMPLETED, FAILED})
+
+
+def _stored_row(conn: sqlite3.Connection, run_id: str) -> _Row | None:
+    """The index row of ``run_id`` as stored, if it is there and passes its checksum."""
+    row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
+    if row is None:
+        return None
+    try:
+        fields = _fields(row)
+        intact = fields[0] == run_id and row_checksum(*fields[:9]) == fields[9]
+    except (IndexDamaged, TypeError, ValueError, msgspec.EncodeError):
+        return None
+    return tuple(fields[1:]) if intact else None
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -670,6 +693,10 @@ class SQLiteStore(Store):
         self._held = held
         # Version 4 keeps the unfinished runs in an index of their own (and counts them).
         self._indexed_unfinished = version >= 4
+        # The index row this store last wrote of each run (see _index_fast), at most
+        # REMEMBERED_ROWS of them, the oldest forgotten first; written and read only by
+        # the thread that appends, holding the lock, and only after a batch committed.
+        self._rows: dict[str, _Row] = {}
         # A store dropped without aclose() still ends its checkpoint thread and closes
         # its connection, then and there, with a ResourceWarning (as an unclosed file).
         self._dropped = weakref.finalize(self, _dropped, conn, checkpointer, path, held)
@@ -749,8 +776,9 @@ class SQLiteStore(Store):
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if not self._index_fast(conn, batch):
-                self._index_checked(conn, batch)
+            written = self._index_fast(conn, batch)
+            if written is None:
+                written = self._index_checked(conn, batch)
             conn.executemany(_INSERT_CHUNK, batch.chunks)
             if batch.intents:
                 conn.executemany(_INSERT_INTENT, batch.intents)
@@ -761,18 +789,35 @@ class SQLiteStore(Store):
         except Exception:
             _rollback(conn)
             raise
+        self._remember(written)
 
-    @staticmethod
-    def _index_fast(conn: sqlite3.Connection, batch: _Batch) -> bool:
-        """Update the runs index without reading it first; False (and nothing done) if
-        any run is not where the batch says it is, for :meth:`_index_checked` to explain.
+    def _remember(self, written: dict[str, _Row]) -> None:
+        """Remember the index rows a batch committed (see ``_rows``)."""
+        rows = self._rows
+        rows.update(written)
+        for run_id in [run_id for run_id, row in written.items() if row[2] in _FINISHED]:
+            del rows[run_id]
+        excess = len(rows) - REMEMBERED_ROWS
+        if excess > 0:
+            for run_id in list(itertools.islice(rows, excess)):
+                del rows[run_id]
+
+    def _index_fast(self, conn: sqlite3.Connection, batch: _Batch) -> dict[str, _Row] | None:
+        """Update the runs index without a checksum computed in SQL; the rows written (to
+        remember once the batch commits), or None (and nothing done) if any run is not
+        where the batch says it is, for :meth:`_index_checked` to explain.
 
         A run the batch starts is inserted; any other run's row moves from the seq before
         its first event in the batch, and only in the fields its events change. That is
-        what :func:`index_updates` gives from the stored rows, without a SELECT per run.
+        what :func:`index_updates` gives from the stored rows. The row moved from is the
+        one this store last wrote (``_rows``), or, for a run it does not remember, the
+        stored row read and checked against its checksum here; either way the UPDATE
+        compares every stored column with it, so it moves only that exact row, and a row
+        changed since (damaged, or written by another store) sends the batch to the
+        checked path.
         """
         if not batch.contiguous:
-            return False
+            return None
         started: list[Event] = []  # the marks of the runs the batch starts
         starting: set[str] = set()
         # run_id -> [seq, updated, state, outcome, reason, detail, the seq stored now];
@@ -788,58 +833,102 @@ class SQLiteStore(Store):
             if move is None:
                 if kind is RunStarted:
                     if event.seq != 1:
-                        return False  # let the checked path say what is wrong
+                        return None  # let the checked path say what is wrong
                     starting.add(run_id)
                     started.append(event)
                     continue
                 move = moves[run_id] = [0, 0.0, None, None, None, None, event.seq - 1]
             elif kind is RunStarted:
-                return False  # a run started twice: let the checked path say so
+                return None  # a run started twice: let the checked path say so
             move[0] = event.seq
             move[1] = event.ts
             change = INDEX_CHANGES.get(kind)
             if change is not None:
                 for field, value in change(event).items():
                     move[_MOVE_FIELDS[field]] = value
-        conn.execute("SAVEPOINT index_fast")
-        # The runs the batch ends, escalates or resumes: what they were, for the count of
-        # unfinished runs. Read as stored: the move below applies only to an intact row,
-        # and this path is left if any is not.
+        written: dict[str, _Row] = {}
         running = 0
+        same: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW
+        changed: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW_OUTCOME
+        remembered = self._rows
+        checksum = row_checksum
         for run_id, move in moves.items():
-            if move[3] is not None:
-                was = conn.execute(_OUTCOME, (run_id,)).fetchone()
-                running += (move[3] == RUNNING) - (was is not None and was[0] == RUNNING)
+            seq, updated, state, outcome, reason, detail, before = move
+            row = remembered.get(run_id)
+            if row is None or row[3] != before:
+                row = _stored_row(conn, run_id)
+                if row is None or row[3] != before:
+                    return None
+            machine, was_state, was, _, started_at, _, was_reason, was_detail, _ = row
+            if state is None:
+                state = was_state
+            if outcome is None:
+                crc = checksum(
+                    run_id, machine, state, was, seq, started_at, updated, was_reason, was_detail
+                )
+                same.append((seq, updated, state, crc, run_id, *row))
+                written[run_id] = (
+                    machine,
+                    state,
+                    was,
+                    seq,
+                    started_at,
+                    updated,
+                    was_reason,
+                    was_detail,
+                    crc,
+                )
+            else:
+                if reason is None:
+                    reason = was_reason
+                if detail is None:
+                    detail = was_detail
+                crc = checksum(
+                    run_id, machine, state, outcome, seq, started_at, updated, reason, detail
+                )
+                changed.append((seq, updated, state, crc, run_id, *row, outcome, reason, detail))
+                written[run_id] = (
+                    machine,
+                    state,
+                    outcome,
+                    seq,
+                    started_at,
+                    updated,
+                    reason,
+                    detail,
+                    crc,
+                )
+                running += (outcome == RUNNING) - (was == RUNNING)
+        conn.execute("SAVEPOINT index_fast")
         inserted = moved = 0
         if started:
             records = index_updates(started, {}).values()
             running += sum(record.outcome == RUNNING for record in records)
-            rows = [_index_row(record) for record in records]
+            rows = []
+            for record in records:
+                row = _index_row(record)
+                rows.append(row)
+                written[record.run_id] = row[1:]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
-        if moves:
-            try:
-                moved = conn.executemany(
-                    _ADVANCE_RUN, [(*move[:6], run_id, move[6]) for run_id, move in moves.items()]
-                ).rowcount
-            except sqlite3.OperationalError as exc:
-                if str(exc) != _FUNCTION_FAILED:
-                    raise
-                moved = -1  # a stored row cannot be checksummed: the checked path says which
+        if same:
+            moved += conn.executemany(_MOVE_ROW, same).rowcount
+        if changed:
+            moved += conn.executemany(_MOVE_ROW_OUTCOME, changed).rowcount
         if inserted == len(starting) and moved == len(moves):
             if inserted:
                 conn.execute(_COUNT_RUNS, (inserted,))
             if running:
                 conn.execute(_COUNT_RUNNING, (running,))
             conn.execute("RELEASE index_fast")
-            return True
+            return written
         conn.execute("ROLLBACK TO index_fast")
         conn.execute("RELEASE index_fast")
-        return False
+        return None
 
     @staticmethod
-    def _index_checked(conn: sqlite3.Connection, batch: _Batch) -> None:
+    def _index_checked(conn: sqlite3.Connection, batch: _Batch) -> dict[str, _Row]:
         """Read each run's row, check the batch against it (raising what is wrong), and
-        write the rows :func:`index_updates` gives."""
+        write the rows :func:`index_updates` gives; return them, as ``_rows`` holds them."""
         current: dict[str, RunRecord] = {}
         for run_id, *_ in batch.chunks:
             row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
@@ -847,13 +936,15 @@ class SQLiteStore(Store):
                 current[run_id] = looked_up(run_id, _verified(row))
         check_batch(batch.events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(batch.marks, current)
-        conn.executemany(_UPSERT_RUN, [_index_row(r) for r in updates.values()])
+        rows = [_index_row(r) for r in updates.values()]
+        conn.executemany(_UPSERT_RUN, rows)
         conn.execute(_COUNT_RUNS, (len(updates) - len(current),))
         running = sum(r.outcome == RUNNING for r in updates.values()) - sum(
             current[run_id].outcome == RUNNING for run_id in updates if run_id in current
         )
         if running:
             conn.execute(_COUNT_RUNNING, (running,))
+        return {row[0]: row[1:] for row in rows}
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
@@ -1176,7 +1267,6 @@ def _connect(
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         else:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            conn.create_function(_CHECKSUM_SQL, 9, row_checksum, deterministic=True)
     except sqlite3.Error as exc:
         raise StoreError(f"{path}: cannot open the database: {exc}") from exc
     try:
