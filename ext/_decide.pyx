@@ -17,8 +17,12 @@ hash, the repeat count, the circuit) and its two events built with no Python fra
 between.
 """
 
+from cpython cimport array
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
+
+import array as _arrays
+from collections import Counter
 
 import msgspec
 
@@ -138,7 +142,7 @@ cdef class RunState:
     cdef public long long tokens
     cdef public long long steps
     cdef public long long consecutive_failures
-    cdef public dict repeat_counts
+    cdef public array.array _repeats
     cdef public list history
     cdef public list signatures
     cdef public list results
@@ -172,7 +176,7 @@ cdef class RunState:
         self.tokens = 0
         self.steps = 0
         self.consecutive_failures = 0
-        self.repeat_counts = {}
+        self._repeats = None
         self.history = []
         self.signatures = []
         self.results = []
@@ -202,6 +206,26 @@ cdef class RunState:
     def committed(self):
         """Every committed call's result by idempotency key (built from ``results`` on each read)."""
         return {done.key: done.result for done in self.results}
+
+    cpdef Py_ssize_t repeats_of(self, call_hash) except -1:
+        """How many times the run intended the call whose repeat hash is ``call_hash``."""
+        cdef array.array repeats = self._repeats
+        if repeats is None:
+            return 0
+        if call_hash < 0 or call_hash > 0xFFFFFFFFFFFFFFFF:
+            return 0  # no call hashes to it (the twin's array.count finds none)
+        cdef unsigned long long wanted = call_hash
+        cdef unsigned long long* hashes = repeats.data.as_ulonglongs
+        cdef Py_ssize_t i, count = 0
+        for i in range(len(repeats)):
+            if hashes[i] == wanted:
+                count += 1
+        return count
+
+    @property
+    def repeat_counts(self):
+        """The repeat breaker's counts by call hash (built from the run's calls on each read)."""
+        return dict(Counter(self._repeats)) if self._repeats is not None else {}
 
     cdef inline void _push(self, frame, object signature=0) except *:
         cdef list history = self.history
@@ -238,8 +262,9 @@ cdef class RunState:
             self.validated = validated
             self.doubts = 0
             call = call_hash or _call_hash(event.tool, event.args)
-            counts = self.repeat_counts
-            counts[call] = counts.get(call, 0) + 1
+            if self._repeats is None:
+                self._repeats = _arrays.array("Q")
+            self._repeats.append(call)
         elif kind is ToolCommitted:
             self._committed(event)
         elif kind is Transitioned:
@@ -273,7 +298,7 @@ cdef class RunState:
             self.escalation = None
             self.closed = False
             self.consecutive_failures = 0
-            self.repeat_counts.clear()
+            self._repeats = None
             self._push(
                 _Frame(
                     "resumed", seq, f"resumed by {event.by}: {event.note}".rstrip(": "), first_seq=seq
@@ -599,7 +624,7 @@ cdef object _accept_call(RunState run, machine, bytes raw, double now, circuits)
         return _refused(run, machine, call, args, now, circuits)
     call_hash = hash64(canonical, call.seed)
     policy = machine.breakers
-    if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
+    if run.repeats_of(call_hash) >= policy.repeats:
         return _refused(run, machine, call, args, now, circuits)
     if circuits is not None and (type(circuits) is not _CircuitBoard or circuits._circuits):
         refusal = circuits.check(call.name, now, policy)

@@ -1164,8 +1164,9 @@ async def test_finished_runs_are_released_and_only_the_latest_results_kept(
     spec = Machine("m", "W", {"W": Worker(next=["COMPLETED"])})
     provider = ScriptedProvider(['{"next": "COMPLETED"}'])
     async with open_supervisor([spec], provider=provider) as sup:
-        handles = [await sup.start_run("m", run_id=f"r-{i}") for i in range(12)]
-        results = [await handle.wait() for handle in handles]
+        # one after another, so they end in this order (runs in flight together end in
+        # whatever order the scheduler runs them)
+        results = [await (await sup.start_run("m", run_id=f"r-{i}")).wait() for i in range(12)]
         await trio.testing.wait_all_tasks_blocked()
         assert [r.outcome for r in results] == ["completed"] * 12  # the caller keeps its own
         assert sup.handles == {}

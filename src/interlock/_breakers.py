@@ -83,7 +83,7 @@ def check_repeat(
     run: RunState, tool: str, call_hash: int, policy: BreakerPolicy, args_text: str
 ) -> tuple[Violation, Trip] | None:
     """Trip when this exact call (tool + canonical args) was already made ``policy.repeats`` times."""
-    made = run.repeat_counts.get(call_hash, 0)
+    made = run.repeats_of(call_hash)
     if made >= policy.repeats:
         detail = f"{tool}({args_text}) proposed {made + 1} times in this run; the limit is {policy.repeats}"
         return (

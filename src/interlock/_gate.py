@@ -455,7 +455,7 @@ def _checked_call(
         return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
     call_hash = hash64(canonical, call.seed)
     policy = machine.breakers
-    if run.repeat_counts.get(call_hash, 0) >= policy.repeats:
+    if run.repeats_of(call_hash) >= policy.repeats:
         # The message text (the args as JSON) is built only for a trip.
         text = _sorted_json.encode(args if call.plain else builtins).decode()
         repeat = check_repeat(run, name, call_hash, policy, text)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from array import array
+from collections import Counter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -295,6 +297,7 @@ class RunState:
         "_data_version",
         "_final_delta",
         "_hash_state",
+        "_repeats",
         "closed",
         "consecutive_failures",
         "data",
@@ -313,7 +316,6 @@ class RunState:
         "proposal_raw",
         "provider_failures",
         "provider_failures_since",
-        "repeat_counts",
         "results",
         "run_id",
         "seq",
@@ -340,7 +342,9 @@ class RunState:
         self.tokens = 0
         self.steps = 0
         self.consecutive_failures = 0
-        self.repeat_counts: dict[int, int] = {}
+        self._repeats: array[int] | None = None
+        """The repeat breaker's hash of each call the run intended, in order (a run that
+        has made none holds None): 8 bytes a call where a dict of counts held ~70."""
         self.history: list[Frame] = []
         self.signatures: list[int] = []
         """The repeat signature of each history item (0 for one that is not a rejection),
@@ -391,6 +395,17 @@ class RunState:
     def committed(self) -> dict[str, Any]:
         """Every committed call's result by idempotency key (built from ``results`` on each read)."""
         return {done.key: done.result for done in self.results}
+
+    def repeats_of(self, call_hash: int) -> int:
+        """How many times the run intended the call whose repeat hash is ``call_hash``
+        (since it was last resumed)."""
+        repeats = self._repeats
+        return 0 if repeats is None else repeats.count(call_hash)
+
+    @property
+    def repeat_counts(self) -> dict[int, int]:
+        """The repeat breaker's counts by call hash (built from the run's calls on each read)."""
+        return dict(Counter(self._repeats)) if self._repeats is not None else {}
 
     def _push(self, frame: Frame, signature: int = 0) -> None:
         history = self.history
@@ -471,7 +486,9 @@ class RunState:
                 self.validated = validated
                 self.doubts = 0
                 call = call_hash or _call_hash(event.tool, event.args)
-                self.repeat_counts[call] = self.repeat_counts.get(call, 0) + 1
+                if self._repeats is None:
+                    self._repeats = array("Q")
+                self._repeats.append(call)
             case ToolCommitted(key=key, result=result):
                 intent = self.pending
                 self.pending = None
@@ -537,7 +554,7 @@ class RunState:
                 self.escalation = None
                 self.closed = False
                 self.consecutive_failures = 0
-                self.repeat_counts.clear()
+                self._repeats = None
                 self._push(
                     Frame(
                         "resumed",
