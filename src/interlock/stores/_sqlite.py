@@ -37,12 +37,13 @@ import time
 import urllib.parse
 import warnings
 import weakref
+import zlib
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import trio
 
-from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted
+from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted, Transitioned
 from .._exceptions import IndexDamaged, RunNotFound, StoreError
 from .._hotpath import FRAMES_OK, frame_events, unframe
 from ._base import (
@@ -52,6 +53,7 @@ from ._base import (
     RUNNING,
     RunRecord,
     Store,
+    _encode_index_row,
     another_writer,
     check_batch,
     decode_chunks,
@@ -201,8 +203,8 @@ _MOVE_ROW_OUTCOME = (
     "UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, outcome = ?15, "
     f"reason = ?16, detail = ?17 {_MOVE_FROM}"
 )
-#: Where each field of INDEX_CHANGES goes in a move of _index_fast.
-_MOVE_FIELDS = {"state": 2, "outcome": 3, "reason": 4, "detail": 5}
+#: Where each field of INDEX_CHANGES goes in a run of _Batch.runs.
+_MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
 #: Index rows a store remembers (the last it wrote of each run, see SQLiteStore._rows), so
 #: that moving one on needs neither a read nor a checksum computed in SQL. About 300 bytes
 #: each; past this many, the runs written longest ago are forgotten (and read again).
@@ -227,26 +229,50 @@ class _Batch:
     subsequence of the batch that decides the runs index: each run's first event,
     every event that moves the index, and each run's last event (again). Feeding it to
     :func:`index_updates` gives what the whole batch would, for a fraction of the work.
+    ``runs`` holds, per run, what :meth:`SQLiteStore._index_fast` moves its index row
+    by, gathered in the same pass: ``[first seq, last seq, payloads, last event, state,
+    outcome, reason, detail]``, a field None where no event of the batch changes it.
+    ``starts`` names the runs whose first event is their ``run_started`` (seq 1);
+    ``irregular`` says a ``run_started`` came elsewhere (for the checked path to explain).
     """
 
-    __slots__ = ("chunks", "contiguous", "events", "intents", "marks", "size")
+    __slots__ = (
+        "chunks",
+        "contiguous",
+        "events",
+        "intents",
+        "irregular",
+        "marks",
+        "runs",
+        "size",
+        "starts",
+    )
 
     def __init__(self, events: Sequence[Event]) -> None:
         encode = _encode
         indexed = _INDEXED
-        # run_id -> [first seq, last seq, payloads, last event]
+        changes = INDEX_CHANGES
+        slots = _MOVE_FIELDS
+        transitioned = Transitioned
         runs: dict[str, list[Any]] = {}
         intents: list[tuple[str, str, int]] = []
         marks: list[Event] = []
+        starts: list[str] = []
         contiguous = True
+        irregular = False
         for event in events:
             run_id = event.run_id
             seq = event.seq
             kind = type(event)
             run = runs.get(run_id)
             if run is None:
-                runs[run_id] = [seq, seq, [encode(event)], event]
+                run = runs[run_id] = [seq, seq, [encode(event)], event, None, None, None, None]
                 marks.append(event)
+                if kind is RunStarted:
+                    if seq == 1:
+                        starts.append(run_id)
+                    else:
+                        irregular = True
             else:
                 if seq != run[1] + 1:
                     contiguous = False
@@ -255,13 +281,22 @@ class _Batch:
                 run[3] = event
                 if kind in indexed:
                     marks.append(event)
-            if kind is IntentRecorded:
+                    if kind is RunStarted:
+                        irregular = True
+            if kind is transitioned:
+                run[4] = event.dst  # type: ignore[attr-defined]
+            elif kind in changes:
+                for field, value in changes[kind](event).items():
+                    run[slots[field]] = value
+            elif kind is IntentRecorded:
                 intents.append((event.key, run_id, seq))  # type: ignore[attr-defined]
         marks.extend(run[3] for run in runs.values())
         self.events = events
+        self.runs = runs
+        self.starts = starts
+        self.irregular = irregular
         self.chunks = [
-            (run_id, first, last, frame_events(payloads))
-            for run_id, (first, last, payloads, _) in runs.items()
+            (run_id, run[0], run[1], frame_events(run[2])) for run_id, run in runs.items()
         ]
         self.intents = intents
         self.marks = marks
@@ -816,55 +851,46 @@ class SQLiteStore(Store):
         changed since (damaged, or written by another store) sends the batch to the
         checked path.
         """
-        if not batch.contiguous:
-            return None
-        started: list[Event] = []  # the marks of the runs the batch starts
-        starting: set[str] = set()
-        # run_id -> [seq, updated, state, outcome, reason, detail, the seq stored now];
-        # None leaves a field as it is.
-        moves: dict[str, list[Any]] = {}
-        for event in batch.marks:
-            run_id = event.run_id
-            kind = type(event)
-            if run_id in starting:
-                started.append(event)
-                continue
-            move = moves.get(run_id)
-            if move is None:
-                if kind is RunStarted:
-                    if event.seq != 1:
-                        return None  # let the checked path say what is wrong
-                    starting.add(run_id)
-                    started.append(event)
-                    continue
-                move = moves[run_id] = [0, 0.0, None, None, None, None, event.seq - 1]
-            elif kind is RunStarted:
-                return None  # a run started twice: let the checked path say so
-            move[0] = event.seq
-            move[1] = event.ts
-            change = INDEX_CHANGES.get(kind)
-            if change is not None:
-                for field, value in change(event).items():
-                    move[_MOVE_FIELDS[field]] = value
+        if not batch.contiguous or batch.irregular:
+            return None  # let the checked path say what is wrong
+        starting = set(batch.starts)
         written: dict[str, _Row] = {}
         running = 0
         same: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW
         changed: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW_OUTCOME
         remembered = self._rows
-        checksum = row_checksum
-        for run_id, move in moves.items():
-            seq, updated, state, outcome, reason, detail, before = move
+        crc32 = zlib.crc32
+        encode = _encode_index_row
+        runs = batch.runs
+        for run_id, run in runs.items():
+            first, seq, _, last, state, outcome, reason, detail = run
+            if first == 1 and starting and run_id in starting:
+                continue
+            before = first - 1
             row = remembered.get(run_id)
             if row is None or row[3] != before:
                 row = _stored_row(conn, run_id)
                 if row is None or row[3] != before:
                     return None
             machine, was_state, was, _, started_at, _, was_reason, was_detail, _ = row
+            updated = last.ts
             if state is None:
                 state = was_state
             if outcome is None:
-                crc = checksum(
-                    run_id, machine, state, was, seq, started_at, updated, was_reason, was_detail
+                crc = crc32(
+                    encode(
+                        (
+                            run_id,
+                            machine,
+                            state,
+                            was,
+                            seq,
+                            float(started_at),
+                            float(updated),
+                            was_reason,
+                            was_detail,
+                        )
+                    )
                 )
                 same.append((seq, updated, state, crc, run_id, *row))
                 written[run_id] = (
@@ -883,7 +909,7 @@ class SQLiteStore(Store):
                     reason = was_reason
                 if detail is None:
                     detail = was_detail
-                crc = checksum(
+                crc = row_checksum(
                     run_id, machine, state, outcome, seq, started_at, updated, reason, detail
                 )
                 changed.append((seq, updated, state, crc, run_id, *row, outcome, reason, detail))
@@ -899,6 +925,8 @@ class SQLiteStore(Store):
                     crc,
                 )
                 running += (outcome == RUNNING) - (was == RUNNING)
+        moves = len(runs) - len(starting)
+        started = [event for event in batch.marks if event.run_id in starting] if starting else ()
         conn.execute("SAVEPOINT index_fast")
         inserted = moved = 0
         if started:
@@ -914,7 +942,7 @@ class SQLiteStore(Store):
             moved += conn.executemany(_MOVE_ROW, same).rowcount
         if changed:
             moved += conn.executemany(_MOVE_ROW_OUTCOME, changed).rowcount
-        if inserted == len(starting) and moved == len(moves):
+        if inserted == len(starting) and moved == moves:
             if inserted:
                 conn.execute(_COUNT_RUNS, (inserted,))
             if running:
