@@ -811,3 +811,57 @@ async def test_a_check_that_cannot_read_on_says_so(tmp_path: Path) -> None:
             ),
         ),
     )
+
+
+# --- the index rows a store remembers (moving a row on needs no read) -----------------------
+
+
+async def test_a_row_changed_behind_the_store_is_moved_on_from_what_is_stored(
+    tmp_path: Path,
+) -> None:
+    """The store moves a run's index row on from the row it last wrote; a row written
+    since by someone else (another store of the process, say) is read and checked instead,
+    and the batch moves it on as before."""
+    path = tmp_path / "j.db"
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(path) as first, await open_sqlite_store(path) as second:
+        await first.append(events[:2])
+        await second.append(events[2:3])  # first's memory of r-1 is now stale
+        await first.append(events[3:4])
+        await second.append(events[4:])
+        assert await first.load("r-1") == events
+        assert await first.get_run("r-1") == index_updates(events, {})["r-1"]
+        assert (await first.check()).ok
+
+
+async def test_a_remembered_row_damaged_since_is_not_moved_on(tmp_path: Path) -> None:
+    """A row that differs in any column from the one the store wrote is read and checked:
+    damaged, the batch is refused, and nothing of it is written."""
+    path = tmp_path / "j.db"
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(path) as store:
+        await store.append(events[:2])
+        assert isinstance(store, SQLiteStore)
+        assert store._rows["r-1"][3] == 2  # remembered at seq 2
+        raw_sql(path, "UPDATE runs SET updated = 99.5 WHERE run_id = 'r-1'")
+        with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-1' is damaged "):
+            await store.append(events[2:3])
+        [(seq,)] = raw_sql(path, "SELECT max(last_seq) FROM chunks WHERE run_id = 'r-1'")
+        assert seq == 2
+
+
+async def test_the_store_forgets_finished_runs_and_the_oldest_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_store_module, "REMEMBERED_ROWS", 3)
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        assert isinstance(store, SQLiteStore)
+        await store.append(run_events("r-1", 1.0))  # completed: not remembered
+        runs = [f"r-{n}" for n in range(2, 7)]
+        await store.append([e for r in runs for e in run_events(r, 2.0)[:2]])
+        assert list(store._rows) == runs[-3:]
+        # A forgotten run's row is read again, and remembered again.
+        await store.append(run_events("r-2", 2.0)[2:3])
+        assert list(store._rows) == [*runs[-2:], "r-2"]
+        assert (await store.check()).ok
