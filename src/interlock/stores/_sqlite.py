@@ -927,7 +927,6 @@ class SQLiteStore(Store):
                 running += (outcome == RUNNING) - (was == RUNNING)
         moves = len(runs) - len(starting)
         started = [event for event in batch.marks if event.run_id in starting] if starting else ()
-        conn.execute("SAVEPOINT index_fast")
         inserted = moved = 0
         if started:
             records = index_updates(started, {}).values()
@@ -947,10 +946,11 @@ class SQLiteStore(Store):
                 conn.execute(_COUNT_RUNS, (inserted,))
             if running:
                 conn.execute(_COUNT_RUNNING, (running,))
-            conn.execute("RELEASE index_fast")
             return written
-        conn.execute("ROLLBACK TO index_fast")
-        conn.execute("RELEASE index_fast")
+        # Nothing but these rows was written in the transaction yet: undo it whole (no
+        # savepoint to pay for in every batch) and start over for the checked path.
+        conn.execute("ROLLBACK")
+        conn.execute("BEGIN IMMEDIATE")
         return None
 
     @staticmethod
