@@ -271,6 +271,30 @@ def profile_store_work(events: list[Event], directory: Path) -> Any:
         trio.to_thread.run_sync = real
 
 
+def store_cpu(quick: bool, directory: str) -> dict[str, Any]:
+    """The SQLite store's CPU per event (benchmarks/sqlite_append): the batches a supervisor
+    hands its store when 1,000 external runs of the gateway benchmark's machine each propose
+    a transition per round (one group commit per round, ~2 events per run), and the same
+    events one run's step per batch."""
+    from benchmarks.sqlite_append import RUNS, capture, per_run, replay, starts
+
+    rounds = 12 if quick else 60
+    batches = capture(RUNS, rounds)
+    first = starts(batches)
+    # the starts and a sixth of the rounds warm the file up; the rest are measured
+    gateway = replay(batches, first + (len(batches) - first) // 6, directory=directory)
+    # one run's step per batch: the starts and 2 (quick) or 4 rounds warm up, 2 or 8 measured
+    one_run = per_run(batches)[: RUNS * (5 if quick else 13)]
+    single = replay(one_run, RUNS * (3 if quick else 5), directory=directory)
+    return {
+        "runs": RUNS,
+        "rounds": rounds,
+        "events_per_run": sum(map(len, batches[first:])) / (len(batches) - first) / RUNS,
+        "gateway": gateway,
+        "one_run": single,
+    }
+
+
 def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     budget_s = 0.5 if quick else 2.0
     progress("recording template runs", 0.0)
@@ -316,9 +340,12 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         progress("encode + frame cost", (len(plan) + 1) / steps)
         encoding = encode_cost(events)
         encoding["small_payload_bytes"] = encode_cost(small[:5_000])["mean_payload_bytes"]
+        progress("the SQLite store's CPU per event, at the gateway's batch shape", 1.0)
+        shapes = store_cpu(quick, str(directory))
         progress("profiling the SQLite store's append", 1.0)
         prof = profile_store_work(events[: 20_000 if quick else 100_000], directory)
     return {
+        "shapes": shapes,
         "template_events": len(template),
         "events_pool": len(events),
         "budget_s": budget_s,
@@ -381,5 +408,29 @@ def render(results: dict[str, Any]) -> str:
             f"**{enc['encode_rows_us']:.2f} µs** (msgpack encoding alone {enc['encode_event_us']:.2f} µs; "
             f"`frame_events` compiled {enc['frame_events_us']['compiled']:.2f} µs, pure Python "
             f"{enc['frame_events_us']['pure Python']:.2f} µs per event).",
+            *_shapes_text(results.get("shapes")),
         ]
     )
+
+
+def _shapes_text(shapes: dict[str, Any] | None) -> list[str]:
+    """The SQLite store's CPU per event at the gateway's batch shape and one run at a time."""
+    if not shapes:
+        return []
+
+    def cpu(row: dict[str, Any]) -> str:
+        total = row["encode_us"] + row["write_us"] + row["checkpoint_us"]
+        return (
+            f"**{total:.2f} µs** (grouping and encoding on the caller's thread "
+            f"{row['encode_us']:.2f}, the writer's SQL {row['write_us']:.2f}, the checkpoint "
+            f"thread {row['checkpoint_us']:.2f})"
+        )
+
+    return [
+        "",
+        f"The SQLite store's CPU per event (NORMAL; `benchmarks/sqlite_append.py`), at the "
+        f"gateway's batch shape: {shapes['runs']:,} external runs each proposing a transition per "
+        f"round, one group commit per round ({shapes['events_per_run']:.1f} events per run, "
+        f"{shapes['rounds']} rounds): {cpu(shapes['gateway'])}; the same events one run's step "
+        f"per batch: {cpu(shapes['one_run'])}.",
+    ]

@@ -25,6 +25,7 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import trio
@@ -32,7 +33,10 @@ import trio
 from benchmarks.bench_gateway import build_machine, transition
 from interlock import Propose, open_supervisor
 from interlock._messages import Sync
-from interlock.stores import MemoryStore, _sqlite, open_sqlite_store
+from interlock.stores import MemoryStore, _sqlite
+
+#: Runs per batch at the gateway's shape (a POST /v1/verify batch of 1,000).
+RUNS = 1000
 
 
 class Recorder(MemoryStore):
@@ -57,7 +61,8 @@ def capture(runs: int, rounds: int) -> list[list[Any]]:
 
     async def main() -> None:
         async with open_supervisor([build_machine()], store) as sup:
-            ids = [f"g-{i:06d}" for i in range(runs)]
+            # run ids as the gateway benchmark makes them (18 characters)
+            ids = [f"g-{uuid.UUID(int=i).hex[-16:]}" for i in range(runs)]
             async with trio.open_nursery() as nursery:
                 for run_id in ids:
                     nursery.start_soon(
@@ -80,6 +85,13 @@ def capture(runs: int, rounds: int) -> list[list[Any]]:
     return store.batches
 
 
+def starts(batches: list[list[Any]]) -> int:
+    """How many of the captured batches start the runs (before the first round)."""
+    return next(
+        i for i, b in enumerate(batches) if all(type(e).__name__ != "RunStarted" for e in b)
+    )
+
+
 def per_run(batches: list[list[Any]]) -> list[list[Any]]:
     """The same events, one batch per run per round."""
     out: list[list[Any]] = []
@@ -91,14 +103,49 @@ def per_run(batches: list[list[Any]]) -> list[list[Any]]:
     return out
 
 
+def store_module(revision: str = "") -> Any:
+    """The SQLite store's module: this checkout's, or (``revision``) the one of that commit,
+    loaded beside it (``interlock.stores._sqlite_at_<revision>``), for a before/after in one run."""
+    if not revision:
+        return _sqlite
+    import importlib.util
+    import subprocess
+    import sys
+
+    name = f"interlock.stores._sqlite_at_{revision.replace('~', '_').replace('^', '_')}"
+    source = subprocess.run(
+        ["git", "show", f"{revision}:src/interlock/stores/_sqlite.py"],
+        check=True,
+        capture_output=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="sqlite-at-"), "_sqlite.py")
+    with open(path, "wb") as file:
+        file.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "interlock.stores"
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def replay(
-    batches: list[list[Any]], warm: int, synchronous: str = "NORMAL", directory: str = ""
+    batches: list[list[Any]],
+    warm: int,
+    synchronous: str = "NORMAL",
+    directory: str = "",
+    module: Any = _sqlite,
 ) -> dict[str, float]:
     """Append ``batches`` into a fresh store; the figures of those after the first ``warm``."""
 
     async def main() -> dict[str, float]:
         with tempfile.TemporaryDirectory(dir=directory or None) as tmp:
-            store = await open_sqlite_store(os.path.join(tmp, "j.db"), synchronous=synchronous)
+            store = await module.open_sqlite_store(
+                os.path.join(tmp, "j.db"), synchronous=synchronous
+            )
             try:
                 conn = store._conn
                 assert conn is not None
@@ -113,7 +160,7 @@ def replay(
                 wall0 = time.perf_counter()
                 for batch in batches[warm:]:
                     t0 = cpu()
-                    prepared = _sqlite._Batch(batch)
+                    prepared = module._Batch(batch)
                     t1 = cpu()
                     store._append_sync(conn, prepared)
                     t2 = cpu()
@@ -140,28 +187,29 @@ def replay(
 
 
 def _ckpt_cpu(ck: Any) -> float:
+    """CPU seconds the store's checkpoint thread has used."""
     if ck is None:
         return 0.0
-    ident = ck._thread.native_id
-    tick = os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/self/task/{ident}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
+    return time.clock_gettime(time.pthread_getcpuclockid(ck._thread.ident))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--runs", type=int, default=RUNS)
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--synchronous", default="NORMAL")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--shape", default="gateway,per-run")
-    args = parser.parse_args()
-    batches = capture(args.runs, args.rounds)
-    starts = next(
-        i for i, b in enumerate(batches) if all(type(e).__name__ != "RunStarted" for e in b)
+    parser.add_argument(
+        "--against", default="", help="a git revision whose store to measure in turns with this one"
     )
-    sizes = [len(b) for b in batches[starts:]]
+    args = parser.parse_args()
+    modules = {"now": _sqlite}
+    if args.against:
+        modules[args.against] = store_module(args.against)
+    batches = capture(args.runs, args.rounds)
+    first = starts(batches)
+    sizes = [len(b) for b in batches[first:]]
     print(
         f"captured {len(batches)} batches; after the starts: {len(sizes)} batches of "
         f"{min(sizes)}..{max(sizes)} events, {sum(sizes) / len(sizes) / args.runs:.2f} per run"
@@ -169,16 +217,17 @@ def main() -> None:
     shapes = {"gateway": batches, "per-run": per_run(batches)}
     for shape in args.shape.split(","):
         rows = shapes[shape]
-        warm = starts + (len(rows) - starts) // 6 if shape == "gateway" else len(rows) // 6
+        warm = first + (len(rows) - first) // 6 if shape == "gateway" else len(rows) // 6
         if shape == "per-run":
             rows = rows[: warm + 20_000]
         for _ in range(args.repeat):
-            r = replay(rows, warm, args.synchronous)
-            print(
-                f"{shape:8} {args.synchronous:6} events {r['events']:>7,}  encode "
-                f"{r['encode_us']:.2f} µs  write {r['write_us']:.2f} µs  checkpoint "
-                f"{r['checkpoint_us']:.2f} µs  wall {r['wall_us']:.2f} µs  db {r['db_mib']:.1f} MiB"
-            )
+            for label, module in modules.items():
+                r = replay(rows, warm, args.synchronous, module=module)
+                print(
+                    f"{label:8} {shape:8} {args.synchronous:6} events {r['events']:>7,}  encode "
+                    f"{r['encode_us']:.2f} µs  write {r['write_us']:.2f} µs  checkpoint "
+                    f"{r['checkpoint_us']:.2f} µs  wall {r['wall_us']:.2f} µs  db {r['db_mib']:.1f} MiB"
+                )
 
 
 if __name__ == "__main__":
