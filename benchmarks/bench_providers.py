@@ -38,6 +38,7 @@ Run it alone: ``python -m benchmarks.bench_providers [--quick]`` prints the tabl
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import functools
 import gc
@@ -430,9 +431,10 @@ def _loop_calls(size: int) -> Any:
         from interlock.providers._wire import tool_specs
 
         response = response_body(api, view.steps, lookups)
-        for _ in range(size):
-            provider.request_body(view, tool_specs(view, provider.transition, provider.strict))
-            provider.read(response)
+        with _collector_paused():
+            for _ in range(size):
+                provider.request_body(view, tool_specs(view, provider.transition, provider.strict))
+                provider.read(response)
         return {}
 
     return act
@@ -441,11 +443,25 @@ def _loop_calls(size: int) -> Any:
 def _loop_floor(size: int) -> Any:
     def act(provider: Any, view: Any, api: str, lookups: int) -> dict[str, Any]:
         response = response_body(api, view.steps, lookups)
-        for _ in range(size):
-            _decode(response)
+        with _collector_paused():
+            for _ in range(size):
+                _decode(response)
         return {}
 
     return act
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Any:
+    """The cyclic collector off for a counted loop: a full collection that falls inside
+    the larger size's loop but not the smaller's would add its millions of instructions to
+    the difference (seen: one build + read counted at 3x its instructions)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def drive_probe(
@@ -747,9 +763,9 @@ def configurations(quick: bool, url: str) -> list[dict[str, Any]]:
     return configs
 
 
-CHEAP_ROUNDS = (1, 3)
-"""Rounds of the simulated and in-process rows (quick, full), interleaved with the rest:
-their difference is small beside a shared host's noise, so each is the median of these."""
+ROUNDS = (1, 3)
+"""Rounds of every row (quick, full), interleaved: the differences between rows are small
+beside a shared host's noise, so each row is the median of these."""
 
 
 def concurrent(quick: bool, progress: Progress) -> dict[str, Any]:
@@ -757,12 +773,7 @@ def concurrent(quick: bool, progress: Progress) -> dict[str, Any]:
     samples: defaultdict[str, list[dict[str, Any]]] = defaultdict(list)
     try:
         configs = configurations(quick, server.url)
-        plan = [
-            config
-            for round_ in range(CHEAP_ROUNDS[0 if quick else 1])
-            for config in configs
-            if round_ == 0 or config["kind"] != "http"
-        ]
+        plan = [config for _round in range(ROUNDS[0 if quick else 1]) for config in configs]
         for index, config in enumerate(plan):
             progress(f"{config['label']}: {config['runs']:,} runs", 0.3 + 0.6 * index / len(plan))
             before = server.cpu_seconds()
@@ -919,8 +930,8 @@ def render(results: dict[str, Any]) -> str:
         f"(a MemoryStore journal), each row a fresh process; HTTP rows against the fake "
         f"server in its own process over loopback, `max_in_flight={results['max_in_flight']}`. "
         "*Step latency*: from one model call of a run to its next (or to the run's end). "
-        "*CPU*: user + system time of the runtime's process (the simulated and in-process rows: "
-        "the median of their rounds, with the range); *kernel*: the system part (loopback TCP "
+        "*CPU*: user + system time of the runtime's process (the median of each row's rounds, "
+        "with the range); *kernel*: the system part (loopback TCP "
         "is processed in the sender's system calls). *Added*: CPU per step over the "
         "simulated provider's.",
         "",
