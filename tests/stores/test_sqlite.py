@@ -865,3 +865,23 @@ async def test_the_store_forgets_finished_runs_and_the_oldest_rows(
         await store.append(run_events("r-2", 2.0)[2:3])
         assert list(store._rows) == [*runs[-2:], "r-2"]
         assert (await store.check()).ok
+
+
+async def test_rows_it_does_not_remember_are_read_in_groups_and_checked(tmp_path: Path) -> None:
+    """After a reopen the store remembers nothing: a batch continuing 200 runs reads their
+    rows in groups (padded with repeats), checks each, and refuses a damaged one."""
+    path = tmp_path / "j.db"
+    runs = [f"r-{n:03d}" for n in range(200)]
+    events = {r: run_events(r, 1.0) for r in runs}
+    async with await open_sqlite_store(path) as store:
+        await store.append([e for r in runs for e in events[r][:2]])
+    async with await open_sqlite_store(path) as store:
+        assert isinstance(store, SQLiteStore)
+        assert not store._rows
+        await store.append([events[r][2] for r in runs])
+        assert len(store._rows) == 200
+    raw_sql(path, "UPDATE runs SET machine = 'refunds' WHERE run_id = 'r-150'")
+    async with await open_sqlite_store(path) as store:
+        with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-150' is damaged "):
+            await store.append([events[r][3] for r in runs])
+        assert (await store.get_run("r-000")).seq == 3

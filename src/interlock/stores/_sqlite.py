@@ -209,6 +209,14 @@ _MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
 #: that moving one on needs neither a read nor a checksum computed in SQL. About 300 bytes
 #: each; past this many, the runs written longest ago are forgotten (and read again).
 REMEMBERED_ROWS = 65_536
+#: The rows of runs it does not remember are read up to _READ_GROUP at a time, by one of a
+#: few statements (each prepared once), the group padded to its size with repeats.
+_READ_SIZES = (1, 8, 32, 128)
+_READ_GROUP = _READ_SIZES[-1]
+_SELECT_ROWS = {
+    size: f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * size)})"
+    for size in _READ_SIZES
+}
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 _SELECT_CHUNKS_AFTER = (
     "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? AND last_seq > ? "
@@ -357,17 +365,25 @@ _Row = tuple[Any, ...]
 _FINISHED = frozenset({COMPLETED, FAILED})
 
 
-def _stored_row(conn: sqlite3.Connection, run_id: str) -> _Row | None:
-    """The index row of ``run_id`` as stored, if it is there and passes its checksum."""
-    row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
-    if row is None:
-        return None
-    try:
-        fields = _fields(row)
-        intact = fields[0] == run_id and row_checksum(*fields[:9]) == fields[9]
-    except (IndexDamaged, TypeError, ValueError, msgspec.EncodeError):
-        return None
-    return tuple(fields[1:]) if intact else None
+def _stored_rows(conn: sqlite3.Connection, run_ids: list[str]) -> dict[str, _Row]:
+    """The index rows of ``run_ids`` as stored, those that are there and pass their checksum."""
+    found: dict[str, _Row] = {}
+    for at in range(0, len(run_ids), _READ_GROUP):
+        group = run_ids[at : at + _READ_GROUP]
+        size = next(size for size in _READ_SIZES if size >= len(group))
+        group += [group[-1]] * (size - len(group))
+        try:
+            rows = conn.execute(_SELECT_ROWS[size], group).fetchall()
+        except sqlite3.OperationalError:
+            return found  # text that is not UTF-8: the checked path says which row
+        for row in rows:
+            try:
+                intact = row_checksum(*row[:9]) == row[9]
+            except (TypeError, ValueError, msgspec.EncodeError):
+                intact = False
+            if intact:
+                found[row[0]] = row[1:]
+    return found
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -862,6 +878,13 @@ class SQLiteStore(Store):
         crc32 = zlib.crc32
         encode = _encode_index_row
         runs = batch.runs
+        unknown = [
+            run_id
+            for run_id, run in runs.items()
+            if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
+            and not (run[0] == 1 and run_id in starting)
+        ]
+        stored = _stored_rows(conn, unknown) if unknown else {}
         for run_id, run in runs.items():
             first, seq, _, last, state, outcome, reason, detail = run
             if first == 1 and starting and run_id in starting:
@@ -869,7 +892,7 @@ class SQLiteStore(Store):
             before = first - 1
             row = remembered.get(run_id)
             if row is None or row[3] != before:
-                row = _stored_row(conn, run_id)
+                row = stored.get(run_id)
                 if row is None or row[3] != before:
                     return None
             machine, was_state, was, _, started_at, _, was_reason, was_detail, _ = row
