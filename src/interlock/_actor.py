@@ -303,7 +303,21 @@ async def _drive(
                 break  # a drain: the step in flight is done; the next one is not started
             if verdict.retry_in > 0:
                 await _backoff(driver, verdict.retry_in)
-            proposal = await _next_proposal(port, driver, view, provider)
+            proposal = _ask(port, driver, view, provider)
+            if proposal is None:  # ask the model (see _ask)
+                assert provider is not None
+                seq, token = view.seq, driver.tool_token  # a stale answer is refused
+                try:
+                    answer = await provider.propose(view)
+                except BaseException as exc:
+                    proposal = _unanswered(driver, view, seq, token, exc)
+                    if proposal is None:
+                        raise
+                else:
+                    proposal = _answered(driver, seq, answer)
+                finally:
+                    driver.in_provider = False
+                    driver.tool_token = 0
         verdict = await port.propose(proposal, lagging=lagging)
         proposal = None
         lagging = verdict.execute is None and verdict.outcome == "running"
@@ -317,7 +331,7 @@ async def _drive(
 async def _backoff(driver: Driver, seconds: float) -> None:
     """Wait before asking a provider that failed again; the run's deadline cuts the wait."""
     if driver.deadline_passed:
-        return  # the next call is refused at once (see _next_proposal)
+        return  # the next call is refused at once (see _ask)
     driver.in_provider = True
     try:
         await trio.sleep(seconds)
@@ -423,59 +437,79 @@ def _provider_failure(exc: BaseException) -> tuple[bool, float | None]:
     return True, None  # anything else a provider raises: a failure to answer, retried
 
 
-async def _next_proposal(
+def _ask(
     port: ActorPort, driver: Driver, view: RunView, provider: Provider | None
-) -> Propose:
+) -> Propose | None:
+    """The proposal to make without asking the model (a step state's, or the failed call
+    once the run's deadline has passed), or None: the model is to be asked now, its call
+    armed with the watchdog (``driver.tool_token``) and ``driver.in_provider`` set.
+
+    The model is awaited in :func:`_drive`'s own frame, not in a coroutine of its own: a
+    run waiting for its model (100,000 of them may wait at once) holds one frame fewer.
+    """
     run_id = driver.run_id
     machine = view.definition
     spec = machine.states[view.state]
     if isinstance(spec, Step):
         return step_proposal(run_id, view.seq, view.state, spec, view)
     assert provider is not None
-    seq = view.seq  # the state this proposal answers; a stale one is refused
-    model = _text(getattr(provider, "model", ""))
-    started = time.perf_counter()
-    driver.model, driver.asked = model, started
+    driver.model = _text(getattr(provider, "model", ""))
+    driver.asked = time.perf_counter()
     if driver.deadline_passed:
         # Past the deadline the wait would be cut at once: do not start the call.
         return _deadline_cut(driver, view)
-    timeout = machine.provider_policy.timeout
     driver.in_provider = True
-    token = port.arm_timeout(driver, timeout)
-    try:
-        answer = await provider.propose(view)
-    except BaseException as exc:
-        timed_out = driver.tool_cut == token
-        if _passes_through(exc) and not (timed_out and _cancelled(exc)):
-            raise
-        if timed_out:  # its call timeout: leave the cancelled scope with the failure
-            raise _Cut(
-                Propose(
-                    run_id=run_id,
-                    seq=seq,
-                    raw="",
-                    model=model,
-                    error=f"the model call timed out after {timeout:g} s",
-                    latency=time.perf_counter() - started,
-                )
-            ) from None
-        retryable, retry_after = _provider_failure(exc)
-        return Propose(
-            run_id=run_id,
-            seq=seq,
-            raw="",
-            model=model,
-            error=f"provider raised {describe_exception(exc)}",
-            retryable=retryable,
-            retry_after=retry_after,
-            latency=time.perf_counter() - started,
-        )
-    finally:
-        driver.in_provider = False
-        driver.tool_token = 0
-    message = _answer(run_id, seq, model, answer, time.perf_counter() - started)
+    port.arm_timeout(driver, machine.provider_policy.timeout)
+    return None
+
+
+def _unanswered(
+    driver: Driver, view: RunView, seq: int, token: int, exc: BaseException
+) -> Propose | None:
+    """The proposal for a model call that raised ``exc`` (``seq``: the state it answers,
+    ``token``: its watchdog entry), or None for an exception to pass through.
+
+    Raises:
+      _Cut: the call's own timeout cut it (the actor leaves the cancelled scope with the
+        failure).
+    """
+    timed_out = driver.tool_cut == token
+    if _passes_through(exc) and not (timed_out and _cancelled(exc)):
+        return None
+    latency = time.perf_counter() - driver.asked
+    if timed_out:
+        timeout = view.definition.provider_policy.timeout
+        raise _Cut(
+            Propose(
+                run_id=driver.run_id,
+                seq=seq,
+                raw="",
+                model=driver.model,
+                error=f"the model call timed out after {timeout:g} s",
+                latency=latency,
+            )
+        ) from None
+    retryable, retry_after = _provider_failure(exc)
+    return Propose(
+        run_id=driver.run_id,
+        seq=seq,
+        raw="",
+        model=driver.model,
+        error=f"provider raised {describe_exception(exc)}",
+        retryable=retryable,
+        retry_after=retry_after,
+        latency=latency,
+    )
+
+
+def _answered(driver: Driver, seq: int, answer: Any) -> Propose:
+    """The proposal for what the model answered to the call that asked in state ``seq``.
+
+    Raises:
+      _Cut: the answer came as the scope was cancelled (the next checkpoint would raise).
+    """
+    message = _answer(driver.run_id, seq, driver.model, answer, time.perf_counter() - driver.asked)
     if driver.scope.cancel_called:
-        # The answer came as the scope was cancelled: the next checkpoint would raise.
         raise _Cut(message)
     return message
 
