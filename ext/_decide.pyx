@@ -86,6 +86,10 @@ cdef object _transition = None
 cdef object _is_fallback = None
 cdef object _CircuitBoard = None
 cdef object _Decision = None
+cdef object _envelope_decode = None
+cdef object _move_data = None
+cdef object _close = None
+cdef int _OK = 0
 cdef object _canonical_encode = None
 cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
 
@@ -111,6 +115,7 @@ def bind_decider(namespace, gate, breakers):
     """Take the twin's paths and helpers from ``interlock._decider`` and the gate's."""
     global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
     global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
+    global _envelope_decode, _move_data, _close, _OK
     _py_on_propose = namespace._on_propose
     _py_on_report = namespace._on_report
     _reject = namespace._reject
@@ -121,6 +126,10 @@ def bind_decider(namespace, gate, breakers):
     _checked_call = gate._checked_call
     _plan = gate._plan
     _Decision = gate.Decision
+    _envelope_decode = gate._envelope_decoder.decode
+    _move_data = gate._move_data
+    _close = namespace._close
+    _OK = gate.OK
     _CircuitBoard = breakers.CircuitBoard
 
 
@@ -530,8 +539,62 @@ def on_propose(RunState run, msg, double now, circuits, list events):
             execute=ToolCall(call.name, builtins, key),
         )
         return verdict
-    decision = _verify(machine, run, encoded, now, circuits) if accepted is None else accepted
-    return _decided(run, msg, decision, raw, now, events)
+    if accepted is None:
+        moved = _accept_move(run, machine, encoded, raw, now, events)
+        if moved is not None:
+            return moved
+        accepted = _verify(machine, run, encoded, now, circuits)
+    return _decided(run, msg, accepted, raw, now, events)
+
+
+cdef object _accept_move(RunState run, machine, bytes encoded, str raw, double now, list events):
+    """The gate's accepted path for a move (``{"next": ..., "data": ...}``) and its events:
+    the verdict, or None (before anything changed) for whatever the Python gate must
+    decide or explain. The same stages as ``_gate._verify`` for a move: the budgets, the
+    cap, the exact reading, the envelope, the transition's legality, the state's data
+    schema."""
+    budgets = machine.budgets
+    if run.tokens > budgets.tokens or run.steps > budgets.steps:
+        return None
+    if now - run.started_ts > budgets.deadline:
+        return None
+    state = run.state
+    plan = machine.gate_plans.get(state) or _plan(machine, state)
+    if len(encoded) > plan.max_bytes:
+        return None
+    try:
+        envelope = _envelope_decode(encoded)
+    except msgspec.DecodeError:  # ValidationError too: the Python gate explains it
+        return None
+    target = envelope.next
+    if envelope.tool is not None or target is None:
+        return None
+    if scan_json(encoded) is not None:
+        return None
+    tables = machine.tables
+    if tables.check_transition(tables.state_id(state), tables.state_id(target)) != _OK:
+        return None
+    data, violations = _move_data(machine, run, envelope.data)
+    if violations:
+        return None
+    reason = "fallback" if _is_fallback(machine, state) else "proposal"
+    cdef long long seq = run.seq + 1
+    if len(raw) >= _DELTA_BY_REFERENCE and data and _proposal_data(run.run_id, seq, raw) == data:
+        moved = Transitioned(
+            run_id=run.run_id, seq=seq, ts=now, src=state, dst=target, reason=reason,
+            delta_in_proposal=True,
+        )
+        by_reference = True
+    else:
+        moved = Transitioned(
+            run_id=run.run_id, seq=seq, ts=now, src=state, dst=target, delta=data, reason=reason
+        )
+        by_reference = False
+    run.apply(moved)
+    events.append(moved)
+    if _terminal(machine, run.state):
+        _close(run, events, now, reason, state, data, None, by_reference)
+    return _verdict(run, True)
 
 
 cdef object _decided(RunState run, msg, decision, raw, double now, list events):

@@ -286,7 +286,7 @@ def test_a_compiled_fold_of_the_journal_is_the_twins_fold(requests_: list[tuple[
 def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
     """The ordinary call and its success are decided by the compiled module itself: the
     twin's paths are never entered for them (their counters stay at zero)."""
-    calls = {"propose": 0, "report": 0}
+    calls = {"propose": 0, "report": 0, "transition": 0}
     real_propose, real_report = _decider._on_propose, _decider._on_report
 
     def counted(name: str, function: Any) -> Any:
@@ -304,8 +304,9 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
                 "_on_propose": staticmethod(counted("propose", real_propose)),
                 "_on_report": staticmethod(counted("report", real_report)),
                 "_reject": staticmethod(_decider._reject),
-                "_transition": staticmethod(_decider._transition),
+                "_transition": staticmethod(counted("transition", _decider._transition)),
                 "_is_fallback": staticmethod(_decider._is_fallback),
+                "_close": staticmethod(_decider._close),
                 "_DELTA_BY_REFERENCE": _decider._DELTA_BY_REFERENCE,
             },
         ),
@@ -326,10 +327,22 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
             assert kind == "returned"
             assert verdict.accepted
             assert [type(e).__name__ for e in events] == ["ToolCommitted"]
-        assert calls == {"propose": 0, "report": 0}
+        assert calls == {"propose": 0, "report": 0, "transition": 0}
+        # So is a move, and one that ends the run's state machine in a success.
+        move = '{"next": "MOVE", "data": {"n": 1}}'
+        kind, verdict, events = side(("propose", dict(raw=move, prompt="p" * 90), False), 7.0)
+        assert kind == "returned"
+        assert verdict.state == "MOVE"
+        assert [type(e).__name__ for e in events] == ["ModelCalled", "Transitioned"]
+        done = '{"next": "DONE", "data": {"answer": 42}}'
+        kind, verdict, events = side(("propose", dict(raw=done, prompt="p" * 91), False), 8.0)
+        assert verdict.outcome == "completed"
+        assert [type(e).__name__ for e in events] == ["ModelCalled", "Transitioned", "Completed"]
+        assert calls == {"propose": 0, "report": 0, "transition": 0}
+        side = Side(True)
         # A rejection is the twin's to decide.
         side(("propose", dict(raw="not json", prompt="p"), False), 9.0)
-        assert calls == {"propose": 0, "report": 0}  # handed its helpers, not its path
+        assert calls["propose"] == 0  # handed its helpers, not its path
         side(("propose", dict(raw=RAWS[0], prompt="p", error="boom"), False), 10.0)
         assert calls["propose"] == 1
     finally:
