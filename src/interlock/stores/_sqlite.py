@@ -207,8 +207,10 @@ _MOVE_ROW_OUTCOME = (
 _MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
 #: Index rows a store remembers (the last it wrote of each run, see SQLiteStore._rows), so
 #: that moving one on needs neither a read nor a checksum computed in SQL. About 300 bytes
-#: each; past this many, the runs written longest ago are forgotten (and read again).
-REMEMBERED_ROWS = 65_536
+#: each; past this many, the runs written longest ago are forgotten (and read again). A
+#: few thousand runs in flight (the gateway benchmark's 4,000) are all remembered; 100,000 are
+#: not, and their rows are read back in groups, so the cache stays a few MB.
+REMEMBERED_ROWS = 16_384
 #: The rows of runs it does not remember are read up to _READ_GROUP at a time, by one of a
 #: few statements (each prepared once), the group padded to its size with repeats.
 _READ_SIZES = (1, 8, 32, 128)
@@ -303,9 +305,13 @@ class _Batch:
         self.runs = runs
         self.starts = starts
         self.irregular = irregular
-        self.chunks = [
-            (run_id, run[0], run[1], frame_events(run[2])) for run_id, run in runs.items()
-        ]
+        chunks = []
+        for run_id, run in runs.items():
+            chunks.append((run_id, run[0], run[1], frame_events(run[2])))
+            # NOTE: the frames hold the payloads now; the batch lives until it is written,
+            # and keeping both copies held every event of a large batch twice.
+            run[2] = None
+        self.chunks = chunks
         self.intents = intents
         self.marks = marks
         self.contiguous = contiguous and len({row[0] for row in intents}) == len(intents)
