@@ -53,6 +53,7 @@ from interlock._hot import common_affixes, hash64, scan_json
 
 cdef object UNSET = msgspec.UNSET
 cdef object _json_encode = msgspec.json.encode
+cdef object _replace = msgspec.structs.replace
 #: How long a value's JSON may be in a history frame before it is cut (``_view._SHORT``).
 cdef Py_ssize_t _SHORT = 200
 
@@ -481,37 +482,24 @@ def on_propose(RunState run, msg, double now, circuits, list events):
     # against its fields costs more than the field's default.
     response = msg.response
     extra = msg.extra_calls
-    if response is None and not extra:
-        called = ModelCalled(
-            run_id=run.run_id,
-            seq=run.seq + 1,
-            ts=now,
-            state=state,
-            model=msg.model,
-            prompt_hash=prompt_hash,
-            prompt=text,
-            raw=raw,
-            usage=msg.usage,
-            latency=msg.latency,
-            prompt_base=base,
-            prompt_prefix=prefix,
-            prompt_suffix=suffix,
-        )
-    else:
-        called = ModelCalled(
-            run_id=run.run_id,
-            seq=run.seq + 1,
-            ts=now,
-            state=state,
-            model=msg.model,
-            prompt_hash=prompt_hash,
-            prompt=text,
-            raw=raw,
-            usage=msg.usage,
-            latency=msg.latency,
-            prompt_base=base,
-            prompt_prefix=prefix,
-            prompt_suffix=suffix,
+    called = ModelCalled(
+        run_id=run.run_id,
+        seq=run.seq + 1,
+        ts=now,
+        state=state,
+        model=msg.model,
+        prompt_hash=prompt_hash,
+        prompt=text,
+        raw=raw,
+        usage=msg.usage,
+        latency=msg.latency,
+        prompt_base=base,
+        prompt_prefix=prefix,
+        prompt_suffix=suffix,
+    )
+    if response is not None or extra:  # an HTTP provider's exact response, other calls
+        called = _replace(
+            called,
             response=UNSET if response is None else response,
             extra_calls=tuple(extra) if extra else UNSET,
         )
