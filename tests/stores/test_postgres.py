@@ -202,7 +202,7 @@ async def test_version_1_schema_is_read_as_it_is_then_upgraded(schema: str) -> N
 @pytest.mark.postgres
 @needs_postgres
 async def test_an_event_another_writer_committed_first_is_named(schema: str) -> None:
-    """Two writers read a run's row at the same seq; the second one's COPY then breaks the
+    """Two writers read a run's row at the same seq; the second one's insert then breaks the
     key (run_id, seq). Here the first writer's event is inserted behind the store's back."""
     events = [
         RunStarted(run_id="r-1", seq=1, ts=1.0, machine="m", state="A"),

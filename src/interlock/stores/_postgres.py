@@ -138,13 +138,21 @@ _UPGRADE_FROM_1 = (
 IDLE_IN_TRANSACTION = 5.0
 
 #: Seconds one statement of a writing session may take before the server cancels it: far
-#: more than any of the store's statements needs (a batch's COPY takes milliseconds), so
-#: only a process stalled in the middle of one (SIGSTOP, a pause) reaches it.
+#: more than any of the store's statements needs (a batch's insert takes milliseconds), so
+#: only a statement stuck behind another session's locks reaches it.
 STATEMENT_TIMEOUT = 10.0
 
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail"
-_COPY_EVENTS = "COPY events (run_id, seq, kind, ts, key, body) FROM STDIN (FORMAT BINARY)"
-_COPY_TYPES = ("text", "int8", "text", "float8", "text", "bytea")
+# NOTE: one statement holding the whole batch, never COPY FROM STDIN: a writer stopped
+# (SIGSTOP, a paused VM) in the middle of a COPY leaves the server waiting for its data,
+# where neither statement_timeout nor idle_in_transaction_session_timeout reaches it, and
+# the batch's lease rows stay locked (the scale-out chaos test found it). Stopped between
+# statements instead, the session is idle in its transaction and the server ends it.
+_INSERT_EVENTS = (
+    "INSERT INTO events (run_id, seq, kind, ts, key, body) "
+    "SELECT * FROM unnest(%s::text[], %s::int8[], %s::text[], %s::float8[], %s::text[], "
+    "%s::bytea[])"
+)
 _UPSERT_RUNS = (
     f"INSERT INTO runs ({_RUN_COLUMNS}, crc) "
     "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::int8[], "
@@ -395,9 +403,9 @@ def _prepare(conn: psycopg.Connection[Any], where: str, schema: str, *, readonly
             )
         )
         if not readonly:
-            # ...and one stopped in the middle of a statement (a COPY waits for the rest of
-            # its rows, "active", not idle): the server cancels the statement, the
-            # transaction ends, and its lease rows are free for another worker's claim.
+            # ...and a statement that runs too long: the server cancels it, the transaction
+            # ends, and its lease rows are free for another worker's claim. (A statement
+            # waiting on its client's data would not be reached: see _INSERT_EVENTS.)
             conn.execute(
                 sql.SQL("SET statement_timeout = {}").format(
                     sql.Literal(f"{int(STATEMENT_TIMEOUT * 1000)}ms")
@@ -414,8 +422,8 @@ class PostgresStore(Store):
     psycopg's async connection does not run under trio, so the store uses a sync
     connection from a worker thread (:func:`trio.to_thread.run_sync`), one hop per
     call, with a :class:`trio.Lock` around it. :meth:`append` writes a batch in one
-    transaction: events by binary ``COPY``, then one ``INSERT ... ON CONFLICT``
-    over ``unnest`` arrays for the runs index. A commit returns once PostgreSQL has
+    transaction: events by one ``INSERT`` over ``unnest`` arrays, then one
+    ``INSERT ... ON CONFLICT`` over ``unnest`` arrays for the runs index. A commit returns once PostgreSQL has
     flushed its WAL (with the server's default ``synchronous_commit = on``).
 
     A lost connection fails the call with :class:`StoreError`; the next call
@@ -982,10 +990,7 @@ def _append_sync(
             current = {row[0]: verified_record(row) for row in cursor.fetchall()}
             check_batch(events, {run_id: record.seq for run_id, record in current.items()})
             updates = index_updates(events, current)
-            with cursor.copy(_COPY_EVENTS) as copy:
-                copy.set_types(list(_COPY_TYPES))
-                for row in params:
-                    copy.write_row(row)
+            cursor.execute(_INSERT_EVENTS, [list(column) for column in zip(*params, strict=True)])
             rows = [(*msgspec.structs.astuple(r), record_checksum(r)) for r in updates.values()]
             cursor.execute(_UPSERT_RUNS, [list(column) for column in zip(*rows, strict=True)])
             _write_leases(cursor, events, current, updates, fence)
