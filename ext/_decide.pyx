@@ -507,7 +507,10 @@ def on_propose(RunState run, msg, double now, circuits, list events):
     events.append(called)
     run._hash_state = hash_state
     encoded = raw.encode()
-    accepted = _accept_call(run, machine, encoded, now, circuits)
+    if not _within_budgets(run, machine, now):
+        return _decided(run, msg, _verify(machine, run, encoded, now, circuits), raw, now, events)
+    plan = machine.gate_plans.get(state) or _plan(machine, state)
+    accepted = _accept_call(run, machine, plan, encoded, now, circuits)
     if type(accepted) is tuple:
         call, builtins, value, call_hash = <tuple>accepted
         tool = call.tool
@@ -528,26 +531,22 @@ def on_propose(RunState run, msg, double now, circuits, list events):
         )
         return verdict
     if accepted is None:
-        moved = _accept_move(run, machine, encoded, raw, now, events)
+        moved = _accept_move(run, machine, plan, encoded, raw, now, events)
         if moved is not None:
             return moved
         accepted = _verify(machine, run, encoded, now, circuits)
     return _decided(run, msg, accepted, raw, now, events)
 
 
-cdef object _accept_move(RunState run, machine, bytes encoded, str raw, double now, list events):
+cdef object _accept_move(
+    RunState run, machine, plan, bytes encoded, str raw, double now, list events
+):
     """The gate's accepted path for a move (``{"next": ..., "data": ...}``) and its events:
     the verdict, or None (before anything changed) for whatever the Python gate must
-    decide or explain. The same stages as ``_gate._verify`` for a move: the budgets, the
-    cap, the exact reading, the envelope, the transition's legality, the state's data
+    decide or explain. The same stages as ``_gate._verify`` for a move (the budgets are
+    checked by the caller, see _within_budgets): the cap, the exact reading, the envelope, the transition's legality, the state's data
     schema."""
-    budgets = machine.budgets
-    if run.tokens > budgets.tokens or run.steps > budgets.steps:
-        return None
-    if now - run.started_ts > budgets.deadline:
-        return None
     state = run.state
-    plan = machine.gate_plans.get(state) or _plan(machine, state)
     if len(encoded) > plan.max_bytes:
         return None
     try:
@@ -628,19 +627,22 @@ cdef object _decided(RunState run, msg, decision, raw, double now, list events):
     return _verdict(run, True)
 
 
-cdef object _accept_call(RunState run, machine, bytes raw, double now, circuits):
+cdef inline bint _within_budgets(RunState run, machine, double now) except -1:
+    """Whether no budget of the run is exhausted (``_breakers.check_budgets`` finds none);
+    an exhausted one is the Python gate's to explain."""
+    budgets = machine.budgets
+    if run.tokens > budgets.tokens or run.steps > budgets.steps:
+        return False
+    return not (now - run.started_ts > budgets.deadline)
+
+
+cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, circuits):
     """The gate's accepted path for a call that does not move on: ``(call, builtins,
     value, call_hash)``; a ``Decision`` where a guard, the encoding, the repeat breaker
     (the Python gate's, which explains them) or the circuit refused the call; None for
     whatever else the Python gate must decide from the start (it explains a rejection,
     and decides a transition or a call that moves on). Nothing it does before it
     answers None has an effect: the circuit, which counts a trial call, is asked last."""
-    budgets = machine.budgets
-    if run.tokens > budgets.tokens or run.steps > budgets.steps:
-        return None
-    if now - run.started_ts > budgets.deadline:
-        return None
-    plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
     decoder = plan.decoder
     if decoder is None or len(raw) > plan.max_bytes:
         return None
@@ -752,4 +754,8 @@ def accept_call(RunState run, bytes raw, double now, circuits):
     ``(call, builtins, value, call_hash)`` for a call it accepts, a ``Decision`` for one a
     guard, the encoding, the repeat breaker or the circuit refused, None for whatever the
     Python gate (``verify``) must decide (see ``_accept_call``)."""
-    return _accept_call(run, run.machine, raw, now, circuits)
+    machine = run.machine
+    if not _within_budgets(run, machine, now):
+        return None
+    plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
+    return _accept_call(run, machine, plan, raw, now, circuits)

@@ -353,13 +353,6 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
         )
 
 
-def test_the_runtime_runs_on_the_compiled_state() -> None:
-    assert _view.DECIDE_IMPLEMENTATION == "compiled"
-    assert _view.RunState is compiled.RunState
-    assert _decider._propose is compiled.on_propose
-    assert _decider._report is compiled.on_report
-
-
 @settings(max_examples=100, deadline=None)
 @given(requests)
 def test_the_compiled_rows_are_the_twins_rows(requests_: list[tuple[Any, ...]]) -> None:
