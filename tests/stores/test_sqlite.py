@@ -31,6 +31,7 @@ from interlock.stores import (
 )
 from interlock.stores import _sqlite as sqlite_store_module
 from interlock.stores._base import encode_rows, index_updates
+from tests.stores._old_schemas import as_version_4
 
 
 def run_events(run_id: str, ts: float) -> list[Event]:
@@ -104,7 +105,7 @@ async def test_pragmas_are_in_effect(tmp_path: Path, synchronous: str) -> None:
             "synchronous": synchronous.upper(),
             "foreign_keys": True,
             "busy_timeout": 5000,
-            "schema_version": 4,
+            "schema_version": 5,
         }
     # WAL is a property of the file, so another connection sees it too.
     assert raw_sql(tmp_path / "j.db", "PRAGMA journal_mode") == [("wal",)]
@@ -120,7 +121,7 @@ async def test_schema_is_created_and_versioned(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path):
         pass
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("4",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("5",)]
     tables = {
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
@@ -131,7 +132,12 @@ async def test_schema_is_created_and_versioned(tmp_path: Path) -> None:
         ("runs",),
         ("runs_unfinished",),
     ]
-    assert [row[1] for row in raw_sql(path, "PRAGMA table_info(runs)")][-1] == "crc"
+    assert [row[1] for row in raw_sql(path, "PRAGMA table_info(runs)")][-2:] == ["crc", "chunk"]
+    # Chunks are found by id alone (a run's first one also by run): appends go to the end.
+    assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'chunks'") == [
+        ("chunks",),
+        ("chunks_first",),
+    ]
     assert raw_sql(path, "PRAGMA page_size") == [(8192,)]
 
 
@@ -361,7 +367,7 @@ async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     raw_sql(path, "UPDATE meta SET value = '99' WHERE name = 'schema_version'")
     with pytest.raises(
         StoreError,
-        match=r"j\.db: database schema version 99 is newer than this interlock supports \(4\); "
+        match=r"j\.db: database schema version 99 is newer than this interlock supports \(5\); "
         r"upgrade interlock to open it$",
     ):
         await open_sqlite_store(path)
@@ -479,7 +485,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         await open_sqlite_store(path, readonly=True)
     assert str(info.value) == (
         f"{path}: database schema version 1 was written by an older interlock; open it once "
-        "without readonly=True to upgrade it in place to version 4 (every event is kept)"
+        "without readonly=True to upgrade it in place to version 5 (every event is kept)"
     )
     async with await open_sqlite_store(path) as store:
         assert await store.load("r-1") == one
@@ -501,17 +507,24 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
     assert tables == {"meta", "chunks", "intents", "runs"}
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("4",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("5",)]
+    # The upgrade numbered the chunks by run and seq, each chained to its run's one before.
     assert raw_sql(
-        path, "SELECT run_id, first_seq, last_seq FROM chunks ORDER BY run_id, first_seq"
+        path, "SELECT id, run_id, first_seq, last_seq, prev FROM chunks ORDER BY id"
     ) == [
-        ("r-1", 1, 6),
-        ("r-2", 1, 5),
-        ("r-3", 1, 3),
-        ("r-3", 4, 5),
-        ("r-4", 1, 5),
+        (1, "r-1", 1, 6, None),
+        (2, "r-2", 1, 5, None),
+        (3, "r-3", 1, 3, None),
+        (4, "r-3", 4, 5, 3),
+        (5, "r-4", 1, 5, None),
     ]
-    # Opened again, it is an ordinary version 4 database.
+    assert raw_sql(path, "SELECT run_id, chunk FROM runs ORDER BY run_id") == [
+        ("r-1", 1),
+        ("r-2", 2),
+        ("r-3", 4),
+        ("r-4", 5),
+    ]
+    # Opened again, it is an ordinary version 5 database.
     async with await open_sqlite_store(path, readonly=True) as store:
         assert await store.load("r-1") == one
 
@@ -541,7 +554,12 @@ def write_v2(path: Path, runs: list[list[Event]]) -> None:
     """A database as interlock wrote it with schema version 2: no checksums, three indexes."""
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("PRAGMA journal_mode = WAL")
-        for statement in (*sqlite_store_module._SCHEMA[:3], *_V2_RUNS):
+        for statement in (
+            sqlite_store_module._META,
+            *sqlite_store_module._JOURNAL_V4,
+            sqlite_store_module._INTENTS,
+            *_V2_RUNS,
+        ):
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', '2')")
         for events in runs:
@@ -579,7 +597,7 @@ async def test_version_2_database_is_read_as_it_is_then_upgraded_in_place(tmp_pa
         assert await store.get_run("r-1") == index_updates(one, {})["r-1"]
         await store.append(run_events("r-3", 3.0))
         assert await store.check() == CheckReport(runs=3, events=15, problems=())
-    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("4",)]
+    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("5",)]
     assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [
         ("runs",),
         ("runs_unfinished",),
@@ -693,10 +711,8 @@ async def test_text_that_is_not_utf8_is_reported_with_its_row(tmp_path: Path) ->
 async def test_integrity_check_findings_are_problems(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     await five_runs(path)
-    # Flip a byte of a run id in the index SQLite keeps on the chunks' key.
-    [(root,)] = raw_sql(
-        path, "SELECT rootpage FROM sqlite_master WHERE name = 'sqlite_autoindex_chunks_1'"
-    )
+    # Flip a byte of a run id in the index of the runs' first chunks.
+    [(root,)] = raw_sql(path, "SELECT rootpage FROM sqlite_master WHERE name = 'chunks_first'")
     assert isinstance(root, int)
     data = bytearray(path.read_bytes())
     at = data.index(b"r-4", (root - 1) * 8192)
@@ -711,16 +727,18 @@ async def test_integrity_check_findings_are_problems(tmp_path: Path) -> None:
     assert sqlite_said[0].message.startswith(f"{path}: SQLite integrity check: ")
 
 
-async def test_a_chunk_another_writer_stored_is_named(tmp_path: Path) -> None:
-    """A seq the runs index does not know yet, but the journal holds: the UNIQUE key of the
-    chunks says another process advanced the run."""
+async def test_a_run_another_writer_advanced_is_named(tmp_path: Path) -> None:
+    """Another store advanced a run past the row this one remembers: its batch is refused
+    and names why, and the journal holds the other store's events alone."""
     path = tmp_path / "j.db"
     events = run_events("r-1", 1.0)
-    async with await open_sqlite_store(path) as store:
+    async with await open_sqlite_store(path) as store, await open_sqlite_store(path) as other:
         await store.append(events[:2])
-        raw_sql(path, "INSERT INTO chunks VALUES ('r-1', 3, 4, x'')")
+        await other.append(events[2:4])
         with pytest.raises(StoreError) as info:
             await store.append(events[2:])
+        assert await store.load("r-1") == events[:4]
+        assert (await store.check()).ok
         assert str(info.value) == (
             "run 'r-1' is already at seq 4 in the store, so this batch cannot append seq 3: "
             "another process advanced the run; keep one writer per SQLite journal, and on "
@@ -885,3 +903,119 @@ async def test_rows_it_does_not_remember_are_read_in_groups_and_checked(tmp_path
         with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-150' is damaged "):
             await store.append([events[r][3] for r in runs])
         assert (await store.get_run("r-000")).seq == 3
+
+
+# --- version 5: chunks appended by id, chained per run ---------------------------------------
+
+
+async def interleaved(path: Path) -> list[list[Event]]:
+    """Three runs appended a step at a time in turns: each run's chunks far apart by id."""
+    runs = [run_events(f"r-{i}", float(i)) for i in range(3)]
+    async with await open_sqlite_store(path) as store:
+        for seq in range(5):
+            await store.append([events[seq] for events in runs])
+    return runs
+
+
+async def test_a_runs_chunks_are_chained_from_its_index_row(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    runs = await interleaved(path)
+    # Appended in turns: the ids interleave, and each chunk names its run's one before.
+    assert raw_sql(path, "SELECT id, run_id, first_seq, prev FROM chunks ORDER BY id")[:6] == [
+        (1, "r-0", 1, None),
+        (2, "r-1", 1, None),
+        (3, "r-2", 1, None),
+        (4, "r-0", 2, 1),
+        (5, "r-1", 2, 2),
+        (6, "r-2", 2, 3),
+    ]
+    assert raw_sql(path, "SELECT run_id, chunk FROM runs ORDER BY run_id") == [
+        ("r-0", 13),
+        ("r-1", 14),
+        ("r-2", 15),
+    ]
+    async with await open_sqlite_store(path, readonly=True) as store:
+        for events in runs:
+            run_id = events[0].run_id
+            assert await store.load(run_id) == events
+            for seq in range(6):
+                assert await store.load_after(run_id, seq) == events[seq:]
+        assert await store.check() == CheckReport(runs=3, events=15, problems=())
+
+
+async def test_a_broken_chain_is_read_by_run_and_reported_by_check(tmp_path: Path) -> None:
+    """A damaged link loses nothing: the run is read by its id instead (as version 4 read
+    it), and check names the link."""
+    path = tmp_path / "j.db"
+    runs = await interleaved(path)
+    raw_sql(path, "UPDATE chunks SET prev = 2 WHERE run_id = 'r-0' AND first_seq = 3")
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert await store.load("r-0") == runs[0]
+        assert await store.load_after("r-0", 1) == runs[0][1:]
+        assert await store.load_after("r-0", 3) == runs[0][3:]  # the chain is whole up to it
+        report = await store.check()
+    assert [(p.run_id, p.seq) for p in report.problems] == [("r-0", 3)]
+    assert report.problems[0].message == (
+        f"{path}: the chunk of run 'r-0' from seq 3 is chained to chunk 2, not to the run's "
+        "chunk before it (4); restore the journal from a backup"
+    )
+
+
+async def test_an_index_row_naming_another_chunk_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    runs = await interleaved(path)
+    raw_sql(path, "UPDATE runs SET chunk = 14 WHERE run_id = 'r-0'")  # r-1's last chunk
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert await store.load("r-0") == runs[0]  # the chain is another run's: read by id
+        report = await store.check()
+    assert [(p.run_id, p.seq) for p in report.problems] == [("r-0", None)]
+    assert report.problems[0].message == (
+        f"{path}: the index row of run 'r-0' names chunk 14, not the run's last chunk (13); "
+        "restore the journal from a backup"
+    )
+
+
+async def test_a_row_naming_no_chunk_refuses_the_batch(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    events = run_events("r-1", 1.0)
+    async with await open_sqlite_store(path) as store:
+        await store.append(events[:2])
+        raw_sql(path, "UPDATE runs SET chunk = NULL WHERE run_id = 'r-1'")
+        with pytest.raises(IndexDamaged) as info:
+            await store.append(events[2:3])
+        assert str(info.value).startswith(
+            "runs index row of run 'r-1' is damaged (its row names no last chunk of the journal)"
+        )
+        assert await store.load("r-1") == events[:2]  # read by id; nothing appended
+
+
+async def test_a_version_4_journal_is_read_then_chained_when_opened_for_writing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "j.db"
+    runs = await interleaved(path)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        as_version_4(conn)
+    before = path.read_bytes()
+    async with await open_sqlite_store(path, readonly=True) as store:
+        assert (await store.pragmas())["schema_version"] == 4
+        for events in runs:
+            assert await store.load(events[0].run_id) == events
+            assert await store.load_after(events[0].run_id, 2) == events[2:]
+        assert (await store.check()).ok
+    assert path.read_bytes() == before
+    more = run_events("r-9", 9.0)
+    async with await open_sqlite_store(path) as store:
+        assert (await store.pragmas())["schema_version"] == 5
+        await store.append(more[:2])
+        await store.append(more[2:])
+        for events in [*runs, more]:
+            assert await store.load(events[0].run_id) == events
+        assert await store.check() == CheckReport(runs=4, events=20, problems=())
+    # Numbered by run and seq, then appended after: r-9's chunks are 16 and 17.
+    assert raw_sql(path, "SELECT run_id, chunk FROM runs ORDER BY run_id") == [
+        ("r-0", 5),
+        ("r-1", 10),
+        ("r-2", 15),
+        ("r-9", 17),
+    ]

@@ -32,6 +32,7 @@ from interlock._exceptions import IndexDamaged, StoreError
 from interlock.stores import RUNNING, SQLiteStore, open_sqlite_store
 from interlock.stores._sqlite import JournalHeld, hold_journal
 from tests._cli import interlock
+from tests.stores._old_schemas import as_version_4
 
 #: A process that holds a journal for writing until its stdin closes, then exits 0.
 HOLDER = """
@@ -426,8 +427,9 @@ async def test_a_version_3_journal_gets_the_index_when_opened_for_writing(tmp_pa
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path) as store:
         await store.append([*run("a", 1.0), *run("b", 2.0, end=None), *run("c", 3.0, end=None)])
-    # As version 3 wrote it: no index, no count.
+    # As version 3 wrote it: no index, no count (and chunks as version 4 kept them).
     with closing(sqlite3.connect(path)) as conn, conn:
+        as_version_4(conn)
         conn.execute("DROP INDEX runs_unfinished")
         conn.execute("DELETE FROM meta WHERE name = 'running'")
         conn.execute("UPDATE meta SET value = '3' WHERE name = 'schema_version'")
@@ -435,7 +437,7 @@ async def test_a_version_3_journal_gets_the_index_when_opened_for_writing(tmp_pa
         assert (await store.pragmas())["schema_version"] == 3
         assert [r.run_id for r in await store.unfinished()] == ["b", "c"]  # every row read
     async with await open_sqlite_store(path) as store:
-        assert (await store.pragmas())["schema_version"] == 4
+        assert (await store.pragmas())["schema_version"] == 5
         assert [r.run_id for r in await store.unfinished()] == ["b", "c"]
         await store.append([Failed(run_id="b", seq=3, ts=4.0, state="B", reason="r")])
         assert [r.run_id for r in await store.unfinished()] == ["c"]

@@ -3,8 +3,11 @@
 The journal is stored in chunks: one row per run per appended batch, holding that
 run's consecutive events of the batch as one buffer of frames (``frame_events`` of
 their msgpack payloads). A batch of 1,000 events of a few runs is a few rows, not a
-thousand, which is what makes the group commit fast. Idempotency keys of intents
-have a table of their own, so they stay unique in the whole database.
+thousand, which is what makes the group commit fast. Chunks are appended in id order
+and chained per run (schema version 5): each names its run's chunk before, and the run's
+index row names its last, so an append writes at the end of one B-tree instead of a page
+per run. Idempotency keys of intents have a table of their own, so they stay unique in the
+whole database.
 
 The runs index is derived from the journal, and each of its rows carries the crc32 of
 its fields (:func:`row_checksum`): a row that fails it is reported (:class:`IndexDamaged`),
@@ -82,8 +85,9 @@ _T = TypeVar("_T")
 #: version 1 (a row per event), 2 (no checksums in the runs index) or 3 (no index of
 #: unfinished runs) is upgraded in place when opened for writing. Opened read-only, a
 #: version 2 database is read as it is (its index rows have no checksum to check), and
-#: a version 2 or 3 one finds its unfinished runs by reading every row.
-SCHEMA_VERSION = 4
+#: a version 2 or 3 one finds its unfinished runs by reading every row; one of version 4
+#: (chunks keyed by run, not chained) is read by run.
+SCHEMA_VERSION = 5
 
 #: Milliseconds a connection waits for another process's write lock before failing.
 BUSY_TIMEOUT_MS = 5000
@@ -106,8 +110,9 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 _SYNCHRONOUS = ("NORMAL", "FULL")
 
 _META = "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID"
-_JOURNAL = (
-    # One row per run per appended batch: the frames of seqs first_seq..last_seq.
+#: The journal's tables as version 4 had them (and versions 2 and 3): chunks keyed by run
+#: and first seq. The upgrade from version 1 writes these, then goes on to version 5.
+_JOURNAL_V4 = (
     """CREATE TABLE IF NOT EXISTS chunks (
         run_id TEXT NOT NULL,
         first_seq INTEGER NOT NULL,
@@ -115,22 +120,43 @@ _JOURNAL = (
         body BLOB NOT NULL,
         PRIMARY KEY (run_id, first_seq)
     )""",
-    # NOTE: idempotency keys are unique in the whole database, so a retried or
-    # recovered intent can never be recorded twice.
-    """CREATE TABLE IF NOT EXISTS intents (
+)
+#: Version 5: one row per run per appended batch, the frames of seqs first_seq..last_seq,
+#: appended in id order and chained per run (``prev``: the run's chunk before, NULL for
+#: its first). Nothing indexes a chunk but its id, so an append writes at the end of one
+#: B-tree: keyed by run, as version 4 was, every run of a batch dirtied a page of its own
+#: (an 8 KiB page in the WAL, then again in the checkpoint, for each run of a batch). A
+#: run's row in ``runs`` names its last chunk (``chunk``), and the partial index of first
+#: chunks finds a run's journal without its index row (and keeps a run from being
+#: started twice).
+_CHUNKS = """CREATE TABLE IF NOT EXISTS chunks (
+        id INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        first_seq INTEGER NOT NULL,
+        last_seq INTEGER NOT NULL,
+        prev INTEGER,
+        body BLOB NOT NULL
+    )"""
+_FIRST_CHUNKS = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS chunks_first ON chunks (run_id) WHERE prev IS NULL"
+)
+# NOTE: idempotency keys are unique in the whole database, so a retried or recovered
+# intent can never be recorded twice.
+_INTENTS = """CREATE TABLE IF NOT EXISTS intents (
         key TEXT PRIMARY KEY,
         run_id TEXT NOT NULL,
         seq INTEGER NOT NULL
-    ) WITHOUT ROWID""",
-)
+    ) WITHOUT ROWID"""
+_JOURNAL = (_CHUNKS, _FIRST_CHUNKS, _INTENTS)
 # NOTE: listing reads every row of the runs table, to check each one (a filter in SQL
 # would silently skip a row whose damage unmatched it). The one index beyond its key is
 # of the unfinished runs, which resume reads; see _UNFINISHED_INDEX.
 _SCHEMA = (
     _META,
     *_JOURNAL,
-    # crc: row_checksum of the other columns. NULL only where the upgrade from version 2
-    # found a row it could not checksum; that row is reported as damaged.
+    # crc: row_checksum of the columns before it. NULL only where the upgrade from
+    # version 2 found a row it could not checksum; that row is reported as damaged.
+    # chunk: the id of the run's last chunk (version 5), where its chain starts.
     """CREATE TABLE IF NOT EXISTS runs (
         run_id TEXT PRIMARY KEY,
         machine TEXT NOT NULL,
@@ -141,7 +167,8 @@ _SCHEMA = (
         updated REAL NOT NULL,
         reason TEXT NOT NULL DEFAULT '',
         detail TEXT NOT NULL DEFAULT '',
-        crc INTEGER
+        crc INTEGER,
+        chunk INTEGER
     ) WITHOUT ROWID""",
 )
 #: Version 4: the unfinished runs, found without reading the whole index. A partial
@@ -154,6 +181,8 @@ _UNFINISHED_INDEX = (
     "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (started, run_id) WHERE outcome = 'running'"
 )
 _RUN_COLUMNS = "run_id, machine, state, outcome, seq, started, updated, reason, detail, crc"
+#: The columns a store writes of a row (version 5): the checked ones and the last chunk.
+_ROW_COLUMNS = f"{_RUN_COLUMNS}, chunk"
 #: The index columns as read: text as BLOBs, so that text damaged into invalid UTF-8
 #: is reported with its row instead of failing the whole query.
 _READ_COLUMNS = (
@@ -169,18 +198,22 @@ _RUNNING_COUNTED = "SELECT value FROM meta WHERE name = 'running'"
 _COUNT_RUNNING = (
     "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'running'"
 )
-_INSERT_CHUNK = "INSERT INTO chunks (run_id, first_seq, last_seq, body) VALUES (?, ?, ?, ?)"
+_INSERT_CHUNK = (
+    "INSERT INTO chunks (id, run_id, first_seq, last_seq, prev, body) VALUES (?, ?, ?, ?, ?, ?)"
+)
+_INSERT_CHUNK_V4 = "INSERT INTO chunks (run_id, first_seq, last_seq, body) VALUES (?, ?, ?, ?)"
+_LAST_CHUNK = "SELECT max(id) FROM chunks"
 _INSERT_INTENT = "INSERT INTO intents (key, run_id, seq) VALUES (?, ?, ?)"
 _UPSERT_RUN = (
-    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO runs ({_ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO UPDATE SET machine = excluded.machine, state = excluded.state, "
     "outcome = excluded.outcome, seq = excluded.seq, started = excluded.started, "
     "updated = excluded.updated, reason = excluded.reason, detail = excluded.detail, "
-    "crc = excluded.crc"
+    "crc = excluded.crc, chunk = excluded.chunk"
 )
-_SELECT_RUN = f"SELECT {_READ_COLUMNS}, crc FROM runs WHERE run_id = ?"
+_SELECT_RUN = f"SELECT {_READ_COLUMNS}, crc, chunk FROM runs WHERE run_id = ?"
 _INSERT_RUN = (
-    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO runs ({_ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id) DO NOTHING"
 )
 #: The number of runs started, so that a row missing from the index is noticed.
@@ -194,14 +227,16 @@ _COUNT_RUNS = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) 
 #: outcome stays is moved without outcome, reason and detail in the SET, so that SQLite
 #: leaves the index of unfinished runs alone (it rewrites a partial index whenever a column
 #: of its WHERE is set, changed or not).
+#: The row's chunk is compared too: the batch's chunk of the run chains from it.
 _MOVE_FROM = (
-    "WHERE run_id = ?5 AND machine = ?6 AND state = ?7 AND outcome = ?8 AND seq = ?9 "
-    "AND started = ?10 AND updated = ?11 AND reason = ?12 AND detail = ?13 AND crc = ?14"
+    "WHERE run_id = ?6 AND machine = ?7 AND state = ?8 AND outcome = ?9 AND seq = ?10 "
+    "AND started = ?11 AND updated = ?12 AND reason = ?13 AND detail = ?14 AND crc = ?15 "
+    "AND chunk = ?16"
 )
-_MOVE_ROW = f"UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4 {_MOVE_FROM}"
+_MOVE_ROW = f"UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, chunk = ?5 {_MOVE_FROM}"
 _MOVE_ROW_OUTCOME = (
-    "UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, outcome = ?15, "
-    f"reason = ?16, detail = ?17 {_MOVE_FROM}"
+    "UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, chunk = ?5, outcome = ?17, "
+    f"reason = ?18, detail = ?19 {_MOVE_FROM}"
 )
 #: Where each field of INDEX_CHANGES goes in a run of _Batch.runs.
 _MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
@@ -216,15 +251,30 @@ REMEMBERED_ROWS = 16_384
 _READ_SIZES = (1, 8, 32, 128)
 _READ_GROUP = _READ_SIZES[-1]
 _SELECT_ROWS = {
-    size: f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * size)})"
+    size: f"SELECT {_ROW_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * size)})"
     for size in _READ_SIZES
 }
+#: A run's chunks, every one of them: by its key in version 4; in version 5, with no index
+#: by run, a scan, read only where a run's chain is broken (to say what is wrong).
 _SELECT_CHUNKS = "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? ORDER BY first_seq"
 _SELECT_CHUNKS_AFTER = (
     "SELECT first_seq, last_seq, body FROM chunks WHERE run_id = ? AND last_seq > ? "
     "ORDER BY first_seq"
 )
+#: Version 5: a run's chain of chunks, from the last one (?1) back to the one that holds
+#: seq ?2 + 1 (0: to its first), newest first. Each step goes to a smaller id of the same
+#: run, so a damaged pointer ends the walk (never loops); _chained() checks that it ended
+#: where it should have.
+_CHAIN = (
+    "WITH RECURSIVE chain(id, prev, run_id, first_seq, last_seq, body) AS ("
+    "SELECT id, prev, run_id, first_seq, last_seq, body FROM chunks WHERE id = ?1 "
+    "UNION ALL SELECT c.id, c.prev, c.run_id, c.first_seq, c.last_seq, c.body "
+    "FROM chain JOIN chunks AS c ON c.id = chain.prev "
+    "WHERE c.id < chain.id AND c.run_id = chain.run_id AND chain.first_seq > ?2 + 1) "
+    "SELECT id, prev, run_id, first_seq, last_seq, body FROM chain"
+)
 _HAS_CHUNKS = "SELECT 1 FROM chunks WHERE run_id = ? LIMIT 1"
+_HAS_FIRST_CHUNK = "SELECT 1 FROM chunks WHERE run_id = ? AND prev IS NULL"
 _LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
@@ -359,13 +409,24 @@ def _unverified(row: Sequence[Any]) -> RunRecord:
     return stored_record(_fields(row))
 
 
-def _index_row(record: RunRecord) -> tuple[Any, ...]:
-    """The parameters of _INSERT_RUN and _UPSERT_RUN for ``record``."""
-    return (*msgspec.structs.astuple(record), record_checksum(record))
+def _index_row(record: RunRecord, chunk: int) -> tuple[Any, ...]:
+    """The parameters of _INSERT_RUN and _UPSERT_RUN for ``record``, its last chunk ``chunk``."""
+    return (*msgspec.structs.astuple(record), record_checksum(record), chunk)
+
+
+def _chunk_id(run_id: str, chunk: Any) -> int:
+    """The last chunk an index row names, which a new chunk of its run chains from.
+
+    Raises:
+      IndexDamaged: the row names none (NULL, or not a number).
+    """
+    if type(chunk) is not int:
+        raise IndexDamaged(run_id, "its row names no last chunk of the journal")
+    return chunk
 
 
 #: An index row as a store remembers it: ``(machine, state, outcome, seq, started, updated,
-#: reason, detail, crc)``, the columns after the run id, in order.
+#: reason, detail, crc, chunk)``, the columns after the run id, in order.
 _Row = tuple[Any, ...]
 #: Outcomes after which a run's row is not moved again (escalated runs may resume).
 _FINISHED = frozenset({COMPLETED, FAILED})
@@ -387,7 +448,7 @@ def _stored_rows(conn: sqlite3.Connection, run_ids: list[str]) -> dict[str, _Row
                 intact = row_checksum(*row[:9]) == row[9]
             except (TypeError, ValueError, msgspec.EncodeError):
                 intact = False
-            if intact:
+            if intact and type(row[10]) is int:
                 found[row[0]] = row[1:]
     return found
 
@@ -742,7 +803,8 @@ class SQLiteStore(Store):
         self._folder = os.path.dirname(os.path.abspath(path))
         self._synchronous = synchronous
         self._checksums = checksums
-        self._select = f"SELECT {_READ_COLUMNS}{', crc' if checksums else ''} FROM runs"
+        # The index row's columns (completed with " FROM runs", or with more columns).
+        self._select = f"SELECT {_READ_COLUMNS}{', crc' if checksums else ''}"
         self._read = _verified if checksums else _unverified
         self._readonly = readonly
         self._lock = trio.Lock()
@@ -750,6 +812,8 @@ class SQLiteStore(Store):
         self._held = held
         # Version 4 keeps the unfinished runs in an index of their own (and counts them).
         self._indexed_unfinished = version >= 4
+        # Version 5 chains each run's chunks from its index row (see _CHUNKS).
+        self._chained = version >= 5
         # The index row this store last wrote of each run (see _index_fast), at most
         # REMEMBERED_ROWS of them, the oldest forgotten first; written and read only by
         # the thread that appends, holding the lock, and only after a batch committed.
@@ -833,10 +897,21 @@ class SQLiteStore(Store):
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            written = self._index_fast(conn, batch)
+            # The batch's chunks take the ids after the last one, in the order of
+            # batch.chunks (and batch.runs); the index rows name them.
+            first = (conn.execute(_LAST_CHUNK).fetchone()[0] or 0) + 1
+            written = self._index_fast(conn, batch, first)
             if written is None:
-                written = self._index_checked(conn, batch)
-            conn.executemany(_INSERT_CHUNK, batch.chunks)
+                written = self._index_checked(conn, batch, first)
+            conn.executemany(
+                _INSERT_CHUNK,
+                [
+                    (first + at, run_id, first_seq, last_seq, prev, body)
+                    for at, ((run_id, first_seq, last_seq, body), prev) in enumerate(
+                        zip(batch.chunks, written[1], strict=True)
+                    )
+                ],
+            )
             if batch.intents:
                 conn.executemany(_INSERT_INTENT, batch.intents)
             conn.execute("COMMIT")
@@ -846,7 +921,7 @@ class SQLiteStore(Store):
         except Exception:
             _rollback(conn)
             raise
-        self._remember(written)
+        self._remember(written[0])
 
     def _remember(self, written: dict[str, _Row]) -> None:
         """Remember the index rows a batch committed (see ``_rows``)."""
@@ -859,10 +934,14 @@ class SQLiteStore(Store):
             for run_id in list(itertools.islice(rows, excess)):
                 del rows[run_id]
 
-    def _index_fast(self, conn: sqlite3.Connection, batch: _Batch) -> dict[str, _Row] | None:
+    def _index_fast(
+        self, conn: sqlite3.Connection, batch: _Batch, first_chunk: int
+    ) -> tuple[dict[str, _Row], list[int | None]] | None:
         """Update the runs index without a checksum computed in SQL; the rows written (to
-        remember once the batch commits), or None (and nothing done) if any run is not
-        where the batch says it is, for :meth:`_index_checked` to explain.
+        remember once the batch commits) and each chunk's ``prev`` (the chunk its run's row
+        named), or None (and nothing done) if any run is not where the batch says it is,
+        for :meth:`_index_checked` to explain. The batch's chunks take ids from
+        ``first_chunk`` on, in order.
 
         A run the batch starts is inserted; any other run's row moves from the seq before
         its first event in the batch, and only in the fields its events change. That is
@@ -891,9 +970,11 @@ class SQLiteStore(Store):
             and not (run[0] == 1 and run_id in starting)
         ]
         stored = _stored_rows(conn, unknown) if unknown else {}
-        for run_id, run in runs.items():
+        prevs: list[int | None] = []
+        for chunk, (run_id, run) in enumerate(runs.items(), first_chunk):
             first, seq, _, last, state, outcome, reason, detail = run
             if first == 1 and starting and run_id in starting:
+                prevs.append(None)
                 continue
             before = first - 1
             row = remembered.get(run_id)
@@ -901,7 +982,8 @@ class SQLiteStore(Store):
                 row = stored.get(run_id)
                 if row is None or row[3] != before:
                     return None
-            machine, was_state, was, _, started_at, _, was_reason, was_detail, _ = row
+            machine, was_state, was, _, started_at, _, was_reason, was_detail, _, prev = row
+            prevs.append(prev)
             updated = last.ts
             if state is None:
                 state = was_state
@@ -921,7 +1003,7 @@ class SQLiteStore(Store):
                         )
                     )
                 )
-                same.append((seq, updated, state, crc, run_id, *row))
+                same.append((seq, updated, state, crc, chunk, run_id, *row))
                 written[run_id] = (
                     machine,
                     state,
@@ -932,6 +1014,7 @@ class SQLiteStore(Store):
                     was_reason,
                     was_detail,
                     crc,
+                    chunk,
                 )
             else:
                 if reason is None:
@@ -941,7 +1024,9 @@ class SQLiteStore(Store):
                 crc = row_checksum(
                     run_id, machine, state, outcome, seq, started_at, updated, reason, detail
                 )
-                changed.append((seq, updated, state, crc, run_id, *row, outcome, reason, detail))
+                changed.append(
+                    (seq, updated, state, crc, chunk, run_id, *row, outcome, reason, detail)
+                )
                 written[run_id] = (
                     machine,
                     state,
@@ -952,6 +1037,7 @@ class SQLiteStore(Store):
                     reason,
                     detail,
                     crc,
+                    chunk,
                 )
                 running += (outcome == RUNNING) - (was == RUNNING)
         moves = len(runs) - len(starting)
@@ -960,9 +1046,10 @@ class SQLiteStore(Store):
         if started:
             records = index_updates(started, {}).values()
             running += sum(record.outcome == RUNNING for record in records)
+            ids = {run_id: chunk for chunk, run_id in enumerate(runs, first_chunk)}
             rows = []
             for record in records:
-                row = _index_row(record)
+                row = _index_row(record, ids[record.run_id])
                 rows.append(row)
                 written[record.run_id] = row[1:]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
@@ -975,7 +1062,7 @@ class SQLiteStore(Store):
                 conn.execute(_COUNT_RUNS, (inserted,))
             if running:
                 conn.execute(_COUNT_RUNNING, (running,))
-            return written
+            return written, prevs
         # Nothing but these rows was written in the transaction yet: undo it whole (no
         # savepoint to pay for in every batch) and start over for the checked path.
         conn.execute("ROLLBACK")
@@ -983,17 +1070,26 @@ class SQLiteStore(Store):
         return None
 
     @staticmethod
-    def _index_checked(conn: sqlite3.Connection, batch: _Batch) -> dict[str, _Row]:
+    def _index_checked(
+        conn: sqlite3.Connection, batch: _Batch, first_chunk: int
+    ) -> tuple[dict[str, _Row], list[int | None]]:
         """Read each run's row, check the batch against it (raising what is wrong), and
-        write the rows :func:`index_updates` gives; return them, as ``_rows`` holds them."""
+        write the rows :func:`index_updates` gives; return them, as ``_rows`` holds them,
+        and each chunk's ``prev``, as :meth:`_index_fast` does."""
         current: dict[str, RunRecord] = {}
-        for run_id, *_ in batch.chunks:
+        prevs: list[int | None] = []
+        ids: dict[str, int] = {}
+        for chunk, (run_id, *_) in enumerate(batch.chunks, first_chunk):
             row = conn.execute(_SELECT_RUN, (run_id,)).fetchone()
+            ids[run_id] = chunk
             if row is not None:
-                current[run_id] = looked_up(run_id, _verified(row))
+                current[run_id] = looked_up(run_id, _verified(row[:-1]))
+                prevs.append(_chunk_id(run_id, row[-1]))
+            else:
+                prevs.append(None)
         check_batch(batch.events, {run_id: record.seq for run_id, record in current.items()})
         updates = index_updates(batch.marks, current)
-        rows = [_index_row(r) for r in updates.values()]
+        rows = [_index_row(r, ids[r.run_id]) for r in updates.values()]
         conn.executemany(_UPSERT_RUN, rows)
         conn.execute(_COUNT_RUNS, (len(updates) - len(current),))
         running = sum(r.outcome == RUNNING for r in updates.values()) - sum(
@@ -1001,7 +1097,7 @@ class SQLiteStore(Store):
         )
         if running:
             conn.execute(_COUNT_RUNNING, (running,))
-        return {row[0]: row[1:] for row in rows}
+        return {row[0]: row[1:] for row in rows}, prevs
 
     def _explain_integrity(
         self, conn: sqlite3.Connection, exc: sqlite3.IntegrityError, batch: _Batch
@@ -1014,18 +1110,57 @@ class SQLiteStore(Store):
         if "chunks.run_id" in str(exc):
             # The journal holds the run further than its index row said.
             for run_id, first, _last, _body in batch.chunks:
+                if first != 1 and self._chained:
+                    continue  # only a run's first chunk is unique (chunks_first)
                 stored = conn.execute(_LAST_SEQ, (run_id,)).fetchone()[0]
                 if stored is not None and stored >= first:
                     return str(another_writer(run_id, stored, first))
         return f"{self._path}: the batch breaks a constraint ({exc}); nothing was written"
 
+    def _chunks(
+        self, conn: sqlite3.Connection, run_id: str, row: Any, after: int
+    ) -> list[tuple[int, int, bytes]]:
+        """The chunks of ``run_id`` that hold its seqs past ``after`` (0: all of them), the
+        index row ``row`` read (with its chunk last), oldest first.
+
+        Version 5 walks the run's chain from the chunk its row names; a chain that does not
+        reach back as far as it should (a pointer or a chunk damaged or lost) is read again
+        whole, by run id, as version 4 reads it, so that what is wrong is reported at its
+        seq just as there.
+        """
+        if not self._chained:
+            if after:
+                return conn.execute(_SELECT_CHUNKS_AFTER, (run_id, after)).fetchall()
+            return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
+        if row is None:
+            if conn.execute(_HAS_FIRST_CHUNK, (run_id,)).fetchone() is None:
+                return []
+            return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
+        last = row[-1]
+        if type(last) is int:
+            chain = conn.execute(_CHAIN, (last, after)).fetchall()
+            if chain:
+                oldest = chain[-1]
+                reached = oldest[1] is None or oldest[3] <= after + 1
+                if reached and all(link[2] == run_id for link in chain):
+                    chain.reverse()
+                    return [link[3:] for link in chain]
+        if after:
+            return conn.execute(_SELECT_CHUNKS_AFTER, (run_id, after)).fetchall()
+        return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
+
     async def load(self, run_id: str) -> list[JournalEvent]:
-        select_run = f"{self._select} WHERE run_id = ?"
+        select_run = (
+            f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
+        )
 
         def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
             # The index row first: the journal only grows, so it cannot then be shorter.
             row = conn.execute(select_run, (run_id,)).fetchone()
-            return row, conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
+            chunks = self._chunks(conn, run_id, row, 0)
+            if row is not None and self._chained:
+                row = row[:-1]
+            return row, chunks
 
         row, chunks = await self._call("load", read)
         if row is None:
@@ -1045,11 +1180,16 @@ class SQLiteStore(Store):
           RunNotFound: no such run.
           JournalCorrupt, IndexDamaged: as :meth:`load`.
         """
-        select_run = f"{self._select} WHERE run_id = ?"
+        select_run = (
+            f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
+        )
 
         def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
             row = conn.execute(select_run, (run_id,)).fetchone()
-            return row, conn.execute(_SELECT_CHUNKS_AFTER, (run_id, seq)).fetchall()
+            if row is None:
+                return row, []
+            chunks = self._chunks(conn, run_id, row, max(seq, 0))
+            return (row[:-1] if self._chained else row), chunks
 
         row, chunks = await self._call("load_after", read)
         if row is None:
@@ -1059,11 +1199,12 @@ class SQLiteStore(Store):
         return decode_chunks_after(run_id, chunks, record.seq, seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
-        select_run = f"{self._select} WHERE run_id = ?"
+        select_run = f"{self._select} FROM runs WHERE run_id = ?"
+        has_chunks = _HAS_FIRST_CHUNK if self._chained else _HAS_CHUNKS
 
         def read(conn: sqlite3.Connection) -> tuple[Any, bool]:
             row = conn.execute(select_run, (run_id,)).fetchone()
-            return row, row is None and conn.execute(_HAS_CHUNKS, (run_id,)).fetchone() is not None
+            return row, row is None and conn.execute(has_chunks, (run_id,)).fetchone() is not None
 
         row, journaled = await self._call("get_run", read)
         if row is None:
@@ -1083,7 +1224,10 @@ class SQLiteStore(Store):
         def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
             conn.execute("BEGIN")  # the rows and their count as of one moment
             try:
-                return conn.execute(self._select).fetchall(), conn.execute(_RUNS_COUNTED).fetchone()
+                return (
+                    conn.execute(f"{self._select} FROM runs").fetchall(),
+                    conn.execute(_RUNS_COUNTED).fetchone(),
+                )
             finally:
                 conn.execute("COMMIT")
 
@@ -1158,7 +1302,7 @@ class SQLiteStore(Store):
         try:
             index: dict[str, RunRecord] = {}
             damaged: list[IndexDamaged] = []
-            for row in conn.execute(self._select):
+            for row in conn.execute(f"{self._select} FROM runs"):
                 try:
                     record = self._read(row)
                 except IndexDamaged as exc:
@@ -1176,6 +1320,8 @@ class SQLiteStore(Store):
             for (line,) in conn.execute("PRAGMA integrity_check"):
                 if line != "ok":
                     checker.problem(None, None, f"{self._path}: SQLite integrity check: {line}")
+            if self._chained:
+                self._check_chains(conn, checker)
             chunks = conn.execute(
                 "SELECT run_id, first_seq, last_seq, body FROM chunks ORDER BY run_id, first_seq"
             )
@@ -1202,6 +1348,49 @@ class SQLiteStore(Store):
         finally:
             _rollback(conn)
         return checker.report()
+
+    def _check_chains(self, conn: sqlite3.Connection, checker: Checker) -> None:
+        """Version 5: each run's chunks chained in seq order from its first, and its index
+        row naming the last one; a link that is not is reported at its run and seq."""
+        lasts = {
+            run_id: (chunk, seq)
+            for run_id, chunk, seq in conn.execute(
+                "SELECT CAST(run_id AS BLOB), chunk, seq FROM runs"
+            ).fetchall()
+        }
+        chunks = conn.execute(
+            "SELECT run_id, id, prev, first_seq, last_seq FROM chunks "
+            "ORDER BY run_id, first_seq, id"
+        )
+        for run_id, rows in itertools.groupby(chunks, key=lambda row: row[0]):
+            before = None
+            seq = 0
+            for _, chunk, prev, first_seq, last_seq in rows:
+                if first_seq != seq + 1:
+                    break  # missing or repeated seqs: reported as such, with the frames
+                seq = last_seq
+                if prev != before:
+                    checker.problem(
+                        run_id,
+                        first_seq,
+                        f"{self._path}: the chunk of run {run_id!r} from seq {first_seq} is "
+                        f"chained to chunk {prev}, not to the run's chunk before it "
+                        f"({before}); restore the journal from a backup",
+                    )
+                    break
+                before = chunk
+            else:
+                key = run_id.encode() if isinstance(run_id, str) else run_id
+                named, reached = lasts.get(key, (before, seq))
+                # (an index row further on or behind than its journal is reported as such)
+                if reached == seq and named != before:
+                    checker.problem(
+                        run_id,
+                        None,
+                        f"{self._path}: the index row of run {run_id!r} names chunk {named}, "
+                        f"not the run's last chunk ({before}); restore the journal from a "
+                        "backup",
+                    )
 
     async def pragmas(self) -> dict[str, object]:
         """Return the settings in effect on the store's connection, for diagnostics.
@@ -1359,7 +1548,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
             f"supports ({SCHEMA_VERSION}); upgrade interlock to open it"
         )
     if version is not None and version < SCHEMA_VERSION:
-        if version not in (1, 2, 3):
+        if version not in (1, 2, 3, 4):
             raise StoreError(f"{path}: database schema version {version} is not supported")
         if readonly and version == 1:
             raise StoreError(
@@ -1413,7 +1602,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Upgrade a version 1, 2 or 3 database to this version, in one transaction.
+    """Upgrade a version 1, 2, 3 or 4 database to this version, in one transaction.
 
     A failure rolls everything back.
     """
@@ -1427,6 +1616,8 @@ def _upgrade(conn: sqlite3.Connection) -> None:
             _checksum_index(conn)
         if version in (1, 2, 3):
             _index_unfinished(conn)
+        if version in (1, 2, 3, 4):
+            _chain_chunks(conn)
             conn.execute(
                 "UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
             )
@@ -1434,6 +1625,30 @@ def _upgrade(conn: sqlite3.Connection) -> None:
     except Exception:
         _rollback(conn)
         raise
+
+
+def _chain_chunks(conn: sqlite3.Connection) -> None:
+    """Version 4 to 5: chunks get ids, in the order of their runs and seqs, each chained to
+    its run's chunk before; each index row names its run's last chunk.
+
+    Every chunk is copied byte for byte, damage included (as is a row of the index).
+    """
+    conn.execute("ALTER TABLE chunks RENAME TO chunks_v4")
+    conn.execute(_CHUNKS)
+    conn.execute(
+        "INSERT INTO chunks (id, run_id, first_seq, last_seq, prev, body) "
+        "SELECT n, run_id, first_seq, last_seq, "
+        "CASE WHEN lag(run_id) OVER w IS run_id THEN n - 1 END, body FROM ("
+        "SELECT row_number() OVER (ORDER BY run_id, first_seq) AS n, * FROM chunks_v4) "
+        "WINDOW w AS (ORDER BY n) ORDER BY n"
+    )
+    conn.execute("DROP TABLE chunks_v4")
+    conn.execute(_FIRST_CHUNKS)
+    conn.execute("ALTER TABLE runs ADD COLUMN chunk INTEGER")
+    conn.execute(
+        "UPDATE runs SET chunk = last.id FROM (SELECT run_id, max(id) AS id FROM chunks "
+        "GROUP BY run_id) AS last WHERE runs.run_id = last.run_id"
+    )
 
 
 def _index_unfinished(conn: sqlite3.Connection) -> None:
@@ -1473,7 +1688,7 @@ def _chunks_from_events(conn: sqlite3.Connection) -> None:
     run's seqs, which no interlock writes, ends a chunk too and now reads as missing
     events.)
     """
-    for statement in _JOURNAL:
+    for statement in (*_JOURNAL_V4, _INTENTS):
         conn.execute(statement)
     conn.execute(
         "INSERT INTO intents (key, run_id, seq) SELECT key, run_id, seq FROM events "
@@ -1483,7 +1698,7 @@ def _chunks_from_events(conn: sqlite3.Connection) -> None:
 
     def flush() -> None:
         if chunk is not None:
-            conn.execute(_INSERT_CHUNK, (chunk[0], chunk[1], chunk[2], b"".join(chunk[3])))
+            conn.execute(_INSERT_CHUNK_V4, (chunk[0], chunk[1], chunk[2], b"".join(chunk[3])))
 
     rows = conn.execute("SELECT run_id, seq, body FROM events ORDER BY run_id, seq")
     for run_id, seq, body in rows:
