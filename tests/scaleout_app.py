@@ -128,6 +128,12 @@ class Downstream:
         except psycopg.OperationalError as exc:
             raise RetryableToolError(f"downstream unreachable: {exc}", applied=False) from exc
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+        # A process frozen inside a downstream transaction (SIGSTOP between its INSERT and
+        # its COMMIT) must not commit it seconds later, after another worker took the run
+        # over and found the call not applied: the server ends a transaction left idle, as
+        # a real downstream ends a frozen client's. Well inside the leases' ttl (2 s), so
+        # the effect is gone before anyone can reconcile it.
+        conn.execute("SET idle_in_transaction_session_timeout = '1s'")
         return conn
 
     def create(self) -> None:
