@@ -91,6 +91,39 @@ class LatencyHistogram:
         return pairs
 
 
+class _Keys:
+    """The label tuples :meth:`RuntimeStats.count` adds to for one machine, each built once.
+
+    Keyed by the machine's name, as the tables are: two machines of one name share them.
+    """
+
+    __slots__ = ("accepted", "calls", "moves", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.accepted = (name, "accepted", "")
+        # state -> model -> (prompt, completion, cached, reasoning) token keys, call key
+        self.calls: dict[str, dict[str, tuple[Any, ...]]] = {}
+        self.moves: dict[str, dict[str, tuple[str, str, str]]] = {}  # src -> dst -> key
+
+    def call(self, state: str, model: str) -> tuple[Any, ...]:
+        name = self.name
+        keys = (
+            (name, state, model, "prompt"),
+            (name, state, model, "completion"),
+            (name, state, model, "cached"),
+            (name, state, model, "reasoning"),
+            (name, model),
+        )
+        self.calls.setdefault(state, {})[model] = keys
+        return keys
+
+    def move(self, src: str, dst: str) -> tuple[str, str, str]:
+        key = (self.name, src, dst)
+        self.moves.setdefault(src, {})[dst] = key
+        return key
+
+
 @dataclass(frozen=True)
 class SupervisorStatistics:
     """A snapshot of a supervisor's counters (see :meth:`Supervisor.statistics`)."""
@@ -151,6 +184,7 @@ class RuntimeStats:
         self.escalations_pending = 0  # runs parked in ESCALATE, store-wide once counted at start
         self.leases_lost = 0  # runs dropped because another process took their leases
         self.leases_claimed = 0  # runs claimed (a worker, a resume on PostgreSQL)
+        self._keys: dict[str, _Keys] = {}  # count's label tuples, by machine name
 
     def histogram(self, table: dict[str, LatencyHistogram], key: str) -> LatencyHistogram:
         """The histogram of ``key`` in ``table``, created on first use."""
@@ -165,36 +199,67 @@ class RuntimeStats:
         The decider keeps no counters; every figure here follows from the events a
         request made (and, for a tool call, the report that made them), so what the
         metrics say is what the journal holds.
+
+        Runs once per decided request, so the label tuples of a model call and a
+        transition come from :class:`_Keys`, built once per machine, state and model (or
+        source and destination): two dict lookups instead of building and hashing a fresh
+        tuple per table, and the tables then find their key by identity.
         """
         name = machine.name
+        keys = self._keys.get(name)
+        if keys is None:
+            keys = self._keys[name] = _Keys(name)
         proposed = False  # a proposal was journaled and its verdict is still to come
         reconciled = False
         for index in range(start, len(events)):
             event: Any = events[index]
             kind = type(event)
             if kind is ModelCalled:
-                model, usage = event.model, event.usage
-                self.tokens[(name, event.state, model, "prompt")] += usage.prompt
-                self.tokens[(name, event.state, model, "completion")] += usage.completion
+                model = event.model
+                by_model = keys.calls.get(event.state)
+                call = by_model.get(model) if by_model is not None else None
+                if call is None:
+                    call = keys.call(event.state, model)
+                prompt_key, completion_key, cached_key, reasoning_key, calls_key = call
+                usage = event.usage
+                tokens = self.tokens
+                # ``+= 0`` only makes the key there: a membership test does that for less
+                prompt, completion = usage.prompt, usage.completion
+                if prompt:
+                    tokens[prompt_key] += prompt
+                elif prompt_key not in tokens:
+                    tokens[prompt_key] = 0
+                if completion:
+                    tokens[completion_key] += completion
+                elif completion_key not in tokens:
+                    tokens[completion_key] = 0
                 if usage.cached:
-                    self.tokens[(name, event.state, model, "cached")] += usage.cached
+                    tokens[cached_key] += usage.cached
                 if usage.reasoning:
-                    self.tokens[(name, event.state, model, "reasoning")] += usage.reasoning
-                self.model_calls[(name, model)] += 1
+                    tokens[reasoning_key] += usage.reasoning
+                self.model_calls[calls_key] += 1
                 latency = self.model_latency.get(model)
                 if latency is None:
                     latency = self.histogram(self.model_latency, model)
-                latency.record(event.latency)
+                seconds = event.latency  # LatencyHistogram.record, inlined
+                latency.counts[bisect_left(_BOUNDS, seconds)] += 1
+                latency.sum += seconds
+                latency.total += 1
                 proposed = True
-            elif kind is IntentRecorded:
-                if proposed:
-                    self.verdicts[(name, "accepted", "")] += 1
-                    proposed = False
             elif kind is Transitioned:
                 if proposed:
-                    self.verdicts[(name, "accepted", "")] += 1
+                    self.verdicts[keys.accepted] += 1
                     proposed = False
-                self.transitions[(name, event.src, event.dst)] += 1
+                src = event.src
+                by_dst = keys.moves.get(src)
+                move = by_dst.get(event.dst) if by_dst is not None else None
+                if move is None:
+                    move = keys.move(src, event.dst)
+                self.transitions[move] += 1
+            elif kind is IntentRecorded:
+                if proposed:
+                    self.verdicts[keys.accepted] += 1
+                    proposed = False
             elif kind is ToolCommitted:
                 tool = machine.tool_by_name.get(event.tool)
                 if tool is not None and not tool.read_only:
