@@ -1128,23 +1128,17 @@ class SQLiteStore(Store):
         whole, by run id, as version 4 reads it, so that what is wrong is reported at its
         seq just as there.
         """
-        if not self._chained:
-            if after:
-                return conn.execute(_SELECT_CHUNKS_AFTER, (run_id, after)).fetchall()
-            return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
-        if row is None:
-            if conn.execute(_HAS_FIRST_CHUNK, (run_id,)).fetchone() is None:
-                return []
-            return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
-        last = row[-1]
-        if type(last) is int:
-            chain = conn.execute(_CHAIN, (last, after)).fetchall()
-            if chain:
-                oldest = chain[-1]
-                reached = oldest[1] is None or oldest[3] <= after + 1
-                if reached and all(link[2] == run_id for link in chain):
-                    chain.reverse()
-                    return [link[3:] for link in chain]
+        if self._chained:
+            if row is None:
+                if conn.execute(_HAS_FIRST_CHUNK, (run_id,)).fetchone() is None:
+                    return []
+            elif type(row[-1]) is int:
+                chain = conn.execute(_CHAIN, (row[-1], after)).fetchall()
+                if chain:
+                    oldest = chain[-1]
+                    reached = oldest[1] is None or oldest[3] <= after + 1
+                    if reached and all(link[2] == run_id for link in chain):
+                        return [link[3:] for link in reversed(chain)]
         if after:
             return conn.execute(_SELECT_CHUNKS_AFTER, (run_id, after)).fetchall()
         return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
