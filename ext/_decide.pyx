@@ -749,6 +749,67 @@ def encode_rows(list events, dict tags, keyed, encode, frame):
     return rows
 
 
+def group_batch(list events, encode, indexed, dict changes, dict slots, frame_events):
+    """``stores._sqlite._Batch``'s pass over a batch, compiled: the events encoded and
+    grouped by run, each run's frames joined into one chunk. Returns ``(runs, starts,
+    irregular, chunks, intents, marks, contiguous, size)``, the attributes of a
+    ``_Batch`` as its pure-Python ``__init__`` computes them (``tests/hot/test_decide.py``
+    holds the two to the same values). Raises what ``encode`` raises."""
+    cdef dict runs = {}
+    cdef list intents = []
+    cdef list marks = []
+    cdef list starts = []
+    cdef list chunks = []
+    cdef list run
+    cdef bint contiguous = True
+    cdef bint irregular = False
+    cdef PyObject* found
+    cdef Py_ssize_t i, n = len(events), size = 0
+    for i in range(n):
+        event = events[i]
+        run_id = event.run_id
+        seq = event.seq
+        kind = type(event)
+        found = PyDict_GetItem(runs, run_id)
+        if found is NULL:
+            run = [seq, seq, [encode(event)], event, None, None, None, None]
+            runs[run_id] = run
+            marks.append(event)
+            if kind is RunStarted:
+                if seq == 1:
+                    starts.append(run_id)
+                else:
+                    irregular = True
+        else:
+            run = <list>found
+            if seq != run[1] + 1:
+                contiguous = False
+            run[1] = seq
+            (<list>run[2]).append(encode(event))
+            run[3] = event
+            if kind in indexed:
+                marks.append(event)
+                if kind is RunStarted:
+                    irregular = True
+        if kind is Transitioned:
+            run[4] = event.dst
+        elif kind is IntentRecorded:
+            intents.append((event.key, run_id, seq))
+        elif kind in changes:
+            for field, value in changes[kind](event).items():
+                run[slots[field]] = value
+    for run_id, value in runs.items():
+        run = <list>value
+        marks.append(run[3])
+        body = frame_events(run[2])
+        size += len(body)
+        chunks.append((run_id, run[0], run[1], body))
+        run[2] = None
+    if contiguous and intents:
+        contiguous = len({row[0] for row in intents}) == len(intents)
+    return runs, starts, irregular, chunks, intents, marks, contiguous, size
+
+
 def accept_call(RunState run, bytes raw, double now, circuits):
     """The compiled gate's accepted path on its own, for the benchmarks and the tests:
     ``(call, builtins, value, call_hash)`` for a call it accepts, a ``Decision`` for one a

@@ -26,4 +26,21 @@ def encode_rows(
     encode: Callable[[Any], bytes],
     frame: Callable[[bytes], bytes],
 ) -> list[tuple[str, int, str, float, str | None, bytes]]: ...
+def group_batch(
+    events: list[Event],
+    encode: Callable[[Any], bytes],
+    indexed: frozenset[type[Event]],
+    changes: dict[type[Event], Callable[[Any], dict[str, str]]],
+    slots: dict[str, int],
+    frame_events: Callable[[list[bytes]], bytes],
+) -> tuple[
+    dict[str, list[Any]],
+    list[str],
+    bool,
+    list[tuple[str, int, int, bytes]],
+    list[tuple[str, str, int]],
+    list[Event],
+    bool,
+    int,
+]: ...
 def accept_call(run: RunState, raw: bytes, now: float, circuits: Any) -> Any: ...

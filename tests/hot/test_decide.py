@@ -387,3 +387,32 @@ def test_an_event_the_journal_cannot_encode_raises_as_in_the_twin() -> None:
     assert raised[0] == raised[1]
     with pytest.raises(_base.StoreError, match="run 'r-2' cannot be encoded"):
         _base.encode_rows([good, bad])
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests, st.data())
+def test_the_compiled_batch_grouping_is_the_twins(
+    requests_: list[tuple[Any, ...]], data: st.DataObject
+) -> None:
+    """A SQLite store's batch (stores._sqlite._Batch) is grouped, encoded and framed the
+    same by the compiled pass and the pure one: several runs interleaved, starting at
+    their run_started or further on, in order or not, with intents and run ends."""
+    from interlock.stores import _sqlite
+
+    fast, _ = drive(requests_)
+    events = list(fast.events)
+    batch: list[Event] = []
+    for n in range(data.draw(st.integers(1, 3), label="runs")):
+        start = data.draw(st.integers(0, len(events) - 1), label="from")
+        clones = [msgspec.structs.replace(e, run_id=f"r-{n}") for e in events[start:]]
+        for event in clones:
+            batch.insert(data.draw(st.integers(0, len(batch)), label="at"), event)
+    if data.draw(st.booleans(), label="in order"):
+        # each run's events in seq order (the batches the supervisor writes)
+        batch.sort(key=lambda e: (e.run_id, e.seq))
+    assert _sqlite._group_batch is not None  # the store's path is the compiled one
+    compiled_batch = _sqlite._Batch(batch)
+    twin = _sqlite._Batch.__new__(_sqlite._Batch)
+    twin._group(batch)
+    for name in _sqlite._Batch.__slots__:
+        assert getattr(compiled_batch, name) == getattr(twin, name), name
