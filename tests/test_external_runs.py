@@ -147,3 +147,82 @@ async def test_an_escalated_external_run_resumes_external_and_its_caller_drives_
         again = await sup.submit(Propose(run_id="x-4", seq=sup.view("x-4").seq, raw=CHARGE))
         assert again.execute is not None
         assert again.execute.key != verdict.execute.key
+
+
+async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -> None:
+    """Supervisor.submit_many_nowait (the gateway's batches): in order, each verdict the
+    one submit_nowait would give, a refusal in its own place, one write for them all."""
+    from interlock import InternalError, Sync
+
+    async def decide(store: Any, many: bool) -> tuple[list[Any], list[list[Any]]]:
+        async with open_supervisor([shop()], store) as sup:
+            for n in range(4):
+                await sup.start_run("shop", run_id=f"m-{n}", external=True)
+            seqs = [sup.view(f"m-{n}").seq for n in range(4)]
+            msgs = [
+                Propose(run_id="m-0", seq=seqs[0], raw=CHARGE),
+                Propose(run_id="m-1", seq=seqs[1] + 7, raw=CHARGE),  # out of order
+                Propose(run_id="m-2", seq=seqs[2], raw='{"tool": "refund"}'),  # rejected
+                Propose(run_id="m-3", seq=seqs[3], raw=DONE),
+            ]
+            if many:
+                batches = sup.stats.flush_events["batches"]
+                results: list[Any] = sup.submit_many_nowait(msgs)
+                await sup.request(Sync(run_id="m-0"))
+                assert sup.stats.flush_events["batches"] == batches + 1
+            else:
+                results = []
+                for msg in msgs:
+                    try:
+                        results.append(sup.submit_nowait(msg))
+                    except ProtocolError as exc:
+                        results.append(exc)
+                await sup.request(Sync(run_id="m-0"))
+        journaled = [[type(e).__name__ for e in await store.load(f"m-{n}")] for n in range(4)]
+        await store.aclose()
+        return results, journaled
+
+    many, journaled = await decide(await open_sqlite_store(tmp_path / "many.db"), True)
+    alone, journaled_alone = await decide(MemoryStore(), False)
+    assert journaled == journaled_alone
+    assert [type(r) for r in many] == [type(r) for r in alone]
+    assert isinstance(many[1], ProtocolError)
+    assert str(many[1]) == str(alone[1])
+    for got, want in zip(many, alone, strict=True):
+        if not isinstance(got, Exception):
+            assert (got.accepted, got.state, got.seq, got.outcome) == (
+                want.accepted,
+                want.state,
+                want.seq,
+                want.outcome,
+            )
+    assert (many[0].execute.key, many[2].accepted, many[3].outcome) == (
+        alone[0].execute.key,
+        False,
+        "completed",
+    )
+
+    # a bug met deciding one request ends that run only; the others are decided
+    store = MemoryStore()
+    async with open_supervisor([shop()], store) as sup:
+        for n in range(2):
+            await sup.start_run("shop", run_id=f"b-{n}", external=True)
+        seqs = [sup.view(f"b-{n}").seq for n in range(2)]
+        decide_one = sup._journal._decide
+
+        def buggy(msg: Any, events: list[Any]) -> Any:
+            if msg.run_id == "b-0":
+                events.append(object())  # half of a decision, then the bug
+                raise ZeroDivisionError("a bug")
+            return decide_one(msg, events)
+
+        sup._journal._decide = buggy
+        results = sup.submit_many_nowait(
+            [Propose(run_id=f"b-{n}", seq=seqs[n], raw=CHARGE) for n in range(2)]
+        )
+        sup._journal._decide = decide_one
+        assert isinstance(results[0], InternalError)
+        assert isinstance(results[0].__cause__, ZeroDivisionError)
+        assert results[1].execute is not None
+        await sup.request(Sync(run_id="b-1"))
+    assert "IntentRecorded" in [type(e).__name__ for e in await store.load("b-1")]

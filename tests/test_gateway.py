@@ -381,6 +381,30 @@ async def test_a_batch_is_verified_and_journaled_in_one_group_commit(tmp_path: P
     assert kinds(await journal(db, "b-0")).count("intent_recorded") == 1
 
 
+async def test_a_batch_decides_a_runs_second_proposal_after_its_first(tmp_path: Path) -> None:
+    """Two proposals of one run in a batch: the second is checked against the run as the
+    first left it (its expected_seq is the first verdict's seq), as if sent after it."""
+    async with gateway(shop(), tmp_path / "j.db") as (_, client):
+        x = await start(client, "x")
+        y = await start(client, "y")
+        items = [
+            {"run_id": "x", "proposal": BAD, "expected_seq": x.seq},  # rejected: seq + 2
+            {"run_id": "y", "proposal": CHARGE, "expected_seq": y.seq},
+            {"run_id": "x", "proposal": CHARGE, "expected_seq": x.seq + 2},
+            {"run_id": "x", "proposal": CHARGE, "expected_seq": x.seq},  # stale by now
+        ]
+        answer = await client.post("/v1/verify", json={"items": items})
+        assert answer.status_code == 200, answer.text
+        bad, other, call, stale = decode(answer, VerifyOut).verdicts
+        assert (bad.accepted, bad.seq) == (False, x.seq + 2)
+        assert other.key is not None
+        assert (call.accepted, call.key) == (True, f"x:PAY:{x.seq + 4}")
+        # the first answer at that seq was the rejection, and a different proposal
+        # retried at a seq already answered is refused, not decided again
+        assert stale.problem is not None
+        assert stale.problem.status == 409, stale
+
+
 async def test_a_batch_answers_repeats_steps_and_ends_of_runs(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
     async with gateway([shop(), checkout()], db) as (server, client):

@@ -249,6 +249,20 @@ class Supervisor:
         """
         return self._journal.submit_nowait(msg)
 
+    def submit_many_nowait(self, msgs: Sequence[Request]) -> list[Verdict | Exception]:
+        """:meth:`submit_nowait` for many requests, decided in order in the caller's task
+        with the writer woken once, after the last: for each request its verdict, or the
+        error it was refused with (what :meth:`submit_nowait` would raise: a
+        :class:`ProtocolError` for a stale or out-of-order request, the
+        :class:`InternalError` that ends the run whose request met a bug, the
+        :class:`StoreError` of a write done in this call that failed). The gateway's
+        batches decide their proposals with it.
+
+        Raises:
+          trio.ClosedResourceError: the supervisor is shutting down (nothing was decided).
+        """
+        return self._journal.submit_many_nowait(msgs)
+
     def propose(self, msg: Propose, *, lagging: bool = False) -> Coroutine[Any, Any, Verdict]:
         """Decide a run actor's proposal in its task; the verdict comes at once where
         acting on it before its events are durable is harmless (see :meth:`_early`),

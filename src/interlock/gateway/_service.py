@@ -1199,7 +1199,7 @@ class GatewayService:
         ``problem`` set).
 
         Each proposal of a live external run is decided at once in this task
-        (``Supervisor.submit_nowait``: no task and no wake-up per item), then one
+        (``Supervisor.submit_many_nowait``: no task and no wake-up per item), then one
         ``Sync`` waits until the write that holds all their events is durable; only then
         is any verdict answered. The rest (a recorded answer to repeat, a stale seq to
         check against the journal, a run not live here) goes the way of a single proposal,
@@ -1222,14 +1222,18 @@ class GatewayService:
 
             # NOTE: one loop, no call of the service's own per item: per proposal this is
             # most of what the gateway itself costs a batch. The machines the key may
-            # propose for are checked once per machine, not once per item.
+            # propose for are checked once per machine, not once per item. The proposals
+            # are decided together (Supervisor.submit_many_nowait), a run's second
+            # proposal of the batch only after its first (what it is checked against).
             sup = self.supervisor
             runs = sup._runs
             answers = self._answers
-            submit = sup.submit_nowait
             allowed: set[str] = set()
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
+            msgs: list[Propose] = []
+            taken: list[tuple[int, str, _Answer | None, int]] = []
+            taking: set[str] = set()  # the runs of taken
             for index in range(count):
                 run_id = run_ids[index]
                 item = bodies[index]
@@ -1237,6 +1241,10 @@ class GatewayService:
                 if run is None:
                     later.append(index)
                     continue
+                if run_id in taking:
+                    self._decide_taken(msgs, taken, decided, verdicts)
+                    msgs, taken = [], []
+                    taking.clear()
                 answer: _Answer | None = None
                 try:
                     machine = run.machine.name
@@ -1260,26 +1268,23 @@ class GatewayService:
                             continue
                         answer = _Answer(expected, item.proposal)
                         self._remember(run_id, answer)
-                    before = run.seq
-                    usage = item.usage
-                    try:
-                        verdict = submit(
-                            Propose(
-                                run_id=run_id,
-                                seq=expected or 0,
-                                raw=item.proposal,
-                                usage=_NO_USAGE if usage is None else _usage(usage),
-                                model=item.model,
-                            )
-                        )
-                    except Exception as exc:
-                        error = _translate(exc)
-                        self._fail(run_id, answer, error)
-                        raise error from None
                 except GatewayError as exc:
                     verdicts[index] = _item_problem(run_id, exc)
                     continue
-                decided.append((index, verdict, answer, before))
+                usage = item.usage
+                msgs.append(
+                    Propose(
+                        run_id=run_id,
+                        seq=expected or 0,
+                        raw=item.proposal,
+                        usage=_NO_USAGE if usage is None else _usage(usage),
+                        model=item.model,
+                    )
+                )
+                taken.append((index, run_id, answer, run.seq))
+                taking.add(run_id)
+            if msgs:
+                self._decide_taken(msgs, taken, decided, verdicts)
             if later:
                 async with trio.open_nursery() as nursery:
                     for index in later:
@@ -1291,6 +1296,33 @@ class GatewayService:
         finally:
             self.waiting -= count
         return [v for v in verdicts if v is not None]
+
+    def _decide_taken(
+        self,
+        msgs: list[Propose],
+        taken: list[tuple[int, str, _Answer | None, int]],
+        decided: list[tuple[int, Verdict, _Answer | None, int]],
+        verdicts: list[VerdictOut | None],
+    ) -> None:
+        """Decide ``msgs`` (``taken``: each one's index, run, answer and seq before) at
+        once; each verdict goes to ``decided``, each refusal to ``verdicts`` as its problem."""
+        try:
+            results: list[Verdict | Exception] = self.supervisor.submit_many_nowait(msgs)
+        except trio.ClosedResourceError as exc:
+            results = [exc] * len(msgs)
+        for (index, run_id, answer, before), result in zip(taken, results, strict=True):
+            if isinstance(result, Exception):
+                try:
+                    error = _translate(result)
+                except BaseException:  # a bug (InternalError): no answer is left pending
+                    for _, other, pending, _ in taken:
+                        if pending is not None and not pending.settled:
+                            self._fail(other, pending, _interrupted())
+                    raise
+                self._fail(run_id, answer, error)
+                verdicts[index] = _item_problem(run_id, error)
+            else:
+                decided.append((index, result, answer, before))
 
     async def _answer_decided(
         self,
