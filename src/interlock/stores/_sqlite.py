@@ -952,7 +952,11 @@ class SQLiteStore(Store):
                 _INSERT_CHUNKS,
                 _INSERT_CHUNK,
                 [
-                    (first + at, run_id, first_seq, last_seq, prev, body)
+                    # NOTE: a bytearray, not the bytes: sqlite3 binds int, float, str and
+                    # bytearray as they are, and asks anything else (bytes too) for an
+                    # adapter first, two AttributeErrors raised and cleared per value;
+                    # the copy costs less (1.3 µs less per row here, benchmarks/sqlite_chunks.md).
+                    (first + at, run_id, first_seq, last_seq, prev, bytearray(body))
                     for at, ((run_id, first_seq, last_seq, body), prev) in enumerate(
                         zip(batch.chunks, written[1], strict=True)
                     )
