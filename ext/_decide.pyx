@@ -815,6 +815,82 @@ def group_batch(list events, encode, indexed, dict changes, dict slots, frame_ev
     return runs, starts, irregular, chunks, intents, marks, contiguous, size
 
 
+def move_runs(
+    dict runs, dict remembered, dict stored, set starting, Py_ssize_t first_chunk,
+    encode, crc32, row_checksum, running_outcome,
+):
+    """``stores._sqlite._move_runs_py``, compiled: how a SQLite store's fast path moves
+    the index rows of the runs a batch continues (``same``, ``changed``, ``written``,
+    ``prevs``, the change in running runs), or None where a run is not where the batch
+    says it is. ``tests/hot/test_decide.py`` holds the two to the same values."""
+    cdef dict written = {}
+    cdef list same = []
+    cdef list changed = []
+    cdef list prevs = []
+    cdef list run
+    cdef tuple row
+    cdef PyObject* found
+    cdef Py_ssize_t chunk = first_chunk - 1
+    cdef long running = 0
+    for run_id, value in runs.items():
+        chunk += 1
+        run = <list>value
+        first = run[0]
+        if first == 1 and starting and run_id in starting:
+            prevs.append(None)
+            continue
+        before = first - 1
+        found = PyDict_GetItem(remembered, run_id)
+        if found is NULL or (<tuple>found)[3] != before:
+            found = PyDict_GetItem(stored, run_id)
+            if found is NULL or (<tuple>found)[3] != before:
+                return None
+        row = <tuple>found
+        machine = row[0]
+        was = row[2]
+        started_at = row[4]
+        was_reason = row[6]
+        was_detail = row[7]
+        prevs.append(row[9])
+        seq = run[1]
+        updated = run[3].ts
+        state = run[4]
+        if state is None:
+            state = row[1]
+        outcome = run[5]
+        if outcome is None:
+            crc = crc32(
+                encode(
+                    (
+                        run_id, machine, state, was, seq, float(started_at), float(updated),
+                        was_reason, was_detail,
+                    )
+                )
+            )
+            same.append((seq, updated, state, crc, chunk, run_id) + row)
+            written[run_id] = (
+                machine, state, was, seq, started_at, updated, was_reason, was_detail, crc, chunk
+            )
+        else:
+            reason = run[6]
+            if reason is None:
+                reason = was_reason
+            detail = run[7]
+            if detail is None:
+                detail = was_detail
+            crc = row_checksum(
+                run_id, machine, state, outcome, seq, started_at, updated, reason, detail
+            )
+            changed.append(
+                (seq, updated, state, crc, chunk, run_id) + row + (outcome, reason, detail)
+            )
+            written[run_id] = (
+                machine, state, outcome, seq, started_at, updated, reason, detail, crc, chunk
+            )
+            running += (outcome == running_outcome) - (was == running_outcome)
+    return same, changed, written, prevs, running
+
+
 def accept_call(RunState run, bytes raw, double now, circuits):
     """The compiled gate's accepted path on its own, for the benchmarks and the tests:
     ``(call, builtins, value, call_hash)`` for a call it accepts, a ``Decision`` for one a

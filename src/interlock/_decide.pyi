@@ -43,4 +43,15 @@ def group_batch(
     bool,
     int,
 ]: ...
+def move_runs(
+    runs: dict[str, list[Any]],
+    remembered: dict[str, tuple[Any, ...]],
+    stored: dict[str, tuple[Any, ...]],
+    starting: set[str],
+    first_chunk: int,
+    encode: Callable[[Any], bytes],
+    crc32: Callable[[bytes], int],
+    row_checksum: Callable[..., int],
+    running_outcome: str,
+) -> tuple[Any, ...] | None: ...
 def accept_call(run: RunState, raw: bytes, now: float, circuits: Any) -> Any: ...

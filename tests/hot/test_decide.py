@@ -416,3 +416,40 @@ def test_the_compiled_batch_grouping_is_the_twins(
     twin._group(batch)
     for name in _sqlite._Batch.__slots__:
         assert getattr(compiled_batch, name) == getattr(twin, name), name
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests, st.data())
+def test_the_compiled_index_moves_are_the_twins(
+    requests_: list[tuple[Any, ...]], data: st.DataObject
+) -> None:
+    """A SQLite store's fast path moves each run's index row (stores._sqlite._move_runs)
+    the same compiled and pure: the UPDATE parameters, the rows written, each chunk's
+    prev, the running count; and both give up (None) on the same batches: a run whose
+    row, remembered or stored, is not at the seq before the batch."""
+    from interlock.stores import _sqlite
+    from interlock.stores._base import RUNNING
+
+    fast, _ = drive(requests_)
+    events = list(fast.events)
+    batch: list[Event] = []
+    for n in range(data.draw(st.integers(1, 3), label="runs")):
+        start = data.draw(st.integers(0, len(events) - 1), label="from")
+        batch += [msgspec.structs.replace(e, run_id=f"r-{n}") for e in events[start:]]
+    grouped = _sqlite._Batch(batch)
+    remembered: dict[str, tuple[Any, ...]] = {}
+    stored: dict[str, tuple[Any, ...]] = {}
+    for run_id, run in grouped.runs.items():
+        where = data.draw(st.sampled_from(["remembered", "stored", "both", "neither"]))
+        seq = run[0] - 1 + data.draw(st.sampled_from([0, 0, 0, 1]), label="off by")
+        outcome = data.draw(st.sampled_from([RUNNING, "escalated"]), label="outcome")
+        row = ("shop", "WORK", outcome, seq, 1.5, 2.5, "", "", 12345, 7)
+        if where in ("remembered", "both"):
+            remembered[run_id] = row
+        if where in ("stored", "both"):
+            stored[run_id] = row[:3] + (run[0] - 1,) + row[4:]
+    starting = set(grouped.starts)
+    assert _sqlite._compiled_moves is not None
+    args = (grouped.runs, remembered, stored, starting, 41)
+    got = _sqlite._move_runs(*args)
+    assert got == _sqlite._move_runs_py(*args)

@@ -292,8 +292,10 @@ _LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 
 #: The compiled pass of _Batch (ext/_decide.pyx), where the decide path is compiled.
 _group_batch: Callable[..., tuple[Any, ...]] | None = None
+_compiled_moves: Callable[..., Any] | None = None
 if DECIDE_IMPLEMENTATION == "compiled":
     from .._decide import group_batch as _group_batch
+    from .._decide import move_runs as _compiled_moves
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
 _INDEXED: frozenset[type[Event]] = frozenset({RunStarted, *INDEX_CHANGES})
@@ -495,6 +497,126 @@ def _insert(conn: sqlite3.Connection, many: str, one: str, rows: list[tuple[Any,
         conn.execute(many, [value for row in rows[at : at + _MANY] for value in row])
     if whole < len(rows):
         conn.executemany(one, rows[whole:])
+
+
+def _move_runs_py(
+    runs: dict[str, list[Any]],
+    remembered: dict[str, _Row],
+    stored: dict[str, _Row],
+    starting: set[str],
+    first_chunk: int,
+) -> (
+    tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
+    | None
+):
+    """How :meth:`SQLiteStore._index_fast` moves the rows of the runs a batch continues:
+    the parameters of _MOVE_ROW (``same``) and of _MOVE_ROW_OUTCOME (``changed``), the
+    rows written (as ``_rows`` holds them), each chunk's ``prev`` and the change in the
+    number of running runs; or None where a run is not at the seq before its first
+    event, neither as remembered nor as stored. ``runs`` is ``_Batch.runs``; the runs
+    in ``starting`` begin in the batch. The pure-Python twin of the compiled
+    ``move_runs`` (ext/_decide.pyx)."""
+    written: dict[str, _Row] = {}
+    running = 0
+    same: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW
+    changed: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW_OUTCOME
+    crc32 = zlib.crc32
+    encode = _encode_index_row
+    prevs: list[int | None] = []
+    for chunk, (run_id, run) in enumerate(runs.items(), first_chunk):
+        first, seq, _, last, state, outcome, reason, detail = run
+        if first == 1 and starting and run_id in starting:
+            prevs.append(None)
+            continue
+        before = first - 1
+        row = remembered.get(run_id)
+        if row is None or row[3] != before:
+            row = stored.get(run_id)
+            if row is None or row[3] != before:
+                return None
+        machine, was_state, was, _, started_at, _, was_reason, was_detail, _, prev = row
+        prevs.append(prev)
+        updated = last.ts
+        if state is None:
+            state = was_state
+        if outcome is None:
+            crc = crc32(
+                encode(
+                    (
+                        run_id,
+                        machine,
+                        state,
+                        was,
+                        seq,
+                        float(started_at),
+                        float(updated),
+                        was_reason,
+                        was_detail,
+                    )
+                )
+            )
+            same.append((seq, updated, state, crc, chunk, run_id, *row))
+            written[run_id] = (
+                machine,
+                state,
+                was,
+                seq,
+                started_at,
+                updated,
+                was_reason,
+                was_detail,
+                crc,
+                chunk,
+            )
+        else:
+            if reason is None:
+                reason = was_reason
+            if detail is None:
+                detail = was_detail
+            crc = row_checksum(
+                run_id, machine, state, outcome, seq, started_at, updated, reason, detail
+            )
+            changed.append((seq, updated, state, crc, chunk, run_id, *row, outcome, reason, detail))
+            written[run_id] = (
+                machine,
+                state,
+                outcome,
+                seq,
+                started_at,
+                updated,
+                reason,
+                detail,
+                crc,
+                chunk,
+            )
+            running += (outcome == RUNNING) - (was == RUNNING)
+    return same, changed, written, prevs, running
+
+
+def _move_runs(
+    runs: dict[str, list[Any]],
+    remembered: dict[str, _Row],
+    stored: dict[str, _Row],
+    starting: set[str],
+    first_chunk: int,
+) -> (
+    tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
+    | None
+):
+    """:func:`_move_runs_py`, compiled where the decide path is."""
+    if _compiled_moves is not None:
+        return _compiled_moves(
+            runs,
+            remembered,
+            stored,
+            starting,
+            first_chunk,
+            _encode_index_row,
+            zlib.crc32,
+            row_checksum,
+            RUNNING,
+        )
+    return _move_runs_py(runs, remembered, stored, starting, first_chunk)
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -1005,13 +1127,7 @@ class SQLiteStore(Store):
         if not batch.contiguous or batch.irregular:
             return None  # let the checked path say what is wrong
         starting = set(batch.starts)
-        written: dict[str, _Row] = {}
-        running = 0
-        same: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW
-        changed: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW_OUTCOME
         remembered = self._rows
-        crc32 = zlib.crc32
-        encode = _encode_index_row
         runs = batch.runs
         unknown = [
             run_id
@@ -1020,76 +1136,10 @@ class SQLiteStore(Store):
             and not (run[0] == 1 and run_id in starting)
         ]
         stored = _stored_rows(conn, unknown) if unknown else {}
-        prevs: list[int | None] = []
-        for chunk, (run_id, run) in enumerate(runs.items(), first_chunk):
-            first, seq, _, last, state, outcome, reason, detail = run
-            if first == 1 and starting and run_id in starting:
-                prevs.append(None)
-                continue
-            before = first - 1
-            row = remembered.get(run_id)
-            if row is None or row[3] != before:
-                row = stored.get(run_id)
-                if row is None or row[3] != before:
-                    return None
-            machine, was_state, was, _, started_at, _, was_reason, was_detail, _, prev = row
-            prevs.append(prev)
-            updated = last.ts
-            if state is None:
-                state = was_state
-            if outcome is None:
-                crc = crc32(
-                    encode(
-                        (
-                            run_id,
-                            machine,
-                            state,
-                            was,
-                            seq,
-                            float(started_at),
-                            float(updated),
-                            was_reason,
-                            was_detail,
-                        )
-                    )
-                )
-                same.append((seq, updated, state, crc, chunk, run_id, *row))
-                written[run_id] = (
-                    machine,
-                    state,
-                    was,
-                    seq,
-                    started_at,
-                    updated,
-                    was_reason,
-                    was_detail,
-                    crc,
-                    chunk,
-                )
-            else:
-                if reason is None:
-                    reason = was_reason
-                if detail is None:
-                    detail = was_detail
-                crc = row_checksum(
-                    run_id, machine, state, outcome, seq, started_at, updated, reason, detail
-                )
-                changed.append(
-                    (seq, updated, state, crc, chunk, run_id, *row, outcome, reason, detail)
-                )
-                written[run_id] = (
-                    machine,
-                    state,
-                    outcome,
-                    seq,
-                    started_at,
-                    updated,
-                    reason,
-                    detail,
-                    crc,
-                    chunk,
-                )
-                running += (outcome == RUNNING) - (was == RUNNING)
+        moving = _move_runs(runs, remembered, stored, starting, first_chunk)
+        if moving is None:
+            return None
+        same, changed, written, prevs, running = moving
         moves = len(runs) - len(starting)
         started = [event for event in batch.marks if event.run_id in starting] if starting else ()
         inserted = moved = 0
