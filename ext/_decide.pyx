@@ -649,7 +649,8 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
     if raw.startswith(b'{"next":"'):
         # A move, as the compact JSON of most clients spells it: no call envelope decodes
         # it (``next`` is null in each, and a later "next" repeated is a key named twice),
-        # and the decode that says so raises, about a µs a proposal (benchmarks/RESULTS.md).
+        # and the decode that says so raises: about a µs a proposal
+        # (benchmarks/gateway_instructions.md).
         return None
     try:
         envelope = decoder.decode(raw)

@@ -447,7 +447,7 @@ def test_the_compiled_index_moves_are_the_twins(
         if where in ("remembered", "both"):
             remembered[run_id] = row
         if where in ("stored", "both"):
-            stored[run_id] = row[:3] + (run[0] - 1,) + row[4:]
+            stored[run_id] = (*row[:3], run[0] - 1, *row[4:])
     starting = set(grouped.starts)
     assert _sqlite._compiled_moves is not None
     args = (grouped.runs, remembered, stored, starting, 41)

@@ -208,8 +208,8 @@ _INSERT_INTENT = "INSERT INTO intents (key, run_id, seq) VALUES (?, ?, ?)"
 #: A batch's chunks and intents are inserted _MANY rows to a statement (VALUES (...),
 #: (...), ...), the rest one row at a time: per row, SQLite then runs one statement step
 #: instead of a reset, a step and the module's loop around them, about a fifth of a
-#: chunk's insert (benchmarks/RESULTS.md). 128 rows of 6 parameters stay under the 999
-#: parameters the oldest SQLite builds allow.
+#: chunk's insert (benchmarks/gateway_instructions.md). 128 rows of 6 parameters stay
+#: under the 999 parameters the oldest SQLite builds allow.
 _MANY = 128
 _INSERT_CHUNKS = _INSERT_CHUNK.replace(
     "VALUES (?, ?, ?, ?, ?, ?)", "VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * _MANY)
@@ -1077,7 +1077,7 @@ class SQLiteStore(Store):
                     # NOTE: a bytearray, not the bytes: sqlite3 binds int, float, str and
                     # bytearray as they are, and asks anything else (bytes too) for an
                     # adapter first, two AttributeErrors raised and cleared per value;
-                    # the copy costs less (1.3 µs less per row here, benchmarks/sqlite_chunks.md).
+                    # the copy costs less (benchmarks/gateway_instructions.md).
                     (first + at, run_id, first_seq, last_seq, prev, bytearray(body))
                     for at, ((run_id, first_seq, last_seq, body), prev) in enumerate(
                         zip(batch.chunks, written[1], strict=True)
