@@ -1363,25 +1363,30 @@ class GatewayService:
         reconciling = self._reconciling
         for index, verdict, answer, _ in decided:
             run_id = verdict.run_id
-            settle(run_id)
+            run = runs.get(run_id)
+            if run is not None and run.closed and run.terminal:  # settle_external's first look
+                settle(run_id)
+                run = runs.get(run_id)
             # NOTE: _steps' first look, inlined: only a run that reached a step state
             # (rare) pays for the coroutine that runs its steps.
-            if verdict.execute is None and not verdict.reconcile:
-                run = runs.get(run_id)
-                if (
+            if (
+                verdict.execute is None
+                and not verdict.reconcile
+                and (
                     run is not None
                     and run.external
                     and not run.closed
                     and run.pending is None
                     and isinstance(run.machine.states.get(run.state), Step)
-                ):
-                    try:
-                        verdict = await self._advance(run_id, verdict)
-                    except Exception as exc:
-                        error = _translate(exc)
-                        self._fail(run_id, answer, error)
-                        verdicts[index] = _item_problem(run_ids[index], error)
-                        continue
+                )
+            ):
+                try:
+                    verdict = await self._advance(run_id, verdict)
+                except Exception as exc:
+                    error = _translate(exc)
+                    self._fail(run_id, answer, error)
+                    verdicts[index] = _item_problem(run_ids[index], error)
+                    continue
             out = verdict_out(verdict)
             reconcile = out.reconcile
             if reconcile is not None:
