@@ -20,9 +20,13 @@ import httpx
 import msgspec
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from interlock import App, Go, Machine, Step, Tool, Worker, open_supervisor, replay
 from interlock._demo import DemoConfig, build_app
+from interlock._events import Violation
+from interlock._messages import ToolCall, Verdict
 from interlock.gateway import (
     GatewayServer,
     RunOut,
@@ -31,6 +35,7 @@ from interlock.gateway import (
     openapi_document,
     serve_gateway,
 )
+from interlock.gateway._api import CallOut, ViolationOut
 from interlock.gateway._guard import Limits
 from interlock.gateway._keys import KeyRing, Principal
 from interlock.providers import ScriptedProvider
@@ -1105,3 +1110,71 @@ def test_interlock_serve_says_when_its_port_is_taken(tmp_path: Path) -> None:
         )
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in done.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    accepted=st.booleans(),
+    violations=st.lists(
+        st.builds(
+            Violation,
+            st.sampled_from(["schema", "guard"]),
+            st.text(max_size=5),
+            st.text(max_size=5),
+            st.text(max_size=5),
+        ),
+        max_size=2,
+    ),
+    execute=st.none() | st.builds(ToolCall, st.just("charge"), st.just({"cents": 1}), st.just("k")),
+    reconcile=st.none() | st.builds(ToolCall, st.just("charge"), st.just({}), st.just("k2")),
+    result=st.none() | st.just({"charged": 7}),
+    retry_in=st.sampled_from([0.0, 1.5]),
+    replayed=st.booleans(),
+)
+def test_every_verdict_is_answered_with_all_its_fields(
+    accepted: bool,
+    violations: list[Any],
+    execute: Any,
+    reconcile: Any,
+    result: Any,
+    retry_in: float,
+    replayed: bool,
+) -> None:
+    """verdict_out's short path (a plain move) answers what the whole mapping would."""
+    from interlock.gateway._service import verdict_out
+
+    verdict = Verdict(
+        run_id="r",
+        seq=4,
+        accepted=accepted,
+        state="PAY",
+        outcome="running",
+        violations=tuple(violations),
+        execute=execute,
+        reconcile=reconcile,
+        result=result,
+        retry_in=retry_in,
+    )
+    whole = VerdictOut(
+        run_id="r",
+        accepted=accepted,
+        outcome="running",
+        state="PAY",
+        seq=4,
+        violations=[
+            ViolationOut(code=v.code, path=v.path, message=v.message, hint=v.hint)
+            for v in violations
+        ],
+        key=execute.key if execute else None,
+        tool=execute.tool if execute else None,
+        args=execute.args if execute else None,
+        reconcile=(
+            CallOut(key=reconcile.key, tool=reconcile.tool, args=reconcile.args)
+            if reconcile
+            else None
+        ),
+        result=result,
+        retry_in=retry_in,
+        replayed=replayed,
+    )
+    assert verdict_out(verdict, replayed=replayed) == whole

@@ -258,6 +258,23 @@ def verdict_out(verdict: Verdict, *, replayed: bool = False) -> VerdictOut:
     """A runtime verdict as the API's VerdictOut."""
     call = verdict.execute
     reconcile = verdict.reconcile
+    if (
+        call is None
+        and reconcile is None
+        and not verdict.violations
+        and verdict.result is None
+        and not verdict.retry_in
+        and not replayed
+    ):
+        # NOTE: a move, the answer of most proposals: only the fields that differ from
+        # their defaults (a keyword a Struct must match costs more than a default)
+        return VerdictOut(
+            run_id=verdict.run_id,
+            accepted=verdict.accepted,
+            outcome=verdict.outcome,
+            state=verdict.state,
+            seq=verdict.seq,
+        )
     return VerdictOut(
         run_id=verdict.run_id,
         accepted=verdict.accepted,
