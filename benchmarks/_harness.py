@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pstats
+import re
 import subprocess
 import sys
 import time
@@ -137,6 +138,52 @@ def run_child(
     raise RuntimeError(
         f"{module} child {config} exited {proc.returncode} without a result:\n{proc.stderr[-4000:]}"
     )
+
+
+_INSTRUCTIONS = re.compile(r"I\s+refs:\s+([\d,]+)")
+
+
+def child_instructions(
+    valgrind: str,
+    module: str,
+    config: dict[str, Any],
+    what: str,
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+) -> int:
+    """Instructions executed by ``python -m module --child CONFIG`` under cachegrind (every
+    thread of the process); ``what`` names the run in the error.
+
+    Raises:
+      RuntimeError: the child failed, or valgrind printed no count.
+    """
+    proc = subprocess.run(
+        [
+            valgrind,
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            "--cachegrind-out-file=/dev/null",
+            sys.executable,
+            "-m",
+            module,
+            "--child",
+            json.dumps(config),
+        ],
+        cwd=cwd,
+        env=child_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    match = _INSTRUCTIONS.search(proc.stderr)
+    if proc.returncode != 0 or match is None:
+        raise RuntimeError(
+            f"valgrind on {what} exited {proc.returncode}: {proc.stderr.strip()[-800:]}"
+        )
+    return int(match.group(1).replace(",", ""))
 
 
 def child_main(handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

@@ -25,19 +25,15 @@ and measures nothing.
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
-import sys
 from typing import Any
 
 from benchmarks._goals import MINIMAL_ROW
-from benchmarks._harness import ROOT, Progress, child_env, child_main, no_progress
+from benchmarks._harness import Progress, child_instructions, child_main, no_progress
 
 NAME = "instructions"
 TITLE = "Instructions per step and per proposal (cachegrind), against the same baselines"
 
-_REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 #: (label, workload, unit, sizes (quick, full), units per size step, baseline label)
 PLAN: tuple[tuple[str, str, str, tuple[tuple[int, int], tuple[int, int]], int, str], ...] = (
@@ -87,32 +83,12 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
 
 def count(valgrind: str, kind: str, size: int) -> int:
     """Instructions executed by a child process running ``kind`` at ``size``."""
-    proc = subprocess.run(
-        [
-            valgrind,
-            "--tool=cachegrind",
-            "--cache-sim=no",
-            "--cachegrind-out-file=/dev/null",
-            sys.executable,
-            "-m",
-            "benchmarks.bench_instructions",
-            "--child",
-            f'{{"kind": "{kind}", "size": {size}}}',
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
+    return child_instructions(
+        valgrind,
+        "benchmarks.bench_instructions",
+        {"kind": kind, "size": size},
+        f"{kind} (size {size})",
     )
-    match = _REFS.search(proc.stderr)
-    if proc.returncode != 0 or match is None:
-        raise RuntimeError(
-            f"valgrind on {kind} (size {size}) failed with exit code {proc.returncode}: "
-            f"{proc.stderr.strip()[-800:]}"
-        )
-    return int(match.group(1).replace(",", ""))
 
 
 def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from benchmarks._harness import (
     Progress,
     area_of,
     child_env,
+    child_instructions,
     child_main,
     no_progress,
     quantile,
@@ -507,35 +508,12 @@ _COUNT_SIZES = (100, 600)
 
 
 def count_instructions(valgrind: str, kind: str, name: str, size: int) -> int:
-    import re
-
-    config = f'{{"count": "{kind}", "provider": "{name}", "size": {size}}}'
-    proc = subprocess.run(
-        [
-            valgrind,
-            "--tool=cachegrind",
-            "--cache-sim=no",
-            "--cachegrind-out-file=/dev/null",
-            sys.executable,
-            "-m",
-            "benchmarks.bench_providers",
-            "--child",
-            config,
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
+    return child_instructions(
+        valgrind,
+        "benchmarks.bench_providers",
+        {"count": kind, "provider": name, "size": size},
+        f"{kind} {name} (size {size})",
     )
-    match = re.search(r"I\s+refs:\s+([\d,]+)", proc.stderr)
-    if proc.returncode != 0 or match is None:
-        raise RuntimeError(
-            f"valgrind on {kind} {name} (size {size}) exited {proc.returncode}: "
-            f"{proc.stderr.strip()[-800:]}"
-        )
-    return int(match.group(1).replace(",", ""))
 
 
 def instructions(progress: Progress) -> dict[str, Any]:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,9 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import ROOT, child_env, child_main
+from benchmarks._harness import ROOT, child_env, child_instructions, child_main
 
-_REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 RUNS = 1000
 
 
@@ -91,32 +88,15 @@ def count(valgrind: str, tree: Path, runs: int, rounds: int) -> int:
     """Instructions of a child process (the checkout at ``tree``) running the workload."""
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join((str(tree / "src"), str(tree), str(ROOT)))
-    proc = subprocess.run(
-        [
-            valgrind,
-            "--tool=cachegrind",
-            "--cache-sim=no",
-            "--cachegrind-out-file=/dev/null",
-            sys.executable,
-            "-m",
-            "benchmarks.gateway_instructions",
-            "--child",
-            json.dumps({"runs": runs, "rounds": rounds}),
-        ],
+    return child_instructions(
+        valgrind,
+        "benchmarks.gateway_instructions",
+        {"runs": runs, "rounds": rounds},
+        f"{tree} ({rounds} rounds)",
         cwd=tree,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=3600,
-        check=False,
     )
-    match = _REFS.search(proc.stderr)
-    if proc.returncode != 0 or match is None:
-        raise RuntimeError(
-            f"valgrind in {tree} ({rounds} rounds) failed with exit code {proc.returncode}: "
-            f"{proc.stderr.strip()[-800:]}"
-        )
-    return int(match.group(1).replace(",", ""))
 
 
 @contextlib.contextmanager

@@ -499,16 +499,17 @@ def _insert(conn: sqlite3.Connection, many: str, one: str, rows: list[tuple[Any,
         conn.executemany(one, rows[whole:])
 
 
+#: What _move_runs gives: ``(same, changed, written, prevs, running)``.
+_Moves = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
+
+
 def _move_runs_py(
     runs: dict[str, list[Any]],
     remembered: dict[str, _Row],
     stored: dict[str, _Row],
     starting: set[str],
     first_chunk: int,
-) -> (
-    tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
-    | None
-):
+) -> _Moves | None:
     """How :meth:`SQLiteStore._index_fast` moves the rows of the runs a batch continues:
     the parameters of _MOVE_ROW (``same``) and of _MOVE_ROW_OUTCOME (``changed``), the
     rows written (as ``_rows`` holds them), each chunk's ``prev`` and the change in the
@@ -593,30 +594,11 @@ def _move_runs_py(
     return same, changed, written, prevs, running
 
 
-def _move_runs(
-    runs: dict[str, list[Any]],
-    remembered: dict[str, _Row],
-    stored: dict[str, _Row],
-    starting: set[str],
-    first_chunk: int,
-) -> (
-    tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
-    | None
-):
-    """:func:`_move_runs_py`, compiled where the decide path is."""
+def _move_runs(*args: Any) -> _Moves | None:
+    """:func:`_move_runs_py` (the same arguments), compiled where the decide path is."""
     if _compiled_moves is not None:
-        return _compiled_moves(
-            runs,
-            remembered,
-            stored,
-            starting,
-            first_chunk,
-            _encode_index_row,
-            zlib.crc32,
-            row_checksum,
-            RUNNING,
-        )
-    return _move_runs_py(runs, remembered, stored, starting, first_chunk)
+        return _compiled_moves(*args, _encode_index_row, zlib.crc32, row_checksum, RUNNING)
+    return _move_runs_py(*args)
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
