@@ -410,6 +410,38 @@ async def test_a_batch_decides_a_runs_second_proposal_after_its_first(tmp_path: 
         assert stale.problem.status == 409, stale
 
 
+async def test_a_bug_deciding_one_proposal_of_a_batch_ends_that_run_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run whose request met a bug gets a 500 problem in its place, naming the bug;
+    the batch's other proposals are decided, journaled and answered."""
+    from interlock import _decider
+
+    original = _decider._propose  # the decide path in use: compiled, or its twin
+
+    def broken(run: Any, msg: Any, *rest: Any) -> Any:
+        if msg.run_id == "bug":
+            raise ZeroDivisionError("a bug in the decide path")
+        return original(run, msg, *rest)
+
+    db = tmp_path / "j.db"
+    async with gateway(shop(), db) as (_, client):
+        runs = [await start(client, run_id) for run_id in ("ok-1", "bug", "ok-2")]
+        monkeypatch.setattr(_decider, "_propose", broken)
+        items = [{"run_id": r.id, "proposal": CHARGE, "expected_seq": r.seq} for r in runs]
+        answer = await client.post("/v1/verify", json={"items": items})
+        assert answer.status_code == 200, answer.text
+        first, bug, last = decode(answer, VerifyOut).verdicts
+        assert first.key is not None
+        assert last.key is not None
+        assert bug.problem is not None
+        assert bug.problem.status == 500
+        assert "ZeroDivisionError" in bug.problem.detail
+        assert "interlock resume" in bug.problem.detail
+    assert kinds(await journal(db, "ok-2")).count("intent_recorded") == 1
+    assert kinds(await journal(db, "bug")).count("intent_recorded") == 0
+
+
 async def test_a_batch_answers_repeats_steps_and_ends_of_runs(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
     async with gateway([shop(), checkout()], db) as (server, client):

@@ -21,6 +21,7 @@ answers 409 and drops its copy, so the next request reads the run afresh.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,6 +48,7 @@ from .._events import (
 from .._exceptions import (
     IllegalResumeTarget,
     InterlockError,
+    InternalError,
     InvalidInputs,
     NoProvider,
     NotEscalated,
@@ -242,8 +244,15 @@ def _translate(exc: Exception) -> GatewayError:
             return unavailable(f"the journal cannot be written now: {exc}; retry")
         case trio.ClosedResourceError():
             return unavailable("the gateway is shutting down; retry against another instance")
+        case InternalError():
+            # A bug met deciding one run's request: that run was stopped (the supervisor
+            # contained it); in a batch, the others are answered as they were decided.
+            log.error("%s", exc, exc_info=exc.__cause__ or exc)
+            return GatewayError(500, "Internal Server Error", f"{exc}; report it")
     raise exc
 
+
+log = logging.getLogger("interlock.gateway")
 
 _NO_USAGE = TokenUsage()  # frozen: one for every proposal that reports none
 
@@ -1331,7 +1340,7 @@ class GatewayService:
             if isinstance(result, Exception):
                 try:
                     error = _translate(result)
-                except BaseException:  # a bug (InternalError): no answer is left pending
+                except BaseException:  # an error no problem says: no answer is left pending
                     for _, other, pending, _ in taken:
                         if pending is not None and not pending.settled:
                             self._fail(other, pending, _interrupted())
