@@ -18,8 +18,11 @@ between.
 """
 
 from cpython cimport array
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_SetItem
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 import array as _arrays
 from collections import Counter
@@ -46,9 +49,10 @@ from interlock._events import (
     expand_prompt,
     hash_prompt_after,
 )
-from interlock._exceptions import ProtocolError
+from interlock._exceptions import InterlockError, ProtocolError
 from interlock._machine import ESCALATE, FAILED
-from interlock._messages import ToolCall, Verdict
+from interlock._messages import Propose, ToolCall, Verdict
+from interlock._stats import _BOUNDS, _Keys
 from interlock._hot import common_affixes, hash64, scan_json
 
 cdef object UNSET = msgspec.UNSET
@@ -93,6 +97,7 @@ cdef object _close = None
 cdef int _OK = 0
 cdef object _canonical_encode = None
 cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
+cdef object _decider = None  # the twin's module: its ``_propose`` is the decide path in use
 
 
 def bind_view(namespace):
@@ -116,7 +121,8 @@ def bind_decider(namespace, gate, breakers):
     """Take the twin's paths and helpers from ``interlock._decider`` and the gate's."""
     global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
     global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
-    global _envelope_decode, _move_data, _close, _OK
+    global _envelope_decode, _move_data, _close, _OK, _decider
+    _decider = namespace
     _py_on_propose = namespace._on_propose
     _py_on_report = namespace._on_report
     _reject = namespace._reject
@@ -459,6 +465,10 @@ cdef bint _ordinary(RunState run, msg) except -1:
 
 def on_propose(RunState run, msg, double now, circuits, list events):
     """``_decider._on_propose``, compiled for a model's proposal (see the module)."""
+    return _on_propose(run, msg, now, circuits, events)
+
+
+cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     if not _ordinary(run, msg):
         return _py_on_propose(run, msg, now, circuits, events)
     machine = run.machine
@@ -729,6 +739,211 @@ def on_report(RunState run, msg, double now, circuits, list events):
         data = pending.data
         _transition(run, events, now, target, {} if data is UNSET else data, "call")
     return _verdict(run, True)
+
+
+# -- a batch of requests ------------------------------------------------------------------
+
+# How a verdict goes out (interlock._journal): once durable, at once and written now, at once
+# and written with the run's next request.
+cdef int _DURABLE = 0, _WRITE = 1, _LAG = 2
+
+# The latency histograms' bucket bounds (interlock._stats._BOUNDS) as C doubles.
+cdef Py_ssize_t _NBOUNDS = len(_BOUNDS)
+cdef double _bound_values[128]
+if _NBOUNDS > 128:  # pragma: no cover - a twin changed alone
+    raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+for _i, _bound in enumerate(_BOUNDS):
+    _bound_values[_i] = _bound
+
+
+cdef inline double _monotonic() noexcept nogil:
+    """``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), without a float object."""
+    cdef timespec now
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return <double>now.tv_sec + <double>now.tv_nsec * 1e-9
+
+
+cdef inline void _record(histogram, seconds) except *:
+    """``LatencyHistogram.record``: ``bisect_left(_BOUNDS, seconds)`` over the C bounds."""
+    cdef double value = seconds
+    cdef Py_ssize_t low = 0, high = _NBOUNDS, middle
+    while low < high:
+        middle = (low + high) >> 1
+        if _bound_values[middle] < value:
+            low = middle + 1
+        else:
+            high = middle
+    cdef list counts = histogram.counts
+    counts[low] = counts[low] + 1
+    histogram.sum += seconds
+    histogram.total += 1
+
+
+cdef inline void _add(table, key, amount) except *:
+    """``table[key] += amount`` on a ``defaultdict(int)``, without its ``__missing__``."""
+    cdef PyObject* found = PyDict_GetItem(table, key)
+    if found is NULL:
+        PyDict_SetItem(table, key, amount)
+    else:
+        PyDict_SetItem(table, key, <object>found + amount)
+
+
+cdef inline void _touch(table, key) except *:
+    """``table[key] += 0`` (the key made, its count unchanged)."""
+    if PyDict_GetItem(table, key) is NULL:
+        PyDict_SetItem(table, key, 0)
+
+
+cdef void _count_proposal(stats, machine, msg, list events, Py_ssize_t start) except *:
+    """``RuntimeStats.count`` for a proposal's events, compiled for those of nearly every
+    step (a model call, then a move or a call); any other event, and it is the twin's."""
+    cdef Py_ssize_t index, end = len(events)
+    for index in range(start, end):
+        kind = type(events[index])
+        if kind is not ModelCalled and kind is not Transitioned and kind is not IntentRecorded:
+            stats.count(machine, msg, events, start)
+            return
+    name = machine.name
+    by_name = stats._keys
+    keys = by_name.get(name)
+    if keys is None:
+        keys = by_name[name] = _Keys(name)
+    cdef bint proposed = False
+    for index in range(start, end):
+        event = events[index]
+        kind = type(event)
+        if kind is ModelCalled:
+            model = event.model
+            by_model = keys.calls.get(event.state)
+            call = by_model.get(model) if by_model is not None else None
+            if call is None:
+                call = keys.call(event.state, model)
+            prompt_key, completion_key, cached_key, reasoning_key, calls_key = call
+            usage = event.usage
+            tokens = stats.tokens
+            prompt = usage.prompt
+            completion = usage.completion
+            if prompt:
+                _add(tokens, prompt_key, prompt)
+            else:
+                _touch(tokens, prompt_key)
+            if completion:
+                _add(tokens, completion_key, completion)
+            else:
+                _touch(tokens, completion_key)
+            if usage.cached:
+                _add(tokens, cached_key, usage.cached)
+            if usage.reasoning:
+                _add(tokens, reasoning_key, usage.reasoning)
+            _add(stats.model_calls, calls_key, 1)
+            latencies = stats.model_latency
+            latency = latencies.get(model)
+            if latency is None:
+                latency = stats.histogram(latencies, model)
+            _record(latency, event.latency)
+            proposed = True
+        else:  # Transitioned or IntentRecorded
+            if proposed:
+                _add(stats.verdicts, keys.accepted, 1)
+                proposed = False
+            if kind is Transitioned:
+                src = event.src
+                by_dst = keys.moves.get(src)
+                move = by_dst.get(event.dst) if by_dst is not None else None
+                if move is None:
+                    move = keys.move(src, event.dst)
+                _add(stats.transitions, move, 1)
+
+
+cdef int _proposal_mode(runs, msg, verdict) except -1:
+    """``Supervisor._early`` for a proposal."""
+    if verdict.outcome != "running":
+        return _DURABLE
+    cdef PyObject* found = PyDict_GetItem(runs, msg.run_id)
+    if found is NULL:
+        return _DURABLE
+    run = <object>found
+    if run.external:
+        return _DURABLE
+    call = verdict.execute
+    if call is None:
+        return _LAG
+    return _WRITE if run.machine.tool_by_name[call.tool].read_only else _DURABLE
+
+
+def decide_many(sup, list msgs, list events):
+    """``GroupCommit.submit_many_nowait``'s loop over ``Supervisor._decide``, compiled for
+    the supervisor's proposals: each decided in order, its events appended to ``events``;
+    returns each one's verdict or the error it was refused with, and whether the writer
+    must be woken (a verdict that is not :data:`LAG`). A proposal is timed, decided by the
+    decide path in use (``_decider._propose``, this module's unless replaced), recorded in
+    its machine's verification latency and counted as ``RuntimeStats.count`` counts it,
+    with no Python frame between; any other request goes through ``sup._decide`` and
+    ``sup._early`` as in the loop. A bug met deciding a request ends that run only (its
+    events dropped, ``sup._contain``'s error in its place), as in the loop."""
+    cdef list results = []
+    cdef bint wake = False
+    cdef Py_ssize_t mark
+    cdef double started, seconds
+    cdef PyObject* found
+    runs = sup._runs
+    circuits = sup._circuits
+    clock = sup.clock
+    stats = sup.stats
+    latencies = stats.verify_latency
+    decide = sup._decide
+    early = sup._early
+    contain = sup._contain
+    propose = _decider._propose
+    cdef bint compiled = propose is on_propose
+    for msg in msgs:
+        mark = len(events)
+        if type(msg) is not Propose:
+            try:
+                verdict = decide(msg, events)
+            except InterlockError as exc:
+                results.append(exc)
+                continue
+            except Exception as exc:  # a bug: it ends that run only (see contain)
+                del events[mark:]
+                error = contain(msg, exc)
+                error.__cause__ = exc
+                results.append(error)
+                continue
+            results.append(verdict)
+            if not wake and early(msg, verdict) != _LAG:
+                wake = True
+            continue
+        try:
+            now = clock()
+            found = PyDict_GetItem(runs, msg.run_id)
+            run = sup._run(msg.run_id) if found is NULL else <object>found  # raises what is wrong
+            started = _monotonic()
+            if compiled:
+                verdict = _on_propose(<RunState?>run, msg, now, circuits, events)
+            else:
+                verdict = propose(run, msg, now, circuits, events)
+            seconds = _monotonic() - started
+            machine = run.machine
+            name = machine.name
+            found = PyDict_GetItem(latencies, name)
+            latency = stats.histogram(latencies, name) if found is NULL else <object>found
+            _record(latency, seconds)
+            if len(events) > mark:
+                _count_proposal(stats, machine, msg, events, mark)
+        except InterlockError as exc:
+            results.append(exc)
+            continue
+        except Exception as exc:  # a bug: it ends that run only (see contain)
+            del events[mark:]
+            error = contain(msg, exc)
+            error.__cause__ = exc
+            results.append(error)
+            continue
+        results.append(verdict)
+        if not wake and _proposal_mode(runs, msg, verdict) != _LAG:
+            wake = True
+    return results, wake
 
 
 # -- encode and frame ---------------------------------------------------------------------

@@ -152,7 +152,7 @@ async def test_an_escalated_external_run_resumes_external_and_its_caller_drives_
 async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -> None:
     """Supervisor.submit_many_nowait (the gateway's batches): in order, each verdict the
     one submit_nowait would give, a refusal in its own place, one write for them all."""
-    from interlock import InternalError, Sync
+    from interlock import Sync
 
     async def decide(store: Any, many: bool) -> tuple[list[Any], list[list[Any]]]:
         async with open_supervisor([shop()], store) as sup:
@@ -202,27 +202,44 @@ async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -
         "completed",
     )
 
-    # a bug met deciding one request ends that run only; the others are decided
+
+@pytest.mark.parametrize("lane", ["decide_many", "loop"])
+async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
+    lane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug met deciding one proposal of a batch ends that run only, half of its decision
+    dropped; the others are decided and written. Both ways of deciding a batch: the
+    supervisor's compiled loop (where the decide path is compiled) and the journal's own."""
+    from interlock import InternalError, Sync, _decider
+
+    original = _decider._propose  # the decide path in use: compiled, or its twin
+
+    def buggy(run: Any, msg: Any, now: float, circuits: Any, events: list[Any]) -> Any:
+        if msg.run_id == "b-0":
+            events.append(object())  # half of a decision, then the bug
+            raise ZeroDivisionError("a bug")
+        return original(run, msg, now, circuits, events)
+
     store = MemoryStore()
     async with open_supervisor([shop()], store) as sup:
-        for n in range(2):
+        if lane == "loop":
+            sup._journal.decide_many = None
+        elif sup._journal.decide_many is None:
+            pytest.skip("the decide path is not compiled: the journal's loop decides batches")
+        for n in range(3):
             await sup.start_run("shop", run_id=f"b-{n}", external=True)
-        seqs = [sup.view(f"b-{n}").seq for n in range(2)]
-        decide_one = sup._journal._decide
-
-        def buggy(msg: Any, events: list[Any]) -> Any:
-            if msg.run_id == "b-0":
-                events.append(object())  # half of a decision, then the bug
-                raise ZeroDivisionError("a bug")
-            return decide_one(msg, events)
-
-        sup._journal._decide = buggy
+        seqs = [sup.view(f"b-{n}").seq for n in range(3)]
+        monkeypatch.setattr(_decider, "_propose", buggy)
         results = sup.submit_many_nowait(
-            [Propose(run_id=f"b-{n}", seq=seqs[n], raw=CHARGE) for n in range(2)]
+            [Propose(run_id=f"b-{n}", seq=seqs[n], raw=CHARGE) for n in (1, 0, 2)]
         )
-        sup._journal._decide = decide_one
-        assert isinstance(results[0], InternalError)
-        assert isinstance(results[0].__cause__, ZeroDivisionError)
-        assert results[1].execute is not None
+        monkeypatch.setattr(_decider, "_propose", original)
+        assert isinstance(results[1], InternalError)
+        assert str(results[1]).startswith("run 'b-0' was stopped by a bug in interlock")
+        assert isinstance(results[1].__cause__, ZeroDivisionError)
+        assert results[0].execute is not None
+        assert results[2].execute is not None
         await sup.request(Sync(run_id="b-1"))
-    assert "IntentRecorded" in [type(e).__name__ for e in await store.load("b-1")]
+    for run_id in ("b-1", "b-2"):
+        assert "IntentRecorded" in [type(e).__name__ for e in await store.load(run_id)]
+    assert [type(e).__name__ for e in await store.load("b-0")] == ["RunStarted"]

@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from ._events import Event
-from ._messages import Propose, Report, Verdict
+from ._messages import Propose, Report, Request, Verdict
 from ._view import PyRunState
 
 class RunState(PyRunState): ...
@@ -19,6 +19,9 @@ def on_propose(
 def on_report(
     run: RunState, msg: Report, now: float, circuits: Any, events: list[Event]
 ) -> Verdict: ...
+def decide_many(
+    sup: Any, msgs: list[Request], events: list[Event]
+) -> tuple[list[Verdict | Exception], bool]: ...
 def encode_rows(
     events: list[Event],
     tags: dict[type[Event], str],

@@ -97,6 +97,7 @@ class GroupCommit:
         "_waiting",
         "_writing",
         "closed",
+        "decide_many",
         "early",
         "fenced",
         "max_batch",
@@ -131,6 +132,12 @@ class GroupCommit:
         self.refusal: Callable[[str], Exception] | None = None
         self.early: Callable[[Request, Verdict], int] | None = None
         """When a verdict may be sent, and its events written: DURABLE, WRITE or LAG."""
+        self.decide_many: (
+            Callable[[Sequence[Request], list[Event]], tuple[list[Verdict | Exception], bool]]
+            | None
+        ) = None
+        """The loop of :meth:`submit_many_nowait` over ``decide`` and ``early`` in one call
+        (the supervisor's compiled one), or None for the loop below."""
         self.on_written: list[Callable[[Sequence[Event]], object]] = []
         """Called after each batch is durable, with the events written."""
         self._turned: trio.Event | None = None  # set by serve after each batch (see close)
@@ -194,6 +201,28 @@ class GroupCommit:
         if self.closed:
             raise trio.ClosedResourceError("supervisor is closed")
         inline = self._inline
+        results: list[Verdict | Exception]
+        if self.decide_many is not None:
+            results, wake = self.decide_many(msgs, inline)
+        else:
+            results, wake = self._decide_each(msgs, inline)
+        if wake and self._inline:
+            if self._may_write_now():
+                error = self._write_now()
+                if error is not None:  # none of the verdicts decided here was written
+                    return [r if isinstance(r, Exception) else error for r in results]
+            else:
+                idle = self._idle
+                if idle is not None:
+                    self._idle = None
+                    trio.lowlevel.reschedule(idle)
+        return results
+
+    def _decide_each(
+        self, msgs: Sequence[Request], inline: list[Event]
+    ) -> tuple[list[Verdict | Exception], bool]:
+        """Decide ``msgs`` in order, their events appended to ``inline``: each one's verdict
+        or the error it was refused with, and whether the writer must be woken."""
         decide = self._decide
         early = self.early
         results: list[Verdict | Exception] = []
@@ -214,17 +243,7 @@ class GroupCommit:
             results.append(verdict)
             if not wake and (early is None or early(msg, verdict) != LAG):
                 wake = True
-        if wake and self._inline:
-            if self._may_write_now():
-                error = self._write_now()
-                if error is not None:  # none of the verdicts decided here was written
-                    return [r if isinstance(r, Exception) else error for r in results]
-            else:
-                idle = self._idle
-                if idle is not None:
-                    self._idle = None
-                    trio.lowlevel.reschedule(idle)
-        return results
+        return results, wake
 
     async def propose(self, msg: Propose, *, lagging: bool = False) -> Verdict:
         """Decide a run actor's proposal now, in its task, and return the verdict: at once

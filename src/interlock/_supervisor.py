@@ -8,6 +8,7 @@ watchdog (``_watchdog``) keeps the deadlines and timeouts, and each run's actor
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -52,8 +53,12 @@ from ._messages import (
     Verdict,
 )
 from ._stats import RuntimeStats, SupervisorStatistics
-from ._view import RunState, RunView, fold
+from ._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
 from ._watchdog import Watchdog
+
+_decide_many: Callable[..., tuple[list[Verdict | Exception], bool]] | None = None
+if DECIDE_IMPLEMENTATION == "compiled":
+    from ._decide import decide_many as _decide_many
 
 if TYPE_CHECKING:
     from ._actor import Driver
@@ -114,6 +119,10 @@ class Supervisor:
             store, self.stats, self._decide, self._contain, self._forget, max_batch
         )
         self._journal.early = self._early
+        if _decide_many is not None:
+            # NOTE: a batch of proposals (the gateway's) decided with no Python frame per
+            # proposal: the same loop, compiled (ext/_decide.pyx, decide_many)
+            self._journal.decide_many = functools.partial(_decide_many, self)
         self._reported = ""  # the tool of the latest Report decided (see _early)
         self._actors: trio.Nursery | None = None
         self._provider = provider

@@ -453,3 +453,149 @@ def test_the_compiled_index_moves_are_the_twins(
     args = (grouped.runs, remembered, stored, starting, 41)
     got = _sqlite._move_runs(*args)
     assert got == _sqlite._move_runs_py(*args)
+
+
+# -- a batch of requests: the supervisor's compiled loop and the journal's own ------------
+
+#: One request of a batch: (what, run index, raw) — a proposal at the run's seq, at a stale
+#: seq or at seq 0 (unchecked), a report of the run's pending call (or of a key it never
+#: had), a Sync, or a proposal for a run that does not exist.
+batch_requests = st.lists(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                ("propose",) * 6 + ("stale", "unseq", "report", "failed", "sync", "unknown")
+            ),
+            st.integers(0, 2),
+            st.one_of(st.sampled_from(RAWS[:2] + RAWS[8:11] + RAWS[13:16]), st.sampled_from(RAWS)),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+def _batch_side(lane: str, batches: list[list[tuple[str, int, str]]]) -> dict[str, Any]:
+    """Decide ``batches`` with one supervisor (``lane``: its compiled loop, or the
+    journal's), on a memory store and a clock that ticks per reading."""
+    import trio
+
+    from interlock import open_supervisor
+    from interlock._messages import Sync
+    from interlock.stores import MemoryStore
+
+    ticks = iter(range(10**6))
+    store = MemoryStore()
+    out: list[Any] = []
+
+    async def main() -> None:
+        async with open_supervisor(
+            [shop()], store, clock=lambda: 1000.0 + next(ticks) * 0.25
+        ) as sup:
+            journal = sup._journal
+            if lane == "loop":
+                inner = journal._decide_each
+            else:
+                assert journal.decide_many is not None
+                inner = journal.decide_many
+            wakes: list[bool] = []
+
+            def recording(msgs: Any, events: list[Any]) -> Any:
+                results, wake = inner(msgs, events)
+                wakes.append(wake)
+                return results, wake
+
+            journal.decide_many = recording
+            runs = [f"r-{n}" for n in range(3)]
+            for run_id in runs:
+                await sup.start_run("shop", {"total": 100.0}, run_id=run_id, external=True)
+            # one run as if driven here (when its verdicts may go out before the write
+            # differs), though no actor drives it
+            sup._runs["r-2"].external = False
+            for batch in batches:
+                msgs: list[Any] = []
+                for what, index, raw in batch:
+                    run_id = runs[index]
+                    run = sup._runs.get(run_id)
+                    seq = run.seq if run is not None else 1
+                    if what == "unknown":
+                        msgs.append(Propose(run_id="nobody", seq=1, raw=raw))
+                    elif what == "sync":
+                        msgs.append(Sync(run_id=run_id))
+                    elif what in ("report", "failed"):
+                        pending = run.pending if run is not None else None
+                        key = pending.key if pending is not None else f"{run_id}:WORK:99"
+                        ok = what == "report"
+                        msgs.append(
+                            Report(
+                                run_id=run_id,
+                                seq=seq,
+                                key=key,
+                                ok=ok,
+                                result={"ok": True} if ok else None,
+                                error="" if ok else "it broke",
+                                latency=0.125,
+                            )
+                        )
+                    else:
+                        at = {"propose": seq, "stale": seq - 1, "unseq": 0}[what]
+                        usage = TokenUsage(prompt=len(raw), completion=index)
+                        msgs.append(
+                            Propose(run_id=run_id, seq=at, raw=raw, usage=usage, latency=0.01)
+                        )
+                results = sup.submit_many_nowait(msgs)
+                out.append(
+                    [
+                        ("error", type(r).__name__, str(r))
+                        if isinstance(r, Exception)
+                        else ("verdict", r)
+                        for r in results
+                    ]
+                )
+                await sup.request(Sync(run_id=runs[0]))
+            stats = sup.stats
+            out.append(
+                {
+                    name: dict(getattr(stats, name))
+                    for name in (
+                        "tokens",
+                        "model_calls",
+                        "verdicts",
+                        "transitions",
+                        "runs_started",
+                        "runs_finished",
+                        "tool_calls",
+                        "tool_errors",
+                        "side_effects",
+                        "breaker_trips",
+                        "escalation_reasons",
+                    )
+                }
+            )
+            out.append(
+                {
+                    model: (h.counts, h.sum, h.total)
+                    for model, h in sorted(stats.model_latency.items())
+                }
+            )
+            # timed: the buckets differ from run to run, the number of samples does not
+            out.append({name: h.total for name, h in stats.verify_latency.items()})
+            out.append(wakes)
+
+    trio.run(main)
+    journals = {run_id: store._journal.get(run_id) for run_id in ("r-0", "r-1", "r-2")}
+    return {"answers": out, "journals": journals}
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_requests)
+def test_the_compiled_batch_loop_decides_as_the_journals_loop(
+    batches: list[list[tuple[str, int, str]]],
+) -> None:
+    """``Supervisor.submit_many_nowait`` decides a batch (the gateway's) with the compiled
+    loop (``_decide.decide_many``) exactly as with the journal's own loop over
+    ``Supervisor._decide``: the same verdicts and refusals in the same places, the same
+    journals, the same counters."""
+    assert _batch_side("decide_many", batches) == _batch_side("loop", batches)
