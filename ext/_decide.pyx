@@ -46,6 +46,9 @@ from interlock._events import (
     ToolFailed,
     ToolInDoubt,
     Transitioned,
+    ENCODING_ERRORS as _JOURNAL_ENCODING_ERRORS,
+    _EMPTY_PROMPT_HASH,
+    _encoder as _journal_encoder,
     expand_prompt,
     hash_prompt_after,
 )
@@ -98,6 +101,8 @@ cdef int _OK = 0
 cdef object _canonical_encode = None
 cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
 cdef object _decider = None  # the twin's module: its ``_propose`` is the decide path in use
+cdef object _dict_decode = None  # the gate's decoder of a move's data with no schema
+cdef object _journal_encode = _journal_encoder.encode
 
 
 def bind_view(namespace):
@@ -121,8 +126,9 @@ def bind_decider(namespace, gate, breakers):
     """Take the twin's paths and helpers from ``interlock._decider`` and the gate's."""
     global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
     global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
-    global _envelope_decode, _move_data, _close, _OK, _decider
+    global _envelope_decode, _move_data, _close, _OK, _decider, _dict_decode
     _decider = namespace
+    _dict_decode = gate._dict_decoder.decode
     _py_on_propose = namespace._on_propose
     _py_on_report = namespace._on_report
     _reject = namespace._reject
@@ -478,16 +484,23 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     cdef Py_ssize_t size = len(prompt)
     cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
     text = prompt
-    if run.prompt_seq:
-        prefix, suffix = common_affixes(run.prompt, prompt)
-        shared = prefix
-        tail = size - suffix
-        if prefix + suffix >= _MIN_SHARED_PROMPT:
-            base = run.prompt_seq
-            text = prompt[prefix : size - suffix]
-        else:
-            prefix = suffix = 0
-    prompt_hash, hash_state = hash_prompt_after(run._hash_state, run.prompt, prompt, shared, tail)
+    if not size:
+        # No prompt (an external run's proposal): nothing shared, the empty text's hash
+        # (what common_affixes and hash_prompt_after give it), with no Python frame.
+        prompt_hash, hash_state = _EMPTY_PROMPT_HASH, None
+    else:
+        if run.prompt_seq:
+            prefix, suffix = common_affixes(run.prompt, prompt)
+            shared = prefix
+            tail = size - suffix
+            if prefix + suffix >= _MIN_SHARED_PROMPT:
+                base = run.prompt_seq
+                text = prompt[prefix : size - suffix]
+            else:
+                prefix = suffix = 0
+        prompt_hash, hash_state = hash_prompt_after(
+            run._hash_state, run.prompt, prompt, shared, tail
+        )
     # Only the fields that differ from their defaults: a keyword a Struct must match
     # against its fields costs more than the field's default.
     response = msg.response
@@ -571,10 +584,24 @@ cdef object _accept_move(
     tables = machine.tables
     if tables.check_transition(tables.state_id(state), tables.state_id(target)) != _OK:
         return None
-    data, violations = _move_data(machine, run, envelope.data)
-    if violations:
-        return None
-    reason = "fallback" if _is_fallback(machine, state) else "proposal"
+    cdef PyObject* validator = PyDict_GetItem(machine.data_validators, state)
+    if validator is NULL:
+        # ``_gate._move_data`` for a state with no data schema, inline: the data as a
+        # JSON object the journal can hold, or None for the Python gate to explain
+        try:
+            data = _dict_decode(envelope.data)
+            _journal_encode(data)
+        except msgspec.ValidationError:
+            return None
+        except _JOURNAL_ENCODING_ERRORS:
+            return None
+    else:
+        data, violations = _move_data(machine, run, envelope.data)
+        if violations:
+            return None
+    reason = (
+        "fallback" if machine.on_breaker == state and _is_fallback(machine, state) else "proposal"
+    )
     cdef long long seq = run.seq + 1
     if len(raw) >= _DELTA_BY_REFERENCE and data and _proposal_data(run.run_id, seq, raw) == data:
         moved = Transitioned(
@@ -763,9 +790,8 @@ cdef inline double _monotonic() noexcept nogil:
     return <double>now.tv_sec + <double>now.tv_nsec * 1e-9
 
 
-cdef inline void _record(histogram, seconds) except *:
-    """``LatencyHistogram.record``: ``bisect_left(_BOUNDS, seconds)`` over the C bounds."""
-    cdef double value = seconds
+cdef inline Py_ssize_t _bucket(double value) noexcept:
+    """``bisect_left(_BOUNDS, value)`` over the C bounds."""
     cdef Py_ssize_t low = 0, high = _NBOUNDS, middle
     while low < high:
         middle = (low + high) >> 1
@@ -773,10 +799,48 @@ cdef inline void _record(histogram, seconds) except *:
             low = middle + 1
         else:
             high = middle
-    cdef list counts = histogram.counts
-    counts[low] = counts[low] + 1
-    histogram.sum += seconds
-    histogram.total += 1
+    return low
+
+
+cdef class _Samples:
+    """A LatencyHistogram's samples of one batch, counted in C and written to it once.
+
+    The sum is carried on from the histogram's and added to sample by sample, in the
+    order recorded, so it is the float ``record`` would leave; it is written back
+    (:meth:`flush`) before anything else may record into the histogram.
+    """
+
+    cdef object target
+    cdef long long counts[128]
+    cdef double sum
+    cdef long long total
+
+    cdef inline void add(self, histogram, double seconds) except *:
+        if histogram is not self.target:
+            self.flush()
+            self.target = histogram
+            self.sum = histogram.sum
+        self.counts[_bucket(seconds)] += 1
+        self.sum += seconds
+        self.total += 1
+
+    cdef void flush(self) except *:
+        cdef Py_ssize_t index
+        cdef list counts
+        target = self.target
+        if target is None:
+            return
+        self.target = None
+        if not self.total:
+            return
+        counts = target.counts
+        for index in range(_NBOUNDS + 1):
+            if self.counts[index]:
+                counts[index] = counts[index] + self.counts[index]
+                self.counts[index] = 0
+        target.sum = self.sum
+        target.total = target.total + self.total
+        self.total = 0
 
 
 cdef inline void _add(table, key, amount) except *:
@@ -794,65 +858,140 @@ cdef inline void _touch(table, key) except *:
         PyDict_SetItem(table, key, 0)
 
 
-cdef void _count_proposal(stats, machine, msg, list events, Py_ssize_t start) except *:
-    """``RuntimeStats.count`` for a proposal's events, compiled for those of nearly every
-    step (a model call, then a move or a call); any other event, and it is the twin's."""
-    cdef Py_ssize_t index, end = len(events)
-    for index in range(start, end):
-        kind = type(events[index])
-        if kind is not ModelCalled and kind is not Transitioned and kind is not IntentRecorded:
-            stats.count(machine, msg, events, start)
+cdef class _Counting:
+    """``RuntimeStats.count`` for a batch's proposals: the tables looked up once per batch,
+    the label tuples of the last machine, model call and move kept at hand, the latency
+    samples counted in C (see :class:`_Samples`)."""
+
+    cdef object stats
+    cdef object tokens, model_calls, model_latency, verdicts, transitions, by_name
+    cdef object verify_latency
+    cdef object name, keys, state, model, call, src, dst, move
+    cdef object machine, latency
+    cdef _Samples verified, called
+
+    def __cinit__(self, stats):
+        self.stats = stats
+        self.tokens = stats.tokens
+        self.model_calls = stats.model_calls
+        self.model_latency = stats.model_latency
+        self.verdicts = stats.verdicts
+        self.transitions = stats.transitions
+        self.by_name = stats._keys
+        self.verify_latency = stats.verify_latency
+        self.verified = _Samples()
+        self.called = _Samples()
+
+    cdef void flush(self) except *:
+        """Write the samples counted so far (before anything else may record)."""
+        self.verified.flush()
+        self.called.flush()
+
+    cdef void verification(self, machine, double seconds) except *:
+        """``stats.verify_latency[machine.name].record(seconds)``."""
+        if machine is not self.machine:
+            name = machine.name
+            found = PyDict_GetItem(self.verify_latency, name)
+            if found is NULL:
+                self.flush()
+                latency = self.stats.histogram(self.verify_latency, name)
+            else:
+                latency = <object>found
+            self.machine = machine
+            self.latency = latency
+        self.verified.add(self.latency, seconds)
+
+    cdef _Keys_of(self, name):
+        if name is not self.name:
+            keys = self.by_name.get(name)
+            if keys is None:
+                keys = self.by_name[name] = _Keys(name)
+            self.name = name
+            self.keys = keys
+            self.state = self.src = None
+        return self.keys
+
+    cdef void count(self, machine, msg, list events, Py_ssize_t start) except *:
+        """``RuntimeStats.count`` for a proposal's events, compiled for those of nearly
+        every step (a model call, then a move or a call); any other event, and it is the
+        twin's."""
+        cdef Py_ssize_t index, end = len(events)
+        cdef bint proposed = False
+        for index in range(start, end):
+            event = events[index]
+            kind = type(event)
+            if kind is ModelCalled:
+                usage = event.usage
+                if (
+                    type(usage.prompt) is not int
+                    or type(usage.completion) is not int
+                    or type(event.latency) is not float
+                ):
+                    break
+            elif kind is not Transitioned and kind is not IntentRecorded:
+                break
+        else:
+            index = end
+        if index < end:
+            self.flush()
+            self.stats.count(machine, msg, events, start)
             return
-    name = machine.name
-    by_name = stats._keys
-    keys = by_name.get(name)
-    if keys is None:
-        keys = by_name[name] = _Keys(name)
-    cdef bint proposed = False
-    for index in range(start, end):
-        event = events[index]
-        kind = type(event)
-        if kind is ModelCalled:
-            model = event.model
-            by_model = keys.calls.get(event.state)
-            call = by_model.get(model) if by_model is not None else None
-            if call is None:
-                call = keys.call(event.state, model)
-            prompt_key, completion_key, cached_key, reasoning_key, calls_key = call
-            usage = event.usage
-            tokens = stats.tokens
-            prompt = usage.prompt
-            completion = usage.completion
-            if prompt:
-                _add(tokens, prompt_key, prompt)
-            else:
-                _touch(tokens, prompt_key)
-            if completion:
-                _add(tokens, completion_key, completion)
-            else:
-                _touch(tokens, completion_key)
-            if usage.cached:
-                _add(tokens, cached_key, usage.cached)
-            if usage.reasoning:
-                _add(tokens, reasoning_key, usage.reasoning)
-            _add(stats.model_calls, calls_key, 1)
-            latencies = stats.model_latency
-            latency = latencies.get(model)
-            if latency is None:
-                latency = stats.histogram(latencies, model)
-            _record(latency, event.latency)
-            proposed = True
-        else:  # Transitioned or IntentRecorded
-            if proposed:
-                _add(stats.verdicts, keys.accepted, 1)
-                proposed = False
-            if kind is Transitioned:
-                src = event.src
-                by_dst = keys.moves.get(src)
-                move = by_dst.get(event.dst) if by_dst is not None else None
-                if move is None:
-                    move = keys.move(src, event.dst)
-                _add(stats.transitions, move, 1)
+        keys = self._Keys_of(machine.name)
+        for index in range(start, end):
+            event = events[index]
+            kind = type(event)
+            if kind is ModelCalled:
+                state = event.state
+                model = event.model
+                if state is not self.state or model is not self.model:
+                    by_model = keys.calls.get(state)
+                    call = by_model.get(model) if by_model is not None else None
+                    if call is None:
+                        call = keys.call(state, model)
+                    self.state = state
+                    self.model = model
+                    self.call = call
+                prompt_key, completion_key, cached_key, reasoning_key, calls_key = self.call
+                usage = event.usage
+                tokens = self.tokens
+                prompt = usage.prompt
+                completion = usage.completion
+                if prompt:
+                    _add(tokens, prompt_key, prompt)
+                else:
+                    _touch(tokens, prompt_key)
+                if completion:
+                    _add(tokens, completion_key, completion)
+                else:
+                    _touch(tokens, completion_key)
+                if usage.cached:
+                    _add(tokens, cached_key, usage.cached)
+                if usage.reasoning:
+                    _add(tokens, reasoning_key, usage.reasoning)
+                _add(self.model_calls, calls_key, 1)
+                latencies = self.model_latency
+                latency = latencies.get(model)
+                if latency is None:
+                    self.flush()
+                    latency = self.stats.histogram(latencies, model)
+                self.called.add(latency, event.latency)
+                proposed = True
+            else:  # Transitioned or IntentRecorded
+                if proposed:
+                    _add(self.verdicts, keys.accepted, 1)
+                    proposed = False
+                if kind is Transitioned:
+                    src = event.src
+                    dst = event.dst
+                    if src is not self.src or dst is not self.dst:
+                        by_dst = keys.moves.get(src)
+                        move = by_dst.get(dst) if by_dst is not None else None
+                        if move is None:
+                            move = keys.move(src, dst)
+                        self.src = src
+                        self.dst = dst
+                        self.move = move
+                    _add(self.transitions, self.move, 1)
 
 
 cdef int _proposal_mode(runs, msg, verdict) except -1:
@@ -889,18 +1028,46 @@ def decide_many(sup, list msgs, list events):
     runs = sup._runs
     circuits = sup._circuits
     clock = sup.clock
-    stats = sup.stats
-    latencies = stats.verify_latency
     decide = sup._decide
     early = sup._early
     contain = sup._contain
     propose = _decider._propose
     cdef bint compiled = propose is on_propose
-    for msg in msgs:
-        mark = len(events)
-        if type(msg) is not Propose:
+    cdef _Counting counting = _Counting(sup.stats)
+    try:
+        for msg in msgs:
+            mark = len(events)
+            if type(msg) is not Propose:
+                counting.flush()
+                try:
+                    verdict = decide(msg, events)
+                except InterlockError as exc:
+                    results.append(exc)
+                    continue
+                except Exception as exc:  # a bug: it ends that run only (see contain)
+                    del events[mark:]
+                    error = contain(msg, exc)
+                    error.__cause__ = exc
+                    results.append(error)
+                    continue
+                results.append(verdict)
+                if not wake and early(msg, verdict) != _LAG:
+                    wake = True
+                continue
             try:
-                verdict = decide(msg, events)
+                now = clock()
+                found = PyDict_GetItem(runs, msg.run_id)
+                run = sup._run(msg.run_id) if found is NULL else <object>found  # raises
+                started = _monotonic()
+                if compiled:
+                    verdict = _on_propose(<RunState?>run, msg, now, circuits, events)
+                else:
+                    verdict = propose(run, msg, now, circuits, events)
+                seconds = _monotonic() - started
+                machine = run.machine
+                counting.verification(machine, seconds)
+                if len(events) > mark:
+                    counting.count(machine, msg, events, mark)
             except InterlockError as exc:
                 results.append(exc)
                 continue
@@ -911,38 +1078,10 @@ def decide_many(sup, list msgs, list events):
                 results.append(error)
                 continue
             results.append(verdict)
-            if not wake and early(msg, verdict) != _LAG:
+            if not wake and _proposal_mode(runs, msg, verdict) != _LAG:
                 wake = True
-            continue
-        try:
-            now = clock()
-            found = PyDict_GetItem(runs, msg.run_id)
-            run = sup._run(msg.run_id) if found is NULL else <object>found  # raises what is wrong
-            started = _monotonic()
-            if compiled:
-                verdict = _on_propose(<RunState?>run, msg, now, circuits, events)
-            else:
-                verdict = propose(run, msg, now, circuits, events)
-            seconds = _monotonic() - started
-            machine = run.machine
-            name = machine.name
-            found = PyDict_GetItem(latencies, name)
-            latency = stats.histogram(latencies, name) if found is NULL else <object>found
-            _record(latency, seconds)
-            if len(events) > mark:
-                _count_proposal(stats, machine, msg, events, mark)
-        except InterlockError as exc:
-            results.append(exc)
-            continue
-        except Exception as exc:  # a bug: it ends that run only (see contain)
-            del events[mark:]
-            error = contain(msg, exc)
-            error.__cause__ = exc
-            results.append(error)
-            continue
-        results.append(verdict)
-        if not wake and _proposal_mode(runs, msg, verdict) != _LAG:
-            wake = True
+    finally:
+        counting.flush()
     return results, wake
 
 
