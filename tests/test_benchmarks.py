@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -46,9 +47,34 @@ def run_benchmarks(
     )
 
 
+class QuickRun(NamedTuple):
+    """One ``python -m benchmarks --quick --out OUT``: what it did and where it wrote."""
+
+    proc: subprocess.CompletedProcess[str]
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
+    """The quick run of every section, once for the tests that read it (each section's
+    test reads its own section of it: running the scaleout and peers sections again on
+    their own took as long again as they do here)."""
+    out = tmp_path_factory.mktemp("quick")
+    return QuickRun(run_benchmarks("--quick", "--out", str(out), timeout=600), out)
+
+
+def quick_section(quick_run: QuickRun, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The quick run's results.json and its section ``name``, which ran without error."""
+    results = json.loads((quick_run.out / "results.json").read_text(encoding="utf-8"))
+    assert name in results["benchmarks"], quick_run.proc.stderr[-4000:]
+    section = results["benchmarks"][name]
+    assert "error" not in section, section.get("traceback")
+    return results, section
+
+
 @pytest.mark.slow
-def test_quick_run_writes_every_section(tmp_path: Path) -> None:
-    proc = run_benchmarks("--quick", "--out", str(tmp_path), timeout=600)
+def test_quick_run_writes_every_section(quick_run: QuickRun) -> None:
+    proc, tmp_path = quick_run
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
@@ -178,15 +204,10 @@ def test_merge_without_recorded_results_says_what_to_do(tmp_path: Path) -> None:
     not os.environ.get("INTERLOCK_PG_DSN"),
     reason="the scaleout benchmark needs PostgreSQL: set INTERLOCK_PG_DSN",
 )
-def test_quick_scaleout_drives_every_run_on_real_workers(tmp_path: Path) -> None:
+def test_quick_scaleout_drives_every_run_on_real_workers(quick_run: QuickRun) -> None:
     """The section's figures come from runs that really ended: every run completed under
     1, 2 and 4 workers, in batches; the killed worker's runs completed on the survivors."""
-    proc = run_benchmarks("--quick", "--only", "scaleout", "--out", str(tmp_path), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    section = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))["benchmarks"][
-        "scaleout"
-    ]
-    assert "error" not in section, section.get("traceback")
+    results, section = quick_section(quick_run, "scaleout")
     rows = section["throughput"]
     assert sorted(row["workers"] for row in rows) == [1, 2, 4]
     for row in rows:
@@ -200,13 +221,11 @@ def test_quick_scaleout_drives_every_run_on_real_workers(tmp_path: Path) -> None
     assert failover["runs"] > 0, "the killed worker held no run"
     assert failover["outcomes"] == {"completed": 60}, failover
     assert [f["batch"] for f in section["fencing"]] == [1, 100, 1000]
-    goal = next(
-        g
-        for g in json.loads((tmp_path / "results.json").read_text())["goals"]
-        if g["key"] == "pg_group_commit"
-    )
+    goal = next(g for g in results["goals"] if g["key"] == "pg_group_commit")
     assert goal["met"] is True
-    assert "## Scale-out on PostgreSQL" in (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+    assert "## Scale-out on PostgreSQL" in (quick_run.out / "RESULTS.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def _bench_peers():  # type: ignore[no-untyped-def]
@@ -217,14 +236,10 @@ def _bench_peers():  # type: ignore[no-untyped-def]
     return bench_peers
 
 
-def test_quick_peers_compares_completed_runs_of_every_workload(tmp_path: Path) -> None:
+def test_quick_peers_compares_completed_runs_of_every_workload(quick_run: QuickRun) -> None:
     """The peers section measures every workload of issue 19 on runs that really ended,
     counts fsyncs and flushes per tool kind, and evaluates its goals."""
-    proc = run_benchmarks("--quick", "--only", "peers", "--out", str(tmp_path), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
-    section = results["benchmarks"]["peers"]
-    assert "error" not in section, section.get("traceback")
+    results, section = quick_section(quick_run, "peers")
     peers = _bench_peers()
     memory = {row["label"]: row for row in section["memory"]}
     assert {peers.INTERLOCK, peers.PLAIN} <= set(memory)
@@ -253,7 +268,7 @@ def test_quick_peers_compares_completed_runs_of_every_workload(tmp_path: Path) -
     goals = {g["key"]: g for g in results["goals"] if g["bench"] == "peers"}
     assert set(goals) == {g.key for g in _goals() if g.bench == "peers"}
     assert goals["peers_memory_100k"]["met"] is None  # 100,000 runs are not run in quick mode
-    markdown = (tmp_path / "RESULTS.md").read_text(encoding="utf-8")
+    markdown = (quick_run.out / "RESULTS.md").read_text(encoding="utf-8")
     assert f"## {_title_of('peers')}" in markdown
     assert section["git"]["commit"] in markdown
 
