@@ -82,7 +82,7 @@ TITLE = "Gateway: HTTP proposals against the server's ceiling, batches, the chan
 #: Keep-alive connections of the load (quick, full).
 CONNECTIONS = (8, 50)
 #: Seconds each load is measured, after a warm-up of a fifth of it (quick, full).
-SECONDS = (1.0, 5.0)
+SECONDS = (0.3, 5.0)
 BATCHES = ((100,), (100, 1000))
 #: External steps timed one at a time (quick, full).
 STEPS = (100, 1000)
