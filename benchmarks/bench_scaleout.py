@@ -25,14 +25,14 @@ what is measured, not a model or a tool. Ratios are taken within one run:
   100,000 claimable runs, until half are claimed; then the empty claim (every run leased),
   an idle worker's poll, before and after a ``VACUUM`` of the leases. p50/p99 ms.
 - *failover*: three workers (``--lease-ttl`` 2, then 5, ``--poll`` 0.5) drive runs of 100
-  model calls of 50 ms each; once all are claimed and under way, the worker holding the
-  most is SIGKILLed (at a random point of the heartbeat's period). For each run it held:
-  the seconds from the SIGKILL to the run's next event (written by a survivor, its
-  ``ts``), and apart, what was left of its lease at the kill (``expires`` on the server's
-  clock, the same host's) and the rest (the claim, the load, one step). A dead worker's
-  leases last until their last renewal (every ttl/3) plus the ttl, and a busy survivor
-  claims every poll, so expect between 2/3 ttl and ttl, plus up to a poll, plus a load and
-  a model call.
+  model calls of 50 ms each (60 in a quick run); once all are claimed and under way, the
+  worker holding the most is SIGKILLed (at a random point of the heartbeat's period). For
+  each run it held: the seconds from the SIGKILL to the run's next event (written by a
+  survivor, its ``ts``), and apart, what was left of its lease at the kill (``expires`` on
+  the server's clock, the same host's) and the rest (the claim, the load, one step). A
+  dead worker's leases last until their last renewal (every ttl/3) plus the ttl, and a busy
+  survivor claims every poll, so expect between 2/3 ttl and ttl, plus up to a poll, plus a
+  load and a model call.
 - *fencing*: ``append_fenced`` against ``append`` on batches of 1, 100 and 1,000 events in
   turns (``benchmarks/pg_fencing.py``'s comparison, which also goes to 10,000 events and
   times what recovery reads).
@@ -74,7 +74,8 @@ EMPTY_CLAIMS = (50, 300)
 FAILOVER = (((2.0, 1),), ((2.0, 5), (5.0, 5)))
 FAILOVER_WORKERS = 3
 FAILOVER_RUNS = 60
-FAILOVER_STEPS = 100
+#: Model calls per failover run (quick, full): a run outlasts the kill and the takeover.
+FAILOVER_STEPS = (60, 100)
 FAILOVER_LATENCY = 0.05
 FAILOVER_POLL = 0.5
 #: Batch sizes of the fencing comparison, events per mode and most batches (quick, full).
@@ -492,8 +493,11 @@ def count(conn: Any, query: str, params: Sequence[Any] = ()) -> int:
     return int(row[0])
 
 
-def measure_failover(base: str, ttl: float, kills: int, logs: Path) -> dict[str, Any]:
-    """``kills`` rounds: three workers, the busiest SIGKILLed; see the module."""
+def measure_failover(
+    base: str, ttl: float, kills: int, logs: Path, steps: int = FAILOVER_STEPS[1]
+) -> dict[str, Any]:
+    """``kills`` rounds: three workers, the busiest SIGKILLed, on runs of ``steps`` model
+    calls; see the module."""
     import trio
 
     from interlock.stores import open_store
@@ -513,7 +517,7 @@ def measure_failover(base: str, ttl: float, kills: int, logs: Path) -> dict[str,
         with connect(base, schema) as conn:
             for kill in range(kills):
                 run_ids = [f"k{kill}-{i:04d}" for i in range(FAILOVER_RUNS)]
-                these, past_expiry, row = _one_kill(url, conn, ttl, run_ids, logs, jitter)
+                these, past_expiry, row = _one_kill(url, conn, ttl, run_ids, logs, jitter, steps)
                 delays += these
                 after += past_expiry
                 per_kill.append(row)
@@ -538,7 +542,13 @@ def measure_failover(base: str, ttl: float, kills: int, logs: Path) -> dict[str,
 
 
 def _one_kill(
-    url: str, conn: Any, ttl: float, run_ids: list[str], logs: Path, jitter: random.Random
+    url: str,
+    conn: Any,
+    ttl: float,
+    run_ids: list[str],
+    logs: Path,
+    jitter: random.Random,
+    steps: int,
 ) -> tuple[list[float], list[float], dict[str, Any]]:
     """Enqueue ``run_ids``, start the workers, SIGKILL the busiest once all are under way,
     and return the delays to each of its runs' next event."""
@@ -559,7 +569,7 @@ def _one_kill(
         (GATE, run_ids),
     )
     env = {
-        "BENCH_SCALEOUT_STEPS": str(FAILOVER_STEPS),
+        "BENCH_SCALEOUT_STEPS": str(steps),
         "BENCH_SCALEOUT_LATENCY": str(FAILOVER_LATENCY),
     }
     extra = ("--lease-ttl", f"{ttl:g}", "--poll", f"{FAILOVER_POLL:g}", "--max-runs", "40")
@@ -698,13 +708,15 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         results["failover_setup"] = {
             "workers": FAILOVER_WORKERS,
             "runs": FAILOVER_RUNS,
-            "steps": FAILOVER_STEPS,
+            "steps": FAILOVER_STEPS[level],
             "latency_s": FAILOVER_LATENCY,
         }
         results["failover"] = []
         for ttl, kills in FAILOVER[level]:
             progress(f"failover: lease ttl {ttl:g} s, {kills} kill(s)", 0.6)
-            results["failover"].append(measure_failover(base, ttl, kills, logs))
+            results["failover"].append(
+                measure_failover(base, ttl, kills, logs, FAILOVER_STEPS[level])
+            )
         progress("fencing: append_fenced against append", 0.9)
         results["fencing"] = measure_fencing(base, quick)
     results["events_per_transaction_min"] = min(
