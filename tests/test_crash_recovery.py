@@ -153,8 +153,14 @@ async def load_journal(url):
         await store.aclose()
 
 
+#: PostgreSQL: the processes that are killed lease their runs for 2 s, not the default 10:
+#: the process after each kill waits for the dead one's leases to expire, up to 2 s, not 10.
+KILLED_LEASE = ("--lease-ttl", "2")
+
+
 def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
     effects = str(tmp_path / "effects.db")
+    leases = KILLED_LEASE if journal_url.startswith("postgresql") else ()
     rng = random.Random(20261130)
     kills = 0
     doubted: dict[str, IntentRecorded] = {}  # every call in doubt at the moment of a kill
@@ -179,6 +185,7 @@ def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
             slow_interlock(
                 "demo", "--runs", "150", "--db", journal_url, "--effects", effects,
                 "--seed", str(seed), "--chaos-rate", "0.2", "--latency", "20,60", "--json",
+                *leases,
             ),
             30,
         )  # fmt: skip
@@ -186,7 +193,7 @@ def test_sigkill_then_resume_is_exactly_once(journal_url, tmp_path):
             kill(
                 slow_interlock(
                     "resume", "--db", journal_url, "--effects", effects, "--latency", "20,60",
-                    "--json",
+                    "--json", *leases,
                 ),
                 10,
             )  # fmt: skip
