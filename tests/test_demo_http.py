@@ -13,9 +13,24 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def interlock(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+#: ``python -c FAST_RETRIES ARGS`` is ``interlock ARGS`` with every wait of the provider
+#: policy a hundredth as long: the demo's machines wait 1, 2, 4 and 8 s (jittered) between
+#: the five calls that fail before a run escalates, 7.5 to 15 s of the test asleep.
+FAST_RETRIES = """
+import runpy
+from interlock import ProviderPolicy
+
+delay = ProviderPolicy.delay
+ProviderPolicy.delay = lambda self, *args: delay(self, *args) / 100
+runpy.run_module("interlock", run_name="__main__", alter_sys=True)
+"""
+
+
+def interlock(
+    *args: str, cwd: Path, run: tuple[str, ...] = ("-m", "interlock")
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "interlock", *args],
+        [sys.executable, *run, *args],
         capture_output=True,
         text=True,
         check=False,
@@ -78,7 +93,7 @@ def test_a_wrong_provider_flag_is_one_line(tmp_path: Path, flags: list[str], wor
 def test_a_real_server_that_is_not_there_escalates_the_runs_saying_so(tmp_path: Path) -> None:
     done = interlock(
         "demo", "--provider", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
-        "--runs", "3", "--db", "j.db", "--json", cwd=tmp_path,
+        "--runs", "3", "--db", "j.db", "--json", cwd=tmp_path, run=("-c", FAST_RETRIES),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
