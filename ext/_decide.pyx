@@ -1175,9 +1175,11 @@ def move_runs(
     encode, crc32, row_checksum, running_outcome,
 ):
     """``stores._sqlite._move_runs_py``, compiled: how a SQLite store's fast path moves
-    the index rows of the runs a batch continues (``same``, ``changed``, ``written``,
-    ``prevs``, the change in running runs), or None where a run is not where the batch
-    says it is. ``tests/hot/test_decide.py`` holds the two to the same values."""
+    the index rows of the runs a batch continues (``same``: the pending moves of those
+    that stay in their outcome; ``changed``: the parameters of the UPDATE of those whose
+    outcome changes; ``written``, ``prevs``, the change in running runs), or None where a
+    run is not where the batch says it is. ``tests/hot/test_decide.py`` holds the two to
+    the same values."""
     cdef dict written = {}
     cdef list same = []
     cdef list changed = []
@@ -1222,10 +1224,11 @@ def move_runs(
                     )
                 )
             )
-            same.append((seq, updated, state, crc, chunk, run_id) + row)
-            written[run_id] = (
+            moved = (
                 machine, state, was, seq, started_at, updated, was_reason, was_detail, crc, chunk
             )
+            same.append((run_id,) + moved)
+            written[run_id] = moved
         else:
             reason = run[6]
             if reason is None:

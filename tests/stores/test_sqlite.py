@@ -105,7 +105,7 @@ async def test_pragmas_are_in_effect(tmp_path: Path, synchronous: str) -> None:
             "synchronous": synchronous.upper(),
             "foreign_keys": True,
             "busy_timeout": 5000,
-            "schema_version": 5,
+            "schema_version": 6,
         }
     # WAL is a property of the file, so another connection sees it too.
     assert raw_sql(tmp_path / "j.db", "PRAGMA journal_mode") == [("wal",)]
@@ -121,11 +121,13 @@ async def test_schema_is_created_and_versioned(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with await open_sqlite_store(path):
         pass
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("5",)]
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("6",)]
     tables = {
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
-    assert tables == {"meta", "chunks", "intents", "runs"}
+    # moves: the index rows moved and not yet applied (version 6); sqlite_sequence keeps
+    # its ids growing
+    assert tables == {"meta", "chunks", "intents", "runs", "moves", "sqlite_sequence"}
     # Listing reads (and checks) every row of the runs index: no index on it would serve;
     # the one index is of the unfinished runs, which resume reads (test_sqlite_single_writer).
     assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [
@@ -367,7 +369,7 @@ async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     raw_sql(path, "UPDATE meta SET value = '99' WHERE name = 'schema_version'")
     with pytest.raises(
         StoreError,
-        match=r"j\.db: database schema version 99 is newer than this interlock supports \(5\); "
+        match=r"j\.db: database schema version 99 is newer than this interlock supports \(6\); "
         r"upgrade interlock to open it$",
     ):
         await open_sqlite_store(path)
@@ -485,7 +487,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         await open_sqlite_store(path, readonly=True)
     assert str(info.value) == (
         f"{path}: database schema version 1 was written by an older interlock; open it once "
-        "without readonly=True to upgrade it in place to version 5 (every event is kept)"
+        "without readonly=True to upgrade it in place to version 6 (every event is kept)"
     )
     async with await open_sqlite_store(path) as store:
         assert await store.load("r-1") == one
@@ -506,8 +508,8 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     tables = {
         row[0] for row in raw_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     }
-    assert tables == {"meta", "chunks", "intents", "runs"}
-    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("5",)]
+    assert tables == {"meta", "chunks", "intents", "runs", "moves", "sqlite_sequence"}
+    assert raw_sql(path, "SELECT value FROM meta WHERE name = 'schema_version'") == [("6",)]
     # The upgrade numbered the chunks by run and seq, each chained to its run's one before.
     assert raw_sql(
         path, "SELECT id, run_id, first_seq, last_seq, prev FROM chunks ORDER BY id"
@@ -524,7 +526,7 @@ async def test_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         ("r-3", 4),
         ("r-4", 5),
     ]
-    # Opened again, it is an ordinary version 5 database.
+    # Opened again, it is an ordinary version 6 database.
     async with await open_sqlite_store(path, readonly=True) as store:
         assert await store.load("r-1") == one
 
@@ -597,7 +599,7 @@ async def test_version_2_database_is_read_as_it_is_then_upgraded_in_place(tmp_pa
         assert await store.get_run("r-1") == index_updates(one, {})["r-1"]
         await store.append(run_events("r-3", 3.0))
         assert await store.check() == CheckReport(runs=3, events=15, problems=())
-    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("5",)]
+    assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("6",)]
     assert raw_sql(path, "SELECT name FROM sqlite_master WHERE tbl_name = 'runs'") == [
         ("runs",),
         ("runs_unfinished",),
@@ -1006,7 +1008,7 @@ async def test_a_version_4_journal_is_read_then_chained_when_opened_for_writing(
     assert path.read_bytes() == before
     more = run_events("r-9", 9.0)
     async with await open_sqlite_store(path) as store:
-        assert (await store.pragmas())["schema_version"] == 5
+        assert (await store.pragmas())["schema_version"] == 6
         await store.append(more[:2])
         await store.append(more[2:])
         for events in [*runs, more]:

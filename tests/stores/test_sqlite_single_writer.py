@@ -437,7 +437,7 @@ async def test_a_version_3_journal_gets_the_index_when_opened_for_writing(tmp_pa
         assert (await store.pragmas())["schema_version"] == 3
         assert [r.run_id for r in await store.unfinished()] == ["b", "c"]  # every row read
     async with await open_sqlite_store(path) as store:
-        assert (await store.pragmas())["schema_version"] == 5
+        assert (await store.pragmas())["schema_version"] == 6
         assert [r.run_id for r in await store.unfinished()] == ["b", "c"]
         await store.append([Failed(run_id="b", seq=3, ts=4.0, state="B", reason="r")])
         assert [r.run_id for r in await store.unfinished()] == ["c"]

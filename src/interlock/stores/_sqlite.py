@@ -11,7 +11,11 @@ whole database.
 
 The runs index is derived from the journal, and each of its rows carries the crc32 of
 its fields (:func:`row_checksum`): a row that fails it is reported (:class:`IndexDamaged`),
-never believed. Listing runs therefore reads every row, whatever the filters, and counts
+never believed. Since schema version 6 a continuing run's row moves lazily: each batch
+writes the rows it moves as one row of the ``moves`` table, and the writer applies the
+pending moves to the ``runs`` table at most :data:`INDEX_LAG_SECONDS` (or
+:data:`INDEX_LAG_BATCHES` batches) later, so a batch of a thousand runs is two inserts,
+not a thousand updates. Every read takes a run's latest pending move over its row. Listing runs therefore reads every row, whatever the filters, and counts
 them against the number of runs started, kept in ``meta``: one flipped byte in a page
 header can hide a row from SQLite itself. The unfinished runs, which resume reads, have a
 partial index of their own and a count of their own (schema version 4), so finding them
@@ -47,7 +51,7 @@ import msgspec
 import trio
 
 from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted, Transitioned
-from .._exceptions import IndexDamaged, RunNotFound, StoreError
+from .._exceptions import IndexDamaged, RunNotFound, StoreDamaged, StoreError
 from .._hotpath import FRAMES_OK, frame_events, unframe
 from .._view import DECIDE_IMPLEMENTATION
 from ._base import (
@@ -83,12 +87,13 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 #: The schema this module writes. A database from a newer version is refused; one from
-#: version 1 (a row per event), 2 (no checksums in the runs index) or 3 (no index of
-#: unfinished runs) is upgraded in place when opened for writing. Opened read-only, a
+#: version 1 (a row per event), 2 (no checksums in the runs index), 3 (no index of
+#: unfinished runs), 4 (chunks keyed by run) or 5 (no pending index moves) is upgraded in
+#: place when opened for writing. Opened read-only, a
 #: version 2 database is read as it is (its index rows have no checksum to check), and
 #: a version 2 or 3 one finds its unfinished runs by reading every row; one of version 4
 #: (chunks keyed by run, not chained) is read by run.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: Milliseconds a connection waits for another process's write lock before failing.
 BUSY_TIMEOUT_MS = 5000
@@ -103,6 +108,14 @@ CHECKPOINT_BYTES = 4 << 20
 
 #: WAL bytes past which the writer checkpoints itself and the WAL starts over.
 AUTOCHECKPOINT_BYTES = 4 * CHECKPOINT_BYTES
+
+#: Seconds a continuing run's index row may wait in the ``moves`` table (version 6) before
+#: the writer moves it in ``runs``: a batch applies the pending moves once the oldest is
+#: this old, or once this many batches have written moves. Readers take a run's latest
+#: pending move over its row, so nothing reads the index behind the journal meanwhile;
+#: the lag only bounds the table a reader decodes.
+INDEX_LAG_SECONDS = 1.0
+INDEX_LAG_BATCHES = 64
 
 #: Upgrading a version-1 database starts a new chunk past this many bytes of frames.
 _MIGRATION_CHUNK_BYTES = 1 << 20
@@ -149,6 +162,16 @@ _INTENTS = """CREATE TABLE IF NOT EXISTS intents (
         seq INTEGER NOT NULL
     ) WITHOUT ROWID"""
 _JOURNAL = (_CHUNKS, _FIRST_CHUNKS, _INTENTS)
+#: Version 6: the index rows a batch moved (of runs it continued, not started), one row
+#: per batch: a msgpack array of ``[run_id, machine, state, outcome, seq, started,
+#: updated, reason, detail, crc, chunk]`` rows, the columns of ``runs`` (each with its
+#: checksum, so a damaged move is reported as a damaged row is). The writer applies them
+#: to ``runs`` and deletes them (:func:`_flush_moves`); the ids only grow (AUTOINCREMENT),
+#: so a reader knows whether the table changed since it last decoded it.
+_MOVES = """CREATE TABLE IF NOT EXISTS moves (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        body BLOB NOT NULL
+    )"""
 # NOTE: listing reads every row of the runs table, to check each one (a filter in SQL
 # would silently skip a row whose damage unmatched it). The one index beyond its key is
 # of the unfinished runs, which resume reads; see _UNFINISHED_INDEX.
@@ -171,6 +194,7 @@ _SCHEMA = (
         crc INTEGER,
         chunk INTEGER
     ) WITHOUT ROWID""",
+    _MOVES,
 )
 #: Version 4: the unfinished runs, found without reading the whole index. A partial
 #: index holds exactly the rows whose outcome is running (SQLite keeps it in the
@@ -232,24 +256,33 @@ _INSERT_RUN = (
 #: The number of runs started, so that a row missing from the index is noticed.
 _RUNS_COUNTED = "SELECT value FROM meta WHERE name = 'runs'"
 _COUNT_RUNS = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + ? AS TEXT) WHERE name = 'runs'"
-#: A continuing run's index row moves on only from the row it moves from (the one this
-#: store last wrote, or the stored one, read and checked against its checksum): every
-#: stored column is compared with that row, so a row damaged or changed since is not moved
-#: (and never re-checksummed as good), and the row count tells whether every run was where
-#: the batch says it was. The new checksum is computed in Python, once per row. A run whose
-#: outcome stays is moved without outcome, reason and detail in the SET, so that SQLite
-#: leaves the index of unfinished runs alone (it rewrites a partial index whenever a column
-#: of its WHERE is set, changed or not).
+#: A run whose outcome changes has its index row moved at once (version 6; the others'
+#: moves wait in the moves table), and only from the row it moves from (the one this store
+#: last wrote, or the stored one, read and checked against its checksum): every stored
+#: column is compared with that row, so a row damaged or changed since is not moved (and
+#: never re-checksummed as good), and the row count tells whether every run was where the
+#: batch says it was. The new checksum is computed in Python, once per row. (Pending moves
+#: are applied with outcome, reason and detail out of the SET where they stay, so that
+#: SQLite leaves the index of unfinished runs alone: it rewrites a partial index whenever
+#: a column of its WHERE is set, changed or not.)
 #: The row's chunk is compared too: the batch's chunk of the run chains from it.
 _MOVE_FROM = (
     "WHERE run_id = ?6 AND machine = ?7 AND state = ?8 AND outcome = ?9 AND seq = ?10 "
     "AND started = ?11 AND updated = ?12 AND reason = ?13 AND detail = ?14 AND crc = ?15 "
     "AND chunk = ?16"
 )
-_MOVE_ROW = f"UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, chunk = ?5 {_MOVE_FROM}"
 _MOVE_ROW_OUTCOME = (
     "UPDATE runs SET seq = ?1, updated = ?2, state = ?3, crc = ?4, chunk = ?5, outcome = ?17, "
     f"reason = ?18, detail = ?19 {_MOVE_FROM}"
+)
+_INSERT_MOVES = "INSERT INTO moves (body) VALUES (?)"
+_SELECT_MOVES = "SELECT id, body FROM moves ORDER BY id"
+_MOVES_STATE = "SELECT max(id), count(*) FROM moves"
+#: A pending move applied to its row, read and checked in the same write transaction.
+_APPLY_MOVE = "UPDATE runs SET seq = ?, updated = ?, state = ?, crc = ?, chunk = ? WHERE run_id = ?"
+_APPLY_MOVE_OUTCOME = (
+    "UPDATE runs SET seq = ?, updated = ?, state = ?, crc = ?, chunk = ?, outcome = ?, "
+    "reason = ?, detail = ? WHERE run_id = ?"
 )
 #: Where each field of INDEX_CHANGES goes in a run of _Batch.runs.
 _MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
@@ -499,6 +532,109 @@ def _insert(conn: sqlite3.Connection, many: str, one: str, rows: list[tuple[Any,
         conn.executemany(one, rows[whole:])
 
 
+#: A pending index move as the moves table holds it: ``(run_id, *_Row)``.
+_Move = tuple[Any, ...]
+_decode_moves = msgspec.msgpack.Decoder(
+    list[tuple[str, str, str, str, int, float, float, str, str, int, int]]
+).decode
+
+
+def _decoded_moves(moves_id: int, body: Any) -> list[_Move]:
+    """The moves of one row of the moves table, each checked against its checksum.
+
+    Raises:
+      IndexDamaged: the row cannot be read, or a move fails its checksum.
+    """
+    try:
+        moves = _decode_moves(body)
+    except (msgspec.DecodeError, TypeError):
+        raise IndexDamaged(
+            None, f"the pending index moves {moves_id} cannot be read (the moves table)"
+        ) from None
+    for move in moves:
+        try:
+            intact = row_checksum(*move[:9]) == move[9]
+        except (TypeError, ValueError, msgspec.EncodeError):
+            intact = False
+        if not intact:
+            raise IndexDamaged(move[0], "its pending index move fails its checksum")
+    return moves
+
+
+def _pending_moves(conn: sqlite3.Connection) -> dict[str, _Move]:
+    """The latest pending index move of each run, as the moves table holds them."""
+    latest: dict[str, _Move] = {}
+    for moves_id, body in conn.execute(_SELECT_MOVES).fetchall():
+        for move in _decoded_moves(moves_id, body):
+            latest[move[0]] = move
+    return latest
+
+
+def _flush_moves(conn: sqlite3.Connection) -> dict[str, _Move]:
+    """Apply every pending index move to its run's row, in the caller's write transaction,
+    and empty the moves table; return the moves left pending.
+
+    A run's latest move replaces its row only if the row as stored is intact (its
+    checksum) and behind the move, of the same machine and start: a row damaged, missing
+    or changed behind the writer is never overwritten (nor re-checksummed as good); its
+    move stays pending, and every read of the run reports the row as it does today.
+    """
+    latest = _pending_moves(conn)
+    if not latest:
+        return latest
+    stored = _stored_rows(conn, list(latest))
+    kept: list[_Move] = []
+    same: list[tuple[Any, ...]] = []
+    changed: list[tuple[Any, ...]] = []
+    running = 0
+    for run_id, move in latest.items():
+        row = stored.get(run_id)
+        if row is not None and row[0] == move[1] and row[4] == move[5] and row[3] >= move[4]:
+            continue  # its row moved past it since (the run's outcome changed): superseded
+        if row is None or row[0] != move[1] or row[4] != move[5]:
+            kept.append(move)
+            continue
+        _, _, state, outcome, seq, _, updated, reason, detail, crc, chunk = move
+        if outcome == row[2] and reason == row[6] and detail == row[7]:
+            same.append((seq, updated, state, crc, chunk, run_id))
+        else:
+            changed.append((seq, updated, state, crc, chunk, outcome, reason, detail, run_id))
+            running += (outcome == RUNNING) - (row[2] == RUNNING)
+    if same:
+        conn.executemany(_APPLY_MOVE, same)
+    if changed:
+        conn.executemany(_APPLY_MOVE_OUTCOME, changed)
+    if running:
+        conn.execute(_COUNT_RUNNING, (running,))
+    conn.execute("DELETE FROM moves")
+    if kept:
+        conn.execute(_INSERT_MOVES, (bytearray(_encode(kept)),))
+    return {move[0]: move for move in kept}
+
+
+def _ahead(row: Any, move: _Move | None) -> _Move | None:
+    """``move``, if it is ahead of ``row`` (a run's index row as read: its seq at 4); else
+    None. A row whose seq is not a number is damaged: its reader reports it."""
+    if move is None or type(row[4]) is not int or move[4] <= row[4]:
+        return None
+    return move
+
+
+def _move_record(move: _Move) -> RunRecord:
+    """The record of a pending index move (checked against its checksum when decoded)."""
+    return RunRecord(
+        run_id=move[0],
+        machine=move[1],
+        state=move[2],
+        outcome=move[3],
+        seq=move[4],
+        started=move[5],
+        updated=move[6],
+        reason=move[7],
+        detail=move[8],
+    )
+
+
 #: What _move_runs gives: ``(same, changed, written, prevs, running)``.
 _Moves = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
 
@@ -511,15 +647,16 @@ def _move_runs_py(
     first_chunk: int,
 ) -> _Moves | None:
     """How :meth:`SQLiteStore._index_fast` moves the rows of the runs a batch continues:
-    the parameters of _MOVE_ROW (``same``) and of _MOVE_ROW_OUTCOME (``changed``), the
-    rows written (as ``_rows`` holds them), each chunk's ``prev`` and the change in the
-    number of running runs; or None where a run is not at the seq before its first
-    event, neither as remembered nor as stored. ``runs`` is ``_Batch.runs``; the runs
+    the pending moves of those that stay in their outcome (``same``, rows of the moves
+    table), the parameters of _MOVE_ROW_OUTCOME for those whose outcome changes
+    (``changed``), the rows written (as ``_rows`` holds them), each chunk's ``prev`` and
+    the change in the number of running runs; or None where a run is not at the seq
+    before its first event, neither as remembered nor as stored. ``runs`` is ``_Batch.runs``; the runs
     in ``starting`` begin in the batch. The pure-Python twin of the compiled
     ``move_runs`` (ext/_decide.pyx)."""
     written: dict[str, _Row] = {}
     running = 0
-    same: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW
+    same: list[tuple[Any, ...]] = []  # pending moves
     changed: list[tuple[Any, ...]] = []  # parameters of _MOVE_ROW_OUTCOME
     crc32 = zlib.crc32
     encode = _encode_index_row
@@ -556,8 +693,7 @@ def _move_runs_py(
                     )
                 )
             )
-            same.append((seq, updated, state, crc, chunk, run_id, *row))
-            written[run_id] = (
+            moved = (
                 machine,
                 state,
                 was,
@@ -569,6 +705,8 @@ def _move_runs_py(
                 crc,
                 chunk,
             )
+            same.append((run_id, *moved))
+            written[run_id] = moved
         else:
             if reason is None:
                 reason = was_reason
@@ -962,6 +1100,16 @@ class SQLiteStore(Store):
         self._indexed_unfinished = version >= 4
         # Version 5 chains each run's chunks from its index row (see _CHUNKS).
         self._chained = version >= 5
+        # Version 6 moves continuing runs' rows lazily (see _MOVES): the moves table as
+        # last decoded, ``(max id, rows, latest move of each run)``, reused while the
+        # table is unchanged; and, writing, since when and over how many batches this
+        # store has left moves pending (applied once INDEX_LAG_* says so).
+        self._lazy = version >= 6
+        self._moves: tuple[Any, int, dict[str, _Move]] | None = None
+        self._lag_since: float | None = None
+        self._lag_batches = 0
+        # PRAGMA data_version after this store's last batch (see _append_sync).
+        self._data_version: int | None = None
         # The index row this store last wrote of each run (see _index_fast), at most
         # REMEMBERED_ROWS of them, the oldest forgotten first; written and read only by
         # the thread that appends, holding the lock, and only after a batch committed.
@@ -1045,12 +1193,30 @@ class SQLiteStore(Store):
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            # Another connection committed since this store's last batch (another store
+            # of the process, or a program writing the file behind interlock's back): the
+            # rows this store remembers may be stale, or damaged, so none is moved from
+            # without being read and checked (a remembered row is otherwise moved from
+            # unread, its move pending in the moves table).
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._data_version:
+                self._rows.clear()
+                self._moves = None
+            # The latest pending move of each run, kept up to date through the
+            # transaction (and remembered with the table's state once it commits).
+            latest = self._pending(conn)
             # The batch's chunks take the ids after the last one, in the order of
             # batch.chunks (and batch.runs); the index rows name them.
             first = (conn.execute(_LAST_CHUNK).fetchone()[0] or 0) + 1
-            written = self._index_fast(conn, batch, first)
-            if written is None:
+            fast = self._index_fast(conn, batch, first, latest)
+            moved: list[_Move] = []
+            if fast is None:
+                latest = _flush_moves(conn)  # the checked path reads and writes rows
                 written = self._index_checked(conn, batch, first)
+            else:
+                written, moved, kept = fast
+                if kept is not None:  # it applied the moves pending, to read rows
+                    latest = kept
             _insert(
                 conn,
                 _INSERT_CHUNKS,
@@ -1068,14 +1234,62 @@ class SQLiteStore(Store):
             )
             if batch.intents:
                 _insert(conn, _INSERT_INTENTS, _INSERT_INTENT, batch.intents)
+            lag_since, lag_batches = self._lag_since, self._lag_batches
+            if moved:
+                conn.execute(_INSERT_MOVES, (bytearray(_encode(moved)),))
+                for move in moved:
+                    latest[move[0]] = move
+                now = time.monotonic()
+                if lag_since is None:
+                    lag_since = now
+                lag_batches += 1
+                if lag_batches >= INDEX_LAG_BATCHES or now - lag_since >= INDEX_LAG_SECONDS:
+                    latest = _flush_moves(conn)
+                    lag_since, lag_batches = None, 0
+            seen = (*conn.execute(_MOVES_STATE).fetchone(), latest) if self._lazy else None
             conn.execute("COMMIT")
         except sqlite3.IntegrityError as exc:
             _rollback(conn)
+            self._moves = None
             raise StoreError(self._explain_integrity(conn, exc, batch)) from exc
         except Exception:
             _rollback(conn)
+            self._moves = None
             raise
         self._remember(written[0])
+        self._moves = seen
+        self._lag_since, self._lag_batches = lag_since, lag_batches
+        self._data_version = version
+
+    def _pending(self, conn: sqlite3.Connection) -> dict[str, _Move]:
+        """The latest pending index move of each run (version 6; none before), decoded
+        again only if the moves table changed since this store last saw it. Call it in
+        the read transaction of the rows it is taken with."""
+        if not self._lazy:
+            return {}
+        top, count = conn.execute(_MOVES_STATE).fetchone()
+        seen = self._moves
+        if seen is not None and (top, count) == (seen[0], seen[1]):
+            return seen[2]
+        latest = _pending_moves(conn) if count else {}
+        self._moves = (top, count, latest)
+        return latest
+
+    def _apply_moves(self, conn: sqlite3.Connection) -> None:
+        """Apply the pending index moves to ``runs`` now (a writer's check, and close)."""
+        if not self._lazy or self._readonly:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            latest = _flush_moves(conn)
+            seen = (*conn.execute(_MOVES_STATE).fetchone(), latest)
+            conn.execute("COMMIT")
+        except Exception:
+            _rollback(conn)
+            self._moves = None
+            raise
+        self._moves = seen
+        self._lag_since, self._lag_batches = None, 0
 
     def _remember(self, written: dict[str, _Row]) -> None:
         """Remember the index rows a batch committed (see ``_rows``)."""
@@ -1089,22 +1303,29 @@ class SQLiteStore(Store):
                 del rows[run_id]
 
     def _index_fast(
-        self, conn: sqlite3.Connection, batch: _Batch, first_chunk: int
-    ) -> tuple[dict[str, _Row], list[int | None]] | None:
-        """Update the runs index without a checksum computed in SQL; the rows written (to
+        self,
+        conn: sqlite3.Connection,
+        batch: _Batch,
+        first_chunk: int,
+        pending: dict[str, _Move],
+    ) -> (
+        tuple[tuple[dict[str, _Row], list[int | None]], list[_Move], dict[str, _Move] | None] | None
+    ):
+        """Move the runs index without a checksum computed in SQL: the rows written (to
         remember once the batch commits) and each chunk's ``prev`` (the chunk its run's row
-        named), or None (and nothing done) if any run is not where the batch says it is,
-        for :meth:`_index_checked` to explain. The batch's chunks take ids from
+        named); the pending moves of the runs the batch continues (for the moves table);
+        and, if it applied the moves pending (to read rows of runs it does not remember),
+        those left pending. None (and nothing done) if any run is not where the batch says
+        it is, for :meth:`_index_checked` to explain. The batch's chunks take ids from
         ``first_chunk`` on, in order.
 
-        A run the batch starts is inserted; any other run's row moves from the seq before
-        its first event in the batch, and only in the fields its events change. That is
-        what :func:`index_updates` gives from the stored rows. The row moved from is the
-        one this store last wrote (``_rows``), or, for a run it does not remember, the
-        stored row read and checked against its checksum here; either way the UPDATE
-        compares every stored column with it, so it moves only that exact row, and a row
-        changed since (damaged, or written by another store) sends the batch to the
-        checked path.
+        A run the batch starts is inserted in ``runs`` at once; any other run's row moves
+        from the seq before its first event in the batch, and only in the fields its events
+        change. That is what :func:`index_updates` gives from the stored rows. The row moved
+        from is the one this store last wrote or moved (``_rows``), or, for a run it does
+        not remember, the stored row, read and checked against its checksum here once the
+        moves pending are applied; the move itself waits in the moves table (version 6),
+        and :func:`_flush_moves` applies it only to the very row it was moved from.
         """
         if not batch.contiguous or batch.irregular:
             return None  # let the checked path say what is wrong
@@ -1117,14 +1338,18 @@ class SQLiteStore(Store):
             if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
             and not (run[0] == 1 and run_id in starting)
         ]
-        stored = _stored_rows(conn, unknown) if unknown else {}
+        kept = None
+        if unknown:
+            kept = pending = _flush_moves(conn)  # so that the stored rows are the current ones
+            stored = _stored_rows(conn, [r for r in unknown if r not in kept])
+        else:
+            stored = {}
         moving = _move_runs(runs, remembered, stored, starting, first_chunk)
         if moving is None:
             return None
         same, changed, written, prevs, running = moving
-        moves = len(runs) - len(starting)
         started = [event for event in batch.marks if event.run_id in starting] if starting else ()
-        inserted = moved = 0
+        inserted = 0
         if started:
             records = index_updates(started, {}).values()
             running += sum(record.outcome == RUNNING for record in records)
@@ -1135,21 +1360,46 @@ class SQLiteStore(Store):
                 rows.append(row)
                 written[record.run_id] = row[1:]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
-        if same:
-            moved += conn.executemany(_MOVE_ROW, same).rowcount
-        if changed:
-            moved += conn.executemany(_MOVE_ROW_OUTCOME, changed).rowcount
-        if inserted == len(starting) and moved == moves:
-            if inserted:
-                conn.execute(_COUNT_RUNS, (inserted,))
-            if running:
-                conn.execute(_COUNT_RUNNING, (running,))
-            return written, prevs
-        # Nothing but these rows was written in the transaction yet: undo it whole (no
-        # savepoint to pay for in every batch) and start over for the checked path.
-        conn.execute("ROLLBACK")
-        conn.execute("BEGIN IMMEDIATE")
-        return None
+        # NOTE: a run whose outcome (or reason) changes is moved in runs at once, so the
+        # index of unfinished runs and their count never lag: only a run going on in the
+        # same outcome waits in the moves table. Runs end once; they go on every step.
+        settled = self._settle(conn, changed, pending) if changed else 0
+        if inserted != len(starting) or settled != len(changed):
+            # Nothing but these rows was written in the transaction yet (beside moves
+            # applied, which the checked path applies again): undo it whole (no savepoint
+            # to pay for in every batch) and start over for the checked path.
+            conn.execute("ROLLBACK")
+            conn.execute("BEGIN IMMEDIATE")
+            return None
+        if inserted:
+            conn.execute(_COUNT_RUNS, (inserted,))
+        if running:
+            conn.execute(_COUNT_RUNNING, (running,))
+        return (written, prevs), same, kept
+
+    @staticmethod
+    def _settle(
+        conn: sqlite3.Connection, changed: list[tuple[Any, ...]], pending: dict[str, _Move]
+    ) -> int:
+        """Move the rows of runs whose outcome changes (``changed``: the parameters of
+        _MOVE_ROW_OUTCOME) in ``runs`` now; return how many moved. A run with no move
+        pending moves from the row this store wrote, compared column by column as ever;
+        one with moves pending (its row behind them) from its row read and checked here."""
+        direct = [params for params in changed if params[5] not in pending]
+        moved = conn.executemany(_MOVE_ROW_OUTCOME, direct).rowcount if direct else 0
+        behind = [params for params in changed if params[5] in pending]
+        if behind:
+            stored = _stored_rows(conn, [params[5] for params in behind])
+            applied = []
+            for params in behind:
+                seq, updated, state, crc, chunk, run_id = params[:6]
+                row = stored.get(run_id)
+                if row is None or row[0] != params[6] or row[4] != params[10] or row[3] >= seq:
+                    continue  # damaged, missing or changed behind: the checked path says which
+                applied.append((seq, updated, state, crc, chunk, *params[-3:], run_id))
+            if applied:
+                moved += conn.executemany(_APPLY_MOVE_OUTCOME, applied).rowcount
+        return moved
 
     @staticmethod
     def _index_checked(
@@ -1230,20 +1480,29 @@ class SQLiteStore(Store):
             f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
         )
 
-        def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
-            # The index row first: the journal only grows, so it cannot then be shorter.
-            row = conn.execute(select_run, (run_id,)).fetchone()
-            chunks = self._chunks(conn, run_id, row, 0)
+        def read(
+            conn: sqlite3.Connection,
+        ) -> tuple[Any, _Move | None, list[tuple[int, int, bytes]]]:
+            conn.execute("BEGIN")  # the row, its pending move and its chunks as of one moment
+            try:
+                row = conn.execute(select_run, (run_id,)).fetchone()
+                move = _ahead(row, self._pending(conn).get(run_id)) if row is not None else None
+                head = row if move is None else (*row[:-1], move[10])
+                chunks = self._chunks(conn, run_id, head, 0)
+            finally:
+                conn.execute("COMMIT")
             if row is not None and self._chained:
                 row = row[:-1]
-            return row, chunks
+            return row, move, chunks
 
-        row, chunks = await self._call("load", read)
+        row, move, chunks = await self._call("load", read)
         if row is None:
             if chunks:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
         record = looked_up(run_id, self._read(row))
+        if move is not None:
+            record = _move_record(move)
         if not chunks:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, chunks, record.seq)
@@ -1260,34 +1519,52 @@ class SQLiteStore(Store):
             f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
         )
 
-        def read(conn: sqlite3.Connection) -> tuple[Any, list[tuple[int, int, bytes]]]:
-            row = conn.execute(select_run, (run_id,)).fetchone()
-            if row is None:
-                return row, []
-            chunks = self._chunks(conn, run_id, row, max(seq, 0))
-            return (row[:-1] if self._chained else row), chunks
+        def read(
+            conn: sqlite3.Connection,
+        ) -> tuple[Any, _Move | None, list[tuple[int, int, bytes]]]:
+            conn.execute("BEGIN")  # the row, its pending move and its chunks as of one moment
+            try:
+                row = conn.execute(select_run, (run_id,)).fetchone()
+                if row is None:
+                    return row, None, []
+                move = _ahead(row, self._pending(conn).get(run_id))
+                head = row if move is None else (*row[:-1], move[10])
+                chunks = self._chunks(conn, run_id, head, max(seq, 0))
+            finally:
+                conn.execute("COMMIT")
+            return (row[:-1] if self._chained else row), move, chunks
 
-        row, chunks = await self._call("load_after", read)
+        row, move, chunks = await self._call("load_after", read)
         if row is None:
             await self.get_run(run_id)  # raises what is wrong: no run, or no index row
             raise RunNotFound(run_id)
         record = looked_up(run_id, self._read(row))
+        if move is not None:
+            record = _move_record(move)
         return decode_chunks_after(run_id, chunks, record.seq, seq)
 
     async def get_run(self, run_id: str) -> RunRecord:
         select_run = f"{self._select} FROM runs WHERE run_id = ?"
         has_chunks = _HAS_FIRST_CHUNK if self._chained else _HAS_CHUNKS
 
-        def read(conn: sqlite3.Connection) -> tuple[Any, bool]:
-            row = conn.execute(select_run, (run_id,)).fetchone()
-            return row, row is None and conn.execute(has_chunks, (run_id,)).fetchone() is not None
+        def read(conn: sqlite3.Connection) -> tuple[Any, _Move | None, bool]:
+            conn.execute("BEGIN")  # the row and its pending move as of one moment
+            try:
+                row = conn.execute(select_run, (run_id,)).fetchone()
+                if row is None:
+                    journaled = conn.execute(has_chunks, (run_id,)).fetchone() is not None
+                    return row, None, journaled
+                return row, _ahead(row, self._pending(conn).get(run_id)), False
+            finally:
+                conn.execute("COMMIT")
 
-        row, journaled = await self._call("get_run", read)
+        row, move, journaled = await self._call("get_run", read)
         if row is None:
             if journaled:
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
-        return looked_up(run_id, self._read(row))
+        record = looked_up(run_id, self._read(row))
+        return record if move is None else _move_record(move)
 
     async def list_runs(
         self,
@@ -1297,21 +1574,26 @@ class SQLiteStore(Store):
         outcome: str | None = None,
         limit: int | None = None,
     ) -> list[RunRecord]:
-        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
-            conn.execute("BEGIN")  # the rows and their count as of one moment
+        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any, dict[str, _Move]]:
+            conn.execute("BEGIN")  # the rows, their count and the moves as of one moment
             try:
                 return (
                     conn.execute(f"{self._select} FROM runs").fetchall(),
                     conn.execute(_RUNS_COUNTED).fetchone(),
+                    self._pending(conn),
                 )
             finally:
                 conn.execute("COMMIT")
 
-        rows, counted = await self._call("list_runs", read)
+        rows, counted, moves = await self._call("list_runs", read)
         # Counted once each: a damaged page can point twice at one row (and at another never).
         records = {record.run_id: record for record in map(self._read, rows)}
         if self._checksums:
             self._check_count(len(records), counted)
+        for run_id, move in moves.items():
+            record = records.get(run_id)
+            if record is not None and move[4] > record.seq:
+                records[run_id] = _move_record(move)
         return select_runs(
             records.values(), machine=machine, state=state, outcome=outcome, limit=limit
         )
@@ -1332,17 +1614,24 @@ class SQLiteStore(Store):
         if not self._indexed_unfinished:
             return await super().unfinished()
 
-        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any]:
-            conn.execute("BEGIN")  # the rows and their count as of one moment
+        def read(conn: sqlite3.Connection) -> tuple[list[Any], Any, dict[str, _Move], list[Any]]:
+            conn.execute("BEGIN")  # the rows, their count and the moves as of one moment
             try:
-                return (
-                    conn.execute(_SELECT_UNFINISHED).fetchall(),
-                    conn.execute(_RUNNING_COUNTED).fetchone(),
-                )
+                unfinished = conn.execute(_SELECT_UNFINISHED).fetchall()
+                moves = self._pending(conn)
+                # the rows of runs a pending move resumes (not in the index of unfinished
+                # runs yet), to check before the move is taken over them
+                listed = {row[0] for row in unfinished}
+                resumed = [
+                    conn.execute(f"{_SELECT_RUN}", (run_id,)).fetchone()
+                    for run_id, move in moves.items()
+                    if move[3] == RUNNING and run_id.encode() not in listed
+                ]
+                return unfinished, conn.execute(_RUNNING_COUNTED).fetchone(), moves, resumed
             finally:
                 conn.execute("COMMIT")
 
-        rows, counted = await self._call("unfinished", read)
+        rows, counted, moves, resumed = await self._call("unfinished", read)
         records = {record.run_id: record for record in map(_verified, rows)}
         for record in records.values():
             if record.outcome != RUNNING:
@@ -1357,6 +1646,19 @@ class SQLiteStore(Store):
                 f"the index of unfinished runs holds {len(records)}, but {unfinished} runs "
                 "are unfinished",
             )
+        # The runs the index does not hold yet: where their pending move resumes them.
+        for row in resumed:
+            if row is not None:
+                record = _verified(row[:-1])
+                if _ahead(row, moves.get(record.run_id)) is not None:
+                    records[record.run_id] = record
+        for run_id, move in moves.items():
+            record = records.get(run_id)
+            if record is not None and move[4] > record.seq:
+                if move[3] == RUNNING:
+                    records[run_id] = _move_record(move)
+                else:
+                    del records[run_id]
         return sorted(records.values(), key=lambda r: (r.started, r.run_id))
 
     @staticmethod
@@ -1369,7 +1671,14 @@ class SQLiteStore(Store):
             raise IndexDamaged(None, f"row count {rows}, but {started} runs were started")
 
     async def check(self) -> CheckReport:
-        return await self._call("check", self._check_sync)
+        def check(conn: sqlite3.Connection) -> CheckReport:
+            # A writer applies the moves pending first; what it cannot apply (a move whose
+            # row is damaged, or a damaged move) stays pending, for the check to report.
+            with contextlib.suppress(IndexDamaged, sqlite3.DatabaseError):
+                self._apply_moves(conn)
+            return self._check_sync(conn)
+
+        return await self._call("check", check)
 
     def _check_sync(self, conn: sqlite3.Connection) -> CheckReport:
         # One read transaction: every table as of one moment, even while a writer goes on.
@@ -1385,7 +1694,29 @@ class SQLiteStore(Store):
                     damaged.append(exc)
                 else:
                     index[record.run_id] = record
+            moves: dict[str, _Move] = {}
+            unread: list[IndexDamaged] = []  # a pending move (not a row) that is damaged
+            try:
+                moves = self._pending(conn)
+            except IndexDamaged as exc:
+                unread.append(exc)
+            for run_id, move in moves.items():
+                record = index.get(run_id)
+                if record is None:
+                    continue  # a damaged row (reported as such) or a missing one
+                if move[4] > record.seq:
+                    index[run_id] = _move_record(move)
+                else:
+                    damaged.append(
+                        IndexDamaged(
+                            run_id,
+                            f"its pending index move (to seq {move[4]}) is not ahead of its "
+                            f"row (at seq {record.seq})",
+                        )
+                    )
             checker = Checker(index, damaged)
+            for exc in unread:
+                checker.problem(exc.run_id, None, str(exc))
             if self._checksums:
                 try:
                     self._check_count(
@@ -1397,7 +1728,7 @@ class SQLiteStore(Store):
                 if line != "ok":
                     checker.problem(None, None, f"{self._path}: SQLite integrity check: {line}")
             if self._chained:
-                self._check_chains(conn, checker)
+                self._check_chains(conn, checker, moves)
             chunks = conn.execute(
                 "SELECT run_id, first_seq, last_seq, body FROM chunks ORDER BY run_id, first_seq"
             )
@@ -1425,15 +1756,22 @@ class SQLiteStore(Store):
             _rollback(conn)
         return checker.report()
 
-    def _check_chains(self, conn: sqlite3.Connection, checker: Checker) -> None:
+    def _check_chains(
+        self, conn: sqlite3.Connection, checker: Checker, moves: dict[str, _Move]
+    ) -> None:
         """Version 5: each run's chunks chained in seq order from its first, and its index
-        row naming the last one; a link that is not is reported at its run and seq."""
+        row (or its pending move, ahead of it) naming the last one; a link that is not is
+        reported at its run and seq."""
         lasts = {
             run_id: (chunk, seq)
             for run_id, chunk, seq in conn.execute(
                 "SELECT CAST(run_id AS BLOB), chunk, seq FROM runs"
             ).fetchall()
         }
+        for run_id, move in moves.items():
+            last = lasts.get(run_id.encode())
+            if last is not None and type(last[1]) is int and move[4] > last[1]:
+                lasts[run_id.encode()] = (move[10], move[4])
         chunks = conn.execute(
             "SELECT run_id, id, prev, first_seq, last_seq FROM chunks "
             "ORDER BY run_id, first_seq, id"
@@ -1494,6 +1832,11 @@ class SQLiteStore(Store):
         # SQLite checkpoints the WAL) instead of leaking it.
         with trio.CancelScope(shield=True):
             async with self._lock:
+                conn = self._conn
+                if conn is not None and self._lag_since is not None:
+                    # Best effort: what is not applied now is applied at the next open.
+                    with contextlib.suppress(StoreDamaged, sqlite3.Error):
+                        await trio.to_thread.run_sync(self._apply_moves, conn)
                 conn, self._conn = self._conn, None
                 checkpointer, self._checkpointer = self._checkpointer, None
                 held, self._held = self._held, None
@@ -1624,7 +1967,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
             f"supports ({SCHEMA_VERSION}); upgrade interlock to open it"
         )
     if version is not None and version < SCHEMA_VERSION:
-        if version not in (1, 2, 3, 4):
+        if version not in (1, 2, 3, 4, 5):
             raise StoreError(f"{path}: database schema version {version} is not supported")
         if readonly and version == 1:
             raise StoreError(
@@ -1678,7 +2021,7 @@ def _prepare(conn: sqlite3.Connection, path: str, synchronous: str, *, readonly:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Upgrade a version 1, 2, 3 or 4 database to this version, in one transaction.
+    """Upgrade a version 1, 2, 3, 4 or 5 database to this version, in one transaction.
 
     A failure rolls everything back.
     """
@@ -1694,6 +2037,8 @@ def _upgrade(conn: sqlite3.Connection) -> None:
             _index_unfinished(conn)
         if version in (1, 2, 3, 4):
             _chain_chunks(conn)
+        if version in (1, 2, 3, 4, 5):
+            conn.execute(_MOVES)
             conn.execute(
                 "UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),)
             )
