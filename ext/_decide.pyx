@@ -858,10 +858,43 @@ cdef inline void _touch(table, key) except *:
         PyDict_SetItem(table, key, 0)
 
 
+cdef long long _TALLY_MAX = 1 << 62
+
+
+cdef class _Tally:
+    """``table[key] += n`` for one table and key at a time, added up in C and written when
+    another key comes, or at :meth:`flush`: a batch's proposals mostly count into the same
+    keys, one after the other (the same machine, state and model, the same move)."""
+
+    cdef object table
+    cdef object key
+    cdef long long count
+    cdef bint counted
+
+    cdef inline void add(self, table, key, long long amount) except *:
+        if key is not self.key or table is not self.table:
+            self.flush()
+            self.table = table
+            self.key = key
+        self.count += amount
+        self.counted = True
+
+    cdef void flush(self) except *:
+        if self.counted:
+            if self.count:
+                _add(self.table, self.key, self.count)
+            else:
+                _touch(self.table, self.key)
+            self.count = 0
+            self.counted = False
+        self.table = self.key = None
+
+
 cdef class _Counting:
     """``RuntimeStats.count`` for a batch's proposals: the tables looked up once per batch,
-    the label tuples of the last machine, model call and move kept at hand, the latency
-    samples counted in C (see :class:`_Samples`)."""
+    the label tuples of the last machine, model call and move kept at hand, the counts
+    of the keys in turn added up in C (:class:`_Tally`) and the latency samples counted
+    in C (:class:`_Samples`), all written by :meth:`flush` before anything else counts."""
 
     cdef object stats
     cdef object tokens, model_calls, model_latency, verdicts, transitions, by_name
@@ -869,6 +902,7 @@ cdef class _Counting:
     cdef object name, keys, state, model, call, src, dst, move
     cdef object machine, latency
     cdef _Samples verified, called
+    cdef _Tally prompt, completion, calls, accepted, moves
 
     def __cinit__(self, stats):
         self.stats = stats
@@ -881,9 +915,19 @@ cdef class _Counting:
         self.verify_latency = stats.verify_latency
         self.verified = _Samples()
         self.called = _Samples()
+        self.prompt = _Tally()
+        self.completion = _Tally()
+        self.calls = _Tally()
+        self.accepted = _Tally()
+        self.moves = _Tally()
 
     cdef void flush(self) except *:
-        """Write the samples counted so far (before anything else may record)."""
+        """Write the counts and samples counted so far (before anything else counts)."""
+        self.prompt.flush()
+        self.completion.flush()
+        self.calls.flush()
+        self.accepted.flush()
+        self.moves.flush()
         self.verified.flush()
         self.called.flush()
 
@@ -905,6 +949,7 @@ cdef class _Counting:
         if name is not self.name:
             keys = self.by_name.get(name)
             if keys is None:
+                self.flush()
                 keys = self.by_name[name] = _Keys(name)
             self.name = name
             self.keys = keys
@@ -913,8 +958,8 @@ cdef class _Counting:
 
     cdef void count(self, machine, msg, list events, Py_ssize_t start) except *:
         """``RuntimeStats.count`` for a proposal's events, compiled for those of nearly
-        every step (a model call, then a move or a call); any other event, and it is the
-        twin's."""
+        every step (a model call, then a move or a call); any other event, a count past
+        what C adds up, and it is the twin's."""
         cdef Py_ssize_t index, end = len(events)
         cdef bint proposed = False
         for index in range(start, end):
@@ -922,9 +967,14 @@ cdef class _Counting:
             kind = type(event)
             if kind is ModelCalled:
                 usage = event.usage
+                prompt = usage.prompt
+                completion = usage.completion
                 if (
-                    type(usage.prompt) is not int
-                    or type(usage.completion) is not int
+                    type(prompt) is not int
+                    or type(completion) is not int
+                    or not (0 <= prompt < _TALLY_MAX and 0 <= completion < _TALLY_MAX)
+                    or usage.cached
+                    or usage.reasoning
                     or type(event.latency) is not float
                 ):
                     break
@@ -947,28 +997,16 @@ cdef class _Counting:
                     by_model = keys.calls.get(state)
                     call = by_model.get(model) if by_model is not None else None
                     if call is None:
+                        self.flush()
                         call = keys.call(state, model)
                     self.state = state
                     self.model = model
                     self.call = call
-                prompt_key, completion_key, cached_key, reasoning_key, calls_key = self.call
+                call = self.call
                 usage = event.usage
-                tokens = self.tokens
-                prompt = usage.prompt
-                completion = usage.completion
-                if prompt:
-                    _add(tokens, prompt_key, prompt)
-                else:
-                    _touch(tokens, prompt_key)
-                if completion:
-                    _add(tokens, completion_key, completion)
-                else:
-                    _touch(tokens, completion_key)
-                if usage.cached:
-                    _add(tokens, cached_key, usage.cached)
-                if usage.reasoning:
-                    _add(tokens, reasoning_key, usage.reasoning)
-                _add(self.model_calls, calls_key, 1)
+                self.prompt.add(self.tokens, (<tuple>call)[0], usage.prompt)
+                self.completion.add(self.tokens, (<tuple>call)[1], usage.completion)
+                self.calls.add(self.model_calls, (<tuple>call)[4], 1)
                 latencies = self.model_latency
                 latency = latencies.get(model)
                 if latency is None:
@@ -978,7 +1016,7 @@ cdef class _Counting:
                 proposed = True
             else:  # Transitioned or IntentRecorded
                 if proposed:
-                    _add(self.verdicts, keys.accepted, 1)
+                    self.accepted.add(self.verdicts, keys.accepted, 1)
                     proposed = False
                 if kind is Transitioned:
                     src = event.src
@@ -987,11 +1025,12 @@ cdef class _Counting:
                         by_dst = keys.moves.get(src)
                         move = by_dst.get(dst) if by_dst is not None else None
                         if move is None:
+                            self.flush()
                             move = keys.move(src, dst)
                         self.src = src
                         self.dst = dst
                         self.move = move
-                    _add(self.transitions, self.move, 1)
+                    self.moves.add(self.transitions, self.move, 1)
 
 
 cdef int _proposal_mode(runs, msg, verdict) except -1:
