@@ -26,10 +26,11 @@ DASHBOARD = GRAFANA / "provisioning/dashboards/interlock/overview.json"
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m", "$machine": ".*"}
 DEADLINE = 60.0
 #: The demo the dashboard is read against. NOTE: with 5-20 ms of model latency 300 runs
-#: end in under a second, before Prometheus's first 1 s scrape, and every rate() would
-#: be 0 and every quantile NaN; 200-400 ms keeps them in flight for a few seconds, so
-#: Prometheus scrapes them while they run and the panels show real numbers.
-DEMO = ["--runs", "300", "--latency", "200,400", "--chaos-rate", "0.3", "--seed", "1"]
+#: end in under a second, before Prometheus's first scrape, and every rate() would be 0
+#: and every quantile NaN; 100-200 ms keeps them in flight for a second or two, so
+#: Prometheus (scraping every 0.5 s) scrapes them while they run and the panels show real
+#: numbers.
+DEMO = ["--runs", "300", "--latency", "100,200", "--chaos-rate", "0.3", "--seed", "1"]
 #: Panels that must show a positive number once the demo has run.
 BUSY = [
     'sum(rate(interlock_tokens_total{machine=~"$machine"}[$__rate_interval]))',
@@ -81,8 +82,8 @@ def _scrape_config(metrics_port: int) -> str:
     shipped = (GRAFANA / "prometheus.yml").read_text()
     for old, new in (
         ("127.0.0.1:9464", f"127.0.0.1:{metrics_port}"),
-        ("scrape_interval: 5s", "scrape_interval: 1s"),
-        ("scrape_timeout: 4s", "scrape_timeout: 1s"),
+        ("scrape_interval: 5s", "scrape_interval: 500ms"),
+        ("scrape_timeout: 4s", "scrape_timeout: 500ms"),
     ):
         assert old in shipped, f"grafana/prometheus.yml no longer contains {old!r}"
         shipped = shipped.replace(old, new)
