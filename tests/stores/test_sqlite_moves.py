@@ -276,3 +276,33 @@ async def test_a_version_5_journal_is_read_as_it_is_then_upgraded(tmp_path: Path
         for r in RUNS:
             journals[r].append(step(r, 4, 4.0))
         await every_read(store, journals)
+
+
+async def test_a_row_damaged_where_the_writer_cannot_see_a_change_is_never_overwritten(
+    tmp_path: Path, lag: None
+) -> None:
+    """The writer applies pending moves to rows it wrote itself without reading them back
+    (no other connection wrote since: PRAGMA data_version), each by its checksum; a row
+    changed on its own connection (as damage on the disk would be) fails that, so every
+    row is read and checked, and the damaged one keeps its move pending and is reported."""
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        assert isinstance(store, SQLiteStore)
+        journals = await steps(store, range(2, 4))
+        assert set(store._stored) == set(RUNS)  # written by this store, known
+        await store._call(
+            "damage",
+            lambda conn: conn.execute("UPDATE runs SET crc = crc + 1 WHERE run_id = 'r-2'"),
+        )
+        await store._call("apply", store._apply_moves)
+        assert raw_sql(path, "SELECT run_id, seq FROM runs ORDER BY run_id") == [
+            ("r-1", 3),
+            ("r-2", 1),
+            ("r-3", 3),
+        ]
+        assert raw_sql(path, "SELECT count(*) FROM moves") == [(1,)]  # r-2's, kept
+        for read in (lambda: store.get_run("r-2"), lambda: store.load("r-2"), store.list_runs):
+            with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-2' is damaged "):
+                await read()
+        assert [p.run_id for p in (await store.check()).problems] == ["r-2"]
+        assert await store.load("r-1") == journals["r-1"]

@@ -279,10 +279,13 @@ _INSERT_MOVES = "INSERT INTO moves (body) VALUES (?)"
 _SELECT_MOVES = "SELECT id, body FROM moves ORDER BY id"
 _MOVES_STATE = "SELECT max(id), count(*) FROM moves"
 #: A pending move applied to its row, read and checked in the same write transaction.
-_APPLY_MOVE = "UPDATE runs SET seq = ?, updated = ?, state = ?, crc = ?, chunk = ? WHERE run_id = ?"
+_APPLY_MOVE = (
+    "UPDATE runs SET seq = ?, updated = ?, state = ?, crc = ?, chunk = ? "
+    "WHERE run_id = ? AND crc = ?"
+)
 _APPLY_MOVE_OUTCOME = (
     "UPDATE runs SET seq = ?, updated = ?, state = ?, crc = ?, chunk = ?, outcome = ?, "
-    "reason = ?, detail = ? WHERE run_id = ?"
+    "reason = ?, detail = ? WHERE run_id = ? AND crc = ?"
 )
 #: Where each field of INDEX_CHANGES goes in a run of _Batch.runs.
 _MOVE_FIELDS = {"state": 4, "outcome": 5, "reason": 6, "detail": 7}
@@ -570,25 +573,43 @@ def _pending_moves(conn: sqlite3.Connection) -> dict[str, _Move]:
     return latest
 
 
-def _flush_moves(conn: sqlite3.Connection) -> dict[str, _Move]:
+def _flush_moves(
+    conn: sqlite3.Connection,
+    latest: dict[str, _Move] | None = None,
+    known: dict[str, _Row] | None = None,
+) -> tuple[dict[str, _Move], dict[str, _Row]]:
     """Apply every pending index move to its run's row, in the caller's write transaction,
-    and empty the moves table; return the moves left pending.
+    and empty the moves table; return the moves left pending, and the rows now stored of
+    the runs it moved.
 
     A run's latest move replaces its row only if the row as stored is intact (its
     checksum) and behind the move, of the same machine and start: a row damaged, missing
     or changed behind the writer is never overwritten (nor re-checksummed as good); its
     move stays pending, and every read of the run reports the row as it does today.
+
+    Args:
+      latest: the latest pending move of each run, as the moves table holds them (read
+        from it if None).
+      known: rows as stored that the writer wrote itself and no other connection has
+        written since (see ``SQLiteStore._stored``); the rest are read and checked. A
+        known row is moved only if its checksum is still the one stored; if one is not,
+        every row is read and checked instead.
     """
-    latest = _pending_moves(conn)
+    if latest is None:
+        latest = _pending_moves(conn)
     if not latest:
-        return latest
-    stored = _stored_rows(conn, list(latest))
+        return latest, {}
+    if known is None:
+        known = {}
+    missing = [run_id for run_id in latest if run_id not in known]
+    stored = _stored_rows(conn, missing) if missing else {}
     kept: list[_Move] = []
     same: list[tuple[Any, ...]] = []
     changed: list[tuple[Any, ...]] = []
+    written: dict[str, _Row] = {}
     running = 0
     for run_id, move in latest.items():
-        row = stored.get(run_id)
+        row = known.get(run_id) or stored.get(run_id)
         if row is not None and row[0] == move[1] and row[4] == move[5] and row[3] >= move[4]:
             continue  # its row moved past it since (the run's outcome changed): superseded
         if row is None or row[0] != move[1] or row[4] != move[5]:
@@ -596,20 +617,32 @@ def _flush_moves(conn: sqlite3.Connection) -> dict[str, _Move]:
             continue
         _, _, state, outcome, seq, _, updated, reason, detail, crc, chunk = move
         if outcome == row[2] and reason == row[6] and detail == row[7]:
-            same.append((seq, updated, state, crc, chunk, run_id))
+            same.append((seq, updated, state, crc, chunk, run_id, row[8]))
         else:
-            changed.append((seq, updated, state, crc, chunk, outcome, reason, detail, run_id))
+            changed.append(
+                (seq, updated, state, crc, chunk, outcome, reason, detail, run_id, row[8])
+            )
             running += (outcome == RUNNING) - (row[2] == RUNNING)
-    if same:
-        conn.executemany(_APPLY_MOVE, same)
+        written[run_id] = move[1:]
+    conn.execute("SAVEPOINT flush")
+    moved = conn.executemany(_APPLY_MOVE, same).rowcount if same else 0
     if changed:
-        conn.executemany(_APPLY_MOVE_OUTCOME, changed)
+        moved += conn.executemany(_APPLY_MOVE_OUTCOME, changed).rowcount
+    if moved != len(same) + len(changed):
+        # A row known to the writer is not as it wrote it (damage on the disk): undo, and
+        # read and check every row instead.
+        conn.execute("ROLLBACK TO flush")
+        conn.execute("RELEASE flush")
+        if not known:  # pragma: no cover - the rows were read in this very transaction
+            raise StoreError("the runs index changed while its pending moves were applied")
+        return _flush_moves(conn, latest, None)
+    conn.execute("RELEASE flush")
     if running:
         conn.execute(_COUNT_RUNNING, (running,))
     conn.execute("DELETE FROM moves")
     if kept:
         conn.execute(_INSERT_MOVES, (bytearray(_encode(kept)),))
-    return {move[0]: move for move in kept}
+    return {move[0]: move for move in kept}, written
 
 
 def _ahead(row: Any, move: _Move | None) -> _Move | None:
@@ -1110,6 +1143,10 @@ class SQLiteStore(Store):
         self._lag_batches = 0
         # PRAGMA data_version after this store's last batch (see _append_sync).
         self._data_version: int | None = None
+        # The rows as stored in runs that this store wrote itself (no other connection
+        # having written since: see _data_version), so that applying pending moves need
+        # not read them back; at most REMEMBERED_ROWS, like _rows.
+        self._stored: dict[str, _Row] = {}
         # The index row this store last wrote of each run (see _index_fast), at most
         # REMEMBERED_ROWS of them, the oldest forgotten first; written and read only by
         # the thread that appends, holding the lock, and only after a batch committed.
@@ -1201,18 +1238,24 @@ class SQLiteStore(Store):
             version = conn.execute("PRAGMA data_version").fetchone()[0]
             if version != self._data_version:
                 self._rows.clear()
+                self._stored.clear()
                 self._moves = None
             # The latest pending move of each run, kept up to date through the
             # transaction (and remembered with the table's state once it commits).
             latest = self._pending(conn)
+            # The rows this transaction writes in runs, for _stored once it commits.
+            staged: dict[str, _Row] = {}
             # The batch's chunks take the ids after the last one, in the order of
             # batch.chunks (and batch.runs); the index rows name them.
             first = (conn.execute(_LAST_CHUNK).fetchone()[0] or 0) + 1
-            fast = self._index_fast(conn, batch, first, latest)
+            fast = self._index_fast(conn, batch, first, latest, staged)
             moved: list[_Move] = []
             if fast is None:
-                latest = _flush_moves(conn)  # the checked path reads and writes rows
+                # the checked path reads and writes rows: the moves pending (as the table
+                # holds them now: the fast path may have applied them) are applied first
+                latest = self._flush(conn, _pending_moves(conn), staged)
                 written = self._index_checked(conn, batch, first)
+                staged.update(written[0])
             else:
                 written, moved, kept = fast
                 if kept is not None:  # it applied the moves pending, to read rows
@@ -1244,7 +1287,7 @@ class SQLiteStore(Store):
                     lag_since = now
                 lag_batches += 1
                 if lag_batches >= INDEX_LAG_BATCHES or now - lag_since >= INDEX_LAG_SECONDS:
-                    latest = _flush_moves(conn)
+                    latest = self._flush(conn, latest, staged)
                     lag_since, lag_batches = None, 0
             seen = (*conn.execute(_MOVES_STATE).fetchone(), latest) if self._lazy else None
             conn.execute("COMMIT")
@@ -1260,6 +1303,33 @@ class SQLiteStore(Store):
         self._moves = seen
         self._lag_since, self._lag_batches = lag_since, lag_batches
         self._data_version = version
+        self._keep_stored(staged)
+
+    def _flush(
+        self, conn: sqlite3.Connection, latest: dict[str, _Move], staged: dict[str, _Row]
+    ) -> dict[str, _Move]:
+        """:func:`_flush_moves` in this transaction, with the rows this store knows as
+        stored (``_stored`` and those ``staged`` so far); the rows it writes are staged
+        too. Returns the moves left pending."""
+        known = {**self._stored, **staged} if staged else self._stored
+        kept, written = _flush_moves(conn, latest, known)
+        staged.update(written)
+        return kept
+
+    def _keep_stored(self, staged: dict[str, _Row]) -> None:
+        """Remember the rows a committed transaction wrote in runs (see ``_stored``): of
+        runs not finished, at most REMEMBERED_ROWS, the oldest forgotten first."""
+        stored = self._stored
+        for run_id, row in staged.items():
+            if row[2] in _FINISHED:
+                stored.pop(run_id, None)
+            else:
+                stored.pop(run_id, None)  # to the end: the most recent last
+                stored[run_id] = row
+        excess = len(stored) - REMEMBERED_ROWS
+        if excess > 0:
+            for run_id in list(itertools.islice(stored, excess)):
+                del stored[run_id]
 
     def _pending(self, conn: sqlite3.Connection) -> dict[str, _Move]:
         """The latest pending index move of each run (version 6; none before), decoded
@@ -1281,7 +1351,11 @@ class SQLiteStore(Store):
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
-            latest = _flush_moves(conn)
+            staged: dict[str, _Row] = {}
+            if conn.execute("PRAGMA data_version").fetchone()[0] != self._data_version:
+                self._stored.clear()  # another connection wrote since: read every row
+                self._moves = None
+            latest = self._flush(conn, self._pending(conn), staged)
             seen = (*conn.execute(_MOVES_STATE).fetchone(), latest)
             conn.execute("COMMIT")
         except Exception:
@@ -1290,6 +1364,7 @@ class SQLiteStore(Store):
             raise
         self._moves = seen
         self._lag_since, self._lag_batches = None, 0
+        self._keep_stored(staged)
 
     def _remember(self, written: dict[str, _Row]) -> None:
         """Remember the index rows a batch committed (see ``_rows``)."""
@@ -1308,6 +1383,7 @@ class SQLiteStore(Store):
         batch: _Batch,
         first_chunk: int,
         pending: dict[str, _Move],
+        staged: dict[str, _Row],
     ) -> (
         tuple[tuple[dict[str, _Row], list[int | None]], list[_Move], dict[str, _Move] | None] | None
     ):
@@ -1340,7 +1416,7 @@ class SQLiteStore(Store):
         ]
         kept = None
         if unknown:
-            kept = pending = _flush_moves(conn)  # so that the stored rows are the current ones
+            kept = pending = self._flush(conn, pending, staged)  # the stored rows are current
             stored = _stored_rows(conn, [r for r in unknown if r not in kept])
         else:
             stored = {}
@@ -1358,18 +1434,21 @@ class SQLiteStore(Store):
             for record in records:
                 row = _index_row(record, ids[record.run_id])
                 rows.append(row)
-                written[record.run_id] = row[1:]
+                written[record.run_id] = staged[record.run_id] = row[1:]
             inserted = conn.executemany(_INSERT_RUN, rows).rowcount
         # NOTE: a run whose outcome (or reason) changes is moved in runs at once, so the
         # index of unfinished runs and their count never lag: only a run going on in the
         # same outcome waits in the moves table. Runs end once; they go on every step.
         settled = self._settle(conn, changed, pending) if changed else 0
+        for params in changed:
+            staged[params[5]] = written[params[5]]
         if inserted != len(starting) or settled != len(changed):
             # Nothing but these rows was written in the transaction yet (beside moves
             # applied, which the checked path applies again): undo it whole (no savepoint
             # to pay for in every batch) and start over for the checked path.
             conn.execute("ROLLBACK")
             conn.execute("BEGIN IMMEDIATE")
+            staged.clear()
             return None
         if inserted:
             conn.execute(_COUNT_RUNS, (inserted,))
@@ -1396,7 +1475,7 @@ class SQLiteStore(Store):
                 row = stored.get(run_id)
                 if row is None or row[0] != params[6] or row[4] != params[10] or row[3] >= seq:
                     continue  # damaged, missing or changed behind: the checked path says which
-                applied.append((seq, updated, state, crc, chunk, *params[-3:], run_id))
+                applied.append((seq, updated, state, crc, chunk, *params[-3:], run_id, row[8]))
             if applied:
                 moved += conn.executemany(_APPLY_MOVE_OUTCOME, applied).rowcount
         return moved
