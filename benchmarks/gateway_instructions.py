@@ -8,7 +8,7 @@ HTTP around it: ``runs`` external runs of the gateway benchmark's machine on a S
 journal (synchronous=FULL, the store's default), every round one proposal per run (its
 next transition) through ``GatewayService.verify_many``, answered once the batch is
 durable. Each count is of a child process at two numbers of rounds (30 apart, so that the
-SQLite store applies its pending index moves once between them, as at a second's lag),
+SQLite store applies its pending index moves once between them, see LAG_BATCHES),
 differenced, so the start-up, the imports and the runs' creation cancel out; every thread
 of the process is counted (the store's writer and checkpointer too).
 
@@ -41,9 +41,9 @@ RUNS = 1000
 
 #: Batches between two applications of the SQLite store's pending index moves (schema
 #: version 6): under valgrind a batch takes about a second, so the store's time-based lag
-#: (``INDEX_LAG_SECONDS``) would apply them after every batch, which no real load does; at
-#: the gateway's rate (a few dozen batches of 1,000 a second) a one-second lag is about
-#: this many batches.
+#: (``INDEX_LAG_SECONDS``) would apply them after nearly every batch, which no real load
+#: does. At the gateway's rate (a few dozen batches of 1,000 a second) the lag applies
+#: them every hundred batches or more; once in 30 overcounts that share a little.
 LAG_BATCHES = 30
 
 

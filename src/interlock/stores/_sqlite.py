@@ -114,8 +114,8 @@ AUTOCHECKPOINT_BYTES = 4 * CHECKPOINT_BYTES
 #: this old, or once this many batches have written moves. Readers take a run's latest
 #: pending move over its row, so nothing reads the index behind the journal meanwhile;
 #: the lag only bounds the table a reader decodes.
-INDEX_LAG_SECONDS = 1.0
-INDEX_LAG_BATCHES = 64
+INDEX_LAG_SECONDS = 5.0
+INDEX_LAG_BATCHES = 256
 
 #: Upgrading a version-1 database starts a new chunk past this many bytes of frames.
 _MIGRATION_CHUNK_BYTES = 1 << 20
@@ -1299,7 +1299,7 @@ class SQLiteStore(Store):
             _rollback(conn)
             self._moves = None
             raise
-        self._remember(written[0])
+        self._remember(written[0], staged)
         self._moves = seen
         self._lag_since, self._lag_batches = lag_since, lag_batches
         self._data_version = version
@@ -1366,12 +1366,14 @@ class SQLiteStore(Store):
         self._lag_since, self._lag_batches = None, 0
         self._keep_stored(staged)
 
-    def _remember(self, written: dict[str, _Row]) -> None:
-        """Remember the index rows a batch committed (see ``_rows``)."""
+    def _remember(self, written: dict[str, _Row], staged: dict[str, _Row]) -> None:
+        """Remember the index rows a batch committed (see ``_rows``); a run that finished
+        is among those it wrote in runs (``staged``: a run whose outcome changes moves at
+        once)."""
         rows = self._rows
         rows.update(written)
-        for run_id in [run_id for run_id, row in written.items() if row[2] in _FINISHED]:
-            del rows[run_id]
+        for run_id in [run_id for run_id, row in staged.items() if row[2] in _FINISHED]:
+            rows.pop(run_id, None)
         excess = len(rows) - REMEMBERED_ROWS
         if excess > 0:
             for run_id in list(itertools.islice(rows, excess)):
