@@ -431,7 +431,10 @@ async def test_an_instance_killed_mid_run_leaves_the_run_to_the_other(cluster: C
 
 
 async def work(cluster: Cluster) -> dict[str, Any]:
-    """Run ``interlock worker --until-idle`` on the cluster's database; its summary."""
+    """Run ``interlock worker --until-idle`` on the cluster's database; its summary.
+
+    Its leases last 2 s, not the default 10: a worker that escalated a run exits still
+    holding its lease, so the next worker to claim the run once resumed waits that out."""
     worker = await trio.run_process(
         [
             sys.executable,
@@ -443,6 +446,8 @@ async def work(cluster: Cluster) -> dict[str, Any]:
             "--db",
             cluster.db,
             "--until-idle",
+            "--lease-ttl",
+            "2",
             "--json",
         ],
         capture_stdout=True,
