@@ -582,8 +582,12 @@ cdef object _accept_move(
     if scan_json(encoded) is not None:
         return None
     tables = machine.tables
-    if tables.check_transition(tables.state_id(state), tables.state_id(target)) != _OK:
+    target_id = tables.state_id(target)
+    if tables.check_transition(tables.state_id(state), target_id) != _OK:
         return None
+    # The machine's own string for the state (equal to the one decoded): a run's states
+    # are then the same few objects, which the counters' label caches find by identity.
+    target = tables.states[target_id]
     cdef PyObject* validator = PyDict_GetItem(machine.data_validators, state)
     if validator is NULL:
         # ``_gate._move_data`` for a state with no data schema, inline: the data as a
@@ -859,6 +863,7 @@ cdef inline void _touch(table, key) except *:
 
 
 cdef long long _TALLY_MAX = 1 << 62
+cdef object _NOTHING = object()  # no key yet
 
 
 cdef class _Tally:
@@ -900,7 +905,7 @@ cdef class _Counting:
     cdef object tokens, model_calls, model_latency, verdicts, transitions, by_name
     cdef object verify_latency
     cdef object name, keys, state, model, call, src, dst, move
-    cdef object machine, latency
+    cdef object machine, latency, latency_model, model_histogram
     cdef _Samples verified, called
     cdef _Tally prompt, completion, calls, accepted, moves
 
@@ -915,6 +920,7 @@ cdef class _Counting:
         self.verify_latency = stats.verify_latency
         self.verified = _Samples()
         self.called = _Samples()
+        self.latency_model = _NOTHING
         self.prompt = _Tally()
         self.completion = _Tally()
         self.calls = _Tally()
@@ -1007,12 +1013,15 @@ cdef class _Counting:
                 self.prompt.add(self.tokens, (<tuple>call)[0], usage.prompt)
                 self.completion.add(self.tokens, (<tuple>call)[1], usage.completion)
                 self.calls.add(self.model_calls, (<tuple>call)[4], 1)
-                latencies = self.model_latency
-                latency = latencies.get(model)
-                if latency is None:
-                    self.flush()
-                    latency = self.stats.histogram(latencies, model)
-                self.called.add(latency, event.latency)
+                if model is not self.latency_model:
+                    latencies = self.model_latency
+                    latency = latencies.get(model)
+                    if latency is None:
+                        self.flush()
+                        latency = self.stats.histogram(latencies, model)
+                    self.latency_model = model
+                    self.model_histogram = latency
+                self.called.add(self.model_histogram, event.latency)
                 proposed = True
             else:  # Transitioned or IntentRecorded
                 if proposed:
