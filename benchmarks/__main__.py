@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"quick run: writing to {out}, not benchmarks/ (--out DIR to choose)")
     started = time.perf_counter()
     results = run_all(args.names, args.quick, console)
-    meta["seconds"] = time.perf_counter() - started
+    seconds = meta["seconds"] = time.perf_counter() - started
     meta["environment"]["load_average_end"] = environment()["load_average"]
     if recorded is not None:
         for name in args.names:
@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     write_markdown(results, goals, charts, meta, out)
     failed = [name for name in args.names if "error" in results[name]]
     console.print(
-        f"wrote {out / 'RESULTS.md'}, {out / 'results.json'} and {len(charts)} chart(s) in {meta['seconds']:.0f} s"
+        # NOTE: this run's time; a merge's meta is the recorded whole run's (its seconds too)
+        f"wrote {out / 'RESULTS.md'}, {out / 'results.json'} and {len(charts)} chart(s) in {seconds:.0f} s"
     )
     if failed:
         console.print(f"[red]failed: {', '.join(failed)}[/red]")
