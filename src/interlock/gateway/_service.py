@@ -59,7 +59,7 @@ from .._exceptions import (
     UnknownMachine,
     UnknownState,
 )
-from .._machine import ESCALATE, Step
+from .._machine import ESCALATE, Machine, Step
 from .._messages import (
     Abort,
     Propose,
@@ -402,6 +402,7 @@ class GatewayService:
         self.draining = False
         """Set when the server stops: new mutating requests get a 503."""
         self._answers: OrderedDict[str, _Answer] = OrderedDict()
+        self._step_states: dict[str, frozenset[str]] = {}  # by machine name, see _steps_of
         self._reconciling: set[tuple[str, str]] = set()
         self.quota = quota
         self._owners: dict[str, str] = {}  # run id -> the key that holds a quota slot for it
@@ -1069,6 +1070,12 @@ class GatewayService:
             answer.settle()
         return out
 
+    def _steps_of(self, machine: Machine) -> frozenset[str]:
+        """The names of ``machine``'s step states (remembered per machine)."""
+        names = frozenset(n for n, spec in machine.states.items() if isinstance(spec, Step))
+        self._step_states[machine.name] = names  # one machine per name (the supervisor's rule)
+        return names
+
     def _remember(self, run_id: str, answer: _Answer) -> None:
         self._answers[run_id] = answer
         self._answers.move_to_end(run_id)
@@ -1273,10 +1280,11 @@ class GatewayService:
                     taking.clear()
                 answer: _Answer | None = None
                 try:
-                    machine = run.machine.name
-                    if principal is not None and machine not in allowed:
-                        self._allow(principal, ("agent",), machine)
-                        allowed.add(machine)
+                    if principal is not None:
+                        machine = run.machine.name
+                        if machine not in allowed:
+                            self._allow(principal, ("agent",), machine)
+                            allowed.add(machine)
                     if not run.external:
                         raise _hosted(run_id)
                     expected = item.expected_seq
@@ -1292,8 +1300,10 @@ class GatewayService:
                         if run.seq != expected:
                             later.append(index)  # stale, or answered before: the journal says
                             continue
-                        answer = _Answer(expected, item.proposal)
-                        self._remember(run_id, answer)
+                        # _remember, inline; the oldest answers are dropped after the loop
+                        answer = answers[run_id] = _Answer(expected, item.proposal)
+                        if known is not None:
+                            answers.move_to_end(run_id)
                 except GatewayError as exc:
                     verdicts[index] = _item_problem(run_id, exc)
                     continue
@@ -1311,6 +1321,8 @@ class GatewayService:
                 taking.add(run_id)
             if msgs:
                 self._decide_taken(msgs, taken, decided, verdicts)
+            while len(answers) > ANSWERS_KEPT:
+                answers.popitem(last=False)
             if later:
                 async with trio.open_nursery() as nursery:
                     for index in later:
@@ -1387,6 +1399,7 @@ class GatewayService:
         runs = sup._runs
         settle = sup.settle_external
         reconciling = self._reconciling
+        steps = self._step_states
         for index, verdict, answer, _ in decided:
             run_id = verdict.run_id
             run = runs.get(run_id)
@@ -1395,16 +1408,20 @@ class GatewayService:
                 run = runs.get(run_id)
             # NOTE: _steps' first look, inlined: only a run that reached a step state
             # (rare) pays for the coroutine that runs its steps.
+            names: frozenset[str] | None = None
+            if run is not None:
+                names = steps.get(run.machine.name)
+                if names is None:
+                    names = self._steps_of(run.machine)
             if (
                 verdict.execute is None
                 and not verdict.reconcile
-                and (
-                    run is not None
-                    and run.external
-                    and not run.closed
-                    and run.pending is None
-                    and isinstance(run.machine.states.get(run.state), Step)
-                )
+                and run is not None
+                and names is not None
+                and run.state in names
+                and run.external
+                and not run.closed
+                and run.pending is None
             ):
                 try:
                     verdict = await self._advance(run_id, verdict)
