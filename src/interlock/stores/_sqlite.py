@@ -1734,8 +1734,8 @@ class SQLiteStore(Store):
                 if _ahead(row, moves.get(record.run_id)) is not None:
                     records[record.run_id] = record
         for run_id, move in moves.items():
-            record = records.get(run_id)
-            if record is not None and move[4] > record.seq:
+            current = records.get(run_id)
+            if current is not None and move[4] > current.seq:
                 if move[3] == RUNNING:
                     records[run_id] = _move_record(move)
                 else:
@@ -1782,22 +1782,22 @@ class SQLiteStore(Store):
             except IndexDamaged as exc:
                 unread.append(exc)
             for run_id, move in moves.items():
-                record = index.get(run_id)
-                if record is None:
+                indexed = index.get(run_id)
+                if indexed is None:
                     continue  # a damaged row (reported as such) or a missing one
-                if move[4] > record.seq:
+                if move[4] > indexed.seq:
                     index[run_id] = _move_record(move)
                 else:
                     damaged.append(
                         IndexDamaged(
                             run_id,
                             f"its pending index move (to seq {move[4]}) is not ahead of its "
-                            f"row (at seq {record.seq})",
+                            f"row (at seq {indexed.seq})",
                         )
                     )
             checker = Checker(index, damaged)
-            for exc in unread:
-                checker.problem(exc.run_id, None, str(exc))
+            for problem in unread:
+                checker.problem(problem.run_id, None, str(problem))
             if self._checksums:
                 try:
                     self._check_count(
