@@ -433,8 +433,10 @@ async def test_an_instance_killed_mid_run_leaves_the_run_to_the_other(cluster: C
 async def work(cluster: Cluster) -> dict[str, Any]:
     """Run ``interlock worker --until-idle`` on the cluster's database; its summary.
 
-    Its leases last 2 s, not the default 10: a worker that escalated a run exits still
-    holding its lease, so the next worker to claim the run once resumed waits that out."""
+    Its leases last 3 s, not the default 10: a worker that escalated a run exits still
+    holding its lease, so the next worker to claim the run once resumed waits that out. (At
+    2 s a worker that stalled for 2 s on a loaded host lost its run mid-drive, once in a
+    CI run.) It waits up to 15 s for leases held elsewhere, past any it should meet."""
     worker = await trio.run_process(
         [
             sys.executable,
@@ -447,7 +449,9 @@ async def work(cluster: Cluster) -> dict[str, Any]:
             cluster.db,
             "--until-idle",
             "--lease-ttl",
-            "2",
+            "3",
+            "--wait",
+            "15",
             "--json",
         ],
         capture_stdout=True,
@@ -595,7 +599,8 @@ async def test_a_batch_raced_on_two_instances(cluster: Cluster) -> None:
 async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: Cluster) -> None:
     await _need_worker()
     await cluster.a.ok("POST", "/v1/runs", {"machine": "stuck", "run_id": "stuck-1"})
-    assert (await work(cluster))["escalated"] == 1
+    summary = await work(cluster)
+    assert summary["escalated"] == 1, summary
     queue = (await cluster.b.ok("GET", "/v1/escalations"))["escalations"]
     assert [e["id"] for e in queue] == ["stuck-1"]
     escalated_at = queue[0]["seq"]
@@ -605,7 +610,8 @@ async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: 
     assert resumed["seq"] == escalated_at + 2  # resumed, transitioned: written, not driven
     await trio.sleep(0.5)  # neither gateway drives it: it waits for a worker
     assert (await cluster.a.ok("GET", "/v1/runs/stuck-1"))["seq"] == resumed["seq"]
-    assert (await work(cluster))["escalated"] == 1  # claimed and driven by a worker again
+    summary = await work(cluster)
+    assert summary["escalated"] == 1, summary  # claimed and driven by a worker again
 
     aborted = await cluster.a.ok(
         "POST", "/v1/escalations/stuck-1/abort", {"by": "op", "note": "gave up"}
