@@ -430,13 +430,13 @@ async def test_an_instance_killed_mid_run_leaves_the_run_to_the_other(cluster: C
     assert await cluster.journal("shop-killed") == await cluster.journal("shop-alone")
 
 
-async def work(cluster: Cluster) -> dict[str, Any]:
+async def work(cluster: Cluster, *, ttl: float = 3, wait: float = 15) -> dict[str, Any]:
     """Run ``interlock worker --until-idle`` on the cluster's database; its summary.
 
-    Its leases last 3 s, not the default 10: a worker that escalated a run exits still
-    holding its lease, so the next worker to claim the run once resumed waits that out. (At
-    2 s a worker that stalled for 2 s on a loaded host lost its run mid-drive, once in a
-    CI run.) It waits up to 15 s for leases held elsewhere, past any it should meet."""
+    Its leases last ``ttl`` seconds: 3, not the default 10, so that a lease a worker left
+    behind (a bug) costs a test seconds, not tens. (At 2 s a worker that stalled for 2 s
+    on a loaded host lost its run mid-drive, once in a CI run.) It waits up to ``wait``
+    seconds for leases held elsewhere, by default past any it should meet."""
     worker = await trio.run_process(
         [
             sys.executable,
@@ -449,9 +449,9 @@ async def work(cluster: Cluster) -> dict[str, Any]:
             cluster.db,
             "--until-idle",
             "--lease-ttl",
-            "3",
+            str(ttl),
             "--wait",
-            "15",
+            str(wait),
             "--json",
         ],
         capture_stdout=True,
@@ -621,6 +621,22 @@ async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: 
     journal = await cluster.journal("stuck-1")
     assert [e["kind"] for e in journal].count("resumed") == 2  # the resume and the abort
     assert journal[-1]["kind"] == "failed"
+
+
+async def test_a_worker_that_escalated_a_run_releases_its_lease_when_it_exits(
+    cluster: Cluster,
+) -> None:
+    # Leases of a minute, and a second worker that waits 3 s for leases held elsewhere: if
+    # the first worker left the escalated run's lease behind, the second would give up on
+    # the resumed run long before the lease expired.
+    await _need_worker()
+    await cluster.a.ok("POST", "/v1/runs", {"machine": "stuck", "run_id": "stuck-2"})
+    first = await work(cluster, ttl=60, wait=3)
+    assert first["escalated"] == 1, first
+    await cluster.b.ok("POST", "/v1/escalations/stuck-2/resume", {"by": "op"})
+    second = await work(cluster, ttl=60, wait=3)
+    assert second["escalated"] == 1, second  # claimed at once, and driven to escalation again
+    assert (await cluster.a.ok("GET", "/v1/runs/stuck-2"))["outcome"] == "escalated"
 
 
 async def test_a_key_at_its_limit_gets_back_the_slots_of_runs_ended_elsewhere(

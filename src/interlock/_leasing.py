@@ -85,6 +85,12 @@ class Leases:
         self.until: dict[str, float] = {}
         """Until when (trio's clock) each lease is surely still this process's: when the
         claim or renewal that granted it was sent, plus :data:`SURE` of the ttl."""
+        self.ended: dict[str, float] = {}
+        """Runs that ended escalated here, each with until when (trio's clock) its lease
+        may still be held in the store. Such a lease is left to expire (an operator's
+        resume needs none), unless this process exits first: then it is released with
+        the rest (:meth:`releasable`), so the worker that claims the run once resumed
+        does not wait it out."""
         self._scopes: dict[str, trio.CancelScope] = {}
         self._is_external = is_external
         self._lose = lose
@@ -100,6 +106,7 @@ class Leases:
         sure = sent + SURE * self.ttl
         for lease in leases:
             self.epochs[lease.run_id] = lease.epoch
+            self.ended.pop(lease.run_id, None)
             self._extend(lease.run_id, sure)
 
     def _extend(self, run_id: str, sure: float) -> None:
@@ -112,6 +119,23 @@ class Leases:
         """Stop holding ``run_id`` (it ended, or was dropped); returns its epoch."""
         self.until.pop(run_id, None)
         return self.epochs.pop(run_id, None)
+
+    def end(self, run_id: str) -> None:
+        """Stop holding ``run_id``, which ended escalated: its lease is released if this
+        process exits before the lease expires (see :attr:`ended`)."""
+        if self.forget(run_id) is not None:
+            self.ended[run_id] = trio.current_time() + self.ttl
+
+    def releasable(self) -> list[str]:
+        """The runs whose leases an exit releases: those held, and those that ended
+        escalated here whose leases have not expired yet."""
+        self._prune_ended()
+        return [*self.epochs, *self.ended]
+
+    def _prune_ended(self) -> None:
+        now = trio.current_time()
+        for run_id in [run_id for run_id, until in self.ended.items() if until <= now]:
+            del self.ended[run_id]
 
     # -- side effects only under a lease (the actor's guard) ------------------------
 
@@ -266,7 +290,11 @@ class Leases:
 
     async def release(self, run_ids: Iterable[str]) -> None:
         """Give up the leases of ``run_ids``: claimable by any process at once."""
-        ids = [run_id for run_id in run_ids if self.forget(run_id) is not None]
+        ids = [
+            run_id
+            for run_id in run_ids
+            if self.forget(run_id) is not None or self.ended.pop(run_id, None) is not None
+        ]
         if ids:
             await self.store.release(self.owner, ids)
 
@@ -275,6 +303,7 @@ class Leases:
         others, and drop the runs whose leases another process took."""
         for run_id in [run_id for run_id in self.epochs if not live(run_id)]:
             self.forget(run_id)
+        self._prune_ended()
         held = dict(self.epochs)
         if not held:
             return

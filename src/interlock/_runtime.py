@@ -29,11 +29,12 @@ GC_THRESHOLD = (200_000, 20, 100)
 
 
 async def _release_all(supervisor: Supervisor) -> None:
-    """Release the leases of the runs left unfinished, so another process may claim them
-    at once instead of after their expiry; best effort (the store may be gone)."""
+    """Release the leases of the runs left unfinished (and of those that ended escalated
+    here), so another process may claim them at once instead of after their expiry; best
+    effort (the store may be gone)."""
     assert supervisor.leases is not None
     with trio.CancelScope(shield=True), trio.move_on_after(5), suppress(InterlockError):
-        await supervisor.leases.release(list(supervisor.leases.epochs))  # else they expire
+        await supervisor.leases.release(supervisor.leases.releasable())  # else they expire
 
 
 def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:

@@ -37,7 +37,7 @@ from ._exceptions import (
 from ._handle import RunHandle, RunResult
 from ._journal import DURABLE, LAG, WRITE, GroupCommit
 from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
-from ._machine import FAILED, Machine
+from ._machine import ESCALATE, FAILED, Machine
 from ._messages import (
     Abort,
     Cancel,
@@ -658,9 +658,12 @@ class Supervisor:
         """Drop a finished run's in-memory state and its handle (its journal stays in the
         store; whoever holds the handle keeps its result). How it ended is kept for the
         latest :data:`ENDED_KEPT` runs, so a late request gets a clear answer."""
-        self._runs.pop(run_id, None)
+        run = self._runs.pop(run_id, None)
         if self.leases is not None:
-            self.leases.forget(run_id)
+            if run is not None and run.state == ESCALATE and run.escalation is not None:
+                self.leases.end(run_id)  # released if this process exits before it expires
+            else:
+                self.leases.forget(run_id)
         driver = self._drivers.pop(run_id, None)
         if driver is not None:
             driver.done = True

@@ -254,7 +254,7 @@ async def _drain(supervisor: Supervisor, seconds: float) -> int:
         for driver in list(supervisor._drivers.values()):
             driver.cancel()
         await supervisor.wait_undriven()
-    held = list(supervisor.leases.epochs)
+    held = supervisor.leases.releasable()
     with trio.move_on_after(max(5.0, supervisor.leases.ttl)):
         try:
             await supervisor.leases.release(held)
