@@ -485,6 +485,11 @@ async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> Non
         ]
         one = (await client.get("/v1/escalations/e-1")).json()
         assert (one["from_state"], one["targets"]) == ("PAY", ["PAY", "COMPLETED"])
+        # the list says where each run may be resumed, as the run's own answer does
+        assert [(e["from_state"], e["targets"]) for e in queue] == [
+            ("PAY", ["PAY", "COMPLETED"])
+        ] * 2
+        assert queue[0] == one
         # a payload the gate rejects changes nothing
         rejected = await client.post(
             "/v1/escalations/e-1/resume", json={"by": "ops", "payload": BAD, "note": "try"}

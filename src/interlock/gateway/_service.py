@@ -305,6 +305,16 @@ def verdict_out(verdict: Verdict, *, replayed: bool = False) -> VerdictOut:
     )
 
 
+def _resume_targets(machine: Machine, origin: str) -> list[str]:
+    """The states a run escalated from ``origin`` may be resumed in: there, or a legal
+    next state of it."""
+    targets = [origin]
+    if origin in machine.states:
+        tables = machine.tables
+        targets += [s for s in tables.legal_next(tables.state_id(origin)) if s not in targets]
+    return targets
+
+
 def event_out(event: JournalEvent | Event) -> EventOut:
     """A journal event as the API's EventOut."""
     data = msgspec.to_builtins(event)
@@ -1527,24 +1537,42 @@ class GatewayService:
 
     async def escalations(self, principal: PrincipalLike | None = None) -> EscalationPage:
         """The escalation queue, oldest first."""
+        store = self.supervisor.store
         try:
-            records = await self.supervisor.store.escalations()
+            records = await store.escalations()
+            out: list[EscalationOut] = []
+            for r in records:
+                if principal is not None and not principal.allows("operator", r.machine):
+                    continue
+                # where it escalated from: the journal's last escalated event (its tail
+                # holds it: the run has not moved since)
+                origin = ""
+                load_after = getattr(store, "load_after", None)
+                tail = (
+                    await load_after(r.run_id, max(0, r.seq - 8)) if load_after is not None else []
+                )
+                if not any(isinstance(e, Escalated) for e in tail):
+                    tail = await store.load(r.run_id)
+                for event in reversed(tail):
+                    if isinstance(event, Escalated):
+                        origin = event.state
+                        break
+                machine = self.supervisor.machines.get(r.machine)
+                out.append(
+                    EscalationOut(
+                        id=r.run_id,
+                        machine=r.machine,
+                        reason=r.reason,
+                        detail=r.detail,
+                        seq=r.seq,
+                        since=r.updated,
+                        from_state=origin,
+                        targets=_resume_targets(machine, origin) if machine and origin else [],
+                    )
+                )
         except Exception as exc:
             raise _translate(exc) from None
-        return EscalationPage(
-            escalations=[
-                EscalationOut(
-                    id=r.run_id,
-                    machine=r.machine,
-                    reason=r.reason,
-                    detail=r.detail,
-                    seq=r.seq,
-                    since=r.updated,
-                )
-                for r in records
-                if principal is None or principal.allows("operator", r.machine)
-            ]
-        )
+        return EscalationPage(escalations=out)
 
     async def escalation(
         self, run_id: str, principal: PrincipalLike | None = None
@@ -1559,10 +1587,7 @@ class GatewayService:
         assert run.escalation is not None
         origin = run.escalation.state
         machine = run.machine
-        targets = [origin]
-        if origin in machine.states:
-            tables = machine.tables
-            targets += [s for s in tables.legal_next(tables.state_id(origin)) if s not in targets]
+        targets = _resume_targets(machine, origin)
         return EscalationOut(
             id=run.run_id,
             machine=machine.name,
