@@ -3,10 +3,12 @@ SQLite journal in tmp_path, httpx as the client (#17)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import urllib.parse
@@ -468,6 +470,33 @@ async def test_a_batch_answers_repeats_steps_and_ends_of_runs(tmp_path: Path) ->
         (end,) = decode(await client.post("/v1/verify", json={"items": items}), VerifyOut).verdicts
         assert (end.outcome, end.state) == ("completed", "COMPLETED")  # the step ran
     assert kinds(await journal(db, "a")).count("completed") == 1
+
+
+async def test_a_damaged_journal_leaves_the_rest_of_the_escalation_queue_listed(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "j.db"
+    async with gateway(shop(), db) as (_, client):
+        for run_id in ("e-1", "e-2"):
+            seq = (await start(client, run_id)).seq
+            for _ in range(3):  # three rejections in a row trip the breaker
+                seq = decode(await propose(client, run_id, BAD, seq), VerdictOut).seq
+    # one byte of e-2's last chunk flipped: its frames no longer match their checksums
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        chunk, body = conn.execute(
+            "SELECT id, body FROM chunks WHERE run_id = 'e-2' ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+        damaged = bytearray(body)
+        damaged[20] ^= 0xFF
+        conn.execute("UPDATE chunks SET body = ? WHERE id = ?", (bytes(damaged), chunk))
+    async with gateway(shop(), db) as (_, client):
+        listed = await client.get("/v1/escalations")
+        assert listed.status_code == 200, listed.text
+        queue = {e["id"]: (e["from_state"], e["targets"]) for e in listed.json()["escalations"]}
+        assert queue == {"e-1": ("PAY", ["PAY", "COMPLETED"]), "e-2": ("", [])}
+        one = await client.get("/v1/escalations/e-2")  # the run's own answer names the damage
+        assert one.status_code >= 400, one.text
+        assert "corrupt" in one.json()["detail"], one.text
 
 
 async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> None:

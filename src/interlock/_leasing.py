@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import socket
+import time
 from typing import TYPE_CHECKING
 
 import trio
@@ -86,7 +87,7 @@ class Leases:
         """Until when (trio's clock) each lease is surely still this process's: when the
         claim or renewal that granted it was sent, plus :data:`SURE` of the ttl."""
         self.ended: dict[str, float] = {}
-        """Runs that ended escalated here, each with until when (trio's clock) its lease
+        """Runs that ended escalated here, each with until when (``time.monotonic()``) its lease
         may still be held in the store. Such a lease is left to expire (an operator's
         resume needs none), unless this process exits first: then it is released with
         the rest (:meth:`releasable`), so the worker that claims the run once resumed
@@ -124,7 +125,7 @@ class Leases:
         """Stop holding ``run_id``, which ended escalated: its lease is released if this
         process exits before the lease expires (see :attr:`ended`)."""
         if self.forget(run_id) is not None:
-            self.ended[run_id] = trio.current_time() + self.ttl
+            self.ended[run_id] = time.monotonic() + self.ttl
 
     def releasable(self) -> list[str]:
         """The runs whose leases an exit releases: those held, and those that ended
@@ -133,7 +134,7 @@ class Leases:
         return [*self.epochs, *self.ended]
 
     def _prune_ended(self) -> None:
-        now = trio.current_time()
+        now = time.monotonic()
         for run_id in [run_id for run_id, until in self.ended.items() if until <= now]:
             del self.ended[run_id]
 

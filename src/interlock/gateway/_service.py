@@ -55,6 +55,7 @@ from .._exceptions import (
     PayloadRejected,
     ProtocolError,
     RunNotFound,
+    StoreDamaged,
     StoreError,
     UnknownMachine,
     UnknownState,
@@ -1003,13 +1004,18 @@ class GatewayService:
 
     async def _load_after(self, run_id: str, seq: int) -> list[JournalEvent]:
         """The run's journal events after ``seq``."""
-        load_after = getattr(self.supervisor.store, "load_after", None)
+        try:
+            return await self._read_after(run_id, seq)
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    async def _read_after(self, run_id: str, seq: int) -> list[JournalEvent]:
+        """:meth:`_load_after`, with the store's errors as it raised them."""
+        store = self.supervisor.store
+        load_after = getattr(store, "load_after", None)
         if load_after is not None:
-            try:
-                return list(await load_after(run_id, seq))
-            except Exception as exc:
-                raise _translate(exc) from None
-        return (await self._load(run_id))[seq:]  # seqs run from 1 without gaps
+            return list(await load_after(run_id, seq))
+        return (await store.load(run_id))[seq:]  # seqs run from 1 without gaps
 
     # -- proposals ----------------------------------------------------------------
 
@@ -1537,42 +1543,47 @@ class GatewayService:
 
     async def escalations(self, principal: PrincipalLike | None = None) -> EscalationPage:
         """The escalation queue, oldest first."""
-        store = self.supervisor.store
         try:
-            records = await store.escalations()
-            out: list[EscalationOut] = []
-            for r in records:
-                if principal is not None and not principal.allows("operator", r.machine):
-                    continue
-                # where it escalated from: the journal's last escalated event (its tail
-                # holds it: the run has not moved since)
-                origin = ""
-                load_after = getattr(store, "load_after", None)
-                tail = (
-                    await load_after(r.run_id, max(0, r.seq - 8)) if load_after is not None else []
-                )
-                if not any(isinstance(e, Escalated) for e in tail):
-                    tail = await store.load(r.run_id)
-                for event in reversed(tail):
-                    if isinstance(event, Escalated):
-                        origin = event.state
-                        break
-                machine = self.supervisor.machines.get(r.machine)
-                out.append(
-                    EscalationOut(
-                        id=r.run_id,
-                        machine=r.machine,
-                        reason=r.reason,
-                        detail=r.detail,
-                        seq=r.seq,
-                        since=r.updated,
-                        from_state=origin,
-                        targets=_resume_targets(machine, origin) if machine and origin else [],
-                    )
-                )
+            records = await self.supervisor.store.escalations()
         except Exception as exc:
             raise _translate(exc) from None
+        out: list[EscalationOut] = []
+        for r in records:
+            if principal is not None and not principal.allows("operator", r.machine):
+                continue
+            origin = await self._escalated_from(r.run_id, r.seq)
+            machine = self.supervisor.machines.get(r.machine)
+            out.append(
+                EscalationOut(
+                    id=r.run_id,
+                    machine=r.machine,
+                    reason=r.reason,
+                    detail=r.detail,
+                    seq=r.seq,
+                    since=r.updated,
+                    from_state=origin,
+                    targets=_resume_targets(machine, origin) if machine and origin else [],
+                )
+            )
         return EscalationPage(escalations=out)
+
+    async def _escalated_from(self, run_id: str, seq: int) -> str:
+        """The state the escalated run ``run_id`` (at ``seq``) escalated from: its journal's
+        last escalated event, read from the tail (the run has not moved since). Empty if
+        its journal is damaged: the queue is still listed, and ``GET /v1/escalations/{id}``
+        reports the damage."""
+        try:
+            events = await self._read_after(run_id, max(0, seq - 8))
+            if not any(isinstance(e, Escalated) for e in events):
+                events = await self.supervisor.store.load(run_id)
+        except StoreDamaged:
+            return ""
+        except Exception as exc:
+            raise _translate(exc) from None
+        for event in reversed(events):
+            if isinstance(event, Escalated):
+                return event.state
+        return ""
 
     async def escalation(
         self, run_id: str, principal: PrincipalLike | None = None

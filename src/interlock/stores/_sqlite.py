@@ -653,21 +653,6 @@ def _ahead(row: Any, move: _Move | None) -> _Move | None:
     return move
 
 
-def _move_record(move: _Move) -> RunRecord:
-    """The record of a pending index move (checked against its checksum when decoded)."""
-    return RunRecord(
-        run_id=move[0],
-        machine=move[1],
-        state=move[2],
-        outcome=move[3],
-        seq=move[4],
-        started=move[5],
-        updated=move[6],
-        reason=move[7],
-        detail=move[8],
-    )
-
-
 #: What _move_runs gives: ``(same, changed, written, prevs, running)``.
 _Moves = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
 
@@ -1557,33 +1542,7 @@ class SQLiteStore(Store):
         return conn.execute(_SELECT_CHUNKS, (run_id,)).fetchall()
 
     async def load(self, run_id: str) -> list[JournalEvent]:
-        select_run = (
-            f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
-        )
-
-        def read(
-            conn: sqlite3.Connection,
-        ) -> tuple[Any, _Move | None, list[tuple[int, int, bytes]]]:
-            conn.execute("BEGIN")  # the row, its pending move and its chunks as of one moment
-            try:
-                row = conn.execute(select_run, (run_id,)).fetchone()
-                move = _ahead(row, self._pending(conn).get(run_id)) if row is not None else None
-                head = row if move is None else (*row[:-1], move[10])
-                chunks = self._chunks(conn, run_id, head, 0)
-            finally:
-                conn.execute("COMMIT")
-            if row is not None and self._chained:
-                row = row[:-1]
-            return row, move, chunks
-
-        row, move, chunks = await self._call("load", read)
-        if row is None:
-            if chunks:
-                raise missing_index_row(run_id)
-            raise RunNotFound(run_id)
-        record = looked_up(run_id, self._read(row))
-        if move is not None:
-            record = _move_record(move)
+        record, chunks = await self._journal("load", run_id, 0)
         if not chunks:
             raise missing_journal(run_id, record.seq)
         return decode_chunks(run_id, chunks, record.seq)
@@ -1596,6 +1555,19 @@ class SQLiteStore(Store):
           RunNotFound: no such run.
           JournalCorrupt, IndexDamaged: as :meth:`load`.
         """
+        record, chunks = await self._journal("load_after", run_id, max(seq, 0))
+        return decode_chunks_after(run_id, chunks, record.seq, seq)
+
+    async def _journal(
+        self, what: str, run_id: str, after: int
+    ) -> tuple[RunRecord, list[tuple[int, int, bytes]]]:
+        """``run_id``'s index record (its pending move taken) and its chunks holding the
+        seqs past ``after``, read in one transaction.
+
+        Raises:
+          RunNotFound: no such run; IndexDamaged: its chunks are there but its index row
+            is not, or the row is damaged.
+        """
         select_run = (
             f"{self._select}{', chunk' if self._chained else ''} FROM runs WHERE run_id = ?"
         )
@@ -1606,23 +1578,22 @@ class SQLiteStore(Store):
             conn.execute("BEGIN")  # the row, its pending move and its chunks as of one moment
             try:
                 row = conn.execute(select_run, (run_id,)).fetchone()
-                if row is None:
-                    return row, None, []
+                if row is None:  # are there chunks without their row? (all of them, to tell)
+                    return None, None, self._chunks(conn, run_id, None, 0)
                 move = _ahead(row, self._pending(conn).get(run_id))
                 head = row if move is None else (*row[:-1], move[10])
-                chunks = self._chunks(conn, run_id, head, max(seq, 0))
+                chunks = self._chunks(conn, run_id, head, after)
             finally:
                 conn.execute("COMMIT")
             return (row[:-1] if self._chained else row), move, chunks
 
-        row, move, chunks = await self._call("load_after", read)
+        row, move, chunks = await self._call(what, read)
         if row is None:
-            await self.get_run(run_id)  # raises what is wrong: no run, or no index row
+            if chunks:
+                raise missing_index_row(run_id)
             raise RunNotFound(run_id)
         record = looked_up(run_id, self._read(row))
-        if move is not None:
-            record = _move_record(move)
-        return decode_chunks_after(run_id, chunks, record.seq, seq)
+        return (record if move is None else stored_record(move)), chunks
 
     async def get_run(self, run_id: str) -> RunRecord:
         select_run = f"{self._select} FROM runs WHERE run_id = ?"
@@ -1645,7 +1616,7 @@ class SQLiteStore(Store):
                 raise missing_index_row(run_id)
             raise RunNotFound(run_id)
         record = looked_up(run_id, self._read(row))
-        return record if move is None else _move_record(move)
+        return record if move is None else stored_record(move)
 
     async def list_runs(
         self,
@@ -1674,7 +1645,7 @@ class SQLiteStore(Store):
         for run_id, move in moves.items():
             record = records.get(run_id)
             if record is not None and move[4] > record.seq:
-                records[run_id] = _move_record(move)
+                records[run_id] = stored_record(move)
         return select_runs(
             records.values(), machine=machine, state=state, outcome=outcome, limit=limit
         )
@@ -1737,7 +1708,7 @@ class SQLiteStore(Store):
             current = records.get(run_id)
             if current is not None and move[4] > current.seq:
                 if move[3] == RUNNING:
-                    records[run_id] = _move_record(move)
+                    records[run_id] = stored_record(move)
                 else:
                     del records[run_id]
         return sorted(records.values(), key=lambda r: (r.started, r.run_id))
@@ -1786,7 +1757,7 @@ class SQLiteStore(Store):
                 if indexed is None:
                     continue  # a damaged row (reported as such) or a missing one
                 if move[4] > indexed.seq:
-                    index[run_id] = _move_record(move)
+                    index[run_id] = stored_record(move)
                 else:
                     damaged.append(
                         IndexDamaged(
