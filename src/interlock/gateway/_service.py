@@ -1572,18 +1572,19 @@ class GatewayService:
         last escalated event, read from the tail (the run has not moved since). Empty if
         its journal is damaged: the queue is still listed, and ``GET /v1/escalations/{id}``
         reports the damage."""
+
+        def last(events: Sequence[JournalEvent]) -> Escalated | None:
+            return next((e for e in reversed(events) if isinstance(e, Escalated)), None)
+
         try:
-            events = await self._read_after(run_id, max(0, seq - 8))
-            if not any(isinstance(e, Escalated) for e in events):
-                events = await self.supervisor.store.load(run_id)
+            escalated = last(await self._read_after(run_id, max(0, seq - 8))) or last(
+                await self.supervisor.store.load(run_id)
+            )
         except StoreDamaged:
             return ""
         except Exception as exc:
             raise _translate(exc) from None
-        for event in reversed(events):
-            if isinstance(event, Escalated):
-                return event.state
-        return ""
+        return escalated.state if escalated is not None else ""
 
     async def escalation(
         self, run_id: str, principal: PrincipalLike | None = None
