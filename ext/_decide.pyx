@@ -22,6 +22,7 @@ from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_SetItem
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
+from cpython.type cimport PyType_IsSubtype
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 import array as _arrays
@@ -31,6 +32,8 @@ import msgspec
 
 from interlock._events import (
     BreakerTripped,
+    Event,
+    TokenUsage,
     Completed,
     Escalated,
     Failed,
@@ -103,6 +106,8 @@ cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
 cdef object _decider = None  # the twin's module: its ``_propose`` is the decide path in use
 cdef object _dict_decode = None  # the gate's decoder of a move's data with no schema
 cdef object _journal_encode = _journal_encoder.encode
+cdef object _Envelope = None  # the gate's move and call envelope (bind_decider)
+cdef Py_ssize_t _ENV_NEXT = -1, _ENV_TOOL = -1, _ENV_DATA = -1
 
 
 def bind_view(namespace):
@@ -140,10 +145,136 @@ def bind_decider(namespace, gate, breakers):
     _plan = gate._plan
     _Decision = gate.Decision
     _envelope_decode = gate._envelope_decoder.decode
+    global _Envelope, _ENV_NEXT, _ENV_TOOL, _ENV_DATA
+    _Envelope = gate._Envelope
+    _ENV_NEXT = _offset(_Envelope, "next")
+    _ENV_TOOL = _offset(_Envelope, "tool")
+    _ENV_DATA = _offset(_Envelope, "data")
     _move_data = gate._move_data
     _close = namespace._close
     _OK = gate.OK
     _CircuitBoard = breakers.CircuitBoard
+
+
+# -- fields read from their slots ------------------------------------------------------
+
+# NOTE: a field of a msgspec Struct read by name goes through the type's attribute lookup
+# (PyObject_GenericGetAttr: the type's method cache, the member descriptor, its getter),
+# about 160 instructions; read from the slot the descriptor names, about five. A proposal
+# read some hundred fields on its way (benchmarks/gateway_instructions.md), so the hot
+# ones are read from their slots: only where the object's class is known (checked, or
+# built here), and by name wherever the class holds the field otherwise than as a plain
+# object slot (where _offset gives -1).
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+cdef object _MEMBER_DESCRIPTOR = type(Propose.raw)
+
+
+cdef Py_ssize_t _offset(cls, str name) except -2:
+    """Where instances of the Struct ``cls`` hold the field ``name``: the offset of its
+    object slot, or -1 where it is not one (the field is then read by name)."""
+    descr = getattr(cls, name)
+    if type(descr) is not _MEMBER_DESCRIPTOR:
+        return -1
+    cdef PyMemberDef* member = (<PyMemberDescrObject*><PyObject*>descr).d_member
+    if member.type != 16 and member.type != 6:  # T_OBJECT_EX, T_OBJECT
+        return -1
+    return member.offset
+
+
+cdef inline object _field(object obj, Py_ssize_t offset, str name):
+    """``obj.<name>``, read from its slot at ``offset`` (an offset of ``obj``'s class, or
+    of a base it inherits the field from)."""
+    cdef PyObject* value
+    if offset >= 0:
+        value = (<PyObject**>((<char*><PyObject*>obj) + offset))[0]
+        if value is not NULL:
+            return <object>value
+    return getattr(obj, name)
+
+
+# Event (every kind inherits these)
+cdef Py_ssize_t _E_RUN_ID = _offset(Event, "run_id")
+cdef Py_ssize_t _E_SEQ = _offset(Event, "seq")
+cdef Py_ssize_t _E_TS = _offset(Event, "ts")
+# ModelCalled
+cdef Py_ssize_t _MC_USAGE = _offset(ModelCalled, "usage")
+cdef Py_ssize_t _MC_RAW = _offset(ModelCalled, "raw")
+cdef Py_ssize_t _MC_STATE = _offset(ModelCalled, "state")
+cdef Py_ssize_t _MC_MODEL = _offset(ModelCalled, "model")
+cdef Py_ssize_t _MC_LATENCY = _offset(ModelCalled, "latency")
+cdef Py_ssize_t _MC_RESPONSE = _offset(ModelCalled, "response")
+# Transitioned
+cdef Py_ssize_t _T_SRC = _offset(Transitioned, "src")
+cdef Py_ssize_t _T_DST = _offset(Transitioned, "dst")
+cdef Py_ssize_t _T_DELTA = _offset(Transitioned, "delta")
+cdef Py_ssize_t _T_BY_REFERENCE = _offset(Transitioned, "delta_in_proposal")
+# IntentRecorded
+cdef Py_ssize_t _IR_KEY = _offset(IntentRecorded, "key")
+# TokenUsage
+cdef Py_ssize_t _U_PROMPT = _offset(TokenUsage, "prompt")
+cdef Py_ssize_t _U_COMPLETION = _offset(TokenUsage, "completion")
+cdef Py_ssize_t _U_CACHED = _offset(TokenUsage, "cached")
+cdef Py_ssize_t _U_REASONING = _offset(TokenUsage, "reasoning")
+# Propose
+cdef Py_ssize_t _P_SEQ = _offset(Propose, "seq")
+cdef Py_ssize_t _P_RUN_ID = _offset(Propose, "run_id")
+cdef Py_ssize_t _P_RAW = _offset(Propose, "raw")
+cdef Py_ssize_t _P_SOURCE = _offset(Propose, "source")
+cdef Py_ssize_t _P_MODEL = _offset(Propose, "model")
+cdef Py_ssize_t _P_PROMPT = _offset(Propose, "prompt")
+cdef Py_ssize_t _P_USAGE = _offset(Propose, "usage")
+cdef Py_ssize_t _P_LATENCY = _offset(Propose, "latency")
+cdef Py_ssize_t _P_ERROR = _offset(Propose, "error")
+cdef Py_ssize_t _P_DEFECT = _offset(Propose, "defect")
+cdef Py_ssize_t _P_LEGACY = _offset(Propose, "legacy")
+cdef Py_ssize_t _P_RESPONSE = _offset(Propose, "response")
+cdef Py_ssize_t _P_ENVELOPE = _offset(Propose, "envelope")
+cdef Py_ssize_t _P_EXTRA = _offset(Propose, "extra_calls")
+# Verdict
+cdef Py_ssize_t _V_RUN_ID = _offset(Verdict, "run_id")
+cdef Py_ssize_t _V_SEQ = _offset(Verdict, "seq")
+cdef Py_ssize_t _V_ACCEPTED = _offset(Verdict, "accepted")
+cdef Py_ssize_t _V_STATE = _offset(Verdict, "state")
+cdef Py_ssize_t _V_OUTCOME = _offset(Verdict, "outcome")
+cdef Py_ssize_t _V_VIOLATIONS = _offset(Verdict, "violations")
+cdef Py_ssize_t _V_EXECUTE = _offset(Verdict, "execute")
+cdef Py_ssize_t _V_RESULT = _offset(Verdict, "result")
+cdef Py_ssize_t _V_RECONCILE = _offset(Verdict, "reconcile")
+cdef Py_ssize_t _V_RETRY_IN = _offset(Verdict, "retry_in")
+
+
+def slot_offsets():
+    """The fields this module reads from their slots, and each one's offset (-1: read by
+    name): for the tests, which check that none falls back."""
+    return {
+        "Event.run_id": _E_RUN_ID, "Event.seq": _E_SEQ, "Event.ts": _E_TS,
+        "ModelCalled.usage": _MC_USAGE, "ModelCalled.raw": _MC_RAW,
+        "ModelCalled.state": _MC_STATE, "ModelCalled.model": _MC_MODEL,
+        "ModelCalled.latency": _MC_LATENCY, "ModelCalled.response": _MC_RESPONSE,
+        "Transitioned.src": _T_SRC, "Transitioned.dst": _T_DST,
+        "Transitioned.delta": _T_DELTA, "Transitioned.delta_in_proposal": _T_BY_REFERENCE,
+        "IntentRecorded.key": _IR_KEY,
+        "TokenUsage.prompt": _U_PROMPT, "TokenUsage.completion": _U_COMPLETION,
+        "TokenUsage.cached": _U_CACHED, "TokenUsage.reasoning": _U_REASONING,
+        "Propose.seq": _P_SEQ, "Propose.run_id": _P_RUN_ID, "Propose.raw": _P_RAW, "Propose.source": _P_SOURCE,
+        "Propose.model": _P_MODEL, "Propose.prompt": _P_PROMPT, "Propose.usage": _P_USAGE,
+        "Propose.latency": _P_LATENCY, "Propose.error": _P_ERROR,
+        "Propose.defect": _P_DEFECT, "Propose.legacy": _P_LEGACY,
+        "Propose.response": _P_RESPONSE, "Propose.envelope": _P_ENVELOPE,
+        "Propose.extra_calls": _P_EXTRA,
+        "Verdict.run_id": _V_RUN_ID, "Verdict.seq": _V_SEQ, "Verdict.accepted": _V_ACCEPTED,
+        "Verdict.state": _V_STATE, "Verdict.outcome": _V_OUTCOME,
+        "Verdict.violations": _V_VIOLATIONS, "Verdict.execute": _V_EXECUTE,
+        "Verdict.result": _V_RESULT, "Verdict.reconcile": _V_RECONCILE,
+        "Verdict.retry_in": _V_RETRY_IN,
+    }
 
 
 cdef class RunState:
@@ -267,15 +398,17 @@ cdef class RunState:
         Raises:
           ProtocolError: if the event is out of order for this run.
         """
-        cdef long long seq = event.seq
+        cdef long long seq
+        kind = type(event)
+        cdef bint event_struct = PyType_IsSubtype(<type>kind, <type>Event)
+        seq = _field(event, _E_SEQ, "seq") if event_struct else event.seq
         if seq != self.seq + 1:
             raise ProtocolError(
                 f"run {self.run_id!r}: event seq {seq} does not follow {self.seq}; "
                 "the journal is missing or repeating events"
             )
         self.seq = seq
-        self.last_ts = event.ts
-        kind = type(event)
+        self.last_ts = _field(event, _E_TS, "ts") if event_struct else event.ts
         if kind is ModelCalled:
             self._model_called(event, prompt)
         elif kind is IntentRecorded:
@@ -351,19 +484,25 @@ cdef class RunState:
             raise ProtocolError(f"unknown event {event!r}")
 
     cdef void _model_called(self, event, object prompt) except *:
-        usage = event.usage
-        self.tokens += usage.prompt + usage.completion
+        # (event is a ModelCalled: apply dispatched on its type)
+        usage = _field(event, _MC_USAGE, "usage")
+        if type(usage) is TokenUsage:
+            self.tokens += _field(usage, _U_PROMPT, "prompt") + _field(
+                usage, _U_COMPLETION, "completion"
+            )
+        else:
+            self.tokens += usage.prompt + usage.completion
         self.steps += 1
         self.provider_failures = 0
-        self.proposal_raw = event.raw
+        self.proposal_raw = _field(event, _MC_RAW, "raw")
         if prompt is None:
             try:
                 prompt = expand_prompt(self.prompt_seq, self.prompt, event)
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
         self.prompt = prompt
-        self.prompt_seq = event.seq
-        if event.response is not UNSET:
+        self.prompt_seq = _field(event, _E_SEQ, "seq")
+        if _field(event, _MC_RESPONSE, "response") is not UNSET:
             extra = event.extra_calls
             if self.turns is _NO_TURNS:
                 self.turns = []
@@ -402,11 +541,13 @@ cdef class RunState:
         self._push(_Frame("tool_result", event.seq, text, first_seq=event.seq))
 
     cdef void _transitioned(self, event) except *:
-        src = event.src
-        dst = event.dst
-        delta = event.delta
-        if event.delta_in_proposal:
-            delta = _proposal_data(self.run_id, event.seq, self.proposal_raw)
+        # (event is a Transitioned: apply dispatched on its type)
+        src = _field(event, _T_SRC, "src")
+        dst = _field(event, _T_DST, "dst")
+        delta = _field(event, _T_DELTA, "delta")
+        seq = _field(event, _E_SEQ, "seq")
+        if _field(event, _T_BY_REFERENCE, "delta_in_proposal"):
+            delta = _proposal_data(self.run_id, seq, self.proposal_raw)
         self.proposal_raw = ""
         if dst in self.machine.success_states:
             self._final_delta = delta
@@ -418,7 +559,7 @@ cdef class RunState:
                 self.data = {}
             self.data.update(delta)
             self._data_version += 1
-        self._push(_Frame("transitioned", event.seq, f"{src} -> {dst}", first_seq=event.seq))
+        self._push(_Frame("transitioned", seq, f"{src} -> {dst}", first_seq=seq))
 
 
 # -- the accepted path --------------------------------------------------------------------
@@ -454,16 +595,27 @@ cdef inline object _verdict(RunState run, bint accepted):
 cdef bint _ordinary(RunState run, msg) except -1:
     """Whether ``msg`` is a model's proposal the compiled path decides from its first
     event on: at the run's seq, with text as it is journaled, and no failure to handle."""
-    cdef long long seq = msg.seq
+    if type(msg) is not Propose:
+        return False
+    cdef long long seq = _field(msg, _P_SEQ, "seq")
     if seq and seq != run.seq:
         return False
-    if run.pending is not None or msg.source != "model" or msg.error or msg.defect:
+    if (
+        run.pending is not None
+        or _field(msg, _P_SOURCE, "source") != "model"
+        or _field(msg, _P_ERROR, "error")
+        or _field(msg, _P_DEFECT, "defect")
+    ):
         return False
-    if msg.envelope is not None or msg.legacy:
+    if _field(msg, _P_ENVELOPE, "envelope") is not None or _field(msg, _P_LEGACY, "legacy"):
         return False
-    if not (msg.raw.isascii() and msg.prompt.isascii() and msg.model.isascii()):
+    if not (
+        _field(msg, _P_RAW, "raw").isascii()
+        and _field(msg, _P_PROMPT, "prompt").isascii()
+        and _field(msg, _P_MODEL, "model").isascii()
+    ):
         return False
-    response = msg.response
+    response = _field(msg, _P_RESPONSE, "response")
     if response is not None and not response.isascii():
         return False
     return not _terminal(run.machine, run.state)
@@ -477,10 +629,11 @@ def on_propose(RunState run, msg, double now, circuits, list events):
 cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     if not _ordinary(run, msg):
         return _py_on_propose(run, msg, now, circuits, events)
+    # (msg is a Propose: _ordinary checked)
     machine = run.machine
     state = run.state
-    raw = msg.raw
-    prompt = msg.prompt
+    raw = _field(msg, _P_RAW, "raw")
+    prompt = _field(msg, _P_PROMPT, "prompt")
     cdef Py_ssize_t size = len(prompt)
     cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
     text = prompt
@@ -503,19 +656,19 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
         )
     # Only the fields that differ from their defaults: a keyword a Struct must match
     # against its fields costs more than the field's default.
-    response = msg.response
-    extra = msg.extra_calls
+    response = _field(msg, _P_RESPONSE, "response")
+    extra = _field(msg, _P_EXTRA, "extra_calls")
     called = ModelCalled(
         run_id=run.run_id,
         seq=run.seq + 1,
         ts=now,
         state=state,
-        model=msg.model,
+        model=_field(msg, _P_MODEL, "model"),
         prompt_hash=prompt_hash,
         prompt=text,
         raw=raw,
-        usage=msg.usage,
-        latency=msg.latency,
+        usage=_field(msg, _P_USAGE, "usage"),
+        latency=_field(msg, _P_LATENCY, "latency"),
         prompt_base=base,
         prompt_prefix=prefix,
         prompt_suffix=suffix,
@@ -576,9 +729,12 @@ cdef object _accept_move(
         envelope = _envelope_decode(encoded)
     except msgspec.DecodeError:  # ValidationError too: the Python gate explains it
         return None
-    target = envelope.next
-    if envelope.tool is not None or target is None:
+    if type(envelope) is not _Envelope:  # pragma: no cover - the gate's decoder's type
         return None
+    target = _field(envelope, _ENV_NEXT, "next")
+    if _field(envelope, _ENV_TOOL, "tool") is not None or target is None:
+        return None
+    raw_data = _field(envelope, _ENV_DATA, "data")
     if scan_json(encoded) is not None:
         return None
     tables = machine.tables
@@ -593,14 +749,14 @@ cdef object _accept_move(
         # ``_gate._move_data`` for a state with no data schema, inline: the data as a
         # JSON object the journal can hold, or None for the Python gate to explain
         try:
-            data = _dict_decode(envelope.data)
+            data = _dict_decode(raw_data)
             _journal_encode(data)
         except msgspec.ValidationError:
             return None
         except _JOURNAL_ENCODING_ERRORS:
             return None
     else:
-        data, violations = _move_data(machine, run, envelope.data)
+        data, violations = _move_data(machine, run, raw_data)
         if violations:
             return None
     reason = (
@@ -972,16 +1128,18 @@ cdef class _Counting:
             event = events[index]
             kind = type(event)
             if kind is ModelCalled:
-                usage = event.usage
-                prompt = usage.prompt
-                completion = usage.completion
+                usage = _field(event, _MC_USAGE, "usage")
+                if type(usage) is not TokenUsage:
+                    break
+                prompt = _field(usage, _U_PROMPT, "prompt")
+                completion = _field(usage, _U_COMPLETION, "completion")
                 if (
                     type(prompt) is not int
                     or type(completion) is not int
                     or not (0 <= prompt < _TALLY_MAX and 0 <= completion < _TALLY_MAX)
-                    or usage.cached
-                    or usage.reasoning
-                    or type(event.latency) is not float
+                    or _field(usage, _U_CACHED, "cached")
+                    or _field(usage, _U_REASONING, "reasoning")
+                    or type(_field(event, _MC_LATENCY, "latency")) is not float
                 ):
                     break
             elif kind is not Transitioned and kind is not IntentRecorded:
@@ -997,8 +1155,8 @@ cdef class _Counting:
             event = events[index]
             kind = type(event)
             if kind is ModelCalled:
-                state = event.state
-                model = event.model
+                state = _field(event, _MC_STATE, "state")
+                model = _field(event, _MC_MODEL, "model")
                 if state is not self.state or model is not self.model:
                     by_model = keys.calls.get(state)
                     call = by_model.get(model) if by_model is not None else None
@@ -1009,9 +1167,11 @@ cdef class _Counting:
                     self.model = model
                     self.call = call
                 call = self.call
-                usage = event.usage
-                self.prompt.add(self.tokens, (<tuple>call)[0], usage.prompt)
-                self.completion.add(self.tokens, (<tuple>call)[1], usage.completion)
+                usage = _field(event, _MC_USAGE, "usage")  # a TokenUsage: checked above
+                self.prompt.add(self.tokens, (<tuple>call)[0], _field(usage, _U_PROMPT, "prompt"))
+                self.completion.add(
+                    self.tokens, (<tuple>call)[1], _field(usage, _U_COMPLETION, "completion")
+                )
                 self.calls.add(self.model_calls, (<tuple>call)[4], 1)
                 if model is not self.latency_model:
                     latencies = self.model_latency
@@ -1021,15 +1181,15 @@ cdef class _Counting:
                         latency = self.stats.histogram(latencies, model)
                     self.latency_model = model
                     self.model_histogram = latency
-                self.called.add(self.model_histogram, event.latency)
+                self.called.add(self.model_histogram, _field(event, _MC_LATENCY, "latency"))
                 proposed = True
             else:  # Transitioned or IntentRecorded
                 if proposed:
                     self.accepted.add(self.verdicts, keys.accepted, 1)
                     proposed = False
                 if kind is Transitioned:
-                    src = event.src
-                    dst = event.dst
+                    src = _field(event, _T_SRC, "src")
+                    dst = _field(event, _T_DST, "dst")
                     if src is not self.src or dst is not self.dst:
                         by_dst = keys.moves.get(src)
                         move = by_dst.get(dst) if by_dst is not None else None
@@ -1104,8 +1264,9 @@ def decide_many(sup, list msgs, list events):
                 continue
             try:
                 now = clock()
-                found = PyDict_GetItem(runs, msg.run_id)
-                run = sup._run(msg.run_id) if found is NULL else <object>found  # raises
+                run_id = _field(msg, _P_RUN_ID, "run_id")  # (a Propose: checked above)
+                found = PyDict_GetItem(runs, run_id)
+                run = sup._run(run_id) if found is NULL else <object>found  # raises
                 started = _monotonic()
                 if compiled:
                     verdict = _on_propose(<RunState?>run, msg, now, circuits, events)
@@ -1175,9 +1336,13 @@ def group_batch(list events, encode, indexed, dict changes, dict slots, frame_ev
     cdef Py_ssize_t i, n = len(events), size = 0
     for i in range(n):
         event = events[i]
-        run_id = event.run_id
-        seq = event.seq
         kind = type(event)
+        if PyType_IsSubtype(<type>kind, <type>Event):
+            run_id = _field(event, _E_RUN_ID, "run_id")
+            seq = _field(event, _E_SEQ, "seq")
+        else:
+            run_id = event.run_id
+            seq = event.seq
         found = PyDict_GetItem(runs, run_id)
         if found is NULL:
             run = [seq, seq, [encode(event)], event, None, None, None, None]
@@ -1200,9 +1365,9 @@ def group_batch(list events, encode, indexed, dict changes, dict slots, frame_ev
                 if kind is RunStarted:
                     irregular = True
         if kind is Transitioned:
-            run[4] = event.dst
+            run[4] = _field(event, _T_DST, "dst")
         elif kind is IntentRecorded:
-            intents.append((event.key, run_id, seq))
+            intents.append((_field(event, _IR_KEY, "key"), run_id, seq))
         elif kind in changes:
             for field, value in changes[kind](event).items():
                 run[slots[field]] = value
@@ -1307,3 +1472,163 @@ def accept_call(RunState run, bytes raw, double now, circuits):
         return None
     plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
     return _accept_call(run, machine, plan, raw, now, circuits)
+
+
+# -- the gateway's batch: its intake and its settling -------------------------------------
+
+cdef object _GatewayError = None
+cdef object _allow = None
+cdef object _hosted = None
+cdef object _item_problem = None
+cdef object _Answer = None
+cdef object _NO_USAGE = None
+cdef object _usage = None
+cdef object _VerdictOut = None
+cdef object _verdict_out = None
+cdef tuple _AGENT = ("agent",)
+
+
+def bind_gateway(namespace):
+    """Take what a batch's intake and settling need from ``interlock.gateway._service``
+    (which imports this module)."""
+    global _GatewayError, _allow, _hosted, _item_problem, _Answer, _NO_USAGE, _usage
+    global _VerdictOut, _verdict_out
+    _GatewayError = namespace.GatewayError
+    _allow = namespace.GatewayService._allow
+    _hosted = namespace._hosted
+    _item_problem = namespace._item_problem
+    _Answer = namespace._Answer
+    _NO_USAGE = namespace._NO_USAGE
+    _usage = namespace._usage
+    _VerdictOut = namespace.VerdictOut
+    _verdict_out = namespace.verdict_out
+
+
+def take_proposals(
+    dict runs, answers, list run_ids, list bodies, principal, decide, list verdicts,
+    list later, list decided,
+):
+    """``_service._take_proposals_py`` (the same arguments and results), compiled: a run's
+    seq and flags are read as C fields, with no Python frame per item."""
+    cdef Py_ssize_t index, count = len(bodies)
+    cdef set allowed = set()
+    cdef list msgs = []
+    cdef list taken = []
+    cdef set taking = set()
+    cdef PyObject* found
+    cdef RunState run
+    for index in range(count):
+        run_id = run_ids[index]
+        item = bodies[index]
+        found = PyDict_GetItem(runs, run_id)
+        if found is NULL:
+            later.append(index)
+            continue
+        run = <RunState?>found
+        if run_id in taking:
+            decide(msgs, taken, decided, verdicts)
+            msgs = []
+            taken = []
+            taking = set()
+        answer = None
+        if principal is not None:
+            machine = run.machine.name
+            if machine not in allowed:
+                try:
+                    _allow(principal, _AGENT, machine)
+                except _GatewayError as exc:
+                    verdicts[index] = _item_problem(run_id, exc)
+                    continue
+                allowed.add(machine)
+        if not run.external:
+            verdicts[index] = _item_problem(run_id, _hosted(run_id))
+            continue
+        expected = item.expected_seq
+        proposal = item.proposal
+        if expected is not None:
+            known = answers.get(run_id)
+            if known is not None and known.seq == expected and known.proposal == proposal:
+                later.append(index)  # a repeat: it gets the recorded answer
+                continue
+            if run.seq != expected:
+                later.append(index)  # stale, or answered before: the journal says
+                continue
+            answer = _Answer(expected, proposal)
+            answers[run_id] = answer
+            if known is not None:
+                answers.move_to_end(run_id)
+        usage = item.usage
+        msgs.append(
+            Propose(
+                run_id=run_id,
+                seq=expected or 0,
+                raw=proposal,
+                usage=_NO_USAGE if usage is None else _usage(usage),
+                model=item.model,
+            )
+        )
+        taken.append((index, run_id, answer, run.seq))
+        taking.add(run_id)
+    if msgs:
+        decide(msgs, taken, decided, verdicts)
+
+
+def settle_from(
+    list decided, Py_ssize_t at, list verdicts, dict runs, settle, dict steps, steps_of,
+    set reconciling,
+):
+    """``_service._settle_from_py`` (the same arguments and result), compiled; a move's
+    answer (the most common) is built inline, as ``verdict_out`` builds it."""
+    cdef Py_ssize_t position, count = len(decided)
+    cdef PyObject* found
+    cdef RunState run
+    cdef tuple entry
+    cdef bint exact
+    for position in range(at, count):
+        entry = <tuple>decided[position]
+        index = entry[0]
+        verdict = entry[1]
+        answer = entry[2]
+        exact = type(verdict) is Verdict  # else each field is read by name
+        run_id = _field(verdict, _V_RUN_ID if exact else -1, "run_id")
+        found = PyDict_GetItem(runs, run_id)
+        if found is not NULL:
+            run = <RunState?>found
+            if run.closed and _terminal(run.machine, run.state):
+                settle(run_id)
+                found = PyDict_GetItem(runs, run_id)
+                if found is not NULL:
+                    run = <RunState?>found
+        call = _field(verdict, _V_EXECUTE if exact else -1, "execute")
+        reconcile = _field(verdict, _V_RECONCILE if exact else -1, "reconcile")
+        if found is not NULL and call is None and not reconcile and run.external and not run.closed and run.pending is None:
+            machine = run.machine
+            names = steps.get(machine.name)
+            if names is None:
+                names = steps_of(machine)
+            if run.state in names:
+                return position
+        if (
+            call is None
+            and reconcile is None
+            and not _field(verdict, _V_VIOLATIONS if exact else -1, "violations")
+            and _field(verdict, _V_RESULT if exact else -1, "result") is None
+            and not _field(verdict, _V_RETRY_IN if exact else -1, "retry_in")
+        ):
+            out = _VerdictOut(
+                run_id=run_id,
+                accepted=_field(verdict, _V_ACCEPTED if exact else -1, "accepted"),
+                outcome=_field(verdict, _V_OUTCOME if exact else -1, "outcome"),
+                state=_field(verdict, _V_STATE if exact else -1, "state"),
+                seq=_field(verdict, _V_SEQ if exact else -1, "seq"),
+            )
+        else:
+            out = _verdict_out(verdict)
+            reconcile = out.reconcile
+            if reconcile is not None:
+                reconciling.add((run_id, reconcile.key))
+        if answer is not None:
+            answer.verdict = out
+            answer.settle()
+        verdicts[index] = out
+    return count

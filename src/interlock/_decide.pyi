@@ -58,3 +58,25 @@ def move_runs(
     running_outcome: str,
 ) -> tuple[Any, ...] | None: ...
 def accept_call(run: RunState, raw: bytes, now: float, circuits: Any) -> Any: ...
+def bind_gateway(namespace: ModuleType) -> None: ...
+def take_proposals(
+    runs: dict[str, Any],
+    answers: Any,
+    run_ids: list[str],
+    bodies: list[Any],
+    principal: Any,
+    decide: Callable[..., None],
+    verdicts: list[Any],
+    later: list[int],
+    decided: list[tuple[int, Verdict, Any, int]],
+) -> None: ...
+def settle_from(
+    decided: list[tuple[int, Verdict, Any, int]],
+    at: int,
+    verdicts: list[Any],
+    runs: dict[str, Any],
+    settle: Callable[[str], None],
+    steps: dict[str, frozenset[str]],
+    steps_of: Callable[[Any], frozenset[str]],
+    reconciling: set[tuple[str, str]],
+) -> int: ...

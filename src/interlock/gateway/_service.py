@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,7 +72,7 @@ from .._messages import (
     Sync,
     Verdict,
 )
-from .._view import RunState, RunView, fold
+from .._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
 from ..providers._base import render_prompt
 from ..stores import LeasingStore
 from ._api import (
@@ -100,7 +101,7 @@ from ._api import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Sequence
+    from collections.abc import AsyncGenerator, Callable, Sequence
 
     from .._events import Event, JournalEvent, Violation
     from .._supervisor import Supervisor
@@ -325,27 +326,25 @@ def event_out(event: JournalEvent | Event) -> EventOut:
     return EventOut(run_id=event.run_id, seq=event.seq, ts=event.ts, kind=kind, data=data)
 
 
-class _Answer:
+class _Answer(msgspec.Struct):
     """The answer to one proposal at one seq: in flight until :meth:`settle`.
 
     NOTE: the event a retry waits on is made only when one does (a batch makes an
-    answer per proposal, and almost none is ever waited on).
+    answer per proposal, and almost none is ever waited on); a Struct, made without a
+    Python frame (an ``__init__`` was a tenth of a batch's intake).
     """
 
-    __slots__ = ("_event", "error", "proposal", "seq", "settled", "verdict")
-
-    def __init__(self, seq: int, proposal: str) -> None:
-        self.seq = seq
-        self.proposal = proposal
-        self.settled = False
-        self._event: trio.Event | None = None
-        self.verdict: VerdictOut | None = None
-        self.error: GatewayError | None = None
+    seq: int
+    proposal: str
+    settled: bool = False
+    event: Any = None  # the trio.Event a retry waits on, made when one does
+    verdict: Any = None  # VerdictOut, once settled
+    error: Any = None  # GatewayError, once failed
 
     def settle(self) -> None:
         """The verdict or the error is set: wake whoever waits for it."""
         self.settled = True
-        event = self._event
+        event = self.event
         if event is not None:
             event.set()
 
@@ -354,9 +353,9 @@ class _Answer:
         if self.settled:
             await trio.lowlevel.checkpoint()
             return
-        if self._event is None:
-            self._event = trio.Event()
-        await self._event.wait()
+        if self.event is None:
+            self.event = trio.Event()
+        await self.event.wait()
 
 
 class _Follower:
@@ -1270,73 +1269,22 @@ class GatewayService:
                     verdicts[index] = _item_problem(run_id, exc)
 
             # NOTE: one loop, no call of the service's own per item: per proposal this is
-            # most of what the gateway itself costs a batch. The machines the key may
-            # propose for are checked once per machine, not once per item. The proposals
-            # are decided together (Supervisor.submit_many_nowait), a run's second
-            # proposal of the batch only after its first (what it is checked against).
-            sup = self.supervisor
-            runs = sup._runs
+            # most of what the gateway itself costs a batch (compiled where the decide
+            # path is, see _take_proposals).
             answers = self._answers
-            allowed: set[str] = set()
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
-            msgs: list[Propose] = []
-            taken: list[tuple[int, str, _Answer | None, int]] = []
-            taking: set[str] = set()  # the runs of taken
-            for index in range(count):
-                run_id = run_ids[index]
-                item = bodies[index]
-                run = runs.get(run_id)
-                if run is None:
-                    later.append(index)
-                    continue
-                if run_id in taking:
-                    self._decide_taken(msgs, taken, decided, verdicts)
-                    msgs, taken = [], []
-                    taking.clear()
-                answer: _Answer | None = None
-                try:
-                    if principal is not None:
-                        machine = run.machine.name
-                        if machine not in allowed:
-                            self._allow(principal, ("agent",), machine)
-                            allowed.add(machine)
-                    if not run.external:
-                        raise _hosted(run_id)
-                    expected = item.expected_seq
-                    if expected is not None:
-                        known = answers.get(run_id)
-                        if (
-                            known is not None
-                            and known.seq == expected
-                            and known.proposal == item.proposal
-                        ):
-                            later.append(index)  # a repeat: it gets the recorded answer
-                            continue
-                        if run.seq != expected:
-                            later.append(index)  # stale, or answered before: the journal says
-                            continue
-                        # _remember, inline; the oldest answers are dropped after the loop
-                        answer = answers[run_id] = _Answer(expected, item.proposal)
-                        if known is not None:
-                            answers.move_to_end(run_id)
-                except GatewayError as exc:
-                    verdicts[index] = _item_problem(run_id, exc)
-                    continue
-                usage = item.usage
-                msgs.append(
-                    Propose(
-                        run_id=run_id,
-                        seq=expected or 0,
-                        raw=item.proposal,
-                        usage=_NO_USAGE if usage is None else _usage(usage),
-                        model=item.model,
-                    )
-                )
-                taken.append((index, run_id, answer, run.seq))
-                taking.add(run_id)
-            if msgs:
-                self._decide_taken(msgs, taken, decided, verdicts)
+            _take_proposals(
+                self.supervisor._runs,
+                answers,
+                run_ids if type(run_ids) is list else list(run_ids),
+                bodies if type(bodies) is list else list(bodies),
+                principal,
+                self._decide_taken,
+                verdicts,
+                later,
+                decided,
+            )
             while len(answers) > ANSWERS_KEPT:
                 answers.popitem(last=False)
             if later:
@@ -1414,46 +1362,34 @@ class GatewayService:
             pass
         runs = sup._runs
         settle = sup.settle_external
-        reconciling = self._reconciling
-        steps = self._step_states
-        for index, verdict, answer, _ in decided:
+        count = len(decided)
+        at = 0
+        while True:
+            # NOTE: compiled where the decide path is (see _settle_from); it stops at a
+            # verdict that leads into a step state (rare), whose steps run here
+            at = _settle_from(
+                decided,
+                at,
+                verdicts,
+                runs,
+                settle,
+                self._step_states,
+                self._steps_of,
+                self._reconciling,
+            )
+            if at >= count:
+                return
+            index, verdict, answer, _ = decided[at]
             run_id = verdict.run_id
-            run = runs.get(run_id)
-            if run is not None and run.closed and run.terminal:  # settle_external's first look
-                settle(run_id)
-                run = runs.get(run_id)
-            # NOTE: _steps' first look, inlined: only a run that reached a step state
-            # (rare) pays for the coroutine that runs its steps.
-            names: frozenset[str] | None = None
-            if run is not None:
-                names = steps.get(run.machine.name)
-                if names is None:
-                    names = self._steps_of(run.machine)
-            if (
-                verdict.execute is None
-                and not verdict.reconcile
-                and run is not None
-                and names is not None
-                and run.state in names
-                and run.external
-                and not run.closed
-                and run.pending is None
-            ):
-                try:
-                    verdict = await self._advance(run_id, verdict)
-                except Exception as exc:
-                    error = _translate(exc)
-                    self._fail(run_id, answer, error)
-                    verdicts[index] = _item_problem(run_ids[index], error)
-                    continue
-            out = verdict_out(verdict)
-            reconcile = out.reconcile
-            if reconcile is not None:
-                reconciling.add((run_id, reconcile.key))
-            if answer is not None:
-                answer.verdict = out
-                answer.settle()
-            verdicts[index] = out
+            try:
+                verdict = await self._advance(run_id, verdict)
+            except Exception as exc:
+                error = _translate(exc)
+                self._fail(run_id, answer, error)
+                verdicts[index] = _item_problem(run_ids[index], error)
+            else:
+                _answered(index, verdict, answer, verdicts, self._reconciling)
+            at += 1
 
     # -- results ------------------------------------------------------------------
 
@@ -1783,3 +1719,158 @@ def _decode_cursor(cursor: str | None) -> int:
             f"cursor {cursor!r} is not one this gateway gave; pass the cursor of the "
             "previous page unchanged, or none for the first page",
         ) from None
+
+
+# -- a batch's intake and settling, compiled where the decide path is -----------------------
+
+
+def _take_proposals_py(
+    runs: dict[str, RunState],
+    answers: OrderedDict[str, _Answer],
+    run_ids: list[str],
+    bodies: list[ProposalIn] | list[VerifyItem],
+    principal: PrincipalLike | None,
+    decide: Callable[..., None],
+    verdicts: list[VerdictOut | None],
+    later: list[int],
+    decided: list[tuple[int, Verdict, _Answer | None, int]],
+) -> None:
+    """:meth:`GatewayService.verify_many`'s pass over a batch's items.
+
+    Each proposal of a live external run at its seq is decided by ``decide``
+    (:meth:`GatewayService._decide_taken`: its verdict goes to ``decided``, a refusal to
+    ``verdicts``) together with the others, a run's second proposal of the batch only
+    after its first (what it is checked against); its answer is remembered in
+    ``answers`` first, for a retry to find. The index of every other item (a repeat of a
+    recorded answer, a stale seq, a run not live here) goes to ``later``; an item the key
+    may not propose for, or of a hosted run, gets its problem in ``verdicts``. The
+    machines the key may propose for are checked once per machine, not once per item.
+
+    The pure-Python twin of the compiled ``take_proposals`` (ext/_decide.pyx);
+    tests/test_gateway_batch.py holds the two to the same results.
+    """
+    allowed: set[str] = set()
+    msgs: list[Propose] = []
+    taken: list[tuple[int, str, _Answer | None, int]] = []
+    taking: set[str] = set()  # the runs of taken
+    for index in range(len(bodies)):
+        run_id = run_ids[index]
+        item = bodies[index]
+        run = runs.get(run_id)
+        if run is None:
+            later.append(index)
+            continue
+        if run_id in taking:
+            decide(msgs, taken, decided, verdicts)
+            msgs, taken = [], []
+            taking.clear()
+        answer: _Answer | None = None
+        try:
+            if principal is not None:
+                machine = run.machine.name
+                if machine not in allowed:
+                    GatewayService._allow(principal, ("agent",), machine)
+                    allowed.add(machine)
+            if not run.external:
+                raise _hosted(run_id)
+        except GatewayError as exc:
+            verdicts[index] = _item_problem(run_id, exc)
+            continue
+        expected = item.expected_seq
+        if expected is not None:
+            known = answers.get(run_id)
+            if known is not None and known.seq == expected and known.proposal == item.proposal:
+                later.append(index)  # a repeat: it gets the recorded answer
+                continue
+            if run.seq != expected:
+                later.append(index)  # stale, or answered before: the journal says
+                continue
+            # _remember, inline; the caller drops the oldest answers
+            answer = answers[run_id] = _Answer(expected, item.proposal)
+            if known is not None:
+                answers.move_to_end(run_id)
+        usage = item.usage
+        msgs.append(
+            Propose(
+                run_id=run_id,
+                seq=expected or 0,
+                raw=item.proposal,
+                usage=_NO_USAGE if usage is None else _usage(usage),
+                model=item.model,
+            )
+        )
+        taken.append((index, run_id, answer, run.seq))
+        taking.add(run_id)
+    if msgs:
+        decide(msgs, taken, decided, verdicts)
+
+
+def _settle_from_py(
+    decided: list[tuple[int, Verdict, _Answer | None, int]],
+    at: int,
+    verdicts: list[VerdictOut | None],
+    runs: dict[str, RunState],
+    settle: Callable[[str], None],
+    steps: dict[str, frozenset[str]],
+    steps_of: Callable[[Machine], frozenset[str]],
+    reconciling: set[tuple[str, str]],
+) -> int:
+    """Answer the durable verdicts ``decided[at:]`` in order (see :func:`_answered`),
+    settling each external run that ended; stop at the first that leads a run into a
+    step state, whose steps the caller runs, and return its position (``len(decided)``
+    once every one is answered).
+
+    The pure-Python twin of the compiled ``settle_from`` (ext/_decide.pyx).
+    """
+    for position in range(at, len(decided)):
+        index, verdict, answer, _ = decided[position]
+        run_id = verdict.run_id
+        run = runs.get(run_id)
+        if run is not None and run.closed and run.terminal:  # settle_external's first look
+            settle(run_id)
+            run = runs.get(run_id)
+        # NOTE: _steps' first look, inlined: only a run that reached a step state (rare)
+        # pays for the coroutine that runs its steps.
+        if (
+            run is not None
+            and verdict.execute is None
+            and not verdict.reconcile
+            and run.external
+            and not run.closed
+            and run.pending is None
+        ):
+            names = steps.get(run.machine.name)
+            if names is None:
+                names = steps_of(run.machine)
+            if run.state in names:
+                return position
+        _answered(index, verdict, answer, verdicts, reconciling)
+    return len(decided)
+
+
+def _answered(
+    index: int,
+    verdict: Verdict,
+    answer: _Answer | None,
+    verdicts: list[VerdictOut | None],
+    reconciling: set[tuple[str, str]],
+) -> None:
+    """``verdict`` is durable: it is item ``index``'s answer, and ``answer``'s."""
+    out = verdict_out(verdict)
+    reconcile = out.reconcile
+    if reconcile is not None:
+        reconciling.add((verdict.run_id, reconcile.key))
+    if answer is not None:
+        answer.verdict = out
+        answer.settle()
+    verdicts[index] = out
+
+
+_take_proposals = _take_proposals_py
+_settle_from = _settle_from_py
+if DECIDE_IMPLEMENTATION == "compiled":
+    from .. import _decide
+
+    _decide.bind_gateway(sys.modules[__name__])
+    _take_proposals = _decide.take_proposals
+    _settle_from = _decide.settle_from

@@ -1,0 +1,305 @@
+"""The gateway's batch intake and settling, compiled (``interlock._decide.take_proposals``
+and ``settle_from``), against their pure-Python twins in ``interlock.gateway._service``.
+
+Hypothesis writes the batches: items of live external runs at their seq, of hosted runs,
+of runs not live here, at a stale seq or none, repeats of a recorded answer, a run named
+twice, usage reported or not, a key allowed some machines only; and the verdicts to settle:
+moves, calls, calls to reconcile, runs that ended or reached a step state. Both get copies
+of the same runs and answers, and must leave the same results: the proposals handed to
+the decide step (in the same groups), the verdicts and problems, the items left for
+later, the answers remembered (in order), the runs settled, the calls to reconcile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import OrderedDict
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from interlock import Go, Machine, Step, Worker
+from interlock._messages import ToolCall, Verdict
+
+if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
+    pytest.skip(
+        "INTERLOCK_NO_EXTENSIONS is set: there is no compiled batch path to compare",
+        allow_module_level=True,
+    )
+try:
+    compiled: ModuleType = importlib.import_module("interlock._decide")
+except ImportError as exc:
+    pytest.skip(
+        f"interlock._decide cannot be imported ({exc}); "
+        "build it with `python setup.py build_ext --inplace`",
+        allow_module_level=True,
+    )
+
+from interlock.gateway import _service
+from interlock.gateway._api import ProposalIn, Usage
+
+pytestmark = pytest.mark.c_extension
+
+MACHINES = {
+    name: Machine(
+        name,
+        "A",
+        {
+            "A": Worker(next=["B", "CHECK", "DONE"], tools=[]),
+            "B": Worker(next=["A", "DONE"], tools=[]),
+            "CHECK": Step(lambda view: Go("DONE", {}), next=["DONE"]),
+        },
+    )
+    for name in ("m1", "m2")
+}
+RUN_IDS = [f"r{i}" for i in range(6)]
+PROPOSALS = ['{"next":"B"}', '{"next":"A"}']
+
+
+class Principal:
+    """A key that may propose for the machines in ``machines`` only."""
+
+    name = "k"
+
+    def __init__(self, machines: frozenset[str]) -> None:
+        self.machines = machines
+
+    def allows(self, role: str, machine: str | None = None) -> bool:
+        return role == "agent" and machine in self.machines
+
+
+run_specs = st.lists(
+    st.tuples(
+        st.sampled_from(sorted(MACHINES)),
+        st.integers(0, 3),  # seq
+        st.booleans(),  # external
+        st.sampled_from(["A", "B", "CHECK", "DONE"]),
+        st.booleans(),  # closed
+        st.booleans(),  # a call pending
+    ),
+    min_size=len(RUN_IDS),
+    max_size=len(RUN_IDS),
+)
+
+
+def make_runs(specs: list[tuple[Any, ...]], live: list[bool]) -> dict[str, Any]:
+    runs = {}
+    for run_id, (machine, seq, external, state, closed, pending), here in zip(
+        RUN_IDS, specs, live, strict=True
+    ):
+        if not here:
+            continue
+        run = compiled.RunState(run_id, MACHINES[machine])
+        run.seq, run.external, run.state, run.closed = seq, external, state, closed
+        run.pending = "a call" if pending else None
+        runs[run_id] = run
+    return runs
+
+
+items = st.lists(
+    st.tuples(
+        st.sampled_from(RUN_IDS),
+        st.sampled_from(PROPOSALS),
+        st.one_of(st.none(), st.integers(0, 4)),
+        st.one_of(st.none(), st.builds(Usage, prompt=st.integers(0, 9))),
+        st.sampled_from(["", "gpt"]),
+    ),
+    max_size=12,
+)
+recorded = st.dictionaries(
+    st.sampled_from(RUN_IDS), st.tuples(st.integers(0, 4), st.sampled_from(PROPOSALS))
+)
+principals = st.one_of(
+    st.none(), st.sets(st.sampled_from(sorted(MACHINES))).map(lambda m: Principal(frozenset(m)))
+)
+
+
+def answer_view(answer: Any) -> Any:
+    if answer is None:
+        return None
+    return (answer.seq, answer.proposal, answer.settled, answer.verdict, answer.error)
+
+
+def take(
+    impl: Any,
+    runs: dict[str, Any],
+    answers: OrderedDict[str, Any],
+    bodies: list[tuple[str, ProposalIn]],
+    principal: Any,
+) -> dict[str, Any]:
+    groups: list[Any] = []
+    verdicts: list[Any] = [None] * len(bodies)
+    later: list[int] = []
+    decided: list[Any] = []
+
+    def decide(
+        msgs: list[Any], taken: list[Any], decided_: list[Any], verdicts_: list[Any]
+    ) -> None:
+        assert decided_ is decided
+        assert verdicts_ is verdicts
+        # every group is decided before the next one is taken: a copy of each
+        groups.append(
+            (
+                [msgspec.structs.asdict(m) for m in msgs],
+                [(i, r, answer_view(a), before) for i, r, a, before in taken],
+            )
+        )
+        for index, run_id, answer, before in taken:
+            decided.append((index, run_id, answer_view(answer), before))
+
+    impl(
+        runs,
+        answers,
+        [run_id for run_id, _ in bodies],
+        [body for _, body in bodies],
+        principal,
+        decide,
+        verdicts,
+        later,
+        decided,
+    )
+    return {
+        "groups": groups,
+        "verdicts": [None if v is None else msgspec.structs.asdict(v) for v in verdicts],
+        "later": later,
+        "decided": decided,
+        "answers": [(run_id, answer_view(a)) for run_id, a in answers.items()],
+    }
+
+
+def recorded_answers(known: dict[str, tuple[int, str]]) -> OrderedDict[str, Any]:
+    return OrderedDict((run_id, _service._Answer(seq, p)) for run_id, (seq, p) in known.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=run_specs,
+    live=st.lists(st.booleans(), min_size=len(RUN_IDS), max_size=len(RUN_IDS)),
+    batch=items,
+    known=recorded,
+    principal=principals,
+)
+def test_the_compiled_intake_takes_a_batch_as_its_twin_does(
+    specs: list[tuple[Any, ...]],
+    live: list[bool],
+    batch: list[tuple[Any, ...]],
+    known: dict[str, tuple[int, str]],
+    principal: Any,
+) -> None:
+    bodies = [
+        (run_id, ProposalIn(proposal=p, expected_seq=seq, usage=usage, model=model))
+        for run_id, p, seq, usage, model in batch
+    ]
+    results = [
+        take(impl, make_runs(specs, live), recorded_answers(known), bodies, principal)
+        for impl in (compiled.take_proposals, _service._take_proposals_py)
+    ]
+    assert results[0] == results[1]
+
+
+def test_the_intake_decides_a_runs_second_proposal_after_its_first() -> None:
+    """A run named twice in a batch: the first group is decided before the second is taken."""
+    runs = make_runs([("m1", 1, True, "A", False, False)] * len(RUN_IDS), [True] * len(RUN_IDS))
+    bodies = [
+        ("r0", ProposalIn(proposal=PROPOSALS[0], expected_seq=1)),
+        ("r1", ProposalIn(proposal=PROPOSALS[0])),
+        ("r0", ProposalIn(proposal=PROPOSALS[1])),
+        ("r9", ProposalIn(proposal=PROPOSALS[1])),
+    ]
+    for impl in (compiled.take_proposals, _service._take_proposals_py):
+        got = take(impl, dict(runs), OrderedDict(), bodies, None)
+        assert [[i for i, *_ in taken] for _, taken in got["groups"]] == [[0, 1], [2]]
+        assert got["later"] == [3]  # not live here
+        assert got["answers"] == [("r0", (1, PROPOSALS[0], False, None, None))]
+
+
+verdicts_to_settle = st.lists(
+    st.tuples(
+        st.sampled_from(RUN_IDS),
+        st.sampled_from(["move", "call", "reconcile", "refused"]),
+        st.booleans(),  # an answer waits
+    ),
+    max_size=10,
+)
+
+
+def settle(impl: Any, runs: dict[str, Any], entries: list[tuple[Any, ...]]) -> dict[str, Any]:
+    decided = []
+    answers = []
+    for index, (run_id, kind, waits) in enumerate(entries):
+        call = ToolCall("lookup", {"order_id": "o"}, f"{run_id}:A:{index}")
+        verdict = Verdict(
+            run_id=run_id,
+            seq=index,
+            accepted=kind != "refused",
+            state="B",
+            outcome="running",
+            execute=call if kind == "call" else None,
+            reconcile=call if kind == "reconcile" else None,
+        )
+        answer = _service._Answer(index, "p") if waits else None
+        answers.append(answer)
+        decided.append((index, verdict, answer, index - 1))
+    verdicts: list[Any] = [None] * len(entries)
+    settled: list[str] = []
+    reconciling: set[tuple[str, str]] = set()
+    steps: dict[str, frozenset[str]] = {}
+
+    def settle_run(run_id: str) -> None:
+        settled.append(run_id)
+        runs.pop(run_id, None)
+
+    def steps_of(machine: Machine) -> frozenset[str]:
+        steps[machine.name] = frozenset({"CHECK"})
+        return steps[machine.name]
+
+    stops = []
+    at = 0
+    while True:
+        at = impl(decided, at, verdicts, runs, settle_run, steps, steps_of, reconciling)
+        if at >= len(decided):
+            break
+        stops.append(at)
+        at += 1
+    return {
+        "stops": stops,
+        "verdicts": [None if v is None else msgspec.structs.asdict(v) for v in verdicts],
+        "settled": settled,
+        "reconciling": sorted(reconciling),
+        "answers": [answer_view(a) for a in answers],
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=run_specs,
+    live=st.lists(st.booleans(), min_size=len(RUN_IDS), max_size=len(RUN_IDS)),
+    entries=verdicts_to_settle,
+)
+def test_the_compiled_settling_answers_a_batch_as_its_twin_does(
+    specs: list[tuple[Any, ...]], live: list[bool], entries: list[tuple[Any, ...]]
+) -> None:
+    results = [
+        settle(impl, make_runs(specs, live), entries)
+        for impl in (compiled.settle_from, _service._settle_from_py)
+    ]
+    assert results[0] == results[1]
+
+
+def test_settling_stops_at_a_run_that_reached_a_step_state() -> None:
+    specs = [("m1", 1, True, "CHECK", False, False), ("m1", 1, True, "DONE", True, False)]
+    specs += [("m2", 1, True, "B", False, False)] * (len(RUN_IDS) - 2)
+    entries = [("r2", "move", True), ("r0", "move", True), ("r1", "move", False)]
+    for impl in (compiled.settle_from, _service._settle_from_py):
+        got = settle(impl, make_runs(specs, [True] * len(RUN_IDS)), entries)
+        assert got["stops"] == [1]  # r0 is in its step state: the caller runs its steps
+        assert got["settled"] == ["r1"]  # r1 ended: it leaves the registry
+        assert got["verdicts"][1] is None
+        assert got["verdicts"][0]["state"] == "B"
+        assert got["answers"][0][2] is True
+        assert got["answers"][1][2] is False
