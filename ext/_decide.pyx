@@ -1504,9 +1504,31 @@ def bind_gateway(namespace):
     _verdict_out = namespace.verdict_out
 
 
+cdef extern from "Python.h":
+    bint PyExceptionInstance_Check(object)
+
+
+cdef void _decide_group(
+    submit, refused, list msgs, list taken, list decided, list verdicts
+) except *:
+    """``_service._decide_group``: ``msgs`` decided at once, each verdict to ``decided``."""
+    cdef list results = submit(msgs)
+    cdef Py_ssize_t at, count = len(taken)
+    cdef tuple entry
+    if len(results) != count:  # pragma: no cover - a bug in the supervisor
+        raise RuntimeError(f"{len(results)} verdicts for {count} proposals")
+    for at in range(count):
+        result = results[at]
+        if PyExceptionInstance_Check(result):
+            refused(taken, at, result, verdicts)
+        else:
+            entry = <tuple>taken[at]
+            decided.append((entry[0], result, entry[2], entry[3]))
+
+
 def take_proposals(
-    dict runs, answers, list run_ids, list bodies, principal, decide, list verdicts,
-    list later, list decided,
+    dict runs, answers, list run_ids, list bodies, principal, submit, refused,
+    list verdicts, list later, list decided,
 ):
     """``_service._take_proposals_py`` (the same arguments and results), compiled: a run's
     seq and flags are read as C fields, with no Python frame per item."""
@@ -1526,7 +1548,7 @@ def take_proposals(
             continue
         run = <RunState?>found
         if run_id in taking:
-            decide(msgs, taken, decided, verdicts)
+            _decide_group(submit, refused, msgs, taken, decided, verdicts)
             msgs = []
             taken = []
             taking = set()
@@ -1570,7 +1592,7 @@ def take_proposals(
         taken.append((index, run_id, answer, run.seq))
         taking.add(run_id)
     if msgs:
-        decide(msgs, taken, decided, verdicts)
+        _decide_group(submit, refused, msgs, taken, decided, verdicts)
 
 
 def settle_from(

@@ -136,21 +136,26 @@ def take(
     verdicts: list[Any] = [None] * len(bodies)
     later: list[int] = []
     decided: list[Any] = []
+    refusals: list[Any] = []
 
-    def decide(
-        msgs: list[Any], taken: list[Any], decided_: list[Any], verdicts_: list[Any]
-    ) -> None:
-        assert decided_ is decided
-        assert verdicts_ is verdicts
-        # every group is decided before the next one is taken: a copy of each
-        groups.append(
-            (
-                [msgspec.structs.asdict(m) for m in msgs],
-                [(i, r, answer_view(a), before) for i, r, a, before in taken],
+    def submit(msgs: list[Any]) -> list[Any]:
+        # every group is decided before the next one is taken: a copy of each; a proposal
+        # for r5 is refused (its run's error), the others get a verdict
+        groups.append([msgspec.structs.asdict(m) for m in msgs])
+        return [
+            ValueError(f"refused {m.run_id}")
+            if m.run_id == "r5"
+            else Verdict(
+                run_id=m.run_id, seq=m.seq + 1, accepted=True, state="B", outcome="running"
             )
-        )
-        for index, run_id, answer, before in taken:
-            decided.append((index, run_id, answer_view(answer), before))
+            for m in msgs
+        ]
+
+    def refused(taken: list[Any], at: int, error: Exception, verdicts_: list[Any]) -> None:
+        assert verdicts_ is verdicts
+        index, run_id, answer, before = taken[at]
+        refusals.append((at, index, run_id, answer_view(answer), before, str(error)))
+        verdicts[index] = f"refused: {error}"
 
     impl(
         runs,
@@ -158,14 +163,19 @@ def take(
         [run_id for run_id, _ in bodies],
         [body for _, body in bodies],
         principal,
-        decide,
+        submit,
+        refused,
         verdicts,
         later,
         decided,
     )
+    decided = [(i, v, answer_view(a), before) for i, v, a, before in decided]
     return {
         "groups": groups,
-        "verdicts": [None if v is None else msgspec.structs.asdict(v) for v in verdicts],
+        "refusals": refusals,
+        "verdicts": [
+            v if v is None or isinstance(v, str) else msgspec.structs.asdict(v) for v in verdicts
+        ],
         "later": later,
         "decided": decided,
         "answers": [(run_id, answer_view(a)) for run_id, a in answers.items()],
@@ -213,7 +223,8 @@ def test_the_intake_decides_a_runs_second_proposal_after_its_first() -> None:
     ]
     for impl in (compiled.take_proposals, _service._take_proposals_py):
         got = take(impl, dict(runs), OrderedDict(), bodies, None)
-        assert [[i for i, *_ in taken] for _, taken in got["groups"]] == [[0, 1], [2]]
+        assert [[m["run_id"] for m in group] for group in got["groups"]] == [["r0", "r1"], ["r0"]]
+        assert [entry[0] for entry in got["decided"]] == [0, 1, 2]
         assert got["later"] == [3]  # not live here
         assert got["answers"] == [("r0", (1, PROPOSALS[0], False, None, None))]
 

@@ -1280,7 +1280,8 @@ class GatewayService:
                 run_ids if type(run_ids) is list else list(run_ids),
                 bodies if type(bodies) is list else list(bodies),
                 principal,
-                self._decide_taken,
+                self._submit_taken,
+                self._refused,
                 verdicts,
                 later,
                 decided,
@@ -1299,32 +1300,32 @@ class GatewayService:
             self.waiting -= count
         return [v for v in verdicts if v is not None]
 
-    def _decide_taken(
+    def _submit_taken(self, msgs: list[Propose]) -> list[Verdict | Exception]:
+        """Decide ``msgs`` at once: each one's verdict, or the error it was refused with."""
+        try:
+            return self.supervisor.submit_many_nowait(msgs)
+        except trio.ClosedResourceError as exc:
+            return [exc] * len(msgs)
+
+    def _refused(
         self,
-        msgs: list[Propose],
         taken: list[tuple[int, str, _Answer | None, int]],
-        decided: list[tuple[int, Verdict, _Answer | None, int]],
+        at: int,
+        error: Exception,
         verdicts: list[VerdictOut | None],
     ) -> None:
-        """Decide ``msgs`` (``taken``: each one's index, run, answer and seq before) at
-        once; each verdict goes to ``decided``, each refusal to ``verdicts`` as its problem."""
+        """``taken[at]`` (its index, run, answer and seq before) was refused with ``error``:
+        its problem goes to ``verdicts``, its answer fails."""
+        index, run_id, answer, _ = taken[at]
         try:
-            results: list[Verdict | Exception] = self.supervisor.submit_many_nowait(msgs)
-        except trio.ClosedResourceError as exc:
-            results = [exc] * len(msgs)
-        for (index, run_id, answer, before), result in zip(taken, results, strict=True):
-            if isinstance(result, Exception):
-                try:
-                    error = _translate(result)
-                except BaseException:  # an error no problem says: no answer is left pending
-                    for _, other, pending, _ in taken:
-                        if pending is not None and not pending.settled:
-                            self._fail(other, pending, _interrupted())
-                    raise
-                self._fail(run_id, answer, error)
-                verdicts[index] = _item_problem(run_id, error)
-            else:
-                decided.append((index, result, answer, before))
+            problem = _translate(error)
+        except BaseException:  # an error no problem says: no answer is left pending
+            for _, other, pending, _ in taken:
+                if pending is not None and not pending.settled:
+                    self._fail(other, pending, _interrupted())
+            raise
+        self._fail(run_id, answer, problem)
+        verdicts[index] = _item_problem(run_id, problem)
 
     async def _answer_decided(
         self,
@@ -1730,16 +1731,18 @@ def _take_proposals_py(
     run_ids: list[str],
     bodies: list[ProposalIn] | list[VerifyItem],
     principal: PrincipalLike | None,
-    decide: Callable[..., None],
+    submit: Callable[[list[Propose]], list[Verdict | Exception]],
+    refused: Callable[..., None],
     verdicts: list[VerdictOut | None],
     later: list[int],
     decided: list[tuple[int, Verdict, _Answer | None, int]],
 ) -> None:
     """:meth:`GatewayService.verify_many`'s pass over a batch's items.
 
-    Each proposal of a live external run at its seq is decided by ``decide``
-    (:meth:`GatewayService._decide_taken`: its verdict goes to ``decided``, a refusal to
-    ``verdicts``) together with the others, a run's second proposal of the batch only
+    Each proposal of a live external run at its seq is decided by ``submit``
+    (:meth:`GatewayService._submit_taken`) together with the others (its verdict goes to
+    ``decided``; a refusal to ``refused``, :meth:`GatewayService._refused`, which puts its
+    problem in ``verdicts``), a run's second proposal of the batch only
     after its first (what it is checked against); its answer is remembered in
     ``answers`` first, for a retry to find. The index of every other item (a repeat of a
     recorded answer, a stale seq, a run not live here) goes to ``later``; an item the key
@@ -1761,7 +1764,7 @@ def _take_proposals_py(
             later.append(index)
             continue
         if run_id in taking:
-            decide(msgs, taken, decided, verdicts)
+            _decide_group(submit, refused, msgs, taken, decided, verdicts)
             msgs, taken = [], []
             taking.clear()
         answer: _Answer | None = None
@@ -1802,7 +1805,26 @@ def _take_proposals_py(
         taken.append((index, run_id, answer, run.seq))
         taking.add(run_id)
     if msgs:
-        decide(msgs, taken, decided, verdicts)
+        _decide_group(submit, refused, msgs, taken, decided, verdicts)
+
+
+def _decide_group(
+    submit: Callable[[list[Propose]], list[Verdict | Exception]],
+    refused: Callable[..., None],
+    msgs: list[Propose],
+    taken: list[tuple[int, str, _Answer | None, int]],
+    decided: list[tuple[int, Verdict, _Answer | None, int]],
+    verdicts: list[VerdictOut | None],
+) -> None:
+    results = submit(msgs)
+    if len(results) != len(taken):  # pragma: no cover - a bug in the supervisor
+        raise RuntimeError(f"{len(results)} verdicts for {len(taken)} proposals")
+    for at, result in enumerate(results):
+        if isinstance(result, Exception):
+            refused(taken, at, result, verdicts)
+        else:
+            index, _, answer, before = taken[at]
+            decided.append((index, result, answer, before))
 
 
 def _settle_from_py(
