@@ -18,11 +18,13 @@ between.
 """
 
 from cpython cimport array
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_SetItem
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.type cimport PyType_IsSubtype
+from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 import array as _arrays
@@ -1654,3 +1656,134 @@ def settle_from(
             answer.settle()
         verdicts[index] = out
     return count
+
+
+# -- the gateway's channel: a batch's passes --------------------------------------------
+
+cdef object _ChannelRequest = None
+cdef object _ChannelAnswer = None
+cdef object _answer_encode_into = None
+cdef Py_ssize_t _CR_ID = -1, _CR_RUN_ID = -1, _CR_BODY = -1
+cdef object _DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def bind_channel(namespace):
+    """Take what a channel batch's passes need from ``interlock.gateway._channel`` (which
+    imports this module)."""
+    global _ChannelRequest, _ChannelAnswer, _answer_encode_into, _CR_ID, _CR_RUN_ID, _CR_BODY
+    answer = namespace._Answer
+    # frame_verdicts writes an answer's map itself: {id, body}, as msgspec writes it
+    if answer.__struct_fields__ != ("id", "body", "problem") or not (
+        answer.__struct_config__.omit_defaults
+    ):  # pragma: no cover - a twin changed alone
+        raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+    _ChannelAnswer = answer
+    _ChannelRequest = namespace.ChannelRequest
+    _answer_encode_into = namespace._ENCODE_INTO
+    _CR_ID = _offset(_ChannelRequest, "id")
+    _CR_RUN_ID = _offset(_ChannelRequest, "run_id")
+    _CR_BODY = _offset(_ChannelRequest, "body")
+
+
+def take_bodies(list requests, decode, refuse, list taken, list run_ids, list bodies):
+    """``_channel._take_bodies_py`` (the same arguments and results), compiled."""
+    cdef bint exact
+    for request in requests:
+        exact = type(request) is _ChannelRequest
+        try:
+            body = decode(_field(request, _CR_BODY if exact else -1, "body"))
+        except _DECODE_ERRORS as exc:
+            refuse(request, exc)
+            continue
+        run_id = _field(request, _CR_RUN_ID if exact else -1, "run_id")
+        if run_id is None:  # pragma: no cover - the reader batches proposals of a run only
+            raise AssertionError("a proposal of no run in a batch")
+        taken.append(request)
+        run_ids.append(run_id)
+        bodies.append(body)
+
+
+cdef inline Py_ssize_t _put_uint(unsigned char* at, unsigned long long value) noexcept:
+    """``value`` as msgpack writes a non-negative int (its shortest form); its length."""
+    if value < 128:
+        at[0] = <unsigned char>value
+        return 1
+    if value < 256:
+        at[0] = 0xcc
+        at[1] = <unsigned char>value
+        return 2
+    cdef Py_ssize_t size, i
+    if value < 65536:
+        at[0] = 0xcd
+        size = 2
+    elif value < 4294967296:
+        at[0] = 0xce
+        size = 4
+    else:
+        at[0] = 0xcf
+        size = 8
+    for i in range(size):
+        at[size - i] = <unsigned char>(value >> (8 * i))
+    return size + 1
+
+
+def frame_verdicts(bytearray out, list requests, list verdicts, put):
+    """``_channel._frame_verdicts_py`` (the same arguments, the same bytes in ``out``),
+    compiled: an answer with a verdict is framed here, its map (``{id, body}``, as
+    msgspec writes an ``_Answer`` with no problem) written around the verdict's own
+    encoding; any other answer goes to ``put``."""
+    cdef Py_ssize_t index, count = len(requests), start, size, length
+    cdef unsigned char prefix[24]
+    cdef unsigned char* data
+    cdef long long request_id
+    if len(verdicts) != count:  # pragma: no cover - zip(strict=True) in the twin
+        raise ValueError("as many verdicts as requests")
+    for index in range(count):
+        request = requests[index]
+        verdict = verdicts[index]
+        ident = _field(request, _CR_ID if type(request) is _ChannelRequest else -1, "id")
+        problem = verdict.problem
+        if problem is not None or type(ident) is not int or not 0 <= ident < 2**63:
+            if problem is not None:
+                put(_ChannelAnswer(id=ident, problem=problem))
+            else:
+                put(_ChannelAnswer(id=ident, body=verdict))
+            continue
+        request_id = ident
+        # the frame's length (written last), then the map's header, "id", the id, "body"
+        prefix[0] = prefix[1] = prefix[2] = prefix[3] = 0
+        prefix[4] = 0x82
+        prefix[5] = 0xa2
+        prefix[6] = 0x69  # i
+        prefix[7] = 0x64  # d
+        length = 8 + _put_uint(prefix + 8, <unsigned long long>request_id)
+        prefix[length] = 0xa4
+        memcpy(prefix + length + 1, b"body", 4)
+        length += 5
+        start = PyByteArray_GET_SIZE(out)
+        PyByteArray_Resize(out, start + length)
+        memcpy(PyByteArray_AS_STRING(out) + start, prefix, length)
+        try:
+            _answer_encode_into(verdict, out, -1)
+        except Exception:  # pragma: no cover - put explains what could not be encoded
+            PyByteArray_Resize(out, start)
+            put(_ChannelAnswer(id=ident, body=verdict))
+            continue
+        size = PyByteArray_GET_SIZE(out) - start - 4
+        data = <unsigned char*>PyByteArray_AS_STRING(out) + start
+        data[0] = <unsigned char>(size >> 24)
+        data[1] = <unsigned char>(size >> 16)
+        data[2] = <unsigned char>(size >> 8)
+        data[3] = <unsigned char>size
+
+
+def release_runs(list requests, dict runs, schedule):
+    """``_channel._release_runs_py`` (the same arguments and effects), compiled."""
+    for request in requests:
+        run_id = _field(request, _CR_RUN_ID if type(request) is _ChannelRequest else -1, "run_id")
+        if run_id is None:  # pragma: no cover - the reader batches proposals of a run only
+            raise AssertionError("a proposal of no run in a batch")
+        if runs[run_id]:
+            schedule(run_id)
+        else:
+            del runs[run_id]

@@ -81,3 +81,18 @@ def settle_from(
     steps_of: Callable[[Any], frozenset[str]],
     reconciling: set[tuple[str, str]],
 ) -> int: ...
+def bind_channel(namespace: ModuleType) -> None: ...
+def take_bodies(
+    requests: list[Any],
+    decode: Callable[[Any], Any],
+    refuse: Callable[[Any, Exception], None],
+    taken: list[Any],
+    run_ids: list[str],
+    bodies: list[Any],
+) -> None: ...
+def frame_verdicts(
+    out: bytearray, requests: list[Any], verdicts: list[Any], put: Callable[[Any], None]
+) -> None: ...
+def release_runs(
+    requests: list[Any], runs: dict[str, Any], schedule: Callable[[str], None]
+) -> None: ...

@@ -314,3 +314,120 @@ def test_settling_stops_at_a_run_that_reached_a_step_state() -> None:
         assert got["verdicts"][0]["state"] == "B"
         assert got["answers"][0][2] is True
         assert got["answers"][1][2] is False
+
+
+# -- the channel's passes over a batch ------------------------------------------------------
+
+from collections import deque  # noqa: E402
+
+from interlock.gateway import _channel  # noqa: E402
+from interlock.gateway._api import Problem, VerdictOut  # noqa: E402
+
+
+def framer(out: bytearray) -> Any:
+    """What _Connection._put does: one answer framed into ``out``."""
+
+    def put(answer: Any) -> None:
+        start = len(out)
+        out.extend(bytes(4))
+        _channel._ENCODE_INTO(answer, out, -1)
+        _channel.HEADER.pack_into(out, start, len(out) - start - 4)
+
+    return put
+
+
+ids = st.one_of(
+    st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]),
+    st.integers(0, 2**63 - 1),
+)
+verdicts_out = st.builds(
+    VerdictOut,
+    run_id=st.text(max_size=40),
+    accepted=st.booleans(),
+    outcome=st.sampled_from(["running", "completed", ""]),
+    state=st.text(max_size=20),
+    seq=st.integers(-1, 2**40),
+    key=st.one_of(st.none(), st.text(max_size=10)),
+    args=st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63))),
+    retry_in=st.floats(allow_nan=False),
+    problem=st.one_of(
+        st.none(),
+        st.none(),
+        st.builds(
+            Problem,
+            type=st.just("t"),
+            title=st.just("T"),
+            status=st.just(409),
+            detail=st.text(max_size=20),
+        ),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(answers=st.lists(st.tuples(ids, verdicts_out), max_size=8), before=st.binary(max_size=20))
+def test_the_compiled_framing_writes_the_bytes_its_twin_writes(
+    answers: list[tuple[int, VerdictOut]], before: bytes
+) -> None:
+    requests = [_channel.ChannelRequest(id=i, op="propose", run_id="r") for i, _ in answers]
+    verdicts = [v for _, v in answers]
+    outs = []
+    for impl in (compiled.frame_verdicts, _channel._frame_verdicts_py):
+        out = bytearray(before)
+        impl(out, requests, verdicts, framer(out))
+        outs.append(bytes(out))
+    assert outs[0] == outs[1]
+    # and they read back as the answers: {id, body} or {id, problem}
+    payloads, pos = [], len(before)
+    while pos < len(outs[0]):
+        (size,) = _channel.HEADER.unpack_from(outs[0], pos)
+        payloads.append(msgspec.msgpack.decode(outs[0][pos + 4 : pos + 4 + size]))
+        pos += 4 + size
+    assert [p["id"] for p in payloads] == [i for i, _ in answers]
+
+
+def test_the_compiled_passes_take_and_release_a_batch_as_their_twins_do() -> None:
+    good = msgspec.msgpack.encode({"proposal": '{"next":"B"}', "expected_seq": 3})
+    requests = [
+        _channel.ChannelRequest(id=1, op="propose", run_id="a", body=msgspec.Raw(good)),
+        _channel.ChannelRequest(id=2, op="propose", run_id="b", body=msgspec.Raw(b"\x01")),
+        _channel.ChannelRequest(id=3, op="propose", run_id="c", body=msgspec.Raw(b"\xc1")),
+        _channel.ChannelRequest(id=4, op="propose", run_id="d", body=msgspec.Raw(good)),
+    ]
+    results = []
+    for take_bodies, release in (
+        (compiled.take_bodies, compiled.release_runs),
+        (_channel._take_bodies_py, _channel._release_runs_py),
+    ):
+        taken: list[Any] = []
+        run_ids: list[str] = []
+        bodies: list[Any] = []
+        refused: list[Any] = []
+
+        def refuse(request: Any, exc: Exception, refused: list[Any] = refused) -> None:
+            refused.append((request.id, type(exc).__name__, str(exc)))
+
+        take_bodies(
+            requests,
+            _channel._DECODE_PROPOSAL,
+            refuse,
+            taken,
+            run_ids,
+            bodies,
+        )
+        runs: dict[str, Any] = {
+            "a": deque(),
+            "b": deque([requests[0]]),
+            "c": deque(),
+            "d": deque(["x"]),
+        }
+        scheduled: list[str] = []
+        release(requests, runs, scheduled.append)
+        results.append(([r.id for r in taken], run_ids, bodies, refused, sorted(runs), scheduled))
+    assert results[0] == results[1]
+    taken_ids, run_ids, bodies, refused, left, scheduled = results[0]
+    assert taken_ids == [1, 4]
+    assert run_ids == ["a", "d"]
+    assert [r[0] for r in refused] == [2, 3]
+    assert left == ["b", "d"]
+    assert scheduled == ["b", "d"]

@@ -34,6 +34,7 @@ import logging
 import os
 import stat
 import struct
+import sys
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Final
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import msgspec
 import trio
 
+from .._view import DECIDE_IMPLEMENTATION
 from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
 from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
@@ -549,57 +551,45 @@ class _Connection:
 
         NOTE: the service decides a batch in one task and waits for one durable write,
         where single proposals would take a task wake-up each; the answers are the same,
-        and all of them go into the writer's buffer at once.
+        and all of them go into the writer's buffer at once. The passes over the batch
+        (bodies decoded, answers framed, runs released) are compiled where the decide
+        path is (see _take_bodies, _frame_verdicts, _release_runs).
         """
         taken: list[ChannelRequest] = []
         run_ids: list[str] = []
         bodies: list[ProposalIn] = []
-        decode = _DECODE_PROPOSAL
         try:
-            for request in requests:
-                try:
-                    body = decode(request.body)
-                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                    self._queue(
-                        _Answer(id=request.id, problem=_bad_body("propose", exc).problem()),
-                        slot=True,
-                    )
-                    continue
-                assert request.run_id is not None
-                taken.append(request)
-                run_ids.append(request.run_id)
-                bodies.append(body)
+            _take_bodies(requests, _DECODE_PROPOSAL, self._bad_proposal, taken, run_ids, bodies)
             if bodies:
-                self._queue_all(await self._verify_items(taken, run_ids, bodies))
+                await self._verify_items(taken, run_ids, bodies)
         finally:
             # each run's later requests (read while the batch was decided) go on, in order
-            runs = self.runs
-            for request in requests:
-                run_id = request.run_id
-                assert run_id is not None
-                if runs[run_id]:
-                    self._schedule(run_id, self.nursery)  # type: ignore[arg-type]
-                else:
-                    del runs[run_id]
+            _release_runs(requests, self.runs, self._reschedule)
+
+    def _bad_proposal(self, request: ChannelRequest, exc: Exception) -> None:
+        self._queue(_Answer(id=request.id, problem=_bad_body("propose", exc).problem()), slot=True)
+
+    def _reschedule(self, run_id: str) -> None:
+        self._schedule(run_id, self.nursery)  # type: ignore[arg-type]
 
     async def _verify_items(
         self, requests: list[ChannelRequest], run_ids: list[str], bodies: list[ProposalIn]
-    ) -> list[_Answer]:
+    ) -> None:
+        """Verify ``bodies`` as one batch and queue each request's answer, in order."""
         try:
             verdicts = await self.service.verify_many(run_ids, bodies, self.principal)
             if len(verdicts) != len(bodies):  # pragma: no cover - a bug in the service
                 raise RuntimeError(f"{len(verdicts)} verdicts for {len(bodies)} proposals")
         except GatewayError as exc:
-            return [_Answer(id=r.id, problem=exc.problem()) for r in requests]
+            self._queue_all([_Answer(id=r.id, problem=exc.problem()) for r in requests])
+            return
         except Exception:  # a bug: answered, logged, and the connection goes on
             log.exception("channel: a batch of %d proposals failed", len(bodies))
-            return [_Answer(id=r.id, problem=_INTERNAL) for r in requests]
-        return [
-            _Answer(id=r.id, problem=v.problem)
-            if v.problem is not None
-            else _Answer(id=r.id, body=v)
-            for r, v in zip(requests, verdicts, strict=True)
-        ]
+            self._queue_all([_Answer(id=r.id, problem=_INTERNAL) for r in requests])
+            return
+        _frame_verdicts(self.out, requests, verdicts, self._put)
+        self.out_answers += len(requests)
+        self.wake_writer.wake()
 
     async def _one(self, request: ChannelRequest) -> None:
         try:
@@ -842,3 +832,74 @@ async def serve_channel(
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+# -- a batch's passes, compiled where the decide path is ------------------------------------
+
+
+def _take_bodies_py(
+    requests: list[ChannelRequest],
+    decode: Callable[[Any], ProposalIn],
+    refuse: Callable[[ChannelRequest, Exception], None],
+    taken: list[ChannelRequest],
+    run_ids: list[str],
+    bodies: list[ProposalIn],
+) -> None:
+    """Decode each proposal's body: the request, its run and its body go to ``taken``,
+    ``run_ids`` and ``bodies``; a body that is not a proposal to ``refuse``. The
+    pure-Python twin of the compiled ``take_bodies`` (ext/_decide.pyx)."""
+    for request in requests:
+        try:
+            body = decode(request.body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            refuse(request, exc)
+            continue
+        assert request.run_id is not None
+        taken.append(request)
+        run_ids.append(request.run_id)
+        bodies.append(body)
+
+
+def _frame_verdicts_py(
+    out: bytearray,
+    requests: list[ChannelRequest],
+    verdicts: list[Any],
+    put: Callable[[_Answer], None],
+) -> None:
+    """Each request's answer: its verdict, or the problem that says why it got none,
+    framed into ``out`` (``put``, :meth:`_Connection._put`, frames one). The pure-Python
+    twin of the compiled ``frame_verdicts`` (ext/_decide.pyx), which writes the same bytes."""
+    for request, verdict in zip(requests, verdicts, strict=True):
+        problem = verdict.problem
+        if problem is not None:
+            put(_Answer(id=request.id, problem=problem))
+        else:
+            put(_Answer(id=request.id, body=verdict))
+
+
+def _release_runs_py(
+    requests: list[ChannelRequest],
+    runs: dict[str, deque[ChannelRequest]],
+    schedule: Callable[[str], None],
+) -> None:
+    """Each request's run goes on with its requests read meanwhile, or is idle again. The
+    pure-Python twin of the compiled ``release_runs`` (ext/_decide.pyx)."""
+    for request in requests:
+        run_id = request.run_id
+        assert run_id is not None
+        if runs[run_id]:
+            schedule(run_id)
+        else:
+            del runs[run_id]
+
+
+_take_bodies = _take_bodies_py
+_frame_verdicts = _frame_verdicts_py
+_release_runs = _release_runs_py
+if DECIDE_IMPLEMENTATION == "compiled":
+    from .. import _decide
+
+    _decide.bind_channel(sys.modules[__name__])
+    _take_bodies = _decide.take_bodies
+    _frame_verdicts = _decide.frame_verdicts
+    _release_runs = _decide.release_runs
