@@ -254,8 +254,21 @@ cdef Py_ssize_t _V_RETRY_IN = _offset(Verdict, "retry_in")
 
 def slot_offsets():
     """The fields this module reads from their slots, and each one's offset (-1: read by
-    name): for the tests, which check that none falls back."""
-    return {
+    name): for the tests, which check that none falls back. (The gateway's, the channel's
+    and the gate's are there once their modules are imported: they bind theirs.)"""
+    bound = {}
+    if _ProposalIn is not None:
+        for i, name in enumerate(("expected_seq", "proposal", "usage", "model")):
+            bound[f"ProposalIn.{name}"] = _PI_OFFSETS[i]
+            bound[f"VerifyItem.{name}"] = _VI_OFFSETS[i]
+        bound["_Answer.event"] = _A_EVENT
+    if _ChannelRequest is not None:
+        bound.update({"ChannelRequest.id": _CR_ID, "ChannelRequest.run_id": _CR_RUN_ID,
+                      "ChannelRequest.body": _CR_BODY})
+    if _Envelope is not None:
+        bound.update({"_Envelope.next": _ENV_NEXT, "_Envelope.tool": _ENV_TOOL,
+                      "_Envelope.data": _ENV_DATA})
+    return bound | {
         "Event.run_id": _E_RUN_ID, "Event.seq": _E_SEQ, "Event.ts": _E_TS,
         "ModelCalled.usage": _MC_USAGE, "ModelCalled.raw": _MC_RAW,
         "ModelCalled.state": _MC_STATE, "ModelCalled.model": _MC_MODEL,
@@ -1488,6 +1501,15 @@ cdef object _usage = None
 cdef object _VerdictOut = None
 cdef object _verdict_out = None
 cdef tuple _AGENT = ("agent",)
+# the fields of a batch's items (ProposalIn from the channel, VerifyItem from POST
+# /v1/verify): [expected_seq, proposal, usage, model] of each class
+cdef object _ProposalIn = None
+cdef object _VerifyItem = None
+cdef Py_ssize_t _PI_OFFSETS[4]
+cdef Py_ssize_t _VI_OFFSETS[4]
+cdef Py_ssize_t _NO_OFFSETS[4]
+_NO_OFFSETS[:] = [-1, -1, -1, -1]
+cdef Py_ssize_t _A_SETTLED = -1, _A_EVENT = -1
 
 
 def bind_gateway(namespace):
@@ -1504,6 +1526,15 @@ def bind_gateway(namespace):
     _usage = namespace._usage
     _VerdictOut = namespace.VerdictOut
     _verdict_out = namespace.verdict_out
+    global _ProposalIn, _VerifyItem, _A_SETTLED, _A_EVENT
+    _ProposalIn = namespace.ProposalIn
+    _VerifyItem = namespace.VerifyItem
+    cdef Py_ssize_t i
+    for i, name in enumerate(("expected_seq", "proposal", "usage", "model")):
+        _PI_OFFSETS[i] = _offset(_ProposalIn, name)
+        _VI_OFFSETS[i] = _offset(_VerifyItem, name)
+    _A_SETTLED = _offset(_Answer, "settled")
+    _A_EVENT = _offset(_Answer, "event")
 
 
 cdef extern from "Python.h":
@@ -1541,9 +1572,17 @@ def take_proposals(
     cdef set taking = set()
     cdef PyObject* found
     cdef RunState run
+    cdef Py_ssize_t* offsets
     for index in range(count):
         run_id = run_ids[index]
         item = bodies[index]
+        kind = type(item)
+        if kind is _ProposalIn:
+            offsets = &_PI_OFFSETS[0]
+        elif kind is _VerifyItem:
+            offsets = &_VI_OFFSETS[0]
+        else:
+            offsets = &_NO_OFFSETS[0]
         found = PyDict_GetItem(runs, run_id)
         if found is NULL:
             later.append(index)
@@ -1567,8 +1606,8 @@ def take_proposals(
         if not run.external:
             verdicts[index] = _item_problem(run_id, _hosted(run_id))
             continue
-        expected = item.expected_seq
-        proposal = item.proposal
+        expected = _field(item, offsets[0], "expected_seq")
+        proposal = _field(item, offsets[1], "proposal")
         if expected is not None:
             known = answers.get(run_id)
             if known is not None and known.seq == expected and known.proposal == proposal:
@@ -1581,14 +1620,14 @@ def take_proposals(
             answers[run_id] = answer
             if known is not None:
                 answers.move_to_end(run_id)
-        usage = item.usage
+        usage = _field(item, offsets[2], "usage")
         msgs.append(
             Propose(
                 run_id=run_id,
                 seq=expected or 0,
                 raw=proposal,
                 usage=_NO_USAGE if usage is None else _usage(usage),
-                model=item.model,
+                model=_field(item, offsets[3], "model"),
             )
         )
         taken.append((index, run_id, answer, run.seq))
@@ -1653,7 +1692,11 @@ def settle_from(
                 reconciling.add((run_id, reconcile.key))
         if answer is not None:
             answer.verdict = out
-            answer.settle()
+            # _Answer.settle, inline: settled, and whoever waits woken
+            answer.settled = True
+            event = _field(answer, _A_EVENT if type(answer) is _Answer else -1, "event")
+            if event is not None:
+                event.set()
         verdicts[index] = out
     return count
 
