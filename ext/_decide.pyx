@@ -264,7 +264,7 @@ def slot_offsets():
         bound["_Answer.event"] = _A_EVENT
     if _ChannelRequest is not None:
         bound.update({"ChannelRequest.id": _CR_ID, "ChannelRequest.run_id": _CR_RUN_ID,
-                      "ChannelRequest.body": _CR_BODY})
+                      "ChannelRequest.body": _CR_BODY, "ChannelRequest.op": _CR_OP})
     if _Envelope is not None:
         bound.update({"_Envelope.next": _ENV_NEXT, "_Envelope.tool": _ENV_TOOL,
                       "_Envelope.data": _ENV_DATA})
@@ -1706,8 +1706,11 @@ def settle_from(
 cdef object _ChannelRequest = None
 cdef object _ChannelAnswer = None
 cdef object _answer_encode_into = None
-cdef Py_ssize_t _CR_ID = -1, _CR_RUN_ID = -1, _CR_BODY = -1
+cdef Py_ssize_t _CR_ID = -1, _CR_RUN_ID = -1, _CR_BODY = -1, _CR_OP = -1
 cdef object _DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+cdef object _decode_request = None
+cdef object _deque = None
+cdef int _FRAMES_DONE = 0, _FRAMES_FULL = 1, _FRAMES_BAD_SIZE = 2
 
 
 def bind_channel(namespace):
@@ -1726,6 +1729,66 @@ def bind_channel(namespace):
     _CR_ID = _offset(_ChannelRequest, "id")
     _CR_RUN_ID = _offset(_ChannelRequest, "run_id")
     _CR_BODY = _offset(_ChannelRequest, "body")
+    global _CR_OP, _decode_request, _deque, _FRAMES_DONE, _FRAMES_FULL, _FRAMES_BAD_SIZE
+    _CR_OP = _offset(_ChannelRequest, "op")
+    _decode_request = namespace._DECODE_REQUEST
+    _deque = namespace.deque
+    _FRAMES_DONE = namespace._DONE
+    _FRAMES_FULL = namespace._FULL
+    _FRAMES_BAD_SIZE = namespace._BAD_SIZE
+
+
+def take_frames(conn, bytes data, Py_ssize_t pos, take, nursery):
+    """``_channel._take_frames_py`` (the same arguments, results and effects), compiled,
+    with ``_Connection._take``'s first branch inline: a proposal of a run, on a connection
+    with a key and no rate limit, is queued behind its run's requests, or batched if the
+    run is idle, with no Python frame; any other frame goes to ``take``."""
+    cdef Py_ssize_t end = len(data), size
+    cdef Py_ssize_t max_frame = conn.max_frame, max_in_flight = conn.max_in_flight
+    cdef Py_ssize_t in_flight = conn.in_flight
+    cdef const unsigned char* at
+    cdef const unsigned char* start = <const unsigned char*>(<char*>data)
+    cdef bint fast = conn.principal is not None and conn.rate_limiter is None
+    cdef dict runs = conn.runs
+    cdef PyObject* found
+    batch = conn.batch
+    while end - pos >= 4:
+        at = start + pos
+        size = (<Py_ssize_t>at[0] << 24) | (<Py_ssize_t>at[1] << 16) | (<Py_ssize_t>at[2] << 8) | at[3]
+        if size > max_frame or size == 0:
+            conn.in_flight = in_flight
+            return pos, _FRAMES_BAD_SIZE, size
+        if end - pos - 4 < size:
+            break
+        if in_flight >= max_in_flight:
+            conn.in_flight = in_flight
+            return pos, _FRAMES_FULL, 0
+        payload = data[pos + 4 : pos + 4 + size]
+        pos += 4 + size
+        if fast:
+            try:
+                request = _decode_request(payload)
+            except msgspec.DecodeError:
+                request = None
+            if request is not None and type(request) is _ChannelRequest:
+                run_id = _field(request, _CR_RUN_ID, "run_id")
+                if _field(request, _CR_OP, "op") == "propose" and run_id:
+                    in_flight += 1
+                    found = PyDict_GetItem(runs, run_id)
+                    if found is not NULL:
+                        (<object>found).append(request)
+                    else:
+                        runs[run_id] = _deque()
+                        batch.append(request)
+                    continue
+        conn.in_flight = in_flight
+        take(payload, nursery)
+        in_flight = conn.in_flight
+        runs = conn.runs
+        batch = conn.batch
+        fast = conn.principal is not None and conn.rate_limiter is None
+    conn.in_flight = in_flight
+    return pos, _FRAMES_DONE, 0
 
 
 def take_bodies(list requests, decode, refuse, list taken, list run_ids, list bodies):

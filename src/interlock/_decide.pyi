@@ -96,3 +96,6 @@ def frame_verdicts(
 def release_runs(
     requests: list[Any], runs: dict[str, Any], schedule: Callable[[str], None]
 ) -> None: ...
+def take_frames(
+    conn: Any, data: bytes, pos: int, take: Callable[[bytes, Any], None], nursery: Any
+) -> tuple[int, int, int]: ...

@@ -431,3 +431,103 @@ def test_the_compiled_passes_take_and_release_a_batch_as_their_twins_do() -> Non
     assert [r[0] for r in refused] == [2, 3]
     assert left == ["b", "d"]
     assert scheduled == ["b", "d"]
+
+
+class Keyring:
+    """A server with no keys: every connection is the anonymous principal at once."""
+
+    open = True
+
+    def __init__(self, keys: bool) -> None:
+        self.open = not keys
+
+    def authenticate(self, header: str | None) -> Any:
+        return Principal(frozenset(MACHINES))
+
+
+class Nursery:
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start_soon(self, fn: Any, *args: Any) -> None:
+        self.started.append(fn.__name__)
+
+
+def frame(body: bytes) -> bytes:
+    return _channel.HEADER.pack(len(body)) + body
+
+
+def request_frame(i: int, op: str, run_id: str | None, body: Any = None) -> bytes:
+    return frame(
+        msgspec.msgpack.encode(
+            {"id": i, "op": op, **({"run_id": run_id} if run_id is not None else {}), "body": body}
+        )
+    )
+
+
+frames = st.lists(
+    st.one_of(
+        st.builds(
+            request_frame,
+            st.integers(0, 99),
+            st.sampled_from(["propose", "propose", "propose", "get_run", "nope", "report"]),
+            st.one_of(st.none(), st.sampled_from(["", "r1", "r2", "r3"])),
+            st.just({"proposal": '{"next":"B"}'}),
+        ),
+        st.binary(min_size=1, max_size=6).map(frame),  # not a request
+        st.just(b"\x00\x00\x00\x00"),  # a length of 0
+        st.just(b"\x7f\x00\x00\x00"),  # a length past max_frame
+    ),
+    max_size=12,
+).map(b"".join)
+
+
+def connection(keys: bool, max_in_flight: int) -> Any:
+    return _channel._Connection(
+        None,  # type: ignore[arg-type]  (no frame here reaches the service)
+        None,  # type: ignore[arg-type]
+        Keyring(keys),  # type: ignore[arg-type]
+        max_in_flight,
+        1 << 16,
+        1.0,
+        None,
+    )
+
+
+def connection_state(conn: Any) -> Any:
+    return (
+        {run_id: [r.id for r in queue] for run_id, queue in conn.runs.items()},
+        [r.id for r in conn.batch],
+        conn.in_flight,
+        bytes(conn.out),
+        [getattr(item, "id", item) for item in conn.ready],
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=frames,
+    cut=st.integers(0, 40),
+    keys=st.booleans(),
+    max_in_flight=st.integers(1, 6),
+)
+def test_the_compiled_reader_takes_frames_as_its_twin_does(
+    data: bytes, cut: int, keys: bool, max_in_flight: int
+) -> None:
+    data = data[: len(data) - cut] if cut < len(data) else data  # a frame cut short, at times
+    results = []
+    for impl in (compiled.take_frames, _channel._take_frames_py):
+        conn, nursery = connection(keys, max_in_flight), Nursery()
+        steps = []
+        pos, status = 0, _channel._FULL
+        while status == _channel._FULL:
+            try:
+                pos, status, size = impl(conn, data, pos, conn._take, nursery)
+            except _channel._Closing as closing:  # a frame before the key's hello
+                steps.append(("closing", closing.problem.status, closing.request_id))
+                break
+            steps.append((pos, status, size))
+            if status == _channel._FULL:
+                conn.in_flight = 0  # the answers went out: the reader goes on
+        results.append((steps, connection_state(conn), nursery.started))
+    assert results[0] == results[1]

@@ -314,22 +314,20 @@ class _Connection:
                 data = bytes(partial)
                 partial = bytearray()
             pos = 0
-            end = len(data)
-            while end - pos >= 4:
-                (size,) = unpack(data, pos)
-                if size > max_frame or size == 0:
+            while True:
+                # the whole frames of data, compiled where the decide path is (see
+                # _take_frames_py); it stops at the frame that would pass max_in_flight
+                pos, status, size = _take_frames(self, data, pos, take, nursery)
+                if status == _BAD_SIZE:
                     raise _Closing(self._bad_size(size))
-                if end - pos - 4 < size:
+                if status != _FULL:
                     break
-                payload = data[pos + 4 : pos + 4 + size]
-                pos += 4 + size
                 while self.in_flight >= max_in_flight:
                     # NOTE: back-pressure: stop reading until an answer is sent, so the
                     # client's socket fills and its writes wait
                     self._flush_batch()
                     await self.slot_freed.wait()
-                take(payload, nursery)
-            if pos < end:
+            if pos < len(data):
                 partial += memoryview(data)[pos:]
 
     def _bad_size(self, size: int) -> Problem:
@@ -836,6 +834,39 @@ async def serve_channel(
 
 # -- a batch's passes, compiled where the decide path is ------------------------------------
 
+#: What _take_frames says: no whole frame left; the next frame would pass max_in_flight;
+#: the next frame's length is 0 or past max_frame.
+_DONE, _FULL, _BAD_SIZE = 0, 1, 2
+
+
+def _take_frames_py(
+    conn: _Connection,
+    data: bytes,
+    pos: int,
+    take: Callable[[bytes, trio.Nursery], None],
+    nursery: trio.Nursery,
+) -> tuple[int, int, int]:
+    """Take the whole frames of ``data`` from ``pos`` on (``take``,
+    :meth:`_Connection._take`, each): ``(pos, status, size)``, where ``pos`` is past the
+    last frame taken and ``status`` says why it stopped (:data:`_DONE`, :data:`_FULL`, or
+    :data:`_BAD_SIZE` with the length ``size`` the frame at ``pos`` announced). The
+    pure-Python twin of the compiled ``take_frames`` (ext/_decide.pyx), which takes a
+    proposal of a run the way ``_take``'s first branch does, without the call."""
+    end = len(data)
+    max_frame = conn.max_frame
+    unpack = HEADER.unpack_from
+    while end - pos >= 4:
+        (size,) = unpack(data, pos)
+        if size > max_frame or size == 0:
+            return pos, _BAD_SIZE, size
+        if end - pos - 4 < size:
+            break
+        if conn.in_flight >= conn.max_in_flight:
+            return pos, _FULL, 0
+        take(data[pos + 4 : pos + 4 + size], nursery)
+        pos += 4 + size
+    return pos, _DONE, 0
+
 
 def _take_bodies_py(
     requests: list[ChannelRequest],
@@ -893,6 +924,7 @@ def _release_runs_py(
             del runs[run_id]
 
 
+_take_frames = _take_frames_py
 _take_bodies = _take_bodies_py
 _frame_verdicts = _frame_verdicts_py
 _release_runs = _release_runs_py
@@ -900,6 +932,7 @@ if DECIDE_IMPLEMENTATION == "compiled":
     from .. import _decide
 
     _decide.bind_channel(sys.modules[__name__])
+    _take_frames = _decide.take_frames
     _take_bodies = _decide.take_bodies
     _frame_verdicts = _decide.frame_verdicts
     _release_runs = _decide.release_runs
