@@ -320,6 +320,18 @@ def test_check_bind(host, loopback, caplog):
         check_bind(" ", keyed)
 
 
+def test_serving_open_is_said_once_per_key_ring(caplog):
+    """The gateway and its channel check their binds with one key ring: one warning."""
+    ring = KeyRing()
+    with caplog.at_level(logging.WARNING, logger="interlock.gateway"):
+        check_bind("127.0.0.1", ring)
+        check_bind("unix:/tmp/channel.sock", ring)
+        check_bind("::1", KeyRing())
+    assert caplog.text.count("no API key configured") == 2
+    with pytest.raises(ValueError, match=r"^refusing to serve on "):
+        check_bind("10.0.0.5", ring)  # warned or not, an open ring stays on loopback
+
+
 # ---- limits, bucket, quota, routes ----------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ operator must see the run before resuming it. Nothing implies ``agent`` or ``ope
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -154,7 +155,7 @@ class KeyRing:
     principal with every role, and :func:`check_bind` keeps the server on loopback.
     """
 
-    __slots__ = ("_by_digest", "principals")
+    __slots__ = ("_by_digest", "_warned_open", "principals")
 
     def __init__(self, entries: Iterable[tuple[bytes, Principal]] = ()) -> None:
         """Args:
@@ -180,6 +181,7 @@ class KeyRing:
             by_digest[digest] = (digest, principal)
             names.add(principal.name)
         self._by_digest = by_digest
+        self._warned_open = False  # check_bind said once that it serves open
         #: The configured principals, by name.
         self.principals: Mapping[str, Principal] = {p.name: p for _, p in by_digest.values()}
 
@@ -407,8 +409,12 @@ def check_bind(host: str, keyring: KeyRing) -> None:
             f"drive runs; set INTERLOCK_API_KEY (one key, every role) or INTERLOCK_API_KEYS_FILE "
             f"(a keys file), or bind to 127.0.0.1"
         )
+    if getattr(keyring, "_warned_open", False):
+        return  # said once per key ring: the gateway and its channel share one
     log.warning(
         "no API key configured: serving on %s (loopback only) and every request has every role; "
         "set INTERLOCK_API_KEY or INTERLOCK_API_KEYS_FILE to require keys",
         host,
     )
+    with contextlib.suppress(AttributeError):
+        keyring._warned_open = True
