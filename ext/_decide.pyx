@@ -292,6 +292,47 @@ def slot_offsets():
     }
 
 
+# -- a machine's facts, looked up once -------------------------------------------------
+
+cdef class _Facts:
+    """The attributes of one machine the decide path reads per proposal, read once: a
+    machine is frozen once built (its ``__post_init__`` sets them), so they never change."""
+
+    cdef object machine
+    cdef object success  # frozenset of the success states
+    cdef object tables
+    cdef object data_validators
+    cdef object on_breaker
+    cdef object gate_plans
+    cdef object tokens, steps, deadline  # the budgets
+
+
+# NOTE: one entry, the last machine asked about: a batch is of one machine or a few, and
+# the check is one identity comparison. (It keeps that one machine alive.)
+cdef _Facts _last_facts = None
+
+
+cdef _Facts _facts_of(machine):
+    """``machine``'s facts (see _Facts)."""
+    global _last_facts
+    cdef _Facts facts = _last_facts
+    if facts is not None and facts.machine is machine:
+        return facts
+    facts = _Facts.__new__(_Facts)
+    facts.machine = machine
+    facts.success = machine.success_states
+    facts.tables = machine.tables
+    facts.data_validators = machine.data_validators
+    facts.on_breaker = machine.on_breaker
+    facts.gate_plans = machine.gate_plans
+    budgets = machine.budgets
+    facts.tokens = budgets.tokens
+    facts.steps = budgets.steps
+    facts.deadline = budgets.deadline
+    _last_facts = facts
+    return facts
+
+
 cdef class RunState:
     """Everything the supervisor knows of one run; rebuilt by folding its events.
 
@@ -564,7 +605,7 @@ cdef class RunState:
         if _field(event, _T_BY_REFERENCE, "delta_in_proposal"):
             delta = _proposal_data(self.run_id, seq, self.proposal_raw)
         self.proposal_raw = ""
-        if dst in self.machine.success_states:
+        if dst in _facts_of(self.machine).success:
             self._final_delta = delta
         self.previous = src
         self.state = dst
@@ -582,12 +623,12 @@ cdef class RunState:
 
 cdef inline bint _terminal(machine, str state) except -1:
     """``Machine.is_terminal``, inline."""
-    return state in machine.success_states or state == ESCALATE or state == FAILED
+    return state in _facts_of(machine).success or state == ESCALATE or state == FAILED
 
 
 cdef inline str _outcome(machine, str state):
     """``Machine.outcome``, inline."""
-    if state in machine.success_states:
+    if state in _facts_of(machine).success:
         return "completed"
     if state == ESCALATE:
         return "escalated"
@@ -700,7 +741,7 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     encoded = raw.encode()
     if not _within_budgets(run, machine, now):
         return _decided(run, msg, _verify(machine, run, encoded, now, circuits), raw, now, events)
-    plan = machine.gate_plans.get(state) or _plan(machine, state)
+    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
     accepted = _accept_call(run, machine, plan, encoded, now, circuits)
     if type(accepted) is tuple:
         call, builtins, value, call_hash = <tuple>accepted
@@ -752,14 +793,15 @@ cdef object _accept_move(
     raw_data = _field(envelope, _ENV_DATA, "data")
     if scan_json(encoded) is not None:
         return None
-    tables = machine.tables
+    cdef _Facts facts = _facts_of(machine)
+    tables = facts.tables
     target_id = tables.state_id(target)
     if tables.check_transition(tables.state_id(state), target_id) != _OK:
         return None
     # The machine's own string for the state (equal to the one decoded): a run's states
     # are then the same few objects, which the counters' label caches find by identity.
     target = tables.states[target_id]
-    cdef PyObject* validator = PyDict_GetItem(machine.data_validators, state)
+    cdef PyObject* validator = PyDict_GetItem(facts.data_validators, state)
     if validator is NULL:
         # ``_gate._move_data`` for a state with no data schema, inline: the data as a
         # JSON object the journal can hold, or None for the Python gate to explain
@@ -775,7 +817,7 @@ cdef object _accept_move(
         if violations:
             return None
     reason = (
-        "fallback" if machine.on_breaker == state and _is_fallback(machine, state) else "proposal"
+        "fallback" if facts.on_breaker == state and _is_fallback(machine, state) else "proposal"
     )
     cdef long long seq = run.seq + 1
     if len(raw) >= _DELTA_BY_REFERENCE and data and _proposal_data(run.run_id, seq, raw) == data:
@@ -842,10 +884,10 @@ cdef object _decided(RunState run, msg, decision, raw, double now, list events):
 cdef inline bint _within_budgets(RunState run, machine, double now) except -1:
     """Whether no budget of the run is exhausted (``_breakers.check_budgets`` finds none);
     an exhausted one is the Python gate's to explain."""
-    budgets = machine.budgets
-    if run.tokens > budgets.tokens or run.steps > budgets.steps:
+    cdef _Facts facts = _facts_of(machine)
+    if run.tokens > facts.tokens or run.steps > facts.steps:
         return False
-    return not (now - run.started_ts > budgets.deadline)
+    return not (now - run.started_ts > facts.deadline)
 
 
 cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, circuits):
