@@ -1750,7 +1750,7 @@ def _take_proposals_py(
     machines the key may propose for are checked once per machine, not once per item.
 
     The pure-Python twin of the compiled ``take_proposals`` (ext/_decide.pyx);
-    tests/test_gateway_batch.py holds the two to the same results.
+    tests/hot/test_gateway_batch.py holds the two to the same results.
     """
     allowed: set[str] = set()
     msgs: list[Propose] = []
