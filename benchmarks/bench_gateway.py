@@ -874,6 +874,21 @@ def _load(server: Server, kind: str, **config: Any) -> dict[str, Any]:
     return row
 
 
+def _channel_load(
+    server: Server, connections: int, runs: int, seconds: float, **config: Any
+) -> dict[str, Any]:
+    """The channel's load on ``server``: ``runs`` runs on each of ``connections``."""
+    return _load(
+        server,
+        "channel",
+        channel=server.channel,
+        connections=connections,
+        runs=runs,
+        seconds=seconds,
+        **config,
+    )
+
+
 def has_gateway() -> bool:
     return importlib.util.find_spec("interlock.gateway._serve") is not None
 
@@ -976,14 +991,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
                         "gateway", str(tmp / f"channel-{conns}-{round_index}.db")
                     ) as server:
                         channel_rounds[(conns, runs)].append(
-                            _load(
-                                server,
-                                "channel",
-                                channel=server.channel,
-                                connections=conns,
-                                runs=runs,
-                                seconds=seconds,
-                            )
+                            _channel_load(server, conns, runs, seconds)
                         )
         for batch, taken in batch_rounds.items():
             rows.append(
@@ -1025,24 +1033,9 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             conns, runs = CHANNEL[level][-1]
             timings = tmp / "decide.json"
             with running("gateway-timed", str(tmp / "timed.db"), str(timings)) as server:
-                timed = _load(
-                    server,
-                    "channel",
-                    channel=server.channel,
-                    connections=conns,
-                    runs=runs,
-                    seconds=seconds,
-                    profile=True,
-                )
+                timed = _channel_load(server, conns, runs, seconds, profile=True)
             with running("gateway", ":memory:") as server:
-                memory = _load(
-                    server,
-                    "channel",
-                    channel=server.channel,
-                    connections=conns,
-                    runs=runs,
-                    seconds=seconds,
-                )
+                memory = _channel_load(server, conns, runs, seconds)
             memory["kind"] = "channel_memory"  # not journaled: never counted for the goal
             rows.append(
                 {
