@@ -444,6 +444,46 @@ async def test_a_bug_deciding_one_proposal_of_a_batch_ends_that_run_only(
     assert kinds(await journal(db, "bug")).count("intent_recorded") == 0
 
 
+async def test_a_batch_that_fails_whole_leaves_no_answer_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug that fails a whole batch (here the supervisor's, on its second group) leaves
+    none of its answers pending, neither those decided before it nor its own group's: a
+    retry of each proposal is decided afresh instead of waiting forever."""
+    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+
+    store = await open_sqlite_store(str(tmp_path / "j.db"))
+    async with open_supervisor([shop()], store) as supervisor:
+        service = GatewayService(supervisor)
+        run, _ = await service.create_run(RunCreate(machine="shop", run_id="w-1", mode="external"))
+        other, _ = await service.create_run(
+            RunCreate(machine="shop", run_id="w-2", mode="external")
+        )
+        submit = supervisor.submit_many_nowait
+        groups = []
+
+        def failing(msgs: Any) -> Any:
+            groups.append(len(msgs))
+            if len(groups) == 2:
+                raise ZeroDivisionError("a bug in the supervisor")
+            return submit(msgs)
+
+        monkeypatch.setattr(supervisor, "submit_many_nowait", failing)
+        first = ProposalIn(proposal=BAD, expected_seq=run.seq)  # rejected: its seq goes on
+        second = ProposalIn(proposal=CHARGE, expected_seq=run.seq + 2)  # the second group
+        third = ProposalIn(proposal=CHARGE, expected_seq=other.seq)
+        with pytest.raises(ZeroDivisionError):
+            await service.verify_many(["w-1", "w-2", "w-1"], [first, third, second])
+        assert groups == [2, 1]
+        pending = [a for a in service._answers.values() if not a.settled]
+        assert pending == []
+        monkeypatch.setattr(supervisor, "submit_many_nowait", submit)
+        with trio.fail_after(30):  # the retries are not waiting on the failed batch
+            again = await service.verify_many(["w-2", "w-1"], [third, second])
+        assert [v.accepted for v in again] == [True, True]
+    await store.aclose()
+
+
 async def test_a_batch_answers_repeats_steps_and_ends_of_runs(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
     async with gateway([shop(), checkout()], db) as (server, client):

@@ -1274,18 +1274,22 @@ class GatewayService:
             answers = self._answers
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
-            _take_proposals(
-                self.supervisor._runs,
-                answers,
-                run_ids if type(run_ids) is list else list(run_ids),
-                bodies if type(bodies) is list else list(bodies),
-                principal,
-                self._submit_taken,
-                self._refused,
-                verdicts,
-                later,
-                decided,
-            )
+            try:
+                _take_proposals(
+                    self.supervisor._runs,
+                    answers,
+                    run_ids if type(run_ids) is list else list(run_ids),
+                    bodies if type(bodies) is list else list(bodies),
+                    principal,
+                    self._submit_taken,
+                    self._refused,
+                    verdicts,
+                    later,
+                    decided,
+                )
+            except BaseException:  # the batch fails whole: no answer is left pending
+                self._fail_pending(decided, run_ids)
+                raise
             while len(answers) > ANSWERS_KEPT:
                 answers.popitem(last=False)
             if later:
@@ -1301,10 +1305,12 @@ class GatewayService:
         return [v for v in verdicts if v is not None]
 
     def _submit_taken(self, msgs: list[Propose]) -> list[Verdict | Exception]:
-        """Decide ``msgs`` at once: each one's verdict, or the error it was refused with."""
+        """Decide ``msgs`` at once: each one's verdict, or the error it was refused with
+        (all of them, if the supervisor refused the whole group: closed, or a bug, which
+        :meth:`_refused` raises once their answers are failed)."""
         try:
             return self.supervisor.submit_many_nowait(msgs)
-        except trio.ClosedResourceError as exc:
+        except Exception as exc:
             return [exc] * len(msgs)
 
     def _refused(
@@ -1337,10 +1343,16 @@ class GatewayService:
         try:
             await self._settle_decided(decided, run_ids, verdicts)
         except BaseException:  # cancelled: the answers not given are never left pending
-            for index, _, answer, _ in decided:
-                if answer is not None and not answer.settled:
-                    self._fail(run_ids[index], answer, _interrupted())
+            self._fail_pending(decided, run_ids)
             raise
+
+    def _fail_pending(
+        self, decided: list[tuple[int, Verdict, _Answer | None, int]], run_ids: Sequence[str]
+    ) -> None:
+        """The answers of ``decided`` not given yet fail (a retry is decided afresh)."""
+        for index, _, answer, _ in decided:
+            if answer is not None and not answer.settled:
+                self._fail(run_ids[index], answer, _interrupted())
 
     async def _settle_decided(
         self,
