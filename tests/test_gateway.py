@@ -449,7 +449,9 @@ async def test_a_batch_that_fails_whole_leaves_no_answer_pending(
 ) -> None:
     """A bug that fails a whole batch (here the supervisor's, on its second group) leaves
     none of its answers pending, neither those decided before it nor its own group's: a
-    retry of each proposal is decided afresh instead of waiting forever."""
+    retry of each proposal gets the journal's answer or is decided afresh, instead of
+    waiting forever."""
+    from interlock._messages import Sync
     from interlock.gateway import GatewayService, ProposalIn, RunCreate
 
     store = await open_sqlite_store(str(tmp_path / "j.db"))
@@ -478,9 +480,10 @@ async def test_a_batch_that_fails_whole_leaves_no_answer_pending(
         pending = [a for a in service._answers.values() if not a.settled]
         assert pending == []
         monkeypatch.setattr(supervisor, "submit_many_nowait", submit)
+        await supervisor.request(Sync(run_id="w-2"))  # the first group's events are durable
         with trio.fail_after(30):  # the retries are not waiting on the failed batch
             again = await service.verify_many(["w-2", "w-1"], [third, second])
-        assert [v.accepted for v in again] == [True, True]
+        assert [v.accepted for v in again] == [True, True], again
     await store.aclose()
 
 
