@@ -257,8 +257,13 @@ def test_quick_peers_compares_completed_runs_of_every_workload(quick_run: QuickR
         assert row["steps_per_s"] > 0, row
         if row["tool"]:  # interlock: the store flushed at least once per run
             assert row["flushes_per_step"] >= 1 / peers.STEPS, row
-        if "fsyncs_per_step" in row:  # with synchronous=FULL every step reaches the disk
-            assert row["fsyncs_per_step"] > 0, row
+        if "fsyncs_per_step" in row:
+            # NOTE: what is always true of a measurement: with synchronous=FULL each counted
+            # child fsyncs at least once. The per-step figure is a difference of two counts and
+            # is 0.0 when no extra flush falls in the larger run's window (a read-only tool's
+            # steps share group commits), so it is only required to be a number. (issue 32)
+            assert all(count >= 1 for count in row["fsyncs"]), row
+            assert isinstance(row["fsyncs_per_step"], float), row
     if shutil.which("strace") is not None:  # a quick run counts the first row's
         assert "fsyncs_per_step" in section["durable"][0], section["durable"][0]
     rows = section["concurrency"]
