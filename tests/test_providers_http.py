@@ -442,3 +442,34 @@ async def test_a_long_malformed_call_goes_back_with_where_its_json_breaks(kind: 
     [(_name, refused)] = calls_in(bodies[1])
     assert refused["defect_at_byte"] == at
     assert refused["near_defect"].endswith('xxx", "qty": NaN}')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_structured_reply_cut_at_the_limit_names_its_json_defect(stream: bool) -> None:
+    """A structured-output answer cut at the output limit is rejected naming what keeps
+    its text from being JSON and where, counted in the model's own text (#32)."""
+    one = Machine(
+        "one",
+        initial="ANSWER",
+        states={"ANSWER": Worker(next=["COMPLETED"])},
+        tools=[Tool("lookup", lookup, Lookup, read_only=True)],
+    )
+    cut = '{"next": "COMPLETED", "data": {"answer": [40, 4'
+    replies = [
+        Reply(text=cut, finish="length"),
+        Reply(text='{"next": "COMPLETED", "data": {"answer": 40}}', finish="stop"),
+    ]
+    store = MemoryStore()
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = OpenAIChat("m", base_url=fake.openai_base_url, output="json_schema")
+        provider.stream = stream
+        async with provider, open_supervisor([one], store, provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("one", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    rejected = next(e for e in await store.load("r-1") if isinstance(e, ProposalRejected))
+    assert [v.message for v in rejected.violations] == [
+        "the reply was cut at the output limit (finish_reason 'length') before it was whole; "
+        f"proposal is cut off: the text ends at byte {len(cut)}, in data.answer[1], "
+        "before the JSON is complete"
+    ]

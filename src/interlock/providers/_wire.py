@@ -26,6 +26,7 @@ import msgspec
 
 from .._events import TokenUsage, Violation
 from .._exceptions import MachineDefinitionError
+from .._gate import json_defect
 from .._hotpath import scan_json
 
 if TYPE_CHECKING:
@@ -633,6 +634,13 @@ def envelope(message: str, hint: str) -> Violation:
 
 
 ONE_TOOL_HINT = "answer with exactly one tool call: a tool allowed here, or the transition"
+
+
+def with_defect(message: str, text: str) -> str:
+    """``message`` and, when the model's answer ``text`` is not one JSON value, what
+    keeps it from being one and where, in the gate's words (offsets count in ``text``)."""
+    found = json_defect(text.encode("utf-8", "replace")) if text else None
+    return message if found is None else f"{message}; {found.message}"
 
 
 def clip(text: str, limit: int = 200) -> str:
