@@ -497,6 +497,11 @@ def test_a_proposal_the_agent_wrote_keeps_offsets_from_its_first_byte() -> None:
     assert rejected(verify(MACHINE, run_in(), bad_name, 1000.0))[0][2] == (
         'proposal is not valid JSON: invalid escape at byte 13 (in tool): \'\\\\q","args":{}}\''
     )
+    # a second "tool" after the args is the proposal's duplicate key, whoever wrote it
+    smuggled = native(b'{"order_id": "o1"}, "tool": "refund"')
+    assert rejected(verify(MACHINE, run_in(), smuggled, 1000.0)) == [
+        _duplicate("tool", "tool", "$")
+    ]
     open_end = b'{"tool":"lookup_order","args":{"order_id": NaN'
     assert rejected(verify(MACHINE, run_in(), open_end, 1000.0))[0][2] == (
         "proposal is not valid JSON: expected a value at byte 43 (in args.order_id): 'NaN'"

@@ -607,19 +607,26 @@ def json_defect(raw: bytes) -> Violation | None:
     tool call (``{"tool":NAME,"args":ARGUMENTS}``, written without spaces, as a
     provider splices the model's arguments in) whose defect is past that start is
     described within ``ARGUMENTS``: "at byte 33 of args", counted from the first byte
-    of the args, which is where that text starts whoever wrote the rest.
+    of the args, which is where that text starts whoever wrote the rest. One defect
+    stays the whole proposal's: a key named twice at its top level (``"tool"`` again
+    after the args), which no reading may hide.
     """
     defect = scan_json(raw)
     if defect is None:
         return None
+    code, offset, path = defect
     wrapper = _WRAPPER.match(raw)
-    if wrapper is not None and raw[-1:] == b"}" and defect[1] >= wrapper.end():
+    if (
+        wrapper is not None
+        and raw[-1:] == b"}"
+        and offset >= wrapper.end()
+        and not (code == hot.JSON_DUPLICATE_KEY and len(path) == 1)
+    ):
         text = raw[wrapper.end() : -1]
         inner = scan_json(text)
         if inner is not None:
-            code, offset, path = inner
-            return _unreadable(text, code, offset, ("args", *path), args=True)
-    return _unreadable(raw, *defect)
+            return _unreadable(text, inner[0], inner[1], ("args", *inner[2]), args=True)
+    return _unreadable(raw, code, offset, path)
 
 
 def _unreadable(
