@@ -473,3 +473,16 @@ async def test_a_structured_reply_cut_at_the_limit_names_its_json_defect(stream:
         f"proposal is cut off: the text ends at byte {len(cut)}, in data.answer[1], "
         "before the JSON is complete"
     ]
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_an_extra_call_goes_back_bounded_too(kind: str) -> None:
+    """A second call in a turn is never run: past the limit it goes back as an excerpt,
+    beside the first call, which was accepted and goes back whole (#32)."""
+    big = '{"order_id": "' + "q" * 1_100_000 + '"}'
+    two = Reply(calls=[("lookup", '{"order_id": "o1"}'), ("lookup", big)], usage=USAGE)
+    bodies = await requests_of(kind, [two])
+    assert len(bodies[1]) < 20_000
+    first, extra = calls_in(bodies[1])[:2]
+    assert first == ("lookup", {"order_id": "o1"})
+    assert extra[1]["size_bytes"] == len(big)
