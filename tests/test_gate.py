@@ -410,6 +410,104 @@ def test_malformed(raw: bytes, path: str, message: str, hint: str) -> None:
     assert decision.trip is None
 
 
+ARGS_HINT = (
+    "send the args as exactly one JSON object, as the tool's parameters say; "
+    "no Markdown fences, no trailing commas"
+)
+
+
+def native(arguments: bytes) -> bytes:
+    """The proposal a provider makes of a native call of lookup_order (``_wire.to_raw``)."""
+    return b'{"tool":"lookup_order","args":' + arguments + b"}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message", "hint"),
+    [
+        pytest.param(
+            b'{"order_id": "o1", "qty": NaN}',
+            "args is not valid JSON: expected a value at byte 26 of args (in args.qty): 'NaN}'",
+            ARGS_HINT,
+            id="nan",
+        ),
+        pytest.param(
+            b'{"order_id": "o1"',
+            "args is cut off: the text ends at byte 17 of args, in args.order_id, "
+            "before the JSON is complete",
+            "send the whole args, with every string, array and object closed",
+            id="cut-after-a-value",
+        ),
+        pytest.param(
+            b'{"order_id": "o',
+            "args is cut off: the text ends at byte 15 of args, in args.order_id, "
+            "before the JSON is complete",
+            "send the whole args, with every string, array and object closed",
+            id="cut-in-a-string",
+        ),
+        pytest.param(
+            b'{"order_id": "o1"} Done.',
+            "args has text after its JSON value, at byte 19 of args: 'Done.'",
+            ARGS_HINT,
+            id="text-after",
+        ),
+        pytest.param(
+            b'{"order_id": "o1"}}',
+            "args has text after its JSON value, at byte 18 of args: '}'",
+            ARGS_HINT,
+            id="one-brace-too-many",
+        ),
+        pytest.param(b"", "empty args", ARGS_HINT, id="empty"),
+        pytest.param(
+            b'```json\n{"order_id": "o1"}\n```',
+            'args is not JSON: it starts with \'```json\\n{"order_id": "o1"}\\n```\'',
+            ARGS_HINT,
+            id="fenced",
+        ),
+        pytest.param(
+            b'{"order_id": "\\q"}',
+            "args is not valid JSON: invalid escape at byte 14 of args (in args.order_id): "
+            "'\\\\q\"}'",
+            'escape only \\" \\\\ \\/ \\b \\f \\n \\r \\t and \\uXXXX in a string',
+            id="bad-escape",
+        ),
+    ],
+)
+def test_a_native_calls_defect_is_placed_in_its_own_args(
+    arguments: bytes, message: str, hint: str
+) -> None:
+    """A provider splices a native call's arguments into ``{"tool":NAME,"args":...}``:
+    offsets count from the first byte of those arguments and quotes stop at their end,
+    never at the wrapper's closing brace (#32: a NaN at byte 26 of the arguments was
+    said to be at byte 50)."""
+    decision = verify(MACHINE, run_in(), native(arguments), 1000.0)
+    assert rejected(decision) == [("malformed", "$", message, hint)]
+    if "NaN" in message:  # the offset points at the defect in the model's own text
+        assert arguments[26:29] == b"NaN"
+
+
+def test_a_proposal_the_agent_wrote_keeps_offsets_from_its_first_byte() -> None:
+    """What is not a spliced call (spaces after the colons, a defect in the tool's name,
+    a text that does not end with the closing brace) is placed in the whole text, which
+    its writer wrote."""
+    spaced = b'{"tool": "lookup_order", "args": {"order_id": "o1", "qty": NaN}}'
+    assert rejected(verify(MACHINE, run_in(), spaced, 1000.0))[0][2] == (
+        "proposal is not valid JSON: expected a value at byte 59 (in args.qty): 'NaN}}'"
+    )
+    bad_name = b'{"tool":"look\\q","args":{}}'
+    assert rejected(verify(MACHINE, run_in(), bad_name, 1000.0))[0][2] == (
+        'proposal is not valid JSON: invalid escape at byte 13 (in tool): \'\\\\q","args":{}}\''
+    )
+    # a second "tool" after the args is the proposal's duplicate key, whoever wrote it
+    smuggled = native(b'{"order_id": "o1"}, "tool": "refund"')
+    assert rejected(verify(MACHINE, run_in(), smuggled, 1000.0)) == [
+        _duplicate("tool", "tool", "$")
+    ]
+    open_end = b'{"tool":"lookup_order","args":{"order_id": NaN'
+    assert rejected(verify(MACHINE, run_in(), open_end, 1000.0))[0][2] == (
+        "proposal is not valid JSON: expected a value at byte 43 (in args.order_id): 'NaN'"
+    )
+
+
 def _duplicate(path: str, key: str, inside: str) -> tuple[str, str, str, str]:
     return (
         "malformed",

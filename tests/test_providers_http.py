@@ -12,6 +12,8 @@ import pytest
 import trio
 
 from interlock import (
+    BreakerPolicy,
+    Budgets,
     Machine,
     ProviderPolicy,
     Tool,
@@ -343,3 +345,144 @@ async def test_structured_output_in_one_state_and_tools_in_another() -> None:
     assert "with STATE one of COMPLETED." in system
     with pytest.raises(Exception, match="output must be 'tools' or 'json_schema'"):
         OpenAIChat("m", base_url=fake.openai_base_url, output={"ANSWER": "xml"})
+
+
+def roomy() -> Machine:
+    """The shop with room for many rejections in a row and megabytes of tokens."""
+    return Machine(
+        "shop",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup"])},
+        tools=[Tool("lookup", lookup, Lookup, read_only=True)],
+        breakers=BreakerPolicy(consecutive_failures=6),
+        budgets=Budgets(tokens=10**9),
+    )
+
+
+USAGE = (10, 10, 0, 0)
+
+
+def huge(fill: str) -> Reply:
+    """A call of 1.1 MB: over the gate's cap (256 KiB), refused unread."""
+    return Reply(calls=[("lookup", '{"order_id": "' + fill * 1_100_000 + '"}')], usage=USAGE)
+
+
+async def requests_of(kind: str, replies: list[Reply]) -> list[bytes]:
+    """The exact request bodies of a run of the roomy shop, as the fake received them."""
+    replies = [*replies, Reply(calls=LOOKUP.calls, usage=USAGE), Reply(calls=DONE.calls)]
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = PROVIDERS[kind](fake)
+        async with provider, open_supervisor([roomy()], MemoryStore(), provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    return [msgspec.json.encode(request.body) for request in fake.requests]
+
+
+def calls_in(body: bytes) -> list[tuple[str, Any]]:
+    """The calls of the conversation a request body holds, in any of the three APIs:
+    ``(name, arguments)``, the arguments decoded (they are JSON in each shape)."""
+    request = msgspec.json.decode(body)
+    found: list[tuple[str, Any]] = []
+    for item in request.get("messages") or request.get("input") or ():
+        if item.get("type") == "function_call":  # Responses
+            found.append((item["name"], msgspec.json.decode(item["arguments"])))
+        for call in item.get("tool_calls") or ():  # Chat Completions
+            function = call["function"]
+            found.append((function["name"], msgspec.json.decode(function["arguments"])))
+        content = item.get("content")
+        for block in content if isinstance(content, list) else ():  # Messages
+            if block.get("type") == "tool_use":
+                found.append((block["name"], block["input"]))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_a_refused_call_goes_back_as_an_excerpt_not_whole(kind: str) -> None:
+    """A 1.1 MB call the gate refused goes back as a bounded excerpt of itself (its
+    size, its start and end) beside the rejection, in every later request; an accepted
+    call goes back as the model sent it (#32: each later request was 1.1 MB again)."""
+    schema = Reply(calls=[("lookup", '{"order": "o1"}')], usage=USAGE)  # another mistake
+    bodies = await requests_of(kind, [huge("x"), schema])
+    assert len(bodies) == 4
+    for body in bodies[1:]:
+        assert len(body) < 20_000
+    assert "over the cap of 262,144 bytes" in bodies[2].decode()  # the defect
+    refused, small, accepted = calls_in(bodies[3])
+    assert refused[1]["size_bytes"] == 1_100_016  # what the model sent
+    assert refused[1]["start"].startswith('{"order_id": "xxx')
+    assert refused[1]["end"].endswith('xxx"}')
+    assert small == ("lookup", {"order": "o1"})  # a small rejected call goes back whole
+    assert accepted == ("lookup", {"order_id": "o1"})
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_rejections_with_one_signature_go_back_as_one_summary(kind: str) -> None:
+    """Three refused calls in a row with the same signature are one step of the
+    conversation: the latest call, bounded, answered by the summary (#32)."""
+    bodies = await requests_of(kind, [huge("x"), huge("y"), huge("z")])
+    fourth = bodies[3]
+    assert len(fourth) < 20_000
+    assert fourth.decode().count("3 attempts rejected: proposal is 1,100,041 bytes") == 1
+    [(_name, refused)] = calls_in(fourth)
+    assert refused["start"].startswith('{"order_id": "zzz')
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages-stream"])
+async def test_a_long_malformed_call_goes_back_with_where_its_json_breaks(kind: str) -> None:
+    """Past the excerpt's limit, a rejected call goes back with the byte its JSON first
+    breaks at and the text around it; the rejection counts that byte in the model's own
+    arguments, not in interlock's wrapper (#32)."""
+    arguments = '{"order_id": "' + "x" * 3000 + '", "qty": NaN}'
+    at = arguments.index("NaN")
+    bodies = await requests_of(kind, [Reply(calls=[("lookup", arguments)], usage=USAGE)])
+    assert len(bodies[1]) < 20_000
+    message = f"expected a value at byte {at} of args (in args.qty): 'NaN}}'"
+    assert message in bodies[1].decode()
+    [(_name, refused)] = calls_in(bodies[1])
+    assert refused["defect_at_byte"] == at
+    assert refused["near_defect"].endswith('xxx", "qty": NaN}')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_structured_reply_cut_at_the_limit_names_its_json_defect(stream: bool) -> None:
+    """A structured-output answer cut at the output limit is rejected naming what keeps
+    its text from being JSON and where, counted in the model's own text (#32)."""
+    one = Machine(
+        "one",
+        initial="ANSWER",
+        states={"ANSWER": Worker(next=["COMPLETED"])},
+        tools=[Tool("lookup", lookup, Lookup, read_only=True)],
+    )
+    cut = '{"next": "COMPLETED", "data": {"answer": [40, 4'
+    replies = [
+        Reply(text=cut, finish="length"),
+        Reply(text='{"next": "COMPLETED", "data": {"answer": 40}}', finish="stop"),
+    ]
+    store = MemoryStore()
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = OpenAIChat("m", base_url=fake.openai_base_url, output="json_schema")
+        provider.stream = stream
+        async with provider, open_supervisor([one], store, provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("one", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    rejected = next(e for e in await store.load("r-1") if isinstance(e, ProposalRejected))
+    assert [v.message for v in rejected.violations] == [
+        "the reply was cut at the output limit (finish_reason 'length') before it was whole; "
+        f"proposal is cut off: the text ends at byte {len(cut)}, in data.answer[1], "
+        "before the JSON is complete"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_an_extra_call_goes_back_bounded_too(kind: str) -> None:
+    """A second call in a turn is never run: past the limit it goes back as an excerpt,
+    beside the first call, which was accepted and goes back whole (#32)."""
+    big = '{"order_id": "' + "q" * 1_100_000 + '"}'
+    two = Reply(calls=[("lookup", '{"order_id": "o1"}'), ("lookup", big)], usage=USAGE)
+    bodies = await requests_of(kind, [two])
+    assert len(bodies[1]) < 20_000
+    first, extra = calls_in(bodies[1])[:2]
+    assert first == ("lookup", {"order_id": "o1"})
+    assert extra[1]["size_bytes"] == len(big)

@@ -21,7 +21,7 @@ from interlock import (
     Worker,
 )
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
-from interlock.providers._wire import parse_raw, to_raw
+from interlock.providers._wire import EXCERPT_LIMIT, excerpt, parse_raw, to_raw
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -444,3 +444,22 @@ def test_a_body_follows_the_providers_settings_when_they_change() -> None:
             for done, set_value in list(changes.items())[: list(changes).index(name) + 1]:
                 setattr(fresh, done, set_value)
             assert provider.request_body(view, specs) == fresh.request_body(RunView(run), specs)
+
+
+def test_an_excerpt_is_bounded_json_and_cuts_no_character() -> None:
+    """What goes back in place of a long rejected call: a JSON object (every API takes
+    it as arguments) of a bounded size, the same for the same arguments (#32)."""
+    short = '{"order_id": "o1", "qty": NaN}'
+    assert excerpt(short) is short  # short enough: the model's own text
+    long = '{"note": "' + "é" * 3000 + '", "qty": NaN}'
+    shown = excerpt(long)
+    assert shown == excerpt(long)
+    assert len(shown.encode()) < 2 * EXCERPT_LIMIT
+    fields = msgspec.json.decode(shown)
+    assert fields["size_bytes"] == len(long.encode())
+    assert fields["start"].startswith('{"note": "éé')  # whole characters only
+    assert fields["end"].endswith('éé", "qty": NaN}')
+    assert long.encode()[fields["defect_at_byte"] :].startswith(b"NaN")
+    assert fields["near_defect"].endswith('é", "qty": NaN}')
+    valid = '{"note": "' + "x" * 3000 + '"}'
+    assert "defect_at_byte" not in msgspec.json.decode(excerpt(valid))

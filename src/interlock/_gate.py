@@ -285,9 +285,9 @@ def _verify(
     """The two-pass path, within the budgets and the cap: the exact reading of the bytes,
     the envelope with raw args, then the args; every rejection."""
     decision = Decision()
-    defect = scan_json(raw)
-    if defect is not None:
-        return _reject(decision, _unreadable(raw, *defect))
+    violation = json_defect(raw)
+    if violation is not None:
+        return _reject(decision, violation)
     tables = machine.tables
     state_id = tables.state_id(run.state)
     try:
@@ -554,7 +554,11 @@ def _move_data(
 
 _QUOTED = 40  # characters of the text quoted in a message, at most
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_CUT_HINT = "send the whole proposal, with every string, array and object closed"
+_CUT_HINT = "send the whole {}, with every string, array and object closed"
+_ARGS_HINT = (
+    "send the args as exactly one JSON object, as the tool's parameters say; "
+    "no Markdown fences, no trailing commas"
+)
 _SYNTAX: dict[int, tuple[str, str]] = {
     # code: (what is wrong at "byte N (in PATH)", the hint)
     hot.JSON_EXPECTED_VALUE: ("expected a value", _SHAPE_HINT),
@@ -590,8 +594,46 @@ def _oversized(size: int, cap: int, state: str) -> Violation:
     )
 
 
-def _unreadable(raw: bytes, code: int, offset: int, path: tuple[str | int, ...]) -> Violation:
-    """The violation for the first defect ``scan_json`` found in ``raw``."""
+#: The start of a provider's proposal for a native tool call (``providers._wire.to_raw``):
+#: ``{"tool":NAME,"args":`` then the model's own arguments text, then ``}``.
+_WRAPPER = re.compile(rb'\{"tool":"(?:[^"\\]|\\.)*","args":')
+
+
+def json_defect(raw: bytes) -> Violation | None:
+    """The violation for the first defect that keeps ``raw`` from reading as one JSON
+    value (see ``scan_json``), or None when it reads as one.
+
+    Offsets and quotes refer to the text its writer wrote. A proposal made of a native
+    tool call (``{"tool":NAME,"args":ARGUMENTS}``, written without spaces, as a
+    provider splices the model's arguments in) whose defect is past that start is
+    described within ``ARGUMENTS``: "at byte 33 of args", counted from the first byte
+    of the args, which is where that text starts whoever wrote the rest. One defect
+    stays the whole proposal's: a key named twice at its top level (``"tool"`` again
+    after the args), which no reading may hide.
+    """
+    defect = scan_json(raw)
+    if defect is None:
+        return None
+    code, offset, path = defect
+    wrapper = _WRAPPER.match(raw)
+    if (
+        wrapper is not None
+        and raw[-1:] == b"}"
+        and offset >= wrapper.end()
+        and not (code == hot.JSON_DUPLICATE_KEY and len(path) == 1)
+    ):
+        text = raw[wrapper.end() : -1]
+        inner = scan_json(text)
+        if inner is not None:
+            return _unreadable(text, inner[0], inner[1], ("args", *inner[2]), args=True)
+    return _unreadable(raw, code, offset, path)
+
+
+def _unreadable(
+    raw: bytes, code: int, offset: int, path: tuple[str | int, ...], args: bool = False
+) -> Violation:
+    """The violation for the first defect ``scan_json`` found in ``raw``: the whole
+    proposal, or (``args``) a call's args on their own, offsets counted from their start."""
     where = _where(path)
     if code == hot.JSON_DUPLICATE_KEY:
         key, inside = _key(path[-1]), _where(path[:-1])
@@ -601,35 +643,37 @@ def _unreadable(raw: bytes, code: int, offset: int, path: tuple[str | int, ...])
             f"duplicate key {key} at {inside}: a JSON object may name each key once",
             f"send {key} once in {inside}, with the one value you mean",
         )
-    hint = _SHAPE_HINT
+    subject, at = ("args", " of args") if args else ("proposal", "")
+    hint = _ARGS_HINT if args else _SHAPE_HINT
     found = _quote(raw, offset)
     if code == hot.JSON_EMPTY:
-        message = f"empty proposal: {len(raw)} bytes of whitespace" if raw else "empty proposal"
+        message = f"empty {subject}: {len(raw)} bytes of whitespace" if raw else f"empty {subject}"
     elif code == hot.JSON_TRUNCATED:
         message = (
-            f"proposal is cut off: the text ends at byte {offset}, in {where}, "
+            f"{subject} is cut off: the text ends at byte {offset}{at}, in {where}, "
             "before the JSON is complete"
         )
-        hint = _CUT_HINT
+        hint = _CUT_HINT.format(subject)
     elif code == hot.JSON_TRAILING_TEXT:
-        message = f"proposal has text after its JSON value, at byte {offset}: {found}"
+        message = f"{subject} has text after its JSON value, at byte {offset}{at}: {found}"
     elif code == hot.JSON_EXPECTED_VALUE and not raw[:offset].strip():
-        message = f"proposal is not JSON: it starts with {found}"
+        message = f"{subject} is not JSON: it starts with {found}"
     elif code == hot.JSON_TRAILING_COMMA:
         before = chr(raw[offset])
         message = (
-            f"proposal is not valid JSON: a trailing comma before {before!r} at byte {offset} "
-            f"(in {where})"
+            f"{subject} is not valid JSON: a trailing comma before {before!r} at byte "
+            f"{offset}{at} (in {where})"
         )
     elif code == hot.JSON_EXPECTED_COMMA:
         close = "]" if type(path[-1]) is int else "}"
         message = (
-            f"proposal is not valid JSON: expected ',' or {close!r} after {where} "
-            f"at byte {offset}, found {found}"
+            f"{subject} is not valid JSON: expected ',' or {close!r} after {where} "
+            f"at byte {offset}{at}, found {found}"
         )
     else:
-        what, hint = _SYNTAX[code]
-        message = f"proposal is not valid JSON: {what} at byte {offset} (in {where}): {found}"
+        what, syntax_hint = _SYNTAX[code]
+        hint = syntax_hint if syntax_hint is not _SHAPE_HINT else hint
+        message = f"{subject} is not valid JSON: {what} at byte {offset}{at} (in {where}): {found}"
     return Violation("malformed", "$", message, hint)
 
 

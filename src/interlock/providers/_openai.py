@@ -38,6 +38,7 @@ from ._wire import (
     split_move,
     system_text,
     tool_specs,
+    with_defect,
 )
 
 if TYPE_CHECKING:
@@ -543,7 +544,7 @@ class OpenAIChat(HttpProvider):
             if refusal:
                 return "", usage, envelope(f"the model refused: {clip(refusal)}", ONE_TOOL_HINT), ()
             if finish == "length":
-                return "", usage, _cut(finish), ()
+                return "", usage, _cut(finish, text), ()
             return text, usage, None, ()
         if not calls and text and profile.markup_calls:
             calls = _markup(text)
@@ -698,9 +699,14 @@ def _kind(arguments: bytes) -> str:
     return {b"{": "an object", b"[": "an array", b"n": "null"}.get(first, "a bare value")
 
 
-def _cut(finish: str) -> Violation:
+def _cut(finish: str, text: str = "") -> Violation:
+    """A reply cut at the output limit; ``text``: a structured-output answer, whose JSON
+    defect (what and where) the message names."""
     return envelope(
-        f"the reply was cut at the output limit (finish_reason {finish!r}) before it was whole",
+        with_defect(
+            f"the reply was cut at the output limit (finish_reason {finish!r}) before it was whole",
+            text,
+        ),
         "make the call shorter, or raise max_tokens",
     )
 

@@ -26,6 +26,7 @@ import msgspec
 
 from .._events import TokenUsage, Violation
 from .._exceptions import MachineDefinitionError
+from .._gate import json_defect
 from .._hotpath import scan_json
 
 if TYPE_CHECKING:
@@ -62,7 +63,9 @@ class Exchange(msgspec.Struct, frozen=True, gc=False):
     no call of its own (a note from the runtime: a breaker, an operator, a step state,
     or a reply that held no call). ``reply``: the tool result (or the note) text;
     ``error``: whether it reports a failure. ``extra``: further calls in the same turn,
-    ``(id, name, arguments)``, each answered as not run.
+    ``(id, name, arguments)``, each answered as not run. The arguments of a call that
+    was not run (rejected, or extra) are bounded (see :func:`excerpt`); an accepted
+    call's are the model's, unchanged.
     """
 
     call: tuple[str, str, str] | None
@@ -396,8 +399,10 @@ def exchanges(view: RunView) -> list[Exchange]:
     Each model call whose response was journaled is paired with what came of it (the
     first history frame after it): a rejection or a failure goes back as an error tool
     result with the violation's message and hint, a commit as the result, a move as its
-    confirmation. Identical rejections in a row arrive compacted, as one step. What no
-    call of the model caused (a breaker, an operator, a step state) is a note.
+    confirmation. A rejected call goes back bounded (:func:`excerpt`), never a megabyte
+    the gate refused resent with every later request. Identical rejections in a row
+    arrive compacted, as one step: the latest call, with the summary as its result. What
+    no call of the model caused (a breaker, an operator, a step state) is a note.
 
     Kept on the view from call to call: the history only grows and only its last frame
     can change (a repeated rejection joins it), so a call works out the new steps only.
@@ -447,13 +452,17 @@ def _exchange(
     if call is None or turn is None:
         return Exchange(None, f"[{frame.kind}] {text}", error)
     extra = (
-        tuple(
-            (f"{call[0]}_{index}", name, arguments)
+        tuple(  # never run: bounded like a rejected call
+            (f"{call[0]}_{index}", name, excerpt(arguments))
             for index, (name, arguments) in enumerate(turn[2], 1)
         )
         if turn[2]
         else ()
     )
+    if frame.kind not in _ACCEPTED:
+        # NOTE: a rejected call goes back bounded, or a 1 MB refusal would be sent again
+        # with every later request: the pollution compaction is there to prevent.
+        call = (call[0], call[1], excerpt(call[2]))
     if frame.kind == "tool_result":
         reply = _result_text(run, frame.seq)
     elif frame.kind == "transitioned":
@@ -461,6 +470,50 @@ def _exchange(
     else:
         reply = text
     return Exchange(call, reply, error, extra)
+
+
+#: What came of a call that the gate accepted: the call goes back as the model sent it.
+_ACCEPTED = frozenset(("tool_result", "tool_failed", "transitioned"))
+#: A rejected call's arguments up to this many bytes go back whole; longer ones as an
+#: excerpt (see :func:`excerpt`).
+EXCERPT_LIMIT = 2048
+_EXCERPT_ENDS = 256  # bytes of the start and of the end an excerpt keeps
+_EXCERPT_NEAR = 128  # bytes before and after the defect an excerpt keeps
+_EXCERPT_SCAN = 1 << 20  # arguments longer than this are not scanned for their defect
+
+
+def excerpt(arguments: str) -> str:
+    """A rejected call's arguments as they go back to the model: whole up to
+    :data:`EXCERPT_LIMIT` bytes; past it, a JSON object (so every API takes it as
+    arguments) that gives their size, their first and last bytes, and where their JSON
+    first breaks (``defect_at_byte``, counted in the arguments, and the text around it).
+
+    The same arguments give the same excerpt, so a request's prefix stays stable."""
+    data = arguments.encode("utf-8", "replace")
+    size = len(data)
+    if size <= EXCERPT_LIMIT:
+        return arguments
+    ends = _EXCERPT_ENDS
+    shown: dict[str, Any] = {
+        "not_sent_back_whole": (
+            f"this call was not run, and its arguments were {size:,} bytes: only their "
+            f"first and last {ends} bytes are shown here"
+        ),
+        "size_bytes": size,
+        "start": _text(data[:ends]),
+        "end": _text(data[-ends:]),
+    }
+    defect = scan_json(data) if size <= _EXCERPT_SCAN else None
+    if defect is not None:
+        at = defect[1]
+        shown["defect_at_byte"] = at
+        shown["near_defect"] = _text(data[max(at - _EXCERPT_NEAR, 0) : at + _EXCERPT_NEAR])
+    return _encode(shown).decode()
+
+
+def _text(data: bytes) -> str:
+    """Bytes cut from UTF-8 text, without the characters the cuts split."""
+    return data.decode("utf-8", "ignore")
 
 
 def parts(view: RunView, key: str, render: Callable[[Exchange], bytes]) -> list[bytes]:
@@ -581,6 +634,13 @@ def envelope(message: str, hint: str) -> Violation:
 
 
 ONE_TOOL_HINT = "answer with exactly one tool call: a tool allowed here, or the transition"
+
+
+def with_defect(message: str, text: str) -> str:
+    """``message`` and, when the model's answer ``text`` is not one JSON value, what
+    keeps it from being one and where, in the gate's words (offsets count in ``text``)."""
+    found = json_defect(text.encode("utf-8", "replace")) if text else None
+    return message if found is None else f"{message}; {found.message}"
 
 
 def clip(text: str, limit: int = 200) -> str:
