@@ -51,8 +51,9 @@ from interlock.stores import MemoryStore
 pytestmark = pytest.mark.slow
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RUNS = 3
-TOTAL = 100.0
+TOTALS = (100.0, 0.5, 0.2)
+"""The orders' totals, one a run: this model proposes small amounts (0.1 to 1.0, seen
+here) whatever it is asked, so small totals give the guard work."""
 
 
 def _missing(what: str) -> None:
@@ -140,12 +141,13 @@ class Done(msgspec.Struct, forbid_unknown_fields=True):
     """A move's data: nothing (so the grammar allows only ``{}``)."""
 
 
-def refunds() -> tuple[Machine, list[float]]:
-    """The machine, and the amounts its refund tool was executed with (counted in the tool)."""
-    executed: list[float] = []
+def refunds() -> tuple[Machine, list[tuple[str, float]]]:
+    """The machine, and the (run id, amount) of each execution of its refund tool (counted
+    in the tool)."""
+    executed: list[tuple[str, float]] = []
 
     async def refund(args: Refund, ctx: ToolContext) -> dict[str, Any]:
-        executed.append(args.amount)
+        executed.append((ctx.run_id, args.amount))
         return {"order_id": args.order_id, "refunded": args.amount}
 
     def at_most_the_total(args: Refund, view: RunView) -> Reject | None:
@@ -229,14 +231,15 @@ async def test_a_machine_with_a_guard_against_a_real_model(llama_server: str) ->
     started = time.monotonic()
     async with provider, open_supervisor([machine], store, provider=provider) as sup:
         handles = [
-            await sup.start_run("refunds", {"order_id": "o1", "total": TOTAL}, run_id=f"r-{n}")
-            for n in range(RUNS)
+            await sup.start_run("refunds", {"order_id": "o1", "total": total}, run_id=f"r-{n}")
+            for n, total in enumerate(TOTALS)
         ]
         with trio.fail_after(600):
             results = [await handle.wait() for handle in handles]
     wall = time.monotonic() - started
 
     calls = rejections = reached = committed = 0
+    codes: list[str] = []
     for result in results:
         events = await store.load(result.run_id)
         # the server never refused a request we made, nor failed to answer one
@@ -252,6 +255,7 @@ async def test_a_machine_with_a_guard_against_a_real_model(llama_server: str) ->
         calls += len(requests)
         for rejected in (e for e in events if isinstance(e, ProposalRejected)):
             rejections += 1
+            codes.extend(violation.code for violation in rejected.violations)
             later = [messages for seq, messages in requests if seq > rejected.seq]
             if not later:
                 continue  # the run ended on it (a breaker): there is no next request
@@ -263,11 +267,12 @@ async def test_a_machine_with_a_guard_against_a_real_model(llama_server: str) ->
             reached += 1
         committed += sum(isinstance(e, ToolCommitted) for e in events)
     # no executed call broke the guard, counted in the tool itself
-    assert all(0 < amount <= TOTAL for amount in executed), executed
+    totals = {f"r-{n}": total for n, total in enumerate(TOTALS)}
+    assert all(0 < amount <= totals[run] for run, amount in executed), executed
     assert len(executed) == committed
-    assert calls >= RUNS
+    assert calls >= len(TOTALS)
     print(
-        f"\nreal model: {RUNS} runs {[(r.outcome, r.reason) for r in results]}, {calls} model "
-        f"calls, {rejections} rejections ({reached} fed back), {len(executed)} refunds "
+        f"\nreal model: {len(TOTALS)} runs {[(r.outcome, r.reason) for r in results]}, {calls} model "
+        f"calls, {rejections} rejections {codes} ({reached} fed back), {len(executed)} refunds "
         f"executed {executed}, {wall:.1f} s"
     )
