@@ -16,7 +16,7 @@ import h11
 import pytest
 import trio
 
-from interlock import ProviderError
+from interlock import ProviderError, RequestRefused
 from interlock.providers._http import SseEvent, SseParser, Transport
 
 KEY = "sk-test-SECRET-0123456789abcdef"
@@ -224,26 +224,26 @@ async def test_a_new_connection_closed_before_any_reply_is_retryable(
 
 
 @pytest.mark.parametrize(
-    ("status", "retryable"),
+    ("status", "retryable", "refused"),
     [
-        (400, False),
-        (401, False),
-        (403, False),
-        (404, False),
-        (408, True),
-        (409, True),
-        (413, False),
-        (422, False),
-        (425, True),
-        (429, True),
-        (500, True),
-        (502, True),
-        (503, True),
-        (529, True),
+        (400, False, True),
+        (401, False, False),
+        (403, False, False),
+        (404, False, False),
+        (408, True, False),
+        (409, True, False),
+        (413, False, True),
+        (422, False, True),
+        (425, True, False),
+        (429, True, False),
+        (500, True, False),
+        (502, True, False),
+        (503, True, False),
+        (529, True, False),
     ],
 )
 async def test_each_status_maps_to_a_provider_error(
-    nursery: trio.Nursery, status: int, retryable: bool
+    nursery: trio.Nursery, status: int, retryable: bool, refused: bool
 ) -> None:
     async def answer(request: Request, respond: Responder) -> None:
         await respond.reply(status, b'{"error": {"message": "it went wrong"}}')
@@ -256,6 +256,8 @@ async def test_each_status_maps_to_a_provider_error(
     assert excinfo.value.status == status
     assert excinfo.value.retryable is retryable
     assert excinfo.value.retry_after is None
+    # a refusal of the request's shape, never one of the credentials or the address
+    assert isinstance(excinfo.value, RequestRefused) is refused
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,7 @@ from ._exceptions import ProviderError as ProviderError
 from ._exceptions import (
     ReplayDivergence as ReplayDivergence,
 )
+from ._exceptions import RequestRefused as RequestRefused
 from ._exceptions import (
     RunNotFound as RunNotFound,
 )
@@ -308,6 +309,7 @@ __all__ = [
     "ReplayReport",
     "Report",
     "Request",
+    "RequestRefused",
     "Resume",
     "Resumed",
     "RetryPolicy",

@@ -14,7 +14,7 @@ import trio
 from ._breakers import LEASE_CUT
 from ._decider import step_proposal
 from ._events import TokenUsage, Violation, describe_exception, unjournalable
-from ._exceptions import ProviderError
+from ._exceptions import ProviderError, RequestRefused
 from ._machine import Step
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
 from ._tools import Applied, NotApplied, ToolContext, ToolError
@@ -427,14 +427,15 @@ def _retry_after_header(headers: Any) -> float | None:
         return None
 
 
-def _provider_failure(exc: BaseException) -> tuple[bool, float | None]:
-    """Whether retrying a provider that raised ``exc`` can help, and its Retry-After."""
+def _provider_failure(exc: BaseException) -> tuple[bool, float | None, bool]:
+    """Whether retrying a provider that raised ``exc`` can help, its Retry-After, and
+    whether the server refused the request's shape."""
     if isinstance(exc, ProviderError):
-        return exc.retryable, exc.retry_after
+        return exc.retryable, exc.retry_after, isinstance(exc, RequestRefused)
     status, after = _http_status(exc)
     if status is not None:
-        return status in _RETRYABLE_STATUS or status >= 500, after
-    return True, None  # anything else a provider raises: a failure to answer, retried
+        return status in _RETRYABLE_STATUS or status >= 500, after, False
+    return True, None, False  # anything else a provider raises: a failure to answer, retried
 
 
 def _ask(
@@ -489,7 +490,7 @@ def _unanswered(
                 latency=latency,
             )
         ) from None
-    retryable, retry_after = _provider_failure(exc)
+    retryable, retry_after, refused = _provider_failure(exc)
     return Propose(
         run_id=driver.run_id,
         seq=seq,
@@ -498,6 +499,7 @@ def _unanswered(
         error=f"provider raised {describe_exception(exc)}",
         retryable=retryable,
         retry_after=retry_after,
+        refused=refused,
         latency=latency,
     )
 

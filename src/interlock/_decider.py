@@ -434,7 +434,8 @@ def _on_provider_failure(run: RunState, msg: Propose, now: float, events: list[E
     error = readable_text(msg.error, "the error")[0]
     budget = check_budgets(run, machine.budgets, now)
     retry_in: float | None = None
-    if budget is None and msg.retryable and attempt < policy.attempts:
+    refused = msg.refused
+    if budget is None and msg.retryable and not refused and attempt < policy.attempts:
         wait = policy.delay(attempt, msg.retry_after, random.Random(f"{run.run_id}:{run.seq + 1}"))
         if elapsed + wait <= policy.max_elapsed:
             retry_in = round(wait, 6)
@@ -451,12 +452,26 @@ def _on_provider_failure(run: RunState, msg: Propose, now: float, events: list[E
         retry_after=msg.retry_after,
         retry_in=retry_in,
         latency=msg.latency,
+        # NOTE: unset unless refused, so every other provider_failed encodes as before
+        **({"refused": True} if refused else {}),
     )
     if budget is not None:
         _trip(run, events, now, budget[1])
         return _verdict(run, False, violations=(budget[0],))
     if retry_in is not None:
         return _verdict(run, False, retry_in=retry_in)
+    if refused:
+        # The same request would be refused again: the fix is the request's shape (a
+        # profile flag), not the server's health. Say so, not provider_unavailable.
+        detail = (
+            f"the server refused the request for model {model!r} in state {run.state!r}, "
+            f"which retrying cannot fix: {error}. Fix the provider's request shape (its "
+            "profile), then resume the run"
+        )
+        _transition(
+            run, events, now, ESCALATE, {}, "provider", escalation=("request_refused", detail)
+        )
+        return _verdict(run, False)
     if not msg.retryable:
         why = "the provider says retrying cannot help"
     elif attempt >= policy.attempts:

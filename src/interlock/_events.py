@@ -247,6 +247,10 @@ class ProviderFailed(Event, frozen=True, tag="provider_failed"):
     retry_in: float | None = None
     """Seconds the run waits before it asks again; None when it gave up."""
     latency: float = 0.0
+    refused: bool | msgspec.UnsetType = msgspec.UNSET
+    """True when the server refused the request's shape (:class:`~interlock.RequestRefused`):
+    the run escalated with ``request_refused``. Unset (not written) otherwise, so events
+    from before it existed encode as they did."""
 
 
 class ToolFailed(Event, frozen=True, tag="tool_failed"):

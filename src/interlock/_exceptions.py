@@ -140,6 +140,8 @@ class ProviderError(InterlockError):
         that does not exist): the run escalates with ``provider_unavailable`` at once.
       retry_after: seconds the provider asked us to wait (Retry-After), if it said.
       status: the HTTP status, if there was one.
+      server_message: the server's own error message (``error.message`` of an OpenAI or
+        Anthropic error body, redacted), if its body had one; ``""`` when it was empty.
     """
 
     def __init__(
@@ -149,11 +151,35 @@ class ProviderError(InterlockError):
         retryable: bool = True,
         retry_after: float | None = None,
         status: int | None = None,
+        server_message: str | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.retry_after = retry_after
         self.status = status
+        self.server_message = server_message
+
+
+class RequestRefused(ProviderError):
+    """The server refused the shape of the request, not the load: retrying it cannot help.
+
+    Raised for a 4xx that names no credential or address problem (not 401, 402, 403, 404,
+    407) and no congestion (not 408, 409, 425, 429), and for a 5xx whose body names request
+    validation (a server that answers its own validation errors as 500). The message
+    names the flag of the request's shape that would fix it, where the provider knows one
+    (e.g. a :class:`~interlock.providers.Profile`'s ``tool_choice``). The run escalates at
+    once with ``request_refused``, never ``provider_unavailable``.
+
+    Args:
+      message: what the server said, and the fix.
+      status: the HTTP status.
+      server_message: as :class:`ProviderError`'s.
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, server_message: str | None = None
+    ) -> None:
+        super().__init__(message, retryable=False, status=status, server_message=server_message)
 
 
 class StoreError(InterlockError):

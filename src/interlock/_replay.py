@@ -377,6 +377,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     error=upcoming.error,
                     retryable=upcoming.retryable,
                     retry_after=upcoming.retry_after,
+                    refused=upcoming.refused is True,
                 )
             elif isinstance(upcoming, StepProposed) and upcoming.source == "operator":
                 msg = Propose(run_id=run_id, seq=run.seq, raw=upcoming.raw, source="operator")

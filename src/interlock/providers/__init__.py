@@ -21,6 +21,7 @@ from ._http import SseEvent as SseEvent
 from ._http import Transport as Transport
 from ._openai import GENERIC as GENERIC
 from ._openai import LLAMA_CPP as LLAMA_CPP
+from ._openai import LLAMA_CPP_PYTHON as LLAMA_CPP_PYTHON
 from ._openai import OLLAMA as OLLAMA
 from ._openai import OPENAI as OPENAI
 from ._openai import PROFILES as PROFILES
@@ -35,6 +36,7 @@ __all__ = [
     "CHAOS_KINDS",
     "GENERIC",
     "LLAMA_CPP",
+    "LLAMA_CPP_PYTHON",
     "OLLAMA",
     "OPENAI",
     "PROFILES",

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from .._exceptions import ProviderError
+from .._exceptions import ProviderError, RequestRefused
 from .._version import __version__
 
 if TYPE_CHECKING:
@@ -44,7 +44,18 @@ if TYPE_CHECKING:
 __all__ = ["HttpResponse", "SseEvent", "Transport"]
 
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
-"""Statuses below 500 that retrying can fix (every 5xx, Anthropic's 529 too, is retryable)."""
+"""Statuses below 500 that retrying can fix (every 5xx, Anthropic's 529 too, is retryable,
+unless its body names request validation: see :func:`refuses_the_request`)."""
+NOT_THE_SHAPE = frozenset({401, 402, 403, 404, 407})
+"""Statuses below 500 that retrying cannot fix but that say nothing of the request's
+shape: who may ask (a key, a bill, a proxy) and where (the URL, the model's name)."""
+_VALIDATION = re.compile(
+    r"validation error|input should be|field required|extra inputs are not permitted"
+    r"|not supported|unsupported|is not one of|invalid_request_error|unprocessable",
+    re.I,
+)
+"""What a server's own request validation says (pydantic, FastAPI, OpenAI-style types),
+in a 5xx body: a server that answers its validation errors as 500 (llama-cpp-python)."""
 
 _READ_SIZE = 65536
 _MAX_HEAD = 65536
@@ -816,11 +827,21 @@ class Transport:
     def _status_error(self, path: str, response: HttpResponse, secrets: set[str]) -> ProviderError:
         status = response.status
         text = _redact(_error_text(response.body), secrets)
+        said = _server_message(response.body)
+        if said is not None:
+            said = _redact(said, secrets)
+        if refuses_the_request(status, text):
+            return RequestRefused(
+                f"POST {self._prefix}{path} answered HTTP {status}: {text}",
+                status=status,
+                server_message=said,
+            )
         return ProviderError(
             f"POST {self._prefix}{path} answered HTTP {status}: {text}",
             retryable=status >= 500 or status in RETRYABLE_STATUSES,
             retry_after=retry_after(response.headers),
             status=status,
+            server_message=said,
         )
 
     def _not_http(self, path: str, what: str) -> ProviderError:
@@ -1010,6 +1031,16 @@ class SseParser:
         return events
 
 
+def refuses_the_request(status: int, text: str) -> bool:
+    """Whether an error answer refuses the request's shape (retrying the same request
+    cannot help): a 4xx but for congestion (:data:`RETRYABLE_STATUSES`) and for who may
+    ask or where (:data:`NOT_THE_SHAPE`), or a 5xx whose ``text`` names request
+    validation (a server that answers its own validation errors as 500)."""
+    if 400 <= status < 500:
+        return status not in RETRYABLE_STATUSES and status not in NOT_THE_SHAPE
+    return status >= 500 and _VALIDATION.search(text) is not None
+
+
 def retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP
     date), or None when neither says."""
@@ -1058,6 +1089,17 @@ def _error_text(body: bytes) -> str:
     if not body:
         return "(empty body)"
     return repr(body[:_ERROR_TEXT_BYTES].decode("utf-8", "replace"))
+
+
+def _server_message(body: bytes) -> str | None:
+    """``error.message`` of an OpenAI or Anthropic error body, or None for another body."""
+    try:
+        decoded = _error_decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+    error = decoded.get("error") if isinstance(decoded, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
 
 
 def _one_line(text: str) -> str:

@@ -15,11 +15,12 @@ import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 
 from .._events import TokenUsage, Violation
-from .._exceptions import InterlockError, ProviderError
+from .._exceptions import InterlockError, ProviderError, RequestRefused
 from ._base import Proposal
 from ._wire import (
     ONE_CALL,
@@ -73,6 +74,15 @@ class Profile:
       parallel_tool_calls: send ``parallel_tool_calls: false``.
       max_tokens_field: the name of the output-limit field.
       stream_usage: ask for usage in the last stream chunk (``stream_options``).
+      null_content: send ``content: null`` beside an assistant turn's ``tool_calls``, as
+        OpenAI documents; False sends ``""``, for servers whose request validation
+        refuses null there.
+      tool_results_as_user: send each tool result (a call's result, or why the call was
+        rejected) as a ``user`` message that names the call, instead of a ``tool``
+        message: for servers whose chat template drops ``tool`` messages, so the model
+        would never see a rejection.
+      stream_calls: the server can stream tool calls; False refuses ``stream=True`` (in
+        the ``tools`` output) when the provider is made, for servers that cannot.
     """
 
     name: str
@@ -84,6 +94,9 @@ class Profile:
     parallel_tool_calls: bool = True
     max_tokens_field: str = "max_completion_tokens"
     stream_usage: bool = True
+    null_content: bool = True
+    tool_results_as_user: bool = False
+    stream_calls: bool = True
 
 
 #: OpenAI itself: the API as documented, nothing tolerated.
@@ -103,6 +116,24 @@ OLLAMA = Profile(
 LLAMA_CPP = Profile(
     "llama.cpp", calls_with_stop=True, markup_calls=True, max_tokens_field="max_tokens"
 )
+#: llama-cpp-python's server (``python -m llama_cpp.server``, 0.3.x) with
+#: ``--chat_format chatml-function-calling``, each flag checked against it (see
+#: tests/test_real_model.py): its function-calling handler takes tool_choice "auto" or
+#: a named function ("required" fails an assertion: HTTP 500); its request validation
+#: refuses ``content: null`` beside tool_calls (HTTP 500); its chat template renders no
+#: ``tool`` message (the model would never see a result or a rejection); it cannot
+#: stream an automatic tool choice (a 200 with an empty stream); it ignores
+#: ``parallel_tool_calls``, ``max_completion_tokens`` and ``stream_options``.
+LLAMA_CPP_PYTHON = Profile(
+    "llama-cpp-python",
+    tool_choice="auto",
+    parallel_tool_calls=False,
+    max_tokens_field="max_tokens",
+    stream_usage=False,
+    null_content=False,
+    tool_results_as_user=True,
+    stream_calls=False,
+)
 #: Any other OpenAI-compatible server: every documented quirk tolerated.
 GENERIC = Profile(
     "generic",
@@ -112,7 +143,7 @@ GENERIC = Profile(
     shared_index=True,
     max_tokens_field="max_tokens",
 )
-PROFILES = {p.name: p for p in (OPENAI, VLLM, OLLAMA, LLAMA_CPP, GENERIC)}
+PROFILES = {p.name: p for p in (OPENAI, VLLM, OLLAMA, LLAMA_CPP, LLAMA_CPP_PYTHON, GENERIC)}
 
 
 # -- the response, as msgspec reads it ------------------------------------------------------
@@ -221,6 +252,14 @@ class HttpProvider:
             )
         self.model = model
         self.base_url = (base_url or self.default_base_url).rstrip("/")
+        if urlsplit(self.base_url).scheme not in ("http", "https"):
+            # NOTE: checked here, not when the transport is made at the first call: there
+            # every call of every run would fail, be retried, and escalate
+            example = "https://host/v1" if "://" in self.base_url else f"http://{self.base_url}"
+            raise InterlockError(
+                f"{type(self).__name__}: base_url {base_url!r} does not start with http:// "
+                f"or https://; pass the whole URL, e.g. {example!r}"
+            )
         key = api_key if api_key is not None else os.environ.get(self.key_variable)
         if not key and self.base_url == self.default_base_url:
             raise InterlockError(
@@ -291,12 +330,18 @@ class HttpProvider:
         transport = self.transport()
         tokens = len(body) // 4
         headers = {self.run_header: view.run_id} if self.run_header else None
-        if self.stream:
-            text, parsed = await self._streamed(transport, body, tokens, headers, mode)
-        else:
-            response = await transport.post(self.path, body, headers=headers, tokens=tokens)
-            text = response.body.decode("utf-8", "replace")
-            parsed = self.read(response.body, mode)
+        try:
+            if self.stream:
+                text, parsed = await self._streamed(transport, body, tokens, headers, mode)
+            else:
+                response = await transport.post(self.path, body, headers=headers, tokens=tokens)
+                text = response.body.decode("utf-8", "replace")
+                parsed = self.read(response.body, mode)
+        except ProviderError as exc:
+            refused = self.refusal(exc, body)
+            if refused is None:
+                raise
+            raise refused from exc
         raw, usage, violation, extra = parsed
         if violation is None and getattr(
             view.definition.states.get(view.state), "call_and_move", False
@@ -328,6 +373,11 @@ class HttpProvider:
 
     def request_body(self, view: RunView, specs: tuple[ToolSpec, ...]) -> bytes:
         raise NotImplementedError
+
+    def refusal(self, exc: ProviderError, body: bytes) -> RequestRefused | None:
+        """The failure ``exc`` of the request ``body`` as a refusal of the request's shape
+        that names the flag to fix it, or None to let ``exc`` go as it is."""
+        return None
 
     def read(
         self, body: bytes, mode: str = "tools"
@@ -362,11 +412,13 @@ class OpenAIChat(HttpProvider):
     Args:
       model: the model name (also the name prices and metrics use).
       base_url: the API root, ``https://api.openai.com/v1`` by default; any
-        OpenAI-compatible server's ``/v1`` (vLLM, Ollama, llama.cpp's server).
+        OpenAI-compatible server's ``/v1`` (vLLM, Ollama, llama.cpp's server), with its
+        ``http://`` or ``https://`` (a URL without one is refused here).
       api_key: defaults to ``$OPENAI_API_KEY``; needed only for OpenAI's own URL. Never
         journaled, logged or shown.
       profile: a :class:`Profile` (or its name: openai, vllm, ollama, llama.cpp,
-        generic) naming the server's quirks; ``openai`` for OpenAI's URL, else ``generic``.
+        llama-cpp-python, generic) naming the server's quirks; ``openai`` for OpenAI's
+        URL, else ``generic``.
       output: ``"tools"`` (native tool calls) or ``"json_schema"`` (structured output:
         the proposal is the message content, constrained to the proposal's schema).
       timeout, max_in_flight, tokens_per_minute: the transport's per-call timeout, the
@@ -414,11 +466,42 @@ class OpenAIChat(HttpProvider):
                     f"output must be 'tools' or 'json_schema' (or a dict of them by state), "
                     f"got {mode!r}"
                 )
+        # a state a dict of outputs does not name answers with tools
+        calls = isinstance(output, dict) or output == "tools"
+        if self.stream and calls and not self.profile.stream_calls:
+            raise InterlockError(
+                f"OpenAIChat: profile {self.profile.name!r} cannot stream tool calls "
+                "(stream_calls=False); pass stream=False"
+            )
         self.output = output
 
     def mode_for(self, view: RunView) -> str:
         output = self.output
         return output if isinstance(output, str) else output.get(view.state, "tools")
+
+    def refusal(self, exc: ProviderError, body: bytes) -> RequestRefused | None:
+        """A refusal of a request flag the profile sets, with the flag that fixes it:
+        ``content: null`` beside tool_calls refused by request validation, or tool_choice
+        "required" refused (named by the server, or a 5xx with an empty message, which is
+        how llama-cpp-python's function-calling handler answers it)."""
+        said = exc.server_message
+        # Encoded by msgspec: no spaces, and the same bytes inside a string are escaped
+        required = b'"tool_choice":"required"' in body
+        if isinstance(exc, RequestRefused):
+            words = (said if said is not None else str(exc)).lower()
+            if b'"content":null' in body and "content" in words:
+                fix = _NULL_CONTENT_FIX
+            elif required and "tool_choice" in words:
+                fix = _REQUIRED_FIX
+            else:
+                return None
+        elif required and exc.status is not None and exc.status >= 500 and said == "":
+            fix = f"{_REQUIRED_FIX} (it answered HTTP {exc.status} with an empty message)"
+        else:
+            return None
+        # NOTE: the fix first: a journaled error is cut at 500 characters, and a
+        # validation error's text is often longer
+        return RequestRefused(f"{fix}; {exc}", status=exc.status, server_message=said)
 
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}"} if self._key else {}
@@ -470,7 +553,8 @@ class OpenAIChat(HttpProvider):
                 + framing({"model": self.model}, "messages", self._rest(specs, mode))[1]
             ),
         )
-        return b"".join([self._system(view, mode), *parts(view, "chat", _chat_step), closing])
+        key, render = _chat_renderer(self.profile)
+        return b"".join([self._system(view, mode), *parts(view, key, render), closing])
 
     def _rest(self, specs: tuple[ToolSpec, ...], mode: str) -> dict[str, Any]:
         """The body's fields after the messages."""
@@ -641,35 +725,67 @@ class OpenAIChat(HttpProvider):
         )
 
 
+_REQUIRED_FIX = (
+    "tool_choice \"required\" refused by the server; use profile='llama-cpp-python' "
+    'or a Profile(tool_choice="auto")'
+)
+_NULL_CONTENT_FIX = (
+    "content null beside an assistant turn's tool_calls refused by the server; use "
+    "profile='llama-cpp-python' or a Profile(null_content=False)"
+)
 _NEXT_USER = _encode({"role": "user", "content": "Make the next call."})
 _NEXT_ITEM = _encode({"type": "message", "role": "user", "content": "Make the next call."})
 
 
-def _chat_step(step: Exchange) -> bytes:
-    """One step of the conversation as Chat messages (joined, no brackets)."""
+def _chat_step(step: Exchange, null_content: bool = True, as_user: bool = False) -> bytes:
+    """One step of the conversation as Chat messages (joined, no brackets).
+
+    ``null_content`` and ``as_user`` are the profile's flags of the same names (``as_user``:
+    ``tool_results_as_user``)."""
     if step.call is None:
         return _encode({"role": "user", "content": step.reply})
     calls = [step.call, *step.extra]
+    results = [(step.call, ("error: " if step.error else "") + step.reply)]
+    results.extend((call, f"error: {ONE_CALL}") for call in step.extra)
     messages: list[dict[str, Any]] = [
         {
             "role": "assistant",
-            "content": None,
+            "content": None if null_content else "",
             "tool_calls": [
                 {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
                 for cid, name, args in calls
             ],
-        },
-        {
-            "role": "tool",
-            "tool_call_id": step.call[0],
-            "content": ("error: " if step.error else "") + step.reply,
-        },
+        }
     ]
-    messages.extend(
-        {"role": "tool", "tool_call_id": cid, "content": f"error: {ONE_CALL}"}
-        for cid, _name, _args in step.extra
-    )
+    if as_user:
+        messages.extend(
+            {"role": "user", "content": f"result of {name} ({cid}): {text}"}
+            for (cid, name, _args), text in results
+        )
+    else:
+        messages.extend(
+            {"role": "tool", "tool_call_id": cid, "content": text}
+            for (cid, _name, _args), text in results
+        )
     return _encode(messages)[1:-1]
+
+
+def _chat_renderer(profile: Profile) -> tuple[str, Callable[[Exchange], bytes]]:
+    """The memo key and the step renderer for ``profile``'s conversation flags."""
+    flags = (profile.null_content, profile.tool_results_as_user)
+    if flags == (True, False):
+        return "chat", _chat_step
+    found = _CHAT_RENDERERS.get(flags)
+    if found is None:
+        null_content, as_user = flags
+        found = _CHAT_RENDERERS[flags] = (
+            f"chat:{int(null_content)}{int(as_user)}",
+            lambda step: _chat_step(step, null_content, as_user),
+        )
+    return found
+
+
+_CHAT_RENDERERS: dict[tuple[bool, bool], tuple[str, Callable[[Exchange], bytes]]] = {}
 
 
 def _responses_step(step: Exchange) -> bytes:
