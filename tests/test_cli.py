@@ -353,12 +353,17 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
         "duplicate",
         "FAILED",
     )
+    # a repeat is answered with what was done, and journals nothing (#32)
     again = interlock("escalations", "--db", str(path), "abort", other)
-    assert again.returncode == 1
-    assert (
-        again.stderr
-        == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+    assert (again.returncode, again.stderr) == (0, "")
+    assert again.stdout.startswith(f"run '{other}' was already aborted by ada at ")
+    assert again.stdout.endswith(
+        f" UTC with the note 'duplicate' (seq {events[-3]['seq']}); it is failed in state "
+        "'FAILED' now\n"
     )
+    late = interlock("escalations", "--db", str(path), "resume", other)
+    assert late.returncode == 1
+    assert late.stderr.startswith(f"interlock: error: cannot resume run '{other}': it was ")
     left = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
     assert other not in {item["run_id"] for item in left["escalations"]}
     assert queue[2]["run_id"] in {item["run_id"] for item in left["escalations"]}

@@ -22,6 +22,7 @@ import trio
 from ._app import DEMO_REF, App, find_ref, load_app
 from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
 from ._demo_http import PROVIDER_KINDS
+from ._escalation import answer_again, escalated_from, resume_targets
 from ._events import (
     BreakerTripped,
     Completed,
@@ -50,12 +51,13 @@ from ._exceptions import (
     JournalCorrupt,
     RunNotFound,
 )
+from ._handle import run_result
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._leasing import DEFAULT_TTL
 from ._machine import Machine, Worker
 from ._version import __version__
-from ._view import DECIDE_IMPLEMENTATION, violation_signature
+from ._view import DECIDE_IMPLEMENTATION, fold, violation_signature
 from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
 from .stores._open import open_store, sqlite_path
 from .stores._sqlite import JournalHeld, hold_journal
@@ -360,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
     aborted.add_argument("run_id", metavar="ID")
+    _app(listing, sub=True)
     for action in (resumed, aborted):
         action.add_argument("--note", default="", help="why (journaled)")
         action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
@@ -1053,24 +1056,43 @@ async def _escalations(args: argparse.Namespace) -> int:
     store = await open_store(args.db, readonly=True)
     try:
         records = await store.escalations()
+        # where each may resume, by the machines of the app (as the gateway lists them)
+        machines: dict[str, Machine] = {}
+        if records:
+            where, ref, base = find_ref(args.app)
+            machines = dict(load_app(ref, where, base).machines)
+        origins = [escalated_from(await store.load(r.run_id)) for r in records]
     finally:
         await _close(store)
+    targets = [
+        resume_targets(machines[r.machine], origin) if r.machine in machines and origin else []
+        for r, origin in zip(records, origins, strict=True)
+    ]
     if args.json:
         _print_json(
             {
                 "db": args.db,
                 "count": len(records),
-                "escalations": [_record_json(r) for r in records],
+                "escalations": [
+                    {**_record_json(r), "from_state": origin, "targets": legal}
+                    for r, origin, legal in zip(records, origins, targets, strict=True)
+                ],
             }
         )
         return 0
     table = _table(
         f"{_count(len(records), 'escalated run')} in {args.db}",
-        *("run", "workflow", "state", "reason", "detail", "since"),
+        *("run", "workflow", "state", "reason", "detail", "since", "resume in"),
     )
-    for r in records:
+    for r, legal in zip(records, targets, strict=True):
         table.add_row(
-            r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated)
+            r.run_id,
+            r.machine,
+            r.state,
+            r.reason,
+            _short(r.detail, 100),
+            _when(r.updated),
+            ", ".join(legal),
         )
     _print_table(table)
     return 0
@@ -1162,8 +1184,28 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     store = await open_store(db, readonly=True)
     try:
         record = await store.get_run(args.run_id)
+        _require(app, named, [record], run=False)
+        if record.outcome != "escalated":
+            # out of the queue: a repeat of what an operator did is answered, anything
+            # else refused, as the gateway and the supervisor decide it
+            events = await store.load(args.run_id)
+            _, answer = answer_again(
+                record.run_id,
+                record.outcome,
+                record.state,
+                events,
+                "resume" if action == "resume" else "abort",
+                to=args.to if action == "resume" else None,
+                payload=args.payload if action == "resume" else None,
+            )
+            result = run_result(fold(app.machines[record.machine], events))
+            if args.json:
+                _print_json({**msgspec.to_builtins(result), "repeated": answer})
+            else:
+                sys.stdout.write(answer + "\n")
+            return 0
         _require(app, named, [record])
-        if action == "resume" and record.outcome == "escalated":
+        if action == "resume":
             # where it escalated from: the state it resumes in, or whose next states --to names
             escalated_from = next(
                 (
