@@ -58,6 +58,7 @@ from ._leasing import DEFAULT_TTL
 from ._machine import Machine, Worker
 from ._version import __version__
 from ._view import DECIDE_IMPLEMENTATION, fold, violation_signature
+from .providers._wire import ONE_CALL
 from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
 from .stores._open import open_store, sqlite_path
 from .stores._sqlite import JournalHeld, hold_journal
@@ -991,21 +992,51 @@ def _print_conversation(args: argparse.Namespace, events: Sequence[Any]) -> int:
     lines.append(f"answered: {_short(last.response, 2000)}")
     if last.envelope:
         lines.append(f"rejected before the gate: {last.envelope.message}")
+    elif last.extra_calls:
+        # several calls in one turn: the first is proposed, the others are answered as
+        # not run; say which, and what came of the one that ran
+        came = next(
+            (
+                _describe(e)
+                for e in events
+                if e.seq > last.seq
+                and isinstance(e, ProposalRejected | IntentRecorded | ToolFailed | Transitioned)
+            ),
+            "nothing yet",
+        )
+        count = 1 + len(last.extra_calls)
+        lines.append(f"answer call 1 of {count}, ran: {last.raw} -> {came}")
+        lines.extend(
+            f"answer call {number} of {count}, not run (one call per turn): {name}({arguments})"
+            for number, (name, arguments) in enumerate(last.extra_calls, 2)
+        )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
 def _turns(body: dict[str, Any]) -> list[str]:
-    """A request body of any of the three APIs as one line a turn."""
+    """A request body of any of the three APIs as one line a turn; a turn of several
+    calls as one line a call, each marked as run (with its result) or not run."""
+    results = _results(body)
     out: list[str] = []
     for key in ("system", "instructions"):
         if isinstance(body.get(key), str):
             out.append(f"[system] {body[key]}")
+    turn: list[tuple[str, str, str]] = []  # the Responses API's calls: one item each
     for message in body.get("messages") or body.get("input") or ():
         if not isinstance(message, dict):
             continue
+        if message.get("type") == "function_call":
+            turn.append(
+                (str(message.get("call_id")), message.get("name"), message.get("arguments"))
+            )
+            continue
+        if turn:
+            out.extend(_call_lines(turn, results))
+            turn = []
         role = message.get("role") or message.get("type", "?")
         content = message.get("content")
+        calls: list[tuple[str, Any, Any]] = []
         if isinstance(content, list):
             parts = []
             for block in content:
@@ -1013,8 +1044,8 @@ def _turns(body: dict[str, Any]) -> list[str]:
                     continue
                 kind = block.get("type")
                 if kind == "tool_use":
-                    parts.append(
-                        f"call {block.get('name')}({json.dumps(block.get('input'))}) id={block.get('id')}"
+                    calls.append(
+                        (str(block.get("id")), block.get("name"), json.dumps(block.get("input")))
                     )
                 elif kind == "tool_result":
                     error = " error" if block.get("is_error") else ""
@@ -1023,19 +1054,18 @@ def _turns(body: dict[str, Any]) -> list[str]:
                     )
                 else:
                     parts.append(str(block.get("text", "")))
-            content = " | ".join(parts)
+            content = " | ".join(part for part in parts if part)
         for call in message.get("tool_calls") or ():
             function = call.get("function", {}) if isinstance(call, dict) else {}
-            content = (
-                f"call {function.get('name')}({function.get('arguments')}) id={call.get('id')}"
-            )
-        if message.get("type") == "function_call":
-            content = f"call {message.get('name')}({message.get('arguments')}) id={message.get('call_id')}"
+            calls.append((str(call.get("id")), function.get("name"), function.get("arguments")))
         if message.get("type") == "function_call_output":
             role, content = f"result of {message.get('call_id')}", message.get("output")
         if role == "tool":
             role = f"result of {message.get('tool_call_id')}"
-        out.append(f"[{role}] {content}")
+        if content or not calls:
+            out.append(f"[{role}] {content}")
+        out.extend(_call_lines(calls, results))
+    out.extend(_call_lines(turn, results))
     tools = [
         t.get("name") or t.get("function", {}).get("name")
         for t in body.get("tools") or ()
@@ -1044,6 +1074,45 @@ def _turns(body: dict[str, Any]) -> list[str]:
     if tools:
         out.append(f"[tools] {', '.join(str(t) for t in tools)}")
     return out
+
+
+def _results(body: dict[str, Any]) -> dict[str, str]:
+    """The text of each tool result in a request body, by the id of its call."""
+    results: dict[str, str] = {}
+    for message in body.get("messages") or body.get("input") or ():
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":
+            results[str(message.get("tool_call_id"))] = str(message.get("content"))
+        elif message.get("type") == "function_call_output":
+            results[str(message.get("call_id"))] = str(message.get("output"))
+        elif isinstance(message.get("content"), list):
+            for block in message["content"]:
+                if isinstance(block, dict) and block.get("type") == "tool_result":
+                    results[str(block.get("tool_use_id"))] = str(block.get("content"))
+    return results
+
+
+def _call_lines(calls: Sequence[tuple[str, Any, Any]], results: Mapping[str, str]) -> list[str]:
+    """The model's calls of one turn, a line each: of several, the one that ran (its
+    result after it) and those answered as not run (one call per turn)."""
+    if len(calls) == 1:
+        ((id_, name, arguments),) = calls
+        return [f"[assistant] call {name}({arguments}) id={id_}"]
+    lines = []
+    for number, (id_, name, arguments) in enumerate(calls, 1):
+        result = results.get(id_)
+        if result is not None and ONE_CALL in result:
+            mark = "not run (one call per turn)"
+            after = ""
+        else:
+            mark = "ran"
+            after = f" -> {_short(result, 400)}" if result is not None else ""
+        lines.append(
+            f"[assistant] call {number} of {len(calls)}, {mark}: {name}({arguments}) "
+            f"id={id_}{after}"
+        )
+    return lines
 
 
 async def _escalations(args: argparse.Namespace) -> int:
