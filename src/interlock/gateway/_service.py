@@ -1548,7 +1548,8 @@ class GatewayService:
     async def resume(
         self, run_id: str, body: ResumeIn, principal: PrincipalLike | None = None
     ) -> RunOut:
-        """Resume an escalated run; a retry of the same resume gets the run as it is."""
+        """Resume an escalated run; a repeat of the resume done gets the run as it is, and
+        a resume after an abort, or elsewhere, a 409 (:func:`answer_again`)."""
         if body.payload is not None and body.to is not None:
             raise invalid("resume takes a payload (a corrected proposal) or to (a state), not both")
         self._allow(principal, ("operator",), await self._machine_of(run_id))
@@ -1627,7 +1628,8 @@ class GatewayService:
     async def abort(
         self, run_id: str, body: AbortIn, principal: PrincipalLike | None = None
     ) -> RunOut:
-        """End an escalated run in FAILED; a retry of the same abort gets the failed run."""
+        """End an escalated run in FAILED; a repeat gets the failed run, and an abort after
+        a resume a 409 (:func:`answer_again`)."""
         self._allow(principal, ("operator",), await self._machine_of(run_id))
         run = await self._fold(run_id)
         before = run.seq
