@@ -271,3 +271,64 @@ async def test_the_resume_targets_are_listed_alike_and_are_the_ones_a_resume_tak
     assert refused.json()["detail"] == message
     table = interlock("escalations", "list", "--db", str(db), "--app", app_ref)
     assert "PAY, CHECK" in table.stdout
+
+
+CHANGED = """
+import msgspec
+from interlock import App, Machine, RetryPolicy, Tool, Worker
+from interlock.providers import ScriptedProvider
+
+
+class Args(msgspec.Struct):
+    n: int
+
+
+async def boom(args, ctx):
+    raise ConnectionResetError("down")
+
+
+def machine(state):
+    return Machine(
+        "m",
+        initial=state,
+        states={state: Worker(next=["COMPLETED"], tools=["charge"])},
+        tools=[Tool("charge", boom, Args, retry=RetryPolicy(attempts=1))],
+    )
+
+
+before = App(machine("TRIAGE"), provider=ScriptedProvider(['{"tool": "charge", "args": {"n": 1}}']))
+after = App(machine("SORT"), provider=ScriptedProvider(['{"next": "COMPLETED"}']))
+"""
+
+
+async def test_where_its_state_is_gone_the_cli_resumes_in_a_target_the_gateway_lists(
+    tmp_path: Path,
+) -> None:
+    """Regression (#32): with the state a run escalated from gone from the machine, the
+    gateway listed that state as the only target, and the command line refused every
+    resume (even ``--to`` a state the machine has, which the supervisor takes)."""
+    (tmp_path / "changed.py").write_text(textwrap.dedent(CHANGED))
+    db = tmp_path / "j.db"
+    app = load_app(f"{tmp_path / 'changed.py'}:before")
+    store = await open_sqlite_store(str(db))
+    try:
+        async with open_supervisor(
+            list(app.machines.values()), store, provider=app.provider
+        ) as sup:
+            assert (await (await sup.start_run("m", run_id="r-1")).wait()).outcome == "escalated"
+    finally:
+        await store.aclose()
+    ref = f"{tmp_path / 'changed.py'}:after"
+    listed = interlock("escalations", "list", "--db", str(db), "--app", ref, "--json")
+    (item,) = json.loads(listed.stdout)["escalations"]
+    assert (item["from_state"], item["targets"]) == ("TRIAGE", ["SORT"])
+    gw = tmp_path / "gw.db"
+    shutil.copy(db, gw)
+    async with gateway(ref, gw) as client:
+        (one,) = (await client.get("/v1/escalations")).json()["escalations"]
+        assert one["targets"] == ["SORT"]
+        resumed = await client.post("/v1/escalations/r-1/resume", json={"by": "ops", "to": "SORT"})
+        assert resumed.status_code == 200, resumed.text
+    done = cli(db, ref, "r-1", "resume", {"by": "ops", "to": "SORT"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["outcome"] == "completed"

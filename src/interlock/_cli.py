@@ -1274,18 +1274,12 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 sys.stdout.write(answer + "\n")
             return 0
         _require(app, named, [record])
-        if action == "resume":
-            # where it escalated from: the state it resumes in, or whose next states --to names
-            escalated_from = next(
-                (
-                    e.src
-                    for e in reversed(await store.load(args.run_id))
-                    if isinstance(e, Transitioned) and e.dst == record.state
-                ),
-                None,
-            )
-            if escalated_from is not None:
-                _has_state(app, named, record, escalated_from, "escalated from")
+        if action == "resume" and not args.to:
+            # where it escalated from: the state it resumes in (with --to, the one rule
+            # decides, which takes any state of the machine if that one is gone)
+            origin = escalated_from(await store.load(args.run_id))
+            if origin:
+                _has_state(app, named, record, origin, "escalated from")
     finally:
         await _close(store)
     store = await open_store(db)
