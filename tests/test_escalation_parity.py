@@ -332,3 +332,43 @@ async def test_where_its_state_is_gone_the_cli_resumes_in_a_target_the_gateway_l
     done = cli(db, ref, "r-1", "resume", {"by": "ops", "to": "SORT"})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["outcome"] == "completed"
+
+
+async def test_an_external_run_is_resumed_alike_by_the_cli_and_the_gateway(
+    tmp_path: Path, app_ref: str
+) -> None:
+    """Regression (#32): ``escalations resume`` of a run started with external=True waited
+    forever for the run to end (no actor drives it: its caller does), where the gateway
+    answers with the run resumed."""
+    from interlock import Propose
+
+    db = tmp_path / "j.db"
+    app = load_app(app_ref)
+    store = await open_sqlite_store(str(db))
+    try:
+        async with open_supervisor(list(app.machines.values()), store) as sup:
+            await sup.start_run("shop", run_id="x", external=True)
+            for _ in range(3):
+                bad = '{"tool": "charge", "args": {"cents": "five"}}'
+                verdict = await sup.submit(Propose(run_id="x", seq=sup.view("x").seq, raw=bad))
+            assert verdict.outcome == "escalated"
+    finally:
+        await store.aclose()
+    gw = tmp_path / "gw.db"
+    shutil.copy(db, gw)
+    async with gateway(app_ref, gw) as client:
+        answers = [
+            await client.post("/v1/escalations/x/resume", json={"by": "ops"}) for _ in range(2)
+        ]
+    assert [(a.status_code, a.json()["outcome"], a.json()["state"]) for a in answers] == [
+        (200, "running", "PAY")
+    ] * 2
+    first = cli(db, app_ref, "x", "resume", {"by": "ops"})  # it waited (until its timeout)
+    assert first.returncode == 0, first.stderr
+    assert (json.loads(first.stdout)["outcome"], json.loads(first.stdout)["state"]) == (
+        "running",
+        "PAY",
+    )
+    again = cli(db, app_ref, "x", "resume", {"by": "ops"})
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["repeated"].startswith("run 'x' was already resumed by ops")

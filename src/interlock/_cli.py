@@ -1298,7 +1298,11 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                     to=args.to,
                     payload=args.payload,
                 )
-                result = await handle.wait()
+                if handle.external and not handle.done:
+                    # no actor: its caller drives it on, so nothing here would end it
+                    result = sup.result_of(args.run_id)
+                else:
+                    result = await handle.wait()
     finally:
         await _close(store)
     document = msgspec.to_builtins(result)
@@ -1306,6 +1310,8 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
         _print_json(document)
     else:
         line = f"run {result.run_id}: {result.outcome} in {result.state}"
+        if result.outcome == "running":
+            line += " (an external run: its caller drives it on)"
         sys.stdout.write(line + (f" ({result.reason})" if result.reason else "") + "\n")
     return 0
 
