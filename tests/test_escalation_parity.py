@@ -59,6 +59,7 @@ app = App(
     ),
     provider=ScriptedProvider(oracle),
 )
+bare = app.machines["shop"]  # the machine alone: no provider
 """
 
 #: The first operator request of each run, made before the journal is copied.
@@ -372,3 +373,20 @@ async def test_an_external_run_is_resumed_alike_by_the_cli_and_the_gateway(
     again = cli(db, app_ref, "x", "resume", {"by": "ops"})
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["repeated"].startswith("run 'x' was already resumed by ops")
+
+
+async def test_an_abort_needs_no_provider_at_either_door(tmp_path: Path, app_ref: str) -> None:
+    """Regression (#32): ``escalations abort`` with an application that has no provider
+    (a bare Machine) was refused ("has no provider"), where the gateway aborts: an abort
+    runs nothing."""
+    db = tmp_path / "j.db"
+    await escalate_all(db, app_ref, ["b"])
+    gw = tmp_path / "gw.db"
+    shutil.copy(db, gw)
+    bare = app_ref.replace(":app", ":bare")
+    async with gateway(bare, gw) as client:
+        answer = await client.post("/v1/escalations/b/abort", json={"by": "ops"})
+    assert (answer.status_code, answer.json()["outcome"]) == (200, "failed")
+    done = cli(db, bare, "b", "abort", {"by": "ops"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["outcome"] == "failed"

@@ -1254,10 +1254,10 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     try:
         record = await store.get_run(args.run_id)
         _require(app, named, [record], run=False)
+        events = await store.load(args.run_id)
         if record.outcome != "escalated":
             # out of the queue: a repeat of what an operator did is answered, anything
             # else refused, as the gateway and the supervisor decide it
-            events = await store.load(args.run_id)
             _, answer = answer_again(
                 record.run_id,
                 record.outcome,
@@ -1273,11 +1273,14 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
             else:
                 sys.stdout.write(answer + "\n")
             return 0
-        _require(app, named, [record])
+        # a provider only to drive a resumed hosted run: an abort, or the resume of an
+        # external run (its caller drives it on), runs nothing here
+        external = bool(events) and getattr(events[0], "external", False) is True
+        _require(app, named, [record], run=action == "resume" and not external)
         if action == "resume" and not args.to:
             # where it escalated from: the state it resumes in (with --to, the one rule
             # decides, which takes any state of the machine if that one is gone)
-            origin = escalated_from(await store.load(args.run_id))
+            origin = escalated_from(events)
             if origin:
                 _has_state(app, named, record, origin, "escalated from")
     finally:
