@@ -76,3 +76,26 @@ async def test_resuming_a_crashed_run_in_a_state_that_is_gone_is_refused_before_
         with pytest.raises(UnknownState, match=r"run 'r-2' is in state 'TRIAGE'"):
             await sup.resume_unfinished()
         assert len(sup) == 0
+
+
+async def test_where_its_state_is_gone_a_run_may_resume_in_any_state_of_the_machine() -> None:
+    """Regression (#32): the gateway listed the gone state as the only target (every
+    resume there is refused), and a resume straight into a terminal state was taken,
+    ending the run with no output; the targets are now the machine's states, and a
+    terminal state is refused as anywhere else."""
+    from interlock import IllegalResumeTarget
+    from interlock._escalation import resume_targets
+
+    store = MemoryStore()
+    await escalated_in(store, "TRIAGE")
+    before = len(await store.load("r-1"))
+    renamed = machine("SORT")
+    assert resume_targets(renamed, "TRIAGE") == ["SORT"]
+    async with open_supervisor([renamed], store, provider=ScriptedProvider([DONE])) as sup:
+        with pytest.raises(
+            IllegalResumeTarget,
+            match=r"^cannot resume run 'r-1' in state 'COMPLETED'; it escalated from 'TRIAGE' "
+            r"and may resume in: SORT$",
+        ):
+            await sup.resume_escalated("r-1", by="op", to="COMPLETED")
+        assert len(await store.load("r-1")) == before  # nothing journaled

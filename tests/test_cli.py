@@ -353,12 +353,17 @@ def test_escalation_resume_and_abort_are_journaled(escalated_db):
         "duplicate",
         "FAILED",
     )
+    # a repeat is answered with what was done, and journals nothing (#32)
     again = interlock("escalations", "--db", str(path), "abort", other)
-    assert again.returncode == 1
-    assert (
-        again.stderr
-        == f"interlock: error: run '{other}' is not escalated; it is failed in state 'FAILED'\n"
+    assert (again.returncode, again.stderr) == (0, "")
+    assert again.stdout.startswith(f"run '{other}' was already aborted by ada at ")
+    assert again.stdout.endswith(
+        f" UTC with the note 'duplicate' (seq {events[-3]['seq']}); it is failed in state "
+        "'FAILED' now\n"
     )
+    late = interlock("escalations", "--db", str(path), "resume", other)
+    assert late.returncode == 1
+    assert late.stderr.startswith(f"interlock: error: cannot resume run '{other}': it was ")
     left = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
     assert other not in {item["run_id"] for item in left["escalations"]}
     assert queue[2]["run_id"] in {item["run_id"] for item in left["escalations"]}
@@ -524,3 +529,73 @@ def test_ctrl_c_during_the_demo_is_one_line_not_a_traceback(tmp_path, after):
     assert err == (
         f"interlock: interrupted; `interlock resume --db {db}` continues the unfinished runs\n"
     )
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+def test_show_conversation_shows_every_call_of_a_turn_and_which_one_ran(tmp_path, kind):
+    """Regression (#32): of a turn of parallel calls, ``show --conversation`` printed only
+    the last call (OpenAI Chat), which was never run, and hid the one that ran."""
+    import msgspec
+    import trio
+
+    from interlock import Machine, Tool, Worker, open_supervisor
+    from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
+    from interlock.providers._fake import Reply, open_fake_llm, scripted_brain
+    from interlock.stores import open_sqlite_store
+
+    class Lookup(msgspec.Struct, forbid_unknown_fields=True):
+        order_id: str
+
+    async def lookup(args, ctx):
+        return {"order_id": args.order_id, "total": 40}
+
+    shop = Machine(
+        "shop",
+        "WORK",
+        {"WORK": Worker(next=["COMPLETED"], tools=["lookup"])},
+        tools=[Tool("lookup", lookup, Lookup, read_only=True)],
+    )
+    replies = [
+        Reply(calls=[("lookup", '{"order_id": "o1"}'), ("lookup", '{"order_id": "o2"}')]),
+        Reply(
+            calls=[
+                ("transition", '{"next": "COMPLETED", "data": {"total": 40}}'),
+                ("lookup", '{"order_id": "o3"}'),
+            ]
+        ),
+    ]
+    path = tmp_path / "j.db"
+
+    async def run():
+        store = await open_sqlite_store(str(path))
+        async with open_fake_llm(scripted_brain(replies)) as fake:
+            provider = {
+                "chat": lambda: OpenAIChat("m", base_url=fake.openai_base_url),
+                "responses": lambda: OpenAIResponses("m", base_url=fake.openai_base_url),
+                "messages": lambda: AnthropicMessages("m", base_url=fake.anthropic_base_url),
+            }[kind]()
+            async with provider, open_supervisor([shop], store, provider=provider) as sup:
+                handle = await sup.start_run("shop", {"order_id": "o1"}, run_id="r-1")
+                assert (await handle.wait()).outcome == "completed"
+        await store.aclose()
+
+    trio.run(run)
+    shown = interlock("show", "r-1", "--db", str(path), "--conversation")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    # the turn before: both calls, the one that ran with its result
+    ran = [line for line in lines if line.startswith("[assistant] call 1 of 2, ran: ")]
+    assert len(ran) == 1, shown.stdout
+    assert ran[0].startswith('[assistant] call 1 of 2, ran: lookup({"order_id": "o1"}) id=')
+    assert ran[0].endswith(' -> {"order_id":"o1","total":40}')
+    skipped = [line for line in lines if line.startswith("[assistant] call 2 of 2, ")]
+    assert len(skipped) == 1, shown.stdout
+    assert skipped[0].startswith(
+        '[assistant] call 2 of 2, not run (one call per turn): lookup({"order_id": "o2"}) id='
+    )
+    # the last answer: both calls, the one that ran with what came of it
+    assert lines[-2:] == [
+        'answer call 1 of 2, ran: {"next": "COMPLETED", "data": {"total": 40}} -> '
+        'WORK -> COMPLETED (proposal) data {"total":40}',
+        'answer call 2 of 2, not run (one call per turn): lookup({"order_id": "o3"})',
+    ]

@@ -536,7 +536,7 @@ async def test_a_damaged_journal_leaves_the_rest_of_the_escalation_queue_listed(
         listed = await client.get("/v1/escalations")
         assert listed.status_code == 200, listed.text
         queue = {e["id"]: (e["from_state"], e["targets"]) for e in listed.json()["escalations"]}
-        assert queue == {"e-1": ("PAY", ["PAY", "COMPLETED"]), "e-2": ("", [])}
+        assert queue == {"e-1": ("PAY", ["PAY"]), "e-2": ("", [])}
         one = await client.get("/v1/escalations/e-2")  # the run's own answer names the damage
         assert one.status_code >= 400, one.text
         assert "corrupt" in one.json()["detail"], one.text
@@ -556,11 +556,10 @@ async def test_escalations_are_listed_resumed_and_aborted(tmp_path: Path) -> Non
             ("e-2", "consecutive_failures"),
         ]
         one = (await client.get("/v1/escalations/e-1")).json()
-        assert (one["from_state"], one["targets"]) == ("PAY", ["PAY", "COMPLETED"])
+        # COMPLETED is a legal next state, but a run ends through the gate (#32)
+        assert (one["from_state"], one["targets"]) == ("PAY", ["PAY"])
         # the list says where each run may be resumed, as the run's own answer does
-        assert [(e["from_state"], e["targets"]) for e in queue] == [
-            ("PAY", ["PAY", "COMPLETED"])
-        ] * 2
+        assert [(e["from_state"], e["targets"]) for e in queue] == [("PAY", ["PAY"])] * 2
         assert queue[0] == one
         # a payload the gate rejects changes nothing
         rejected = await client.post(

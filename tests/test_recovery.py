@@ -7,6 +7,7 @@ import pytest
 
 from interlock import (
     Escalated,
+    EscalationResolved,
     Go,
     IntentRecorded,
     InterlockError,
@@ -269,10 +270,15 @@ async def test_abort_escalated_and_errors():
     async with open_supervisor([machine(pay, notify)], store) as sup:
         result = await sup.abort_escalated("r-1", by="ada", note="duplicate ticket")
         assert (result.outcome, result.reason) == ("failed", "aborted by ada: duplicate ticket")
+        # a repeat is answered with what was done; the other action is refused (#32)
+        assert await sup.abort_escalated("r-1", by="bob") == result
         with pytest.raises(
-            InterlockError, match=r"^run 'r-1' is not escalated; it is failed in state 'FAILED'$"
+            EscalationResolved,
+            match=r"^cannot resume run 'r-1': it was aborted by ada at \S+ \S+ UTC with the "
+            r"note 'duplicate ticket' \(seq \d+\) and is failed in state 'FAILED' now; an "
+            r"aborted run stays ended: start a new run$",
         ):
-            await sup.abort_escalated("r-1", by="ada")
+            await sup.resume_escalated("r-1", by="ada")
         with pytest.raises(RunNotFound, match=r"^run 'nope' not found$"):
             await sup.resume_escalated("nope", by="ada")
     assert (await store.get_run("r-1")).outcome == "failed"
@@ -594,9 +600,11 @@ async def test_expected_refusals_are_typed_errors_users_can_catch() -> None:
             await sup.resume_escalated("r-1", by="ada", payload='{"next": "NOWHERE"}')
         assert [v.code for v in rejected.value.violations] == ["illegal_transition"]
         await sup.abort_escalated("r-1", by="ada")
-        with pytest.raises(NotEscalated, match=r"^run 'r-1' is not escalated; it is failed") as n:
-            await sup.abort_escalated("r-1", by="ada")
+        with pytest.raises(NotEscalated, match=r"^cannot resume run 'r-1': it was aborted") as n:
+            await sup.resume_escalated("r-1", by="ada")
         assert n.value.state == "FAILED"
+        assert isinstance(n.value, EscalationResolved)
+        assert (n.value.done.action, n.value.done.by) == ("abort", "ada")
     async with open_supervisor([spec], store) as sup:
         with pytest.raises(NoProvider, match=r"^machine 'm' has worker states but no provider"):
             await sup.start_run("m", {"n": 1})

@@ -80,6 +80,7 @@ from ._events import (
     whole_prompts as whole_prompts,
 )
 from ._exceptions import AppRefError as AppRefError
+from ._exceptions import EscalationResolved as EscalationResolved
 from ._exceptions import IllegalResumeTarget as IllegalResumeTarget
 from ._exceptions import IndexDamaged as IndexDamaged
 from ._exceptions import (
@@ -274,6 +275,7 @@ __all__ = [
     "Completed",
     "Divergence",
     "Escalated",
+    "EscalationResolved",
     "Event",
     "Failed",
     "Frame",

@@ -22,6 +22,7 @@ import trio
 from ._app import DEMO_REF, App, find_ref, load_app
 from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
 from ._demo_http import PROVIDER_KINDS
+from ._escalation import answer_again, escalated_from, resume_targets
 from ._events import (
     BreakerTripped,
     Completed,
@@ -50,12 +51,14 @@ from ._exceptions import (
     JournalCorrupt,
     RunNotFound,
 )
+from ._handle import run_result
 from ._hot_py import compact_failures
 from ._hotpath import IMPLEMENTATION
 from ._leasing import DEFAULT_TTL
 from ._machine import Machine, Worker
 from ._version import __version__
-from ._view import DECIDE_IMPLEMENTATION, violation_signature
+from ._view import DECIDE_IMPLEMENTATION, fold, violation_signature
+from .providers._wire import ONE_CALL
 from .stores import OUTCOMES, IndexDamaged, RunRecord, Store
 from .stores._open import open_store, sqlite_path
 from .stores._sqlite import JournalHeld, hold_journal
@@ -360,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
     aborted.add_argument("run_id", metavar="ID")
+    _app(listing, sub=True)
     for action in (resumed, aborted):
         action.add_argument("--note", default="", help="why (journaled)")
         action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
@@ -988,21 +992,51 @@ def _print_conversation(args: argparse.Namespace, events: Sequence[Any]) -> int:
     lines.append(f"answered: {_short(last.response, 2000)}")
     if last.envelope:
         lines.append(f"rejected before the gate: {last.envelope.message}")
+    elif last.extra_calls:
+        # several calls in one turn: the first is proposed, the others are answered as
+        # not run; say which, and what came of the one that ran
+        came = next(
+            (
+                _describe(e)
+                for e in events
+                if e.seq > last.seq
+                and isinstance(e, ProposalRejected | IntentRecorded | ToolFailed | Transitioned)
+            ),
+            "nothing yet",
+        )
+        count = 1 + len(last.extra_calls)
+        lines.append(f"answer call 1 of {count}, ran: {last.raw} -> {came}")
+        lines.extend(
+            f"answer call {number} of {count}, not run (one call per turn): {name}({arguments})"
+            for number, (name, arguments) in enumerate(last.extra_calls, 2)
+        )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
 def _turns(body: dict[str, Any]) -> list[str]:
-    """A request body of any of the three APIs as one line a turn."""
+    """A request body of any of the three APIs as one line a turn; a turn of several
+    calls as one line a call, each marked as run (with its result) or not run."""
+    results = _results(body)
     out: list[str] = []
     for key in ("system", "instructions"):
         if isinstance(body.get(key), str):
             out.append(f"[system] {body[key]}")
+    turn: list[tuple[str, str, str]] = []  # the Responses API's calls: one item each
     for message in body.get("messages") or body.get("input") or ():
         if not isinstance(message, dict):
             continue
+        if message.get("type") == "function_call":
+            turn.append(
+                (str(message.get("call_id")), message.get("name"), message.get("arguments"))
+            )
+            continue
+        if turn:
+            out.extend(_call_lines(turn, results))
+            turn = []
         role = message.get("role") or message.get("type", "?")
         content = message.get("content")
+        calls: list[tuple[str, Any, Any]] = []
         if isinstance(content, list):
             parts = []
             for block in content:
@@ -1010,8 +1044,8 @@ def _turns(body: dict[str, Any]) -> list[str]:
                     continue
                 kind = block.get("type")
                 if kind == "tool_use":
-                    parts.append(
-                        f"call {block.get('name')}({json.dumps(block.get('input'))}) id={block.get('id')}"
+                    calls.append(
+                        (str(block.get("id")), block.get("name"), json.dumps(block.get("input")))
                     )
                 elif kind == "tool_result":
                     error = " error" if block.get("is_error") else ""
@@ -1020,19 +1054,18 @@ def _turns(body: dict[str, Any]) -> list[str]:
                     )
                 else:
                     parts.append(str(block.get("text", "")))
-            content = " | ".join(parts)
+            content = " | ".join(part for part in parts if part)
         for call in message.get("tool_calls") or ():
             function = call.get("function", {}) if isinstance(call, dict) else {}
-            content = (
-                f"call {function.get('name')}({function.get('arguments')}) id={call.get('id')}"
-            )
-        if message.get("type") == "function_call":
-            content = f"call {message.get('name')}({message.get('arguments')}) id={message.get('call_id')}"
+            calls.append((str(call.get("id")), function.get("name"), function.get("arguments")))
         if message.get("type") == "function_call_output":
             role, content = f"result of {message.get('call_id')}", message.get("output")
         if role == "tool":
             role = f"result of {message.get('tool_call_id')}"
-        out.append(f"[{role}] {content}")
+        if content or not calls:
+            out.append(f"[{role}] {content}")
+        out.extend(_call_lines(calls, results))
+    out.extend(_call_lines(turn, results))
     tools = [
         t.get("name") or t.get("function", {}).get("name")
         for t in body.get("tools") or ()
@@ -1041,6 +1074,45 @@ def _turns(body: dict[str, Any]) -> list[str]:
     if tools:
         out.append(f"[tools] {', '.join(str(t) for t in tools)}")
     return out
+
+
+def _results(body: dict[str, Any]) -> dict[str, str]:
+    """The text of each tool result in a request body, by the id of its call."""
+    results: dict[str, str] = {}
+    for message in body.get("messages") or body.get("input") or ():
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":
+            results[str(message.get("tool_call_id"))] = str(message.get("content"))
+        elif message.get("type") == "function_call_output":
+            results[str(message.get("call_id"))] = str(message.get("output"))
+        elif isinstance(message.get("content"), list):
+            for block in message["content"]:
+                if isinstance(block, dict) and block.get("type") == "tool_result":
+                    results[str(block.get("tool_use_id"))] = str(block.get("content"))
+    return results
+
+
+def _call_lines(calls: Sequence[tuple[str, Any, Any]], results: Mapping[str, str]) -> list[str]:
+    """The model's calls of one turn, a line each: of several, the one that ran (its
+    result after it) and those answered as not run (one call per turn)."""
+    if len(calls) == 1:
+        ((id_, name, arguments),) = calls
+        return [f"[assistant] call {name}({arguments}) id={id_}"]
+    lines = []
+    for number, (id_, name, arguments) in enumerate(calls, 1):
+        result = results.get(id_)
+        if result is not None and ONE_CALL in result:
+            mark = "not run (one call per turn)"
+            after = ""
+        else:
+            mark = "ran"
+            after = f" -> {_short(result, 400)}" if result is not None else ""
+        lines.append(
+            f"[assistant] call {number} of {len(calls)}, {mark}: {name}({arguments}) "
+            f"id={id_}{after}"
+        )
+    return lines
 
 
 async def _escalations(args: argparse.Namespace) -> int:
@@ -1053,24 +1125,43 @@ async def _escalations(args: argparse.Namespace) -> int:
     store = await open_store(args.db, readonly=True)
     try:
         records = await store.escalations()
+        # where each may resume, by the machines of the app (as the gateway lists them)
+        machines: dict[str, Machine] = {}
+        if records:
+            where, ref, base = find_ref(args.app)
+            machines = dict(load_app(ref, where, base).machines)
+        origins = [escalated_from(await store.load(r.run_id)) for r in records]
     finally:
         await _close(store)
+    targets = [
+        resume_targets(machines[r.machine], origin) if r.machine in machines and origin else []
+        for r, origin in zip(records, origins, strict=True)
+    ]
     if args.json:
         _print_json(
             {
                 "db": args.db,
                 "count": len(records),
-                "escalations": [_record_json(r) for r in records],
+                "escalations": [
+                    {**_record_json(r), "from_state": origin, "targets": legal}
+                    for r, origin, legal in zip(records, origins, targets, strict=True)
+                ],
             }
         )
         return 0
     table = _table(
         f"{_count(len(records), 'escalated run')} in {args.db}",
-        *("run", "workflow", "state", "reason", "detail", "since"),
+        *("run", "workflow", "state", "reason", "detail", "since", "resume in"),
     )
-    for r in records:
+    for r, legal in zip(records, targets, strict=True):
         table.add_row(
-            r.run_id, r.machine, r.state, r.reason, _short(r.detail, 100), _when(r.updated)
+            r.run_id,
+            r.machine,
+            r.state,
+            r.reason,
+            _short(r.detail, 100),
+            _when(r.updated),
+            ", ".join(legal),
         )
     _print_table(table)
     return 0
@@ -1162,19 +1253,36 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     store = await open_store(db, readonly=True)
     try:
         record = await store.get_run(args.run_id)
-        _require(app, named, [record])
-        if action == "resume" and record.outcome == "escalated":
-            # where it escalated from: the state it resumes in, or whose next states --to names
-            escalated_from = next(
-                (
-                    e.src
-                    for e in reversed(await store.load(args.run_id))
-                    if isinstance(e, Transitioned) and e.dst == record.state
-                ),
-                None,
+        _require(app, named, [record], run=False)
+        events = await store.load(args.run_id)
+        if record.outcome != "escalated":
+            # out of the queue: a repeat of what an operator did is answered, anything
+            # else refused, as the gateway and the supervisor decide it
+            _, answer = answer_again(
+                record.run_id,
+                record.outcome,
+                record.state,
+                events,
+                "resume" if action == "resume" else "abort",
+                to=args.to if action == "resume" else None,
+                payload=args.payload if action == "resume" else None,
             )
-            if escalated_from is not None:
-                _has_state(app, named, record, escalated_from, "escalated from")
+            result = run_result(fold(app.machines[record.machine], events))
+            if args.json:
+                _print_json({**msgspec.to_builtins(result), "repeated": answer})
+            else:
+                sys.stdout.write(answer + "\n")
+            return 0
+        # a provider only to drive a resumed hosted run: an abort, or the resume of an
+        # external run (its caller drives it on), runs nothing here
+        external = bool(events) and getattr(events[0], "external", False) is True
+        _require(app, named, [record], run=action == "resume" and not external)
+        if action == "resume" and not args.to:
+            # where it escalated from: the state it resumes in (with --to, the one rule
+            # decides, which takes any state of the machine if that one is gone)
+            origin = escalated_from(events)
+            if origin:
+                _has_state(app, named, record, origin, "escalated from")
     finally:
         await _close(store)
     store = await open_store(db)
@@ -1193,7 +1301,11 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                     to=args.to,
                     payload=args.payload,
                 )
-                result = await handle.wait()
+                if handle.external and not handle.done:
+                    # no actor: its caller drives it on, so nothing here would end it
+                    result = sup.result_of(args.run_id)
+                else:
+                    result = await handle.wait()
     finally:
         await _close(store)
     document = msgspec.to_builtins(result)
@@ -1201,6 +1313,8 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
         _print_json(document)
     else:
         line = f"run {result.run_id}: {result.outcome} in {result.state}"
+        if result.outcome == "running":
+            line += " (an external run: its caller drives it on)"
         sys.stdout.write(line + (f" ({result.reason})" if result.reason else "") + "\n")
     return 0
 

@@ -20,6 +20,7 @@ import msgspec
 
 from . import _breakers, _gate
 from ._breakers import Trip, check_budgets
+from ._escalation import resume_targets
 from ._events import (
     BreakerTripped,
     Completed,
@@ -216,8 +217,8 @@ def escalated(run: RunState) -> RunState:
 
 
 def resume_target(run: RunState, to: str) -> str:
-    """The state an escalated run resumes in; ``to`` must be where it escalated from or a
-    legal next state of it.
+    """The state an escalated run resumes in; ``to`` must be one of its
+    :func:`~interlock._escalation.resume_targets`.
 
     Raises:
       IllegalResumeTarget: ``to`` is not a legal target (the message lists the legal ones).
@@ -233,13 +234,7 @@ def resume_target(run: RunState, to: str) -> str:
                 run.run_id, origin, machine.name, list(machine.states), "escalated from"
             )
         return origin
-    if origin not in machine.states:
-        return to  # where it came from is gone; any state the machine has will do
-    tables = machine.tables
-    legal = [
-        origin,
-        *(s for s in tables.legal_next(tables.state_id(origin)) if s in machine.states),
-    ]
+    legal = resume_targets(machine, origin)
     if to not in legal:
         raise IllegalResumeTarget(run.run_id, to, origin, legal)
     return to

@@ -57,6 +57,24 @@ class NotEscalated(InterlockError):
         self.state = state
 
 
+class EscalationResolved(NotEscalated):
+    """An operator's resume or abort named a run whose escalation an operator already
+    resolved otherwise: aborted it, or resumed it elsewhere or with another payload.
+    Nothing was journaled. (A repeat of what was done is answered, not refused.)
+
+    Attributes:
+      run_id: the run.
+      state: the state it is in now.
+      done: what was done (``interlock._escalation.Resolution``): the action, by whom, when.
+    """
+
+    def __init__(self, message: str, run_id: str, state: str, done: Any) -> None:
+        InterlockError.__init__(self, message)
+        self.run_id = run_id
+        self.state = state
+        self.done = done
+
+
 class IllegalResumeTarget(InterlockError, ValueError):
     """An escalated run may resume only where it escalated from or in a legal next state.
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
+
+from ._machine import FAILED
+
+if TYPE_CHECKING:
+    from ._view import RunState
 
 
 class RunResult(msgspec.Struct, frozen=True, gc=False):
@@ -68,3 +73,21 @@ class RunHandle:
         self._finished = True
         if self._done is not None:
             self._done.set()
+
+
+def run_result(run: RunState) -> RunResult:
+    """Where ``run`` is: how it ended, or where it stopped."""
+    reason = ""
+    if run.escalation is not None:
+        reason = run.escalation.reason
+    elif run.state == FAILED and isinstance(run.output, dict):
+        reason = str(run.output.get("reason", ""))
+    return RunResult(
+        run.run_id,
+        run.machine.name,
+        run.state,
+        run.machine.outcome(run.state),
+        run.output,
+        reason,
+        run.seq,
+    )

@@ -21,6 +21,7 @@ import trio
 
 from . import _decider
 from ._breakers import CircuitBoard
+from ._escalation import Action, answer_again
 from ._events import Event, describe_exception
 from ._exceptions import (
     InterlockError,
@@ -34,10 +35,10 @@ from ._exceptions import (
     UnknownMachine,
     UnknownState,
 )
-from ._handle import RunHandle, RunResult
+from ._handle import RunHandle, RunResult, run_result
 from ._journal import DURABLE, LAG, WRITE, GroupCommit
 from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
-from ._machine import ESCALATE, FAILED, Machine
+from ._machine import ESCALATE, Machine
 from ._messages import (
     Abort,
     Cancel,
@@ -638,21 +639,7 @@ class Supervisor:
             )
 
     def result_of(self, run_id: str) -> RunResult:
-        run = self._run(run_id)
-        reason = ""
-        if run.escalation is not None:
-            reason = run.escalation.reason
-        elif run.state == FAILED and isinstance(run.output, dict):
-            reason = str(run.output.get("reason", ""))
-        return RunResult(
-            run.run_id,
-            run.machine.name,
-            run.state,
-            run.machine.outcome(run.state),
-            run.output,
-            reason,
-            run.seq,
-        )
+        return run_result(self._run(run_id))
 
     def release(self, run_id: str) -> None:
         """Drop a finished run's in-memory state and its handle (its journal stays in the
@@ -941,13 +928,27 @@ class Supervisor:
           payload: a corrected proposal to verify and apply on resuming.
           provider: the provider for the rest of the run; defaults to the supervisor's.
 
+        A repeat, once an operator resumed it in the same state with the same payload
+        (whoever sends it), journals nothing and returns the run's handle: the live one if
+        this supervisor drives it, else one finished with where the run is now
+        (:func:`interlock._escalation.answer_again`).
+
         Raises:
           RunNotFound: no such run.
-          NotEscalated: the run is not in the escalation queue.
+          NotEscalated: the run is not in the escalation queue, and no operator took it out.
+          EscalationResolved: an operator aborted it, or resumed it in another state or
+            with another payload (the message says who and when).
           IllegalResumeTarget: ``to`` is not a legal target.
           PayloadRejected: the gate rejected the payload (``.violations``); nothing was
             journaled.
         """
+        again = await self._resolved(run_id, "resume", to, payload)
+        if again is not None:
+            handle = self.handles.get(run_id)
+            if handle is None:
+                handle = RunHandle(run_id, again.machine.name, external=again.external)
+                handle._finish(run_result(again))
+            return handle
         run = _decider.escalated(await self._load(run_id))
         target = _decider.resume_target(run, to or "")
         if payload:
@@ -974,15 +975,44 @@ class Supervisor:
     async def abort_escalated(self, run_id: str, *, by: str, note: str = "") -> RunResult:
         """End an escalated run: it moves to FAILED with ``aborted by {by}: {note}``.
 
+        A repeat, once an operator aborted it, returns the failed run and journals
+        nothing (:func:`interlock._escalation.answer_again`).
+
         Raises:
           RunNotFound: no such run.
-          NotEscalated: the run is not in the escalation queue.
+          NotEscalated: the run is not in the escalation queue, and no operator took it out.
+          EscalationResolved: an operator resumed it (the message says who and when).
         """
+        again = await self._resolved(run_id, "abort")
+        if again is not None:
+            return run_result(again)
         await self._load(run_id)
         await self.request(Abort(run_id=run_id, by=by, note=note))
         result = self.result_of(run_id)
         self.release(run_id)
         return result
+
+    async def _resolved(
+        self, run_id: str, action: Action, to: str | None = None, payload: str | None = None
+    ) -> RunState | None:
+        """None if the run waits in the escalation queue (``action`` applies to it); else
+        the run as its journal holds it, if ``action`` repeats what an operator did.
+
+        Raises:
+          RunNotFound, NotEscalated, EscalationResolved: as :func:`answer_again` decides.
+        """
+        run = self._runs.get(run_id)
+        record = await self.store.get_run(run_id) if run is None else None
+        if run is not None and run.state == ESCALATE and run.escalation is not None:
+            return None
+        if record is not None and record.outcome == "escalated":
+            return None
+        name = run.machine.name if run is not None else record.machine if record else ""
+        events = await self.store.load(run_id)
+        folded = fold(self.machine(name), events)
+        outcome = folded.machine.outcome(folded.state)
+        answer_again(run_id, outcome, folded.state, events, action, to=to, payload=payload)
+        return folded
 
     async def cancel_run(self, run_id: str, reason: str = "cancelled") -> Verdict:
         """Fail a live run with ``reason`` (journaled as a transition to FAILED) and stop its actor.

@@ -187,12 +187,14 @@ def resume(run_id: str, by: str, note: str, payload: str | None, to: str | None)
     if payload is not None and to is not None:
         raise ValueError("give payload or to, not both")
     body = ResumeIn(by=by, note=note, payload=payload, to=to)
-    # the gateway answers a repeat of the same resume (by, note, payload) with the run
+    # the gateway answers a repeat of the resume done (the same to and payload) with the
+    # run, and the other action or another resume with a 409 (interlock._escalation)
     return Call("POST", escalation_path(run_id, "resume"), RunOut, body)
 
 
 def abort(run_id: str, by: str, note: str) -> Call[RunOut]:
-    # the gateway answers a repeat of the same abort with the failed run
+    # the gateway answers a repeat of the abort with the failed run, an abort after a
+    # resume with a 409
     return Call("POST", escalation_path(run_id, "abort"), RunOut, AbortIn(by=by, note=note))
 
 

@@ -331,7 +331,9 @@ class EscalationPage(_Out):
 
 class ResumeIn(_In):
     """``POST /v1/escalations/{id}/resume``: resume in ``to`` (default: where it escalated
-    from), or with a corrected ``payload`` (a proposal, verified like any other)."""
+    from), or with a corrected ``payload`` (a proposal, verified like any other). Once
+    resumed, the same resume (``to``, ``payload``) gets the run as it is; after an abort,
+    or another resume, 409."""
 
     by: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     note: str = ""
@@ -340,7 +342,8 @@ class ResumeIn(_In):
 
 
 class AbortIn(_In):
-    """``POST /v1/escalations/{id}/abort``: end the run in FAILED."""
+    """``POST /v1/escalations/{id}/abort``: end the run in FAILED. Once aborted, a repeat
+    gets the failed run; after a resume, 409."""
 
     by: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     note: str = ""

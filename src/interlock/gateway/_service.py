@@ -33,6 +33,7 @@ import trio
 from .. import _decider
 from .._breakers import CircuitBoard
 from .._enqueue import enqueue_run
+from .._escalation import Action, answer_again, escalated_from, resume_targets
 from .._events import (
     Completed,
     Escalated,
@@ -40,7 +41,6 @@ from .._events import (
     IntentRecorded,
     ModelCalled,
     ProposalRejected,
-    Resumed,
     TokenUsage,
     ToolCommitted,
     ToolFailed,
@@ -305,16 +305,6 @@ def verdict_out(verdict: Verdict, *, replayed: bool = False) -> VerdictOut:
         retry_in=verdict.retry_in,
         replayed=replayed,
     )
-
-
-def _resume_targets(machine: Machine, origin: str) -> list[str]:
-    """The states a run escalated from ``origin`` may be resumed in: there, or a legal
-    next state of it."""
-    targets = [origin]
-    if origin in machine.states:
-        tables = machine.tables
-        targets += [s for s in tables.legal_next(tables.state_id(origin)) if s not in targets]
-    return targets
 
 
 def event_out(event: JournalEvent | Event) -> EventOut:
@@ -1511,7 +1501,7 @@ class GatewayService:
                     seq=r.seq,
                     since=r.updated,
                     from_state=origin,
-                    targets=_resume_targets(machine, origin) if machine and origin else [],
+                    targets=resume_targets(machine, origin) if machine and origin else [],
                 )
             )
         return EscalationPage(escalations=out)
@@ -1521,19 +1511,14 @@ class GatewayService:
         last escalated event, read from the tail (the run has not moved since). Empty if
         its journal is damaged: the queue is still listed, and ``GET /v1/escalations/{id}``
         reports the damage."""
-
-        def last(events: Sequence[JournalEvent]) -> Escalated | None:
-            return next((e for e in reversed(events) if isinstance(e, Escalated)), None)
-
         try:
-            escalated = last(await self._read_after(run_id, max(0, seq - 8))) or last(
-                await self.supervisor.store.load(run_id)
-            )
+            return escalated_from(
+                await self._read_after(run_id, max(0, seq - 8))
+            ) or escalated_from(await self.supervisor.store.load(run_id))
         except StoreDamaged:
             return ""
         except Exception as exc:
             raise _translate(exc) from None
-        return escalated.state if escalated is not None else ""
 
     async def escalation(
         self, run_id: str, principal: PrincipalLike | None = None
@@ -1548,7 +1533,7 @@ class GatewayService:
         assert run.escalation is not None
         origin = run.escalation.state
         machine = run.machine
-        targets = _resume_targets(machine, origin)
+        targets = resume_targets(machine, origin)
         return EscalationOut(
             id=run.run_id,
             machine=machine.name,
@@ -1563,20 +1548,16 @@ class GatewayService:
     async def resume(
         self, run_id: str, body: ResumeIn, principal: PrincipalLike | None = None
     ) -> RunOut:
-        """Resume an escalated run; a retry of the same resume gets the run as it is."""
+        """Resume an escalated run; a repeat of the resume done gets the run as it is, and
+        a resume after an abort, or elsewhere, a 409 (:func:`answer_again`)."""
         if body.payload is not None and body.to is not None:
             raise invalid("resume takes a payload (a corrected proposal) or to (a state), not both")
         self._allow(principal, ("operator",), await self._machine_of(run_id))
         run = await self._fold(run_id)
         before = run.seq
         if run.state != ESCALATE:
-            last = await self._last_operator_event(run_id, Resumed)
-            if isinstance(last, Resumed) and (last.by, last.note, last.payload) == (
-                body.by,
-                body.note,
-                body.payload or "",
-            ):
-                return self.run_out(await self._fold(run_id))
+            await self._answer_again(run, "resume", body.to, body.payload)
+            return self.run_out(run)
         sup = self.supervisor
         self._admit()
         try:
@@ -1630,25 +1611,31 @@ class GatewayService:
             raise PayloadRejected(run.run_id, verdict.violations)
         await self.supervisor.store.append(events)
 
-    async def _last_operator_event(self, run_id: str, kind: type) -> Event | None:
-        for event in reversed(await self._load(run_id)):
-            if isinstance(event, kind):
-                return event
-            if isinstance(event, Escalated):
-                return None
-        return None
+    async def _answer_again(
+        self, run: RunState, action: Action, to: str | None = None, payload: str | None = None
+    ) -> None:
+        """Return if ``action`` on ``run``, out of the escalation queue, repeats what an
+        operator did (a retry: answered with the run as it is); else raise the 409 that
+        says what was done, by whom and when (:func:`answer_again`, as the supervisor and
+        the command line decide it)."""
+        outcome = run.machine.outcome(run.state)
+        events = await self._load(run.run_id)
+        try:
+            answer_again(run.run_id, outcome, run.state, events, action, to=to, payload=payload)
+        except NotEscalated as exc:
+            raise _translate(exc) from None
 
     async def abort(
         self, run_id: str, body: AbortIn, principal: PrincipalLike | None = None
     ) -> RunOut:
-        """End an escalated run in FAILED; a retry of the same abort gets the failed run."""
+        """End an escalated run in FAILED; a repeat gets the failed run, and an abort after
+        a resume a 409 (:func:`answer_again`)."""
         self._allow(principal, ("operator",), await self._machine_of(run_id))
         run = await self._fold(run_id)
         before = run.seq
         if run.state != ESCALATE:
-            last = await self._last_operator_event(run_id, Failed)
-            if isinstance(last, Failed) and last.reason.startswith(f"aborted by {body.by}"):
-                return self.run_out(run)
+            await self._answer_again(run, "abort")
+            return self.run_out(run)
         self._admit()
         try:
             if self.enqueues and not run.external:
