@@ -310,6 +310,11 @@ TOOL_ERRORS = [
         id="guards-a-string",
     ),
     pytest.param(
+        {"repeatable": "yes"},
+        "tool 't': repeatable must be True or False; got 'yes'",
+        id="repeatable-not-a-bool",
+    ),
+    pytest.param(
         {"reconcile": lambda key, args, ctx: None},
         "tool 't': reconcile must be an async function (async def reconcile(key, args, ctx)); "
         "got '<lambda>'",

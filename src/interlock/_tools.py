@@ -516,6 +516,12 @@ class Tool:
         key after a crash or a failed attempt. A call of a tool that is not idempotent
         whose outcome is in doubt is reconciled (below) or escalated, never run again.
       read_only: the tool changes nothing anywhere (always safe to run again).
+      repeatable: repeats are meant: the same call (this tool, the same canonical args)
+        may be committed more than once in a run, each time under its own key (a poll,
+        a "send another reminder"). Off by default: a call identical to one the run
+        already committed is refused by the gate (code ``already_committed``, quoting
+        the earlier result), since running it again would apply its side effect twice.
+        A read-only tool needs no such declaration: its repeats change nothing.
       not_applied: exception types that mean the call was certainly not applied (the
         request never reached the downstream, or was refused before it acted); only such
         a failure (or a :class:`ToolError` with ``applied=False``) lets a tool that is
@@ -537,6 +543,7 @@ class Tool:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     idempotent: bool = False
     read_only: bool = False
+    repeatable: bool = False
     not_applied: tuple[type[BaseException], ...] = ()
     reconcile: Reconcile | None = None
     validator: Validator = field(init=False, repr=False)
@@ -569,6 +576,10 @@ class Tool:
         if self.retry.attempts < 1:
             raise ToolDefinitionError(
                 f"tool {self.name!r}: retry.attempts must be at least 1; got {self.retry.attempts}"
+            )
+        if self.repeatable not in (True, False):
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: repeatable must be True or False; got {self.repeatable!r}"
             )
         not_applied = self.not_applied
         if isinstance(not_applied, type):

@@ -79,8 +79,8 @@ class ViolationOut(_Out):
     """Why a proposal was rejected, in terms the model can act on."""
 
     code: str
-    """malformed, unknown_tool, tool_not_allowed, illegal_transition, schema, guard,
-    repeat, budget or circuit_open."""
+    """malformed, unknown_tool, tool_not_allowed, illegal_transition, schema,
+    already_committed, guard, repeat, budget or circuit_open."""
     path: str
     """Where in the proposal: ``args.amount``, ``tool``, ``$``."""
     message: str
