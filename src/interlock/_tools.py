@@ -495,6 +495,33 @@ def _is_async(fn: Any) -> bool:
     )
 
 
+def _check_guard(tool: str, guard: Guard) -> None:
+    """Refuse a guard the gate could not call as ``guard(args, view)``, or one that would
+    return a coroutine (a guard does no I/O): found now, not when a model's call meets it.
+
+    Raises:
+      ToolDefinitionError: naming the guard, its parameters and the signature expected.
+    """
+    name = getattr(guard, "__name__", None) or repr(guard)
+    expected = f"def {name}(args, view) -> Reject | None"
+    if _is_async(guard):
+        raise ToolDefinitionError(
+            f"tool {tool!r}: guard {name!r} is async; a guard is a plain function that does "
+            f"no I/O, called as guard(args, view): write {expected}"
+        )
+    try:
+        signature = inspect.signature(guard)
+    except (TypeError, ValueError):  # a builtin or extension without one: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ToolDefinitionError(
+            f"tool {tool!r}: guard {name!r} takes {signature}, but a guard is called with "
+            f"two positional arguments, guard(args, view): write {expected}"
+        ) from None
+
+
 class _NoArgs(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
@@ -609,6 +636,8 @@ class Tool:
                 f"tool {self.name!r}: guards must be functions (args, view) -> Reject | None; "
                 f"got {bad!r}: pass the function itself, not its name"
             )
+        for guard in guards:
+            _check_guard(self.name, guard)
         object.__setattr__(self, "guards", tuple(guards))
         object.__setattr__(self, "validator", compile_schema(self.args, self.name))
 
