@@ -813,6 +813,14 @@ class RunView:
         """The JSON Schema of ``tool``'s args."""
         return self._run.machine.tool_by_name[tool].validator.json_schema()
 
+    @property
+    def data_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema the ``data`` of a move from the current state must match (the
+        state's ``Worker(data=...)``, for every move out of it); None when any JSON object
+        will do."""
+        validator = self._run.machine.data_validators.get(self._run.state)
+        return None if validator is None else validator.json_schema()
+
     def tool_description(self, tool: str) -> str:
         return self._run.machine.tool_by_name[tool].description
 
