@@ -352,6 +352,7 @@ cdef class RunState:
     cdef public long long steps
     cdef public long long consecutive_failures
     cdef public array.array _repeats
+    cdef public array.array _committed_calls
     cdef public list history
     cdef public list signatures
     cdef public list results
@@ -386,6 +387,7 @@ cdef class RunState:
         self.steps = 0
         self.consecutive_failures = 0
         self._repeats = None
+        self._committed_calls = None
         self.history = []
         self.signatures = []
         self.results = []
@@ -430,6 +432,21 @@ cdef class RunState:
             if hashes[i] == wanted:
                 count += 1
         return count
+
+    cpdef bint committed_before(self, call_hash) except -1:
+        """Whether the run committed a call whose repeat hash is ``call_hash``."""
+        cdef array.array done = self._committed_calls
+        if done is None:
+            return False
+        if call_hash < 0 or call_hash > 0xFFFFFFFFFFFFFFFF:
+            return False  # no call hashes to it (the twin's ``in`` finds none)
+        cdef unsigned long long wanted = call_hash
+        cdef unsigned long long* hashes = done.data.as_ulonglongs
+        cdef Py_ssize_t i
+        for i in range(len(done)):
+            if hashes[i] == wanted:
+                return True
+        return False
 
     @property
     def repeat_counts(self):
@@ -571,7 +588,17 @@ cdef class RunState:
         self.pending = None
         self.validated = None
         self.consecutive_failures = 0
-        args = intent.args if intent is not None and intent.key == key else {}
+        cdef array.array repeats
+        if intent is not None and intent.key == key:
+            args = intent.args
+            # The pending intent's hash is the last one intended (see PyRunState._commit_call).
+            repeats = self._repeats
+            call = repeats[len(repeats) - 1] if repeats else _call_hash(intent.tool, args)
+            if self._committed_calls is None:
+                self._committed_calls = _arrays.array("Q")
+            self._committed_calls.append(call)
+        else:
+            args = {}
         cdef str args_json = _json_encode(args).decode()
         cdef str result_json = _json_encode(result).decode()
         tool = event.tool
@@ -892,7 +919,8 @@ cdef inline bint _within_budgets(RunState run, machine, double now) except -1:
 
 cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, circuits):
     """The gate's accepted path for a call that does not move on: ``(call, builtins,
-    value, call_hash)``; a ``Decision`` where a guard, the encoding, the repeat breaker
+    value, call_hash)``; a ``Decision`` where the encoding, a committed identical call
+    (``_gate._checked_call``'s order), a guard, the repeat breaker
     (the Python gate's, which explains them) or the circuit refused the call; None for
     whatever else the Python gate must decide from the start (it explains a rejection,
     and decides a transition or a call that moves on). Nothing it does before it
@@ -919,6 +947,15 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
         return None
     if scan_json(raw) is not None:
         return None
+    plain = call.plain
+    builtins = call.to_builtins(args)
+    try:
+        canonical = _canonical_encode(args if plain else builtins)
+    except _ENCODING_ERRORS:
+        return _refused(run, machine, call, args, now, circuits)
+    call_hash = hash64(canonical, call.seed)
+    if call.once and run.committed_before(call_hash):
+        return _refused(run, machine, call, args, now, circuits)
     guards = call.guards
     if guards:
         view = _RunView(run)
@@ -929,13 +966,6 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
                 return _refused(run, machine, call, args, now, circuits)
             if rejected is not None:
                 return _refused(run, machine, call, args, now, circuits)
-    plain = call.plain
-    builtins = call.to_builtins(args)
-    try:
-        canonical = _canonical_encode(args if plain else builtins)
-    except _ENCODING_ERRORS:
-        return _refused(run, machine, call, args, now, circuits)
-    call_hash = hash64(canonical, call.seed)
     policy = machine.breakers
     if run.repeats_of(call_hash) >= policy.repeats:
         return _refused(run, machine, call, args, now, circuits)
@@ -947,8 +977,9 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
 
 
 cdef object _refused(RunState run, machine, call, args, double now, circuits):
-    """The Python gate's decision on a call the compiled one found refused (by a guard,
-    the journal's encoding or the repeat breaker): it explains the refusal, guards and all."""
+    """The Python gate's decision on a call the compiled one found refused (by the
+    journal's encoding, a committed identical call, a guard or the repeat breaker): it
+    explains the refusal, guards and all."""
     return _checked_call(machine, run, call, args, now, circuits)
 
 

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
@@ -84,6 +85,25 @@ async def journal(db: Path) -> tuple[list[Any], dict[str, list[Any]]]:
         await store.aclose()
 
 
+def _reissued_after_a_failure(runs: dict[str, list[Any]]) -> Counter[str]:
+    """Per tool, the runs in which a call failed and the same call was made again."""
+    reissued: Counter[str] = Counter()
+    for events in runs.values():
+        calls: dict[str, tuple[str, bytes]] = {}
+        failed: set[tuple[str, bytes]] = set()
+        again: set[str] = set()
+        for event in events:
+            if type(event).__name__ == "IntentRecorded":
+                call = (event.tool, msgspec.json.encode(event.args, order="sorted"))
+                if call in failed:
+                    again.add(event.tool)
+                calls[event.key] = call
+            elif type(event).__name__ == "ToolFailed" and event.key in calls:
+                failed.add(calls[event.key])
+        reissued.update(again)
+    return reissued
+
+
 def test_chaos_with_two_crashes(tmp_path: Path) -> None:
     db, effects = tmp_path / "chaos.db", tmp_path / "chaos-effects.db"
     kill_after(start("run", db, effects), db, 3_000)
@@ -105,7 +125,14 @@ def test_chaos_with_two_crashes(tmp_path: Path) -> None:
         spec = load_app().machines(backend, SEED)
     finally:
         backend.close()
-    assert {tool: c["duplicates"] for tool, c in counts.items()} == dict.fromkeys(counts, 0)
+    # (issue 32: an effect applied twice in one run, under one key or several). What is
+    # not guaranteed (the README says so): an idempotent call whose attempts all failed,
+    # one of them after the downstream applied it, goes back to its proposer, and the
+    # same call made again gets a new key. Only such a call may be counted here.
+    reissued = _reissued_after_a_failure(runs)
+    for tool, c in counts.items():
+        assert c["duplicates"] <= reissued[tool], (tool, c, reissued)
+    assert counts["send_email"]["duplicates"] == 0  # not idempotent: in doubt, never reissued
     # every fault happened, and each became an explained outcome of its run
     kinds = Counter(type(e).__name__ for events in runs.values() for e in events)
     messages = " ".join(

@@ -476,3 +476,111 @@ async def test_a_damaged_journal_stops_a_resume_before_any_run_starts(tmp_path: 
         assert [type(e).__name__ for e in await store.load("r-1")][-1] == "IntentRecorded"
     finally:
         await store.aclose()
+
+
+# -- the same call proposed twice in one run (issue 32) ------------------------------------
+
+
+class Shop:
+    """A refund service, an order lookup and a reminder, counting what they executed."""
+
+    def __init__(self) -> None:
+        self.executed: list[tuple[str, str]] = []
+
+    def tool(self, name: str) -> Any:
+        async def execute(args: Any, ctx: ToolContext) -> Any:
+            self.executed.append((name, ctx.key))
+            return {"tool": name, "key": ctx.key}
+
+        return execute
+
+
+class Order(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+    amount: float = 0.0
+
+
+def shop(service: Shop, *, refund_repeatable: bool = False) -> Machine:
+    return Machine(
+        "shop",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["lookup", "refund", "remind"])},
+        tools=[
+            Tool("lookup", service.tool("lookup"), Order, read_only=True),
+            Tool(
+                "refund",
+                service.tool("refund"),
+                Order,
+                idempotent=True,
+                repeatable=refund_repeatable,
+            ),
+            Tool("remind", service.tool("remind"), Order, repeatable=True),
+        ],
+    )
+
+
+SHOP_SCRIPT = [
+    '{"tool": "lookup", "args": {"order_id": "o1"}}',
+    '{"tool": "refund", "args": {"order_id": "o1", "amount": 25}}',
+    '{"tool": "lookup", "args": {"order_id": "o1"}}',
+    # the same refund again, its args in another order and 25 written as a float
+    '{"tool": "refund", "args": {"amount": 25.0, "order_id": "o1"}}',
+    '{"tool": "remind", "args": {"order_id": "o1"}}',
+    '{"tool": "remind", "args": {"order_id": "o1"}}',
+    DONE,
+]
+
+
+async def test_the_same_side_effecting_call_proposed_twice_runs_once() -> None:
+    """Issue 32: in a 60-run demo, two customers got a double refund and a double email,
+    each call committed under its own key. The second identical refund is refused, quoting
+    the first one's result; a read-only call and a repeatable one run again."""
+    service, store = Shop(), MemoryStore()
+    async with open_supervisor(
+        [shop(service)], store, provider=ScriptedProvider(SHOP_SCRIPT)
+    ) as sup:
+        result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    assert [name for name, _key in service.executed] == [
+        "lookup",
+        "refund",
+        "lookup",
+        "remind",
+        "remind",
+    ]
+    events = await store.load("r-1")
+    refund_key = next(key for name, key in service.executed if name == "refund")
+    committed = next(
+        e for e in events if type(e).__name__ == "ToolCommitted" and e.key == refund_key
+    )
+    (rejection,) = [e for e in events if type(e).__name__ == "ProposalRejected"]
+    (violation,) = rejection.violations
+    assert violation.code == "already_committed"
+    assert violation.message == (
+        f"refund was already called with these args in this run: committed at seq "
+        f"{committed.seq} (key {refund_key!r}) with result "
+        f'{{"tool":"refund","key":"{refund_key}"}}; calling it again would apply it twice'
+    )
+    assert violation.hint == (
+        f"use the result of seq {committed.seq} instead of calling refund again, or move on"
+    )
+    # The decision is the journal's: replay reproduces it, and a machine that declares the
+    # refund repeatable decides that proposal differently, at its seq.
+    assert replay(events, shop(Shop())).ok
+    changed = replay(events, shop(Shop(), refund_repeatable=True))
+    (diverged,) = changed.diverged
+    assert diverged.divergence is not None
+    assert diverged.divergence.seq == rejection.seq
+
+
+async def test_a_repeatable_side_effecting_tool_runs_each_time() -> None:
+    service, store = Shop(), MemoryStore()
+    async with open_supervisor(
+        [shop(service, refund_repeatable=True)], store, provider=ScriptedProvider(SHOP_SCRIPT)
+    ) as sup:
+        result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    assert [name for name, _key in service.executed].count("refund") == 2
+    refunds = [key for name, key in service.executed if name == "refund"]
+    assert len(set(refunds)) == 2  # each call under its own key
+    assert replay(await store.load("r-1"), shop(Shop(), refund_repeatable=True)).ok

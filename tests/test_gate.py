@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from interlock import (
     BreakerPolicy,
     Budgets,
+    Escalated,
     Event,
     IntentRecorded,
     Machine,
@@ -20,11 +21,13 @@ from interlock import (
     ModelCalled,
     ProtocolError,
     Reject,
+    Resumed,
     RunStarted,
     RunView,
     TokenUsage,
     Tool,
     ToolCommitted,
+    ToolFailed,
     Transitioned,
     Violation,
     Worker,
@@ -44,6 +47,7 @@ CODES = {
     "schema",
     "guard",
     "repeat",
+    "already_committed",
     "budget",
     "circuit_open",
 }
@@ -200,6 +204,19 @@ def committed(events: list[Event], tool: str, args: dict[str, Any], result: Any)
             run_id="r-1", seq=seq + 1, ts=1000.0, state="WORK", tool=tool, args=args, key=key
         ),
         ToolCommitted(run_id="r-1", seq=seq + 2, ts=1000.0, tool=tool, key=key, result=result),
+    ]
+
+
+def failed(events: list[Event], tool: str, args: dict[str, Any]) -> list[Event]:
+    """Append an intent and its failure (certainly not applied) for ``tool`` to ``events``."""
+    seq = events[-1].seq
+    key = f"r-1:WORK:{seq + 1}"
+    return [
+        *events,
+        IntentRecorded(
+            run_id="r-1", seq=seq + 1, ts=1000.0, state="WORK", tool=tool, args=args, key=key
+        ),
+        ToolFailed(run_id="r-1", seq=seq + 2, ts=1000.0, tool=tool, key=key, error="refused"),
     ]
 
 
@@ -1141,15 +1158,119 @@ def test_repeat_rejects_the_same_call_past_the_limit() -> None:
 
 def test_repeat_hashes_canonical_args() -> None:
     events = started()
-    for _ in range(3):
-        events = committed(
-            events, "refund_struct", {"reason": "other", "amount": 10.0, "order_id": "o1"}, {}
+    for _ in range(3):  # intended three times, never applied (so never committed)
+        events = failed(
+            events, "refund_struct", {"reason": "other", "amount": 10.0, "order_id": "o1"}
         )
     raw = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 10}}'
     decision = verify(MACHINE, fold(MACHINE, events), raw, 0.0)
     assert [v.code for v in decision.violations] == ["repeat"]
     other = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 11}}'
     assert verify(MACHINE, fold(MACHINE, events), other, 0.0).accepted
+
+
+# -- a side effect already applied -----------------------------------------------------
+
+
+def test_a_call_identical_to_a_committed_one_is_refused_quoting_its_result() -> None:
+    """Issue 32: the same side-effecting call proposed twice in one run ran twice, under
+    two keys (a double refund, a double email)."""
+    args = {"reason": "other", "amount": 10.0, "order_id": "o1"}
+    events = committed(started(), "refund_struct", args, {"refund_id": "rf-1", "new": True})
+    run = fold(MACHINE, events)
+    # The same call, its args in another order and 10 written as an int: the canonical args.
+    raw = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 10}}'
+    decision = verify(MACHINE, run, raw, 0.0)
+    assert rejected(decision) == [
+        (
+            "already_committed",
+            "args",
+            "refund_struct was already called with these args in this run: committed at seq 3 "
+            """(key 'r-1:WORK:2') with result {"refund_id":"rf-1","new":true}; calling it """
+            "again would apply it twice",
+            "use the result of seq 3 instead of calling refund_struct again, or move on",
+        )
+    ]
+    assert decision.trip is None  # a rejection like any other, not a breaker
+    other = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 11}}'
+    assert verify(MACHINE, run, other, 0.0).accepted
+
+
+@pytest.mark.parametrize("tool", ["refund_struct", "refund_json", "refund_pydantic", "refund_core"])
+def test_every_kind_of_schema_refuses_a_committed_call_again(tool: str) -> None:
+    args = {"order_id": "o1", "amount": 10.0, "reason": "other"}
+    run = fold(MACHINE, committed(started(), tool, args, "x" * 500))
+    raw = msgspec.json.encode({"tool": tool, "args": {"order_id": "o1", "amount": 10.0}})
+    (violation,) = verify(MACHINE, run, raw, 0.0).violations
+    assert violation.code == "already_committed"
+    # The earlier result is quoted, cut to a bounded length.
+    assert "with result " + '"' + "x" * 196 + "...; calling" in violation.message
+    assert len(violation.message) < 400
+
+
+def test_the_committed_call_is_refused_before_its_guards() -> None:
+    """The refusal names the earlier commit, not what a guard makes of a second refund."""
+    events = committed(started(), "lookup_order", {"order_id": "o1"}, {"total": 100.0})
+    args = {"order_id": "o1", "amount": 100.0, "reason": "other"}
+    events = committed(events, "refund", args, {"refund_id": "rf-1"})
+    raw = b'{"tool": "refund", "args": {"order_id": "o1", "amount": 100.0}}'
+    (violation,) = verify(MACHINE, fold(MACHINE, events), raw, 0.0).violations
+    assert violation.code == "already_committed"
+    assert "committed at seq 5 (key 'r-1:WORK:4')" in violation.message
+
+
+def test_a_read_only_call_may_be_committed_again() -> None:
+    events = committed(started(), "lookup_order", {"order_id": "o1"}, {"total": 100.0})
+    raw = b'{"tool": "lookup_order", "args": {"order_id": "o1"}}'
+    assert verify(MACHINE, fold(MACHINE, events), raw, 0.0).accepted
+
+
+def test_a_repeatable_tool_may_be_committed_again() -> None:
+    machine = Machine(
+        "poller",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["remind", "charge"])},
+        tools=[
+            Tool("remind", nop, LookupArgs, repeatable=True),
+            Tool("charge", nop, LookupArgs),
+        ],
+    )
+    events: list[Event] = [
+        RunStarted(run_id="r-1", seq=1, ts=1000.0, machine="poller", state="WORK", inputs={})
+    ]
+    events = committed(events, "remind", {"order_id": "o1"}, None)
+    events = committed(events, "charge", {"order_id": "o1"}, None)
+    run = fold(machine, events)
+    assert verify(machine, run, b'{"tool": "remind", "args": {"order_id": "o1"}}', 0.0).accepted
+    (violation,) = verify(
+        machine, run, b'{"tool": "charge", "args": {"order_id": "o1"}}', 0.0
+    ).violations
+    assert violation.code == "already_committed"
+
+
+def test_a_call_intended_but_not_committed_may_be_made_again() -> None:
+    """Only a committed call was applied; one that failed, not applied, may be retried."""
+    args = {"order_id": "o1", "amount": 10.0, "reason": "other"}
+    run = fold(MACHINE, failed(started(), "refund_struct", args))
+    raw = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 10.0}}'
+    assert verify(MACHINE, run, raw, 0.0).accepted
+
+
+def test_the_committed_calls_outlive_a_resume() -> None:
+    """What was applied stays applied: a resume clears the repeat counts, not them."""
+    args = {"order_id": "o1", "amount": 10.0, "reason": "other"}
+    events = committed(started(), "refund_struct", args, {"ok": True})
+    events += [
+        Transitioned(run_id="r-1", seq=4, ts=1000.0, src="WORK", dst="ESCALATE"),
+        Escalated(run_id="r-1", seq=5, ts=1000.0, state="WORK", reason="r", detail="d"),
+        Resumed(run_id="r-1", seq=6, ts=1000.0, by="op", note="", to="WORK"),
+        Transitioned(run_id="r-1", seq=7, ts=1000.0, src="ESCALATE", dst="WORK"),
+    ]
+    run = fold(MACHINE, events)
+    assert run.repeats_of(_call_hash("refund_struct", args)) == 0
+    raw = b'{"tool": "refund_struct", "args": {"order_id": "o1", "amount": 10.0}}'
+    (violation,) = verify(MACHINE, run, raw, 0.0).violations
+    assert violation.code == "already_committed"
 
 
 def _model_called(seq: int, prompt: int, completion: int) -> ModelCalled:

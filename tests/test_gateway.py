@@ -204,6 +204,47 @@ async def test_an_external_run_is_driven_step_by_step(tmp_path: Path) -> None:
     assert replay(events, shop()).diverged == ()
 
 
+class Receipt(msgspec.Struct, forbid_unknown_fields=True):
+    receipt: str
+
+
+def paying() -> Machine:
+    """``shop``, whose moves out of PAY carry a receipt."""
+    return Machine(
+        "shop",
+        "PAY",
+        {"PAY": Worker(next=["COMPLETED"], tools=["charge"], data=Receipt)},
+        tools=[Tool("charge", never, Charge, description="Charge the customer.")],
+    )
+
+
+async def test_a_runs_description_gives_the_data_schema_of_its_moves(tmp_path: Path) -> None:
+    """Issue 32: an external agent learned the data a move must carry only from rejections."""
+    expected = {
+        "title": "Receipt",
+        "type": "object",
+        "properties": {"receipt": {"type": "string"}},
+        "required": ["receipt"],
+        "additionalProperties": False,
+    }
+    async with gateway(paying(), tmp_path / "j.db") as (_, client):
+        run = await start(client, "x-1")
+        assert run.data_schema == expected
+        described = (await client.get("/v1/runs/x-1")).json()
+        assert described["data_schema"] == expected
+        assert described["tools"][0]["schema"]["properties"]["cents"] == {"type": "integer"}
+        schema = json.dumps(expected, separators=(",", ":"))
+        assert (
+            f"data of a move from here: must match the JSON Schema {schema}"
+            in (described["context"])
+        )
+        done = decode(await propose(client, "x-1", DONE, run.seq), VerdictOut)
+        assert done.outcome == "completed"
+        assert decode(await client.get("/v1/runs/x-1"), RunOut).data_schema is None
+    async with gateway(shop(), tmp_path / "k.db") as (_, client):
+        assert (await start(client, "x-2")).data_schema is None  # any object will do
+
+
 async def test_a_stale_expected_seq_is_a_409(tmp_path: Path) -> None:
     async with gateway(shop(), tmp_path / "j.db") as (_, client):
         run = await start(client, "x-1")
@@ -1094,6 +1135,7 @@ async def test_the_openapi_document_is_generated_from_the_structs(tmp_path: Path
         "model",
     }
     assert schemas["ProposalIn"]["additionalProperties"] is False
+    assert "data_schema" in schemas["RunOut"]["properties"]
     assert "/v1/runs/{id}/stream" in served["paths"]
 
 

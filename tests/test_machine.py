@@ -276,6 +276,27 @@ _ARGS_RULE = (
     "JSON Schema object"
 )
 
+
+def guard_of_args(args):  # type: ignore[no-untyped-def]
+    return None
+
+
+def guard_with_limit(args, view, limit):  # type: ignore[no-untyped-def]
+    return None
+
+
+async def async_guard(args, view):  # type: ignore[no-untyped-def]
+    return None
+
+
+class _GuardObject:
+    def __call__(self, args: Any, view: Any, limit: float = 100.0) -> None:
+        return None
+
+    def method(self, args: Any, view: Any) -> None:
+        return None
+
+
 TOOL_ERRORS = [
     pytest.param(
         {"name": "9lives"}, f"tool name '9lives' is invalid; {_NAME_RULE}", id="digit-first"
@@ -308,6 +329,38 @@ TOOL_ERRORS = [
         "tool 't': guards must be functions (args, view) -> Reject | None; got 'within_total': "
         "pass the function itself, not its name",
         id="guards-a-string",
+    ),
+    pytest.param(
+        {"guards": [guard_of_args]},
+        "tool 't': guard 'guard_of_args' takes (args), but a guard is called with two "
+        "positional arguments, guard(args, view): write def guard_of_args(args, view) -> "
+        "Reject | None",
+        id="guard-one-parameter",
+    ),
+    pytest.param(
+        {"guards": [guard_with_limit]},
+        "tool 't': guard 'guard_with_limit' takes (args, view, limit), but a guard is called "
+        "with two positional arguments, guard(args, view): write def guard_with_limit(args, "
+        "view) -> Reject | None",
+        id="guard-three-parameters",
+    ),
+    pytest.param(
+        {"guards": [lambda args, *, view: None]},
+        "tool 't': guard '<lambda>' takes (args, *, view), but a guard is called with two "
+        "positional arguments, guard(args, view): write def <lambda>(args, view) -> "
+        "Reject | None",
+        id="guard-keyword-only-view",
+    ),
+    pytest.param(
+        {"guards": [async_guard]},
+        "tool 't': guard 'async_guard' is async; a guard is a plain function that does no "
+        "I/O, called as guard(args, view): write def async_guard(args, view) -> Reject | None",
+        id="guard-async",
+    ),
+    pytest.param(
+        {"repeatable": "yes"},
+        "tool 't': repeatable must be True or False; got 'yes'",
+        id="repeatable-not-a-bool",
     ),
     pytest.param(
         {"reconcile": lambda key, args, ctx: None},
@@ -375,6 +428,24 @@ def test_tool_definition_error(overrides: dict[str, Any], message: str) -> None:
     kwargs: dict[str, Any] = {"name": "t", "execute": nop, **overrides}
     with pytest.raises(ToolDefinitionError, match=f"^{re.escape(message)}$"):
         Tool(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [
+        lambda args, view: None,
+        lambda args, view, limit=1: None,
+        lambda *parts: None,
+        _GuardObject(),
+        _GuardObject().method,
+    ],
+    ids=["two", "a-default-more", "star-args", "callable-object", "bound-method"],
+)
+def test_a_guard_callable_as_guard_args_view_is_accepted(guard: Any) -> None:
+    """Issue 32: a guard is checked when the tool is built, and only refused when the gate
+    could not call it as ``guard(args, view)``."""
+    tool = Tool("t", nop, guards=[guard])
+    assert tool.guards == (guard,)
 
 
 def test_tool_definition_error_for_a_worker_data_schema() -> None:

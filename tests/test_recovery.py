@@ -46,13 +46,13 @@ def limit_100(args, view):
     return None
 
 
-def machine(pay, notify, quote=None):
+def machine(pay, notify, quote=None, repeatable=False):
     return Machine(
         "pay",
         initial="WORK",
         states={"WORK": Worker(next=["COMPLETED", "ESCALATE"], tools=["pay", "notify", "quote"])},
         tools=[
-            Tool("pay", pay, Pay, guards=[limit_100], idempotent=True),
+            Tool("pay", pay, Pay, guards=[limit_100], idempotent=True, repeatable=repeatable),
             Tool("notify", notify, Pay),  # not idempotent
             Tool("quote", quote or Calls(), Pay, read_only=True),  # not idempotent either
         ],
@@ -323,11 +323,14 @@ PAY_5 = '{"tool": "pay", "args": {"amount": 5}}'
 
 
 async def test_resume_resets_the_repeat_counts():
-    """A run escalated for repeating a call may be resumed with that call once more (#14)."""
+    """A run escalated for repeating a call may be resumed with that call once more (#14).
+
+    Its tool is declared repeatable (repeats are meant), or the second call would be
+    refused as already committed (issue 32)."""
     store = MemoryStore()
     pay, notify = Calls(), Calls()
     async with open_supervisor(
-        [machine(pay, notify)], store, provider=ScriptedProvider([PAY_5] * 4)
+        [machine(pay, notify, repeatable=True)], store, provider=ScriptedProvider([PAY_5] * 4)
     ) as sup:
         handle = await sup.start_run("pay", run_id="r-1")
     result = await handle.wait()
@@ -335,7 +338,9 @@ async def test_resume_resets_the_repeat_counts():
     assert len(pay.keys) == 3
     escalated_at = result.seq
     provider = ScriptedProvider(['{"next": "COMPLETED"}'])
-    async with open_supervisor([machine(pay, notify)], store, provider=provider) as sup:
+    async with open_supervisor(
+        [machine(pay, notify, repeatable=True)], store, provider=provider
+    ) as sup:
         handle = await sup.resume_escalated("r-1", by="ada", note="once more", payload=PAY_5)
     assert (await handle.wait()).outcome == "completed"
     assert pay.keys[3:] == [f"r-1:WORK:{escalated_at + 4}"]

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from interlock import ToolResult
+from interlock import (
+    Machine,
+    RunStarted,
+    RunView,
+    Tool,
+    ToolResult,
+    Transitioned,
+    Worker,
+)
+from interlock._view import fold
+from interlock.providers import render_prompt
+from interlock.providers._wire import system_text
 
 # What committed args are: JSON-like builtins, as the gate or the journal hands them over.
 _leaves = (
@@ -213,3 +225,71 @@ def test_history_compacts_rejections_as_a_whole_fold_does(steps: list[str]) -> N
             ("rejected" if full[first] else "tool_result", count)
             for first, _last, count in compact_failures(full)
         ]
+
+
+# -- what a move must carry, told before it is tried (issue 32) ----------------------------
+
+
+class _Classified(msgspec.Struct, forbid_unknown_fields=True):
+    category: Literal["billing", "technical"]
+
+
+async def _nothing(args: Any, ctx: Any) -> None:
+    return None
+
+
+def _triage() -> Machine:
+    return Machine(
+        "triage",
+        initial="INIT",
+        states={
+            "INIT": Worker(
+                next=["ROUTE", "ESCALATE"], tools=["lookup"], data=_Classified, instructions="go"
+            ),
+            "ROUTE": Worker(next=["DONE"]),
+        },
+        tools=[Tool("lookup", _nothing, read_only=True)],
+    )
+
+
+_CLASSIFIED_SCHEMA = (
+    '{"title":"_Classified","type":"object","properties":{"category":{"enum":'
+    '["billing","technical"]}},"required":["category"],"additionalProperties":false}'
+)
+
+
+def _view_in(state: str) -> RunView:
+    events: list[Any] = [
+        RunStarted(run_id="r-1", seq=1, ts=0.0, machine="triage", state="INIT", inputs={})
+    ]
+    if state != "INIT":
+        events.append(
+            Transitioned(
+                run_id="r-1", seq=2, ts=0.0, src="INIT", dst=state, delta={"category": "billing"}
+            )
+        )
+    return RunView(fold(_triage(), events))
+
+
+def test_the_prompt_of_a_state_whose_moves_carry_data_shows_their_schema() -> None:
+    """Issue 32: a model reading the text prompt learned the data schema of a move only
+    from its rejections."""
+    view = _view_in("INIT")
+    assert msgspec.json.encode(view.data_schema).decode() == _CLASSIFIED_SCHEMA
+    lines = render_prompt(view).split("\n")
+    assert lines[lines.index("legal next states: ROUTE, ESCALATE") + 1] == (
+        f"data of a move from here: must match the JSON Schema {_CLASSIFIED_SCHEMA}"
+    )
+    assert f"The data of a move must match this JSON Schema: {_CLASSIFIED_SCHEMA}" in (
+        system_text(view).split("\n")
+    )
+    assert f"The data of a move must match this JSON Schema: {_CLASSIFIED_SCHEMA}" in (
+        system_text(view, "json_schema").split("\n")
+    )
+
+
+def test_the_prompt_of_a_state_whose_moves_carry_any_data_shows_no_schema() -> None:
+    view = _view_in("ROUTE")
+    assert view.data_schema is None
+    assert "JSON Schema" not in render_prompt(view)
+    assert "JSON Schema" not in system_text(view)

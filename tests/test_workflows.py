@@ -286,3 +286,46 @@ async def test_workflow_oracles_complete_many_runs(backend, workflow):
         assert sum(r.outcome == "failed" for r in results) == 6
     else:
         assert outcomes == {"completed"}
+
+
+async def test_duplicates_count_the_same_effect_applied_twice_in_one_run(backend):
+    """Issue 32: a call repeated under a second key is no duplicate per key, but the
+    customer got two refunds and two emails all the same."""
+    await backend.refund("r-1:WORK:3", "r-1", ORDER_100, 50.0)
+    await backend.refund("r-1:WORK:9", "r-1", ORDER_100, 50.0)  # the same refund again
+    await backend.refund("r-1:WORK:11", "r-1", ORDER_100, 25.0)  # another amount: another call
+    await backend.refund("r-2:WORK:3", "r-2", ORDER_100, 50.0)  # another run
+    for key in ("r-1:WORK:5", "r-1:WORK:7", "r-1:WORK:7"):  # twice under one key, too
+        await backend.send_email(key, "r-1", "a@example.com", "Your refund")
+    entities = [{"id": "e0", "category": "person", "confidence": 0.9}]
+    for key in ("r-3:COMMIT:4", "r-3:COMMIT:6"):
+        await backend.write_entities(key, "r-3", entities)
+    await backend.write_entities("r-4:COMMIT:4", "r-4", entities)
+    counts = backend.counts()
+    assert counts["refund"] == {"executions": 4, "keys": 4, "applied": 4, "duplicates": 1}
+    assert counts["send_email"] == {"executions": 3, "keys": 2, "applied": 3, "duplicates": 2}
+    assert counts["write_entities"] == {"executions": 3, "keys": 3, "applied": 3, "duplicates": 1}
+    assert counts["record_ticket"]["duplicates"] == 0
+
+
+async def test_the_demo_applies_no_effect_twice_and_counts_the_refused_repeats():
+    """Issue 32: under chaos (a model repeating its last call), the demo said "duplicates 0"
+    while customers got a second refund and a second email. Every repeat is now refused and
+    counted as such; no effect is applied twice."""
+    from interlock._demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        runs=60,
+        workflows=("refund",),
+        chaos_rate=0.1,
+        seed=10,
+        db=":memory:",
+        latency=(0.0, 0.0),
+        run_prefix="t",
+    )
+    row = (await run_demo(config))["workflows"]["refund"]
+    assert {tool: c["duplicates"] for tool, c in row["side_effects"].items()} == {
+        "refund": 0,
+        "send_email": 0,
+    }
+    assert row["repeats_refused"] == row["rejections"]["already_committed"] > 0

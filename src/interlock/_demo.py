@@ -15,6 +15,7 @@ import trio
 
 from ._app import App
 from ._exceptions import InterlockError
+from ._gate import ALREADY_COMMITTED
 from ._hotpath import IMPLEMENTATION
 from ._leasing import DEFAULT_TTL, is_leasing
 from ._runtime import open_supervisor
@@ -175,7 +176,12 @@ def _workflow_row(
     latency: LatencyHistogram,
     effects: dict[str, dict[str, int]],
 ) -> dict[str, Any]:
-    """One workflow's part of the summary; ``ended`` holds (outcome, state, reason) per run."""
+    """One workflow's part of the summary; ``ended`` holds (outcome, state, reason) per run.
+
+    ``side_effects`` counts what the downstream systems applied (``duplicates``: an
+    effect applied twice in one run); ``repeats_refused`` the proposals the gate refused
+    because the run had already committed the same side-effecting call.
+    """
     return {
         "runs": len(ended),
         "outcomes": dict(sorted(Counter(o for o, _s, _r in ended).items())),
@@ -189,6 +195,7 @@ def _workflow_row(
         "verifications": latency.total,
         "verification_us": _latency_us(latency),
         "side_effects": {t: effects[t] for t in EFFECT_TOOLS.get(name, ()) if t in effects},
+        "repeats_refused": rejections.get(ALREADY_COMMITTED, 0),
     }
 
 

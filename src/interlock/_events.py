@@ -25,7 +25,7 @@ class Violation(msgspec.Struct, frozen=True, gc=False):
 
     code: str
     """One of: malformed, unknown_tool, tool_not_allowed, illegal_transition, schema,
-    guard, repeat, budget, circuit_open."""
+    already_committed, guard, repeat, budget, circuit_open."""
     path: str
     """Where in the proposal the problem is (``args.amount``, ``tool``, ``$``)."""
     message: str

@@ -1,5 +1,10 @@
 """The verification gate: parse -> transition / tool allowed -> schema -> guards -> breakers.
 
+A call identical (tool and canonical args) to one the run already committed is refused
+after its schema and before its guards (code ``already_committed``), unless its tool is
+read-only or declared ``Tool(repeatable=True)``: running it again would apply its side
+effect a second time, under a second key.
+
 In a ``Worker(call_and_move=True)`` state a proposal may both call a tool and name the
 state to move to when the call succeeds; the call and the move then go through the same
 stages together (tool allowed and transition legal, then the args' and the data's
@@ -33,13 +38,16 @@ from ._hotpath import OK, UNKNOWN_STATE, UNKNOWN_TOOL, hash64, scan_json
 # NOTE: Tool at run time: Decision is a msgspec Struct, and help() / pydoc resolve a
 # Struct's annotations (it used to fail with "name 'Tool' is not defined").
 from ._tools import Reject, Tool, _MsgspecValidator
-from ._view import RunView, canonical_encoder
+from ._view import RunView, _call_hash, _short, canonical_encoder
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._machine import Machine
-    from ._view import RunState
+    from ._view import RunState, ToolResult
+
+#: The code of a call refused because the run already committed the same call.
+ALREADY_COMMITTED = "already_committed"
 
 _EMPTY_OBJECT = msgspec.Raw(b"{}")
 _SHAPE_HINT = (
@@ -74,12 +82,14 @@ class _Call:
     ``_view._call_hash`` recomputes from the journal.
     """
 
-    __slots__ = ("guards", "name", "plain", "seed", "to_builtins", "tool")
+    __slots__ = ("guards", "name", "once", "plain", "seed", "to_builtins", "tool")
 
     def __init__(self, tool: Tool) -> None:
         self.tool = tool
         self.name = tool.name
         self.guards = tuple(tool.guards)
+        # A side-effecting call: one identical to a call the run committed is refused.
+        self.once: bool = not (tool.read_only or tool.repeatable)
         self.seed: int = hash64(tool.name.encode())
         validator = tool.validator
         # A plain Struct's fields are its builtins (see _tools.plain_struct): asdict
@@ -214,8 +224,9 @@ def verify(
 
     In order: the run's budgets; the state's cap on the proposal's size, before any
     parsing; an exact reading of the bytes (one JSON value, no key named twice in an
-    object); the envelope; the tool or transition; the schema; the guards; the repeat
-    breaker and the tool's circuit. The first failure is the answer.
+    object); the envelope; the tool or transition; the schema; a side-effecting call
+    the run already committed; the guards; the repeat breaker and the tool's circuit.
+    The first failure is the answer.
 
     Args:
       machine: the run's machine.
@@ -425,8 +436,21 @@ def _checked_call(
     now: float,
     circuits: CircuitBoard | None,
 ) -> Decision:
-    """Guards, then breakers, on a call whose tool is allowed here and whose args are valid."""
+    """On a call whose tool is allowed here and whose args are valid: the journal's
+    encoding, a side effect already applied (the same call committed before), the
+    guards, then the breakers."""
     name = call.name
+    builtins = call.to_builtins(args)
+    try:
+        # The journal's encoding (msgpack), so it also refuses what the journal cannot hold.
+        canonical = canonical_encoder.encode(args if call.plain else builtins)
+    except ENCODING_ERRORS as exc:
+        return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
+    call_hash = hash64(canonical, call.seed)
+    if call.once and run.committed_before(call_hash):
+        done = _committed_call(run, name, call_hash)
+        if done is not None:
+            return Decision((_already_committed(name, done),))
     if call.guards:
         view = RunView(run)
         guard_violations: list[Violation] = []
@@ -447,13 +471,6 @@ def _checked_call(
                 guard_violations.append(_guard_failed(guard, name, returned))
         if guard_violations:
             return Decision(tuple(guard_violations))
-    builtins = call.to_builtins(args)
-    try:
-        # The journal's encoding (msgpack), so it also refuses what the journal cannot hold.
-        canonical = canonical_encoder.encode(args if call.plain else builtins)
-    except ENCODING_ERRORS as exc:
-        return Decision((unjournalable_violation("args", str(exc) or type(exc).__name__),))
-    call_hash = hash64(canonical, call.seed)
     policy = machine.breakers
     if run.repeats_of(call_hash) >= policy.repeats:
         # The message text (the args as JSON) is built only for a trip.
@@ -467,6 +484,27 @@ def _checked_call(
         if circuit is not None:
             return Decision((circuit[0],), circuit[1])
     return Decision(tool=call.tool, args=builtins, call_hash=call_hash, value=args)
+
+
+def _committed_call(run: RunState, tool: str, call_hash: int) -> ToolResult | None:
+    """The run's first committed call of ``tool`` whose repeat hash is ``call_hash``."""
+    for done in run.results:
+        if done.tool == tool and _call_hash(tool, done.args) == call_hash:
+            return done
+    return None  # pragma: no cover - only a 64-bit hash collision gets here
+
+
+def _already_committed(tool: str, done: ToolResult) -> Violation:
+    """The refusal of a call identical to the committed call ``done``: running it again
+    would apply its side effect twice (a second refund, a second email)."""
+    return Violation(
+        ALREADY_COMMITTED,
+        "args",
+        f"{tool} was already called with these args in this run: committed at seq "
+        f"{done.seq} (key {done.key!r}) with result {_short(done.result)}; calling it "
+        "again would apply it twice",
+        f"use the result of seq {done.seq} instead of calling {tool} again, or move on",
+    )
 
 
 def _guard_failed(guard: Callable[..., Any], tool: str, what: str) -> Violation:

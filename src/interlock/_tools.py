@@ -495,6 +495,33 @@ def _is_async(fn: Any) -> bool:
     )
 
 
+def _check_guard(tool: str, guard: Guard) -> None:
+    """Refuse a guard the gate could not call as ``guard(args, view)``, or one that would
+    return a coroutine (a guard does no I/O): found now, not when a model's call meets it.
+
+    Raises:
+      ToolDefinitionError: naming the guard, its parameters and the signature expected.
+    """
+    name = getattr(guard, "__name__", None) or repr(guard)
+    expected = f"def {name}(args, view) -> Reject | None"
+    if _is_async(guard):
+        raise ToolDefinitionError(
+            f"tool {tool!r}: guard {name!r} is async; a guard is a plain function that does "
+            f"no I/O, called as guard(args, view): write {expected}"
+        )
+    try:
+        signature = inspect.signature(guard)
+    except (TypeError, ValueError):  # a builtin or extension without one: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ToolDefinitionError(
+            f"tool {tool!r}: guard {name!r} takes {signature}, but a guard is called with "
+            f"two positional arguments, guard(args, view): write {expected}"
+        ) from None
+
+
 class _NoArgs(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
@@ -516,6 +543,12 @@ class Tool:
         key after a crash or a failed attempt. A call of a tool that is not idempotent
         whose outcome is in doubt is reconciled (below) or escalated, never run again.
       read_only: the tool changes nothing anywhere (always safe to run again).
+      repeatable: repeats are meant: the same call (this tool, the same canonical args)
+        may be committed more than once in a run, each time under its own key (a poll,
+        a "send another reminder"). Off by default: a call identical to one the run
+        already committed is refused by the gate (code ``already_committed``, quoting
+        the earlier result), since running it again would apply its side effect twice.
+        A read-only tool needs no such declaration: its repeats change nothing.
       not_applied: exception types that mean the call was certainly not applied (the
         request never reached the downstream, or was refused before it acted); only such
         a failure (or a :class:`ToolError` with ``applied=False``) lets a tool that is
@@ -537,6 +570,7 @@ class Tool:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     idempotent: bool = False
     read_only: bool = False
+    repeatable: bool = False
     not_applied: tuple[type[BaseException], ...] = ()
     reconcile: Reconcile | None = None
     validator: Validator = field(init=False, repr=False)
@@ -570,6 +604,10 @@ class Tool:
             raise ToolDefinitionError(
                 f"tool {self.name!r}: retry.attempts must be at least 1; got {self.retry.attempts}"
             )
+        if self.repeatable not in (True, False):
+            raise ToolDefinitionError(
+                f"tool {self.name!r}: repeatable must be True or False; got {self.repeatable!r}"
+            )
         not_applied = self.not_applied
         if isinstance(not_applied, type):
             not_applied = (not_applied,)
@@ -598,6 +636,8 @@ class Tool:
                 f"tool {self.name!r}: guards must be functions (args, view) -> Reject | None; "
                 f"got {bad!r}: pass the function itself, not its name"
             )
+        for guard in guards:
+            _check_guard(self.name, guard)
         object.__setattr__(self, "guards", tuple(guards))
         object.__setattr__(self, "validator", compile_schema(self.args, self.name))
 

@@ -294,6 +294,7 @@ class RunState:
     """
 
     __slots__ = (
+        "_committed_calls",
         "_data_version",
         "_final_delta",
         "_hash_state",
@@ -345,6 +346,10 @@ class RunState:
         self._repeats: array[int] | None = None
         """The repeat breaker's hash of each call the run intended, in order (a run that
         has made none holds None): 8 bytes a call where a dict of counts held ~70."""
+        self._committed_calls: array[int] | None = None
+        """The repeat hash of each call the run committed, in order (None before the
+        first): the gate refuses a side-effecting call identical to one of them. Kept
+        across a resume (what was applied stays applied), unlike ``_repeats``."""
         self.history: list[Frame] = []
         self.signatures: list[int] = []
         """The repeat signature of each history item (0 for one that is not a rejection),
@@ -402,10 +407,25 @@ class RunState:
         repeats = self._repeats
         return 0 if repeats is None else repeats.count(call_hash)
 
+    def committed_before(self, call_hash: int) -> bool:
+        """Whether the run committed a call whose repeat hash is ``call_hash``."""
+        done = self._committed_calls
+        return done is not None and call_hash in done
+
     @property
     def repeat_counts(self) -> dict[int, int]:
         """The repeat breaker's counts by call hash (built from the run's calls on each read)."""
         return dict(Counter(self._repeats)) if self._repeats is not None else {}
+
+    def _commit_call(self, intent: IntentRecorded) -> None:
+        """Add the repeat hash of ``intent``, the call just committed, to the committed calls."""
+        repeats = self._repeats
+        # The pending intent's hash is the last one intended: nothing intends a call
+        # while one is pending, and a resume (which clears _repeats) needs none pending.
+        call = repeats[-1] if repeats else _call_hash(intent.tool, intent.args)
+        if self._committed_calls is None:
+            self._committed_calls = array("Q")
+        self._committed_calls.append(call)
 
     def _push(self, frame: Frame, signature: int = 0) -> None:
         history = self.history
@@ -495,6 +515,8 @@ class RunState:
                 self.validated = None
                 self.consecutive_failures = 0
                 args = intent.args if intent is not None and intent.key == key else {}
+                if intent is not None and intent.key == key:
+                    self._commit_call(intent)
                 args_json, result_json = _json(args), _json(result)
                 text = f"{event.tool}({_cut(args_json)}) -> {_cut(result_json)}"
                 state = self.state
@@ -790,6 +812,14 @@ class RunView:
     def tool_schema(self, tool: str) -> dict[str, Any]:
         """The JSON Schema of ``tool``'s args."""
         return self._run.machine.tool_by_name[tool].validator.json_schema()
+
+    @property
+    def data_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema the ``data`` of a move from the current state must match (the
+        state's ``Worker(data=...)``, for every move out of it); None when any JSON object
+        will do."""
+        validator = self._run.machine.data_validators.get(self._run.state)
+        return None if validator is None else validator.json_schema()
 
     def tool_description(self, tool: str) -> str:
         return self._run.machine.tool_by_name[tool].description

@@ -79,8 +79,8 @@ class ViolationOut(_Out):
     """Why a proposal was rejected, in terms the model can act on."""
 
     code: str
-    """malformed, unknown_tool, tool_not_allowed, illegal_transition, schema, guard,
-    repeat, budget or circuit_open."""
+    """malformed, unknown_tool, tool_not_allowed, illegal_transition, schema,
+    already_committed, guard, repeat, budget or circuit_open."""
     path: str
     """Where in the proposal: ``args.amount``, ``tool``, ``$``."""
     message: str
@@ -139,6 +139,9 @@ class RunOut(_Out):
     """The tools the run may call in its state, with their argument schemas."""
     next: list[str] = []
     """The states the run may move to from its state."""
+    data_schema: dict[str, Any] | None = None
+    """The JSON Schema the ``data`` of a move to any of ``next`` must match (the state's
+    data schema); None when any JSON object will do."""
     context: str = ""
     """The rendered context for the model in a worker state: the instructions, what is
     allowed and the history, failed attempts compacted ('' elsewhere)."""

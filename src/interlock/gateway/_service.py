@@ -642,10 +642,12 @@ class GatewayService:
         machine = run.machine
         tools: list[ToolSpec] = []
         legal: list[str] = []
+        data_schema = None
         context = ""
         outcome = machine.outcome(run.state)
         if not run.terminal and run.state in machine.states:
             legal = list(view.legal_next)
+            data_schema = view.data_schema if legal else None
             tools = [
                 ToolSpec(name=t, description=view.tool_description(t), schema=view.tool_schema(t))
                 for t in view.allowed_tools
@@ -667,6 +669,7 @@ class GatewayService:
             outcome=outcome,
             tools=tools,
             next=legal,
+            data_schema=data_schema,
             context=context,
             pending=(
                 CallOut(key=pending.key, tool=pending.tool, args=pending.args)

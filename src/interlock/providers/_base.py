@@ -126,6 +126,10 @@ def _header(view: RunView) -> str:
                 schema = msgspec.json.encode(view.tool_schema(name)).decode()
                 lines.append(f"  - {name}: {view.tool_description(name)} args schema: {schema}")
         lines.append(f"legal next states: {', '.join(view.legal_next) or 'none'}")
+        data_schema = view.data_schema
+        if data_schema is not None and view.legal_next:
+            schema = msgspec.json.encode(data_schema).decode()
+            lines.append(f"data of a move from here: must match the JSON Schema {schema}")
         if getattr(machine.states.get(view.state), "call_and_move", False):
             lines.append(_CALL_AND_MOVE)
         header = headers[view.state] = "\n".join(lines)

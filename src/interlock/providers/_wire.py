@@ -360,6 +360,11 @@ def system_text(view: RunView, mode: str = "tools") -> str:
                 else "There is no next state from here."
             )
         )
+    data_schema = view.data_schema
+    if legal and data_schema is not None:
+        lines.append(
+            f"The data of a move must match this JSON Schema: {_encode(data_schema).decode()}"
+        )
     if legal and getattr(run.machine.states.get(run.state), "call_and_move", False):
         lines.append(
             f"A tool call may also move on: set its {MOVE_NEXT!r} to the state to move to once "

@@ -36,6 +36,31 @@ CREATE TABLE IF NOT EXISTS tickets (
 """
 
 
+#: Per tool: the effects applied, and how many distinct ones per run (a run's effect and
+#: its twin under another key count once), for the runs whose id is LIKE the parameter.
+_APPLIED = {
+    "refund": (
+        "SELECT COUNT(*), COUNT(DISTINCT run_id || char(0) || order_id || char(0) || amount) "
+        "FROM payments WHERE run_id LIKE ?"
+    ),
+    "send_email": (
+        "SELECT COUNT(*), COUNT(DISTINCT run_id || char(0) || recipient || char(0) || subject) "
+        "FROM emails WHERE run_id LIKE ?"
+    ),
+    "write_entities": (
+        "SELECT COUNT(*), COUNT(DISTINCT run_id || char(0) || batch) FROM ("
+        " SELECT run_id, group_concat(entity_id || char(1) || category || char(1) || confidence,"
+        " char(2)) AS batch"
+        " FROM (SELECT * FROM entities WHERE run_id LIKE ? ORDER BY key, idx)"
+        " GROUP BY key)"
+    ),
+    "record_ticket": (
+        "SELECT COUNT(*), COUNT(DISTINCT run_id || char(0) || category || char(0) || summary) "
+        "FROM tickets WHERE run_id LIKE ?"
+    ),
+}
+
+
 def order_total(order_id: str) -> float:
     """The total of a demo order: a deterministic function of its id (20.00 to 219.00)."""
     return float(20 + zlib.crc32(order_id.encode()) % 200)
@@ -191,32 +216,21 @@ class Backend:
 
         ``executions``: times the tool ran; ``keys``: distinct idempotency keys;
         ``applied``: rows the effect left (payments, emails, entity batches, tickets);
-        ``duplicates``: applied effects beyond one per key (must be 0 for idempotent tools).
+        ``duplicates``: effects applied more than once in one run, the same one again
+        (the same order and amount refunded, the same email to the same customer, the
+        same entities, the same ticket), under one key or several: each run's effects
+        beyond one of each. Must be 0.
         ``batch`` limits the counts to runs whose id contains ``-batch-``.
         """
         db = self._db
         like = f"%-{batch}-%" if batch else "%"
         result: dict[str, dict[str, int]] = {}
-        for tool, table, key_column in (
-            ("refund", "payments", "key"),
-            ("send_email", "emails", "key"),
-            ("write_entities", "entities", "key"),
-            ("record_ticket", "tickets", "db_key"),
-        ):
+        for tool in _APPLIED:
             executions, keys = db.execute(
                 "SELECT COUNT(*), COUNT(DISTINCT key) FROM executions WHERE tool = ? AND run_id LIKE ?",
                 (tool, like),
             ).fetchone()
-            if tool == "write_entities":
-                applied, distinct = db.execute(
-                    "SELECT COUNT(DISTINCT key), COUNT(DISTINCT key) FROM entities WHERE run_id LIKE ?",
-                    (like,),
-                ).fetchone()
-            else:
-                applied, distinct = db.execute(
-                    f"SELECT COUNT(*), COUNT(DISTINCT {key_column}) FROM {table} WHERE run_id LIKE ?",
-                    (like,),
-                ).fetchone()
+            applied, distinct = db.execute(_APPLIED[tool], (like,)).fetchone()
             result[tool] = {
                 "executions": executions,
                 "keys": keys,
