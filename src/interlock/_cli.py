@@ -775,7 +775,13 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
         "verify p50 µs",
         "p99 µs",
     ):
-        outcomes.add_column(column, justify="left" if column == "workflow" else "right")
+        # the counts are never cut (see _print_table); the names fold
+        outcomes.add_column(
+            column,
+            justify="left" if column == "workflow" else "right",
+            no_wrap=column not in ("workflow", "verify p50 µs"),
+            overflow="fold",
+        )
     for name, row in workflows.items():
         counts = row["outcomes"]
         outcomes.add_row(
@@ -796,9 +802,9 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
     ):
         kinds = sorted({kind for row in workflows.values() for kind in row[key]})
         table = Table(title=heading)
-        table.add_column("kind")
+        table.add_column("kind", no_wrap=True, overflow="fold")
         for name in names:
-            table.add_column(name, justify="right")
+            table.add_column(name, justify="right", no_wrap=True, overflow="fold")
         for kind in kinds:
             table.add_row(kind, *(str(workflows[name][key].get(kind, 0)) for name in names))
         if not kinds:
@@ -806,7 +812,10 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
         _print_table(table)
     effects = Table(title="side effects (counted by the downstream systems)")
     for column in ("workflow", "tool", "executions", "applied", "duplicates"):
-        effects.add_column(column, justify="left" if column in ("workflow", "tool") else "right")
+        name = column in ("workflow", "tool")
+        effects.add_column(
+            column, justify="left" if name else "right", no_wrap=not name, overflow="fold"
+        )
     for name, row in workflows.items():
         for tool, counts in row["side_effects"].items():
             effects.add_row(
@@ -829,26 +838,35 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return result
 
 
-def _table(
-    title: str, *columns: str, folds: tuple[str, ...] = ("reason", "detail", "what")
-) -> Table:
-    """A table whose first column (a run id) is never cut: the columns in ``folds`` fold
-    to make room (the others keep a line each)."""
+#: The columns of a table that are never cut (besides its first, a run id).
+_WHOLE = ("outcome", "events", "seq")
+
+
+def _table(title: str, *columns: str) -> Table:
+    """A table whose first column (a run id) and outcome, events and seq are never cut
+    (see :func:`_print_table`); the other columns fold to make room."""
     from rich.table import Table
 
     table = Table(title=title)
-    table.add_column(columns[0], no_wrap=True, min_width=len(columns[0]))
-    for column in columns[1:]:
-        table.add_column(column, overflow="fold", no_wrap=column not in folds)
+    for index, column in enumerate(columns):
+        table.add_column(column, overflow="fold", no_wrap=index == 0 or column in _WHOLE)
     return table
 
 
 def _print_table(table: Table) -> None:
-    """Print ``table``; piped, as wide as it needs, so no run id is cut."""
+    """Print ``table``: a column that does not wrap (a run id, an outcome, a number) is
+    as wide as its widest cell, however narrow the terminal, and the others fold to make
+    room; piped, the table is as wide as it needs."""
     from rich.console import Console
     from rich.measure import Measurement
 
     console = Console()
+    for column in table.columns:
+        if column.no_wrap:
+            column.min_width = max(
+                Measurement.get(console, console.options, cell).maximum
+                for cell in (column.header, *column.cells)
+            )
     if not console.is_terminal:
         wide = console.options.update(max_width=1 << 16)
         console = Console(width=max(console.width, Measurement.get(console, wide, table).maximum))
@@ -1706,11 +1724,7 @@ async def _replay(args: argparse.Namespace) -> int:
     if diverged:
         from rich.markup import escape
 
-        table = _table(
-            "first divergence per run",
-            *("run", "seq", "event", "expected", "got"),
-            folds=("expected", "got"),
-        )
+        table = _table("first divergence per run", "run", "seq", "event", "expected", "got")
         for run in diverged:
             d = run.divergence
             assert d is not None
