@@ -206,3 +206,18 @@ def test_enqueue_from_a_subdirectory_uses_the_projects_journal(project, table, o
     here = interlock("runs", "--db", "here.db", cwd=sub)  # --db is read from where it is given
     assert here.returncode == 1
     assert list(sub.iterdir()) == []
+
+
+def test_the_journal_line_never_shows_a_password(project):
+    (project / "pg.py").write_text(
+        "from ops import shipping, provider\n"
+        "from interlock import App\n"
+        "app = App([shipping], provider=provider, "
+        "store='postgresql://bob:s3cret@127.0.0.1:1/ops?schema=x')\n"
+    )
+    done = interlock("runs", "--app", "pg.py:app", cwd=project)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[0] == (
+        "journal: postgresql://bob@127.0.0.1:1/ops?schema=x (from the app pg.py:app)"
+    )
+    assert "s3cret" not in done.stderr

@@ -1205,7 +1205,15 @@ def _named_journal(url: str) -> str:
     path = sqlite_path(url)
     if path is not None:
         return "sqlite:///" + os.path.abspath(os.path.expanduser(path)).lstrip("/")
-    return "memory (nothing kept)" if url == ":memory:" else _where(url)
+    if url == ":memory:":
+        return "memory (nothing kept)"
+    from urllib.parse import urlsplit  # not psycopg's parser: it may not be installed
+
+    parts = urlsplit(url)
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    if parts.username:
+        netloc = f"{parts.username}@{netloc}"
+    return parts._replace(netloc=netloc).geturl()
 
 
 async def _open_read(args: argparse.Namespace) -> Store:
