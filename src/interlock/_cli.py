@@ -1884,7 +1884,11 @@ class _Stop:
             token.run_sync_soon(stop, idempotent=True)
 
         previous = signal.signal(signal.SIGINT, handler)
-        return lambda: signal.signal(signal.SIGINT, previous)
+
+        def restore() -> None:
+            signal.signal(signal.SIGINT, previous)
+
+        return restore
 
     def _clock(self) -> None:
         import select
@@ -1899,9 +1903,10 @@ class _Stop:
         line = _interrupted_line(self.args)
         if os.isatty(2):  # a live progress display hid the cursor and holds a line
             line = "\r\x1b[2K\x1b[?25h" + line
+        # NOTE: not sys.stdout.flush(): the main thread may hold stdout's lock, blocked
+        # on a full pipe; what it printed whole is out already, line by line or at exit
         with contextlib.suppress(OSError):
-            sys.stdout.flush()
-        os.write(2, line.encode())
+            os.write(2, line.encode())
         os._exit(130)
 
     def ended(self) -> bool:
