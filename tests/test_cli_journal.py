@@ -221,3 +221,18 @@ def test_the_journal_line_never_shows_a_password(project):
         "journal: postgresql://bob@127.0.0.1:1/ops?schema=x (from the app pg.py:app)"
     )
     assert "s3cret" not in done.stderr
+
+
+def test_the_default_journal_is_the_projects_from_any_of_its_directories(tmp_path):
+    """The demo's journal (interlock.db) and the read commands' agree from anywhere in a
+    project, as the app's and [tool.interlock] store do."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "mine"\n')
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ran = interlock("demo", "--runs", "3", "--latency", "0,0", "--json", cwd=tmp_path / "a")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr == _said(tmp_path, "the app interlock.demo:app", "interlock.db")
+    listed = interlock("runs", "--json", cwd=tmp_path / "b")
+    assert listed.stderr == _said(tmp_path, "the default", "interlock.db")
+    assert json.loads(listed.stdout)["count"] == 3
+    assert list((tmp_path / "a").iterdir()) == list((tmp_path / "b").iterdir()) == []

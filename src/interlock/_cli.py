@@ -1157,9 +1157,8 @@ def _journal_url(args: argparse.Namespace, app: tuple[str, str | None] | None = 
     ``--app``, ``INTERLOCK_APP`` or ``[tool.interlock] app`` names), else ``store`` under
     ``[tool.interlock]`` in the nearest ``pyproject.toml``, else interlock.db.
 
-    A relative path from the app or the pyproject.toml is read from the project's
-    directory (that of the nearest pyproject.toml), so a command run anywhere in the
-    project finds one journal. Sets ``args.db`` and ``args.db_from``; unless ``--db``
+    A relative path (the default's too) is read from the project's directory (that of the
+    nearest pyproject.toml), so a command run anywhere in the project finds one journal. Sets ``args.db`` and ``args.db_from``; unless ``--db``
     named it, says which journal on stderr, in one line.
     """
     if args.db:
@@ -1183,7 +1182,7 @@ def _journal_url(args: argparse.Namespace, app: tuple[str, str | None] | None = 
             )
         url, origin = _in_project(store, root), f"{project[0]} [tool.interlock] store"
     else:
-        url, origin = DEFAULT_DB, "the default"
+        url, origin = _in_project(DEFAULT_DB, root), "the default"
     args.db, args.db_from = url, origin
     sys.stderr.write(f"journal: {_named_journal(url)} (from {origin})\n")
     sys.stderr.flush()
