@@ -296,7 +296,10 @@ def test_the_apps_store_is_the_default_journal(tmp_path):
     (tmp_path / "bank.py").write_text(BANK)
     done = interlock("resume", "--app", "bank:stored", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
-    assert done.stderr == "interlock: error: database bank.db does not exist\n"
+    assert done.stderr == (
+        f"journal: sqlite://{tmp_path / 'bank.db'} (from the app bank:stored)\n"
+        "interlock: error: database bank.db does not exist\n"
+    )
     assert not (tmp_path / "bank.db").exists()
     given = interlock("resume", "--app", "bank:stored", "--db", "bank2.db", cwd=tmp_path)
     assert given.stderr == "interlock: error: database bank2.db does not exist\n"

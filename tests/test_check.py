@@ -201,7 +201,11 @@ def test_a_deleted_event_row_is_a_gap(journal: Path) -> None:
 def test_check_of_a_missing_file_creates_nothing(tmp_path: Path) -> None:
     done = interlock("check", "--db", str(tmp_path / "typo.db"))
     assert done.returncode == 1
-    assert done.stderr == f"interlock: error: database {tmp_path / 'typo.db'} does not exist\n"
+    assert done.stderr == (
+        f"interlock: error: journal {tmp_path / 'typo.db'} does not exist (from --db); nothing "
+        "was created; pass the path of an existing journal, or leave --db out for the app's "
+        "store\n"
+    )
     assert os.listdir(tmp_path) == []
 
 

@@ -113,6 +113,38 @@ def test_tables_never_cut_run_ids_even_narrow_or_piped(demo_db):
         assert [e["run_id"] for e in queue if e["run_id"] not in escalated] == [], columns
 
 
+def _on_a_terminal(*args, columns="80"):
+    """What ``interlock ARGS`` shows on a terminal this wide (FORCE_COLOR: rich takes the
+    pipe for one), its colours taken out."""
+    import re
+
+    done = interlock(*args, env={"COLUMNS": columns, "FORCE_COLOR": "1"})
+    assert done.returncode == 0, done.stderr
+    return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
+
+
+def test_tables_on_an_80_column_terminal_keep_run_ids_and_outcomes_whole(demo_db, tmp_path):
+    """Regression (#32): at 80 columns the runs table cut generated run ids, dropped the
+    reason column and cut the outcome to "comple"; the demo's summary cut its headers."""
+    path, _summary = demo_db
+    runs = json.loads(interlock("runs", "--db", str(path), "--all", "--json").stdout)["runs"]
+    listed = _on_a_terminal("runs", "--db", str(path), "--all").splitlines()
+    assert max(len(line) for line in listed) <= 80
+    for run in runs:
+        rows = [line for line in listed if f" {run['run_id']} " in line]
+        assert len(rows) == 1, run["run_id"]
+        assert f" {run['outcome']} " in rows[0], (run, rows[0])
+    queue = json.loads(interlock("escalations", "--db", str(path), "--json").stdout)
+    escalated = _on_a_terminal("escalations", "list", "--db", str(path))
+    assert max(len(line) for line in escalated.splitlines()) <= 80
+    assert [e["run_id"] for e in queue["escalations"] if f" {e['run_id']} " not in escalated] == []
+    summary = _on_a_terminal("demo", "--runs", "6", "--db", str(tmp_path / "d.db"))
+    header = next(line for line in summary.splitlines() if "completed" in line)
+    assert [
+        w for w in ("workflow", "runs", "completed", "escalated", "failed") if w not in header
+    ] == []
+
+
 def test_db_and_json_after_the_subcommand(demo_db):
     """Regression: ``escalations list --db journal.db`` (as the README writes it) failed,
     and ``escalations --json show ID`` ignored --json."""

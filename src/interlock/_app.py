@@ -176,6 +176,20 @@ def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str, Path 
         return "--app", flag, None
     if os.environ.get("INTERLOCK_APP"):
         return "INTERLOCK_APP", os.environ["INTERLOCK_APP"], None
+    found = find_project(cwd)
+    if found is not None and "app" in found[1]:
+        pyproject, table = found
+        return f"{pyproject} [tool.interlock] app", str(table["app"]), pyproject.parent
+    return "the default", DEMO_REF, None
+
+
+def find_project(cwd: Path | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The ``pyproject.toml`` of ``cwd`` or of its nearest parent that has one, with its
+    ``[tool.interlock]`` table (empty without one); None outside any project.
+
+    Raises:
+      AppRefError: that file is not valid TOML.
+    """
     here = (cwd or Path.cwd()).resolve()
     for directory in (here, *here.parents):
         pyproject = directory / "pyproject.toml"
@@ -185,10 +199,8 @@ def find_ref(flag: str | None, cwd: Path | None = None) -> tuple[str, str, Path 
                     table = tomllib.load(file).get("tool", {}).get("interlock", {})
             except tomllib.TOMLDecodeError as exc:
                 raise AppRefError(f"{pyproject}: not valid TOML ({exc}); fix it") from None
-            if "app" in table:
-                return f"{pyproject} [tool.interlock] app", str(table["app"]), directory
-            break
-    return "the default", DEMO_REF, None
+            return pyproject, table if isinstance(table, dict) else {}
+    return None
 
 
 def load_app(ref: str, where: str = "--app", base: Path | None = None) -> App:

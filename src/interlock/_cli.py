@@ -11,15 +11,16 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import trio
 
-from ._app import DEMO_REF, App, find_ref, load_app
+from ._app import DEMO_REF, App, find_project, find_ref, load_app
 from ._demo import DEFAULT_DB, DEFAULT_RUNS, DemoConfig, build_app, run_demo
 from ._demo_http import PROVIDER_KINDS
 from ._escalation import answer_again, escalated_from, resume_targets
@@ -189,23 +190,24 @@ def _url(text: str) -> str:
     return text
 
 
-def _journal(parser: argparse.ArgumentParser, *, sub: bool = False, app: bool = False) -> None:
+def _journal(parser: argparse.ArgumentParser, *, sub: bool = False) -> None:
     """``--db``; on a subcommand it overrides the one given before the subcommand."""
-    default = "the app's store, else " if app else ""
     parser.add_argument(
         "--db",
         type=_url,
-        default=argparse.SUPPRESS if sub else (None if app else DEFAULT_DB),
-        help=f"journal: SQLite path or postgresql:// DSN (default {default}{DEFAULT_DB})",
+        default=argparse.SUPPRESS if sub else None,
+        help="journal: SQLite path or postgresql:// DSN (default the app's store, else "
+        f"[tool.interlock] store in pyproject.toml, else {DEFAULT_DB})",
     )
 
 
-def _app(parser: argparse.ArgumentParser, *, sub: bool = False) -> None:
+def _app(parser: argparse.ArgumentParser, *, sub: bool = False, store: bool = False) -> None:
+    what = "whose store to read (without --db)" if store else "whose machines to run"
     parser.add_argument(
         "--app",
         default=argparse.SUPPRESS if sub else None,
         metavar="REF",
-        help="the application whose machines to run: module:attribute or "
+        help=f"the application {what}: module:attribute or "
         "path/to/file.py:attribute (default $INTERLOCK_APP, else [tool.interlock] app in "
         f"pyproject.toml, else {DEMO_REF})",
     )
@@ -276,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--db",
         type=_url,
-        default=DEFAULT_DB,
-        help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB})",
+        default=None,
+        help=f"journal: SQLite path or postgresql:// DSN (default {DEFAULT_DB}, the demo's store)",
     )
     demo.add_argument(
         "--effects", default=None, help="SQLite file of the demo's downstream systems"
@@ -312,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = commands.add_parser("runs", help="list runs in a journal, newest first")
     _journal(runs)
+    _app(runs, store=True)
     runs.add_argument("--state", default=None, help="only runs in this state")
     runs.add_argument("--workflow", default=None, help="only runs of this workflow (machine)")
     runs.add_argument(
@@ -330,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print one run's timeline")
     show.add_argument("run_id", metavar="RUN")
     _journal(show)
+    _app(show, store=True)
     show.add_argument("--json", action="store_true", help="print as JSON")
     show.add_argument(
         "--conversation",
@@ -341,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     escalations = commands.add_parser(
         "escalations", help="work the escalation queue: list, show, resume, abort"
     )
-    _journal(escalations, app=True)
+    _journal(escalations)
     escalations.add_argument("--json", action="store_true", help="print as JSON")
     _app(escalations)
     actions = escalations.add_subparsers(dest="action", parser_class=_Parser)
@@ -369,11 +373,41 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
         _app(action, sub=True)
     _demo_options(resumed, chaos=False)
+    for action in (listing, shown):
+        _app(action, sub=True, store=True)
     for action in (listing, shown, resumed, aborted):
         _journal(action, sub=True)
         action.add_argument(
             "--json", action="store_true", default=argparse.SUPPRESS, help="print as JSON"
         )
+
+    run = commands.add_parser(
+        "run",
+        help="start runs of one of the application's machines and drive them to the end here",
+    )
+    run.add_argument(
+        "machine", metavar="MACHINE", help="the machine of the runs (one of the app's)"
+    )
+    run.add_argument(
+        "--inputs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="the runs' inputs, a JSON object (default {})",
+    )
+    run.add_argument(
+        "--count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="how many runs of MACHINE with these inputs (default 1)",
+    )
+    _app(run)
+    _journal(run)
+    _metrics_options(run, "the runs")
+    run.add_argument(
+        "--json", action="store_true", help="print every run's outcome and a summary as JSON"
+    )
 
     enqueue = commands.add_parser(
         "enqueue",
@@ -395,13 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="create one run per line of PATH, each line the run's inputs as a JSON object "
         "('-': stdin), all in one write (ids generated)",
     )
-    _journal(enqueue, app=True)
+    _journal(enqueue)
     _app(enqueue)
     enqueue.add_argument("--json", action="store_true", help="print the run as one JSON document")
     resume = commands.add_parser(
         "resume", help="resume every unfinished run in a journal after a crash"
     )
-    _journal(resume, app=True)
+    _journal(resume)
     _app(resume)
     _demo_options(resume, chaos=True)
     _metrics_options(resume, "the resumed runs")
@@ -426,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         "other workers (SIGTERM drains and exits 0)",
     )
     _app(worker)
-    _journal(worker, app=True)
+    _journal(worker)
     _demo_options(worker, chaos=True)
     _lease_ttl(worker)
     worker.add_argument(
@@ -497,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay against this machine instead of the app's (what-if); module:attribute "
         "or path/to/file.py:attribute; repeatable",
     )
-    _journal(replay, app=True)
+    _journal(replay)
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
 
     check = commands.add_parser(
@@ -506,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
         "index against the journal (and SQLite's own integrity check); writes nothing",
     )
     _journal(check)
+    _app(check, store=True)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
     serve = commands.add_parser(
@@ -514,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         "application's runs (SIGTERM drains and exits 0)",
     )
     _app(serve)
-    _journal(serve, app=True)
+    _journal(serve)
     serve.add_argument(
         "--host",
         default="127.0.0.1",
@@ -644,12 +679,54 @@ class _Metrics:
                 break
 
 
-async def _demo(args: argparse.Namespace) -> int:
+@contextlib.asynccontextmanager
+async def _progress(metrics: _Metrics, runs: int, *, quiet: bool) -> AsyncIterator[None]:
+    """On a terminal, a live line of the runs' progress on stderr while the block runs
+    (read from ``metrics.supervisor`` once it is started); nothing when ``quiet``."""
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
 
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield
+        return
+    started = time.perf_counter()
+
+    def progress() -> Table:
+        table = Table.grid(padding=(0, 2))
+        supervisor = metrics.supervisor
+        if supervisor is None:
+            table.add_row("starting...")
+            return table
+        stats = supervisor.statistics()
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        finished = sum(stats.runs_finished.values())
+        table.add_row(
+            f"runs {finished}/{runs}",
+            f"escalated {stats.runs_finished.get('escalated', 0)}",
+            f"breaker trips {sum(stats.breaker_trips.values())}",
+            f"tokens {stats.tokens:,}",
+            f"verifications/s {stats.verifications / elapsed:,.0f}",
+        )
+        return table
+
+    with Live(progress(), console=console, refresh_per_second=8, transient=True) as live:
+        async with trio.open_nursery() as nursery:
+
+            async def refresh() -> None:
+                while True:
+                    live.update(progress())
+                    await trio.sleep(0.125)
+
+            nursery.start_soon(refresh)
+            yield
+            nursery.cancel_scope.cancel()
+
+
+async def _demo(args: argparse.Namespace) -> int:
     workflows = tuple(WORKFLOWS) if args.workflow == "all" else (args.workflow,)
+    _journal_url(args, (DEMO_REF, DEFAULT_DB))
     config = DemoConfig(
         runs=args.runs,
         workflows=workflows,
@@ -670,46 +747,10 @@ async def _demo(args: argparse.Namespace) -> int:
             "openai-responses, anthropic, fake-openai, fake-anthropic); the simulated model "
             "takes none"
         )
-    console = Console(stderr=True)
     metrics = _Metrics(args, build_app(config).prices)
-    started = time.perf_counter()
-
-    def progress() -> Table:
-        table = Table.grid(padding=(0, 2))
-        supervisor = metrics.supervisor
-        if supervisor is None:
-            table.add_row("starting...")
-            return table
-        stats = supervisor.statistics()
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        finished = sum(stats.runs_finished.values())
-        table.add_row(
-            f"runs {finished}/{config.runs}",
-            f"escalated {stats.runs_finished.get('escalated', 0)}",
-            f"breaker trips {sum(stats.breaker_trips.values())}",
-            f"tokens {stats.tokens:,}",
-            f"verifications/s {stats.verifications / elapsed:,.0f}",
-        )
-        return table
-
-    async def run() -> dict[str, Any]:
-        return await run_demo(config, stats=metrics.stats, on_start=metrics.started)
-
     with metrics:
-        if args.json or not console.is_terminal:
-            summary = await run()
-        else:
-            with Live(progress(), console=console, refresh_per_second=8, transient=True) as live:
-                async with trio.open_nursery() as nursery:
-
-                    async def refresh() -> None:
-                        while True:
-                            live.update(progress())
-                            await trio.sleep(0.125)
-
-                    nursery.start_soon(refresh)
-                    summary = await run()
-                    nursery.cancel_scope.cancel()
+        async with _progress(metrics, config.runs, quiet=args.json):
+            summary = await run_demo(config, stats=metrics.stats, on_start=metrics.started)
         if args.json:
             _print_json(summary)
         else:
@@ -738,7 +779,13 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
         "verify p50 µs",
         "p99 µs",
     ):
-        outcomes.add_column(column, justify="left" if column == "workflow" else "right")
+        # the counts are never cut (see _print_table); the names fold
+        outcomes.add_column(
+            column,
+            justify="left" if column == "workflow" else "right",
+            no_wrap=column not in ("workflow", "verify p50 µs"),
+            overflow="fold",
+        )
     for name, row in workflows.items():
         counts = row["outcomes"]
         outcomes.add_row(
@@ -759,9 +806,9 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
     ):
         kinds = sorted({kind for row in workflows.values() for kind in row[key]})
         table = Table(title=heading)
-        table.add_column("kind")
+        table.add_column("kind", no_wrap=True, overflow="fold")
         for name in names:
-            table.add_column(name, justify="right")
+            table.add_column(name, justify="right", no_wrap=True, overflow="fold")
         for kind in kinds:
             table.add_row(kind, *(str(workflows[name][key].get(kind, 0)) for name in names))
         if not kinds:
@@ -769,7 +816,10 @@ def _print_summary(summary: dict[str, Any], title: str) -> None:
         _print_table(table)
     effects = Table(title="side effects (counted by the downstream systems)")
     for column in ("workflow", "tool", "executions", "applied", "duplicates"):
-        effects.add_column(column, justify="left" if column in ("workflow", "tool") else "right")
+        name = column in ("workflow", "tool")
+        effects.add_column(
+            column, justify="left" if name else "right", no_wrap=not name, overflow="fold"
+        )
     for name, row in workflows.items():
         for tool, counts in row["side_effects"].items():
             effects.add_row(
@@ -792,26 +842,35 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return result
 
 
-def _table(
-    title: str, *columns: str, folds: tuple[str, ...] = ("reason", "detail", "what")
-) -> Table:
-    """A table whose first column (a run id) is never cut: the columns in ``folds`` fold
-    to make room (the others keep a line each)."""
+#: The columns of a table that are never cut (besides its first, a run id).
+_WHOLE = ("outcome", "events", "seq")
+
+
+def _table(title: str, *columns: str) -> Table:
+    """A table whose first column (a run id) and outcome, events and seq are never cut
+    (see :func:`_print_table`); the other columns fold to make room."""
     from rich.table import Table
 
     table = Table(title=title)
-    table.add_column(columns[0], no_wrap=True, min_width=len(columns[0]))
-    for column in columns[1:]:
-        table.add_column(column, overflow="fold", no_wrap=column not in folds)
+    for index, column in enumerate(columns):
+        table.add_column(column, overflow="fold", no_wrap=index == 0 or column in _WHOLE)
     return table
 
 
 def _print_table(table: Table) -> None:
-    """Print ``table``; piped, as wide as it needs, so no run id is cut."""
+    """Print ``table``: a column that does not wrap (a run id, an outcome, a number) is
+    as wide as its widest cell, however narrow the terminal, and the others fold to make
+    room; piped, the table is as wide as it needs."""
     from rich.console import Console
     from rich.measure import Measurement
 
     console = Console()
+    for column in table.columns:
+        if column.no_wrap:
+            column.min_width = max(
+                Measurement.get(console, console.options, cell).maximum
+                for cell in (column.header, *column.cells)
+            )
     if not console.is_terminal:
         wide = console.options.update(max_width=1 << 16)
         console = Console(width=max(console.width, Measurement.get(console, wide, table).maximum))
@@ -819,7 +878,8 @@ def _print_table(table: Table) -> None:
 
 
 async def _runs(args: argparse.Namespace) -> int:
-    store = await open_store(args.db, readonly=True)
+    _journal_url(args)
+    store = await _open_read(args)
     try:
         matching = await store.list_runs(
             machine=args.workflow, state=args.state, outcome=args.outcome
@@ -918,7 +978,8 @@ def _short(value: Any, limit: int = 160) -> str:
 
 
 async def _show(args: argparse.Namespace) -> int:
-    store = await open_store(args.db, readonly=True)
+    _journal_url(args)
+    store = await _open_read(args)
     try:
         record = await store.get_run(args.run_id)
         events = await store.load(args.run_id)
@@ -1119,10 +1180,10 @@ async def _escalations(args: argparse.Namespace) -> int:
     action = args.action or "list"
     if action in ("resume", "abort"):
         return await _operate(args, action)
-    args.db = args.db or DEFAULT_DB  # the app's store is for the commands that run machines
     if action == "show":
         return await _show(args)
-    store = await open_store(args.db, readonly=True)
+    _journal_url(args)
+    store = await _open_read(args)
     try:
         records = await store.escalations()
         # where each may resume, by the machines of the app (as the gateway lists them)
@@ -1181,6 +1242,90 @@ def _operator(args: argparse.Namespace) -> str:
 _DEMO_OPTIONS = ("effects", "chaos_rate", "seed", "latency")
 
 
+def _journal_url(args: argparse.Namespace, app: tuple[str, str | None] | None = None) -> str:
+    """The journal a command uses, found the one way every command finds it: ``--db``,
+    else the store of the application (``app``: its name and store, or, if None, the one
+    ``--app``, ``INTERLOCK_APP`` or ``[tool.interlock] app`` names), else ``store`` under
+    ``[tool.interlock]`` in the nearest ``pyproject.toml``, else interlock.db.
+
+    A relative path (the default's too) is read from the project's directory (that of the
+    nearest pyproject.toml), so a command run anywhere in the project finds one journal. Sets ``args.db`` and ``args.db_from``; unless ``--db``
+    named it, says which journal on stderr, in one line.
+    """
+    if args.db:
+        args.db_from = "--db"
+        return str(args.db)
+    project = find_project()
+    root = project[0].parent if project is not None else None
+    if app is None:
+        where, ref, base = find_ref(getattr(args, "app", None))
+        if where != "the default":
+            named = ref if where == "--app" else f"{ref} ({where})"
+            app = (named, load_app(ref, where, base).store)
+    store = project[1].get("store") if project is not None else None
+    if app is not None and app[1]:
+        url, origin = _in_project(app[1], root), f"the app {app[0]}"
+    elif project is not None and store is not None:
+        if not isinstance(store, str) or not store.strip():
+            raise _Usage(
+                f"{project[0]} [tool.interlock] store must be a SQLite path or postgresql:// "
+                f"DSN, got {store!r}; fix it"
+            )
+        url, origin = _in_project(store, root), f"{project[0]} [tool.interlock] store"
+    else:
+        url, origin = _in_project(DEFAULT_DB, root), "the default"
+    args.db, args.db_from = url, origin
+    sys.stderr.write(f"journal: {_named_journal(url)} (from {origin})\n")
+    sys.stderr.flush()
+    return url
+
+
+def _in_project(url: str, root: Path | None) -> str:
+    """``url`` as :func:`open_store` takes it, a relative SQLite path read from ``root``."""
+    path = sqlite_path(url)
+    if path is None or root is None or os.path.isabs(os.path.expanduser(path)):
+        return url
+    if root == Path.cwd().resolve():
+        return url  # as written: the messages that name it stay short
+    return url[: len(url) - len(path)] + str(root / path)
+
+
+def _named_journal(url: str) -> str:
+    """The journal ``url`` in a message: an absolute SQLite URL, never a password."""
+    path = sqlite_path(url)
+    if path is not None:
+        return "sqlite:///" + os.path.abspath(os.path.expanduser(path)).lstrip("/")
+    if url == ":memory:":
+        return "memory (nothing kept)"
+    from urllib.parse import urlsplit  # not psycopg's parser: it may not be installed
+
+    parts = urlsplit(url)
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    if parts.username:
+        netloc = f"{parts.username}@{netloc}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+async def _open_read(args: argparse.Namespace) -> Store:
+    """The journal of a command that only reads, opened read-only: a missing one is an
+    error that names it, where it came from and how to name another; nothing is created."""
+    path = sqlite_path(args.db)
+    if path is not None and not await trio.Path(path).exists():
+        raise _missing(path, getattr(args, "db_from", "--db"))
+    return await open_store(args.db, readonly=True)
+
+
+def _missing(path: str, origin: str) -> InterlockError:
+    if origin == "--db":
+        hint = "pass the path of an existing journal, or leave --db out for the app's store"
+    else:
+        hint = "pass --db PATH, or --app REF for the journal of that application's store"
+    return InterlockError(
+        f"journal {os.path.abspath(path)} does not exist (from {origin}); nothing was "
+        f"created; {hint}"
+    )
+
+
 def _application(args: argparse.Namespace) -> tuple[App, str, str]:
     """The application a command runs, what names it (for errors), and its journal."""
     where, ref, base = find_ref(args.app)
@@ -1192,8 +1337,8 @@ def _application(args: argparse.Namespace) -> tuple[App, str, str]:
         )
     app = build_app(DemoConfig(**options)) if options else load_app(ref, where, base)
     named = ref if where == "--app" else f"{ref} ({where})"
-    args.db = args.db or app.store or DEFAULT_DB  # the journal an error names
-    return app, named, args.db
+    # The demo by default: no app was named, so no app's store either.
+    return app, named, _journal_url(args, (named, app.store if where != "the default" else None))
 
 
 def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = True) -> None:
@@ -1211,18 +1356,21 @@ def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = 
     if not run:
         return
     for name in sorted({r.machine for r in records}):
-        mapping = app.provider if isinstance(app.provider, Mapping) else None
-        provider = mapping.get(name) if mapping is not None else app.provider
-        if provider is None and any(
-            isinstance(s, Worker) for s in app.machines[name].states.values()
-        ):
-            raise InterlockError(
-                f"the app {named} has no provider for machine {name!r}, whose worker states "
-                "need one; name an App with provider= (a bare Machine has none)"
-            )
+        _has_provider(app, named, name)
     for record in records:
         if record.outcome == "running":
             _has_state(app, named, record, record.state, "is in state")
+
+
+def _has_provider(app: App, named: str, name: str) -> None:
+    """Refuse to run machine ``name`` if its worker states have no provider in ``app``."""
+    mapping = app.provider if isinstance(app.provider, Mapping) else None
+    provider = mapping.get(name) if mapping is not None else app.provider
+    if provider is None and any(isinstance(s, Worker) for s in app.machines[name].states.values()):
+        raise InterlockError(
+            f"the app {named} has no provider for machine {name!r}, whose worker states "
+            "need one; name an App with provider= (a bare Machine has none)"
+        )
 
 
 def _has_state(app: App, named: str, record: RunRecord, state: str, how: str) -> None:
@@ -1319,16 +1467,72 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
     return 0
 
 
+#: ``interlock run`` prints one line per run up to this many runs, else a summary.
+RUN_LINES = 20
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from ._demo import summarize_runs
+    from ._runtime import open_supervisor
+
+    app, named, db = _application(args)
+    machine = _machine_of(app, named, args.machine)
+    inputs = machine.check_inputs(args.inputs or {})  # refused before anything is opened
+    _has_provider(app, named, machine.name)
+    metrics = _Metrics(args, app.prices)
+    handles = []
+    started = time.perf_counter()
+    with metrics:
+        store = await open_store(db)
+        try:
+            async with (
+                _progress(metrics, args.count, quiet=args.json),
+                app.open(db, named),
+                open_supervisor(
+                    list(app.machines.values()), store, provider=app.provider, stats=metrics.stats
+                ) as supervisor,
+            ):
+                metrics.started(supervisor)
+                for _ in range(args.count):
+                    handles.append(await supervisor.start_run(machine.name, inputs))
+            results = [await handle.wait() for handle in handles]
+        finally:
+            await _close(store)
+        summary = summarize_runs(
+            results, metrics.stats, [machine.name], wall=time.perf_counter() - started, db=db
+        )
+        ended = all(r.outcome == "completed" for r in results)
+        if args.json:
+            _print_json({**summary, "results": [msgspec.to_builtins(r) for r in results]})
+        elif len(results) <= RUN_LINES:
+            for r in results:
+                line = f"run {r.run_id}: {r.outcome} in {r.state}"
+                sys.stdout.write(line + (f" ({r.reason})" if r.reason else "") + "\n")
+        else:
+            _print_summary(
+                summary,
+                f"interlock run: {_count(len(results), 'run')} of {machine.name} in "
+                f"{summary['wall_seconds']} s ({summary['runs_per_second']} runs/s)",
+            )
+        await metrics.held()
+    return 0 if ended else 1
+
+
+def _machine_of(app: App, named: str, name: str) -> Machine:
+    machine = app.machines.get(name)
+    if machine is None:
+        raise _Usage(
+            f"the app {named} has no machine {name!r}; its machines: "
+            + ", ".join(sorted(app.machines))
+        )
+    return machine
+
+
 async def _enqueue(args: argparse.Namespace) -> int:
     from ._enqueue import enqueue_run, enqueue_runs
 
     app, named, db = _application(args)
-    machine = app.machines.get(args.machine)
-    if machine is None:
-        raise _Usage(
-            f"the app {named} has no machine {args.machine!r}; its machines: "
-            + ", ".join(sorted(app.machines))
-        )
+    machine = _machine_of(app, named, args.machine)
     many = None
     if args.inputs_file is not None:
         if args.run_id is not None or args.inputs is not None:
@@ -1597,7 +1801,7 @@ async def _replay(args: argparse.Namespace) -> int:
     what_if = _what_if(args.machine)
     overrides = [machine for _ref, machine in what_if.values()]
     machines = {**app.machines, **{m.name: m for m in overrides}}
-    store = await open_store(db, readonly=True)
+    store = await _open_read(args)
     try:
         if args.all:
             records = await store.list_runs(machine=args.workflow)
@@ -1641,11 +1845,7 @@ async def _replay(args: argparse.Namespace) -> int:
     if diverged:
         from rich.markup import escape
 
-        table = _table(
-            "first divergence per run",
-            *("run", "seq", "event", "expected", "got"),
-            folds=("expected", "got"),
-        )
+        table = _table("first divergence per run", "run", "seq", "event", "expected", "got")
         for run in diverged:
             d = run.divergence
             assert d is not None
@@ -1656,7 +1856,8 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 async def _check(args: argparse.Namespace) -> int:
-    store = await open_store(args.db, readonly=True)
+    _journal_url(args)
+    store = await _open_read(args)
     try:
         report = await store.check()
     finally:
@@ -1741,6 +1942,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Any:
 
 _COMMANDS = {
     "demo": _demo,
+    "run": _run,
     "runs": _runs,
     "show": _show,
     "escalations": _escalations,
@@ -1753,30 +1955,92 @@ _COMMANDS = {
 }
 
 
-async def _command(args: argparse.Namespace) -> int:
-    """Run the command; Ctrl-C cancels it, so it stops at a checkpoint (its journal
-    batches whole) and not wherever a KeyboardInterrupt would land, inside trio's own
-    bookkeeping included."""
-    import signal
+#: Seconds a command has, after Ctrl-C, to end cleanly before the process exits at once.
+INTERRUPT_GRACE = 1.0
 
-    interrupted = False
+
+class _Stop:
+    """Ctrl-C: cancel the command at once, so it stops at a checkpoint (its journal
+    batches whole) and not wherever a KeyboardInterrupt would land, inside trio's own
+    bookkeeping included; and if it has not ended :data:`INTERRUPT_GRACE` seconds later
+    (or at a second Ctrl-C), exit 130 there, as a crash would leave things.
+
+    Unwinding tens of thousands of runs takes trio seconds (a cancellation per task, and
+    the exception groups that carry them); the journal needs none of it: every batch is
+    one transaction, written whole or not at all, and what a resume would redo is only
+    what no batch holds yet. The clock runs in a thread of its own, so a trio scheduler
+    busy with those runs cannot hold it up.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import threading
+
+        self.args = args
+        self.interrupted = False
+        self.said = threading.Lock()  # whoever takes it says "interrupted", once
+        self._read, self._write = os.pipe()
+        threading.Thread(target=self._clock, name="interlock-interrupt", daemon=True).start()
+
+    def install(self, cancel: Callable[[], None]) -> Callable[[], None]:
+        """Handle SIGINT (``cancel`` cancels the command); returns what restores it."""
+        import signal
+
+        token = trio.lowlevel.current_trio_token()
+
+        def stop() -> None:
+            self.interrupted = True
+            cancel()
+
+        def handler(_signum: int, _frame: object) -> None:
+            # NOTE: a signal handler: only a write to a pipe and trio's signal-safe call
+            os.write(self._write, b"!")
+            token.run_sync_soon(stop, idempotent=True)
+
+        previous = signal.signal(signal.SIGINT, handler)
+
+        def restore() -> None:
+            signal.signal(signal.SIGINT, previous)
+
+        return restore
+
+    def _clock(self) -> None:
+        import select
+
+        if os.read(self._read, 1) != b"!":
+            return  # the command ended without a Ctrl-C
+        ready, _, _ = select.select([self._read], [], [], INTERRUPT_GRACE)
+        if ready and os.read(self._read, 1) != b"!":
+            return  # the command ended cleanly in time
+        if not self.said.acquire(blocking=False):
+            return
+        line = _interrupted_line(self.args)
+        if os.isatty(2):  # a live progress display hid the cursor and holds a line
+            line = "\r\x1b[2K\x1b[?25h" + line
+        # NOTE: not sys.stdout.flush(): the main thread may hold stdout's lock, blocked
+        # on a full pipe; what it printed whole is out already, line by line or at exit
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(130)
+
+    def ended(self) -> bool:
+        """The command ended: stop the clock; False if it is exiting the process already."""
+        os.write(self._write, b"q")
+        return self.said.acquire(blocking=False)
+
+
+async def _command(args: argparse.Namespace, stop: _Stop) -> int:
+    """Run the command; Ctrl-C cancels it (see :class:`_Stop`)."""
     code = 130
     async with trio.open_nursery() as nursery:
-
-        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            nonlocal interrupted
-            with trio.open_signal_receiver(signal.SIGINT) as signals:
-                task_status.started()
-                async for _ in signals:
-                    interrupted = True
-                    nursery.cancel_scope.cancel()
-                    return
-
-        if args.command != "worker":  # a worker drains on SIGINT and SIGTERM itself
-            await nursery.start(watch)
-        code = await _COMMANDS[args.command](args)
+        # a worker drains on SIGINT and SIGTERM itself
+        restore = stop.install(nursery.cancel_scope.cancel) if args.command != "worker" else None
+        try:
+            code = await _COMMANDS[args.command](args)
+        finally:
+            if restore is not None:
+                restore()
         nursery.cancel_scope.cancel()
-    if interrupted:
+    if stop.interrupted:
         raise KeyboardInterrupt
     return code
 
@@ -1784,8 +2048,16 @@ async def _command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``interlock`` console script and ``python -m interlock``."""
     args = build_parser().parse_args(argv)
+    stop = _Stop(args)
     try:
-        return trio.run(_command, args)
+        return _main(args, stop)
+    finally:
+        stop.ended()
+
+
+def _main(args: argparse.Namespace, stop: _Stop) -> int:
+    try:
+        return trio.run(_command, args, stop)
     except (AppRefError, _Usage, JournalHeld) as exc:
         sys.stderr.write(_error(exc, args))
         return 2
@@ -1800,18 +2072,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseExceptionGroup as group:
         leaves = list(_leaves(group))
         if any(isinstance(e, KeyboardInterrupt) for e in leaves):
-            return _interrupted(args)
+            return _interrupted(args, stop)
         expected = [e for e in leaves if isinstance(e, InterlockError | ValueError | OSError)]
         if not expected or len(expected) != len(leaves):
             raise
         sys.stderr.write(_error(expected[0], args))
         return 2 if isinstance(expected[0], AppRefError | _Usage | JournalHeld) else 1
     except KeyboardInterrupt:
-        return _interrupted(args)
+        return _interrupted(args, stop)
 
 
-def _interrupted(args: argparse.Namespace) -> int:
+def _interrupted(args: argparse.Namespace, stop: _Stop) -> int:
     """Ctrl-C: one line, not a traceback; every batch written so far is in the journal."""
+    if not stop.ended():
+        time.sleep(60)  # the clock is exiting the process, having said so
+    sys.stderr.write(_interrupted_line(args))
+    return 130
+
+
+def _interrupted_line(args: argparse.Namespace) -> str:
     db = getattr(args, "db", None)
     app = f" --app {shlex.quote(args.app)}" if getattr(args, "app", None) else ""
     resume = (
@@ -1819,5 +2098,4 @@ def _interrupted(args: argparse.Namespace) -> int:
         if db
         else ""
     )
-    sys.stderr.write(f"interlock: interrupted{resume}\n")
-    return 130
+    return f"interlock: interrupted{resume}\n"

@@ -209,9 +209,31 @@ def summarize(
     config: DemoConfig,
 ) -> dict[str, Any]:
     """The demo's summary as one JSON-ready document with stable keys."""
-    effects = backend.counts(run_prefix)
+    summary = summarize_runs(
+        results,
+        stats,
+        config.workflows,
+        wall=wall,
+        db=config.db,
+        effects=backend.counts(run_prefix),
+    )
+    summary.update(effects_db=config.effects_path(), chaos_rate=config.chaos_rate, seed=config.seed)
+    return summary
+
+
+def summarize_runs(
+    results: Sequence[RunResult],
+    stats: RuntimeStats,
+    machines: Sequence[str],
+    *,
+    wall: float,
+    db: str,
+    effects: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any]:
+    """The summary of the runs this process drove (``results``), per machine, as one
+    JSON-ready document with stable keys (``effects``: the demo's side effects by tool)."""
     per: dict[str, dict[str, Any]] = {}
-    for name in config.workflows:
+    for name in machines:
         mine = [r for r in results if r.machine == name]
         rejections: Counter[str] = Counter()
         for (machine, outcome, code), count in stats.verdicts.items():
@@ -232,18 +254,16 @@ def summarize(
         latency = stats.verify_latency.get(name, LatencyHistogram())
         ended = [(r.outcome, r.state, r.reason) for r in mine]
         per[name] = _workflow_row(
-            name, ended, rejections, trips, prompt, completion, latency, effects
+            name, ended, rejections, trips, prompt, completion, latency, effects or {}
         )
     overall = LatencyHistogram.merged(stats.verify_latency.values())
     return {
         "runs": len(results),
         "wall_seconds": round(wall, 3),
         "runs_per_second": round(len(results) / wall, 1) if wall else 0.0,
-        "db": config.db,
-        "effects_db": config.effects_path(),
+        "db": db,
+        "effects_db": None,
         "hotpath": IMPLEMENTATION,
-        "chaos_rate": config.chaos_rate,
-        "seed": config.seed,
         "outcomes": dict(sorted(Counter(r.outcome for r in results).items())),
         "verification_us": _latency_us(overall),
         "workflows": per,
