@@ -367,7 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     aborted = actions.add_parser("abort", help="end an escalated run (it moves to FAILED)")
     aborted.add_argument("run_id", metavar="ID")
-    _app(listing, sub=True)
     for action in (resumed, aborted):
         action.add_argument("--note", default="", help="why (journaled)")
         action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
