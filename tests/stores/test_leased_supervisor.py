@@ -20,6 +20,7 @@ from interlock import (
     InterlockError,
     LeaseLost,
     Machine,
+    NotEscalated,
     ProtocolError,
     RunView,
     TokenUsage,
@@ -272,15 +273,44 @@ async def test_resume_takes_only_what_nobody_holds(store: PostgresStore) -> None
     assert [lease.run_id for lease in await store.held_elsewhere("resume")] == ["held"]
 
 
+class Malformed:
+    """Answers what no gate accepts, so the run escalates on consecutive failures."""
+
+    model = "malformed"
+
+    async def propose(self, view: RunView) -> Proposal:
+        return Proposal("not json", TokenUsage(1, 1), self.model)
+
+
 async def test_an_operator_cannot_take_a_run_another_process_drives(
     store: PostgresStore,
 ) -> None:
+    """A run another process drives is left alone: one running there is not in the queue
+    (the escalation rule names its state), and one the index shows escalated while another
+    process still holds its lease is refused by the lease, not taken (issue 32)."""
     spec = machine(immediate)
     await enqueue_run(store, spec, run_id="r-1")
     sql(store, "UPDATE leases SET owner = 'w', epoch = 1, expires = now() + interval '1 hour'")
     async with open_supervisor([spec], store, provider=Script(), owner="op") as sup:
-        with pytest.raises(ProtocolError, match="leased by another process, which drives it"):
+        with pytest.raises(
+            NotEscalated, match=r"^run 'r-1' is not escalated; it is running in state 'WORK'"
+        ):
             await sup.abort_escalated("r-1", by="ops")
+    async with open_supervisor([spec], store, provider=Malformed(), owner="w") as sup:
+        handle = await sup.start_run("notes", run_id="r-2")
+        assert (await handle.wait()).outcome == "escalated"
+    sql(
+        store,
+        "UPDATE leases SET owner = 'w', epoch = epoch + 1, live = true, "
+        "expires = now() + interval '1 hour' "
+        "WHERE run_id = 'r-2'",
+    )
+    before = await store.load("r-2")
+    async with open_supervisor([spec], store, provider=Script(), owner="op") as sup:
+        with pytest.raises(ProtocolError, match="leased by another process, which drives it"):
+            await sup.abort_escalated("r-2", by="ops")
+    assert await store.load("r-2") == before
+    assert (await store.get_run("r-2")).outcome == "escalated"
 
 
 async def test_external_runs_are_not_leased_and_any_process_drives_them(
