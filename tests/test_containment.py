@@ -132,6 +132,7 @@ async def test_a_provider_answer_that_is_not_a_proposal_is_rejected_for_its_run_
             ExceptionGroup("fan-out failed", [ValueError("a"), KeyError("b")]), id="group"
         ),
         pytest.param(Custom("not an Exception"), id="base-exception"),
+        pytest.param(GeneratorExit("closed"), id="generator-exit"),
     ],
 )
 async def test_a_provider_that_raises_anything_fails_only_its_run(raised: BaseException) -> None:
@@ -179,6 +180,88 @@ async def test_a_tool_that_raises_a_base_exception_is_a_tool_failure() -> None:
     assert result.outcome == "completed"
     (failed,) = [e for e in await store.load("bad-1") if type(e).__name__ == "ToolFailed"]
     assert failed.error == "Custom: odd"
+
+
+async def stray_cancelled() -> trio.Cancelled:
+    """A real ``trio.Cancelled``, caught in its own scope and kept: code that raises it
+    later, where nothing is cancelled, has a bug; that is not a cancellation."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            return exc
+    raise AssertionError("the scope was cancelled")
+
+
+async def test_a_stray_cancelled_from_a_tool_is_a_tool_failure_of_its_run_only() -> None:
+    """A tool that raises trio.Cancelled while nothing is cancelled used to end its run's
+    task silently, and the supervisor with it: ``open_supervisor`` returned with the
+    runs unfinished (#33)."""
+    stray = await stray_cancelled()
+
+    async def confused(args: Any, ctx: ToolContext) -> Any:
+        raise stray
+
+    store = MemoryStore()
+    bad = job("bad", confused, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
+    assert failed.error == "Cancelled (raised by the tool while nothing was cancelled)"
+    assert replay(events, bad).ok
+
+
+async def test_a_stray_cancelled_from_a_provider_is_a_provider_failure_of_its_run_only() -> None:
+    """(#33) The provider's stray Cancelled is a failure to answer, retried, then escalated."""
+    store = MemoryStore()
+    result = await with_healthy_runs(job("bad"), Answers(await stray_cancelled()), store)
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    events = await store.load("bad-1")
+    failed = [e for e in events if type(e).__name__ == "ProviderFailed"]
+    assert [f.error for f in failed] == [
+        "provider raised Cancelled (raised by the provider while nothing was cancelled)"
+    ] * 2
+    assert replay(events, job("bad")).ok
+
+
+async def test_generator_exit_from_a_tool_is_a_tool_failure_of_its_run_only() -> None:
+    """(#33) GeneratorExit raised by a tool used to crash the supervisor."""
+
+    async def closing(args: Any, ctx: ToolContext) -> Any:
+        raise GeneratorExit("closed")
+
+    store = MemoryStore()
+    bad = job("bad", closing, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    (failed,) = [e for e in await store.load("bad-1") if type(e).__name__ == "ToolFailed"]
+    assert failed.error == "GeneratorExit: closed"
+
+
+async def test_a_real_cancellation_still_ends_the_runs_while_a_tool_runs(
+    autojump_clock: Any,
+) -> None:
+    """A Cancelled that is a cancellation (the supervisor's scope was cancelled) is not
+    taken for the tool's failure: it ends the run's task and the supervisor (#33)."""
+    started = trio.Event()
+
+    async def slow(args: Any, ctx: ToolContext) -> Any:
+        started.set()
+        await trio.sleep_forever()
+
+    store = MemoryStore()
+    bad = job("bad", slow, idempotent=True)
+    with trio.move_on_after(60) as scope:
+        async with open_supervisor([bad], store, provider=ScriptedProvider([CALL, DONE])) as sup:
+            await sup.start_run("bad", run_id="bad-1")
+            await started.wait()
+            scope.cancel()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    kinds = [type(e).__name__ for e in await store.load("bad-1")]
+    assert kinds == ["RunStarted", "ModelCalled", "IntentRecorded"]
 
 
 async def test_system_exit_from_a_tool_is_not_contained() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import sys
 import time
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 529})
 
-#: What a run never contains: these end the task (trio's cancellation, Ctrl-C, exit).
-_PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+#: What a run never contains: the interpreter's own Ctrl-C and exit end the task, and the
+#: process (see run_actor). trio's Cancelled ends it too, when it is a cancellation.
+_INTERPRETER = (KeyboardInterrupt, SystemExit)
 
 
 class _Attempts:
@@ -81,10 +83,31 @@ class _Cut(Exception):  # a signal inside the actor, never raised out of it
 
 
 def _passes_through(exc: BaseException) -> bool:
-    """Whether ``exc`` (or a leaf of it, for a group) must leave the run's task as it is."""
+    """Whether ``exc`` (or a leaf of it, for a group) must leave the run's task as it is:
+    KeyboardInterrupt, SystemExit, or a trio.Cancelled while the task is cancelled.
+
+    NOTE: a Cancelled raised where no scope around the task is cancelled (one kept from
+    an earlier cancellation and raised again, say) is not a cancellation, and nothing
+    would catch it: it would end the run's task, then the supervisor's nursery would take
+    it for its own and return as if cancelled. It is the failure of the code that raised
+    it, contained like any other.
+    """
     if isinstance(exc, BaseExceptionGroup):
-        return exc.subgroup(_PASS_THROUGH) is not None
-    return isinstance(exc, _PASS_THROUGH)
+        if exc.subgroup(_INTERPRETER) is not None:
+            return True
+    elif isinstance(exc, _INTERPRETER):
+        return True
+    return _cancelled(exc) and trio.current_effective_deadline() == -math.inf
+
+
+def _describe(exc: BaseException, who: str) -> str:
+    """How a failure of ``who`` (the tool, the provider) is journaled."""
+    if not _cancelled(exc):
+        return describe_exception(exc)
+    # Here never a cancellation (see _passes_through); trio's own text would name the
+    # scope and task of the cancellation it came from, memory addresses and all.
+    text = "Cancelled" if isinstance(exc, trio.Cancelled) else describe_exception(exc)
+    return f"{text} (raised by the {who} while nothing was cancelled)"
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -235,8 +258,11 @@ async def run_actor(
     timeout or by cancel_run.
 
     Whatever a provider or a tool does (returns garbage, raises anything, opens a
-    nursery that fails) ends up journaled for this run alone; only trio's cancellation,
-    KeyboardInterrupt and SystemExit leave the task as they are.
+    nursery that fails, raises GeneratorExit, or a trio.Cancelled while nothing is
+    cancelled) ends up journaled for this run alone. Only a cancellation (cancel_run, a
+    timeout, the supervisor's scope), KeyboardInterrupt and SystemExit leave the task as
+    they are: the last two end the supervisor, every run in it and, unless the caller
+    of ``open_supervisor`` catches them, the process, as they would end any program.
 
     Raises:
       InterlockError: the runtime refused a request of the run (a store error, a run
@@ -495,7 +521,7 @@ def _unanswered(
         seq=seq,
         raw="",
         model=driver.model,
-        error=f"provider raised {describe_exception(exc)}",
+        error=f"provider raised {_describe(exc, 'provider')}",
         retryable=retryable,
         retry_after=retry_after,
         latency=latency,
@@ -598,7 +624,7 @@ async def execute_call(
                 attempts.applied = None
                 raise _Cut(attempts) from None
             attempts.retryable, attempts.retry_after, attempts.applied = _tool_failure(exc, tool)
-            attempts.error = describe_exception(exc)
+            attempts.error = _describe(exc, "tool")
             continue
         finally:
             driver.tool_token = 0
@@ -737,7 +763,7 @@ async def reconcile_call(
             raise _Cut(
                 answer(None, error=f"reconcile timed out after {tool.timeout:g} s")
             ) from None
-        return answer(None, error=f"reconcile raised {describe_exception(exc)}")
+        return answer(None, error=f"reconcile raised {_describe(exc, 'tool')}")
     finally:
         driver.tool_token = 0
     if found is NotApplied or isinstance(found, NotApplied):
