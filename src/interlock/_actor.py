@@ -102,12 +102,10 @@ def _passes_through(exc: BaseException) -> bool:
 
 def _describe(exc: BaseException, who: str) -> str:
     """How a failure of ``who`` (the tool, the provider) is journaled."""
-    if not _cancelled(exc):
-        return describe_exception(exc)
-    # Here never a cancellation (see _passes_through); trio's own text would name the
-    # scope and task of the cancellation it came from, memory addresses and all.
-    text = "Cancelled" if isinstance(exc, trio.Cancelled) else describe_exception(exc)
-    return f"{text} (raised by the {who} while nothing was cancelled)"
+    text = describe_exception(exc)
+    if _cancelled(exc):  # here never a cancellation (see _passes_through)
+        text += f" (raised by the {who} while nothing was cancelled)"
+    return text
 
 
 def _cancelled(exc: BaseException) -> bool:

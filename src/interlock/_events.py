@@ -396,6 +396,9 @@ def describe_exception(exc: BaseException, limit: int = 500) -> str:
 
 
 def _one_exception(exc: BaseException) -> str:
+    kind = type(exc)
+    if kind.__name__ == "Cancelled" and kind.__module__.partition(".")[0] == "trio":
+        return "Cancelled"  # its text names a task by memory address: not journaled
     try:
         message = str(exc)
     except Exception:  # an exception whose __str__ raises must not break the caller
