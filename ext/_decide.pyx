@@ -73,6 +73,8 @@ cdef Py_ssize_t _SHORT = 200
 cdef inline str _cut_json(str text):
     return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
 cdef object _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+# What a guard raises that is not its failure (as the twin: ``_gate.INTERRUPTS``).
+cdef object _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 #: A model call journals its prompt as a delta against the previous one when the two share
 #: at least this many characters (as the twin: ``_decider._MIN_SHARED_PROMPT``).
@@ -925,7 +927,9 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
         for guard in guards:
             try:
                 rejected = guard(args, view)
-            except Exception:
+            except _INTERRUPTS:
+                raise
+            except BaseException:  # the guard's failure: the Python gate explains it
                 return _refused(run, machine, call, args, now, circuits)
             if rejected is not None:
                 return _refused(run, machine, call, args, now, circuits)

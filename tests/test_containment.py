@@ -264,6 +264,34 @@ async def test_a_real_cancellation_still_ends_the_runs_while_a_tool_runs(
     assert kinds == ["RunStarted", "ModelCalled", "IntentRecorded"]
 
 
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_guard_that_raises_a_base_exception_rejects_its_call_only(raised: str) -> None:
+    """A guard raising a BaseException of its own (not an Exception) used to crash the
+    supervisor; it is that guard's violation now, as any other guard failure (#33)."""
+    stray = await stray_cancelled()
+    error: BaseException = {
+        "own": Custom("no verdict"),
+        "generator-exit": GeneratorExit(),
+        "stray-cancelled": stray,
+    }[raised]
+
+    def fussy(args: Any, view: RunView) -> None:
+        raise error
+
+    store = MemoryStore()
+    bad = job("bad", guards=[fussy])
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (rejected,) = [e for e in events if type(e).__name__ == "ProposalRejected"]
+    (violation,) = rejected.violations
+    assert violation.code == "guard"
+    assert violation.message.startswith(
+        f"guard 'fussy' of tool 'work' raised {type(error).__name__}"
+    )
+    assert replay(events, bad).ok
+
+
 async def test_system_exit_from_a_tool_is_not_contained() -> None:
     async def interrupted(args: Any, ctx: ToolContext) -> Any:
         raise SystemExit(3)

@@ -433,7 +433,9 @@ def _checked_call(
         for guard in call.guards:
             try:
                 rejected = guard(args, view)
-            except Exception as exc:  # an ExceptionGroup too
+            except INTERRUPTS:
+                raise
+            except BaseException as exc:  # the guard's failure (see INTERRUPTS)
                 guard_violations.append(
                     _guard_failed(guard, name, f"raised {describe_exception(exc)}")
                 )
@@ -467,6 +469,13 @@ def _checked_call(
         if circuit is not None:
             return Decision((circuit[0],), circuit[1])
     return Decision(tool=call.tool, args=builtins, call_hash=call_hash, value=args)
+
+
+#: What a guard raises that is not the guard's failure: the interpreter's Ctrl-C and exit.
+#: Anything else it raises (an ExceptionGroup, GeneratorExit, a BaseException of its own,
+#: even a trio.Cancelled: a guard is synchronous, so no cancellation reaches it) is its
+#: failure, and rejects the call it guards, never the supervisor deciding it.
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 def _guard_failed(guard: Callable[..., Any], tool: str, what: str) -> Violation:
