@@ -292,6 +292,48 @@ async def test_a_guard_that_raises_a_base_exception_rejects_its_call_only(raised
     assert replay(events, bad).ok
 
 
+@pytest.mark.parametrize(
+    ("returned", "problem"),
+    [
+        pytest.param(
+            {"rows": [{"a": 1}, {(1, 2): "x"}]},
+            "the key (1, 2) of type tuple at result.rows[1]: "
+            "Only dicts with str-like or number-like keys are supported",
+            id="tuple-key",
+        ),
+        pytest.param(
+            {"owner": {None: "x"}},
+            "the key None of type NoneType at result.owner: "
+            "Only dicts with str-like or number-like keys are supported",
+            id="none-key",
+        ),
+        pytest.param(
+            {"a": {"b": [1, object()]}},
+            "the object at result.a.b[1]: Encoding objects of type object is unsupported",
+            id="foreign-object",
+        ),
+    ],
+)
+async def test_a_result_that_cannot_be_encoded_is_a_tool_error_naming_where(
+    returned: Any, problem: str
+) -> None:
+    """A result with tuple dict keys passed the journal's check (msgpack takes them) and
+    failed later, as JSON, while its run was decided: an InternalError, the run left
+    running (#33). It is the call's failure now, naming the path and the type."""
+
+    async def odd(args: Any, ctx: ToolContext) -> Any:
+        return returned
+
+    store = MemoryStore()
+    bad = job("bad", odd, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
+    assert failed.error == f"tool 'work' returned a result that cannot be journaled: {problem}"
+    assert replay(events, bad).ok
+
+
 async def test_system_exit_from_a_tool_is_not_contained() -> None:
     async def interrupted(args: Any, ctx: ToolContext) -> Any:
         raise SystemExit(3)

@@ -9,12 +9,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 import trio
 
 from ._breakers import LEASE_CUT
 from ._decider import step_proposal
-from ._events import TokenUsage, Violation, describe_exception, unjournalable
+from ._events import TokenUsage, Violation, describe_exception, journalable
 from ._exceptions import ProviderError
 from ._machine import Step
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
@@ -633,7 +632,7 @@ async def execute_call(
             attempts.retryable = True
             attempts.applied = None
             continue
-        payload, problem = _journalable(result)
+        payload, problem = journalable(result, "result")
         if problem is not None:
             attempts.error = (
                 f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
@@ -672,19 +671,6 @@ async def _under_lease(
     finally:
         guard.close_scope(run_id, scope)
     return None, True  # the scope caught its own cancellation: the lease lapsed
-
-
-def _journalable(result: Any) -> tuple[Any, str | None]:
-    """A tool's result as JSON builtins, or why the journal cannot hold it.
-
-    NOTE: what the store will do with it: a result it cannot encode must fail this
-    call, not the batch (and every run in it).
-    """
-    try:
-        payload = msgspec.to_builtins(result)
-    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-        return None, str(exc) or type(exc).__name__
-    return payload, unjournalable(payload)
 
 
 def _http_status(exc: BaseException) -> tuple[int | None, float | None]:
@@ -767,7 +753,7 @@ async def reconcile_call(
     if found is NotApplied or isinstance(found, NotApplied):
         message = answer(False)
     elif isinstance(found, Applied):
-        payload, problem = _journalable(found.result)
+        payload, problem = journalable(found.result, "result")
         if problem is None:
             message = answer(True, payload)
         else:

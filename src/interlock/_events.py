@@ -358,19 +358,104 @@ def encode_event(event: Event) -> bytes:
 ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
 
 
-def unjournalable(value: Any) -> str | None:
-    """Why ``value`` cannot go into a journal event (msgpack), or None if it can.
+def unjournalable(value: Any, root: str = "$") -> str | None:
+    """Why ``value`` cannot go into a journal event, or None if it can: where in it (a
+    path from ``root``) and what it is that cannot be encoded, and why.
 
     Decoded JSON can hold what msgpack cannot (integers past 64 bits), and a tool can
-    return anything (cycles, nesting past the recursion limit, foreign objects). Such a
-    value is refused where it enters, so that it never reaches a batch: a batch the
-    store cannot encode would fail every run in it.
+    return anything (cycles, nesting past the recursion limit, foreign objects, dict keys
+    that are tuples). An event must encode as msgpack (the journal) and as JSON (the
+    run's view, the event stream), so such a value is refused where it enters, so that
+    it never reaches a batch: a batch the store cannot encode would fail every run in it.
     """
     try:
         _encoder.encode(value)
+        _json_encoder.encode(value)
     except ENCODING_ERRORS as exc:
+        return _unencodable_at(value, root, str(exc) or type(exc).__name__)
+    return None
+
+
+def journalable(value: Any, root: str = "$") -> tuple[Any, str | None]:
+    """``value`` (a tool's result, say) as JSON-like builtins, or why it cannot be
+    journaled (see :func:`unjournalable`)."""
+    try:
+        payload = msgspec.to_builtins(value)
+    except Exception as exc:  # a foreign object may raise anything while it is read
+        return None, _unencodable_at(value, root, str(exc) or type(exc).__name__)
+    return payload, unjournalable(payload, root)
+
+
+#: How deep :func:`_unencodable_at` looks for what cannot be encoded.
+_LOOK_DEPTH = 64
+
+
+def _encoding_problem(value: Any) -> str | None:
+    try:
+        payload = msgspec.to_builtins(value)
+        _encoder.encode(payload)
+        _json_encoder.encode(payload)
+    except Exception as exc:  # (see journalable)
         return str(exc) or type(exc).__name__
     return None
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a foreign object's repr may raise
+        return "(its repr cannot be shown)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _step(key: Any) -> str:
+    if type(key) is str and key.isidentifier():
+        return f".{key}"
+    return f"[{_short_repr(key)}]"
+
+
+def _unencodable_at(value: Any, root: str, reason: str) -> str:
+    """Where in ``value``, which failed to encode for ``reason``, the encoder stops: the
+    path of the innermost part that fails alone, what it is, and why.
+
+    Only a value that failed gets here: each level encodes its parts until one fails,
+    and goes down into it (the parents on the way are kept, so a cycle is named)."""
+    path, node = root, value
+    parents = {id(value): root}
+    for _ in range(_LOOK_DEPTH):
+        if isinstance(node, dict):
+            parts: Any = node.items()
+        elif isinstance(node, list | tuple | set | frozenset):
+            parts = enumerate(node)
+        else:
+            break
+        found = None
+        for key, part in parts:
+            if isinstance(node, dict):
+                problem = _encoding_problem({key: None})
+                if problem is not None:
+                    return (
+                        f"the key {_short_repr(key)} of type {type(key).__name__} at {path}: "
+                        f"{problem}"
+                    )
+                step = _step(key)
+            else:
+                step = f"[{key}]"
+            if id(part) in parents:
+                return (
+                    f"the {type(part).__name__} at {path}{step} is the one at "
+                    f"{parents[id(part)]} again: a cycle cannot be encoded"
+                )
+            problem = _encoding_problem(part)
+            if problem is not None:
+                found = (step, part, problem)
+                break
+        if found is None:
+            break  # no part fails alone: this one does as a whole (nested too deep)
+        step, node, reason = found
+        path += step
+        parents[id(node)] = path
+    return f"the {type(node).__name__} at {path}: {reason}"
 
 
 def describe_exception(exc: BaseException, limit: int = 500) -> str:

@@ -553,7 +553,7 @@ def _move_data(
                     "schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"
                 ),
             )
-    problem = unjournalable(data)
+    problem = unjournalable(data, "data")
     if problem is not None:  # as for a call's args (see _checked_call)
         return {}, (unjournalable_violation("data", problem),)
     return data, ()
