@@ -241,6 +241,7 @@ cdef Py_ssize_t _P_LEGACY = _offset(Propose, "legacy")
 cdef Py_ssize_t _P_RESPONSE = _offset(Propose, "response")
 cdef Py_ssize_t _P_ENVELOPE = _offset(Propose, "envelope")
 cdef Py_ssize_t _P_EXTRA = _offset(Propose, "extra_calls")
+cdef Py_ssize_t _P_OVERSIZED = _offset(Propose, "oversized")
 # Verdict
 cdef Py_ssize_t _V_RUN_ID = _offset(Verdict, "run_id")
 cdef Py_ssize_t _V_SEQ = _offset(Verdict, "seq")
@@ -285,7 +286,7 @@ def slot_offsets():
         "Propose.latency": _P_LATENCY, "Propose.error": _P_ERROR,
         "Propose.defect": _P_DEFECT, "Propose.legacy": _P_LEGACY,
         "Propose.response": _P_RESPONSE, "Propose.envelope": _P_ENVELOPE,
-        "Propose.extra_calls": _P_EXTRA,
+        "Propose.extra_calls": _P_EXTRA, "Propose.oversized": _P_OVERSIZED,
         "Verdict.run_id": _V_RUN_ID, "Verdict.seq": _V_SEQ, "Verdict.accepted": _V_ACCEPTED,
         "Verdict.state": _V_STATE, "Verdict.outcome": _V_OUTCOME,
         "Verdict.violations": _V_VIOLATIONS, "Verdict.execute": _V_EXECUTE,
@@ -667,6 +668,8 @@ cdef bint _ordinary(RunState run, msg) except -1:
         return False
     if _field(msg, _P_ENVELOPE, "envelope") is not None or _field(msg, _P_LEGACY, "legacy"):
         return False
+    if _field(msg, _P_OVERSIZED, "oversized") is not None:
+        return False
     if not (
         _field(msg, _P_RAW, "raw").isascii()
         and _field(msg, _P_PROMPT, "prompt").isascii()
@@ -691,6 +694,10 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     machine = run.machine
     state = run.state
     raw = _field(msg, _P_RAW, "raw")
+    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
+    if len(raw) > plan.max_bytes:  # (ASCII: its length is its size in bytes)
+        # Refused unread, and journaled bounded: the Python path does both.
+        return _py_on_propose(run, msg, now, circuits, events)
     prompt = _field(msg, _P_PROMPT, "prompt")
     cdef Py_ssize_t size = len(prompt)
     cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
@@ -743,7 +750,6 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     encoded = raw.encode()
     if not _within_budgets(run, machine, now):
         return _decided(run, msg, _verify(machine, run, encoded, now, circuits), raw, now, events)
-    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
     accepted = _accept_call(run, machine, plan, encoded, now, circuits)
     if type(accepted) is tuple:
         call, builtins, value, call_hash = <tuple>accepted

@@ -77,6 +77,23 @@ class RunStarted(Event, frozen=True, tag="run_started"):
     ``Supervisor.submit``); absent for a run the runtime drives."""
 
 
+class Oversized(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):
+    """What a model call journals of an answer over its state's cap, which the gate
+    refuses unread: ``raw`` and ``response`` hold bounded excerpts of it (what goes back
+    to the model, see ``providers``), and this what the whole answer was. Replay decides
+    the same refusal from ``raw_bytes``."""
+
+    raw_bytes: int
+    """The whole proposal's size in bytes (UTF-8)."""
+    raw_sha256: str
+    """The SHA-256 of the whole proposal (UTF-8), in hex."""
+    response_bytes: int = 0
+    """The whole response's size in bytes when ``response`` holds only an excerpt of it;
+    0 when it is whole (or there is none)."""
+    response_sha256: str = ""
+    """The SHA-256 of the whole response, when ``response_bytes`` is set."""
+
+
 class ModelCalled(Event, frozen=True, tag="model_called"):
     """The provider was asked for a proposal in a worker state, and answered.
 
@@ -120,6 +137,10 @@ class ModelCalled(Event, frozen=True, tag="model_called"):
     extra_calls: tuple[tuple[str, str], ...] | msgspec.UnsetType = msgspec.UNSET
     """The calls after the first one in the same response, as ``(name, arguments)``: one
     call per turn is proposed, and the model is told the others were not run."""
+    oversized: Oversized | msgspec.UnsetType = msgspec.UNSET
+    """Set when the answer was over the state's cap (``max_proposal_bytes``): ``raw`` and
+    ``response`` then hold bounded excerpts, and this the whole's sizes and hashes, so a
+    refused 50 MB answer costs the journal kilobytes, not its size again and again."""
 
 
 class StepProposed(Event, frozen=True, tag="step_proposed"):
@@ -521,6 +542,39 @@ def event_to_json(event: Event) -> bytes:
 
 
 _EMPTY_PROMPT_HASH = hashlib.sha256(b"").hexdigest()[:32]
+
+#: Characters of the start and of the end of an oversized answer's response that the
+#: journal keeps (see :class:`Oversized`).
+RESPONSE_EXCERPT_ENDS = 1024
+
+
+def oversized_answer(raw: str, shown: str, response: str | None) -> tuple[str | None, Oversized]:
+    """What a model call journals of the answer ``raw``, over its state's cap, and of its
+    ``response``: the response bounded (None if there is none), and the sizes and hashes
+    of the whole. ``shown`` is the excerpt journaled as ``raw``."""
+    data = raw.encode()
+    cut = Oversized(raw_bytes=len(data), raw_sha256=hashlib.sha256(data).hexdigest())
+    ends = RESPONSE_EXCERPT_ENDS
+    if response is None or len(response) <= 2 * ends + len(shown):
+        return response, cut
+    whole = response.encode()
+    kept = (
+        f"{response[:ends]}[... {len(whole):,} bytes in all, the whole answer was "
+        f"{len(data):,} bytes: only the first and last {ends} characters of the response "
+        f"are journaled ...]{response[-ends:]}"
+    )
+    return kept, msgspec.structs.replace(
+        cut, response_bytes=len(whole), response_sha256=hashlib.sha256(whole).hexdigest()
+    )
+
+
+def same_answer(event: ModelCalled, raw: str) -> bool:
+    """Whether ``raw`` is the answer ``event`` journaled (whole, or as an excerpt)."""
+    cut = event.oversized
+    if cut is msgspec.UNSET:
+        return event.raw == raw
+    data = raw.encode("utf-8", "backslashreplace")  # as the journal keeps it (readable_text)
+    return len(data) == cut.raw_bytes and hashlib.sha256(data).hexdigest() == cut.raw_sha256
 
 
 def hash_prompt(prompt: str) -> str:

@@ -593,6 +593,37 @@ _SYNTAX: dict[int, tuple[str, str]] = {
 }
 
 
+def proposal_cap(machine: Machine, state: str) -> int:
+    """The largest proposal, in bytes, the gate reads in ``state``."""
+    plan = machine.gate_plans.get(state) or _plan(machine, state)
+    return plan.max_bytes
+
+
+def verify_unread(machine: Machine, run: RunState, size: int, now: float) -> Decision:
+    """The gate's decision on a proposal of ``size`` bytes kept only as an excerpt (see
+    ``Oversized``): what :func:`verify` decides before it reads a proposal, the budgets
+    and the cap. Under a cap that now reaches ``size`` (replay with a changed machine) it
+    cannot be read, and says so."""
+    budget = check_budgets(run, machine.budgets, now)
+    if budget is not None:
+        return Decision((budget[0],), budget[1])
+    cap = proposal_cap(machine, run.state)
+    if size > cap:
+        return Decision((_oversized(size, cap, run.state),))
+    return Decision(
+        (
+            Violation(
+                "malformed",
+                "$",
+                f"proposal is {size:,} bytes, kept only as an excerpt (it was over the cap "
+                f"when it was made); it cannot be read under the cap of {cap:,} bytes "
+                f"in state {run.state!r}",
+                "replay it against the machine that recorded it",
+            ),
+        )
+    )
+
+
 def _oversized(size: int, cap: int, state: str) -> Violation:
     return Violation(
         "malformed",
