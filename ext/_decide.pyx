@@ -73,7 +73,8 @@ cdef Py_ssize_t _SHORT = 200
 cdef inline str _cut_json(str text):
     return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
 cdef object _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
-# What a guard raises that is not its failure (as the twin: ``_gate.INTERRUPTS``).
+# What a guard, or a request being decided, raises that is not its failure (as the
+# twin: ``_gate.INTERRUPTS``).
 cdef object _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 #: A model call journals its prompt as a delta against the previous one when the two share
@@ -1319,7 +1320,9 @@ def decide_many(sup, list msgs, list events):
                 except InterlockError as exc:
                     results.append(exc)
                     continue
-                except Exception as exc:  # a bug: it ends that run only (see contain)
+                except _INTERRUPTS:
+                    raise
+                except BaseException as exc:  # a bug: it ends that run only (see contain)
                     del events[mark:]
                     error = contain(msg, exc)
                     error.__cause__ = exc
@@ -1347,7 +1350,9 @@ def decide_many(sup, list msgs, list events):
             except InterlockError as exc:
                 results.append(exc)
                 continue
-            except Exception as exc:  # a bug: it ends that run only (see contain)
+            except _INTERRUPTS:
+                raise
+            except BaseException as exc:  # a bug: it ends that run only (see contain)
                 del events[mark:]
                 error = contain(msg, exc)
                 error.__cause__ = exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
@@ -11,6 +12,7 @@ from interlock import (
     Machine,
     ProviderPolicy,
     RunView,
+    Step,
     TokenUsage,
     Tool,
     ToolContext,
@@ -18,6 +20,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
+from interlock._events import describe_exception
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -332,6 +335,64 @@ async def test_a_result_that_cannot_be_encoded_is_a_tool_error_naming_where(
     (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
     assert failed.error == f"tool 'work' returned a result that cannot be journaled: {problem}"
     assert replay(events, bad).ok
+
+
+def base_exception(raised: str, stray: trio.Cancelled) -> BaseException:
+    return {"own": Custom("no"), "generator-exit": GeneratorExit(), "stray-cancelled": stray}[
+        raised
+    ]
+
+
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_step_that_raises_a_base_exception_fails_its_run_only(raised: str) -> None:
+    """A step function raising a BaseException that is not an Exception used to crash the
+    supervisor (or, a stray Cancelled, end it silently); it is the step's failure (#33)."""
+    error = base_exception(raised, await stray_cancelled())
+
+    def check(view: RunView) -> Any:
+        raise error
+
+    stepper = Machine(
+        "bad", initial="CHECK", states={"CHECK": Step(check, next=["COMPLETED"])}, tools=[]
+    )
+    store = MemoryStore()
+    result = await with_healthy_runs(stepper, None, store)
+    assert (result.outcome, result.reason) == ("escalated", "consecutive_failures")
+    events = await store.load("bad-1")
+    proposed = [e for e in events if type(e).__name__ == "StepProposed"]
+    assert proposed[0].error == f"step 'CHECK' raised {describe_exception(error)}"
+    assert replay(events, stepper).ok
+
+
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_base_exception_while_deciding_ends_that_run_only(raised: str) -> None:
+    """User code run while a request is decided (an args Struct's ``__post_init__``)
+    raising a BaseException that is not an Exception used to crash the supervisor; it
+    ends that run with an InternalError, as an Exception there does (#33)."""
+    from interlock import InternalError
+
+    error = base_exception(raised, await stray_cancelled())
+
+    class Args(msgspec.Struct):
+        n: int = 0
+
+        def __post_init__(self) -> None:
+            raise error
+
+    store = MemoryStore()
+    bad = Machine(
+        "bad",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
+        tools=[Tool("work", work, Args)],
+    )
+    providers = {"healthy": ScriptedProvider([CALL, DONE]), "bad": ScriptedProvider([CALL])}
+    async with open_supervisor([job("healthy"), bad], store, provider=providers) as sup:
+        runs = [await sup.start_run("healthy", run_id=f"h-{i}") for i in range(HEALTHY)]
+        faulty = await sup.start_run("bad", run_id="bad-1")
+        assert [(await r.wait()).outcome for r in runs] == ["completed"] * HEALTHY
+        with pytest.raises(InternalError, match=r"^run 'bad-1' was stopped by a bug in interl"):
+            await faulty.wait()
 
 
 async def test_system_exit_from_a_tool_is_not_contained() -> None:

@@ -148,7 +148,9 @@ def step_proposal(run_id: str, seq: int, state: str, step: Step, view: RunView) 
     """
     try:
         raw = encode_action(step.fn(view)).decode()
-    except Exception as exc:
+    except _gate.INTERRUPTS:
+        raise
+    except BaseException as exc:  # the step's failure (see _gate.INTERRUPTS)
         error = f"step {state!r} raised {describe_exception(exc)}"
         return Propose(run_id=run_id, seq=seq, raw="", source="step", error=error)
     return Propose(run_id=run_id, seq=seq, raw=raw, source="step")

@@ -471,10 +471,11 @@ def _checked_call(
     return Decision(tool=call.tool, args=builtins, call_hash=call_hash, value=args)
 
 
-#: What a guard raises that is not the guard's failure: the interpreter's Ctrl-C and exit.
-#: Anything else it raises (an ExceptionGroup, GeneratorExit, a BaseException of its own,
-#: even a trio.Cancelled: a guard is synchronous, so no cancellation reaches it) is its
-#: failure, and rejects the call it guards, never the supervisor deciding it.
+#: What a guard (or a step, or any code run while a request is decided) raises that is
+#: not its failure: the interpreter's Ctrl-C and exit. Anything else it raises (an
+#: ExceptionGroup, GeneratorExit, a BaseException of its own, even a trio.Cancelled: the
+#: code is synchronous, so no cancellation reaches it) is its failure, and rejects the
+#: call it guards (fails the step, ends the run), never the supervisor deciding it.
 INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
