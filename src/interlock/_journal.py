@@ -113,7 +113,7 @@ class GroupCommit:
         store: Store,
         stats: RuntimeStats,
         decide: Callable[[Request, list[Event]], Verdict],
-        contain: Callable[[Request, Exception], InternalError],
+        contain: Callable[[Request, BaseException], InternalError],
         forget: Callable[[set[str], StoreError], None],
         max_batch: int,
     ) -> None:
