@@ -73,6 +73,9 @@ cdef Py_ssize_t _SHORT = 200
 cdef inline str _cut_json(str text):
     return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
 cdef object _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+# What a guard, or a request being decided, raises that is not its failure (as the
+# twin: ``_gate.INTERRUPTS``).
+cdef object _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 #: A model call journals its prompt as a delta against the previous one when the two share
 #: at least this many characters (as the twin: ``_decider._MIN_SHARED_PROMPT``).
@@ -239,6 +242,7 @@ cdef Py_ssize_t _P_LEGACY = _offset(Propose, "legacy")
 cdef Py_ssize_t _P_RESPONSE = _offset(Propose, "response")
 cdef Py_ssize_t _P_ENVELOPE = _offset(Propose, "envelope")
 cdef Py_ssize_t _P_EXTRA = _offset(Propose, "extra_calls")
+cdef Py_ssize_t _P_OVERSIZED = _offset(Propose, "oversized")
 # Verdict
 cdef Py_ssize_t _V_RUN_ID = _offset(Verdict, "run_id")
 cdef Py_ssize_t _V_SEQ = _offset(Verdict, "seq")
@@ -283,7 +287,7 @@ def slot_offsets():
         "Propose.latency": _P_LATENCY, "Propose.error": _P_ERROR,
         "Propose.defect": _P_DEFECT, "Propose.legacy": _P_LEGACY,
         "Propose.response": _P_RESPONSE, "Propose.envelope": _P_ENVELOPE,
-        "Propose.extra_calls": _P_EXTRA,
+        "Propose.extra_calls": _P_EXTRA, "Propose.oversized": _P_OVERSIZED,
         "Verdict.run_id": _V_RUN_ID, "Verdict.seq": _V_SEQ, "Verdict.accepted": _V_ACCEPTED,
         "Verdict.state": _V_STATE, "Verdict.outcome": _V_OUTCOME,
         "Verdict.violations": _V_VIOLATIONS, "Verdict.execute": _V_EXECUTE,
@@ -692,6 +696,8 @@ cdef bint _ordinary(RunState run, msg) except -1:
         return False
     if _field(msg, _P_ENVELOPE, "envelope") is not None or _field(msg, _P_LEGACY, "legacy"):
         return False
+    if _field(msg, _P_OVERSIZED, "oversized") is not None:
+        return False
     if not (
         _field(msg, _P_RAW, "raw").isascii()
         and _field(msg, _P_PROMPT, "prompt").isascii()
@@ -716,6 +722,10 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     machine = run.machine
     state = run.state
     raw = _field(msg, _P_RAW, "raw")
+    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
+    if len(raw) > plan.max_bytes:  # (ASCII: its length is its size in bytes)
+        # Refused unread, and journaled bounded: the Python path does both.
+        return _py_on_propose(run, msg, now, circuits, events)
     prompt = _field(msg, _P_PROMPT, "prompt")
     cdef Py_ssize_t size = len(prompt)
     cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
@@ -768,7 +778,6 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     encoded = raw.encode()
     if not _within_budgets(run, machine, now):
         return _decided(run, msg, _verify(machine, run, encoded, now, circuits), raw, now, events)
-    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
     accepted = _accept_call(run, machine, plan, encoded, now, circuits)
     if type(accepted) is tuple:
         call, builtins, value, call_hash = <tuple>accepted
@@ -962,7 +971,9 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
         for guard in guards:
             try:
                 rejected = guard(args, view)
-            except Exception:
+            except _INTERRUPTS:
+                raise
+            except BaseException:  # the guard's failure: the Python gate explains it
                 return _refused(run, machine, call, args, now, circuits)
             if rejected is not None:
                 return _refused(run, machine, call, args, now, circuits)
@@ -1340,7 +1351,9 @@ def decide_many(sup, list msgs, list events):
                 except InterlockError as exc:
                     results.append(exc)
                     continue
-                except Exception as exc:  # a bug: it ends that run only (see contain)
+                except _INTERRUPTS:
+                    raise
+                except BaseException as exc:  # a bug: it ends that run only (see contain)
                     del events[mark:]
                     error = contain(msg, exc)
                     error.__cause__ = exc
@@ -1368,7 +1381,9 @@ def decide_many(sup, list msgs, list events):
             except InterlockError as exc:
                 results.append(exc)
                 continue
-            except Exception as exc:  # a bug: it ends that run only (see contain)
+            except _INTERRUPTS:
+                raise
+            except BaseException as exc:  # a bug: it ends that run only (see contain)
                 del events[mark:]
                 error = contain(msg, exc)
                 error.__cause__ = exc

@@ -321,7 +321,7 @@ async def test_result_that_cannot_be_journaled_is_a_failure(
     _, failed = tool_outcome(await events_of(memory_store, "r-1"))
     assert (failed["error"], failed["retryable"], failed["attempts"]) == (
         "tool 'work' returned a result that cannot be journaled: "
-        "Encoding objects of type object is unsupported",
+        "the object at result: Encoding objects of type object is unsupported",
         False,
         1,
     )

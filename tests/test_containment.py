@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
@@ -11,6 +12,7 @@ from interlock import (
     Machine,
     ProviderPolicy,
     RunView,
+    Step,
     TokenUsage,
     Tool,
     ToolContext,
@@ -18,6 +20,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
+from interlock._events import describe_exception
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -132,6 +135,7 @@ async def test_a_provider_answer_that_is_not_a_proposal_is_rejected_for_its_run_
             ExceptionGroup("fan-out failed", [ValueError("a"), KeyError("b")]), id="group"
         ),
         pytest.param(Custom("not an Exception"), id="base-exception"),
+        pytest.param(GeneratorExit("closed"), id="generator-exit"),
     ],
 )
 async def test_a_provider_that_raises_anything_fails_only_its_run(raised: BaseException) -> None:
@@ -179,6 +183,216 @@ async def test_a_tool_that_raises_a_base_exception_is_a_tool_failure() -> None:
     assert result.outcome == "completed"
     (failed,) = [e for e in await store.load("bad-1") if type(e).__name__ == "ToolFailed"]
     assert failed.error == "Custom: odd"
+
+
+async def stray_cancelled() -> trio.Cancelled:
+    """A real ``trio.Cancelled``, caught in its own scope and kept: code that raises it
+    later, where nothing is cancelled, has a bug; that is not a cancellation."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            return exc
+    raise AssertionError("the scope was cancelled")
+
+
+async def test_a_stray_cancelled_from_a_tool_is_a_tool_failure_of_its_run_only() -> None:
+    """A tool that raises trio.Cancelled while nothing is cancelled used to end its run's
+    task silently, and the supervisor with it: ``open_supervisor`` returned with the
+    runs unfinished (#33)."""
+    stray = await stray_cancelled()
+
+    async def confused(args: Any, ctx: ToolContext) -> Any:
+        raise stray
+
+    store = MemoryStore()
+    bad = job("bad", confused, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
+    assert failed.error == "Cancelled (raised by the tool while nothing was cancelled)"
+    assert replay(events, bad).ok
+
+
+async def test_a_stray_cancelled_from_a_provider_is_a_provider_failure_of_its_run_only() -> None:
+    """(#33) The provider's stray Cancelled is a failure to answer, retried, then escalated."""
+    store = MemoryStore()
+    result = await with_healthy_runs(job("bad"), Answers(await stray_cancelled()), store)
+    assert (result.outcome, result.reason) == ("escalated", "provider_unavailable")
+    events = await store.load("bad-1")
+    failed = [e for e in events if type(e).__name__ == "ProviderFailed"]
+    assert [f.error for f in failed] == [
+        "provider raised Cancelled (raised by the provider while nothing was cancelled)"
+    ] * 2
+    assert replay(events, job("bad")).ok
+
+
+async def test_generator_exit_from_a_tool_is_a_tool_failure_of_its_run_only() -> None:
+    """(#33) GeneratorExit raised by a tool used to crash the supervisor."""
+
+    async def closing(args: Any, ctx: ToolContext) -> Any:
+        raise GeneratorExit("closed")
+
+    store = MemoryStore()
+    bad = job("bad", closing, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    (failed,) = [e for e in await store.load("bad-1") if type(e).__name__ == "ToolFailed"]
+    assert failed.error == "GeneratorExit: closed"
+
+
+async def test_a_real_cancellation_still_ends_the_runs_while_a_tool_runs(
+    autojump_clock: Any,
+) -> None:
+    """A Cancelled that is a cancellation (the supervisor's scope was cancelled) is not
+    taken for the tool's failure: it ends the run's task and the supervisor (#33)."""
+    started = trio.Event()
+
+    async def slow(args: Any, ctx: ToolContext) -> Any:
+        started.set()
+        await trio.sleep_forever()
+
+    store = MemoryStore()
+    bad = job("bad", slow, idempotent=True)
+    with trio.move_on_after(60) as scope:
+        async with open_supervisor([bad], store, provider=ScriptedProvider([CALL, DONE])) as sup:
+            await sup.start_run("bad", run_id="bad-1")
+            await started.wait()
+            scope.cancel()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    kinds = [type(e).__name__ for e in await store.load("bad-1")]
+    assert kinds == ["RunStarted", "ModelCalled", "IntentRecorded"]
+
+
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_guard_that_raises_a_base_exception_rejects_its_call_only(raised: str) -> None:
+    """A guard raising a BaseException of its own (not an Exception) used to crash the
+    supervisor; it is that guard's violation now, as any other guard failure (#33)."""
+    stray = await stray_cancelled()
+    error: BaseException = {
+        "own": Custom("no verdict"),
+        "generator-exit": GeneratorExit(),
+        "stray-cancelled": stray,
+    }[raised]
+
+    def fussy(args: Any, view: RunView) -> None:
+        raise error
+
+    store = MemoryStore()
+    bad = job("bad", guards=[fussy])
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (rejected,) = [e for e in events if type(e).__name__ == "ProposalRejected"]
+    (violation,) = rejected.violations
+    assert violation.code == "guard"
+    assert violation.message.startswith(
+        f"guard 'fussy' of tool 'work' raised {type(error).__name__}"
+    )
+    assert replay(events, bad).ok
+
+
+@pytest.mark.parametrize(
+    ("returned", "problem"),
+    [
+        pytest.param(
+            {"rows": [{"a": 1}, {(1, 2): "x"}]},
+            "the key (1, 2) of type tuple at result.rows[1]: "
+            "Only dicts with str-like or number-like keys are supported",
+            id="tuple-key",
+        ),
+        pytest.param(
+            {"owner": {None: "x"}},
+            "the key None of type NoneType at result.owner: "
+            "Only dicts with str-like or number-like keys are supported",
+            id="none-key",
+        ),
+        pytest.param(
+            {"a": {"b": [1, object()]}},
+            "the object at result.a.b[1]: Encoding objects of type object is unsupported",
+            id="foreign-object",
+        ),
+    ],
+)
+async def test_a_result_that_cannot_be_encoded_is_a_tool_error_naming_where(
+    returned: Any, problem: str
+) -> None:
+    """A result with tuple dict keys passed the journal's check (msgpack takes them) and
+    failed later, as JSON, while its run was decided: an InternalError, the run left
+    running (#33). It is the call's failure now, naming the path and the type."""
+
+    async def odd(args: Any, ctx: ToolContext) -> Any:
+        return returned
+
+    store = MemoryStore()
+    bad = job("bad", odd, idempotent=True)
+    result = await with_healthy_runs(bad, ScriptedProvider([CALL, DONE]), store)
+    assert result.outcome == "completed"
+    events = await store.load("bad-1")
+    (failed,) = [e for e in events if type(e).__name__ == "ToolFailed"]
+    assert failed.error == f"tool 'work' returned a result that cannot be journaled: {problem}"
+    assert replay(events, bad).ok
+
+
+def base_exception(raised: str, stray: trio.Cancelled) -> BaseException:
+    return {"own": Custom("no"), "generator-exit": GeneratorExit(), "stray-cancelled": stray}[
+        raised
+    ]
+
+
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_step_that_raises_a_base_exception_fails_its_run_only(raised: str) -> None:
+    """A step function raising a BaseException that is not an Exception used to crash the
+    supervisor (or, a stray Cancelled, end it silently); it is the step's failure (#33)."""
+    error = base_exception(raised, await stray_cancelled())
+
+    def check(view: RunView) -> Any:
+        raise error
+
+    stepper = Machine(
+        "bad", initial="CHECK", states={"CHECK": Step(check, next=["COMPLETED"])}, tools=[]
+    )
+    store = MemoryStore()
+    result = await with_healthy_runs(stepper, None, store)
+    assert (result.outcome, result.reason) == ("escalated", "consecutive_failures")
+    events = await store.load("bad-1")
+    proposed = [e for e in events if type(e).__name__ == "StepProposed"]
+    assert proposed[0].error == f"step 'CHECK' raised {describe_exception(error)}"
+    assert replay(events, stepper).ok
+
+
+@pytest.mark.parametrize("raised", ["own", "generator-exit", "stray-cancelled"])
+async def test_a_base_exception_while_deciding_ends_that_run_only(raised: str) -> None:
+    """User code run while a request is decided (an args Struct's ``__post_init__``)
+    raising a BaseException that is not an Exception used to crash the supervisor; it
+    ends that run with an InternalError, as an Exception there does (#33)."""
+    from interlock import InternalError
+
+    error = base_exception(raised, await stray_cancelled())
+
+    class Args(msgspec.Struct):
+        n: int = 0
+
+        def __post_init__(self) -> None:
+            raise error
+
+    store = MemoryStore()
+    bad = Machine(
+        "bad",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["work"])},
+        tools=[Tool("work", work, Args)],
+    )
+    providers = {"healthy": ScriptedProvider([CALL, DONE]), "bad": ScriptedProvider([CALL])}
+    async with open_supervisor([job("healthy"), bad], store, provider=providers) as sup:
+        runs = [await sup.start_run("healthy", run_id=f"h-{i}") for i in range(HEALTHY)]
+        faulty = await sup.start_run("bad", run_id="bad-1")
+        assert [(await r.wait()).outcome for r in runs] == ["completed"] * HEALTHY
+        with pytest.raises(InternalError, match=r"^run 'bad-1' was stopped by a bug in interl"):
+            await faulty.wait()
 
 
 async def test_system_exit_from_a_tool_is_not_contained() -> None:

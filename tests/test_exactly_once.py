@@ -199,11 +199,26 @@ async def test_in_doubt_and_not_applied_executes_once_more(autojump_clock: Any) 
     assert replay(events, machine(Downstream([]), reconcile=downstream.reconcile)).ok
 
 
-@pytest.mark.parametrize("how", ["raises", "hangs", "returns-garbage"])
+@pytest.mark.parametrize(
+    "how", ["raises", "hangs", "returns-garbage", "generator-exit", "stray-cancelled"]
+)
 async def test_a_reconcile_that_fails_escalates_as_in_doubt(how: str, autojump_clock: Any) -> None:
+    """(#33: GeneratorExit, and a trio.Cancelled raised while nothing is cancelled, used
+    to end the supervisor.)"""
+    with trio.CancelScope() as scope:  # a Cancelled of a cancellation that is over
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            stray = exc
+
     async def reconcile(key: str, args: Any, ctx: ToolContext) -> Any:
         if how == "raises":
             raise ConnectionError("mail API down")
+        if how == "generator-exit":
+            raise GeneratorExit("closed")
+        if how == "stray-cancelled":
+            raise stray
         if how == "hangs":
             await trio.sleep_forever()
         return {"sent": True}
@@ -222,6 +237,9 @@ async def test_a_reconcile_that_fails_escalates_as_in_doubt(how: str, autojump_c
             "raises": "reconcile raised ConnectionError: mail API down",
             "hangs": "reconcile timed out after 5 s",
             "returns-garbage": "reconcile returned dict, not Applied(result) or NotApplied",
+            "generator-exit": "reconcile raised GeneratorExit: closed",
+            "stray-cancelled": "reconcile raised Cancelled (raised by the tool while nothing "
+            "was cancelled)",
         }[how]
     )
     assert f"its reconcile failed: {reconciled.error}" in events[-1].detail

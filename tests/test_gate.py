@@ -1081,6 +1081,18 @@ def _text(args: Any, view: RunView) -> Reject | None:
     return "no"  # type: ignore[return-value]
 
 
+class OwnBase(BaseException):
+    """A guard's own BaseException subclass: not an Exception, still the guard's failure."""
+
+
+def _own_base(args: Any, view: RunView) -> Reject | None:
+    raise OwnBase("no verdict")
+
+
+def _closing(args: Any, view: RunView) -> Reject | None:
+    raise GeneratorExit
+
+
 @pytest.mark.parametrize(
     ("guard", "what"),
     [
@@ -1091,8 +1103,17 @@ def _text(args: Any, view: RunView) -> Reject | None:
         (_empty, "raised ValueError"),
         (_unprintable, "raised Unprintable: (its message cannot be shown)"),
         (_text, "returned str, not a Reject or None"),
+        (_own_base, "raised OwnBase: no verdict"),
+        (_closing, "raised GeneratorExit"),
     ],
-    ids=["exception-group", "no-message", "unprintable", "not-a-reject"],
+    ids=[
+        "exception-group",
+        "no-message",
+        "unprintable",
+        "not-a-reject",
+        "base-exception",
+        "generator-exit",
+    ],
 )
 def test_a_guard_that_fails_is_a_guard_violation(guard: Any, what: str) -> None:
     machine = _guarded(guard)
@@ -1107,12 +1128,13 @@ def test_a_guard_that_fails_is_a_guard_violation(guard: Any, what: str) -> None:
     ]
 
 
-def test_a_guard_cannot_swallow_an_interrupt() -> None:
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_guard_cannot_swallow_an_interrupt(interrupt: type[BaseException]) -> None:
     def interrupted(args: Any, view: RunView) -> Reject | None:
-        raise KeyboardInterrupt
+        raise interrupt
 
     machine = _guarded(interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(interrupt):
         verify(machine, fold(machine, started()), LOOKUP, 1000.0)
 
 

@@ -262,6 +262,25 @@ async def test_a_stale_expected_seq_is_a_409(tmp_path: Path) -> None:
         assert "has not reached" in ahead.json()["detail"]
 
 
+async def test_a_retried_proposal_over_the_cap_gets_its_recorded_refusal(tmp_path: Path) -> None:
+    """A proposal over the gate's cap is journaled as an excerpt with its size and hash
+    (#33); a retry of it is still recognised from the journal, not a 409."""
+    db = tmp_path / "j.db"
+    oversized = '{"tool": "charge", "args": {"note": "' + "n" * 300_000 + '"}}'
+    async with gateway(shop(), db) as (_, client):
+        run = await start(client, "x-1")
+        first = decode(await propose(client, "x-1", oversized, run.seq), VerdictOut)
+        assert not first.accepted
+    async with gateway(shop(), db) as (_, client):
+        retried = decode(await propose(client, "x-1", oversized, run.seq), VerdictOut)
+        assert (retried.seq, retried.replayed, retried.accepted) == (first.seq, True, False)
+        other = await propose(client, "x-1", oversized.replace("n", "m"), run.seq)
+        assert other.status_code == 409
+    events = await journal(db, "x-1")
+    assert kinds(events) == ["run_started", "model_called", "proposal_rejected"]
+    assert events[1].oversized.raw_bytes == len(oversized)
+
+
 async def test_retries_get_the_recorded_answer_and_journal_nothing_twice(tmp_path: Path) -> None:
     db = tmp_path / "j.db"
     async with gateway(shop(), db) as (_, client):

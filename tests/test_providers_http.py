@@ -5,6 +5,7 @@ faults are provider failures (never the model's mistakes), and replay needs no n
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -486,3 +487,54 @@ async def test_an_extra_call_goes_back_bounded_too(kind: str) -> None:
     first, extra = calls_in(bodies[1])[:2]
     assert first == ("lookup", {"order_id": "o1"})
     assert extra[1]["size_bytes"] == len(big)
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_a_refused_oversized_answer_is_journaled_once_and_bounded(
+    kind: str, tmp_path: Path
+) -> None:
+    """A refused answer over the cap was journaled whole as the proposal and again in the
+    response body that holds it: a 50 MB answer made a 100 MB journal (157.5 MB while the
+    next request carried it too) (#33). Now the journal keeps one bounded excerpt, the
+    size and the hash, 5 MB here: the journal file stays small whatever the size, the
+    model is told what it would have been told, and replay decides the same refusal."""
+    import hashlib
+
+    from interlock.stores import open_sqlite_store
+
+    size = 5_000_000
+    arguments = '{"order_id": "' + "x" * size + '"}'
+    whole = '{"tool":"lookup","args":' + arguments + "}"
+    big = Reply(calls=[("lookup", arguments)], usage=USAGE)
+    db = tmp_path / "j.db"
+    store = await open_sqlite_store(str(db))
+    replies = [big, Reply(calls=LOOKUP.calls, usage=USAGE), Reply(calls=DONE.calls)]
+    async with open_fake_llm(scripted_brain(replies)) as fake:
+        provider = PROVIDERS[kind](fake)
+        async with provider, open_supervisor([roomy()], store, provider=provider) as sup:
+            with trio.fail_after(20):
+                result = await (await sup.start_run("shop", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    await store.aclose()
+    files = [trio.Path(f"{db}{suffix}") for suffix in ("", "-wal")]
+    journal = sum([(await f.stat()).st_size for f in files if await f.exists()])
+    assert journal < 256 * 1024  # it was over twice the answer's size
+    called, rejected = events[1], events[2]
+    assert isinstance(called, ModelCalled)
+    assert isinstance(rejected, ProposalRejected)
+    assert called.oversized
+    assert (called.oversized.raw_bytes, called.oversized.raw_sha256) == (
+        len(whole),
+        hashlib.sha256(whole.encode()).hexdigest(),
+    )
+    assert called.oversized.response_bytes > size
+    assert len(called.raw) + len(called.response or "") < 8192
+    assert [v.message for v in rejected.violations] == [
+        f"proposal is {len(whole):,} bytes, over the cap of 262,144 bytes in state 'WORK'; "
+        "it was not read"
+    ]
+    # the model is told what it would have been told: the excerpt of the whole call
+    [refused, *_] = calls_in(msgspec.json.encode(fake.requests[1].body))
+    assert refused[1]["size_bytes"] == len(arguments)
+    assert replay(events, roomy()).ok

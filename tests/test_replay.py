@@ -176,3 +176,58 @@ def test_cli_replay_all_and_what_if(tmp_path):
     assert bad.stderr.startswith(
         "interlock: error: --machine 'nomodule:x': cannot import 'nomodule'"
     )
+
+
+def _capped(cap):
+    from interlock import Machine, Tool, Worker
+
+    async def note(args, ctx):
+        return {"ok": True}
+
+    return Machine(
+        "capped",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["note"])},
+        tools=[Tool("note", note, read_only=True)],
+        max_proposal_bytes=cap,
+    )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '{"tool": "note", "args": {"text": "' + "x" * 50_000 + '"}}',
+        '{"tool":"note","args":{"text":"' + "y" * 50_000 + '"}}',  # a native call's shape
+        '{"next": "COMPLETED", "data": {"text": "' + "z" * 50_000 + '"}}',
+        "w" * 50_000,
+    ],
+    ids=["spaced-call", "native-call", "move", "text"],
+)
+async def test_an_answer_over_the_cap_replays_as_the_same_refusal_from_its_excerpt(answer):
+    """A refused answer over the cap is journaled as a bounded excerpt with its size and
+    hash (#33); replay decides the same refusal from them, and a machine whose cap now
+    reaches its size is told it cannot be read, at the refusal."""
+    import hashlib
+
+    from interlock._events import ModelCalled, ProposalRejected
+
+    store = MemoryStore()
+    provider = ScriptedProvider([answer, '{"next": "COMPLETED"}'])
+    async with open_supervisor([_capped(10_000)], store, provider=provider) as sup:
+        result = await (await sup.start_run("capped", run_id="r-1")).wait()
+    assert result.outcome == "completed"
+    events = await store.load("r-1")
+    called, rejected = events[1], events[2]
+    assert isinstance(called, ModelCalled)
+    assert isinstance(rejected, ProposalRejected)
+    assert len(called.raw) < 4096
+    assert called.oversized.raw_bytes == len(answer)
+    assert called.oversized.raw_sha256 == hashlib.sha256(answer.encode()).hexdigest()
+    assert [v.message for v in rejected.violations] == [
+        f"proposal is {len(answer):,} bytes, over the cap of 10,000 bytes in state 'WORK'; "
+        "it was not read"
+    ]
+    assert replay(events, _capped(10_000)).ok
+    [diverged] = replay(events, _capped(100_000)).diverged
+    assert diverged.divergence.seq == 3
+    assert "kept only as an excerpt" in diverged.divergence.got

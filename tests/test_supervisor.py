@@ -1018,7 +1018,8 @@ async def test_a_proposal_the_journal_cannot_hold_is_rejected_not_fatal(
     [violation] = rejected[0].violations
     assert violation.path == "data"
     assert violation.message == (
-        "data: can't serialize ints < -2**63 or > 2**64 - 1; the journal cannot hold this value"
+        "data: the int at data.answer: can't serialize ints < -2**63 or > 2**64 - 1; "
+        "the journal cannot hold this value"
     )
     assert violation.hint == (
         "send plain JSON values; keep integers within 64 bits (-2**63 .. 2**64-1)"
@@ -1069,9 +1070,9 @@ async def test_a_call_whose_args_the_journal_cannot_hold_is_rejected_by_the_gate
 @pytest.mark.parametrize(
     ("returned", "problem"),
     [
-        ({"total": HUGE}, "can't serialize ints < -2**63 or > 2**64 - 1"),
-        ("cycle", "maximum recursion depth exceeded while serializing an object"),
-        (object(), "Encoding objects of type object is unsupported"),
+        ({"total": HUGE}, "the int at result.total: can't serialize ints < -2**63 or > 2**64 - 1"),
+        ("cycle", "the dict at result.self is the one at result again: a cycle cannot be encoded"),
+        (object(), "the object at result: Encoding objects of type object is unsupported"),
     ],
     ids=["huge-int", "cycle", "foreign-object"],
 )
@@ -1107,8 +1108,8 @@ async def test_start_run_refuses_inputs_the_journal_cannot_hold(memory_store: Me
     async with open_supervisor([refund_machine()], memory_store, provider=Blocked()) as sup:
         with pytest.raises(
             InterlockError,
-            match=r"^inputs of machine 'refund' cannot be journaled: can't serialize ints "
-            r"< -2\*\*63 or > 2\*\*64 - 1; pass JSON-like values",
+            match=r"^inputs of machine 'refund' cannot be journaled: the int at inputs\.order: "
+            r"can't serialize ints < -2\*\*63 or > 2\*\*64 - 1; pass JSON-like values",
         ):
             await sup.start_run("refund", {"order": HUGE}, run_id="r-1")
         assert sup._runs == {}

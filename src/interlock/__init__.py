@@ -34,6 +34,7 @@ from ._events import (
 from ._events import (
     ModelCalled as ModelCalled,
 )
+from ._events import Oversized as Oversized
 from ._events import (
     ProposalRejected as ProposalRejected,
 )
@@ -296,6 +297,7 @@ __all__ = [
     "NoProvider",
     "NotApplied",
     "NotEscalated",
+    "Oversized",
     "PayloadRejected",
     "ProposalRejected",
     "Propose",

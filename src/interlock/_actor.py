@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 import trio
 
 from ._breakers import LEASE_CUT
 from ._decider import step_proposal
-from ._events import TokenUsage, Violation, describe_exception, unjournalable
+from ._events import TokenUsage, Violation, describe_exception, journalable
 from ._exceptions import ProviderError, RequestRefused
 from ._machine import Step
 from ._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 529})
 
-#: What a run never contains: these end the task (trio's cancellation, Ctrl-C, exit).
-_PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+#: What a run never contains: the interpreter's own Ctrl-C and exit end the task, and the
+#: process (see run_actor). trio's Cancelled ends it too, when it is a cancellation.
+_INTERPRETER = (KeyboardInterrupt, SystemExit)
 
 
 class _Attempts:
@@ -81,10 +82,29 @@ class _Cut(Exception):  # a signal inside the actor, never raised out of it
 
 
 def _passes_through(exc: BaseException) -> bool:
-    """Whether ``exc`` (or a leaf of it, for a group) must leave the run's task as it is."""
+    """Whether ``exc`` (or a leaf of it, for a group) must leave the run's task as it is:
+    KeyboardInterrupt, SystemExit, or a trio.Cancelled while the task is cancelled.
+
+    NOTE: a Cancelled raised where no scope around the task is cancelled (one kept from
+    an earlier cancellation and raised again, say) is not a cancellation, and nothing
+    would catch it: it would end the run's task, then the supervisor's nursery would take
+    it for its own and return as if cancelled. It is the failure of the code that raised
+    it, contained like any other.
+    """
     if isinstance(exc, BaseExceptionGroup):
-        return exc.subgroup(_PASS_THROUGH) is not None
-    return isinstance(exc, _PASS_THROUGH)
+        if exc.subgroup(_INTERPRETER) is not None:
+            return True
+    elif isinstance(exc, _INTERPRETER):
+        return True
+    return _cancelled(exc) and trio.current_effective_deadline() == -math.inf
+
+
+def _describe(exc: BaseException, who: str) -> str:
+    """How a failure of ``who`` (the tool, the provider) is journaled."""
+    text = describe_exception(exc)
+    if _cancelled(exc):  # here never a cancellation (see _passes_through)
+        text += f" (raised by the {who} while nothing was cancelled)"
+    return text
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -235,8 +255,11 @@ async def run_actor(
     timeout or by cancel_run.
 
     Whatever a provider or a tool does (returns garbage, raises anything, opens a
-    nursery that fails) ends up journaled for this run alone; only trio's cancellation,
-    KeyboardInterrupt and SystemExit leave the task as they are.
+    nursery that fails, raises GeneratorExit, or a trio.Cancelled while nothing is
+    cancelled) ends up journaled for this run alone. Only a cancellation (cancel_run, a
+    timeout, the supervisor's scope), KeyboardInterrupt and SystemExit leave the task as
+    they are: the last two end the supervisor, every run in it and, unless the caller
+    of ``open_supervisor`` catches them, the process, as they would end any program.
 
     Raises:
       InterlockError: the runtime refused a request of the run (a store error, a run
@@ -496,7 +519,7 @@ def _unanswered(
         seq=seq,
         raw="",
         model=driver.model,
-        error=f"provider raised {describe_exception(exc)}",
+        error=f"provider raised {_describe(exc, 'provider')}",
         retryable=retryable,
         retry_after=retry_after,
         refused=refused,
@@ -600,7 +623,7 @@ async def execute_call(
                 attempts.applied = None
                 raise _Cut(attempts) from None
             attempts.retryable, attempts.retry_after, attempts.applied = _tool_failure(exc, tool)
-            attempts.error = describe_exception(exc)
+            attempts.error = _describe(exc, "tool")
             continue
         finally:
             driver.tool_token = 0
@@ -611,7 +634,7 @@ async def execute_call(
             attempts.retryable = True
             attempts.applied = None
             continue
-        payload, problem = _journalable(result)
+        payload, problem = journalable(result, "result")
         if problem is not None:
             attempts.error = (
                 f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
@@ -650,19 +673,6 @@ async def _under_lease(
     finally:
         guard.close_scope(run_id, scope)
     return None, True  # the scope caught its own cancellation: the lease lapsed
-
-
-def _journalable(result: Any) -> tuple[Any, str | None]:
-    """A tool's result as JSON builtins, or why the journal cannot hold it.
-
-    NOTE: what the store will do with it: a result it cannot encode must fail this
-    call, not the batch (and every run in it).
-    """
-    try:
-        payload = msgspec.to_builtins(result)
-    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as exc:
-        return None, str(exc) or type(exc).__name__
-    return payload, unjournalable(payload)
 
 
 def _http_status(exc: BaseException) -> tuple[int | None, float | None]:
@@ -739,13 +749,13 @@ async def reconcile_call(
             raise _Cut(
                 answer(None, error=f"reconcile timed out after {tool.timeout:g} s")
             ) from None
-        return answer(None, error=f"reconcile raised {describe_exception(exc)}")
+        return answer(None, error=f"reconcile raised {_describe(exc, 'tool')}")
     finally:
         driver.tool_token = 0
     if found is NotApplied or isinstance(found, NotApplied):
         message = answer(False)
     elif isinstance(found, Applied):
-        payload, problem = _journalable(found.result)
+        payload, problem = journalable(found.result, "result")
         if problem is None:
             message = answer(True, payload)
         else:

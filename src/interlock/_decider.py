@@ -42,6 +42,7 @@ from ._events import (
     Violation,
     describe_exception,
     hash_prompt_after,
+    oversized_answer,
 )
 from ._exceptions import IllegalResumeTarget, NotEscalated, ProtocolError, UnknownState
 from ._gate import verify
@@ -125,6 +126,21 @@ def _text(text: str) -> str:
     return text if text.isascii() else readable_text(text, "")[0]
 
 
+def _shown(raw: str) -> str:
+    """What the journal keeps of a proposal over the cap: a proposal of the same call
+    whose arguments are their bounded excerpt, the one the model is sent back (so the
+    conversation rebuilt from the journal is the one the model saw), or the excerpt of
+    the whole text when it is no call."""
+    # The providers' wire format (the excerpt the model sees), imported only here: a
+    # proposal over the cap is rare, and the decide path imports nothing of providers.
+    from .providers._wire import TRANSITION, excerpt, parse_raw, to_raw
+
+    call = parse_raw(raw, 0)
+    if call is None or call[1] == TRANSITION:
+        return excerpt(raw)
+    return to_raw(call[1], excerpt(call[2]))[0]
+
+
 def step_proposal(run_id: str, seq: int, state: str, step: Step, view: RunView) -> Propose:
     """What a step state proposes: its function's action, or the error it raised.
 
@@ -133,7 +149,9 @@ def step_proposal(run_id: str, seq: int, state: str, step: Step, view: RunView) 
     """
     try:
         raw = encode_action(step.fn(view)).decode()
-    except Exception as exc:
+    except _gate.INTERRUPTS:
+        raise
+    except BaseException as exc:  # the step's failure (see _gate.INTERRUPTS)
         error = f"step {state!r} raised {describe_exception(exc)}"
         return Propose(run_id=run_id, seq=seq, raw="", source="step", error=error)
     return Propose(run_id=run_id, seq=seq, raw=raw, source="step")
@@ -299,6 +317,17 @@ def _on_propose(
     if not raw.isascii():  # isascii is O(1); only other text can hold a surrogate
         raw, bad = readable_text(raw, "the proposal")
         defect = defect or bad
+    oversized = msg.oversized
+    response = None if msg.response is None else _text(msg.response)
+    if msg.source == "model" and oversized is None and not msg.error:
+        size = len(raw) if raw.isascii() else len(raw.encode())
+        if size > _gate.proposal_cap(machine, state):
+            # NOTE: refused unread, so journaled once and bounded: an excerpt (what goes
+            # back to the model), the size and the hash; never the answer again and
+            # again (the proposal, the response body that holds it, ...).
+            shown = _shown(raw)
+            response, oversized = oversized_answer(raw, shown, response)
+            raw = shown
     if msg.source == "model":
         prompt, model = msg.prompt, msg.model
         if not prompt.isascii():
@@ -335,9 +364,10 @@ def _on_propose(
             prompt_base=base,
             prompt_prefix=prefix,
             prompt_suffix=suffix,
-            response=msgspec.UNSET if msg.response is None else _text(msg.response),
+            response=msgspec.UNSET if response is None else response,
             envelope=msgspec.UNSET if msg.envelope is None else msg.envelope,
             extra_calls=tuple(msg.extra_calls) if msg.extra_calls else msgspec.UNSET,
+            oversized=msgspec.UNSET if oversized is None else oversized,
         )
         # The provider's string, not a rebuilt copy of it: nothing to splice, one copy kept.
         run.apply(called, 0, prompt)
@@ -375,7 +405,10 @@ def _on_propose(
         return _reject(run, events, now, (violation,), None)
     if msg.envelope is not None:  # the provider found no proposal in the response
         return _reject(run, events, now, (msg.envelope,), None)
-    decision = verify(machine, run, raw.encode(), now, circuits)  # type: ignore[arg-type]
+    if oversized is not None:  # the answer is journaled as an excerpt: not read
+        decision = _gate.verify_unread(machine, run, oversized.raw_bytes, now)
+    else:
+        decision = verify(machine, run, raw.encode(), now, circuits)  # type: ignore[arg-type]
     if not decision.accepted:
         return _reject(run, events, now, decision.violations, decision.trip)
     if decision.tool is not None:

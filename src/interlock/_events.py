@@ -77,6 +77,23 @@ class RunStarted(Event, frozen=True, tag="run_started"):
     ``Supervisor.submit``); absent for a run the runtime drives."""
 
 
+class Oversized(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):
+    """What a model call journals of an answer over its state's cap, which the gate
+    refuses unread: ``raw`` and ``response`` hold bounded excerpts of it (what goes back
+    to the model, see ``providers``), and this what the whole answer was. Replay decides
+    the same refusal from ``raw_bytes``."""
+
+    raw_bytes: int
+    """The whole proposal's size in bytes (UTF-8)."""
+    raw_sha256: str
+    """The SHA-256 of the whole proposal (UTF-8), in hex."""
+    response_bytes: int = 0
+    """The whole response's size in bytes when ``response`` holds only an excerpt of it;
+    0 when it is whole (or there is none)."""
+    response_sha256: str = ""
+    """The SHA-256 of the whole response, when ``response_bytes`` is set."""
+
+
 class ModelCalled(Event, frozen=True, tag="model_called"):
     """The provider was asked for a proposal in a worker state, and answered.
 
@@ -120,6 +137,10 @@ class ModelCalled(Event, frozen=True, tag="model_called"):
     extra_calls: tuple[tuple[str, str], ...] | msgspec.UnsetType = msgspec.UNSET
     """The calls after the first one in the same response, as ``(name, arguments)``: one
     call per turn is proposed, and the model is told the others were not run."""
+    oversized: Oversized | msgspec.UnsetType = msgspec.UNSET
+    """Set when the answer was over the state's cap (``max_proposal_bytes``): ``raw`` and
+    ``response`` then hold bounded excerpts, and this the whole's sizes and hashes, so a
+    refused 50 MB answer costs the journal kilobytes, not its size again and again."""
 
 
 class StepProposed(Event, frozen=True, tag="step_proposed"):
@@ -362,19 +383,104 @@ def encode_event(event: Event) -> bytes:
 ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
 
 
-def unjournalable(value: Any) -> str | None:
-    """Why ``value`` cannot go into a journal event (msgpack), or None if it can.
+def unjournalable(value: Any, root: str = "$") -> str | None:
+    """Why ``value`` cannot go into a journal event, or None if it can: where in it (a
+    path from ``root``) and what it is that cannot be encoded, and why.
 
     Decoded JSON can hold what msgpack cannot (integers past 64 bits), and a tool can
-    return anything (cycles, nesting past the recursion limit, foreign objects). Such a
-    value is refused where it enters, so that it never reaches a batch: a batch the
-    store cannot encode would fail every run in it.
+    return anything (cycles, nesting past the recursion limit, foreign objects, dict keys
+    that are tuples). An event must encode as msgpack (the journal) and as JSON (the
+    run's view, the event stream), so such a value is refused where it enters, so that
+    it never reaches a batch: a batch the store cannot encode would fail every run in it.
     """
     try:
         _encoder.encode(value)
+        _json_encoder.encode(value)
     except ENCODING_ERRORS as exc:
+        return _unencodable_at(value, root, str(exc) or type(exc).__name__)
+    return None
+
+
+def journalable(value: Any, root: str = "$") -> tuple[Any, str | None]:
+    """``value`` (a tool's result, say) as JSON-like builtins, or why it cannot be
+    journaled (see :func:`unjournalable`)."""
+    try:
+        payload = msgspec.to_builtins(value)
+    except Exception as exc:  # a foreign object may raise anything while it is read
+        return None, _unencodable_at(value, root, str(exc) or type(exc).__name__)
+    return payload, unjournalable(payload, root)
+
+
+#: How deep :func:`_unencodable_at` looks for what cannot be encoded.
+_LOOK_DEPTH = 64
+
+
+def _encoding_problem(value: Any) -> str | None:
+    try:
+        payload = msgspec.to_builtins(value)
+        _encoder.encode(payload)
+        _json_encoder.encode(payload)
+    except Exception as exc:  # (see journalable)
         return str(exc) or type(exc).__name__
     return None
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a foreign object's repr may raise
+        return "(its repr cannot be shown)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _step(key: Any) -> str:
+    if type(key) is str and key.isidentifier():
+        return f".{key}"
+    return f"[{_short_repr(key)}]"
+
+
+def _unencodable_at(value: Any, root: str, reason: str) -> str:
+    """Where in ``value``, which failed to encode for ``reason``, the encoder stops: the
+    path of the innermost part that fails alone, what it is, and why.
+
+    Only a value that failed gets here: each level encodes its parts until one fails,
+    and goes down into it (the parents on the way are kept, so a cycle is named)."""
+    path, node = root, value
+    parents = {id(value): root}
+    for _ in range(_LOOK_DEPTH):
+        if isinstance(node, dict):
+            parts: Any = node.items()
+        elif isinstance(node, list | tuple | set | frozenset):
+            parts = enumerate(node)
+        else:
+            break
+        found = None
+        for key, part in parts:
+            if isinstance(node, dict):
+                problem = _encoding_problem({key: None})
+                if problem is not None:
+                    return (
+                        f"the key {_short_repr(key)} of type {type(key).__name__} at {path}: "
+                        f"{problem}"
+                    )
+                step = _step(key)
+            else:
+                step = f"[{key}]"
+            if id(part) in parents:
+                return (
+                    f"the {type(part).__name__} at {path}{step} is the one at "
+                    f"{parents[id(part)]} again: a cycle cannot be encoded"
+                )
+            problem = _encoding_problem(part)
+            if problem is not None:
+                found = (step, part, problem)
+                break
+        if found is None:
+            break  # no part fails alone: this one does as a whole (nested too deep)
+        step, node, reason = found
+        path += step
+        parents[id(node)] = path
+    return f"the {type(node).__name__} at {path}: {reason}"
 
 
 def describe_exception(exc: BaseException, limit: int = 500) -> str:
@@ -400,6 +506,9 @@ def describe_exception(exc: BaseException, limit: int = 500) -> str:
 
 
 def _one_exception(exc: BaseException) -> str:
+    kind = type(exc)
+    if kind.__name__ == "Cancelled" and kind.__module__.partition(".")[0] == "trio":
+        return "Cancelled"  # its text names a task by memory address: not journaled
     try:
         message = str(exc)
     except Exception:  # an exception whose __str__ raises must not break the caller
@@ -437,6 +546,39 @@ def event_to_json(event: Event) -> bytes:
 
 
 _EMPTY_PROMPT_HASH = hashlib.sha256(b"").hexdigest()[:32]
+
+#: Characters of the start and of the end of an oversized answer's response that the
+#: journal keeps (see :class:`Oversized`).
+RESPONSE_EXCERPT_ENDS = 1024
+
+
+def oversized_answer(raw: str, shown: str, response: str | None) -> tuple[str | None, Oversized]:
+    """What a model call journals of the answer ``raw``, over its state's cap, and of its
+    ``response``: the response bounded (None if there is none), and the sizes and hashes
+    of the whole. ``shown`` is the excerpt journaled as ``raw``."""
+    data = raw.encode()
+    cut = Oversized(raw_bytes=len(data), raw_sha256=hashlib.sha256(data).hexdigest())
+    ends = RESPONSE_EXCERPT_ENDS
+    if response is None or len(response) <= 2 * ends + len(shown):
+        return response, cut
+    whole = response.encode()
+    kept = (
+        f"{response[:ends]}[... {len(whole):,} bytes in all, the whole answer was "
+        f"{len(data):,} bytes: only the first and last {ends} characters of the response "
+        f"are journaled ...]{response[-ends:]}"
+    )
+    return kept, msgspec.structs.replace(
+        cut, response_bytes=len(whole), response_sha256=hashlib.sha256(whole).hexdigest()
+    )
+
+
+def same_answer(event: ModelCalled, raw: str) -> bool:
+    """Whether ``raw`` is the answer ``event`` journaled (whole, or as an excerpt)."""
+    cut = event.oversized
+    if cut is msgspec.UNSET:
+        return event.raw == raw
+    data = raw.encode("utf-8", "backslashreplace")  # as the journal keeps it (readable_text)
+    return len(data) == cut.raw_bytes and hashlib.sha256(data).hexdigest() == cut.raw_sha256
 
 
 def hash_prompt(prompt: str) -> str:

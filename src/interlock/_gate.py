@@ -457,7 +457,9 @@ def _checked_call(
         for guard in call.guards:
             try:
                 rejected = guard(args, view)
-            except Exception as exc:  # an ExceptionGroup too
+            except INTERRUPTS:
+                raise
+            except BaseException as exc:  # the guard's failure (see INTERRUPTS)
                 guard_violations.append(
                     _guard_failed(guard, name, f"raised {describe_exception(exc)}")
                 )
@@ -505,6 +507,14 @@ def _already_committed(tool: str, done: ToolResult) -> Violation:
         "again would apply it twice",
         f"use the result of seq {done.seq} instead of calling {tool} again, or move on",
     )
+
+
+#: What a guard (or a step, or any code run while a request is decided) raises that is
+#: not its failure: the interpreter's Ctrl-C and exit. Anything else it raises (an
+#: ExceptionGroup, GeneratorExit, a BaseException of its own, even a trio.Cancelled: the
+#: code is synchronous, so no cancellation reaches it) is its failure, and rejects the
+#: call it guards (fails the step, ends the run), never the supervisor deciding it.
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 def _guard_failed(guard: Callable[..., Any], tool: str, what: str) -> Violation:
@@ -582,7 +592,7 @@ def _move_data(
                     "schema", "data", f"data: {exc}", "send data as a JSON object, or leave it out"
                 ),
             )
-    problem = unjournalable(data)
+    problem = unjournalable(data, "data")
     if problem is not None:  # as for a call's args (see _checked_call)
         return {}, (unjournalable_violation("data", problem),)
     return data, ()
@@ -620,6 +630,37 @@ _SYNTAX: dict[int, tuple[str, str]] = {
         "escape control characters in strings: \\n for a newline, \\t for a tab",
     ),
 }
+
+
+def proposal_cap(machine: Machine, state: str) -> int:
+    """The largest proposal, in bytes, the gate reads in ``state``."""
+    plan = machine.gate_plans.get(state) or _plan(machine, state)
+    return plan.max_bytes
+
+
+def verify_unread(machine: Machine, run: RunState, size: int, now: float) -> Decision:
+    """The gate's decision on a proposal of ``size`` bytes kept only as an excerpt (see
+    ``Oversized``): what :func:`verify` decides before it reads a proposal, the budgets
+    and the cap. Under a cap that now reaches ``size`` (replay with a changed machine) it
+    cannot be read, and says so."""
+    budget = check_budgets(run, machine.budgets, now)
+    if budget is not None:
+        return Decision((budget[0],), budget[1])
+    cap = proposal_cap(machine, run.state)
+    if size > cap:
+        return Decision((_oversized(size, cap, run.state),))
+    return Decision(
+        (
+            Violation(
+                "malformed",
+                "$",
+                f"proposal is {size:,} bytes, kept only as an excerpt (it was over the cap "
+                f"when it was made); it cannot be read under the cap of {cap:,} bytes "
+                f"in state {run.state!r}",
+                "replay it against the machine that recorded it",
+            ),
+        )
+    )
 
 
 def _oversized(size: int, cap: int, state: str) -> Violation:

@@ -14,6 +14,7 @@ import outcome
 import trio
 
 from ._exceptions import InterlockError, InternalError, StoreError
+from ._gate import INTERRUPTS
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -112,7 +113,7 @@ class GroupCommit:
         store: Store,
         stats: RuntimeStats,
         decide: Callable[[Request, list[Event]], Verdict],
-        contain: Callable[[Request, Exception], InternalError],
+        contain: Callable[[Request, BaseException], InternalError],
         forget: Callable[[set[str], StoreError], None],
         max_batch: int,
     ) -> None:
@@ -175,7 +176,9 @@ class GroupCommit:
             return self._decide(msg, inline)
         except InterlockError:
             raise
-        except Exception as exc:
+        except INTERRUPTS:
+            raise
+        except BaseException as exc:  # a bug: it ends that run only (see contain)
             del inline[mark:]
             raise self._contain(msg, exc) from exc
 
@@ -234,7 +237,9 @@ class GroupCommit:
             except InterlockError as exc:
                 results.append(exc)
                 continue
-            except Exception as exc:  # a bug: it ends that run only (see contain)
+            except INTERRUPTS:
+                raise
+            except BaseException as exc:  # a bug: it ends that run only (see contain)
                 del inline[mark:]
                 error = self._contain(msg, exc)
                 error.__cause__ = exc
@@ -320,7 +325,9 @@ class GroupCommit:
                     pending.verdict = decide(pending.msg, events)
                 except InterlockError as exc:
                     pending.error = exc
-                except Exception as exc:  # a bug: it ends that run only (see contain)
+                except INTERRUPTS:
+                    raise
+                except BaseException as exc:  # a bug: it ends that run only (see contain)
                     pending.error = self._contain(pending.msg, exc)
                     del events[mark:]
                 replies.append(pending)

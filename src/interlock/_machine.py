@@ -350,7 +350,7 @@ class Machine:
         from ._events import unjournalable  # _events needs this module's names
 
         payload = dict(inputs or {})
-        problem = unjournalable(payload)
+        problem = unjournalable(payload, "inputs")
         if problem is not None:
             raise InvalidInputs(
                 f"inputs of machine {self.name!r} cannot be journaled: {problem}; pass "

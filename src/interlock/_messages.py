@@ -11,7 +11,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from ._events import TokenUsage, Violation
+from ._events import Oversized, TokenUsage, Violation
 from ._exceptions import ProtocolError
 
 
@@ -63,6 +63,9 @@ class Propose(Msg, frozen=True, tag="propose"):
     """The provider found no proposal in the response's envelope: reject with this."""
     extra_calls: tuple[tuple[str, str], ...] = ()
     """Calls after the first in the same response (``(name, arguments)``); not run."""
+    oversized: Oversized | None = None
+    """Replay of an answer journaled as an excerpt (over its state's cap): ``raw`` and
+    ``response`` are the journaled excerpts, and this what the whole answer was."""
 
 
 class Report(Msg, frozen=True, tag="report"):

@@ -366,6 +366,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
                     response=_given(upcoming.response),
                     envelope=_given(upcoming.envelope),
                     extra_calls=_given(upcoming.extra_calls) or (),
+                    oversized=_given(upcoming.oversized),
                 )
             elif isinstance(upcoming, ProviderFailed):
                 msg = Propose(

@@ -93,6 +93,13 @@ async def open_supervisor(
     the caller's, a store error, KeyboardInterrupt) reaches the caller as it was raised,
     not wrapped in the nurseries' exception groups; several at once stay a group.
 
+    Whatever a run's own code raises (a tool, a provider, a guard, a step: any
+    exception, GeneratorExit, a BaseException of its own, a ``trio.Cancelled`` raised
+    while nothing is cancelled) fails that run alone, journaled. Only the interpreter's
+    KeyboardInterrupt and SystemExit raised by such code end the block, every run in it
+    with them (unfinished, resumable from the journal), and the process unless the
+    caller catches them.
+
     Args:
       machines: the machines runs may use.
       store: the journal; an in-memory store if omitted.

@@ -443,7 +443,7 @@ class Supervisor:
                 else:
                     self.leases.forget(run_id)
 
-    def _contain(self, msg: Request, exc: Exception) -> InternalError:
+    def _contain(self, msg: Request, exc: BaseException) -> InternalError:
         """A bug met while deciding ``msg``: it ends that run only, never the supervisor.
 
         The events decided for the request are dropped (the caller truncates the batch),
@@ -452,7 +452,7 @@ class Supervisor:
         """
         error = InternalError(
             f"run {msg.run_id!r} was stopped by a bug in interlock while deciding a "
-            f"{type(msg).__name__} request: {type(exc).__name__}: {exc}; its journal is "
+            f"{type(msg).__name__} request: {describe_exception(exc)}; its journal is "
             "intact up to the previous batch, and `interlock resume` continues it"
         )
         error.__cause__ = exc
@@ -580,7 +580,7 @@ class Supervisor:
         A bug in interlock met by the actor ends this run with an InternalError, never
         its neighbours.
         """
-        from ._actor import run_actor
+        from ._actor import _passes_through, run_actor
 
         run_id = handle.run_id
         error: Exception | None = None
@@ -599,7 +599,9 @@ class Supervisor:
                 and self._runs.pop(run_id, None) is not None
             ):
                 self._unwritten.add(run_id)  # the store failed under it: adopted again later
-        except Exception as exc:
+        except BaseException as exc:
+            if _passes_through(exc):
+                raise  # a cancellation, Ctrl-C or exit: the supervisor's own end
             error = InternalError(
                 f"run {run_id!r} was stopped by a bug in interlock: {describe_exception(exc)}; "
                 "its journal is intact, and `interlock resume` continues it"

@@ -45,6 +45,7 @@ from .._events import (
     ToolCommitted,
     ToolFailed,
     ToolInDoubt,
+    same_answer,
 )
 from .._exceptions import (
     IllegalResumeTarget,
@@ -1167,7 +1168,7 @@ class GatewayService:
                 "which the run has not reached; send the seq of RunOut or of the last verdict"
             )
         first = events[expected] if expected < len(events) else None
-        if isinstance(first, ModelCalled) and first.raw == proposal:
+        if isinstance(first, ModelCalled) and same_answer(first, proposal):
             return self._recorded(events, expected)
         raise conflict(
             f"run {run_id!r} is at seq {current}, the request was made at seq {expected}: "
