@@ -201,3 +201,155 @@ def test_interlock_serve_refuses_a_bad_allowed_origin_in_one_line(tmp_path: Path
         "interlock: error: '*' is not a web origin; give scheme, host and port only, e.g. "
         "https://console.example.com or http://localhost:3000\n"
     )
+
+
+# -- 3. every route's role, from the route table -------------------------------------------
+
+KEYS = {
+    "agent": "agent-key-3f9a1c7e5b2d4f6a8c0e",
+    "operator": "operator-key-7d1e3a5c9b2f4e6a8c0d",
+    "reader": "reader-key-2c4e6a8b0d1f3a5c7e9b",
+}
+
+
+def role_keyring() -> KeyRing:
+    import hashlib
+
+    from interlock.gateway._keys import Principal
+
+    return KeyRing(
+        (hashlib.sha256(key.encode()).digest(), Principal(f"only-{role}", frozenset({role})))
+        for role, key in KEYS.items()
+    )
+
+
+async def ask(url: str, method: str, path: str, key: str | None) -> tuple[int, str]:
+    """The status and problem type (or '') of one request, sent as a client would."""
+    headers = {} if key is None else {"authorization": f"Bearer {key}"}
+    if method == "WEBSOCKET":
+        return await handshake(url, path, headers)
+    content = None
+    if method in ("POST", "PUT", "PATCH", "DELETE"):
+        content, headers = b"{}", {**headers, "content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        request = client.build_request(method, path, content=content, headers=headers)
+        response = await client.send(request, stream=True)  # the stream route answers forever
+        try:
+            kind = ""
+            if response.headers.get("content-type") == "application/problem+json":
+                kind = msgspec.json.decode(await response.aread())["type"]
+            return response.status_code, kind
+        finally:
+            await response.aclose()
+
+
+async def handshake(url: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
+    host, port = url.removeprefix("http://").split(":")
+    lines = [
+        f"GET {path} HTTP/1.1",
+        f"host: {host}:{port}",
+        "upgrade: websocket",
+        "connection: Upgrade",
+        "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==",
+        "sec-websocket-version: 13",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some()
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        kind = ""
+        if b"application/problem+json" in head.lower():
+            while True:
+                try:
+                    return status, msgspec.json.decode(body)["type"]
+                except msgspec.DecodeError:
+                    chunk = await stream.receive_some()
+                    if not chunk:
+                        break
+                    body += chunk
+        return status, kind
+
+
+def test_the_route_table_names_every_route_the_api_serves() -> None:
+    from interlock.gateway._app import _ROUTES
+    from interlock.gateway._guard import DEFAULT_ROUTES, WEBSOCKET
+
+    served = {(method, name) for name, route in _ROUTES.items() for method in route.handlers}
+    table = {route for route in DEFAULT_ROUTES if route[0] != WEBSOCKET}
+    assert served == table  # a route the table lacks would let any valid key in
+    assert len(DEFAULT_ROUTES) == 17
+
+
+#: The role each route needs, as the README's table of roles says: kept here, apart from the
+#: guard's table, so that dropping or lowering a route's role there fails this test.
+ROLE_OF = {
+    ("POST", "/v1/runs"): "agent",
+    ("GET", "/v1/runs"): "reader",
+    ("GET", "/v1/runs/{id}"): "reader",
+    ("GET", "/v1/runs/{id}/events"): "reader",
+    ("GET", "/v1/runs/{id}/stream"): "reader",
+    ("POST", "/v1/runs/{id}/proposals"): "agent",
+    ("POST", "/v1/runs/{id}/results"): "agent",
+    ("POST", "/v1/verify"): "agent",
+    ("GET", "/v1/escalations"): "operator",
+    ("GET", "/v1/escalations/{id}"): "operator",
+    ("POST", "/v1/escalations/{id}/resume"): "operator",
+    ("POST", "/v1/escalations/{id}/abort"): "operator",
+    ("GET", "/metrics"): "reader",
+    ("GET", "/healthz"): None,
+    ("GET", "/readyz"): None,
+    ("GET", "/openapi.json"): None,
+    ("WEBSOCKET", "/v1/channel"): "agent",
+}
+
+
+def test_the_guard_table_gives_every_route_its_role() -> None:
+    from interlock.gateway._guard import DEFAULT_ROUTES
+
+    missing = sorted(set(DEFAULT_ROUTES) - set(ROLE_OF))
+    assert not missing, f"routes {missing} have no role in ROLE_OF: add the role each needs"
+    assert dict(DEFAULT_ROUTES) == ROLE_OF
+
+
+def _routes() -> list[tuple[str, str, str | None]]:
+    from interlock.gateway._guard import DEFAULT_ROUTES
+
+    # every route of the guard's table, with the role it must need
+    return [(method, path, ROLE_OF.get((method, path), "?")) for method, path in DEFAULT_ROUTES]
+
+
+GUARD_REFUSALS = {
+    401: "https://interlock.dev/problems/unauthorized",
+    403: "https://interlock.dev/problems/forbidden",
+}
+
+
+@pytest.mark.parametrize(("method", "pattern", "role"), _routes(), ids=lambda v: str(v))
+async def test_every_route_needs_its_role(
+    tmp_path: Path, method: str, pattern: str, role: str | None
+) -> None:
+    """No key: 401; a key without the route's role: 403; a key with it: past the guard
+    (whatever the API then says: 404 for the run r-1, 422 for an empty body, ...)."""
+    from interlock.gateway._keys import Principal
+
+    path = pattern.replace("{id}", "r-1")
+    async with gateway(tmp_path / "j.db", keyring=role_keyring()) as (server, _):
+        status, kind = await ask(server.url, method, path, None)
+        if role is None:
+            assert GUARD_REFUSALS.get(status) != kind, (method, pattern, status)
+        else:
+            assert (status, kind) == (401, GUARD_REFUSALS[401]), (method, pattern, status)
+        for held, key in KEYS.items():
+            status, kind = await ask(server.url, method, path, key)
+            if role is None or Principal("k", frozenset({held})).allows(role):
+                assert GUARD_REFUSALS.get(status) != kind, (method, pattern, held, status, kind)
+            else:
+                assert (status, kind) == (403, GUARD_REFUSALS[403]), (method, pattern, held)
