@@ -4,6 +4,7 @@ every route's role asserted from the route table."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -14,6 +15,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 pytest.importorskip("hypercorn")
 
@@ -353,3 +355,160 @@ async def test_every_route_needs_its_role(
                 assert GUARD_REFUSALS.get(status) != kind, (method, pattern, held, status, kind)
             else:
                 assert (status, kind) == (403, GUARD_REFUSALS[403]), (method, pattern, held)
+
+
+# -- 2. bare connections must not pin the server's descriptors -----------------------------
+
+
+def open_descriptors() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+async def test_bare_connections_that_close_free_their_descriptors_at_once(tmp_path: Path) -> None:
+    """Connect, then close without a request: the server must let go of its end then, not
+    when its idle timer ends (hypercorn's trio worker waited out keep_alive_timeout)."""
+    limits = Limits(idle_timeout=600.0)  # far longer than this test may wait
+    async with gateway(tmp_path / "j.db", limits=limits, channel_port=0) as (server, client):
+        assert (await client.get("/healthz")).status_code == 200
+        channel_port = server.channel.rsplit(":", 1)[1]
+        before = open_descriptors()
+        for _ in range(40):
+            for port in (server.port, int(channel_port)):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.aclose()
+        # Each server end is closed once the server reads the end of its connection; poll
+        # for it (the bound is generous: what matters is that it happens at all).
+        for _ in range(1200):  # 60 s
+            if open_descriptors() <= before + 4:
+                break
+            await trio.sleep(0.05)
+        assert open_descriptors() <= before + 4, open_descriptors() - before
+        assert (await client.get("/healthz")).status_code == 200
+
+
+SERVE_WITH_FEW_DESCRIPTORS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from interlock._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs resource.setrlimit")
+def test_many_bare_connections_do_not_take_a_server_with_few_descriptors_offline(
+    tmp_path: Path,
+) -> None:
+    """A server allowed 256 descriptors gets 300 bare connections on each port, which stay
+    silent: it must still answer a real request on each, the idle connections giving way."""
+    import os
+    import signal
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLOCK_")}
+    command = [sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, "serve", "--port", "0"]
+    command += ["--channel-port", "0", "--db", str(tmp_path / "j.db")]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            assert line.startswith("interlock serve: http://127.0.0.1:"), line
+            url = line.split()[2].rstrip(",")
+            channel = line.split()[4]
+            assert channel.startswith("tcp://127.0.0.1:"), line
+            trio.run(_flood_then_ask, url, channel)
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, err
+
+
+async def _flood_then_ask(url: str, channel: str) -> None:
+    from interlock.gateway._channel_client import open_channel
+
+    http_port = int(url.rsplit(":", 1)[1])
+    channel_port = int(channel.rsplit(":", 1)[1])
+    streams: list[trio.SocketStream] = []
+
+    async def connect(port: int) -> None:
+        with trio.move_on_after(10):  # a connect the server's backlog cannot take waits
+            streams.append(await trio.open_tcp_stream("127.0.0.1", port))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(300):
+                nursery.start_soon(connect, http_port)
+                nursery.start_soon(connect, channel_port)
+        assert len(streams) > 256  # more than the server could hold at once
+        with trio.fail_after(60):  # generous: the server must answer at all, not fast
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                created = await client.post(
+                    "/v1/runs", json={"machine": "refund", "mode": "external", "run_id": "r-1"}
+                )
+                assert created.status_code == 201, created.text
+                assert (await client.get("/healthz")).status_code == 200
+            async with open_channel(channel, connect_timeout=60) as client:
+                assert (await client.get_run("r-1")).id == "r-1"
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+
+async def test_silent_connections_are_closed_after_the_idle_timeout(tmp_path: Path) -> None:
+    limits = Limits(idle_timeout=0.5)
+    async with gateway(tmp_path / "j.db", limits=limits, channel_port=0) as (server, client):
+        channel_port = int(server.channel.rsplit(":", 1)[1])
+        for port in (server.port, channel_port):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                with trio.fail_after(60):  # generous: it must close at all
+                    assert await stream.receive_some() == b""
+        # a client between requests is closed too, and the next request reconnects
+        assert (await client.get("/healthz")).status_code == 200
+        await trio.sleep(1)
+        assert (await client.get("/healthz")).status_code == 200
+        assert server.connections is not None
+        assert server.connections.limit == 1000
+
+
+async def test_the_connection_budget_closes_the_longest_idle_to_make_room() -> None:
+    from interlock.gateway._connections import ConnectionBudget
+
+    budget = ConnectionBudget(2)
+    closed: list[str] = []
+    await budget.acquire()
+    await budget.acquire()
+    budget.idle("a", lambda: closed.append("a"))
+    budget.idle("b", lambda: closed.append("b"))
+    budget.busy("b")  # a request came on b
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(budget.acquire)
+        await trio.testing.wait_all_tasks_blocked()
+        assert closed == ["a"]  # a closes; its place is free once it is closed
+        assert budget.open == 2
+        budget.release("a")
+    assert (budget.open, budget.reaped) == (2, 1)
+    with pytest.raises(ValueError, match=r"^a connection budget needs a limit of at least 1"):
+        ConnectionBudget(0)
+
+
+def test_the_connection_budget_fits_the_descriptor_limit() -> None:
+    import resource
+
+    from interlock.gateway._connections import DESCRIPTOR_RESERVE, ConnectionBudget
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    budget = ConnectionBudget.within_descriptors(10**9)
+    assert budget.limit == soft - DESCRIPTOR_RESERVE
+    assert ConnectionBudget.within_descriptors(5).limit == 5
+    env = {"INTERLOCK_GATEWAY_MAX_CONNECTIONS": "20", "INTERLOCK_GATEWAY_IDLE_TIMEOUT": "2.5"}
+    assert (Limits.from_env(env).max_connections, Limits.from_env(env).idle_timeout) == (20, 2.5)
+    with pytest.raises(ValueError, match=r"^Limits.idle_timeout must be a positive"):
+        Limits(idle_timeout=0)

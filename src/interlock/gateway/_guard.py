@@ -109,6 +109,12 @@ class Limits:
         through :class:`RunQuota`.
       request_timeout: seconds a request may take before it gets 504; ``None`` for no limit.
         Streaming routes (SSE, the channel) are exempt.
+      max_connections: the most connections (HTTP and the channel together) held open at
+        once; lowered to fit the process's open-file limit (``ulimit -n``) less a reserve.
+        When it is reached the connection idle for longest is closed; when none is idle, new
+        connections wait in the listen backlog.
+      idle_timeout: seconds a connection may stay open with nothing in flight: a new one
+        before its first request (or channel frame), an HTTP one between requests.
       allow_origins: the web origins (``https://console.example.com``, scheme, host and port)
         whose pages may call the gateway (CORS). A request with any other ``Origin`` (bar
         the server's own) or with ``Sec-Fetch-Site: cross-site`` gets 403. Empty: none.
@@ -119,6 +125,8 @@ class Limits:
     burst: int | None = None
     runs_in_flight: int = 10_000
     request_timeout: float | None = 30.0
+    max_connections: int = 1000
+    idle_timeout: float = 15.0
     allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -134,6 +142,8 @@ class Limits:
         )
         _positive_int("max_body", self.max_body, "bytes, e.g. 1048576 for 1 MiB")
         _positive_int("runs_in_flight", self.runs_in_flight, "runs per key, e.g. 10000")
+        _positive_int("max_connections", self.max_connections, "connections, e.g. 1000")
+        _positive_number("idle_timeout", self.idle_timeout, "seconds, e.g. 15")
         if self.rate is not None:
             _positive_number("rate", self.rate, "requests per second per key, or None")
         if self.burst is not None:
@@ -150,6 +160,7 @@ class Limits:
         ``INTERLOCK_GATEWAY_MAX_BODY`` (bytes), ``INTERLOCK_GATEWAY_RATE`` (requests/s per
         key, or ``off``), ``INTERLOCK_GATEWAY_BURST``, ``INTERLOCK_GATEWAY_RUNS_IN_FLIGHT``,
         ``INTERLOCK_GATEWAY_REQUEST_TIMEOUT`` (seconds, or ``off``),
+        ``INTERLOCK_GATEWAY_MAX_CONNECTIONS``, ``INTERLOCK_GATEWAY_IDLE_TIMEOUT`` (seconds),
         ``INTERLOCK_GATEWAY_ALLOW_ORIGINS`` (origins separated by commas).
 
         Args:
@@ -197,6 +208,8 @@ _ENV_LIMITS: Final = (
     ("burst", int, False),
     ("runs_in_flight", int, False),
     ("request_timeout", float, True),
+    ("max_connections", int, False),
+    ("idle_timeout", float, False),
 )
 
 
