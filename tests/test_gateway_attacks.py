@@ -93,6 +93,9 @@ async def test_a_web_page_cannot_start_a_run_on_a_keyless_gateway(tmp_path: Path
             detail = assert_problem(refused, 403, "cross-origin")
             assert "--allow-origin" in detail
             assert "access-control-allow-origin" not in refused.headers
+        # A WebSocket: browsers apply no CORS to it, so the Origin check is all there is.
+        socket = await handshake(str(client.base_url).rstrip("/"), "/v1/channel", {"origin": EVIL})
+        assert socket == (403, "https://interlock.dev/problems/cross-origin")
         # A browser that sends Sec-Fetch-Site but no Origin (a GET of an <img>, say).
         peek = await client.get("/v1/runs/csrf-1/events", headers={"sec-fetch-site": "cross-site"})
         assert_problem(peek, 403, "cross-origin")

@@ -51,7 +51,7 @@ class ConnectionBudget:
         if limit < 1:
             raise ValueError(f"a connection budget needs a limit of at least 1, got {limit}")
         self.limit = limit
-        #: connections open now (counted from the accept on)
+        #: connections open now, and the place each listener waiting to accept has taken
         self.open = 0
         #: connections closed to make room for new ones
         self.reaped = 0
