@@ -473,6 +473,14 @@ async def test_silent_connections_are_closed_after_the_idle_timeout(tmp_path: Pa
             async with stream:
                 with trio.fail_after(60):  # generous: it must close at all
                     assert await stream.receive_some() == b""
+        # a channel frame begun and never finished holds the connection no longer either
+        async with await trio.open_tcp_stream("127.0.0.1", channel_port) as stream:
+            await stream.send_all(b"\x00\x00\x01")  # 3 of a frame length's 4 bytes
+            said = b""
+            with trio.fail_after(60):
+                while chunk := await stream.receive_some():
+                    said += chunk
+            assert b"was begun and not finished within 0.5 s" in said  # a problem frame
         # a client between requests is closed too, and the next request reconnects
         assert (await client.get("/healthz")).status_code == 200
         await trio.sleep(1)

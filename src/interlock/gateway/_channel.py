@@ -231,6 +231,7 @@ class _Connection:
         self.stopping = False
         self.greeted = False
         self.reading = trio.CancelScope()
+        self.idle_timeout: float | None = None
         self.heard = False  # a first byte came
         self.silence = trio.CancelScope()  # waits for the first byte, then hangs up
         self.on_heard: Callable[[], object] | None = None
@@ -256,12 +257,15 @@ class _Connection:
         self.stopping = True
         self.reading.cancel()
 
-    async def serve(self, first_frame_timeout: float | None = None) -> None:
+    async def serve(self, idle_timeout: float | None = None) -> None:
+        """Serve the connection; ``idle_timeout``: seconds it may stay silent before its
+        first byte, or inside a frame, before it is closed (None: no limit)."""
+        self.idle_timeout = idle_timeout
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             nursery.start_soon(self._writer)
-            if first_frame_timeout is not None:
-                nursery.start_soon(self._hang_up_if_silent, first_frame_timeout)
+            if idle_timeout is not None:
+                nursery.start_soon(self._hang_up_if_silent, idle_timeout)
             try:
                 with self.reading:
                     await self._reader(nursery)
@@ -311,9 +315,28 @@ class _Connection:
         unpack = HEADER.unpack_from
         take = self._take
         receive = self.stream.receive_some
+        idle_timeout = self.idle_timeout
         while True:
             self._flush_batch()
-            data = await receive(_READ)
+            if partial and idle_timeout is not None:
+                # NOTE: a frame begun must go on arriving: one left unfinished would hold
+                # the connection (and its place in the budget) for ever. Only a read that
+                # waits for the rest of a frame pays for the timer.
+                data = b""
+                with trio.move_on_after(idle_timeout) as waiting:
+                    data = await receive(_READ)
+                if waiting.cancelled_caught:
+                    raise _Closing(
+                        _problem(
+                            408,
+                            "Request Timeout",
+                            f"a frame was begun and not finished within {idle_timeout:g} s "
+                            f"({len(partial)} bytes of it were read); send each frame whole, "
+                            "without pausing inside it",
+                        )
+                    )
+            else:
+                data = await receive(_READ)
             if not self.heard:
                 self._heard()
             if not data:
@@ -782,8 +805,8 @@ async def serve_channel(
       connections: the budget of connections held at once (shared with the HTTP server);
         a connection that has sent nothing yet gives way to a new one when it is full.
         None: no budget.
-      first_frame_timeout: seconds a new connection may stay silent before it is closed;
-        None: no limit.
+      first_frame_timeout: seconds a new connection may stay silent, or a frame begun may
+        wait for its rest, before the connection is closed; None: no limit.
       task_status: receives the channel's address, ``tcp://HOST:PORT`` or
         ``unix:PATH``, once it listens (pass it to ``open_channel``).
 
