@@ -1016,8 +1016,11 @@ async def test_bad_input_of_each_kind_is_a_4xx_problem_that_says_what_to_fix(
             ("POST", "/v1/escalations/x-1/abort", {"json": {"by": "ops"}}, 409, "escalat"),
             ("POST", "/v1/escalations/x-1/resume", {"json": {}}, 422, "`by`"),
             ("GET", "/v1/escalations/x-1", {}, 404, "escalat"),
+            ("POST", "/v1/runs", {"content": b"{}", "headers": {}}, 415, "Content-Type"),
         ]
         for method, path, options, status, says in cases:
+            if "content" in options:
+                options = {"headers": {"content-type": "application/json"}, **options}
             response = await client.request(method, path, **options)
             assert response.status_code == status, (method, path, response.text)
             assert response.headers["content-type"] == "application/problem+json"
@@ -1115,7 +1118,8 @@ async def test_random_bodies_never_get_a_5xx(tmp_path: Path) -> None:
             if kind == "raw":
                 content, headers = value, {"content-type": "application/json"}
             elif kind == "json":
-                content, headers = json.dumps(value).encode(), {}
+                content = json.dumps(value).encode()
+                headers = {"content-type": "application/json"}
             else:
                 content = msgspec.msgpack.encode(value)
                 headers = {"content-type": "application/msgpack"}

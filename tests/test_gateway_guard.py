@@ -617,7 +617,8 @@ async def served(app) -> AsyncIterator[str]:
 
 
 def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+    # every mutating route takes JSON or msgpack only (a web page can send neither unasked)
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
 
 def assert_problem(response: httpx.Response, status: int, slug: str) -> dict:
@@ -710,7 +711,11 @@ async def test_open_keyring_lets_everyone_in_as_anonymous():
             served(guarded(EchoApp(), KeyRing())) as url,
             httpx.AsyncClient(base_url=url) as client,
         ):
-            response = await client.post("/v1/escalations/r/abort", content=b"{}")
+            response = await client.post(
+                "/v1/escalations/r/abort", content=b"{}", headers={"content-type": "text/json"}
+            )
+            assert response.status_code == 415  # no web form's type, even without keys
+            response = await client.post("/v1/escalations/r/abort", json={})
             assert response.json()["principal"] == "anonymous"
 
 

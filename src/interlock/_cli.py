@@ -558,6 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=_port, default=8080, help="the TCP port (default 8080; 0: any free port)"
     )
+    serve.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages of this origin (e.g. https://console.example.com) call the API "
+        "(CORS; repeatable; also INTERLOCK_GATEWAY_ALLOW_ORIGINS); requests from pages of any "
+        "other origin get 403",
+    )
     streaming = serve.add_mutually_exclusive_group()
     streaming.add_argument(
         "--channel-port",
@@ -1883,11 +1892,19 @@ async def _check(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .gateway import serve_gateway
+    from .gateway._guard import Limits
     from .gateway._keys import KeyRing
 
     app, named, db = _application(args)
     keyring = KeyRing.from_env()
+    limits = Limits.from_env()
+    if args.allow_origin:
+        limits = dataclasses.replace(
+            limits, allow_origins=(*limits.allow_origins, *args.allow_origin)
+        )
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             partial(
@@ -1897,6 +1914,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 keyring=keyring,
+                limits=limits,
                 channel_port=args.channel_port,
                 channel_path=args.channel_socket,
                 handle_signals=True,

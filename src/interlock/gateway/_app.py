@@ -341,11 +341,14 @@ class GatewayApp:
     async def _body(self, request: _Request, kind: type[T]) -> T:
         content_type = request.header(b"content-type")
         media = content_type.split(";", 1)[0].strip().lower()
-        if media and media != JSON and not media.endswith("+json") and not request.msgpack_in:
+        if media != JSON and not media.endswith("+json") and not request.msgpack_in:
+            # NOTE: no Content-Type at all is refused too: a web page can send a body without
+            # one (or with a form's type) to any address, without a CORS preflight.
+            sent = repr(content_type) if content_type else "missing"
             raise GatewayError(
                 415,
                 "Unsupported Media Type",
-                f"the body's Content-Type is {content_type!r}; send {JSON} or {MSGPACK} (curl "
+                f"the body's Content-Type is {sent}; send {JSON} or {MSGPACK} (curl "
                 f"-d sends a form's type unless given -H 'Content-Type: {JSON}')",
             )
         chunks: list[bytes] = []

@@ -44,6 +44,7 @@ import trio
 
 from .._view import DECIDE_IMPLEMENTATION
 from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
+from ._connections import BudgetListener, ConnectionBudget
 from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
 from ._service import PROBLEMS, GatewayError, GatewayService
@@ -230,16 +231,41 @@ class _Connection:
         self.stopping = False
         self.greeted = False
         self.reading = trio.CancelScope()
+        self.idle_timeout: float | None = None
+        self.heard = False  # a first byte came
+        self.silence = trio.CancelScope()  # waits for the first byte, then hangs up
+        self.on_heard: Callable[[], object] | None = None
+
+    def hang_up(self) -> None:
+        """Close a connection that has sent nothing: no answer is owed."""
+        self.reading.cancel()
+
+    async def _hang_up_if_silent(self, seconds: float) -> None:
+        with self.silence:
+            await trio.sleep(seconds)
+            log.info("channel: closing a connection that sent nothing in %g s", seconds)
+            self.hang_up()
+
+    def _heard(self) -> None:
+        self.heard = True
+        self.silence.cancel()
+        if self.on_heard is not None:
+            self.on_heard()
 
     def stop(self) -> None:
         """Take no more requests; answer those taken, say why, and close."""
         self.stopping = True
         self.reading.cancel()
 
-    async def serve(self) -> None:
+    async def serve(self, idle_timeout: float | None = None) -> None:
+        """Serve the connection; ``idle_timeout``: seconds it may stay silent before its
+        first byte, or inside a frame, before it is closed (None: no limit)."""
+        self.idle_timeout = idle_timeout
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             nursery.start_soon(self._writer)
+            if idle_timeout is not None:
+                nursery.start_soon(self._hang_up_if_silent, idle_timeout)
             try:
                 with self.reading:
                     await self._reader(nursery)
@@ -248,6 +274,8 @@ class _Connection:
                 log.info("channel: closing a connection: %s", closing.problem.detail)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.broken = True
+            finally:
+                self.silence.cancel()
             self._flush_batch()
             # NOTE: the requests already taken are finished (their effects may be journaled
             # by now) and answered, then the writer flushes; only then does the socket close.
@@ -287,9 +315,30 @@ class _Connection:
         unpack = HEADER.unpack_from
         take = self._take
         receive = self.stream.receive_some
+        idle_timeout = self.idle_timeout
         while True:
             self._flush_batch()
-            data = await receive(_READ)
+            if partial and idle_timeout is not None:
+                # NOTE: a frame begun must go on arriving: one left unfinished would hold
+                # the connection (and its place in the budget) for ever. Only a read that
+                # waits for the rest of a frame pays for the timer.
+                data = b""
+                with trio.move_on_after(idle_timeout) as waiting:
+                    data = await receive(_READ)
+                if waiting.cancelled_caught:
+                    raise _Closing(
+                        _problem(
+                            408,
+                            "Request Timeout",
+                            f"a frame was begun and not finished within {idle_timeout:g} s "
+                            f"({len(partial)} bytes of it were read); send each frame whole, "
+                            "without pausing inside it",
+                        )
+                    )
+            else:
+                data = await receive(_READ)
+            if not self.heard:
+                self._heard()
             if not data:
                 if partial:
                     raise _Closing(
@@ -723,6 +772,8 @@ async def serve_channel(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 10.0,
     rate_limiter: RateLimiter | None = None,
+    connections: ConnectionBudget | None = None,
+    first_frame_timeout: float | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the streaming channel over ``service`` until cancelled, or drained.
@@ -751,6 +802,11 @@ async def serve_channel(
       graceful_timeout: seconds the connections get to drain before they are cancelled.
       rate_limiter: counts every request frame against its key's rate (the HTTP guard's
         ``RateLimiter``, shared or its own); over it, a 429 problem. None: no limit.
+      connections: the budget of connections held at once (shared with the HTTP server);
+        a connection that has sent nothing yet gives way to a new one when it is full.
+        None: no budget.
+      first_frame_timeout: seconds a new connection may stay silent, or a frame begun may
+        wait for its rest, before the connection is closed; None: no limit.
       task_status: receives the channel's address, ``tcp://HOST:PORT`` or
         ``unix:PATH``, once it listens (pass it to ``open_channel``).
 
@@ -790,22 +846,32 @@ async def serve_channel(
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         address = f"tcp://{shown}:{bound[1]}"
 
-    connections: set[_Connection] = set()
+    if connections is not None:
+        listeners = [BudgetListener(listener, connections) for listener in listeners]  # type: ignore[misc]
+    budget = connections
+    connections_open: set[_Connection] = set()
     draining = trio.Event()
 
     async def handle(stream: trio.SocketStream) -> None:
         connection = _Connection(
             service, stream, keyring, max_in_flight, max_frame, send_timeout, rate_limiter
         )
-        connections.add(connection)
+        connections_open.add(connection)
+        if budget is not None:
+            # NOTE: a connection that has said nothing may be a bare connect holding a
+            # descriptor; it gives way first when the budget is full.
+            budget.idle(connection, connection.hang_up)
+            connection.on_heard = partial(budget.busy, connection)
         if draining.is_set():  # accepted just before the listeners closed
             connection.stop()
         try:
-            await connection.serve()
+            await connection.serve(first_frame_timeout)
         except Exception:  # pragma: no cover - a bug must not end the other connections
             log.exception("channel: a connection failed")
         finally:
-            connections.discard(connection)
+            connections_open.discard(connection)
+            if budget is not None:
+                budget.release(connection)
 
     log.info("interlock channel listening on %s", address)
     try:
@@ -822,8 +888,8 @@ async def serve_channel(
             for listener in listeners:
                 await listener.aclose()
             draining.set()
-            log.info("channel: draining %d connections", len(connections))
-            for connection in list(connections):
+            log.info("channel: draining %d connections", len(connections_open))
+            for connection in list(connections_open):
                 connection.stop()
             serving.cancel_scope.deadline = trio.current_time() + graceful_timeout
     finally:

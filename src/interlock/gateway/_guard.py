@@ -2,13 +2,20 @@
 
 :func:`guarded` wraps the gateway's ASGI app. Per HTTP request, in this order, it
 
-1. finds the route's role in a table of ``(method, path pattern) -> role`` (``None``: public);
-2. authenticates the bearer key (401 with ``WWW-Authenticate: Bearer``), unless public;
-3. takes a token from the key's bucket (429 with ``Retry-After`` in whole seconds);
-4. checks the role (403);
-5. refuses an announced ``Content-Length`` over :attr:`Limits.max_body` (413), and counts the
+1. refuses a request from a web page of another origin (403): an ``Origin`` header that is
+   neither the server's own origin nor in :attr:`Limits.allow_origins`, or
+   ``Sec-Fetch-Site: cross-site`` / ``same-site``; answers the CORS preflight of an allowed
+   origin. Without keys it also refuses a ``Host`` that is not loopback (DNS rebinding);
+2. finds the route's role in a table of ``(method, path pattern) -> role`` (``None``: public);
+3. authenticates the bearer key (401 with ``WWW-Authenticate: Bearer``), unless public;
+4. takes a token from the key's bucket (429 with ``Retry-After`` in whole seconds);
+5. checks the role (403);
+6. refuses an announced ``Content-Length`` over :attr:`Limits.max_body` (413), and counts the
    body as the app reads it through ``receive``: 413 the moment it passes the limit;
-6. runs the app with ``scope["interlock.principal"]`` set, under :attr:`Limits.request_timeout`
+7. refuses a mutating request (POST, PUT, PATCH, DELETE) of a route in the table whose
+   ``Content-Type`` is not JSON or msgpack (415): a web page can send a form's types or
+   none without a CORS preflight, but not these;
+8. runs the app with ``scope["interlock.principal"]`` set, under :attr:`Limits.request_timeout`
    (504 if nothing was answered in time; streaming routes are exempt).
 
 Every refusal is ``application/problem+json`` with a ``detail`` that says what to fix. A
@@ -22,8 +29,10 @@ or the body), so the app calls ``principal.allows(role, machine)`` itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -32,7 +41,7 @@ from typing import Any, Final, TypeAlias
 import msgspec
 import trio
 
-from ._keys import ROLES, KeyRing, Principal, Unauthorized
+from ._keys import ROLES, KeyRing, Principal, Unauthorized, is_loopback
 
 __all__ = [
     "DEFAULT_ROUTES",
@@ -42,6 +51,7 @@ __all__ = [
     "RunQuota",
     "TokenBucket",
     "guarded",
+    "normalize_origin",
     "retry_after",
 ]
 
@@ -99,6 +109,15 @@ class Limits:
         through :class:`RunQuota`.
       request_timeout: seconds a request may take before it gets 504; ``None`` for no limit.
         Streaming routes (SSE, the channel) are exempt.
+      max_connections: the most connections (HTTP and the channel together) held open at
+        once; lowered to fit the process's open-file limit (``ulimit -n``) less a reserve.
+        When it is reached the connection idle for longest is closed; when none is idle, new
+        connections wait in the listen backlog.
+      idle_timeout: seconds a connection may stay open with nothing in flight: a new one
+        before its first request (or channel frame), an HTTP one between requests.
+      allow_origins: the web origins (``https://console.example.com``, scheme, host and port)
+        whose pages may call the gateway (CORS). A request with any other ``Origin`` (bar
+        the server's own) or with ``Sec-Fetch-Site: cross-site`` gets 403. Empty: none.
     """
 
     max_body: int = _MIB
@@ -106,10 +125,25 @@ class Limits:
     burst: int | None = None
     runs_in_flight: int = 10_000
     request_timeout: float | None = 30.0
+    max_connections: int = 1000
+    idle_timeout: float = 15.0
+    allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.allow_origins, str) or not all(
+            isinstance(o, str) for o in self.allow_origins
+        ):
+            raise ValueError(
+                "Limits.allow_origins must be a tuple of origins such as "
+                f"('https://console.example.com',); got {self.allow_origins!r}"
+            )
+        object.__setattr__(
+            self, "allow_origins", tuple(normalize_origin(o) for o in self.allow_origins)
+        )
         _positive_int("max_body", self.max_body, "bytes, e.g. 1048576 for 1 MiB")
         _positive_int("runs_in_flight", self.runs_in_flight, "runs per key, e.g. 10000")
+        _positive_int("max_connections", self.max_connections, "connections, e.g. 1000")
+        _positive_number("idle_timeout", self.idle_timeout, "seconds, e.g. 15")
         if self.rate is not None:
             _positive_number("rate", self.rate, "requests per second per key, or None")
         if self.burst is not None:
@@ -125,7 +159,9 @@ class Limits:
 
         ``INTERLOCK_GATEWAY_MAX_BODY`` (bytes), ``INTERLOCK_GATEWAY_RATE`` (requests/s per
         key, or ``off``), ``INTERLOCK_GATEWAY_BURST``, ``INTERLOCK_GATEWAY_RUNS_IN_FLIGHT``,
-        ``INTERLOCK_GATEWAY_REQUEST_TIMEOUT`` (seconds, or ``off``).
+        ``INTERLOCK_GATEWAY_REQUEST_TIMEOUT`` (seconds, or ``off``),
+        ``INTERLOCK_GATEWAY_MAX_CONNECTIONS``, ``INTERLOCK_GATEWAY_IDLE_TIMEOUT`` (seconds),
+        ``INTERLOCK_GATEWAY_ALLOW_ORIGINS`` (origins separated by commas).
 
         Args:
           environ: the environment to read; ``os.environ`` by default.
@@ -135,6 +171,9 @@ class Limits:
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        origins = env.get("INTERLOCK_GATEWAY_ALLOW_ORIGINS")
+        if origins is not None:
+            values["allow_origins"] = tuple(o for o in origins.replace(" ", ",").split(",") if o)
         for name, kind, can_be_off in _ENV_LIMITS:
             text = env.get(f"INTERLOCK_GATEWAY_{name.upper()}")
             if text is None:
@@ -169,7 +208,31 @@ _ENV_LIMITS: Final = (
     ("burst", int, False),
     ("runs_in_flight", int, False),
     ("request_timeout", float, True),
+    ("max_connections", int, False),
+    ("idle_timeout", float, False),
 )
+
+
+_ORIGIN = re.compile(r"(https?)://([^/?#@\s]+?)(?::([0-9]{1,5}))?/?")
+_DEFAULT_PORTS: Final = {"http": "80", "https": "443"}
+
+
+def normalize_origin(origin: str) -> str:
+    """``origin`` as a browser sends it in ``Origin``: lower case, no default port, no slash.
+
+    Raises:
+      ValueError: if it is not ``http(s)://host[:port]`` (no path, query or user).
+    """
+    found = _ORIGIN.fullmatch(origin.strip().lower())
+    if found is None or found.group(2).endswith("."):
+        raise ValueError(
+            f"{origin!r} is not a web origin; give scheme, host and port only, e.g. "
+            f"https://console.example.com or http://localhost:3000"
+        )
+    scheme, host, port = found.groups()
+    if port is None or port == _DEFAULT_PORTS[scheme]:
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{port}"
 
 
 def _positive_int(name: str, value: object, unit: str) -> None:
@@ -538,8 +601,38 @@ async def _send_problem(
     await send({"type": f"{kind}.response.body", "body": b""})
 
 
+_MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_BODY_TYPES = frozenset(
+    {
+        b"application/json",
+        b"application/msgpack",
+        b"application/x-msgpack",
+        b"application/vnd.msgpack",
+    }
+)
+#: What a page of an allowed origin may send and read (the CORS preflight's answer).
+_CORS_ALLOW = [
+    (b"access-control-allow-methods", b"GET, HEAD, POST"),
+    (b"access-control-allow-headers", b"authorization, content-type, accept, last-event-id"),
+    (b"access-control-max-age", b"600"),
+]
+_CORS_EXPOSE = (b"access-control-expose-headers", b"location, retry-after, www-authenticate")
+
+
+def _body_type_ok(value: bytes) -> bool:
+    media = value.split(b";", 1)[0].strip().lower()
+    return media in _BODY_TYPES or (media.endswith(b"+json") and media.startswith(b"application/"))
+
+
+def _host_name(host: str) -> str:
+    """The name or address in a ``Host`` header, without its port."""
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 class _Guard:
-    __slots__ = ("_app", "_keyring", "_limiter", "_limits", "_router")
+    __slots__ = ("_allowed", "_app", "_keyring", "_limiter", "_limits", "_router")
 
     def __init__(
         self,
@@ -554,6 +647,7 @@ class _Guard:
         self._limits = limits
         self._router = router
         self._limiter = limiter
+        self._allowed = frozenset(limits.allow_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -563,6 +657,69 @@ class _Guard:
             await self._websocket(scope, receive, send)
         else:
             await self._app(scope, receive, send)
+
+    def _cross_origin(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """Refuse a request a web page of another origin made; the CORS headers to answer
+        an allowed origin with (none for a request that is not cross-origin)."""
+        origin: bytes | None = None
+        site: bytes | None = None
+        host: bytes | None = None
+        for name, value in scope["headers"]:
+            if name == b"origin":
+                origin = value
+            elif name == b"sec-fetch-site":
+                site = value
+            elif name == b"host":
+                host = value
+        host_text = "" if host is None else host.decode("latin-1").strip()
+        if self._keyring.open and host_text and not is_loopback(_host_name(host_text)):
+            # NOTE: DNS rebinding: a page of evil.example whose name now points at 127.0.0.1
+            # is same-origin with itself, so browsers send no Origin on its GETs; its Host
+            # header still says evil.example.
+            raise _Refusal(
+                403,
+                "bad-host",
+                "Host not allowed",
+                f"this gateway has no API key, so it answers only requests addressed to a "
+                f"loopback host (127.0.0.1, localhost, [::1]); the Host header was "
+                f"{host_text[:200]!r}: connect to 127.0.0.1, or configure API keys "
+                f"(INTERLOCK_API_KEY or INTERLOCK_API_KEYS_FILE)",
+                [],
+            )
+        if origin is None:
+            if site is not None and site.strip().lower() in (b"cross-site", b"same-site"):
+                raise _Refusal(
+                    403,
+                    "cross-origin",
+                    "Cross-origin request refused",
+                    f"this request came from a web page of another site (Sec-Fetch-Site: "
+                    f"{site.decode('latin-1')[:40]}) and carries no Origin this gateway allows; "
+                    f"call it from a server or a script, or allow the page's origin "
+                    f"(interlock serve --allow-origin https://console.example.com)",
+                    [],
+                )
+            return []
+        text = origin.decode("latin-1").strip()
+        try:
+            normal = normalize_origin(text)
+        except ValueError:
+            normal = None
+        if normal is not None and host_text:
+            with contextlib.suppress(ValueError):
+                if normal == normalize_origin(f"{scope.get('scheme', 'http')}://{host_text}"):
+                    return []  # same origin: a page the gateway served itself
+        if normal is None or normal not in self._allowed:
+            allowed = ", ".join(sorted(self._allowed)) or "none"
+            raise _Refusal(
+                403,
+                "cross-origin",
+                "Cross-origin request refused",
+                f"requests from web pages of origin {text[:200]!r} are not allowed (allowed: "
+                f"{allowed}); allow it with interlock serve --allow-origin {text[:200]} (or "
+                f"INTERLOCK_GATEWAY_ALLOW_ORIGINS), or call the gateway from a server",
+                [],
+            )
+        return [(b"access-control-allow-origin", origin), (b"vary", b"Origin"), _CORS_EXPOSE]
 
     def _admit(self, method: str, scope: Scope) -> tuple[_Rule, Principal | None, int | None, bool]:
         """The route's rule, the principal, the announced body length and whether a body
@@ -591,6 +748,7 @@ class _Guard:
             )
         authorization: str | None = None
         length: bytes | None = None
+        content_type: bytes | None = None
         chunked = False
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -608,6 +766,8 @@ class _Guard:
                 length = value
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"content-type":
+                content_type = value
         principal: Principal | None = None
         if not rule.public:
             try:
@@ -650,15 +810,42 @@ class _Guard:
                     [],
                 )
             announced = int(length)
+        if method in _MUTATING and rule is not _UNKNOWN and not _body_type_ok(content_type or b""):
+            # NOTE: a web page may POST a form's types (text/plain, ...) or none at all to any
+            # address without a CORS preflight; JSON and msgpack need one, which fails.
+            sent = "none" if content_type is None else repr(content_type.decode("latin-1")[:100])
+            raise _Refusal(
+                415,
+                "unsupported-media-type",
+                "Unsupported Media Type",
+                f"{method} {path[:200]} takes a body of Content-Type application/json (or "
+                f"application/msgpack); the request's Content-Type was {sent}: send the header "
+                f"'Content-Type: application/json'",
+                [],
+            )
         return rule, principal, announced, chunked or bool(announced)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         limits = self._limits
+        cors: list[tuple[bytes, bytes]] = []
         try:
-            rule, principal, announced, has_body = self._admit(scope["method"], scope)
+            cors = self._cross_origin(scope)
+            method = scope["method"]
+            if cors and method == "OPTIONS":  # a CORS preflight of an allowed origin
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 204,
+                        "headers": [*cors, *_CORS_ALLOW],
+                    }
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return
+            rule, principal, announced, has_body = self._admit(method, scope)
             if announced is not None and announced > limits.max_body:
                 raise _too_large(limits.max_body)
         except _Refusal as refusal:
+            refusal.headers = [*refusal.headers, *cors]
             if scope.get("http_version", "1.1") in _MULTIPLEXED:
                 await _send_problem(send, refusal, drain=receive)
             else:
@@ -666,6 +853,8 @@ class _Guard:
             return
         if principal is not None:
             scope = {**scope, "interlock.principal": principal}
+        if cors:
+            send = _with_headers(send, cors)
         exchange = _Exchange(
             receive,
             send,
@@ -710,6 +899,8 @@ class _Guard:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            # NOTE: browsers apply no CORS to WebSockets: the Origin check is all there is.
+            self._cross_origin(scope)
             principal = self._admit(WEBSOCKET, scope)[1]
         except _Refusal as refusal:
             message = await receive()
@@ -754,6 +945,15 @@ class _Guard:
                 await send(message)
 
         await self._app(scope, receive_frame, send_frame)
+
+
+def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+
+    return sending
 
 
 def guarded(

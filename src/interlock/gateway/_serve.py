@@ -24,6 +24,7 @@ from .._runtime import open_supervisor
 from .._stats import RuntimeStats
 from ..stores import LeasingStore
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
+from ._connections import ConnectionBudget, serve_http
 from ._guard import Limits, RunQuota, guarded
 from ._keys import KeyRing, check_bind
 from ._service import GatewayService
@@ -93,8 +94,17 @@ class GatewayServer:
       channel: the streaming channel's address, '' when it is not served.
     """
 
-    def __init__(self, url: str, app: GatewayApp, stop: trio.Event, channel: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        app: GatewayApp,
+        stop: trio.Event,
+        channel: str = "",
+        connections: ConnectionBudget | None = None,
+    ) -> None:
         self.url = url
+        self.connections = connections
+        """The connections held open (``open``, ``limit``, ``reaped``), HTTP and channel."""
         self.channel = channel
         """The streaming channel's address (``tcp://HOST:PORT`` or ``unix:PATH``), or ''."""
         self.port = int(url.rsplit(":", 1)[1])
@@ -163,7 +173,6 @@ async def serve_gateway(
     """
     try:
         from hypercorn.config import Config
-        from hypercorn.trio import serve
     except ImportError:
         raise InterlockError(
             "the gateway needs hypercorn, which is not installed; install the gateway extra: "
@@ -174,7 +183,9 @@ async def serve_gateway(
 
     app = _application(app_or_ref)
     keyring = KeyRing.from_env() if keyring is None else keyring
+    limits = Limits.from_env() if limits is None else limits
     check_bind(host, keyring)
+    budget = ConnectionBudget.within_descriptors(limits.max_connections)
     url = db or app.store
     store = await open_store(url)
     stats = RuntimeStats()
@@ -199,7 +210,9 @@ async def serve_gateway(
             config.graceful_timeout = graceful_timeout
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")
-            config.keep_alive_timeout = 75
+            # NOTE: a new connection gets idle_timeout for its first request, and one between
+            # requests as long again; the budget closes the longest idle first when full.
+            config.keep_alive_timeout = limits.idle_timeout
             # NOTE: hypercorn closes a connection after 1,000 requests by default; an agent
             # proposing over one keep-alive connection would reconnect every 1,000 steps.
             config.keep_alive_max_requests = 1_000_000
@@ -215,9 +228,10 @@ async def serve_gateway(
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
             ) -> None:
                 try:
-                    await serve(
-                        gateway.asgi,  # type: ignore[arg-type]  # hypercorn's own ASGI types
+                    await serve_http(
+                        gateway.asgi,
                         config,
+                        budget,
                         shutdown_trigger=shutdown_trigger,
                         task_status=task_status,
                     )
@@ -247,8 +261,9 @@ async def serve_gateway(
                         stop,
                         graceful_timeout,
                         channel_done,
+                        budget,
                     )
-                server = GatewayServer(binds[0], gateway, stop, channel)
+                server = GatewayServer(binds[0], gateway, stop, channel, budget)
                 log.info("interlock gateway listening on %s", server.url)
                 task_status.started(server)
                 # hypercorn (and the channel) return once the requests in flight are
@@ -278,6 +293,7 @@ async def _run_channel(
     stop: trio.Event,
     graceful_timeout: float,
     done: trio.Event,
+    budget: ConnectionBudget,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     from ._channel import serve_channel
@@ -296,6 +312,8 @@ async def _run_channel(
             max_frame=limits.max_body,
             shutdown_trigger=stop.wait,
             graceful_timeout=graceful_timeout,
+            connections=budget,
+            first_frame_timeout=limits.idle_timeout,
             task_status=task_status,
         )
     finally:
