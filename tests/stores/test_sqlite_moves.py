@@ -306,3 +306,24 @@ async def test_a_row_damaged_where_the_writer_cannot_see_a_change_is_never_overw
                 await read()
         assert [p.run_id for p in (await store.check()).problems] == ["r-2"]
         assert await store.load("r-1") == journals["r-1"]
+
+
+async def test_a_pending_move_its_row_moved_past_is_no_damage_to_a_reader(
+    tmp_path: Path, lag: None
+) -> None:
+    """Regression (#33): a run whose outcome changed moved its row past its pending moves,
+    which wait in the moves table until the writer applies (drops) them; a reader's check
+    in the meantime (another process's, or after a crash) called each such run damaged,
+    and counted it twice against the runs started."""
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        journals = await steps(store, range(2, 5))
+        end = Completed(run_id="r-2", seq=5, ts=5.0, state="B")
+        await store.append([end])
+        journals["r-2"].append(end)
+        assert raw_sql(path, "SELECT count(*) FROM moves") == [(3,)]
+        async with await open_sqlite_store(path, readonly=True) as reader:
+            assert isinstance(reader, SQLiteStore)
+            report = await reader.check()
+            assert (report.runs, report.events, report.problems) == (3, 13, ())
+            await every_read(reader, journals)

@@ -1752,28 +1752,34 @@ class SQLiteStore(Store):
                 moves = self._pending(conn)
             except IndexDamaged as exc:
                 unread.append(exc)
+            # The rows read, intact or not: each is one run started (a pending move moves
+            # a row, it adds none).
+            rows = len(index) + len(damaged)
             for run_id, move in moves.items():
                 indexed = index.get(run_id)
                 if indexed is None:
                     continue  # a damaged row (reported as such) or a missing one
-                if move[4] > indexed.seq:
-                    index[run_id] = stored_record(move)
-                else:
+                if move[1] != indexed.machine or move[5] != indexed.started:
                     damaged.append(
                         IndexDamaged(
                             run_id,
-                            f"its pending index move (to seq {move[4]}) is not ahead of its "
-                            f"row (at seq {indexed.seq})",
+                            f"its pending index move (to seq {move[4]}) is of machine "
+                            f"{move[1]!r} started at {move[5]!r}, its row of machine "
+                            f"{indexed.machine!r} started at {indexed.started!r}",
                         )
                     )
+                elif move[4] > indexed.seq:
+                    index[run_id] = stored_record(move)
+                # NOTE: else the row moved past the move (the run's outcome changed since,
+                # which moves a row at once): the move is superseded, as every read and
+                # _flush_moves take it, and waits to be dropped when the writer applies the
+                # moves, or at its next open after a crash. Not damage.
             checker = Checker(index, damaged)
             for problem in unread:
                 checker.problem(problem.run_id, None, str(problem))
             if self._checksums:
                 try:
-                    self._check_count(
-                        len(index) + len(damaged), conn.execute(_RUNS_COUNTED).fetchone()
-                    )
+                    self._check_count(rows, conn.execute(_RUNS_COUNTED).fetchone())
                 except IndexDamaged as exc:
                     checker.problem(None, None, str(exc))
             for (line,) in conn.execute("PRAGMA integrity_check"):
