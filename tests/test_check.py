@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -255,3 +256,72 @@ def test_check_works_on_postgresql(pg_schema: str) -> None:
             f"follows seq {seq - 2}; restore it from a backup",
         },
     ]
+
+
+WRITER = Path(__file__).with_name("_journal_writer.py")
+
+
+def writer(path: Path, *args: str) -> subprocess.Popen[str]:
+    """tests/_journal_writer.py writing ``path`` until its stdin closes (or it is killed)."""
+    return subprocess.Popen(
+        [sys.executable, str(WRITER), str(path), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def committed_at(child: subprocess.Popen[str], number: int) -> int:
+    """Read the writer's lines up to batch ``number``; the events committed by then."""
+    assert child.stdout is not None
+    for line in child.stdout:
+        word, at, events = line.split()
+        assert word == "batch", line
+        if int(at) == number:
+            return int(events)
+    raise AssertionError(f"the writer stopped before batch {number}")
+
+
+def checked_ok(path: Path) -> int:
+    """``interlock check`` of ``path`` finds no damage and changes neither the file nor its
+    -wal (SQLite may rebuild the -shm, its index of the -wal, as any reader does); the
+    events it read."""
+    files = [file for file in (path, Path(f"{path}-wal")) if file.exists()]
+    before = {file.name: digest(file) for file in files}
+    done = interlock("check", "--db", str(path), "--json")
+    assert (done.returncode, done.stderr) == (0, ""), done.stdout
+    report = json.loads(done.stdout)
+    assert (report["ok"], report["problems"]) == (True, [])
+    assert {file.name: digest(file) for file in files} == before
+    return int(report["events"])
+
+
+#: The batches after which a writer is killed: moves pending, just applied, moved past by
+#: runs that ended, at every point of the writer's cycle of five batches.
+KILLED_AFTER = (1, 3, 6, 9, 14, 23, 37, 61)
+
+
+@pytest.mark.slow
+def test_a_journal_whose_writer_was_killed_checks_ok(tmp_path: Path) -> None:
+    """Regression (#33): after a plain SIGKILL of its writer, check called a healthy
+    journal damaged (index moves a run's end had moved past, counted twice) and said to
+    restore a backup, while runs, replay and resume read it."""
+    for number in KILLED_AFTER:
+        path = tmp_path / f"killed-{number}" / "journal.db"
+        path.parent.mkdir()
+        child = writer(path)
+        try:
+            events = committed_at(child, number)
+        finally:
+            child.kill()
+            child.wait()
+            assert child.stdout is not None
+            child.stdout.close()
+            assert child.stdin is not None
+            child.stdin.close()
+        assert child.returncode == -signal.SIGKILL
+        assert Path(f"{path}-wal").exists()
+        # what was committed when the kill came, and perhaps a batch or two more
+        assert checked_ok(path) >= events, number
+        listed = interlock("runs", "--db", str(path), "--json")
+        assert listed.returncode == 0, listed.stderr
