@@ -3,13 +3,15 @@
 
 ``python tests/_journal_writer.py JOURNAL [BATCHES [MAX_PAGES]]`` appends BATCHES batches
 (0: until its stdin closes, or it is killed), then closes the store and prints ``done
-EVENTS``. Each batch starts
-runs, moves every live run a step (some through an intent and its commit), and ends some
-(completed or escalated), so index moves wait in the moves table, are applied every few
-batches and are moved past by runs that end. After each batch commits it prints
-``batch N EVENTS`` (the events committed so far). MAX_PAGES caps the database file
-(``PRAGMA max_page_count``), so an append fails as on a full disk: it then prints
-``full EVENTS``, closes the store and exits 3.
+EVENTS``. Each batch starts runs, moves every live run a step (some through an intent and
+its commit), and ends some (completed or escalated), so index moves wait in the moves
+table, are applied every few batches and are moved past by runs that end. After each
+batch commits it prints ``batch N EVENTS`` (the events committed so far).
+
+A full disk (a small file system, or MAX_PAGES, which caps the database file with ``PRAGMA
+max_page_count``) fails an append: the writer then prints ``full EVENTS`` and goes on
+running, as a server would, until its stdin closes (or a kill); then it closes the store
+and exits 3.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ _sqlite.INDEX_LAG_BATCHES = 5
 _sqlite.INDEX_LAG_SECONDS = float("inf")
 
 STARTED_PER_BATCH = 12
+#: Seconds between two batches, so that a check while it writes reads a journal of
+#: hundreds of batches, not tens of thousands.
+PAUSE = 0.005
 
 
 def length(run_id: str) -> int:
@@ -78,11 +83,17 @@ async def main(path: str, batches: int, max_pages: int) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_at_eof)
             committed, full = await write(store, batches, stopped)
+            if full:
+                # as an application that goes on after a failed write (a server, say)
+                print(f"full {committed}", flush=True)
+                await stopped.wait()
             nursery.cancel_scope.cancel()
     finally:
         await store.aclose()
-    print(f"{'full' if full else 'done'} {committed}", flush=True)
-    return 3 if full else 0
+    if full:
+        return 3
+    print(f"done {committed}", flush=True)
+    return 0
 
 
 async def write(store: SQLiteStore, batches: int, stopped: trio.Event) -> tuple[int, bool]:
@@ -110,6 +121,7 @@ async def write(store: SQLiteStore, batches: int, stopped: trio.Event) -> tuple[
             return committed, True
         committed += len(batch)
         print(f"batch {number} {committed}", flush=True)
+        await trio.sleep(PAUSE)
     return committed, False
 
 

@@ -261,14 +261,24 @@ def test_check_works_on_postgresql(pg_schema: str) -> None:
 WRITER = Path(__file__).with_name("_journal_writer.py")
 
 
-def writer(path: Path, *args: str) -> subprocess.Popen[str]:
-    """tests/_journal_writer.py writing ``path`` until its stdin closes (or it is killed)."""
-    return subprocess.Popen(
+@contextlib.contextmanager
+def writer(path: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """tests/_journal_writer.py writing ``path`` until its stdin closes (or it is killed,
+    at the latest on the way out)."""
+    child = subprocess.Popen(
         [sys.executable, str(WRITER), str(path), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    try:
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+        for pipe in (child.stdin, child.stdout):
+            assert pipe is not None
+            pipe.close()
 
 
 def committed_at(child: subprocess.Popen[str], number: int) -> int:
@@ -282,11 +292,11 @@ def committed_at(child: subprocess.Popen[str], number: int) -> int:
     raise AssertionError(f"the writer stopped before batch {number}")
 
 
-def checked_ok(path: Path) -> int:
-    """``interlock check`` of ``path`` finds no damage and changes neither the file nor its
-    -wal (SQLite may rebuild the -shm, its index of the -wal, as any reader does); the
-    events it read."""
-    files = [file for file in (path, Path(f"{path}-wal")) if file.exists()]
+def checked_ok(path: Path, *, alone: bool = True) -> int:
+    """``interlock check`` of ``path`` finds no damage; the events it read. ``alone`` (no
+    writer left to checkpoint): it changed neither the file nor its -wal (SQLite may
+    rebuild the -shm, its index of the -wal, as any reader does)."""
+    files = [file for file in (path, Path(f"{path}-wal")) if file.exists() and alone]
     before = {file.name: digest(file) for file in files}
     done = interlock("check", "--db", str(path), "--json")
     assert (done.returncode, done.stderr) == (0, ""), done.stdout
@@ -309,19 +319,87 @@ def test_a_journal_whose_writer_was_killed_checks_ok(tmp_path: Path) -> None:
     for number in KILLED_AFTER:
         path = tmp_path / f"killed-{number}" / "journal.db"
         path.parent.mkdir()
-        child = writer(path)
-        try:
+        with writer(path) as child:
             events = committed_at(child, number)
-        finally:
             child.kill()
-            child.wait()
-            assert child.stdout is not None
-            child.stdout.close()
-            assert child.stdin is not None
-            child.stdin.close()
-        assert child.returncode == -signal.SIGKILL
+            assert child.wait() == -signal.SIGKILL
         assert Path(f"{path}-wal").exists()
         # what was committed when the kill came, and perhaps a batch or two more
         assert checked_ok(path) >= events, number
         listed = interlock("runs", "--db", str(path), "--json")
         assert listed.returncode == 0, listed.stderr
+
+
+def stopped(child: subprocess.Popen[str]) -> tuple[int, str]:
+    """Close the writer's stdin and wait for it; its exit code and last line."""
+    assert child.stdin is not None
+    assert child.stdout is not None
+    child.stdin.close()
+    *_, last = child.stdout.read().splitlines()
+    return child.wait(timeout=60), last
+
+
+@pytest.mark.slow
+def test_a_check_while_the_writer_writes_finds_no_damage_and_leaves_it_alone(
+    tmp_path: Path,
+) -> None:
+    """Regression (#33): a check while a writer ran could call the journal damaged."""
+    path = tmp_path / "journal.db"
+    with writer(path) as child:
+        for number in (10, 40, 90):
+            events = committed_at(child, number)
+            # the writer goes on meanwhile: it stops only once its stdin closes
+            assert checked_ok(path, alone=False) >= events
+        # unaffected: it writes on, then closes its store as ever
+        committed_at(child, 120)
+        code, last = stopped(child)
+    assert code == 0
+    word, events = last.split()
+    assert word == "done"
+    assert not Path(f"{path}-wal").exists()  # the writer checkpointed it whole at close
+    assert checked_ok(path) == int(events)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs, mounted at a folder of ``tmp_path`` (root only)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", ["tmpfs", "max_page_count"])
+def test_a_journal_whose_disk_filled_up_mid_run_checks_ok(
+    full: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Regression (#33): after a disk-full mid-run, check called the journal damaged."""
+    if full == "tmpfs":
+        path = request.getfixturevalue("small_disk") / "journal.db"
+        args: tuple[str, ...] = ()
+    else:
+        path = tmp_path / "journal.db"
+        args = ("0", "200")  # a database file of 200 pages at most
+    with writer(path, *args) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            word, events = line.split()[-2:]
+            if word == "full":
+                break
+        else:
+            raise AssertionError("the writer never filled the disk")
+        # its failed batch wrote nothing; the writer is still there, then killed
+        assert checked_ok(path, alone=False) == int(events)
+        child.kill()
+        assert child.wait() == -signal.SIGKILL
+    assert checked_ok(path) == int(events)
