@@ -403,3 +403,75 @@ def test_a_journal_whose_disk_filled_up_mid_run_checks_ok(
         child.kill()
         assert child.wait() == -signal.SIGKILL
     assert checked_ok(path) == int(events)
+
+
+@pytest.fixture
+def killed(tmp_path: Path) -> tuple[Path, int]:
+    """A journal whose writer was killed after 40 batches, its committed transactions
+    still in the -wal (no checkpoint copied them in yet); and the events check reads in it."""
+    path = tmp_path / "killed" / "journal.db"
+    path.parent.mkdir()
+    with writer(path) as child:
+        committed_at(child, 40)
+        child.kill()
+        assert child.wait() == -signal.SIGKILL
+    return path, checked_ok(path)
+
+
+def copied(path: Path, to: Path) -> Path:
+    """A copy of the journal and its -wal and -shm in the folder ``to``."""
+    to.mkdir()
+    for file in path.parent.glob(f"{path.name}*"):
+        shutil.copyfile(file, to / file.name)
+    return to / path.name
+
+
+def lost_wal(path: Path, what: str, frames: int) -> str:
+    return (
+        f"{path}-wal {what}, but {path}-shm (SQLite's index of it) says it held {frames} "
+        f"committed frames not yet copied into {path}: committed transactions are lost; "
+        "restore the journal and its -wal from a backup"
+    )
+
+
+def shm_frames(path: Path) -> tuple[int, int]:
+    """``(mxFrame, nBackfill)`` of the journal's -shm: its last committed frame in the -wal,
+    and the frames a checkpoint copied into the file."""
+    header = Path(f"{path}-shm").read_bytes()[:136]
+    return int.from_bytes(header[16:20], sys.byteorder), int.from_bytes(
+        header[96:100], sys.byteorder
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_committed_transactions_lost_with_the_wal_are_reported(
+    how: str, killed: tuple[Path, int], tmp_path: Path
+) -> None:
+    """Regression (#33): a -wal deleted (or cut short) after a crash silently dropped the
+    committed transactions in it; check must say so, not call the journal healthy."""
+    original, events = killed
+    last, backfilled = shm_frames(original)
+    assert last > backfilled
+    path = copied(original, tmp_path / how)
+    wal = Path(f"{path}-wal")
+    if how == "deleted":
+        wal.unlink()
+        what = "is missing"
+    else:
+        page = 8192 + 24
+        with wal.open("r+b") as file:
+            file.truncate(32 + page * (last - 1) + page // 2)
+        what = f"holds {last - 1} whole frames of {last}"
+    done = interlock("check", "--db", str(path), "--json")
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert report["problems"][0] == {
+        "run_id": None,
+        "seq": None,
+        "message": lost_wal(path, what, last - backfilled),
+    }
+    # the events really are gone: SQLite reads the file as of its last checkpoint
+    [(left,)] = query(path, "SELECT sum(last_seq - first_seq + 1) FROM chunks")
+    assert isinstance(left, int)
+    assert left < events
