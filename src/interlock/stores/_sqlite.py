@@ -1758,7 +1758,7 @@ class SQLiteStore(Store):
                 unread.append(exc)
             # The rows read, intact or not: each is one run started (a pending move moves
             # a row, it adds none).
-            rows = len(index) + len(damaged)
+            started = len(index) + len(damaged)
             for run_id, move in moves.items():
                 indexed = index.get(run_id)
                 if indexed is None:
@@ -1785,7 +1785,7 @@ class SQLiteStore(Store):
                 checker.problem(problem.run_id, None, str(problem))
             if self._checksums:
                 try:
-                    self._check_count(rows, conn.execute(_RUNS_COUNTED).fetchone())
+                    self._check_count(started, conn.execute(_RUNS_COUNTED).fetchone())
                 except IndexDamaged as exc:
                     checker.problem(None, None, str(exc))
             for (line,) in conn.execute("PRAGMA integrity_check"):
