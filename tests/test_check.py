@@ -475,3 +475,32 @@ def test_committed_transactions_lost_with_the_wal_are_reported(
     [(left,)] = query(path, "SELECT sum(last_seq - first_seq + 1) FROM chunks")
     assert isinstance(left, int)
     assert left < events
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_file_of_a_killed_writer_is_reported(
+    killed: tuple[Path, int],
+) -> None:
+    """What a crash leaves is not damage, but damage beside it still is."""
+    path, _events = killed
+    data = path.read_bytes()
+    wal = Path(f"{path}-wal").read_bytes()
+    # a chunk in the file whose page no frame of the -wal holds again
+    chunks = query(path, "SELECT run_id, first_seq, body FROM chunks ORDER BY id LIMIT 200")
+    run_id, first, body = next(
+        (run_id, first, body)
+        for run_id, first, body in chunks
+        if isinstance(body, bytes) and data.count(body[:64]) == 1 and body[:64] not in wal
+    )
+    assert isinstance(body, bytes)
+    flip(path, data.index(body[:64]) + 20)
+    done = interlock("check", "--db", str(path), "--json")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["problems"] == [
+        {
+            "run_id": run_id,
+            "seq": first,
+            "message": f"journal of run {run_id!r} is corrupt (checksum mismatch) at seq "
+            f"{first}; {RESTORE}",
+        }
+    ]
