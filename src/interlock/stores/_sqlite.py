@@ -1073,8 +1073,9 @@ class SQLiteStore(Store):
 
     Either way, committed batches live in the ``-wal`` file beside the database until
     a checkpoint copies them in: a ``-wal`` lost or damaged before that (a copy of the
-    database file alone, say) silently drops them, as SQLite does. :meth:`check`
-    cannot see what is gone; it finds damage to what is there.
+    database file alone, say) silently drops them, as SQLite does. :meth:`check` finds
+    damage to what is there; of what is gone, only what the ``-shm`` a crashed writer
+    left says its ``-wal`` held, read when the store opens (before SQLite rebuilds it).
 
     Other processes may read the file while the store writes it (WAL). One process
     writes it: a store opened for writing holds ``<path>.lock`` (:func:`hold_journal`),
