@@ -1075,7 +1075,8 @@ class SQLiteStore(Store):
     a checkpoint copies them in: a ``-wal`` lost or damaged before that (a copy of the
     database file alone, say) silently drops them, as SQLite does. :meth:`check` finds
     damage to what is there; of what is gone, only what the ``-shm`` a crashed writer
-    left says its ``-wal`` held, read when the store opens (before SQLite rebuilds it).
+    left says its ``-wal`` held, read when the store opens (before SQLite rebuilds it;
+    a reader leaves it as it is where the ``-wal`` is missing).
 
     Other processes may read the file while the store writes it (WAL). One process
     writes it: a store opened for writing holds ``<path>.lock`` (:func:`hold_journal`),
@@ -2061,13 +2062,22 @@ def _read(path: str, offset: int, size: int) -> bytes | None:
 
 
 def _connect(
-    path: str, synchronous: str, readonly: bool
+    path: str, synchronous: str, readonly: bool, lost: bool = False
 ) -> tuple[sqlite3.Connection, _Checkpointer | None, int]:
-    """Open and prepare the database; also return its schema version (after any upgrade)."""
+    """Open and prepare the database; also return its schema version (after any upgrade).
+
+    ``lost``: :func:`_lost_wal` found committed transactions lost with the -wal.
+    """
     _check_file(path, readonly=readonly)
     try:
         if readonly:
             uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+            if lost and not os.path.exists(f"{path}-wal"):
+                # NOTE: a -wal lost whole leaves SQLite nothing to read but the file: read
+                # it alone, so that the -shm that says what is lost stays (for the next
+                # check) and no empty -wal appears in its place. No writer is live: a
+                # writer keeps its -wal.
+                uri += "&immutable=1"
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         else:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -2327,7 +2337,9 @@ async def open_sqlite_store(
     try:
         # NOTE: before SQLite opens the file: the first connection forgets what is lost.
         lost = await trio.to_thread.run_sync(_lost_wal, path)
-        conn, checkpointer, version = await trio.to_thread.run_sync(_connect, path, level, readonly)
+        conn, checkpointer, version = await trio.to_thread.run_sync(
+            _connect, path, level, readonly, lost is not None
+        )
     except BaseException:
         if held is not None:
             held.release()
