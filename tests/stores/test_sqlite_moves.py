@@ -24,7 +24,7 @@ import trio
 from interlock._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import IndexDamaged, SQLiteStore, open_sqlite_store
 from interlock.stores import _sqlite as sqlite_store_module
-from interlock.stores._base import index_updates
+from interlock.stores._base import index_updates, row_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -306,3 +306,58 @@ async def test_a_row_damaged_where_the_writer_cannot_see_a_change_is_never_overw
                 await read()
         assert [p.run_id for p in (await store.check()).problems] == ["r-2"]
         assert await store.load("r-1") == journals["r-1"]
+
+
+async def test_a_pending_move_its_row_moved_past_is_no_damage_to_a_reader(
+    tmp_path: Path, lag: None
+) -> None:
+    """Regression (#33): a run whose outcome changed moved its row past its pending moves,
+    which wait in the moves table until the writer applies (drops) them; a reader's check
+    in the meantime (another process's, or after a crash) called each such run damaged,
+    and counted it twice against the runs started."""
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        journals = await steps(store, range(2, 5))
+        end = Completed(run_id="r-2", seq=5, ts=5.0, state="B")
+        await store.append([end])
+        journals["r-2"].append(end)
+        assert raw_sql(path, "SELECT count(*) FROM moves") == [(3,)]
+        async with await open_sqlite_store(path, readonly=True) as reader:
+            assert isinstance(reader, SQLiteStore)
+            report = await reader.check()
+            assert (report.runs, report.events, report.problems) == (3, 13, ())
+            await every_read(reader, journals)
+
+
+async def test_a_pending_move_of_another_run_than_its_row_is_damage(
+    tmp_path: Path, lag: None
+) -> None:
+    """A move behind its row is superseded only if it moves that very row (same machine
+    and start): one of another is reported, as the writer keeps it pending."""
+    path = tmp_path / "j.db"
+    async with await open_sqlite_store(path) as store:
+        await steps(store, range(2, 4))
+    raw_sql(path, "DELETE FROM moves")  # closing applied them: lay pending ones again
+    async with await open_sqlite_store(path) as store:
+        await steps_more(store, 4)
+        # r-1's row rewritten whole, checksum and all, as another run of the same id
+        [row] = raw_sql(
+            path, f"SELECT {sqlite_store_module._RUN_COLUMNS} FROM runs WHERE run_id = 'r-1'"
+        )
+        fields = (row[0], "other", row[2], row[3], 9, *row[5:9])
+        raw_sql(
+            path,
+            "UPDATE runs SET machine = ?, seq = ?, crc = ? WHERE run_id = 'r-1'",
+            ("other", 9, row_checksum(*fields)),
+        )
+        async with await open_sqlite_store(path, readonly=True) as reader:
+            report = await reader.check()
+    assert [(p.run_id, p.message) for p in report.problems][:1] == [
+        (
+            "r-1",
+            "runs index row of run 'r-1' is damaged (its pending index move (to seq 4) is of "
+            "machine 'loop' started at 1.0, its row of machine 'other' started at 1.0); the "
+            "store was written outside interlock or its file is damaged; restore it from a "
+            "backup",
+        )
+    ]

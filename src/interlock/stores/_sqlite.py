@@ -1073,8 +1073,10 @@ class SQLiteStore(Store):
 
     Either way, committed batches live in the ``-wal`` file beside the database until
     a checkpoint copies them in: a ``-wal`` lost or damaged before that (a copy of the
-    database file alone, say) silently drops them, as SQLite does. :meth:`check`
-    cannot see what is gone; it finds damage to what is there.
+    database file alone, say) silently drops them, as SQLite does. :meth:`check` finds
+    damage to what is there; of what is gone, only what the ``-shm`` a crashed writer
+    left says its ``-wal`` held, read when the store opens (before SQLite rebuilds it;
+    a reader leaves it as it is where the ``-wal`` is missing).
 
     Other processes may read the file while the store writes it (WAL). One process
     writes it: a store opened for writing holds ``<path>.lock`` (:func:`hold_journal`),
@@ -1096,11 +1098,14 @@ class SQLiteStore(Store):
         checksums: bool = True,
         held: _WriterLock | None = None,
         version: int = SCHEMA_VERSION,
+        lost: str | None = None,
     ) -> None:
         """Wrap an open, checked connection; use :func:`open_sqlite_store` instead.
 
         ``checksums`` is False only for a version 2 database opened read-only; ``held``
-        is the writer's lock (None read-only), released when the store closes.
+        is the writer's lock (None read-only), released when the store closes; ``lost``
+        says what committed transactions a crash's -wal lost (:func:`_lost_wal`), for
+        :meth:`check` to report.
         """
         self._conn: sqlite3.Connection | None = conn
         self._path = path
@@ -1111,6 +1116,7 @@ class SQLiteStore(Store):
         self._select = f"SELECT {_READ_COLUMNS}{', crc' if checksums else ''}"
         self._read = _verified if checksums else _unverified
         self._readonly = readonly
+        self._lost = lost
         self._lock = trio.Lock()
         self._checkpointer = checkpointer
         self._held = held
@@ -1752,28 +1758,36 @@ class SQLiteStore(Store):
                 moves = self._pending(conn)
             except IndexDamaged as exc:
                 unread.append(exc)
+            # The rows read, intact or not: each is one run started (a pending move moves
+            # a row, it adds none).
+            started = len(index) + len(damaged)
             for run_id, move in moves.items():
                 indexed = index.get(run_id)
                 if indexed is None:
                     continue  # a damaged row (reported as such) or a missing one
-                if move[4] > indexed.seq:
-                    index[run_id] = stored_record(move)
-                else:
+                if move[1] != indexed.machine or move[5] != indexed.started:
                     damaged.append(
                         IndexDamaged(
                             run_id,
-                            f"its pending index move (to seq {move[4]}) is not ahead of its "
-                            f"row (at seq {indexed.seq})",
+                            f"its pending index move (to seq {move[4]}) is of machine "
+                            f"{move[1]!r} started at {move[5]!r}, its row of machine "
+                            f"{indexed.machine!r} started at {indexed.started!r}",
                         )
                     )
+                elif move[4] > indexed.seq:
+                    index[run_id] = stored_record(move)
+                # NOTE: else the row moved past the move (the run's outcome changed since,
+                # which moves a row at once): the move is superseded, as every read and
+                # _flush_moves take it, and waits to be dropped when the writer applies the
+                # moves, or at its next open after a crash. Not damage.
             checker = Checker(index, damaged)
+            if self._lost is not None:
+                checker.problem(None, None, self._lost)
             for problem in unread:
                 checker.problem(problem.run_id, None, str(problem))
             if self._checksums:
                 try:
-                    self._check_count(
-                        len(index) + len(damaged), conn.execute(_RUNS_COUNTED).fetchone()
-                    )
+                    self._check_count(started, conn.execute(_RUNS_COUNTED).fetchone())
                 except IndexDamaged as exc:
                     checker.problem(None, None, str(exc))
             for (line,) in conn.execute("PRAGMA integrity_check"):
@@ -1973,14 +1987,97 @@ def _check_file(path: str, *, readonly: bool) -> None:
         raise _not_interlock(path, "file is not a database")
 
 
+#: The -shm header (SQLite's wal-index, in the machine's byte order): two copies of a
+#: 48-byte header, then the checkpoint's ``nBackfill``; each field's offset.
+_SHM_HEADER = 136
+_SHM_VERSION = 3007000
+
+
+def _lost_wal(path: str) -> str | None:
+    """What a crash's -wal lost, read before SQLite opens the file (the first connection
+    rebuilds the -shm from the -wal, forgetting what the -wal no longer holds); None if
+    nothing is known lost.
+
+    The -shm a writer left names the last committed frame of its -wal (``mxFrame``), its
+    salt and checksum, and the frames a checkpoint copied into the file (``nBackfill``).
+    Frames past those, which the -wal no longer holds as committed (deleted, cut short,
+    replaced), are committed transactions that SQLite silently drops.
+    """
+    shm, wal = f"{path}-shm", f"{path}-wal"
+    for _ in range(3):  # a writer changes both meanwhile: read again
+        header = _read(shm, 0, _SHM_HEADER)
+        if header is None or len(header) < _SHM_HEADER or header[:48] != header[48:96]:
+            return None  # no -shm, or one SQLite would rebuild anyway
+        order = sys.byteorder
+        version = int.from_bytes(header[0:4], order)
+        last = int.from_bytes(header[16:20], order)
+        backfilled = int.from_bytes(header[96:100], order)
+        if version != _SHM_VERSION or header[12] != 1 or last <= backfilled:
+            return None  # not initialised, or every committed frame is in the file
+        size = int.from_bytes(header[14:16], order)
+        page = (size & 0xFE00) + ((size & 1) << 16)
+        salt, checksum = header[32:40], header[24:32]
+        frame = 32 + (last - 1) * (page + 24)
+        try:
+            held = os.path.getsize(wal)
+        except FileNotFoundError:
+            what: str | None = "is missing"
+        else:
+            whole = max(held - 32, 0) // (page + 24)
+            start = _read(wal, 16, 8)
+            tail = _read(wal, frame, 24)
+            if whole < last:
+                what = f"holds {whole} whole frames of {last}"
+            elif start != salt or tail is None or len(tail) < 24:
+                what = "was replaced (its salt is not the one committed)"
+            elif (
+                tail[8:16] != salt
+                or int.from_bytes(tail[4:8], "big") == 0
+                or [int.from_bytes(tail[16:20], "big"), int.from_bytes(tail[20:24], "big")]
+                != [int.from_bytes(checksum[0:4], order), int.from_bytes(checksum[4:8], order)]
+            ):
+                what = f"does not hold frame {last} as committed"
+            else:
+                what = None
+        if _read(shm, 0, _SHM_HEADER) != header:
+            continue
+        if what is None:
+            return None
+        return (
+            f"{wal} {what}, but {shm} (SQLite's index of it) says it held "
+            f"{last - backfilled} committed frames not yet copied into {path}: committed "
+            "transactions are lost; restore the journal and its -wal from a backup"
+        )
+    return None
+
+
+def _read(path: str, offset: int, size: int) -> bytes | None:
+    """``size`` bytes of a file from ``offset`` (fewer at its end); None if it is missing."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            return file.read(size)
+    except FileNotFoundError:
+        return None
+
+
 def _connect(
-    path: str, synchronous: str, readonly: bool
+    path: str, synchronous: str, readonly: bool, lost: bool = False
 ) -> tuple[sqlite3.Connection, _Checkpointer | None, int]:
-    """Open and prepare the database; also return its schema version (after any upgrade)."""
+    """Open and prepare the database; also return its schema version (after any upgrade).
+
+    ``lost``: :func:`_lost_wal` found committed transactions lost with the -wal.
+    """
     _check_file(path, readonly=readonly)
     try:
         if readonly:
             uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+            if lost and not os.path.exists(f"{path}-wal"):
+                # NOTE: a -wal lost whole leaves SQLite nothing to read but the file: read
+                # it alone, so that the -shm that says what is lost stays (for the next
+                # check) and no empty -wal appears in its place. No writer is live: a
+                # writer keeps its -wal.
+                uri += "&immutable=1"
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         else:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -2238,7 +2335,11 @@ async def open_sqlite_store(
         await trio.to_thread.run_sync(lambda: _check_file(path, readonly=False))
         held = await _take_lock(path, wait)
     try:
-        conn, checkpointer, version = await trio.to_thread.run_sync(_connect, path, level, readonly)
+        # NOTE: before SQLite opens the file: the first connection forgets what is lost.
+        lost = await trio.to_thread.run_sync(_lost_wal, path)
+        conn, checkpointer, version = await trio.to_thread.run_sync(
+            _connect, path, level, readonly, lost is not None
+        )
     except BaseException:
         if held is not None:
             held.release()
@@ -2252,4 +2353,5 @@ async def open_sqlite_store(
         checksums=version >= 3,
         held=held,
         version=version,
+        lost=lost,
     )
