@@ -670,8 +670,9 @@ class PostgresStore(Store):
         """The leases a claim or a renewal grants, each with when its statement was sent
         (:attr:`Lease.sent`, trio's clock): the server's ``now()``, from which the
         leases' expiry counts, is no earlier (waiting for the connection is not counted)."""
-        # trio's clock is the monotonic clock plus an offset (in tests, a mock clock's
-        # time: the statement's real moment is then taken as this task's time now).
+        # trio's clock is perf_counter() plus an offset. Under another clock (a test's
+        # MockClock) the sum is off by the hop's real time: min() keeps it no later than
+        # the answer, and a jump of the mock clock during the hop only makes it earlier.
         offset = trio.current_time() - time.perf_counter()
         stamp: list[float] = []
 
