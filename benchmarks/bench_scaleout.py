@@ -888,7 +888,9 @@ def render(results: dict[str, Any]) -> str:
             ],
         ),
         "",
-        "What scales on this host and why: `benchmarks/scaleout.md`.",
+        "What scales on this host and why: `benchmarks/scaleout.md`. Calls cut as stalled "
+        "by three workers under load with no fault, before and after issue 33's fix: "
+        "`benchmarks/lease_stalls.md` (`python -m benchmarks.lease_stalls`).",
     ]
     return "\n".join(parts)
 

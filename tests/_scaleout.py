@@ -120,6 +120,53 @@ def enqueue(url: str, indices: Iterable[int]) -> list[str]:
     return trio.run(main)
 
 
+def enqueue_many(url: str, indices: Iterable[int], chunk: int = 1000) -> None:
+    """Create runs ``order-NNNNNN`` as :func:`enqueue` does, ``chunk`` runs per write
+    (``interlock.enqueue_runs``): a load of thousands of runs in seconds."""
+    from interlock import enqueue_runs
+    from interlock.stores._open import open_store
+
+    app = _scaleout_app()
+    ids = list(indices)
+
+    async def main() -> None:
+        store = await open_store(url)
+        try:
+            for at in range(0, len(ids), chunk):
+                part = ids[at : at + chunk]
+                await enqueue_runs(
+                    store,
+                    app.order,
+                    [app.make_inputs(i) for i in part],
+                    run_ids=[f"order-{i:06d}" for i in part],
+                )
+        finally:
+            await store.aclose()
+
+    trio.run(main)
+
+
+def stall_cuts(url: str) -> tuple[int, int]:
+    """``(escalated, journaled)``: the runs escalated because a call was cut as if its
+    worker had stalled past its lease (the cut's text in the escalation's detail), and the
+    journaled failures of such cuts (a ``notify`` cut is reconciled, not escalated, but its
+    failure is journaled all the same; the framed msgpack holds the text as UTF-8)."""
+    from interlock._breakers import LEASE_CUT
+
+    escalated = query(
+        url,
+        "SELECT count(*) FROM runs WHERE outcome = 'escalated' AND position(%s in detail) > 0",
+        (LEASE_CUT,),
+    )[0][0]
+    journaled = query(
+        url,
+        "SELECT count(*) FROM events WHERE kind IN ('tool_failed', 'tool_in_doubt') "
+        "AND position(convert_to(%s, 'UTF8') in body) > 0",
+        (LEASE_CUT,),
+    )[0][0]
+    return int(escalated), int(journaled)
+
+
 def wait_until(
     what: str,
     done: Callable[[], bool],

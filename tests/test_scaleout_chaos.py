@@ -110,6 +110,10 @@ def report(name: str, started: float, url: str, **figures: object) -> None:
 
 #: Worker options of the scenarios: few runs at once, so runs flow while workers die.
 FLOW = ("--max-runs", "12", "--claim-batch", "6", "--poll", "0.2")
+#: Worker options of the load scenario: thousands of runs at once per worker, so that the
+#: journal's batches, the claims and the claimed runs' loads keep the store busy.
+LOAD = ("--max-runs", "3000", "--claim-batch", "500")
+LOAD_TTL = float(os.environ.get("SCALEOUT_LOAD_TTL", "2"))
 
 
 def test_workers_sigkilled_repeatedly_while_runs_flow(url: str, tmp_path: Path) -> None:
@@ -375,3 +379,43 @@ def test_sigterm_drains_and_releases_leases(url: str, tmp_path: Path) -> None:
         "drain", started, url, runs=runs, released=summary["released"],
         finished_by_second=second.summary()["finished"], duplicates=0,
     )  # fmt: skip
+
+
+def test_no_call_is_cut_as_stalled_under_load_with_no_fault(url: str, tmp_path: Path) -> None:
+    """Three workers on one PostgreSQL, thousands of runs each at once, lease ttl 2 s
+    (``SCALEOUT_LOAD_TTL``), and no fault injected: no worker stalls, so no call may be cut as if its worker had stalled
+    past its lease (issue 33: the heartbeat waited for the store's one connection behind
+    the journal's batch writes and the claimed runs' loads, the leases' sure time passed
+    while the renewal queued, and calls of ``charge`` that were never applied were cut and
+    escalated as in doubt, with no lease lost). The stall cuts are counted from the journal:
+    the runs escalated so, and every cut's journaled failure (a ``notify`` cut is reconciled)."""
+    runs, started = 9000, time.monotonic()
+    so.enqueue_many(url, range(runs))
+    with so.processes() as procs:
+        procs.extend(so.worker(url, tmp_path, f"w{i}", *LOAD, ttl=LOAD_TTL) for i in range(3))
+        so.wait_until(
+            f"all {runs} runs terminal", lambda: so.progress(url)[0] == runs, timeout=600,
+            procs=procs,
+        )  # fmt: skip
+        for proc in procs:
+            proc.send(signal.SIGTERM)
+        for proc in procs:
+            proc.exit_ok(60)
+    summaries = so.check_summaries(procs, runs)
+    escalated, cuts = so.stall_cuts(url)
+    lost = sum(s["lost"] for s in summaries)
+    report(
+        "no fault, under load", started, url, runs=runs, ttl=LOAD_TTL, lost=lost,
+        stall_escalations=escalated, stall_cuts=cuts,
+    )  # fmt: skip
+    assert (escalated, cuts) == (0, 0), (
+        f"{escalated} runs escalated and {cuts} calls cut as stalled past their leases, with "
+        f"no fault injected ({lost} leases lost)\n{so.tails(procs, 600)}"
+    )
+    # NOTE: not asserted: lost == 0. At this load and a 2 s ttl a worker still loses a
+    # claim's worth of leases now and then (once in four rounds of benchmarks/
+    # lease_stalls.py): its renewal, on its own connection, still waits for the lease rows
+    # an open batch transaction of its journal holds. Those runs are taken over, and the
+    # audit below holds them to exactly once.
+    problems = so.audit(url, runs=runs)
+    assert not problems, f"{len(problems)} violations, e.g.:\n" + "\n".join(problems[:30])

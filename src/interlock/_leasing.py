@@ -38,6 +38,8 @@ log = logging.getLogger("interlock.leases")
 
 #: The share of a lease's ttl, from when its claim or renewal was sent, during which this
 #: process takes it as surely still its own (the rest is margin for the clocks' drift).
+#: Sent: when the statement went to the server (:attr:`~interlock.stores.Lease.sent`),
+#: not when this process asked for a connection to send it on.
 SURE = 0.8
 
 #: The longest a heartbeat waits before retrying after the store failed.
@@ -103,12 +105,19 @@ class Leases:
         return run_id in self.epochs
 
     def hold(self, leases: Iterable[Lease], sent: float) -> None:
-        """Record leases the store granted (a claim sent at ``sent``, trio's clock)."""
-        sure = sent + SURE * self.ttl
+        """Record leases the store granted (a claim asked for at ``sent``, trio's clock,
+        unless a lease says when it was sent)."""
         for lease in leases:
             self.epochs[lease.run_id] = lease.epoch
             self.ended.pop(lease.run_id, None)
-            self._extend(lease.run_id, sure)
+            self._extend(lease.run_id, self._sure(lease, sent))
+
+    def _sure(self, lease: Lease, asked: float) -> float:
+        """Until when ``lease`` is surely still this process's: :data:`SURE` of the ttl
+        from when its claim or renewal was sent (``asked``: when it was asked for, earlier,
+        if the store does not say)."""
+        sent = asked if lease.sent is None else max(asked, lease.sent)
+        return sent + SURE * self.ttl
 
     def _extend(self, run_id: str, sure: float) -> None:
         self.until[run_id] = sure
@@ -159,9 +168,10 @@ class Leases:
             raise lease_lost(run_id, self.owner, 0)
         sent = trio.current_time()
         renewed = await self.store.renew(self.owner, [run_id], ttl=self.ttl)
-        if any(lease.epoch == epoch for lease in renewed) and self.epochs.get(run_id) == epoch:
-            self._extend(run_id, sent + SURE * self.ttl)
-            return
+        for lease in renewed:
+            if lease.epoch == epoch and self.epochs.get(run_id) == epoch:
+                self._extend(run_id, self._sure(lease, sent))
+                return
         self._drop([run_id])
         raise lease_lost(run_id, self.owner, epoch)
 
@@ -311,10 +321,10 @@ class Leases:
         sent = trio.current_time()
         renewed = await self.store.renew(self.owner, list(held), ttl=self.ttl)
         kept = {lease.run_id for lease in renewed if lease.epoch == held[lease.run_id]}
-        sure = sent + SURE * self.ttl
-        for run_id in kept:
-            if self.epochs.get(run_id) == held[run_id]:
-                self._extend(run_id, sure)
+        for lease in renewed:
+            run_id = lease.run_id
+            if run_id in kept and self.epochs.get(run_id) == held[run_id]:
+                self._extend(run_id, self._sure(lease, sent))
         # A run claimed or released meanwhile (its epoch changed here) is not judged on
         # this answer; only one this process held all along and the store no longer does.
         gone = [
@@ -332,12 +342,18 @@ class Leases:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Renew every ``ttl / 3`` seconds until cancelled; a failing store is retried
-        with backoff (the leases stay this process's until another claims them)."""
+        with backoff (the leases stay this process's until another claims them).
+
+        The period counts from when the last renewal began, not from when it returned:
+        one slow to return (its statement waited for the lease rows a batch of the
+        journal held) does not push the next one later too."""
         task_status.started()
         period = self.ttl / 3
         backoff = min(period, 0.1)
+        due = trio.current_time() + period
         while True:
-            await trio.sleep(period)
+            await trio.sleep_until(due)
+            due = trio.current_time() + period
             try:
                 await self.renew(live)
             except StoreError as exc:
@@ -351,3 +367,4 @@ class Leases:
                         continue
                     break
                 backoff = min(period, 0.1)
+                due = trio.current_time() + period

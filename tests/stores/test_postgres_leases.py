@@ -439,6 +439,37 @@ async def test_renew_extends_held_leases_and_omits_lost_ones(schema: str) -> Non
         assert await a.renew("w-a", [], ttl=1.0) == []
 
 
+async def test_a_renewal_does_not_wait_for_the_journals_connection(schema: str) -> None:
+    """A heartbeat's renewal is answered while the store's journal connection is busy
+    inside a batch write (issue 33: it queued behind the batch writes, seconds under load,
+    and the leases' sure time ran out). Each lease says when its renewal was sent: once
+    the renewal had a connection, not when it was asked for."""
+    inside = threading.Event()
+    go_on = threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert go_on.wait(60), "the test never let the append commit"
+
+    async with workers(schema, 1) as (a,):
+        await a.append_fenced([started("r-1"), started("r-2")], {}, "w-a", ttl=600.0)
+        a._after_fence_check = hold
+        renewed: list[Lease] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.append_fenced, [step("r-1", 2)], {"r-1": 1}, "w-a")
+                assert await trio.to_thread.run_sync(inside.wait, 60)
+                asked = trio.current_time()
+                renewed = await a.renew("w-a", ["r-2"], ttl=600.0)  # the batch is still open
+                answered = trio.current_time()
+                go_on.set()
+        [lease] = renewed
+        assert (lease.run_id, lease.epoch) == ("r-2", 1)
+        assert lease.sent is not None
+        assert asked <= lease.sent <= answered
+        assert await seqs(a, "r-1") == [1, 2]
+
+
 async def test_release_gives_leases_up(schema: str) -> None:
     async with workers(schema, 2) as (a, b):
         await a.append([started("r-1"), started("r-2")])

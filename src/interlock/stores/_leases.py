@@ -42,6 +42,11 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     expires: float
     """When the lease ends unless renewed: the database server's clock, in seconds
     since the Unix epoch (never the worker's clock; compare it with nothing local)."""
+    sent: float | None = None
+    """When the claim or renewal that granted it was sent to the server, on the
+    granting process's trio clock (``trio.current_time()``), None if the store does not
+    say: the lease lasts its ttl from a moment no earlier (the server's), so a process
+    counts its ttl from here, not from when it asked for a connection."""
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -421,7 +422,9 @@ class PostgresStore(Store):
 
     psycopg's async connection does not run under trio, so the store uses a sync
     connection from a worker thread (:func:`trio.to_thread.run_sync`), one hop per
-    call, with a :class:`trio.Lock` around it. :meth:`append` writes a batch in one
+    call, with a :class:`trio.Lock` around it. Lease renewals (a worker's heartbeat) use a
+    second connection, opened at the first renewal, so that they never wait for the
+    journal's writes. :meth:`append` writes a batch in one
     transaction: events by one ``INSERT`` over ``unnest`` arrays, then one
     ``INSERT ... ON CONFLICT`` over ``unnest`` arrays for the runs index. A commit returns once PostgreSQL has
     flushed its WAL (with the server's default ``synchronous_commit = on``).
@@ -453,6 +456,12 @@ class PostgresStore(Store):
         self._schema = schema
         self._readonly = readonly
         self._lock = trio.Lock()
+        # NOTE: renewals have a connection of their own, opened at the first one: on the
+        # journal's, a heartbeat waited behind the batch writes and the claimed runs' loads
+        # (seconds, under load) while the leases' sure time ran out, and calls were cut
+        # as if this process had stalled (issue 33).
+        self._renewals: psycopg.Connection[Any] | None = None
+        self._renewals_lock = trio.Lock()
         self._columns = f"{_RUN_COLUMNS}, crc" if checksums else _RUN_COLUMNS
         self._read = verified_record if checksums else stored_record
         self._leases = leases
@@ -478,13 +487,16 @@ class PostgresStore(Store):
     def __repr__(self) -> str:
         return f"<PostgresStore {self._where}, schema {self._schema!r}>"
 
-    async def _call(self, what: str, fn: Callable[[psycopg.Connection[Any]], _T]) -> _T:
-        """Run ``fn(conn)`` in a worker thread, holding the lock; map psycopg errors."""
-        async with self._lock:
+    async def _call(
+        self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, renewal: bool = False
+    ) -> _T:
+        """Run ``fn(conn)`` in a worker thread, holding the connection's lock; map psycopg
+        errors. ``renewal``: on the renewals' connection, not the journal's."""
+        async with self._renewals_lock if renewal else self._lock:
             if self._conn is None:
                 raise StoreError("store is closed")
             try:
-                return await trio.to_thread.run_sync(self._with_connection, fn)
+                return await trio.to_thread.run_sync(self._with_connection, fn, renewal)
             except errors.DiskFull as exc:
                 raise StoreError(
                     f"journal {self._where}, schema {self._schema!r}: disk is full on the "
@@ -492,19 +504,24 @@ class PostgresStore(Store):
                     "then retry"
                 ) from exc
             except psycopg.Error as exc:
-                if self._conn is not None and self._conn.broken:
+                conn = self._renewals if renewal else self._conn
+                if conn is not None and conn.broken:
                     raise StoreError(
                         f"{self._where}: {what} failed: {_reason(exc)}; the connection was "
                         "lost and the next call reconnects"
                     ) from exc
                 raise StoreError(f"{self._where}: {what} failed: {_reason(exc)}") from exc
 
-    def _with_connection(self, fn: Callable[[psycopg.Connection[Any]], _T]) -> _T:
-        conn = self._conn
-        assert conn is not None
-        if conn.broken or conn.closed:
-            conn.close()
-            self._conn = conn = _connect(self._dsn, self._schema, self._readonly)[0]
+    def _with_connection(self, fn: Callable[[psycopg.Connection[Any]], _T], renewal: bool) -> _T:
+        conn = self._renewals if renewal else self._conn
+        if conn is None or conn.broken or conn.closed:
+            if conn is not None:
+                conn.close()
+            conn = _connect(self._dsn, self._schema, self._readonly)[0]
+            if renewal:
+                self._renewals = conn
+            else:
+                self._conn = conn
         return fn(conn)
 
     async def append(self, events: Sequence[Event]) -> None:
@@ -641,19 +658,31 @@ class PostgresStore(Store):
             if not ids:
                 await trio.lowlevel.checkpoint()
                 return []
-            rows = await self._call(
-                "claim",
-                lambda conn: conn.execute(
-                    _CLAIM_NAMED, (owner, ttl, ids, owner), prepare=False
-                ).fetchall(),
+            return await self._granted(
+                "claim", _CLAIM_NAMED, (owner, ttl, ids, owner), renewal=False
             )
-            return _leases_of(rows)
         skip = check_run_ids(exclude)
-        rows = await self._call(
-            "claim",
-            lambda conn: conn.execute(_CLAIM, (owner, ttl, skip, limit), prepare=False).fetchall(),
-        )
-        return _leases_of(rows)
+        return await self._granted("claim", _CLAIM, (owner, ttl, skip, limit), renewal=False)
+
+    async def _granted(
+        self, what: str, statement: str, params: tuple[Any, ...], *, renewal: bool
+    ) -> list[Lease]:
+        """The leases a claim or a renewal grants, each with when its statement was sent
+        (:attr:`Lease.sent`, trio's clock): the server's ``now()``, from which the
+        leases' expiry counts, is no earlier (waiting for the connection is not counted)."""
+        # trio's clock is perf_counter() plus an offset. Under another clock (a test's
+        # MockClock) the sum is off by the hop's real time: min() keeps it no later than
+        # the answer, and a jump of the mock clock during the hop only makes it earlier.
+        offset = trio.current_time() - time.perf_counter()
+        stamp: list[float] = []
+
+        def run(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+            stamp.append(time.perf_counter())
+            return conn.execute(statement, params, prepare=False).fetchall()
+
+        rows = await self._call(what, run, renewal=renewal)
+        sent = min(offset + stamp[-1], trio.current_time())
+        return _leases_of(rows, sent)
 
     async def held_elsewhere(self, owner: str) -> list[Lease]:
         """The unfinished runs that owners other than ``owner`` hold leases of, unexpired,
@@ -701,10 +730,7 @@ class PostgresStore(Store):
         if not ids:
             await trio.lowlevel.checkpoint()
             return []
-        rows = await self._call(
-            "renew", lambda conn: conn.execute(_RENEW, (ttl, ids, owner), prepare=False).fetchall()
-        )
-        return _leases_of(rows)
+        return await self._granted("renew", _RENEW, (ttl, ids, owner), renewal=True)
 
     async def release(self, owner: str, run_ids: Iterable[str]) -> None:
         """Give up the leases of ``run_ids`` that ``owner`` holds: they expire now and
@@ -874,6 +900,10 @@ class PostgresStore(Store):
                 conn, self._conn = self._conn, None
                 if conn is not None:
                     await trio.to_thread.run_sync(conn.close)
+            async with self._renewals_lock:
+                conn, self._renewals = self._renewals, None
+                if conn is not None:
+                    await trio.to_thread.run_sync(conn.close)
 
 
 def _check_leases(checker: Checker, rows: Iterable[tuple[Any, ...]]) -> None:
@@ -910,9 +940,9 @@ def _check_leases(checker: Checker, rows: Iterable[tuple[Any, ...]]) -> None:
         )
 
 
-def _leases_of(rows: Iterable[tuple[Any, ...]]) -> list[Lease]:
+def _leases_of(rows: Iterable[tuple[Any, ...]], sent: float) -> list[Lease]:
     leases = [
-        Lease(run_id=run_id, owner=owner, epoch=epoch, expires=expires)
+        Lease(run_id=run_id, owner=owner, epoch=epoch, expires=expires, sent=sent)
         for run_id, owner, epoch, expires in rows
     ]
     leases.sort(key=lambda lease: lease.run_id)
