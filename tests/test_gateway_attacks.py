@@ -194,8 +194,9 @@ def test_interlock_serve_refuses_a_bad_allowed_origin_in_one_line(tmp_path: Path
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLOCK_")}
     done = subprocess.run(
-        [sys.executable, "-m", "interlock", "serve", "--port", "0", "--allow-origin", "*"]
-        + ["--db", str(tmp_path / "j.db")],  # a named journal: no 'journal:' line before
+        # a named journal: no 'journal:' line before the refusal
+        [sys.executable, "-m", "interlock", "serve", "--port", "0", "--allow-origin", "*",
+         "--db", str(tmp_path / "j.db")],  # fmt: skip
         capture_output=True,
         text=True,
         env=env,
