@@ -195,8 +195,18 @@ def test_interlock_serve_refuses_a_bad_allowed_origin_in_one_line(tmp_path: Path
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLOCK_")}
     done = subprocess.run(
         # a named journal: no 'journal:' line before the refusal
-        [sys.executable, "-m", "interlock", "serve", "--port", "0", "--allow-origin", "*",
-         "--db", str(tmp_path / "j.db")],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "interlock",
+            "serve",
+            "--port",
+            "0",
+            "--allow-origin",
+            "*",
+            "--db",
+            str(tmp_path / "j.db"),
+        ],
         capture_output=True,
         text=True,
         env=env,
