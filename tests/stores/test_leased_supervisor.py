@@ -522,3 +522,118 @@ async def test_an_operator_takes_a_run_the_moment_its_worker_escalated_it(
     async with open_supervisor([spec], store, provider=Script(), owner="ops") as ops:
         assert ops.leases is not None
         assert [lease.epoch for lease in await ops.leases.take(["e-1"])] == [2]
+
+
+class ClockedLeases:
+    """A leasing store whose leases expire on trio's clock, to check a process's sure
+    time against the real expiry (issue 33). A claim or renewal waits ``queued`` seconds
+    for a connection, is then sent (its lease says when), and takes ``trip`` seconds to
+    reach the server, which grants the lease for ``ttl`` seconds from then: it really
+    expires later than ``sent + ttl``, never earlier. ``taken``: runs another process
+    has claimed (renewals of them come back empty)."""
+
+    def __init__(self, *, queued: float, trip: float) -> None:
+        self.queued = queued
+        self.trip = trip
+        self.expires: dict[str, float] = {}
+        self.taken: set[str] = set()
+        self.renewals = 0
+
+    async def _grant(self, owner: str, run_ids: Any, ttl: float) -> list[Any]:
+        from interlock.stores._leases import Lease
+
+        await trio.sleep(self.queued)
+        sent = trio.current_time()
+        await trio.sleep(self.trip)
+        granted = []
+        for run_id in run_ids:
+            if run_id in self.taken:
+                continue
+            self.expires[run_id] = trio.current_time() + ttl
+            granted.append(Lease(run_id=run_id, owner=owner, epoch=1, expires=0.0, sent=sent))
+        return granted
+
+    async def claim(self, owner: str, *, ttl: float, run_ids: Any, **_: Any) -> list[Any]:
+        return await self._grant(owner, run_ids, ttl)
+
+    async def renew(self, owner: str, run_ids: Any, *, ttl: float) -> list[Any]:
+        self.renewals += 1
+        return await self._grant(owner, run_ids, ttl)
+
+
+class Send:
+    """A tool that is not safe to repeat: ``wait`` seconds after it starts, it sends."""
+
+    def __init__(self, wait: float = 0.0) -> None:
+        self.wait = wait
+        self.sent: list[float] = []
+
+    async def __call__(self, args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
+        await trio.sleep(self.wait)
+        self.sent.append(trio.current_time())
+        return {"noted": args.text}
+
+
+async def leased_call(leases: Any, send: Send) -> tuple[Any, bool]:
+    """One attempt of a call of ``send`` (not idempotent) under r-1's lease, as the actor
+    makes it."""
+    from interlock._actor import _under_lease
+
+    tool = Tool("send", send, NoteArgs)
+    assert not tool.safe_to_repeat
+    ctx = ToolContext(run_id="r-1", state="WORK", key="r-1:WORK:3", attempt=1, epoch=1)
+    return await _under_lease(leases, "r-1", tool, NoteArgs(text="hi"), ctx)
+
+
+def clocked_leases(store: ClockedLeases, lost: dict[str, Any]) -> Any:
+    from interlock._leasing import Leases
+
+    return Leases(store, "me", 1.0, is_external=lambda run_id: False, lose=lost.update)
+
+
+async def test_a_call_under_a_lease_is_cut_before_the_lease_really_expires(
+    autojump_clock: Any,
+) -> None:
+    """(issue 33) A process takes its lease as surely held for part of the ttl, counted
+    from when the claim or renewal was sent: never up to or past the real expiry. A
+    side effect that would go out at the expiry is cut first, after the claim and after
+    every renewal; and the sure time never lies past the expiry the store granted."""
+    store = ClockedLeases(queued=0.3, trip=0.05)
+    lost: dict[str, Any] = {}
+    leases = clocked_leases(store, lost)
+    await leases.take(["r-1"])
+    send = Send(wait=store.expires["r-1"] - trio.current_time())  # out at the expiry
+    assert await leased_call(leases, send) == (None, True)  # cut
+    assert send.sent == []
+    assert trio.current_time() < store.expires["r-1"]
+    assert leases.until["r-1"] <= store.expires["r-1"]
+    for _ in range(3):  # the heartbeat: each renewal counts from when it was sent
+        await leases.renew(lambda run_id: True)
+        send = Send(wait=store.expires["r-1"] - trio.current_time())
+        assert await leased_call(leases, send) == (None, True)
+        assert send.sent == []
+        assert trio.current_time() < store.expires["r-1"]
+        assert leases.until["r-1"] <= store.expires["r-1"]
+    assert lost == {}
+
+
+async def test_a_call_is_not_started_past_the_sure_time_without_confirming_the_lease(
+    autojump_clock: Any,
+) -> None:
+    """(issue 33) The process stalled past its lease's expiry, and another took the run.
+    A call of a tool not safe to repeat is not started on the old sure time: the lease
+    is confirmed first, the store says it is gone, and nothing is sent (LeaseLost)."""
+    store = ClockedLeases(queued=0.0, trip=0.05)
+    lost: dict[str, Any] = {}
+    leases = clocked_leases(store, lost)
+    await leases.take(["r-1"])
+    await trio.sleep_until(store.expires["r-1"])  # the stall: the lease really expired
+    store.taken.add("r-1")  # and another process claimed the run
+    renewals = store.renewals
+    send = Send()
+    with pytest.raises(LeaseLost):
+        await leased_call(leases, send)
+    assert send.sent == []
+    assert store.renewals == renewals + 1  # it asked the store before starting
+    assert set(lost) == {"r-1"}
+    assert "r-1" not in leases
