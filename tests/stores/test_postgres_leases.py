@@ -271,6 +271,35 @@ async def test_an_expired_lease_taken_over_refuses_only_that_run(schema: str) ->
         assert (await a.check()).ok
 
 
+async def test_a_worker_that_reclaims_its_own_run_fences_out_its_old_epoch(schema: str) -> None:
+    """(issue 33) The fence checks the epoch, not only the owner. A worker whose lease
+    expired claims its own run again (or an operator's process takes it by name): it holds
+    it at a new epoch, and an append decided under the old one (a batch from before the
+    reclaim, still in flight) is refused, writing nothing, though its owner is the same."""
+    async with workers(schema, 1) as (a,):
+        assert await a.append_fenced([started("r-1")], {}, "w-a") == frozenset()
+        expire(schema, "r-1")
+        [lease] = await a.claim("w-a", ttl=60.0)
+        assert (lease.run_id, lease.owner, lease.epoch) == ("r-1", "w-a", 2)
+        assert await a.append_fenced([step("r-1", 2, "epoch 1")], {"r-1": 1}, "w-a") == {"r-1"}
+        assert await seqs(a, "r-1") == [1]
+        assert (await a.get_run("r-1")).seq == 1
+        [lease] = await a.claim("w-a", run_ids=["r-1"], ttl=60.0)  # by name: epoch 3
+        assert (lease.owner, lease.epoch) == ("w-a", 3)
+        for stale in (1, 2):
+            refused = await a.append_fenced(
+                [step("r-1", 2, f"epoch {stale}")], {"r-1": stale}, "w-a"
+            )
+            assert refused == {"r-1"}
+        assert await seqs(a, "r-1") == [1]
+        # At the epoch it holds, the same owner writes.
+        assert await a.append_fenced([step("r-1", 2, "epoch 3")], {"r-1": 3}, "w-a") == frozenset()
+        assert [e.delta for e in await a.load("r-1") if isinstance(e, Transitioned)] == [
+            {"by": "epoch 3"}
+        ]
+        assert (await a.check()).ok
+
+
 async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None:
     """The takeover runs on another connection while the append's transaction is open
     (its lease rows checked, nothing committed): the lease row is locked, so the claim skips
