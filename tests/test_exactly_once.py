@@ -199,6 +199,45 @@ async def test_in_doubt_and_not_applied_executes_once_more(autojump_clock: Any) 
     assert replay(events, machine(Downstream([]), reconcile=downstream.reconcile)).ok
 
 
+@pytest.mark.parametrize("bound", [1, 2, 3])
+async def test_a_call_reconciled_as_never_applied_stops_at_its_policys_bound(
+    bound: int, autojump_clock: Any
+) -> None:
+    """(issue 33) Every execution of a tool that is not safe to repeat fails after it was
+    dispatched, and its reconcile keeps answering "not applied". The call is reconciled
+    at most ``RetryPolicy.attempts`` times, each "not applied" executing it once more with
+    its key: the first execution and one per reconciliation, then it escalates in doubt."""
+    executed: list[str] = []
+    reconciled: list[str] = []
+
+    async def execute(args: Any, ctx: ToolContext) -> Any:
+        executed.append(ctx.key)
+        raise ConnectionResetError("reset after the send")
+
+    async def reconcile(key: str, args: Any, ctx: ToolContext) -> Any:
+        reconciled.append(key)
+        return NotApplied
+
+    spec = Machine(
+        "mail",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["send"])},
+        tools=[
+            Tool("send", execute, retry=RetryPolicy(attempts=bound, base=1.0), reconcile=reconcile)
+        ],
+    )
+    store = MemoryStore()
+    result = await run(spec, store)
+    assert (result.outcome, result.reason) == ("escalated", "in_doubt_side_effect")
+    assert len(executed) == bound + 1  # the tool's real executions, all with one key
+    assert set(executed) == {"r-1:WORK:3"}
+    assert reconciled == ["r-1:WORK:3"] * bound
+    events = await store.load("r-1")
+    assert kinds(events).count("ToolInDoubt") == bound
+    assert f"still in doubt after {bound} reconciliations" in events[-1].detail
+    assert replay(events, spec).ok
+
+
 @pytest.mark.parametrize(
     "how", ["raises", "hangs", "returns-garbage", "generator-exit", "stray-cancelled"]
 )
