@@ -231,3 +231,53 @@ async def test_an_answer_over_the_cap_replays_as_the_same_refusal_from_its_excer
     [diverged] = replay(events, _capped(100_000)).diverged
     assert diverged.divergence.seq == 3
     assert "kept only as an excerpt" in diverged.divergence.got
+
+
+def _mailer(schema):
+    from interlock import Machine, Tool, Worker
+
+    async def send(args, ctx):
+        return {"sent": args.to}
+
+    return Machine(
+        "mailer",
+        initial="WORK",
+        states={"WORK": Worker(next=["COMPLETED"], tools=["send"])},
+        tools=[Tool("send", send, schema, idempotent=True)],
+    )
+
+
+async def test_a_tool_whose_args_changed_diverges_at_its_intent_naming_the_args():
+    """(issue 33) The args a call is executed with are a decision of the machine's code (its
+    schema validates and fills them): a recording replayed against a tool whose schema now
+    gives other args (a new field with a default) diverges at the intent, naming the args
+    recorded and the args now decided, though the model's answer is byte for byte the same."""
+    import msgspec
+
+    class Before(msgspec.Struct, forbid_unknown_fields=True):
+        to: str
+
+    class After(msgspec.Struct, forbid_unknown_fields=True):
+        to: str
+        cc: list[str] = []
+
+    store = MemoryStore()
+    provider = ScriptedProvider(
+        ['{"tool": "send", "args": {"to": "a@b.c"}}', '{"next": "COMPLETED"}']
+    )
+    async with open_supervisor([_mailer(Before)], store, provider=provider) as sup:
+        assert (await (await sup.start_run("mailer", run_id="r-1")).wait()).outcome == "completed"
+    events = await store.load("r-1")
+    assert replay(events, _mailer(Before)).ok
+    report = replay(events, _mailer(After))
+    assert report.reproduced == 0, f"a tool whose args changed replayed as reproduced: {report}"
+    [run] = report.diverged
+    intent = events[2]
+    assert type(intent).__name__ == "IntentRecorded"
+    d = run.divergence
+    assert (d.seq, d.kind) == (intent.seq, "intent_recorded")
+    assert '"args":{"to":"a@b.c"},' in d.expected
+    assert '"args":{"to":"a@b.c","cc":[]},' in d.got
+    with pytest.raises(ReplayDivergence) as raised:
+        report.raise_for_divergence()
+    assert raised.value.seq == intent.seq
