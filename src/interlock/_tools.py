@@ -118,7 +118,10 @@ class RetryPolicy:
     type the tool lists in ``not_applied``).
 
     Attributes:
-      attempts: total attempts, the first included (1 disables retries).
+      attempts: total attempts, the first included (1 disables retries). For a call in
+        doubt (a tool that is not safe to repeat and has ``reconcile``), the number of
+        reconciliations of that one call: each that reports the key not applied runs it
+        once more, so it runs at most ``attempts + 1`` times before it escalates.
       base: seconds before the first retry, doubled after each.
       cap: the longest wait in seconds, Retry-After included.
       jitter: draw each wait uniformly from [wait/2, wait] so runs do not retry in lockstep.
