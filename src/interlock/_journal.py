@@ -100,6 +100,7 @@ class GroupCommit:
         "closed",
         "decide_many",
         "early",
+        "failed",
         "fenced",
         "max_batch",
         "on_written",
@@ -141,6 +142,9 @@ class GroupCommit:
         (the supervisor's compiled one), or None for the loop below."""
         self.on_written: list[Callable[[Sequence[Event]], object]] = []
         """Called after each batch is durable, with the events written."""
+        self.failed: StoreError | None = None
+        """The error of the last write, if it failed and no write succeeded since (the
+        journal cannot be written: a full disk, the database gone)."""
         self._turned: trio.Event | None = None  # set by serve after each batch (see close)
         self._writing = False
         immediate = getattr(store, "immediate_append", None)
@@ -420,6 +424,7 @@ class GroupCommit:
     def _lost(self, events: list[Event], exc: StoreError | OSError) -> StoreError:
         """A batch that could not be written: its runs are forgotten; the error."""
         error = exc if isinstance(exc, StoreError) else StoreError(f"journal write failed: {exc}")
+        self.failed = error
         lost = {e.run_id for e in events}
         self._forget(lost, error)
         self._drop_inline(lost, lambda _: error)
@@ -427,6 +432,7 @@ class GroupCommit:
 
     def _written(self, events: list[Event], started: float) -> None:
         """A batch is durable: tell the listeners, count it."""
+        self.failed = None
         for listener in self.on_written:
             listener(events)
         stats = self.stats

@@ -146,6 +146,8 @@ async def open_supervisor(
             await outer.start(supervisor._watchdog.serve)
             if supervisor.leases is not None:
                 await outer.start(supervisor.leases.heartbeat, supervisor._holds)
+            else:
+                await outer.start(supervisor._readopt_loop)
             try:
                 async with trio.open_nursery() as actors:
                     supervisor._actors = actors

@@ -74,6 +74,10 @@ _MACHINE_AND_STATE = operator.attrgetter("machine.name", "state")
 
 #: How many released runs' results a supervisor keeps to answer late requests clearly.
 ENDED_KEPT = 10_000
+#: Seconds between two tries to drive again the runs dropped because the journal could
+#: not be written (see Supervisor.readopting), doubled up to READOPT_MAX while it cannot.
+READOPT_MIN = 0.05
+READOPT_MAX = 2.0
 
 
 class Supervisor:
@@ -132,11 +136,18 @@ class Supervisor:
         # Runs whose in-memory state was dropped because a batch holding their events
         # could not be written (see _forget): their later requests get that error.
         self._lost: dict[str, Exception] = {}
-        # Leased runs dropped because a batch could not be written: a worker adopts them
-        # again once the store is back (readopting), instead of letting the leases expire.
+        # Runs this process drives (leased ones, on a store with leases) dropped because
+        # a batch could not be written: adopted again once the store is back (readopting),
+        # instead of being left unfinished (or their leases left to expire).
         self._unwritten: set[str] = set()
+        self._unwritten_added: trio.Event | None = None  # set when one is (see _readopt_loop)
         self._adopting: set[str] = set()  # claimed, their journals being folded
         self.readopting = False
+        """Drive again the runs dropped because the journal could not be written (a full
+        disk, the database gone), folded afresh from the journal once it can be: a worker
+        does (its claim loop readopts), and so does the gateway on a store with one writer
+        (the supervisor's own loop). Off, such a run's handle has the StoreError, and the
+        run stays unfinished in the journal for a resume."""
         # How the latest released runs ended, so a late request gets a clear answer; the
         # oldest are forgotten, so a process that runs millions of runs stays flat.
         self._ended: dict[str, RunResult] = {}
@@ -431,9 +442,11 @@ class Supervisor:
 
     def _forget(self, run_ids: set[str], error: StoreError) -> None:
         # NOTE: the in-memory state ran ahead of a batch that was never written; drop
-        # it so nothing acts on decisions the journal does not hold. Recovery refolds.
+        # it so nothing acts on decisions the journal does not hold. Recovery refolds:
+        # an external run on its next request (see unwritten), a run driven here by
+        # readopt (readopting).
         for run_id in run_ids:
-            self._runs.pop(run_id, None)
+            run = self._runs.pop(run_id, None)
             self._lost[run_id] = error
             if len(self._lost) > ENDED_KEPT:
                 del self._lost[next(iter(self._lost))]
@@ -442,6 +455,54 @@ class Supervisor:
                     self._unwritten.add(run_id)
                 else:
                     self.leases.forget(run_id)
+            elif self.leases is None and self.readopting and run is not None and not run.external:
+                self._readopt_later(run_id)
+
+    def _readopt_later(self, run_id: str) -> None:
+        """Have :meth:`readopt` drive ``run_id`` again (see :attr:`readopting`)."""
+        self._unwritten.add(run_id)
+        if self._unwritten_added is not None:
+            self._unwritten_added.set()
+
+    def unwritten(self, run_id: str) -> bool:
+        """Whether ``run_id`` is not live here because a batch holding its events could not
+        be written (on a store without leases): the journal holds the run as it was before
+        that batch, and its next request folds it from there (:meth:`submit`)."""
+        return (
+            self.leases is None
+            and run_id not in self._runs
+            and isinstance(self._lost.get(run_id), StoreError)
+        )
+
+    async def load_unwritten(self, run_id: str) -> RunState | None:
+        """Fold again from the journal, and hold live, the external run ``run_id`` if it
+        was dropped because a batch could not be written (:meth:`unwritten`); return it
+        (None if it is not such a run, or the journal holds no unfinished external run).
+
+        Raises:
+          StoreError: the journal could not be read.
+        """
+        run = self._runs.get(run_id)
+        if run is not None or not self.unwritten(run_id):
+            return run
+        return await self._load_external(run_id)
+
+    async def journal_writable(self) -> StoreError | None:
+        """None if the journal can be written: its last write succeeded or, if it failed
+        (a full disk), a probe write (:meth:`Store.probe_write`) now succeeds; else the
+        error that says why it cannot."""
+        failed = self._journal.failed
+        if failed is None:
+            return None
+        try:
+            await self.store.probe_write()
+        except StoreError as exc:
+            return exc
+        except OSError as exc:
+            return StoreError(f"journal write probe failed: {exc}")
+        if self._journal.failed is failed:  # no write failed meanwhile
+            self._journal.failed = None
+        return None
 
     def _contain(self, msg: Request, exc: BaseException) -> InternalError:
         """A bug met while deciding ``msg``: it ends that run only, never the supervisor.
@@ -539,6 +600,10 @@ class Supervisor:
             # Several processes may serve one journal's external runs (gateways in front
             # of one PostgreSQL): load it from the journal; the seq check orders writers.
             run = await self._load_external(msg.run_id)
+        elif run is None and self.unwritten(msg.run_id):
+            # Dropped when a batch holding its events could not be written: the journal
+            # holds it as it was before, where its caller's retry takes it on.
+            run = await self._load_external(msg.run_id)
         if run is not None and not run.external:
             raise ProtocolError(
                 f"run {msg.run_id!r} is driven by its actor; submit is for runs started with "
@@ -594,11 +659,10 @@ class Supervisor:
                 isinstance(exc, StoreError)
                 and not isinstance(exc, LeaseLost)
                 and self.readopting
-                and self.leases is not None
-                and run_id in self.leases
+                and (self.leases is None or run_id in self.leases)
                 and self._runs.pop(run_id, None) is not None
             ):
-                self._unwritten.add(run_id)  # the store failed under it: adopted again later
+                self._readopt_later(run_id)  # the store failed under it: adopted again later
         except BaseException as exc:
             if _passes_through(exc):
                 raise  # a cancellation, Ctrl-C or exit: the supervisor's own end
@@ -774,13 +838,47 @@ class Supervisor:
         return await self._adopt([lease.run_id for lease in claimed], provider)
 
     async def readopt(self, *, provider: Provider | None = None) -> list[RunHandle]:
-        """Drive again the runs whose leases this supervisor still holds but whose
-        in-memory state was dropped because a batch could not be written (the database
-        went away): folded afresh from the journal, which holds what was durable."""
-        leases = self._require_leases("readopt")
-        ids = [run_id for run_id in self._unwritten if run_id in leases]
-        self._unwritten.clear()
+        """Drive again the runs (whose leases this supervisor still holds, on a store with
+        leases) whose in-memory state was dropped because a batch could not be written
+        (the database went away, the disk was full): folded afresh from the journal, which
+        holds what was durable, and recovered as after a crash. A run whose actor has not
+        stopped yet (it learns of the failure at its next request) waits for the next call."""
+        leases = self.leases
+        ids = []
+        waiting = set()
+        for run_id in self._unwritten:
+            if run_id in self._drivers:
+                waiting.add(run_id)  # never a second actor beside the one still running
+            elif leases is None or run_id in leases:
+                ids.append(run_id)
+        self._unwritten = waiting
         return await self._adopt(ids, provider)
+
+    async def _readopt_loop(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """On a store without leases (one writer: SQLite), :meth:`readopt` the runs dropped
+        unwritten (readopting), once the journal can be written again, retrying with
+        backoff meanwhile. (A worker's claim loop readopts on a store with leases.)"""
+        task_status.started()
+        delay = READOPT_MIN
+        while True:
+            if not self._unwritten:
+                delay = READOPT_MIN
+                self._unwritten_added = trio.Event()
+                await self._unwritten_added.wait()
+            await trio.sleep(delay)
+            delay = min(delay * 2, READOPT_MAX)
+            if self._actors is None or self._journal.closed:
+                return  # closing: the runs stay unfinished in the journal, for a resume
+            if await self.journal_writable() is not None:
+                continue
+            try:
+                await self.readopt()
+            except InterlockError as exc:  # the runs not adopted stay, for the next try
+                _log.warning("runs dropped unwritten not driven again yet: %s", exc)
+            except trio.ClosedResourceError:
+                return
 
     async def _adopt(self, run_ids: Sequence[str], provider: Provider | None) -> list[RunHandle]:
         self._adopting.update(run_ids)
@@ -789,13 +887,18 @@ class Supervisor:
         except StoreError:
             # The store failed mid-way (the database went away): the runs not adopted
             # yet stay held, for the next readopt, or are let go to expire.
-            assert self.leases is not None
+            leases = self.leases
             for run_id in run_ids:
-                if run_id not in self._runs and run_id in self.leases:
+                if run_id in self._runs:
+                    continue
+                if leases is None:
+                    if self.readopting:
+                        self._unwritten.add(run_id)
+                elif run_id in leases:
                     if self.readopting:
                         self._unwritten.add(run_id)
                     else:
-                        self.leases.forget(run_id)
+                        leases.forget(run_id)
             raise
         finally:
             self._adopting.difference_update(run_ids)
@@ -823,10 +926,18 @@ class Supervisor:
                 continue
             self._lost.pop(run_id, None)
             folded.append(run)
-        return await self._recover(folded, provider)
+        # (never a run held again meanwhile: an operator's resume loaded it, say)
+        return await self._recover([r for r in folded if r.run_id not in self._runs], provider)
 
     def _cannot_drive(self, run_id: str, exc: Exception) -> None:
-        assert self.leases is not None
+        if self.leases is None:  # readopted here after a failed write: left unfinished
+            _log.warning(
+                "run %r cannot be driven again after its journal write failed: %s; it is "
+                "left unfinished (`interlock resume` continues it)",
+                run_id,
+                exc,
+            )
+            return
         self.leases.forget(run_id)  # not renewed: it expires, and another process may claim it
         _log.warning(
             "run %r was claimed by %s, which cannot drive it: %s; it is left to expire for "
@@ -874,6 +985,7 @@ class Supervisor:
             run = fold(machine, await self.store.load(run_id))  # as of the lease, not before
         self._runs[run_id] = run
         self._lost.pop(run_id, None)
+        self._unwritten.discard(run_id)  # held again here: not to be adopted a second time
         return run
 
     async def _load_external(self, run_id: str) -> RunState | None:
@@ -889,7 +1001,11 @@ class Supervisor:
         run = self._runs.get(run_id)
         if run is not None:
             return run
-        run = fold(machine, await self.store.load(run_id))
+        events = await self.store.load(run_id)
+        run = self._runs.get(run_id)
+        if run is not None:  # loaded meanwhile by another request: never two copies
+            return run
+        run = fold(machine, events)
         if not run.external:
             return None
         self._runs[run_id] = run

@@ -265,6 +265,20 @@ async def test_empty_batch_is_a_no_op(store: Store) -> None:
     assert await store.list_runs() == []
 
 
+async def test_a_write_probe_leaves_nothing_behind(store: Store) -> None:
+    """#33: the gateway's readiness probes a journal whose last write failed with a write
+    of its own; it must leave the journal as it was."""
+    events: list[Event] = [started("r-1", ts=1.0), moved("r-1", 2, "A", "B", ts=1.5)]
+    await store.append(events)
+    await store.probe_write()
+    await store.probe_write()
+    assert await store.load("r-1") == events
+    assert [r.run_id for r in await store.list_runs()] == ["r-1"]
+    assert (await store.check()).ok
+    await store.append([moved("r-1", 3, "B", "C", ts=2.0)])  # the journal takes writes
+    assert (await store.load("r-1"))[-1].seq == 3
+
+
 async def test_batches_over_many_runs(store: Store) -> None:
     run_ids = [f"run-{i:03d}" for i in range(60)]
     journals: dict[str, list[Event]] = {run_id: [] for run_id in run_ids}

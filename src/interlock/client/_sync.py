@@ -422,7 +422,7 @@ class Client:
         return self._send(_calls.health())
 
     def ready(self) -> ReadyOut:
-        """``GET /readyz``: the store answers and the journal keeps up.
+        """``GET /readyz``: the store answers, the journal can be written and keeps up.
 
         Raises:
           GatewayProblem: 503 when the gateway is not ready.

@@ -360,7 +360,7 @@ class HealthOut(_Out):
 
 
 class ReadyOut(_Out):
-    """``GET /readyz``: the store answers and the journal keeps up."""
+    """``GET /readyz``: the store answers, the journal can be written and keeps up."""
 
     ready: bool
     store: str

@@ -704,7 +704,15 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type, int, list[dict[str, An
     ),
     ("post", "/v1/escalations/{id}/abort", "Abort an escalated run", AbortIn, RunOut, 200, [_ID]),
     ("get", "/healthz", "The process is up", None, HealthOut, 200, []),
-    ("get", "/readyz", "The store answers and the journal keeps up", None, ReadyOut, 200, []),
+    (
+        "get",
+        "/readyz",
+        "The store answers, the journal can be written and keeps up",
+        None,
+        ReadyOut,
+        200,
+        [],
+    ),
 ]
 
 

@@ -414,6 +414,11 @@ class GatewayService:
         self.enqueues = self.shared and getattr(store, "leasing", False) is True
         """Whether a hosted run is enqueued for a worker (``interlock worker``) to drive,
         instead of being driven in this process."""
+        if not self.enqueues:
+            # The hosted runs are driven here: one whose events could not be written (a
+            # full disk) is driven again from its journal once the journal can be written,
+            # as a worker does, not left unfinished until a restart resumes it.
+            supervisor.readopting = True
         self.poll = (POLL_MIN, POLL_MAX)
         """The shortest and longest wait of an event stream between looks at a shared store."""
         self._loading: dict[str, trio.Lock] = {}
@@ -531,7 +536,16 @@ class GatewayService:
         """
         sup = self.supervisor
         run = sup._runs.get(run_id)
-        if not self.shared or (run is not None and not run.external):
+        if not self.shared:
+            if run is None and sup.unwritten(run_id):
+                # Dropped when a batch holding its events could not be written (a full
+                # disk): the journal holds it as it was, where this request takes it on.
+                try:
+                    run = await sup.load_unwritten(run_id)
+                except Exception as exc:
+                    raise _translate(exc) from None
+            return run
+        if run is not None and not run.external:
             return run
         self._use(run_id)
         if run is not None and not check and (behind is None or run.seq >= behind):
@@ -1656,7 +1670,11 @@ class GatewayService:
     # -- health -------------------------------------------------------------------
 
     async def ready(self) -> ReadyOut:
-        """Whether the store answers and the journal keeps up."""
+        """Whether the store answers, the journal can be written and keeps up.
+
+        After a write of the journal failed (a full disk), and until one succeeds, each
+        call probes it with a write (:meth:`Supervisor.journal_writable`): not ready while
+        that fails, ready again once there is room."""
         store = self.supervisor.store
         detail = ""
         ok = True
@@ -1668,6 +1686,10 @@ class GatewayService:
             ok, detail = False, f"the store does not answer: {type(exc).__name__}: {exc}"
         if ok and self.draining:
             ok, detail = False, "shutting down"
+        if ok:
+            failure = await self.supervisor.journal_writable()
+            if failure is not None:
+                ok, detail = False, f"the journal cannot be written: {failure}"
         if ok and self.waiting >= self.max_waiting:
             ok, detail = False, f"the journal is behind: {self.waiting} requests waiting"
         return ReadyOut(ready=ok, store=store.kind, waiting=self.waiting, detail=detail)

@@ -7,6 +7,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import trio
 
 from .._events import (
     ENCODING_ERRORS,
@@ -527,6 +528,16 @@ class Store(abc.ABC):
         Raises:
           StoreError: the batch could not be written; nothing of it was.
         """
+
+    async def probe_write(self) -> None:
+        """Make a write that needs room (a page of the journal) and leaves nothing behind,
+        to learn whether the journal can be written now (after a failed append: has the
+        full disk got room again?). The default writes nothing: a store that cannot tell.
+
+        Raises:
+          StoreError: the write could not be made (a full disk, the database gone).
+        """
+        await trio.lowlevel.checkpoint()
 
     @abc.abstractmethod
     async def load(self, run_id: str) -> list[JournalEvent]:

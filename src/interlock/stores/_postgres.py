@@ -524,6 +524,16 @@ class PostgresStore(Store):
                 self._conn = conn
         return fn(conn)
 
+    async def probe_write(self) -> None:
+        """See :meth:`Store.probe_write`: a row written to the meta table and deleted in
+        one committed transaction (the server must be able to write and flush it)."""
+        if self._readonly:
+            raise StoreError(
+                f"store {self._where}, schema {self._schema!r} is read-only; "
+                "open it without readonly=True to write"
+            )
+        await self._call("a write probe", _probe_sync)
+
     async def append(self, events: Sequence[Event]) -> None:
         """Append one batch in one transaction; see :meth:`Store.append`.
 
@@ -960,6 +970,15 @@ class _Fence(msgspec.Struct, frozen=True, gc=False):
     after_check: Callable[[], object] | None = None
     """Called in the transaction once the lease rows are locked and checked, before
     the writes (tests hold the transaction open with it, to race others against it)."""
+
+
+def _probe_sync(conn: psycopg.Connection[Any]) -> None:
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO meta (name, value) VALUES ('probe', md5(random()::text)) "
+            "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value"
+        )
+        conn.execute("DELETE FROM meta WHERE name = 'probe'")
 
 
 def _append_sync(

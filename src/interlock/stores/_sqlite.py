@@ -1218,6 +1218,29 @@ class SQLiteStore(Store):
         if self._checkpointer is not None:
             self._checkpointer.wrote(batch.size, len(batch.chunks))
 
+    async def probe_write(self) -> None:
+        """See :meth:`Store.probe_write`: a page-sized row, written to the meta table and
+        deleted in one committed transaction (the database must be able to grow by a page,
+        and the WAL to take the commit); a full disk fails it as it fails an append."""
+        if self._readonly:
+            raise StoreError(
+                f"store {self._path} is read-only; open it without readonly=True to write"
+            )
+        await self._call("a write probe", self._probe_sync)
+
+    def _probe_sync(self, conn: sqlite3.Connection) -> None:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (name, value) VALUES ('probe', ?)", ("x" * page,)
+            )
+            conn.execute("DELETE FROM meta WHERE name = 'probe'")
+            conn.execute("COMMIT")
+        except Exception:
+            _rollback(conn)
+            raise
+
     def _append_sync(self, conn: sqlite3.Connection, batch: _Batch) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
