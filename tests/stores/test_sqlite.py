@@ -32,6 +32,7 @@ from interlock.stores import (
 from interlock.stores import _sqlite as sqlite_store_module
 from interlock.stores._base import encode_rows, index_updates
 from tests.stores._old_schemas import as_version_4
+from tests.stores.conftest import index_row
 
 
 def run_events(run_id: str, ts: float) -> list[Event]:
@@ -596,7 +597,7 @@ async def test_version_2_database_is_read_as_it_is_then_upgraded_in_place(tmp_pa
     assert path.read_bytes() == before
     async with await open_sqlite_store(path) as store:
         assert await store.load("r-2") == two
-        assert await store.get_run("r-1") == index_updates(one, {})["r-1"]
+        assert await store.get_run("r-1") == index_row(one)
         await store.append(run_events("r-3", 3.0))
         assert await store.check() == CheckReport(runs=3, events=15, problems=())
     assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("6",)]
@@ -850,7 +851,7 @@ async def test_a_row_changed_behind_the_store_is_moved_on_from_what_is_stored(
         await first.append(events[3:4])
         await second.append(events[4:])
         assert await first.load("r-1") == events
-        assert await first.get_run("r-1") == index_updates(events, {})["r-1"]
+        assert await first.get_run("r-1") == index_row(events)
         assert (await first.check()).ok
 
 
