@@ -220,6 +220,19 @@ class Cluster:
             out.append(json.loads(text.replace(run_id, "RUN")))
         return out
 
+    def lease(self, run_id: str) -> tuple[str | None, int]:
+        """The run's lease: its owner (None: nobody holds it) and epoch (how many times it
+        was claimed). Whoever drives a hosted run, a worker or a gateway, claims it first,
+        so the epoch counts its drivers."""
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            [(owner, epoch)] = conn.execute(
+                psycopg.sql.SQL("SELECT owner, epoch FROM {}.leases WHERE run_id = %s").format(
+                    psycopg.sql.Identifier(self.schema)
+                ),
+                (run_id,),
+            ).fetchall()
+        return owner, epoch
+
     def drop(self) -> None:
         with psycopg.connect(PG_DSN, autocommit=True) as conn:
             conn.execute(
@@ -490,8 +503,8 @@ async def test_a_hosted_run_is_enqueued_and_a_worker_drives_it(cluster: Cluster)
     assert created["seq"] == 1  # run_started only: nothing drove it in the gateway
     seen = await cluster.b.ok("GET", "/v1/runs/tally-1")
     assert (seen["state"], seen["outcome"], seen["seq"]) == ("ADD", "running", 1)
-    # Neither instance drives it: it is still where it was created.
-    await trio.sleep(0.5)
+    # Neither instance drives it: nobody ever claimed it, and it is where it was created.
+    assert await trio.to_thread.run_sync(cluster.lease, "tally-1") == (None, 0)
     assert (await cluster.a.ok("GET", "/v1/runs/tally-1"))["seq"] == 1
     status, problem = await cluster.b.request(
         "POST", "/v1/runs/tally-1/proposals", {"proposal": move("CHECK")}
@@ -509,6 +522,8 @@ async def test_a_hosted_run_is_enqueued_and_a_worker_drives_it(cluster: Cluster)
             assert summary["completed"] == 1, summary
     assert streamed[-1]["event"] == "completed"
     assert [e["seq"] for e in streamed] == list(range(1, len(streamed) + 1))
+    # One claim in the run's whole life, the worker's: no gateway drove any of it.
+    assert (await trio.to_thread.run_sync(cluster.lease, "tally-1"))[1] == 1
     run = await cluster.a.ok("GET", "/v1/runs/tally-1")
     assert (run["outcome"], run["state"], run["output"]) == (
         "completed",
@@ -608,10 +623,12 @@ async def test_a_hosted_escalation_is_resumed_for_a_worker_and_aborted(cluster: 
     resumed = await cluster.b.ok("POST", "/v1/escalations/stuck-1/resume", {"by": "op"})
     assert (resumed["outcome"], resumed["state"]) == ("running", "TRY")
     assert resumed["seq"] == escalated_at + 2  # resumed, transitioned: written, not driven
-    await trio.sleep(0.5)  # neither gateway drives it: it waits for a worker
+    # Neither gateway drives it: it waits for a worker, unclaimed since the first one.
+    assert await trio.to_thread.run_sync(cluster.lease, "stuck-1") == (None, 1)
     assert (await cluster.a.ok("GET", "/v1/runs/stuck-1"))["seq"] == resumed["seq"]
     summary = await work(cluster)
     assert summary["escalated"] == 1, summary  # claimed and driven by a worker again
+    assert (await trio.to_thread.run_sync(cluster.lease, "stuck-1"))[1] == 2  # by it alone
 
     aborted = await cluster.a.ok(
         "POST", "/v1/escalations/stuck-1/abort", {"by": "op", "note": "gave up"}

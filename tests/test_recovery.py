@@ -176,36 +176,150 @@ RUN_EVENTS = 10
 async def test_cut_points_cover_the_whole_run():
     # If the run's shape changes, the cut points below must change with it.
     assert len(await crash_after(MemoryStore(), 0)) == RUN_EVENTS
+    assert {cut for cut, _late in CUTS} == set(range(1, RUN_EVENTS + 1))
 
 
-@pytest.mark.parametrize("cut", range(1, RUN_EVENTS + 1))
-async def test_resume_from_every_cut_point_completes(cut):
-    store = MemoryStore()
-    await crash_after(store, cut)
-    pay, notify = Calls(), Calls()
-    remaining = [s for s in SCRIPT]
+class Crash(SystemExit):
+    """The process dies: nothing of it runs on (the runtime lets SystemExit through, and
+    pytest reports one that escapes as a failure, not the end of the session)."""
 
-    def oracle(view):
-        done = {r.tool for r in view.results}
-        for raw in remaining:
-            tool = msgspec.json.decode(raw).get("tool")
-            if tool is None or tool not in done:
-                return raw
-        return SCRIPT[-1]
 
-    async with open_supervisor(
-        [machine(pay, notify)], store, provider=ScriptedProvider(oracle), resume=True
-    ):
+class CrashingStore(MemoryStore):
+    """A journal whose process dies once ``keep`` events of its one run are durable.
+
+    The append that would take the journal past ``keep`` writes what fits and dies. An
+    append that ends exactly at ``keep`` is written whole; then the process dies at once,
+    or, if ``late``, with its next write (what it did meanwhile, a tool call say, did
+    happen). Once dead it writes nothing more; ``revive()`` is the restart."""
+
+    def __init__(self, keep: int, *, late: bool) -> None:
+        super().__init__()
+        self.keep = keep
+        self.late = late
+        self.armed = True
+        self.dead = False
+
+    def revive(self) -> None:
+        self.armed = self.dead = False
+
+    async def append(self, events):
+        if self.dead:
+            raise Crash
+        room = self.keep - sum(len(journal) for journal in self._journal.values())
+        if self.armed and (len(events) > room or (len(events) == room and not self.late)):
+            if room > 0:
+                await super().append(events[:room])
+            self.dead = True
+            raise Crash
+        await super().append(events)
+
+
+class Downstream:
+    """The systems the tools call, outside the process and its journal: they see every
+    execution, before the crash and after it. The bank dedupes payments by idempotency
+    key (``pay`` is idempotent); the notifier sends every message it is given."""
+
+    def __init__(self) -> None:
+        self.executed: list[tuple[str, str]] = []  # (tool, key), each call that reached it
+        self.payments: dict[str, dict] = {}  # key -> the payment, applied once per key
+        self.messages: list[str] = []  # one per message sent
+
+    async def pay(self, args, ctx):
+        self.executed.append(("pay", ctx.key))
+        return self.payments.setdefault(ctx.key, {"paid": args.amount, "key": ctx.key})
+
+    async def notify(self, args, ctx):
+        self.executed.append(("notify", ctx.key))
+        self.messages.append(ctx.key)
+        return {"paid": args.amount, "key": ctx.key}
+
+
+PAY, NOTIFY = ("pay", "r-1:WORK:3"), ("notify", "r-1:WORK:6")
+#: The recorded run is RunStarted 1, ModelCalled 2, IntentRecorded(pay) 3,
+#: ToolCommitted(pay) 4, ModelCalled 5, IntentRecorded(notify) 6, ToolCommitted(notify) 7,
+#: ModelCalled 8, Transitioned 9, Completed 10; the process dies with the first ``cut``
+#: of them durable. What must follow, from the rules of recovery alone:
+#: ``(cut, late): (calls before the crash, calls after the restart, outcome)``.
+#: ``late``: the cut is an intent, and the call ran before the process died (with its
+#: next write); otherwise the process died as the intent became durable, before the call.
+CUTS = {
+    # Nothing was called; the run starts over: each call once.
+    (1, False): ([], [PAY, NOTIFY], "completed"),
+    # The model's answer is durable, its intent is not: the model is asked again (its
+    # answer at seq 3), so the calls' intents, and keys, are one seq later.
+    (2, False): ([], [("pay", "r-1:WORK:4"), ("notify", "r-1:WORK:7")], "completed"),
+    # pay in doubt, idempotent: sent again with its key (the bank applies it once).
+    (3, False): ([], [PAY, NOTIFY], "completed"),
+    (3, True): ([PAY], [PAY, NOTIFY], "completed"),
+    # pay committed: never sent again.
+    (4, False): ([PAY], [NOTIFY], "completed"),
+    (5, False): ([PAY], [("notify", "r-1:WORK:7")], "completed"),
+    # notify in doubt, not idempotent: escalated for a human, never sent again.
+    (6, False): ([PAY], [], "escalated"),
+    (6, True): ([PAY, NOTIFY], [], "escalated"),
+    # Both committed: only the run's end is left to write.
+    (7, False): ([PAY, NOTIFY], [], "completed"),
+    (8, False): ([PAY, NOTIFY], [], "completed"),
+    (9, False): ([PAY, NOTIFY], [], "completed"),
+    (10, False): ([PAY, NOTIFY], [], "completed"),
+}
+
+
+@pytest.mark.parametrize(
+    ("cut", "late"), list(CUTS), ids=[f"{c}-late" if late else str(c) for c, late in CUTS]
+)
+async def test_resume_from_every_cut_point_does_what_the_cut_calls_for(cut, late):
+    """A process dies at every point of a run; a new one resumes it. Each call reaches
+    its downstream exactly as recovery's rules say: a committed call never again, an
+    in-doubt idempotent one once more with its key, an in-doubt one that is not
+    idempotent never (escalated); so each payment is applied exactly once, and the
+    message is sent exactly once, or at most once where a human must look."""
+    before, after, outcome = CUTS[cut, late]
+    downstream = Downstream()
+    store = CrashingStore(cut, late=late)
+    spec = machine(downstream.pay, downstream.notify)
+    try:
+        async with open_supervisor([spec], store, provider=ScriptedProvider(SCRIPT)) as sup:
+            await (await sup.start_run("pay", run_id="r-1")).wait()
+    except* Crash:
         pass
+    assert store.dead
+    assert downstream.executed == before
+    durable = await store.load("r-1")
+    assert len(durable) == cut
+
+    store.revive()
+    async with open_supervisor([spec], store, provider=ScriptedProvider(oracle), resume=True):
+        pass
+    assert downstream.executed[len(before) :] == after
     record = await store.get_run("r-1")
-    assert record.outcome in ("completed", "escalated")
     events = await store.load("r-1")
+    assert events[:cut] == durable  # the journal is only ever appended to
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    keys = [e.key for e in events if isinstance(e, IntentRecorded)]
-    assert len(keys) == len(set(keys))
-    assert all(
-        sum(1 for e in events if isinstance(e, ToolCommitted) and e.key == k) <= 1 for k in keys
-    )
+    # Applied: each payment once, whatever reached the bank; the message once, or (in
+    # doubt, escalated) once if it went out before the crash and never after.
+    assert len(downstream.payments) == 1
+    if outcome == "completed":
+        assert (record.outcome, record.reason) == ("completed", "")
+        assert len(downstream.messages) == 1
+    else:
+        assert (record.outcome, record.reason) == ("escalated", "in_doubt_side_effect")
+        assert downstream.messages == ([NOTIFY[1]] if late else [])
+        assert [type(e).__name__ for e in events[cut:]] == [
+            "ToolFailed",
+            "Transitioned",
+            "Escalated",
+        ]
+    # Each call's result is committed once, under its key, as the downstream answered it.
+    commits = [(e.tool, e.key) for e in events if isinstance(e, ToolCommitted)]
+    assert len(commits) == len(set(commits))
+    reached = set(downstream.executed)
+    if outcome == "escalated":
+        reached.discard(NOTIFY)  # in doubt: no result to commit
+    assert sorted(reached) == sorted(commits)
+    for e in events:
+        if isinstance(e, ToolCommitted) and e.tool == "pay":
+            assert e.result == downstream.payments[e.key]
 
 
 async def test_resume_escalated_with_corrected_payload_goes_through_the_gate():

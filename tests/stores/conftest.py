@@ -7,7 +7,7 @@ import contextlib
 import os
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -15,9 +15,15 @@ import pytest
 import trio
 from psycopg import sql
 
+from interlock._events import Completed, Escalated, Event, Failed, Resumed, RunStarted, Transitioned
 from interlock.stores import (
+    COMPLETED,
+    ESCALATED,
+    FAILED,
+    RUNNING,
     MemoryStore,
     PostgresStore,
+    RunRecord,
     SQLiteStore,
     Store,
     open_postgres_store,
@@ -76,6 +82,38 @@ async def open_twice(kind: str, tmp_path: os.PathLike[str]) -> AsyncIterator[tup
             await second.aclose()
             if schema is not None:
                 await trio.to_thread.run_sync(_drop_schema, schema)
+
+
+def index_row(journal: Sequence[Event]) -> RunRecord:
+    """The runs-index row a whole journal calls for, read off the journal here as the
+    index is documented (not with the stores' own ``index_updates``, so that a wrong rule
+    there cannot be the expectation as well): the machine and start of its RunStarted;
+    the state the last move went to; the outcome of its last end (Completed, Escalated,
+    Failed; a Resumed makes it running again); the reason and detail of its last
+    escalation, failure or resume (a completion leaves them); its last event's seq and
+    time."""
+    first, last = journal[0], journal[-1]
+    assert isinstance(first, RunStarted)
+    moves = [e.dst for e in journal if isinstance(e, Transitioned)]
+    ends = [e for e in journal if isinstance(e, Completed | Escalated | Failed | Resumed)]
+    outcomes = {Completed: COMPLETED, Escalated: ESCALATED, Failed: FAILED, Resumed: RUNNING}
+    why = [e for e in ends if not isinstance(e, Completed)]
+    reason, detail = "", ""
+    if why and isinstance(why[-1], Escalated):
+        reason, detail = why[-1].reason, why[-1].detail
+    elif why and isinstance(why[-1], Failed):
+        reason = why[-1].reason
+    return RunRecord(
+        run_id=first.run_id,
+        machine=first.machine,
+        state=moves[-1] if moves else first.state,
+        outcome=outcomes[type(ends[-1])] if ends else RUNNING,
+        seq=last.seq,
+        started=first.ts,
+        updated=last.ts,
+        reason=reason,
+        detail=detail,
+    )
 
 
 @pytest.fixture(params=STORE_PARAMS)

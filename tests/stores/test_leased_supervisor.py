@@ -6,6 +6,7 @@ processes hold are left to them. Real PostgreSQL; skipped without INTERLOCK_PG_D
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -139,6 +140,24 @@ def expire(store: PostgresStore, run_id: str) -> None:
     )
 
 
+def wait_in_database(
+    store: PostgresStore, condition: str, params: tuple[Any, ...], what: str, timeout: float = 60.0
+) -> None:
+    """Block (the caller's thread: a stalled event loop, or a worker thread) until the
+    query ``condition`` answers true. Leases are granted by the database's clock and a
+    real ttl must pass, so this polls; the timeout bounds a hang, it checks no speed."""
+    give_up = time.monotonic() + timeout
+    while not sql(store, condition, params)[0][0]:
+        assert time.monotonic() < give_up, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def wait_for_lapse(store: PostgresStore, run_id: str) -> None:
+    """Block until ``run_id``'s lease has expired by the database's clock."""
+    query = "SELECT expires < now() FROM leases WHERE run_id = %s"
+    wait_in_database(store, query, (run_id,), f"the lease of {run_id!r} to lapse")
+
+
 async def kinds(store: PostgresStore, run_id: str) -> list[str]:
     return [type(event).__name__ for event in await store.load(run_id)]
 
@@ -213,14 +232,24 @@ async def test_the_heartbeat_finds_a_lost_lease_with_no_write_and_stops_the_run(
 
 
 async def test_heartbeats_keep_a_slow_run_leased_past_its_ttl(store: PostgresStore) -> None:
-    """A model call three times longer than the lease: the heartbeat renews it, no other
-    process can claim the run meanwhile, and the run completes."""
+    """A model call held until a whole ttl past the end of the run's first lease (by the
+    database's clock): the heartbeat renews it, no other process can claim the run
+    meanwhile, and the run completes."""
     script = Script(held=True)
     async with open_supervisor(
         [machine(immediate)], store, provider=script, owner="me", lease_ttl=0.5
     ) as sup:
         handle = await sup.start_run("notes", run_id="r-1")
-        await trio.sleep(1.5)
+        await script.until_waiting(1)
+        # Wait, by the database's clock, until a whole ttl past the first lease's
+        # expiry: only a lease renewed twice or more is still held then.
+        [(first,)] = await trio.to_thread.run_sync(
+            sql, store, "SELECT expires FROM leases WHERE run_id = 'r-1'"
+        )
+        past = "SELECT now() > %s + interval '0.5 seconds'"
+        await trio.to_thread.run_sync(
+            wait_in_database, store, past, (first,), "a ttl past the first expiry"
+        )
         assert await store.claim("thief") == []
         script.go.set()
         assert (await handle.wait()).outcome == "completed"
@@ -411,12 +440,13 @@ async def test_a_stale_external_run_is_refused_alone_in_its_batch(store: Postgre
 
 
 class Stalling:
-    """A tool that stalls the whole process (a blocking call: as a SIGSTOP or a long GC
-    pause would) for ``stall`` seconds, then sends its side effect; ``during`` runs in a
-    thread while it stalls (another process taking the lease, say)."""
+    """A tool whose first attempt stalls the whole process (a blocking call: as a SIGSTOP
+    or a long GC pause would) until the run's lease has expired by the database's clock,
+    then sends its side effect; ``during`` runs before the process wakes (another process
+    taking the lease, say)."""
 
-    def __init__(self, stall: float, during: Any = None) -> None:
-        self.stall = stall
+    def __init__(self, store: PostgresStore, during: Any = None) -> None:
+        self.store = store
         self.during = during
         self.sent: list[tuple[str, int]] = []
         self.epochs: list[int] = []
@@ -424,15 +454,10 @@ class Stalling:
     async def __call__(self, args: NoteArgs, ctx: ToolContext) -> dict[str, str]:
         self.epochs.append(ctx.epoch)
         if ctx.attempt == 1:
-            import threading
-            import time
-
-            thread = threading.Thread(target=self.during) if self.during else None
-            if thread is not None:
-                thread.start()
-            time.sleep(self.stall)  # noqa: ASYNC251 (the point: the event loop stops, no heartbeat runs)
-            if thread is not None:
-                thread.join()
+            # The point: the event loop stops, no heartbeat runs, past the lease's end.
+            wait_for_lapse(self.store, "r-1")
+            if self.during is not None:
+                self.during()
         await trio.lowlevel.checkpoint()  # the request would leave here
         self.sent.append((ctx.key, ctx.attempt))
         return {"noted": args.text}
@@ -445,18 +470,16 @@ async def test_a_side_effect_is_not_sent_past_a_stall_that_lost_the_lease(
     process takes the run. When it wakes, the call is cut before it sends anything, and
     the run is dropped with LeaseLost: the new owner alone decides what happens to it."""
 
-    def take_over() -> None:
-        import time
-
-        time.sleep(0.8)  # past the lease (ttl 0.6 s)
-        expire(store, "r-1")
-        sql(
+    def take_over() -> None:  # the lease has lapsed: another worker claims the run
+        taken = sql(
             store,
             "UPDATE leases SET owner = 'thief', epoch = epoch + 1, "
-            "expires = now() + interval '1 hour' WHERE run_id = 'r-1'",
+            "expires = now() + interval '1 hour' WHERE run_id = 'r-1' AND expires < now() "
+            "RETURNING epoch",
         )
+        assert taken == [(2,)]
 
-    tool = Stalling(1.2, take_over)
+    tool = Stalling(store, take_over)
     async with open_supervisor(
         [machine(tool)], store, provider=Script(), owner="victim", lease_ttl=0.6
     ) as sup:
@@ -473,7 +496,7 @@ async def test_a_stall_that_kept_the_lease_cuts_the_attempt_and_retries_it(
     """The same stall with nobody taking the run: the attempt in flight is cut when the
     lease is no longer surely held, the lease is confirmed, and the idempotent call is
     tried again with its key: one side effect, from the second attempt."""
-    tool = Stalling(1.0)
+    tool = Stalling(store)
     async with open_supervisor(
         [machine(tool)], store, provider=Script(), owner="me", lease_ttl=0.6
     ) as sup:
@@ -492,7 +515,7 @@ async def test_an_attempt_cut_by_a_stall_is_in_doubt_and_not_the_tools_failure(
     which opens at one failure here, does not count it."""
     from interlock import BreakerPolicy
 
-    tool = Stalling(1.0)
+    tool = Stalling(store)
     spec = Machine(
         "notes",
         initial="WORK",

@@ -103,10 +103,14 @@ def done(run_id: str, seq: int) -> Completed:
     return Completed(run_id=run_id, seq=seq, ts=float(seq), state="DONE")
 
 
-def wait_for_lock(observer: psycopg.Connection[Any], pid: int) -> None:
-    """Return once backend ``pid`` waits for a lock (the caller bounds the wait)."""
+def wait_for_lock(observer: psycopg.Connection[Any], pid: int, timeout: float = 60.0) -> None:
+    """Return once backend ``pid`` waits for a lock. Another backend's state can only be
+    polled; the timeout bounds a hang (the caller's trio.fail_after cannot stop this
+    thread), it checks no speed."""
     query = "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'"
+    give_up = time.monotonic() + timeout
     while not observer.execute(query, (pid,)).fetchone():
+        assert time.monotonic() < give_up, f"backend {pid} never waited for a lock"
         time.sleep(0.005)
 
 

@@ -32,6 +32,7 @@ from interlock.stores import (
 from interlock.stores import _sqlite as sqlite_store_module
 from interlock.stores._base import encode_rows, index_updates
 from tests.stores._old_schemas import as_version_4
+from tests.stores.conftest import index_row
 
 
 def run_events(run_id: str, ts: float) -> list[Event]:
@@ -282,20 +283,19 @@ async def test_wal_is_checkpointed_and_the_thread_ends_on_close(
     def checkpoint_threads() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name == name]
 
-    def database_file_grows() -> bool:
-        # In WAL mode only a checkpoint writes the database file.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if path.stat().st_size > 4 * 1024 * 1024:
-                return True
+    def database_file_grows() -> None:
+        # In WAL mode only a checkpoint writes the database file. The thread checkpoints
+        # on its own time, so this polls for what it wrote; the timeout bounds a hang.
+        give_up = time.monotonic() + 60
+        while path.stat().st_size <= 4 * 1024 * 1024:
+            assert time.monotonic() < give_up, "the checkpoint thread never wrote the file"
             time.sleep(0.01)
-        return False
 
     async with await open_sqlite_store(path, synchronous="FULL") as store:
         assert checkpoint_threads() == [name]
         for events in journals.values():
             await store.append(events)
-        assert await trio.to_thread.run_sync(database_file_grows)
+        await trio.to_thread.run_sync(database_file_grows)
     assert checkpoint_threads() == []
     # The last connection to close checkpoints everything and removes the WAL.
     assert not (tmp_path / "j.db-wal").exists()
@@ -319,7 +319,7 @@ async def test_store_dropped_without_close_ends_its_thread(tmp_path: Path) -> No
     del store
     with pytest.warns(ResourceWarning, match=r"SQLite store .*j\.db was not closed"):
         _drop(held)
-    await trio.to_thread.run_sync(thread.join, 5.0)
+    await trio.to_thread.run_sync(thread.join, 60.0)  # a bound for a hang, not a speed check
     assert not thread.is_alive()
     # Its connection was closed then and there: nothing holds the file's write lock.
     with contextlib.closing(sqlite3.connect(tmp_path / "j.db", timeout=0)) as conn, conn:
@@ -596,7 +596,7 @@ async def test_version_2_database_is_read_as_it_is_then_upgraded_in_place(tmp_pa
     assert path.read_bytes() == before
     async with await open_sqlite_store(path) as store:
         assert await store.load("r-2") == two
-        assert await store.get_run("r-1") == index_updates(one, {})["r-1"]
+        assert await store.get_run("r-1") == index_row(one)
         await store.append(run_events("r-3", 3.0))
         assert await store.check() == CheckReport(runs=3, events=15, problems=())
     assert raw_sql(path, "SELECT value FROM meta ORDER BY name") == [("0",), ("3",), ("6",)]
@@ -850,7 +850,7 @@ async def test_a_row_changed_behind_the_store_is_moved_on_from_what_is_stored(
         await first.append(events[3:4])
         await second.append(events[4:])
         assert await first.load("r-1") == events
-        assert await first.get_run("r-1") == index_updates(events, {})["r-1"]
+        assert await first.get_run("r-1") == index_row(events)
         assert (await first.check()).ok
 
 

@@ -24,7 +24,9 @@ import trio
 from interlock._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import IndexDamaged, SQLiteStore, open_sqlite_store
 from interlock.stores import _sqlite as sqlite_store_module
-from interlock.stores._base import index_updates, row_checksum
+from interlock.stores._base import row_checksum
+
+from .conftest import index_row
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +73,7 @@ def lag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def every_read(store: SQLiteStore, journals: dict[str, list[Event]]) -> None:
     """Every read of ``store`` answers as of the journal."""
-    rows = index_updates([e for j in journals.values() for e in j], {})
+    rows = {run_id: index_row(journal) for run_id, journal in journals.items()}
     for run_id, journal in journals.items():
         assert await store.get_run(run_id) == rows[run_id]
         assert await store.load(run_id) == journal
