@@ -889,16 +889,12 @@ class Supervisor:
             # yet stay held, for the next readopt, or are let go to expire.
             leases = self.leases
             for run_id in run_ids:
-                if run_id in self._runs:
+                if run_id in self._runs or (leases is not None and run_id not in leases):
                     continue
-                if leases is None:
-                    if self.readopting:
-                        self._unwritten.add(run_id)
-                elif run_id in leases:
-                    if self.readopting:
-                        self._unwritten.add(run_id)
-                    else:
-                        leases.forget(run_id)
+                if self.readopting:
+                    self._unwritten.add(run_id)
+                elif leases is not None:
+                    leases.forget(run_id)
             raise
         finally:
             self._adopting.difference_update(run_ids)
