@@ -1,5 +1,5 @@
-"""Build the compiled hot path (ext/_hot.pyx -> interlock._hot) and the compiled decide
-path (ext/_decide.pyx -> interlock._decide).
+"""Build the compiled hot path (ext/_hot.pyx -> interlock.core._hot) and the compiled decide
+path (ext/_decide.pyx -> interlock.core._decide).
 
 Everything else lives in pyproject.toml. Set INTERLOCK_NO_EXTENSIONS=1 to
 install the pure-Python twin only.
@@ -19,8 +19,8 @@ else:
 
     ext_modules = cythonize(
         [
-            Extension("interlock._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"]),
-            Extension("interlock._decide", ["ext/_decide.pyx"], extra_compile_args=["-O2", "-g0"]),
+            Extension("interlock.core._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"]),
+            Extension("interlock.core._decide", ["ext/_decide.pyx"], extra_compile_args=["-O2", "-g0"]),
         ],
         compiler_directives={"language_level": 3, "embedsignature": True},
     )

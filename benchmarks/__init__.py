@@ -37,13 +37,13 @@ def available() -> list[str]:
     """The names of the benchmarks this checkout can run.
 
     ``metrics`` needs both ``bench_metrics.py`` and the runtime's metrics collector
-    (``interlock._metrics``); ``scaleout`` needs PostgreSQL (``INTERLOCK_PG_DSN``).
+    (``interlock.runtime._metrics``); ``scaleout`` needs PostgreSQL (``INTERLOCK_PG_DSN``).
     """
     names = []
     for name in ORDER:
         if not (HERE / f"bench_{name}.py").exists():
             continue
-        if name == "metrics" and importlib.util.find_spec("interlock._metrics") is None:
+        if name == "metrics" and importlib.util.find_spec("interlock.runtime._metrics") is None:
             continue
         if name == "scaleout" and not os.environ.get("INTERLOCK_PG_DSN"):
             continue

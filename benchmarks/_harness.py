@@ -263,7 +263,7 @@ def profile(fn: Callable[[], object], *, top: int = 12, sort: str = "tottime") -
 
 
 def area_of(filename: str, name: str) -> str:
-    """Where a profiled function lives: ``interlock/_gate.py``, ``trio``, ``msgspec``, ..."""
+    """Where a profiled function lives: ``interlock/core/_gate.py``, ``trio``, ``msgspec``, ..."""
     if "/interlock/" in filename:
         return "interlock/" + filename.split("/interlock/", 1)[1]
     if "/benchmarks/" in filename:

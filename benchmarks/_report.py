@@ -79,13 +79,13 @@ def _version(name: str) -> str:
 
 def hot_path() -> dict[str, Any]:
     """Which hot path the selector picked, and whether the compiled module is up to date."""
-    selector = importlib.import_module("interlock._hotpath")
+    selector = importlib.import_module("interlock.core._hotpath")
     info: dict[str, Any] = {
         "selected": selector.IMPLEMENTATION,
         "no_extensions_env": bool(os.environ.get("INTERLOCK_NO_EXTENSIONS")),
     }
     try:
-        compiled = importlib.import_module("interlock._hot")
+        compiled = importlib.import_module("interlock.core._hot")
     except ImportError as exc:
         info["compiled_module"] = f"not importable: {exc}"
         return info
@@ -95,10 +95,10 @@ def hot_path() -> dict[str, Any]:
     if so.exists() and pyx.exists():
         info["compiled_newer_than_pyx"] = so.stat().st_mtime >= pyx.stat().st_mtime
     # The decide path (ext/_decide.pyx): the run state and a step's accepted path.
-    info["decide"] = importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION
+    info["decide"] = importlib.import_module("interlock.core._view").DECIDE_IMPLEMENTATION
     decide_pyx = ROOT / "ext" / "_decide.pyx"
     if info["decide"] == "compiled" and decide_pyx.exists():
-        decide_so = Path(importlib.import_module("interlock._decide").__file__ or "")
+        decide_so = Path(importlib.import_module("interlock.core._decide").__file__ or "")
         info["decide_newer_than_pyx"] = decide_so.stat().st_mtime >= decide_pyx.stat().st_mtime
     return info
 
@@ -173,7 +173,7 @@ def environment_markdown(env: dict[str, Any], command: str, started: str, second
         ),
         f"- **OS / Python:** {env['os']} / {env['python']}",
         "- **Versions:** " + ", ".join(f"{name} {v}" for name, v in env["versions"].items()),
-        f"- **Hot path:** `interlock._hotpath` selected **{hot['selected']}**"
+        f"- **Hot path:** `interlock.core._hotpath` selected **{hot['selected']}**"
         f" (`{hot.get('compiled_module', '?')}`{freshness})"
         + (
             f"; the decide path (ext/_decide.pyx): **{hot['decide']}**"

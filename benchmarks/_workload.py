@@ -24,7 +24,7 @@ from interlock import (
     ToolContext,
     Worker,
 )
-from interlock._view import RunState
+from interlock.core._view import RunState
 
 ORDER_PATTERN = r"^ORD-[0-9]{6}$"
 REASONS = ("damaged", "late", "wrong_item", "not_received", "other")

@@ -49,7 +49,7 @@ from benchmarks._harness import (
     run_child,
     short_path,
 )
-from interlock._runtime import GC_THRESHOLD
+from interlock.runtime._runtime import GC_THRESHOLD
 
 NAME = "concurrency"
 TITLE = "Concurrent runs: wall time, CPU and memory against bare trio and asyncio sleeps"

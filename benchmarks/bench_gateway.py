@@ -258,7 +258,7 @@ def _time_decide(path: str) -> None:
     CPU time (``time.thread_time``, so the store's thread holding the GIL is not counted),
     less the timer's own cost measured here first.
     """
-    from interlock._supervisor import Supervisor
+    from interlock.runtime._supervisor import Supervisor
 
     clock = time.thread_time
     samples = [clock() for _ in range(10_001)]
@@ -713,7 +713,7 @@ async def channel_load(
     multiplexed and pipelined on one connection."""
     import trio
 
-    from interlock.gateway._channel_client import open_channel
+    from interlock.client._channel import open_channel
 
     load = Load(connections * runs)
     timer = time.perf_counter
@@ -894,7 +894,7 @@ def has_gateway() -> bool:
 
 
 def has_channel() -> bool:
-    return importlib.util.find_spec("interlock.gateway._channel_client") is not None
+    return importlib.util.find_spec("interlock.client._channel") is not None
 
 
 def _median_throughput(rounds: list[dict[str, Any]]) -> dict[str, Any]:

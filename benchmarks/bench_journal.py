@@ -143,7 +143,7 @@ def sqlite_store(
 def plain_file(
     events: list[Event], size: int, directory: Path, budget_s: float, limit: int, fsync: bool
 ) -> dict[str, Any]:
-    frame_events = importlib.import_module("interlock._hotpath").frame_events
+    frame_events = importlib.import_module("interlock.core._hotpath").frame_events
     path = directory / f"journal-{size}-{'fsync' if fsync else 'nofsync'}.bin"
     batches = _batches(events, size, limit)
     written = 0
@@ -164,7 +164,7 @@ def sqlite_per_event(
     events: list[Event], synchronous: str, directory: Path, budget_s: float
 ) -> dict[str, Any]:
     """The baseline: one INSERT, one COMMIT per event, straight through sqlite3."""
-    frame_event = importlib.import_module("interlock._hotpath").frame_event
+    frame_event = importlib.import_module("interlock.core._hotpath").frame_event
     path = directory / f"per-event-{synchronous}.db"
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
@@ -201,7 +201,10 @@ def encode_cost(events: list[Event]) -> dict[str, Any]:
         encode_event(event)
     encode_us = (time.perf_counter() - started) / len(sample) * 1e6
     framing = {}
-    for label, module in (("compiled", "interlock._hot"), ("pure Python", "interlock._hot_py")):
+    for label, module in (
+        ("compiled", "interlock.core._hot"),
+        ("pure Python", "interlock.core._hot_py"),
+    ):
         frame_events = importlib.import_module(module).frame_events
         best = float("inf")
         for _ in range(3):

@@ -47,8 +47,8 @@ from benchmarks._workload import (
     step_script,
 )
 from interlock import RunView, TokenUsage, open_supervisor
-from interlock._runtime import GC_THRESHOLD
 from interlock.providers import Proposal, ScriptedProvider
+from interlock.runtime._runtime import GC_THRESHOLD
 from interlock.stores import MemoryStore
 
 NAME = "loop"

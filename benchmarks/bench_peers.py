@@ -372,7 +372,7 @@ def use_decide_twin() -> bool:
     """Run this process's steps on the pure-Python run state and decide path (the twin of
     ext/_decide.pyx), the rest of the runtime as it is; False where there is no compiled
     one to switch from."""
-    from interlock import _decider, _view
+    from interlock.core import _decider, _view
 
     if _view.DECIDE_IMPLEMENTATION != "compiled":
         return False
@@ -557,7 +557,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             "This tree does not accept a tool call naming the state to move to "
             '(`{"tool", "args", "next"}`): no call-and-move row.'
         )
-    if importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION == "compiled":
+    if importlib.import_module("interlock.core._view").DECIDE_IMPLEMENTATION == "compiled":
         memory_plan.insert(
             1,
             (
@@ -680,7 +680,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
             (INTERLOCK, {"kind": "interlock"}, (5, 25)),
             (PLAIN, {"kind": "plain"}, (200, 2_000)),
         ]
-        if importlib.import_module("interlock._view").DECIDE_IMPLEMENTATION == "compiled":
+        if importlib.import_module("interlock.core._view").DECIDE_IMPLEMENTATION == "compiled":
             plan.insert(1, (TWIN, {"kind": "interlock", "decide": "python"}, (5, 25)))
         if HAVE_BURR:
             plan.insert(1, (BURR, {"kind": "burr"}, (10, 50)))

@@ -21,7 +21,7 @@ Two measurements, as ratios of one run:
 - *per step*, 10,000 concurrent runs of 6 steps (5 lookups with distinct order ids, then
   ``transition`` to DONE; a MemoryStore journal), each configuration in a fresh child
   process: ``ScriptedProvider`` answering the same proposals (the simulated provider);
-  each HTTP provider against the fake server (``interlock.providers._fake``, in its own
+  each HTTP provider against the fake server (``interlock.testing._fake``, in its own
   process, started by ``python -m benchmarks.bench_providers --serve``; it reads the step
   from the conversation it is sent) over loopback HTTP with ``max_in_flight`` 256; and
   ``OpenAIChat`` with the in-process transport of the per-call part (the provider's code
@@ -138,14 +138,14 @@ def raw_proposal(step: int, lookups: int) -> str:
 
 
 def reply(step: int, lookups: int) -> Any:
-    from interlock.providers._fake import Reply
+    from interlock.testing._fake import Reply
 
     return Reply(calls=[arguments(step, lookups)], usage=(600 + 80 * step, 24, 512, 0))
 
 
 def response_body(api: str, step: int, lookups: int) -> bytes:
     """The fake server's exact response body for ``step``, rendered in process."""
-    from interlock.providers import _fake
+    from interlock.testing import _fake
 
     payload = _fake._RENDERERS[api](reply(step, lookups), {"model": "bench-model"}, step + 1, 2000)
     return _fake._encode(payload)
@@ -385,8 +385,8 @@ def time_calls(provider: Any, view: Any, api: str, lookups: int) -> dict[str, An
     """Timed loops on the live view: the body built warm (what the view keeps is reused)
     and cold (a fresh view of the same run: every step rendered again), the read, the
     floors."""
-    from interlock._view import RunView
-    from interlock.providers._wire import tool_specs
+    from interlock.core._view import RunView
+    from interlock.core._wire import tool_specs
 
     transition, strict = provider.transition, provider.strict
     body = provider.request_body(view, tool_specs(view, transition, strict))
@@ -417,7 +417,7 @@ def time_calls(provider: Any, view: Any, api: str, lookups: int) -> dict[str, An
 
 def time_first(provider: Any, view: Any, api: str, lookups: int) -> dict[str, Any]:
     """One sample: the call's own build, the first at this depth (it renders the new step)."""
-    from interlock.providers._wire import tool_specs
+    from interlock.core._wire import tool_specs
 
     clock = time.process_time_ns
     started = clock()
@@ -429,7 +429,7 @@ def _loop_calls(size: int) -> Any:
     """An ``act`` for the instruction count: ``size`` builds and reads, nothing timed."""
 
     def act(provider: Any, view: Any, api: str, lookups: int) -> dict[str, Any]:
-        from interlock.providers._wire import tool_specs
+        from interlock.core._wire import tool_specs
 
         response = response_body(api, view.steps, lookups)
         with _collector_paused():
@@ -547,7 +547,7 @@ def serve(lookups: int) -> None:
     """The fake server's process: print ``PORT n``, then serve until killed."""
     import trio
 
-    from interlock.providers._fake import serve_fake_llm
+    from interlock.testing._fake import serve_fake_llm
 
     def brain(api: str, body: dict[str, Any], headers: Any) -> Any:
         return reply(steps_answered(api, body), lookups)

@@ -286,15 +286,15 @@ def wait_for(what: str, done: Any, timeout: float, interval: float = 0.02) -> No
 
 
 def _machine() -> Any:
-    from interlock._app import load_app
+    from interlock.runtime._app import load_app
 
     return load_app(APP, base=ROOT).machines["steps"]
 
 
 async def enqueue_bulk(store: Any, run_ids: Sequence[str], batch: int = 1000) -> None:
     """Create runs with one append of ``batch`` run_started events per transaction."""
-    from interlock import _decider
-    from interlock._messages import Start
+    from interlock.core import _decider
+    from interlock.core._messages import Start
 
     machine = _machine()
     inputs = machine.check_inputs(None)
@@ -414,7 +414,7 @@ def measure_claims(base: str, size: int, empty_claims: int) -> dict[str, Any]:
     """p50/p99 of ``claim(limit=100)`` on ``size`` claimable runs, then of empty claims."""
     import trio
 
-    from interlock._events import RunStarted
+    from interlock.core._events import RunStarted
     from interlock.stores import open_store
 
     async def main(url: str, conn: Any) -> dict[str, Any]:

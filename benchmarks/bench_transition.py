@@ -3,8 +3,8 @@
 Three implementations answer the same 100,000 (src, dst) pairs drawn from a 16-state
 machine (about half the pairs legal, half illegal, 2% naming no state at all):
 
-- *compiled*: ``interlock._hot.Tables`` (the Cython bitmask tables);
-- *pure Python*: ``interlock._hot_py.Tables``, the twin with the same results;
+- *compiled*: ``interlock.core._hot.Tables`` (the Cython bitmask tables);
+- *pure Python*: ``interlock.core._hot_py.Tables``, the twin with the same results;
 - *dict of sets*: what one would write without tables, ``dst in edges.get(src, ())``,
   as a function returning the same codes.
 
@@ -93,8 +93,12 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     rounds = 3 if quick else 15
     names, edges, sets = build_tables()
     pairs = build_pairs(count, sets)
-    compiled = importlib.import_module("interlock._hot").Tables(names, [], edges, [0] * STATES, 0)
-    pure = importlib.import_module("interlock._hot_py").Tables(names, [], edges, [0] * STATES, 0)
+    compiled = importlib.import_module("interlock.core._hot").Tables(
+        names, [], edges, [0] * STATES, 0
+    )
+    pure = importlib.import_module("interlock.core._hot_py").Tables(
+        names, [], edges, [0] * STATES, 0
+    )
     plain = dict_of_sets(sets)
     implementations: list[tuple[str, Callable[[int, int], Any]]] = [
         ("compiled", compiled.check_transition),

@@ -63,8 +63,8 @@ from benchmarks._workload import (
     run_state,
     within_total,
 )
-from interlock._breakers import CircuitBoard
-from interlock._gate import verify
+from interlock.core._breakers import CircuitBoard
+from interlock.core._gate import verify
 
 NAME = "verify"
 TITLE = "Proposal verification: the full gate against pydantic and msgspec alone"
@@ -120,9 +120,9 @@ def msgspec_floor(raw: bytes) -> object:
 def _minimal() -> Any:
     """The accepted path's irreducible work, without the gate around it (see the docstring)."""
     from interlock import RunView
-    from interlock._gate import _plan
-    from interlock._hotpath import hash64
-    from interlock._view import canonical_encoder
+    from interlock.core._gate import _plan
+    from interlock.core._hotpath import hash64
+    from interlock.core._view import canonical_encoder
 
     machine = build_machine()
     run = run_state(machine)
@@ -167,11 +167,11 @@ def _decide_gate() -> Any:
     """The compiled decide path's gate: its accepted path (``_decide.accept_call``), and
     ``verify`` for what it leaves to the Python gate (a rejection it explains); None where
     the decide path is not compiled."""
-    from interlock import _view
+    from interlock.core import _view
 
     if _view.DECIDE_IMPLEMENTATION != "compiled":
         return None
-    from interlock import _decide
+    from interlock.core import _decide
 
     machine = build_machine()
     run = run_state(machine)
@@ -226,7 +226,7 @@ def _sample(values: list[float], size: int = 400) -> list[float]:
 
 
 def _child(config: dict[str, Any]) -> dict[str, Any]:
-    from interlock import _hotpath
+    from interlock.core import _hotpath
 
     items = proposals(config["count"])
     gate = _gate()
@@ -253,7 +253,7 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     rounds = 2 if quick else 5
     items = proposals(count)
     progress("compiled gate, pydantic and msgspec, interleaved", 0.0)
-    from interlock import _hotpath
+    from interlock.core import _hotpath
 
     decide_gate = _decide_gate()
     measured = measure(

@@ -34,7 +34,7 @@ import trio
 
 from benchmarks._workload import TOTAL, WORK, build_tool, call_args, call_raw, step_script
 from interlock import Budgets, Machine, Worker, open_supervisor
-from interlock._events import ModelCalled
+from interlock.core._events import ModelCalled
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
 

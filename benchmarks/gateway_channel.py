@@ -587,7 +587,7 @@ async def serve_gateway_channel(db: str) -> None:
 
 
 async def drive_runs(url: str, runs: int, server_pid: int, only_propose: bool = False) -> None:
-    from interlock.gateway._channel_client import open_channel
+    from interlock.client._channel import open_channel
 
     async with open_channel(url) as channel:
         async with trio.open_nursery() as nursery:
@@ -640,7 +640,7 @@ async def batched(sup: Any, runs: int) -> None:
     """Each request decided in one task with submit_nowait, one Sync per batch: what a batch
     path through the service could do."""
     from interlock import Propose, Report
-    from interlock._messages import Sync
+    from interlock.core._messages import Sync
 
     ids = [f"e-{i}" for i in range(runs)]
     calls = [sup.submit_nowait(Propose(run_id=r, seq=1, raw=CHARGE)) for r in ids]

@@ -59,8 +59,8 @@ def workload(runs: int, rounds: int) -> None:
 
     from benchmarks.bench_gateway import build_machine, transition
     from interlock import open_supervisor
-    from interlock.gateway._api import ProposalIn
     from interlock.gateway._service import GatewayService
+    from interlock.protocol import ProposalIn
     from interlock.stores import open_sqlite_store
 
     async def main() -> None:

@@ -37,7 +37,7 @@ import psycopg
 import trio
 from psycopg import sql
 
-from interlock._events import Completed, Event, RunStarted, Transitioned
+from interlock.core._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import PostgresStore, open_postgres_store
 
 DSN = os.environ.get("INTERLOCK_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")

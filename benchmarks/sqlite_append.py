@@ -32,7 +32,7 @@ import trio
 
 from benchmarks.bench_gateway import build_machine, transition
 from interlock import Propose, open_supervisor
-from interlock._messages import Sync
+from interlock.core._messages import Sync
 from interlock.stores import MemoryStore, _sqlite
 
 #: Runs per batch at the gateway's shape (a POST /v1/verify batch of 1,000).

@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from interlock._events import Completed, Event, RunStarted, Transitioned
+from interlock.core._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import Store, open_sqlite_store
 
 UNFINISHED = 3_000
@@ -100,7 +100,7 @@ async def _timed(path: Path, *, indexed: bool, load: bool) -> tuple[float, int]:
 
 
 async def _summary(path: Path) -> float:
-    from interlock._demo import summarize_store
+    from interlock.demo._run import summarize_store
 
     async with await open_sqlite_store(path, readonly=True) as store:
         started = time.perf_counter()

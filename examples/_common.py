@@ -7,9 +7,9 @@ from typing import Any
 import trio
 
 from interlock import open_supervisor
+from interlock.demo.workflows import WORKFLOWS, Backend
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
-from interlock.workflows import WORKFLOWS, Backend
 
 
 async def run_once(workflow: str, inputs: dict[str, Any], script: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ Run: python examples/refund_agent.py
 
 from _common import main
 
-from interlock.workflows import order_total
+from interlock.demo.workflows import order_total
 
 ORDER = "ord-100001"
 TOTAL = order_total(ORDER)

@@ -3,7 +3,7 @@
 path of a step (a model's proposal verified and its events built; a tool's success
 committed).
 
-The pure-Python twin is ``interlock._view.PyRunState`` (the fold) and ``interlock._decider``'s
+The pure-Python twin is ``interlock.core._view.PyRunState`` (the fold) and ``interlock.core._decider``'s
 ``_on_propose`` and ``_on_report`` (the paths): every decision this module does not make
 itself (a step's proposal, a rejection, a provider failure, a failed call, anything out
 of the ordinary) it hands to them, before it has changed anything, or, once the model
@@ -32,7 +32,7 @@ from collections import Counter
 
 import msgspec
 
-from interlock._events import (
+from interlock.core._events import (
     BreakerTripped,
     Event,
     TokenUsage,
@@ -57,11 +57,11 @@ from interlock._events import (
     expand_prompt,
     hash_prompt_after,
 )
-from interlock._exceptions import InterlockError, ProtocolError
-from interlock._machine import ESCALATE, FAILED
-from interlock._messages import Propose, ToolCall, Verdict
-from interlock._stats import _BOUNDS, _Keys
-from interlock._hot import common_affixes, hash64, scan_json
+from interlock.core._exceptions import InterlockError, ProtocolError
+from interlock.core._machine import ESCALATE, FAILED
+from interlock.core._messages import Propose, ToolCall, Verdict
+from interlock.core._stats import _BOUNDS, _Keys
+from interlock.core._hot import common_affixes, hash64, scan_json
 
 cdef object UNSET = msgspec.UNSET
 cdef object _json_encode = msgspec.json.encode
@@ -81,7 +81,7 @@ cdef object _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 #: at least this many characters (as the twin: ``_decider._MIN_SHARED_PROMPT``).
 cdef Py_ssize_t _MIN_SHARED_PROMPT = 64
 
-# Bound by interlock._view (bind_view) and interlock._decider (bind_decider) once they are
+# Bound by interlock.core._view (bind_view) and interlock.core._decider (bind_decider) once they are
 # imported: they import this module, so it cannot import them.
 cdef object _in_frame = None  # ToolResult._in_frame
 cdef object _Frame = None
@@ -116,7 +116,7 @@ cdef Py_ssize_t _ENV_NEXT = -1, _ENV_TOOL = -1, _ENV_DATA = -1
 
 
 def bind_view(namespace):
-    """Take what the fold needs from ``interlock._view`` (which imports this module)."""
+    """Take what the fold needs from ``interlock.core._view`` (which imports this module)."""
     global _in_frame, _Frame, _violation_signature, _proposal_data, _call_hash
     global _NO_DATA, _NO_TURNS, _RunView, _canonical_encode
     _in_frame = namespace.ToolResult._in_frame
@@ -125,7 +125,7 @@ def bind_view(namespace):
     _proposal_data = namespace.proposal_data
     _call_hash = namespace._call_hash
     if namespace._SHORT != _SHORT:  # pragma: no cover - a twin changed alone
-        raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+        raise ImportError("interlock.core._decide is out of date: rebuild it (pip install -e .)")
     _NO_DATA = namespace._NO_DATA
     _NO_TURNS = namespace._NO_TURNS
     _RunView = namespace.RunView
@@ -133,7 +133,7 @@ def bind_view(namespace):
 
 
 def bind_decider(namespace, gate, breakers):
-    """Take the twin's paths and helpers from ``interlock._decider`` and the gate's."""
+    """Take the twin's paths and helpers from ``interlock.core._decider`` and the gate's."""
     global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
     global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
     global _envelope_decode, _move_data, _close, _OK, _decider, _dict_decode
@@ -340,7 +340,7 @@ cdef _Facts _facts_of(machine):
 cdef class RunState:
     """Everything the supervisor knows of one run; rebuilt by folding its events.
 
-    The compiled twin of ``interlock._view.PyRunState``: the same attributes (the
+    The compiled twin of ``interlock.core._view.PyRunState``: the same attributes (the
     counters, seq and clock readings typed), the same :meth:`apply`.
     """
 
@@ -1029,15 +1029,15 @@ def on_report(RunState run, msg, double now, circuits, list events):
 
 # -- a batch of requests ------------------------------------------------------------------
 
-# How a verdict goes out (interlock._journal): once durable, at once and written now, at once
+# How a verdict goes out (interlock.runtime._journal): once durable, at once and written now, at once
 # and written with the run's next request.
 cdef int _DURABLE = 0, _WRITE = 1, _LAG = 2
 
-# The latency histograms' bucket bounds (interlock._stats._BOUNDS) as C doubles.
+# The latency histograms' bucket bounds (interlock.core._stats._BOUNDS) as C doubles.
 cdef Py_ssize_t _NBOUNDS = len(_BOUNDS)
 cdef double _bound_values[128]
 if _NBOUNDS > 128:  # pragma: no cover - a twin changed alone
-    raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+    raise ImportError("interlock.core._decide is out of date: rebuild it (pip install -e .)")
 for _i, _bound in enumerate(_BOUNDS):
     _bound_values[_i] = _bound
 
@@ -1810,7 +1810,7 @@ def bind_channel(namespace):
     if answer.__struct_fields__ != ("id", "body", "problem") or not (
         answer.__struct_config__.omit_defaults
     ):  # pragma: no cover - a twin changed alone
-        raise ImportError("interlock._decide is out of date: rebuild it (pip install -e .)")
+        raise ImportError("interlock.core._decide is out of date: rebuild it (pip install -e .)")
     _ChannelAnswer = answer
     _ChannelRequest = namespace.ChannelRequest
     _answer_encode_into = namespace._ENCODE_INTO

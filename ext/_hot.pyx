@@ -1,9 +1,9 @@
 # cython: boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 # cython: autotestdict=False, binding=False
-"""The hot path, compiled: the Cython twin of ``interlock._hot_py``.
+"""The hot path, compiled: the Cython twin of ``interlock.core._hot_py``.
 
-``interlock._hot_py`` is the specification; this module implements the same
-names with the same results and the same error text, and ``interlock._hotpath``
+``interlock.core._hot_py`` is the specification; this module implements the same
+names with the same results and the same error text, and ``interlock.core._hotpath``
 picks one. Speed tricks stay in ``cdef`` helpers. Each public function has a
 fast path for the inputs the runtime really passes (exact ints, byte buffers)
 and falls back to the specification's own algorithm on Python objects for

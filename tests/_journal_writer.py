@@ -22,7 +22,7 @@ import zlib
 import trio
 
 from interlock import StoreError
-from interlock._events import (
+from interlock.core._events import (
     Completed,
     Escalated,
     Event,

@@ -151,7 +151,7 @@ def stall_cuts(url: str) -> tuple[int, int]:
     worker had stalled past its lease (the cut's text in the escalation's detail), and the
     journaled failures of such cuts (a ``notify`` cut is reconciled, not escalated, but its
     failure is journaled all the same; the framed msgpack holds the text as UTF-8)."""
-    from interlock._breakers import LEASE_CUT
+    from interlock.core._breakers import LEASE_CUT
 
     escalated = query(
         url,

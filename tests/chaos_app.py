@@ -23,9 +23,9 @@ from interlock import (
     ToolContext,
     open_supervisor,
 )
+from interlock.demo.workflows import WORKFLOWS, Backend
 from interlock.providers import ChaosProvider, Proposal, ScriptedProvider
 from interlock.stores import open_sqlite_store
-from interlock.workflows import WORKFLOWS, Backend
 
 #: What the provider does instead of answering, each at this probability per call.
 PROVIDER_FAULTS = (

@@ -24,14 +24,14 @@ from interlock import (
     ToolContext,
     Verdict,
     Worker,
-    _decider,
 )
-from interlock._actor import ActorPort, Driver, run_actor
-from interlock._breakers import CircuitBoard
-from interlock._events import Event
-from interlock._messages import Request
-from interlock._view import PyRunState, fold
+from interlock.core import _decider
+from interlock.core._breakers import CircuitBoard
+from interlock.core._events import Event
+from interlock.core._messages import Request
+from interlock.core._view import PyRunState, fold
 from interlock.providers import ScriptedProvider, render_prompt
+from interlock.runtime._actor import ActorPort, Driver, run_actor
 
 
 class Args(msgspec.Struct, forbid_unknown_fields=True):

@@ -23,7 +23,7 @@ def expected_benchmarks() -> set[str]:
     """Every ``bench_<name>.py``; ``metrics`` only once the runtime has its collector,
     ``scaleout`` only with PostgreSQL."""
     names = {path.stem.removeprefix("bench_") for path in BENCHMARKS.glob("bench_*.py")}
-    if importlib.util.find_spec("interlock._metrics") is None:
+    if importlib.util.find_spec("interlock.runtime._metrics") is None:
         names.discard("metrics")
     if not os.environ.get("INTERLOCK_PG_DSN"):
         names.discard("scaleout")

@@ -447,8 +447,8 @@ async def test_deadline_heap_keeps_only_live_runs(memory_store: MemoryStore) -> 
 async def test_a_watchdog_entry_acts_only_on_the_driver_that_armed_it() -> None:
     # Entries name the run, not the actor's driver; a resumed run gets a new driver under
     # the same id, and an entry its old driver armed must not cut the new one's wait.
-    from interlock._actor import Driver
-    from interlock._watchdog import armed_for as _armed_for
+    from interlock.runtime._actor import Driver
+    from interlock.runtime._watchdog import armed_for as _armed_for
 
     old, new = Driver("r-1"), Driver("r-1")
     old.deadline_token, new.deadline_token = -1, -7

@@ -23,11 +23,11 @@ from interlock import (
     Tool,
     ToolContext,
     Worker,
-    _decider,
     open_supervisor,
 )
-from interlock._breakers import CircuitBoard
-from interlock._events import (
+from interlock.core import _decider
+from interlock.core._breakers import CircuitBoard
+from interlock.core._events import (
     Event,
     IntentRecorded,
     ToolCommitted,
@@ -35,10 +35,10 @@ from interlock._events import (
     decode_event,
     encode_event,
 )
-from interlock._gate import _verify, verify
-from interlock._replay import replay, replay_run
-from interlock._view import RunState, fold
+from interlock.core._gate import _verify, verify
+from interlock.core._view import RunState, fold
 from interlock.providers import ScriptedProvider
+from interlock.runtime._replay import replay, replay_run
 from interlock.stores import MemoryStore
 
 
@@ -500,8 +500,8 @@ def test_a_live_run_makes_one_model_call_per_call_and_move_step_and_replays() ->
 
 
 def test_show_prints_the_move_an_intent_makes_when_its_call_succeeds() -> None:
-    from interlock._cli import _describe
-    from interlock._events import IntentRecorded
+    from interlock.cli._main import _describe
+    from interlock.core._events import IntentRecorded
 
     plain = IntentRecorded(
         run_id="r", seq=3, ts=1.0, state="WORK", tool="lookup", args={"id": 1}, key="r:WORK:3"

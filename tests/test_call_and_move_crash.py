@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from interlock import Machine, Tool, Worker, replay
-from interlock._events import IntentRecorded, ModelCalled, ToolCommitted, Transitioned
+from interlock.core._events import IntentRecorded, ModelCalled, ToolCommitted, Transitioned
 from interlock.stores._open import open_store
 
 CHILD = pathlib.Path(__file__).with_name("_call_and_move_child.py")

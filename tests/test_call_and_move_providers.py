@@ -22,12 +22,12 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._events import ModelCalled, ToolFailed, Transitioned
-from interlock._view import RunState, RunView
+from interlock.core._events import ModelCalled, ToolFailed, Transitioned
+from interlock.core._view import RunState, RunView
+from interlock.core._wire import check_machine, split_move, strict_schema, tool_specs
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
-from interlock.providers._fake import FakeLLM, Reply, open_fake_llm, scripted_brain, tools_of
-from interlock.providers._wire import check_machine, split_move, strict_schema, tool_specs
 from interlock.stores import MemoryStore
+from interlock.testing._fake import FakeLLM, Reply, open_fake_llm, scripted_brain, tools_of
 
 
 class Lookup(msgspec.Struct, forbid_unknown_fields=True):

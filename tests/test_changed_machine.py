@@ -66,7 +66,7 @@ async def test_resuming_an_escalated_run_where_its_state_is_gone_is_refused() ->
 
 
 async def test_resuming_a_crashed_run_in_a_state_that_is_gone_is_refused_before_any_run() -> None:
-    from interlock._events import RunStarted
+    from interlock.core._events import RunStarted
 
     store = MemoryStore()
     await store.append(
@@ -84,7 +84,7 @@ async def test_where_its_state_is_gone_a_run_may_resume_in_any_state_of_the_mach
     ending the run with no output; the targets are now the machine's states, and a
     terminal state is refused as anywhere else."""
     from interlock import IllegalResumeTarget
-    from interlock._escalation import resume_targets
+    from interlock.core._escalation import resume_targets
 
     store = MemoryStore()
     await escalated_in(store, "TRIAGE")

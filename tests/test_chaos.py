@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from interlock import replay
+from interlock.demo.workflows import Backend
 from interlock.stores import open_sqlite_store
-from interlock.workflows import Backend
 
 APP = Path(__file__).with_name("chaos_app.py")
 RUNS = 1000

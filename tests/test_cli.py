@@ -259,8 +259,8 @@ def test_corrupt_database_is_one_line_error_and_untouched(tmp_path):
 
 
 def test_version_names_the_hot_path_and_the_decide_path():
-    from interlock._hotpath import IMPLEMENTATION
-    from interlock._view import DECIDE_IMPLEMENTATION
+    from interlock.core._hotpath import IMPLEMENTATION
+    from interlock.core._view import DECIDE_IMPLEMENTATION
 
     done = interlock("--version")
     assert done.returncode == 0
@@ -572,8 +572,8 @@ def test_show_conversation_shows_every_call_of_a_turn_and_which_one_ran(tmp_path
 
     from interlock import Machine, Tool, Worker, open_supervisor
     from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
-    from interlock.providers._fake import Reply, open_fake_llm, scripted_brain
     from interlock.stores import open_sqlite_store
+    from interlock.testing._fake import Reply, open_fake_llm, scripted_brain
 
     class Lookup(msgspec.Struct, forbid_unknown_fields=True):
         order_id: str

@@ -20,7 +20,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._events import describe_exception
+from interlock.core._events import describe_exception
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -413,7 +413,8 @@ async def test_system_exit_from_a_tool_is_not_contained() -> None:
 async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: Any) -> None:
     """A bug met while deciding one run's request (here, a provider's usage whose counts
     break the arithmetic) ends that run with an InternalError; the others go on."""
-    from interlock import InternalError, _decider
+    from interlock import InternalError
+    from interlock.core import _decider
 
     original = _decider._propose  # the decide path in use: compiled, or its twin
 

@@ -70,7 +70,7 @@ SLOW_WRITE = 1.0
 SLOW_CLI = f"""
 import runpy
 import trio
-from interlock.workflows import Backend
+from interlock.demo.workflows import Backend
 
 def slow(effect):
     async def slowed(self, *args):

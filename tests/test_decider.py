@@ -28,12 +28,12 @@ from interlock import (
     Tool,
     ToolContext,
     Worker,
-    _decider,
 )
-from interlock._breakers import CircuitBoard
-from interlock._events import Event
-from interlock._stats import RuntimeStats
-from interlock._view import RunState, RunView, fold
+from interlock.core import _decider
+from interlock.core._breakers import CircuitBoard
+from interlock.core._events import Event
+from interlock.core._stats import RuntimeStats
+from interlock.core._view import RunState, RunView, fold
 
 SRC = pathlib.Path(_decider.__file__).parent
 

@@ -28,7 +28,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._exceptions import StoreError
+from interlock.core._exceptions import StoreError
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
 

@@ -1,4 +1,4 @@
-"""The escalation rule on its own (interlock._escalation): what a second resume or abort
+"""The escalation rule on its own (interlock.core._escalation): what a second resume or abort
 of a run out of the queue gets, whoever sends it through whichever door (#32)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from interlock import Escalated, EscalationResolved, NotEscalated, Resumed, RunStarted
-from interlock._escalation import answer_again, resolution
+from interlock.core._escalation import answer_again, resolution
 
 PAYLOAD = '{"tool": "charge", "args": {"cents": 5}}'
 WHEN = 1796256000.0  # 2026-12-03 00:00:00 UTC

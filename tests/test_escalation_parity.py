@@ -18,9 +18,9 @@ import pytest
 import trio
 
 from interlock import EscalationResolved, IllegalResumeTarget, open_supervisor
-from interlock._app import load_app
 from interlock.gateway import serve_gateway
 from interlock.gateway._keys import KeyRing
+from interlock.runtime._app import load_app
 from interlock.stores import open_sqlite_store
 from tests._cli import interlock
 

@@ -32,7 +32,7 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._view import fold
+from interlock.core._view import fold
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 

@@ -210,7 +210,8 @@ async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
     """A bug met deciding one proposal of a batch ends that run only, half of its decision
     dropped; the others are decided and written. Both ways of deciding a batch: the
     supervisor's compiled loop (where the decide path is compiled) and the journal's own."""
-    from interlock import InternalError, Sync, _decider
+    from interlock import InternalError, Sync
+    from interlock.core import _decider
 
     original = _decider._propose  # the decide path in use: compiled, or its twin
 

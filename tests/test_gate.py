@@ -31,13 +31,13 @@ from interlock import (
     Transitioned,
     Violation,
     Worker,
-    _gate,
 )
-from interlock._breakers import CircuitBoard
-from interlock._gate import Decision, verify
-from interlock._hotpath import proposal_hash
-from interlock._tools import plain_struct
-from interlock._view import RunState, _call_hash, canonical_args, fold
+from interlock.core import _gate
+from interlock.core._breakers import CircuitBoard
+from interlock.core._gate import Decision, verify
+from interlock.core._hotpath import proposal_hash
+from interlock.core._tools import plain_struct
+from interlock.core._view import RunState, _call_hash, canonical_args, fold
 
 CODES = {
     "malformed",

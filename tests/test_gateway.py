@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlock import App, Go, Machine, Step, Tool, Worker, open_supervisor, replay
-from interlock._demo import DemoConfig, build_app
-from interlock._events import Violation
-from interlock._messages import ToolCall, Verdict
+from interlock.core._events import Violation
+from interlock.core._messages import ToolCall, Verdict
+from interlock.demo._run import DemoConfig, build_app
 from interlock.gateway import (
     GatewayServer,
     RunOut,
@@ -37,9 +37,9 @@ from interlock.gateway import (
     openapi_document,
     serve_gateway,
 )
-from interlock.gateway._api import CallOut, ViolationOut
 from interlock.gateway._guard import Limits
 from interlock.gateway._keys import KeyRing, Principal
+from interlock.protocol import CallOut, ViolationOut
 from interlock.providers import ScriptedProvider
 from interlock.stores import open_sqlite_store
 
@@ -477,7 +477,7 @@ async def test_a_bug_deciding_one_proposal_of_a_batch_ends_that_run_only(
 ) -> None:
     """The run whose request met a bug gets a 500 problem in its place, naming the bug;
     the batch's other proposals are decided, journaled and answered."""
-    from interlock import _decider
+    from interlock.core import _decider
 
     original = _decider._propose  # the decide path in use: compiled, or its twin
 
@@ -511,7 +511,7 @@ async def test_a_batch_that_fails_whole_leaves_no_answer_pending(
     none of its answers pending, neither those decided before it nor its own group's: a
     retry of each proposal gets the journal's answer or is decided afresh, instead of
     waiting forever."""
-    from interlock._messages import Sync
+    from interlock.core._messages import Sync
     from interlock.gateway import GatewayService, ProposalIn, RunCreate
 
     store = await open_sqlite_store(str(tmp_path / "j.db"))
@@ -803,7 +803,7 @@ async def test_a_key_at_its_runs_in_flight_limit_gets_a_429(tmp_path: Path) -> N
 
 
 async def test_the_streaming_channel_is_served_beside_http(tmp_path: Path) -> None:
-    from interlock.gateway._channel_client import open_channel
+    from interlock.client._channel import open_channel
 
     db = tmp_path / "j.db"
     async with gateway(shop(), db, channel_port=0) as (server, client):
@@ -823,7 +823,7 @@ async def test_the_limits_come_from_the_environment_and_the_channel_has_no_reque
 ) -> None:
     """``interlock serve`` takes its limits from INTERLOCK_GATEWAY_*; the per-key request
     rate is HTTP's, and the channel (bounded by its requests in flight) is not held to it."""
-    from interlock.gateway._channel_client import open_channel
+    from interlock.client._channel import open_channel
 
     monkeypatch.setenv("INTERLOCK_GATEWAY_RATE", "1")
     monkeypatch.setenv("INTERLOCK_GATEWAY_BURST", "1")
@@ -849,7 +849,7 @@ async def test_a_proposal_cancelled_while_it_waits_is_answered_to_its_retry(
 ) -> None:
     """A request cut while it waits on the journal (a timeout, a client gone) leaves no
     answer pending: its retry gets the decision the journal holds."""
-    from interlock._messages import Sync
+    from interlock.core._messages import Sync
     from interlock.gateway import GatewayService, ProposalIn, RunCreate
 
     store = await open_sqlite_store(str(tmp_path / "j.db"))

@@ -407,7 +407,7 @@ async def test_bare_connections_that_close_free_their_descriptors_at_once(tmp_pa
 SERVE_WITH_FEW_DESCRIPTORS = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-from interlock._cli import main
+from interlock.cli._main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -446,7 +446,7 @@ def test_many_bare_connections_do_not_take_a_server_with_few_descriptors_offline
 
 
 async def _flood_then_ask(url: str, channel: str) -> None:
-    from interlock.gateway._channel_client import open_channel
+    from interlock.client._channel import open_channel
 
     http_port = int(url.rsplit(":", 1)[1])
     channel_port = int(channel.rsplit(":", 1)[1])

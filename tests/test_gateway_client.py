@@ -39,10 +39,10 @@ from interlock.client import (
     RetryPolicy,
 )
 from interlock.client._common import SseParser
+from interlock.demo.workflows import Backend, order_total, refund
 from interlock.gateway import serve_gateway
 from interlock.gateway._keys import KeyRing
 from interlock.providers import ScriptedProvider
-from interlock.workflows import Backend, order_total, refund
 
 pytestmark = pytest.mark.slow
 
@@ -653,7 +653,7 @@ def test_the_public_names_are_exported_and_documented() -> None:
     public = {n for n in vars(module) if not n.startswith("_") and n not in ("Any", "annotations")}
     lazy = set(module._LAZY)  # the channel's client, imported on first use
     assert set(module.__all__) == public | lazy
-    channel = importlib.util.find_spec("interlock.gateway._channel_client") is not None
+    channel = importlib.util.find_spec("interlock.client._channel") is not None
     for name in module.__all__:
         if name in lazy and not channel:
             continue

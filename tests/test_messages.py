@@ -50,13 +50,12 @@ from interlock import (
     Transitioned,
     Verdict,
     Violation,
-    _events,
-    _messages,
     decode_event,
     decode_message,
     encode_event,
     encode_message,
 )
+from interlock.core import _events, _messages
 
 GOLDEN = Path(__file__).parent / "data" / "events.msgpack"
 

@@ -41,9 +41,9 @@ from interlock import (
     __version__,
     serve_metrics,
 )
-from interlock._breakers import CircuitBoard
-from interlock._demo import DemoConfig, run_demo
-from interlock._hotpath import IMPLEMENTATION
+from interlock.core._breakers import CircuitBoard
+from interlock.core._hotpath import IMPLEMENTATION
+from interlock.demo._run import DemoConfig, run_demo
 from interlock.stores import MemoryStore
 
 DASHBOARD = Path(__file__).parent.parent / "grafana/provisioning/dashboards/interlock/overview.json"

@@ -24,10 +24,10 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._events import ModelCalled, ProposalRejected, ProviderFailed
+from interlock.core._events import ModelCalled, ProposalRejected, ProviderFailed
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
-from interlock.providers._fake import FakeLLM, Fault, Reply, open_fake_llm, scripted_brain
 from interlock.stores import MemoryStore
+from interlock.testing._fake import FakeLLM, Fault, Reply, open_fake_llm, scripted_brain
 
 
 class Lookup(msgspec.Struct, forbid_unknown_fields=True):
@@ -272,7 +272,7 @@ async def test_each_named_profile_takes_its_servers_quirk(
 async def test_the_fake_in_its_own_process_takes_a_brain_built_on_interlock_testing(
     tmp_path: Any,
 ) -> None:
-    """`python -m interlock.providers._fake --brain mod:fn`: the brain's Reply (from
+    """`python -m interlock.testing._fake --brain mod:fn`: the brain's Reply (from
     interlock.testing) is the server's own class, not a copy in __main__."""
     import subprocess
     import sys
@@ -288,7 +288,7 @@ async def test_the_fake_in_its_own_process_takes_a_brain_built_on_interlock_test
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     server = subprocess.Popen(  # noqa: ASYNC220 (its stdout is read in a thread)
-        [sys.executable, "-m", "interlock.providers._fake", "--brain", "brain:brain"],
+        [sys.executable, "-m", "interlock.testing._fake", "--brain", "brain:brain"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

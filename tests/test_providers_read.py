@@ -20,8 +20,8 @@ from interlock import (
     ToolContext,
     Worker,
 )
+from interlock.core._wire import EXCERPT_LIMIT, excerpt, parse_raw, to_raw
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
-from interlock.providers._wire import EXCERPT_LIMIT, excerpt, parse_raw, to_raw
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -324,9 +324,9 @@ def test_the_conversation_kept_on_a_view_is_the_one_made_fresh(script: list[str]
     no call), the conversation a view keeps from call to call equals one made from
     scratch, and so does every request body."""
     from interlock import Propose, Report, Start
-    from interlock._breakers import CircuitBoard
-    from interlock._decider import decide, start
-    from interlock._view import RunView
+    from interlock.core._breakers import CircuitBoard
+    from interlock.core._decider import decide, start
+    from interlock.core._view import RunView
 
     spec = Machine(
         "m",
@@ -369,19 +369,19 @@ def test_the_conversation_kept_on_a_view_is_the_one_made_fresh(script: list[str]
                 circuits,
                 events,
             )
-        specs = __import__("interlock.providers._wire", fromlist=["tool_specs"]).tool_specs(kept)
+        specs = __import__("interlock.core._wire", fromlist=["tool_specs"]).tool_specs(kept)
         assert provider.request_body(kept, specs) == provider.request_body(RunView(run), specs)
 
 
 def _envelope() -> Any:
-    from interlock.providers._wire import envelope
+    from interlock.core._wire import envelope
 
     return envelope("the model answered with text instead of a tool call: hi", "call a tool")
 
 
 def _parse_raw_by_decoding(raw: str, seq: int) -> tuple[str, str, str] | None:
     """parse_raw as it was before its shortcut for plain names: the name always decoded."""
-    from interlock.providers._wire import _moving_call
+    from interlock.core._wire import _moving_call
 
     if not raw:
         return None
@@ -417,9 +417,9 @@ def test_a_body_follows_the_providers_settings_when_they_change() -> None:
     """The bytes after the conversation are kept per state; changing a setting the body
     shows (model, output limit, temperature, streaming) is seen by the next call."""
     from interlock import Start
-    from interlock._decider import start
-    from interlock._view import RunView
-    from interlock.providers._wire import tool_specs
+    from interlock.core._decider import start
+    from interlock.core._view import RunView
+    from interlock.core._wire import tool_specs
 
     spec = Machine(
         "m",

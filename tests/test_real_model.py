@@ -44,7 +44,7 @@ from interlock import (
     open_supervisor,
     whole_prompts,
 )
-from interlock._events import ProposalRejected, ProviderFailed, ToolCommitted
+from interlock.core._events import ProposalRejected, ProviderFailed, ToolCommitted
 from interlock.providers import OpenAIChat
 from interlock.stores import MemoryStore
 

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from interlock import Reject, ReplayDivergence, open_supervisor
-from interlock._replay import replay, split_runs
+from interlock.demo.workflows import WORKFLOWS, Backend
 from interlock.providers import CHAOS_KINDS, ChaosProvider, ScriptedProvider
+from interlock.runtime._replay import replay, split_runs
 from interlock.stores import MemoryStore
-from interlock.workflows import WORKFLOWS, Backend
 
 
 async def record(workflows, runs, rate, seed, kinds=CHAOS_KINDS):
@@ -142,7 +142,7 @@ def test_cli_replay_all_and_what_if(tmp_path):
     assert json.loads(done.stdout)["reproduced"] == 60
     module = tmp_path / "strict_machine.py"
     module.write_text(
-        "from interlock.workflows import Backend, refund\n"
+        "from interlock.demo.workflows import Backend, refund\n"
         "import dataclasses\n"
         "from interlock import Reject\n"
         "def cap(args, view):\n"
@@ -209,7 +209,7 @@ async def test_an_answer_over_the_cap_replays_as_the_same_refusal_from_its_excer
     reaches its size is told it cannot be read, at the refusal."""
     import hashlib
 
-    from interlock._events import ModelCalled, ProposalRejected
+    from interlock.core._events import ModelCalled, ProposalRejected
 
     store = MemoryStore()
     provider = ScriptedProvider([answer, '{"next": "COMPLETED"}'])

@@ -32,12 +32,12 @@ from interlock import (
     open_supervisor,
     replay,
 )
-from interlock._decider import decide, start
-from interlock._events import Escalated, ProviderFailed
-from interlock._view import RunView
+from interlock.core._decider import decide, start
+from interlock.core._events import Escalated, ProviderFailed
+from interlock.core._view import RunView
+from interlock.core._wire import tool_specs
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses, Profile
 from interlock.providers._http import refuses_the_request
-from interlock.providers._wire import tool_specs
 from interlock.stores import MemoryStore
 
 #: tool_choice "required": ``assert tool_choice == "auto"`` in chatml_function_calling.
@@ -348,7 +348,7 @@ def test_the_default_profiles_still_send_tool_messages_and_null_content() -> Non
     events: list[Any] = []
     run, _ = start(machine, Start(run_id="r", machine="shop", inputs={"total": 100}), 0.0, events)
     from interlock import Propose
-    from interlock._breakers import CircuitBoard
+    from interlock.core._breakers import CircuitBoard
 
     raw = '{"tool":"refund","args":{"order_id":"o1","amount":150}}'
     decide(

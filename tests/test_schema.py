@@ -17,11 +17,11 @@ from interlock import (
     Tool,
     ToolDefinitionError,
     Worker,
-    _schema,
 )
-from interlock._events import RunStarted
-from interlock._gate import verify
-from interlock._view import fold
+from interlock.core import _schema
+from interlock.core._events import RunStarted
+from interlock.core._gate import verify
+from interlock.core._view import fold
 
 
 async def nop(args: Any, ctx: Any) -> None:

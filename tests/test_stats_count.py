@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlock import RuntimeStats
-from interlock._events import (
+from interlock.core._events import (
     IntentRecorded,
     ModelCalled,
     ProposalRejected,
@@ -20,7 +20,7 @@ from interlock._events import (
     Transitioned,
     Violation,
 )
-from interlock._messages import Propose
+from interlock.core._messages import Propose
 
 MSG = Propose(run_id="r", seq=1, raw="{}")
 

@@ -38,15 +38,15 @@ from interlock import (
     Worker,
     open_supervisor,
 )
-from interlock._events import (
+from interlock.core._events import (
     ModelCalled,
     ProposalRejected,
     hash_prompt,
     hash_prompt_after,
     whole_prompts,
 )
-from interlock._hotpath import common_affixes
-from interlock._view import fold
+from interlock.core._hotpath import common_affixes
+from interlock.core._view import fold
 from interlock.providers import Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
@@ -1143,7 +1143,7 @@ async def test_nested_and_interleaved_supervisors_restore_the_collector() -> Non
     one closing early used to restore them under the other, or leave them changed (#15)."""
     import gc
 
-    from interlock._runtime import GC_THRESHOLD
+    from interlock.runtime._runtime import GC_THRESHOLD
 
     before = gc.get_threshold()
     opened: list[trio.Event] = [trio.Event(), trio.Event()]
@@ -1169,7 +1169,7 @@ async def test_finished_runs_are_released_and_only_the_latest_results_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A long-lived supervisor kept every finished run's handle forever (#15)."""
-    from interlock import _supervisor
+    from interlock.runtime import _supervisor
 
     monkeypatch.setattr(_supervisor, "ENDED_KEPT", 5)
     spec = Machine("m", "W", {"W": Worker(next=["COMPLETED"])})

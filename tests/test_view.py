@@ -20,9 +20,9 @@ from interlock import (
     Transitioned,
     Worker,
 )
-from interlock._view import fold
+from interlock.core._view import fold
+from interlock.core._wire import system_text
 from interlock.providers import render_prompt
-from interlock.providers._wire import system_text
 
 # What committed args are: JSON-like builtins, as the gate or the journal hands them over.
 _leaves = (
@@ -194,8 +194,8 @@ def test_history_compacts_rejections_as_a_whole_fold_does(steps: list[str]) -> N
     # every step equals the one compacted from scratch (the signatures of every item).
     from benchmarks._workload import build_machine, run_state
     from interlock import IntentRecorded, ProposalRejected, RunView, ToolCommitted, Violation
-    from interlock._hotpath import compact_failures
-    from interlock._view import violation_signature
+    from interlock.core._hotpath import compact_failures
+    from interlock.core._view import violation_signature
 
     run = run_state(build_machine(), "r")
     view = RunView(run)

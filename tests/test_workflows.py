@@ -7,9 +7,9 @@ import pytest
 import trio
 
 from interlock import open_supervisor
+from interlock.demo.workflows import WORKFLOWS, Backend, extraction, order_total, refund
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
-from interlock.workflows import WORKFLOWS, Backend, extraction, order_total, refund
 
 ORDER_100 = "ord-100044"
 
@@ -312,7 +312,7 @@ async def test_the_demo_applies_no_effect_twice_and_counts_the_refused_repeats()
     """Issue 32: under chaos (a model repeating its last call), the demo said "duplicates 0"
     while customers got a second refund and a second email. Every repeat is now refused and
     counted as such; no effect is applied twice."""
-    from interlock._demo import DemoConfig, run_demo
+    from interlock.demo._run import DemoConfig, run_demo
 
     config = DemoConfig(
         runs=60,

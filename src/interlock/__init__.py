@@ -6,233 +6,233 @@ state machine; only a verified action is committed to an append-only journal.
 
 import typing as _typing
 
-from ._app import App as App
-from ._breakers import BREAKERS as BREAKERS
-from ._enqueue import enqueue_run as enqueue_run
-from ._enqueue import enqueue_runs as enqueue_runs
-from ._events import (
+from ._version import __version__ as __version__
+from .core._breakers import BREAKERS as BREAKERS
+from .core._events import (
     BreakerTripped as BreakerTripped,
 )
-from ._events import (
+from .core._events import (
     Completed as Completed,
 )
-from ._events import (
+from .core._events import (
     Escalated as Escalated,
 )
-from ._events import (
+from .core._events import (
     Event as Event,
 )
-from ._events import (
+from .core._events import (
     Failed as Failed,
 )
-from ._events import (
+from .core._events import (
     IntentRecorded as IntentRecorded,
 )
-from ._events import (
+from .core._events import (
     JournalEvent as JournalEvent,
 )
-from ._events import (
+from .core._events import (
     ModelCalled as ModelCalled,
 )
-from ._events import Oversized as Oversized
-from ._events import (
+from .core._events import Oversized as Oversized
+from .core._events import (
     ProposalRejected as ProposalRejected,
 )
-from ._events import ProviderFailed as ProviderFailed
-from ._events import Reconciled as Reconciled
-from ._events import (
+from .core._events import ProviderFailed as ProviderFailed
+from .core._events import Reconciled as Reconciled
+from .core._events import (
     Resumed as Resumed,
 )
-from ._events import (
+from .core._events import (
     RunStarted as RunStarted,
 )
-from ._events import (
+from .core._events import (
     StepProposed as StepProposed,
 )
-from ._events import (
+from .core._events import (
     TokenUsage as TokenUsage,
 )
-from ._events import (
+from .core._events import (
     ToolCommitted as ToolCommitted,
 )
-from ._events import (
+from .core._events import (
     ToolFailed as ToolFailed,
 )
-from ._events import ToolInDoubt as ToolInDoubt
-from ._events import (
+from .core._events import ToolInDoubt as ToolInDoubt
+from .core._events import (
     Transitioned as Transitioned,
 )
-from ._events import (
+from .core._events import (
     Violation as Violation,
 )
-from ._events import (
+from .core._events import (
     decode_event as decode_event,
 )
-from ._events import (
+from .core._events import (
     encode_event as encode_event,
 )
-from ._events import (
+from .core._events import (
     expand_prompt as expand_prompt,
 )
-from ._events import (
+from .core._events import (
     hash_prompt as hash_prompt,
 )
-from ._events import (
+from .core._events import (
     whole_prompts as whole_prompts,
 )
-from ._exceptions import AppRefError as AppRefError
-from ._exceptions import EscalationResolved as EscalationResolved
-from ._exceptions import IllegalResumeTarget as IllegalResumeTarget
-from ._exceptions import IndexDamaged as IndexDamaged
-from ._exceptions import (
+from .core._exceptions import AppRefError as AppRefError
+from .core._exceptions import EscalationResolved as EscalationResolved
+from .core._exceptions import IllegalResumeTarget as IllegalResumeTarget
+from .core._exceptions import IndexDamaged as IndexDamaged
+from .core._exceptions import (
     InterlockError as InterlockError,
 )
-from ._exceptions import (
+from .core._exceptions import (
     InternalError as InternalError,
 )
-from ._exceptions import InvalidInputs as InvalidInputs
-from ._exceptions import (
+from .core._exceptions import InvalidInputs as InvalidInputs
+from .core._exceptions import (
     JournalCorrupt as JournalCorrupt,
 )
-from ._exceptions import (
+from .core._exceptions import (
     LeaseLost as LeaseLost,
 )
-from ._exceptions import (
+from .core._exceptions import (
     MachineDefinitionError as MachineDefinitionError,
 )
-from ._exceptions import NoProvider as NoProvider
-from ._exceptions import NotEscalated as NotEscalated
-from ._exceptions import PayloadRejected as PayloadRejected
-from ._exceptions import (
+from .core._exceptions import NoProvider as NoProvider
+from .core._exceptions import NotEscalated as NotEscalated
+from .core._exceptions import PayloadRejected as PayloadRejected
+from .core._exceptions import (
     ProtocolError as ProtocolError,
 )
-from ._exceptions import ProviderError as ProviderError
-from ._exceptions import (
+from .core._exceptions import ProviderError as ProviderError
+from .core._exceptions import (
     ReplayDivergence as ReplayDivergence,
 )
-from ._exceptions import RequestRefused as RequestRefused
-from ._exceptions import (
+from .core._exceptions import RequestRefused as RequestRefused
+from .core._exceptions import (
     RunNotFound as RunNotFound,
 )
-from ._exceptions import StoreDamaged as StoreDamaged
-from ._exceptions import (
+from .core._exceptions import StoreDamaged as StoreDamaged
+from .core._exceptions import (
     StoreError as StoreError,
 )
-from ._exceptions import (
+from .core._exceptions import (
     ToolDefinitionError as ToolDefinitionError,
 )
-from ._exceptions import UnknownMachine as UnknownMachine
-from ._exceptions import UnknownState as UnknownState
-from ._handle import RunHandle as RunHandle
-from ._handle import RunResult as RunResult
-from ._machine import (
+from .core._exceptions import UnknownMachine as UnknownMachine
+from .core._exceptions import UnknownState as UnknownState
+from .core._machine import (
     ESCALATE as ESCALATE,
 )
-from ._machine import (
+from .core._machine import (
     FAILED as FAILED,
 )
-from ._machine import (
+from .core._machine import (
     BreakerPolicy as BreakerPolicy,
 )
-from ._machine import (
+from .core._machine import (
     Budgets as Budgets,
 )
-from ._machine import (
+from .core._machine import (
     Call as Call,
 )
-from ._machine import (
+from .core._machine import (
     Go as Go,
 )
-from ._machine import (
+from .core._machine import (
     Machine as Machine,
 )
-from ._machine import ProviderPolicy as ProviderPolicy
-from ._machine import (
+from .core._machine import ProviderPolicy as ProviderPolicy
+from .core._machine import (
     Step as Step,
 )
-from ._machine import (
+from .core._machine import (
     Worker as Worker,
 )
-from ._messages import Abort as Abort
-from ._messages import (
+from .core._messages import Abort as Abort
+from .core._messages import (
     Cancel as Cancel,
 )
-from ._messages import (
+from .core._messages import (
     Message as Message,
 )
-from ._messages import (
+from .core._messages import (
     Propose as Propose,
 )
-from ._messages import Reconciliation as Reconciliation
-from ._messages import Recover as Recover
-from ._messages import (
+from .core._messages import Reconciliation as Reconciliation
+from .core._messages import Recover as Recover
+from .core._messages import (
     Report as Report,
 )
-from ._messages import Request as Request
-from ._messages import Resume as Resume
-from ._messages import (
+from .core._messages import Request as Request
+from .core._messages import Resume as Resume
+from .core._messages import (
     Start as Start,
 )
-from ._messages import Sync as Sync
-from ._messages import (
+from .core._messages import Sync as Sync
+from .core._messages import (
     ToolCall as ToolCall,
 )
-from ._messages import (
+from .core._messages import (
     Verdict as Verdict,
 )
-from ._messages import (
+from .core._messages import (
     decode_message as decode_message,
 )
-from ._messages import (
+from .core._messages import (
     encode_message as encode_message,
 )
-from ._replay import (
-    Divergence as Divergence,
-)
-from ._replay import (
-    ReplayReport as ReplayReport,
-)
-from ._replay import (
-    RunReplay as RunReplay,
-)
-from ._replay import (
-    replay as replay,
-)
-from ._runtime import open_supervisor as open_supervisor
-from ._stats import RuntimeStats as RuntimeStats
-from ._stats import SupervisorStatistics as SupervisorStatistics
-from ._supervisor import (
-    Supervisor as Supervisor,
-)
-from ._tools import Applied as Applied
-from ._tools import NotApplied as NotApplied
-from ._tools import (
+from .core._stats import RuntimeStats as RuntimeStats
+from .core._stats import SupervisorStatistics as SupervisorStatistics
+from .core._tools import Applied as Applied
+from .core._tools import NotApplied as NotApplied
+from .core._tools import (
     Reject as Reject,
 )
-from ._tools import (
+from .core._tools import (
     RetryableToolError as RetryableToolError,
 )
-from ._tools import (
+from .core._tools import (
     RetryPolicy as RetryPolicy,
 )
-from ._tools import (
+from .core._tools import (
     Tool as Tool,
 )
-from ._tools import (
+from .core._tools import (
     ToolContext as ToolContext,
 )
-from ._tools import ToolError as ToolError
-from ._version import __version__ as __version__
-from ._view import Frame as Frame
-from ._view import RunView as RunView
-from ._view import ToolResult as ToolResult
-from ._worker import WorkerControl as WorkerControl
-from ._worker import WorkerSummary as WorkerSummary
-from ._worker import run_worker as run_worker
+from .core._tools import ToolError as ToolError
+from .core._view import Frame as Frame
+from .core._view import RunView as RunView
+from .core._view import ToolResult as ToolResult
+from .runtime._app import App as App
+from .runtime._enqueue import enqueue_run as enqueue_run
+from .runtime._enqueue import enqueue_runs as enqueue_runs
+from .runtime._handle import RunHandle as RunHandle
+from .runtime._handle import RunResult as RunResult
+from .runtime._replay import (
+    Divergence as Divergence,
+)
+from .runtime._replay import (
+    ReplayReport as ReplayReport,
+)
+from .runtime._replay import (
+    RunReplay as RunReplay,
+)
+from .runtime._replay import (
+    replay as replay,
+)
+from .runtime._runtime import open_supervisor as open_supervisor
+from .runtime._supervisor import (
+    Supervisor as Supervisor,
+)
+from .runtime._worker import WorkerControl as WorkerControl
+from .runtime._worker import WorkerSummary as WorkerSummary
+from .runtime._worker import run_worker as run_worker
 
 if _typing.TYPE_CHECKING:
-    from ._metrics import RuntimeCollector as RuntimeCollector
-    from ._metrics import serve_metrics as serve_metrics
+    from .runtime._metrics import RuntimeCollector as RuntimeCollector
+    from .runtime._metrics import serve_metrics as serve_metrics
 
 #: Public names loaded on first use: importing prometheus_client is slow at start-up.
 _LAZY = ("RuntimeCollector", "serve_metrics")
@@ -250,7 +250,7 @@ _INTERNAL = {
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        from . import _metrics
+        from .runtime import _metrics
 
         return getattr(_metrics, name)
     if name in _INTERNAL:

@@ -13,14 +13,14 @@ NO_EXTENSIONS = bool(os.environ.get("INTERLOCK_NO_EXTENSIONS"))
 
 
 def _import_hot(name: str) -> ModuleType:
-    if name == "interlock._hot":
+    if name == "interlock.core._hot":
         if NO_EXTENSIONS:
             pytest.skip("INTERLOCK_NO_EXTENSIONS is set: the compiled hot path is disabled")
         try:
             return importlib.import_module(name)
         except ImportError as exc:
             pytest.skip(
-                f"interlock._hot cannot be imported ({exc}); "
+                f"interlock.core._hot cannot be imported ({exc}); "
                 "build it with `python setup.py build_ext --inplace`"
             )
     return importlib.import_module(name)
@@ -29,12 +29,12 @@ def _import_hot(name: str) -> ModuleType:
 @pytest.fixture(
     scope="session",
     params=[
-        pytest.param("interlock._hot", id="hot-compiled", marks=pytest.mark.c_extension),
-        pytest.param("interlock._hot_py", id="hot-python"),
+        pytest.param("interlock.core._hot", id="hot-compiled", marks=pytest.mark.c_extension),
+        pytest.param("interlock.core._hot_py", id="hot-python"),
     ],
 )
 def hot(request: pytest.FixtureRequest) -> ModuleType:
-    """The compiled hot path (``interlock._hot``) or its pure-Python twin (``interlock._hot_py``)."""
+    """The compiled hot path (``interlock.core._hot``) or its pure-Python twin (``interlock.core._hot_py``)."""
     return _import_hot(request.param)
 
 

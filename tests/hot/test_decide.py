@@ -1,5 +1,5 @@
-"""The compiled decide path (``interlock._decide``, from ext/_decide.pyx) and its pure-Python
-twin (``interlock._view.PyRunState`` and ``interlock._decider``'s own paths) agree.
+"""The compiled decide path (``interlock.core._decide``, from ext/_decide.pyx) and its pure-Python
+twin (``interlock.core._view.PyRunState`` and ``interlock.core._decider``'s own paths) agree.
 
 Each test drives the same requests through both, one run state of each kind, and asserts
 the same verdicts (or the same error), the same events, and the same folded state after
@@ -32,12 +32,11 @@ from interlock import (
     Tool,
     ToolContext,
     Worker,
-    _decider,
-    _view,
 )
-from interlock._breakers import CircuitBoard
-from interlock._events import Event, TokenUsage
-from interlock._messages import Propose, Report, Start
+from interlock.core import _decider, _view
+from interlock.core._breakers import CircuitBoard
+from interlock.core._events import Event, TokenUsage
+from interlock.core._messages import Propose, Report, Start
 
 if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
     pytest.skip(
@@ -45,10 +44,10 @@ if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
         allow_module_level=True,
     )
 try:
-    compiled: ModuleType = importlib.import_module("interlock._decide")
+    compiled: ModuleType = importlib.import_module("interlock.core._decide")
 except ImportError as exc:
     pytest.skip(
-        f"interlock._decide cannot be imported ({exc}); "
+        f"interlock.core._decide cannot be imported ({exc}); "
         "build it with `python setup.py build_ext --inplace`",
         allow_module_level=True,
     )
@@ -310,8 +309,8 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
                 "_DELTA_BY_REFERENCE": _decider._DELTA_BY_REFERENCE,
             },
         ),
-        importlib.import_module("interlock._gate"),
-        importlib.import_module("interlock._breakers"),
+        importlib.import_module("interlock.core._gate"),
+        importlib.import_module("interlock.core._breakers"),
     )
     try:
         side = Side(True)
@@ -348,8 +347,8 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
     finally:
         compiled.bind_decider(
             _decider,
-            importlib.import_module("interlock._gate"),
-            importlib.import_module("interlock._breakers"),
+            importlib.import_module("interlock.core._gate"),
+            importlib.import_module("interlock.core._breakers"),
         )
 
 
@@ -367,7 +366,7 @@ def test_the_compiled_rows_are_the_twins_rows(requests_: list[tuple[Any, ...]]) 
 
 
 def test_an_event_the_journal_cannot_encode_raises_as_in_the_twin() -> None:
-    from interlock._events import RunStarted
+    from interlock.core._events import RunStarted
     from interlock.stores import _base
 
     good = RunStarted(run_id="r-1", seq=1, ts=1.0, machine="shop", state="WORK")
@@ -483,7 +482,7 @@ def _batch_side(lane: str, batches: list[list[tuple[str, int, str]]]) -> dict[st
     import trio
 
     from interlock import open_supervisor
-    from interlock._messages import Sync
+    from interlock.core._messages import Sync
     from interlock.stores import MemoryStore
 
     ticks = iter(range(10**6))

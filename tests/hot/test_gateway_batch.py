@@ -1,4 +1,4 @@
-"""The gateway's batch intake and settling, compiled (``interlock._decide.take_proposals``
+"""The gateway's batch intake and settling, compiled (``interlock.core._decide.take_proposals``
 and ``settle_from``), against their pure-Python twins in ``interlock.gateway._service``.
 
 Hypothesis writes the batches: items of live external runs at their seq, of hosted runs,
@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlock import Go, Machine, Step, Worker
-from interlock._messages import ToolCall, Verdict
+from interlock.core._messages import ToolCall, Verdict
 
 if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
     pytest.skip(
@@ -32,16 +32,16 @@ if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
         allow_module_level=True,
     )
 try:
-    compiled: ModuleType = importlib.import_module("interlock._decide")
+    compiled: ModuleType = importlib.import_module("interlock.core._decide")
 except ImportError as exc:
     pytest.skip(
-        f"interlock._decide cannot be imported ({exc}); "
+        f"interlock.core._decide cannot be imported ({exc}); "
         "build it with `python setup.py build_ext --inplace`",
         allow_module_level=True,
     )
 
 from interlock.gateway import _service
-from interlock.gateway._api import ProposalIn, Usage
+from interlock.protocol import ProposalIn, Usage
 
 pytestmark = pytest.mark.c_extension
 
@@ -321,7 +321,7 @@ def test_settling_stops_at_a_run_that_reached_a_step_state() -> None:
 from collections import deque  # noqa: E402
 
 from interlock.gateway import _channel  # noqa: E402
-from interlock.gateway._api import Problem, VerdictOut  # noqa: E402
+from interlock.protocol import Problem, VerdictOut  # noqa: E402
 
 
 def framer(out: bytearray) -> Any:

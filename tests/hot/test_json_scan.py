@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlock import _hot_py
+from interlock.core import _hot_py
 
 from .conftest import near_json as near_json_of
 

@@ -22,14 +22,14 @@ if os.environ.get("INTERLOCK_NO_EXTENSIONS"):
         allow_module_level=True,
     )
 try:
-    compiled: ModuleType = importlib.import_module("interlock._hot")
+    compiled: ModuleType = importlib.import_module("interlock.core._hot")
 except ImportError as exc:
     pytest.skip(
-        f"interlock._hot cannot be imported ({exc}); "
+        f"interlock.core._hot cannot be imported ({exc}); "
         "build it with `python setup.py build_ext --inplace`",
         allow_module_level=True,
     )
-python: ModuleType = importlib.import_module("interlock._hot_py")
+python: ModuleType = importlib.import_module("interlock.core._hot_py")
 
 pytestmark = pytest.mark.c_extension
 

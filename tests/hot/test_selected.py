@@ -14,8 +14,8 @@ NO_EXTENSIONS = bool(os.environ.get("INTERLOCK_NO_EXTENSIONS"))
     NO_EXTENSIONS, reason="INTERLOCK_NO_EXTENSIONS is set: the pure-Python hot path is expected"
 )
 def test_compiled_hot_path_is_selected() -> None:
-    hotpath = importlib.import_module("interlock._hotpath")
-    compiled = importlib.import_module("interlock._hot")
+    hotpath = importlib.import_module("interlock.core._hotpath")
+    compiled = importlib.import_module("interlock.core._hot")
     assert hotpath.IMPLEMENTATION == "compiled"
     assert hotpath.Tables is compiled.Tables
     assert hotpath.unframe is compiled.unframe
@@ -26,8 +26,8 @@ def test_compiled_hot_path_is_selected() -> None:
     reason="INTERLOCK_NO_EXTENSIONS is not set: the compiled hot path is expected",
 )
 def test_pure_hot_path_is_selected_without_extensions() -> None:
-    hotpath = importlib.import_module("interlock._hotpath")
-    python = importlib.import_module("interlock._hot_py")
+    hotpath = importlib.import_module("interlock.core._hotpath")
+    python = importlib.import_module("interlock.core._hot_py")
     assert hotpath.IMPLEMENTATION == "python"
     assert hotpath.Tables is python.Tables
 
@@ -38,9 +38,9 @@ def test_pure_hot_path_is_selected_without_extensions() -> None:
 def test_compiled_decide_path_is_selected_and_built_from_the_current_pyx() -> None:
     import pathlib
 
-    view = importlib.import_module("interlock._view")
-    decider = importlib.import_module("interlock._decider")
-    compiled = importlib.import_module("interlock._decide")
+    view = importlib.import_module("interlock.core._view")
+    decider = importlib.import_module("interlock.core._decider")
+    compiled = importlib.import_module("interlock.core._decide")
     assert view.DECIDE_IMPLEMENTATION == "compiled"
     assert view.RunState is compiled.RunState
     assert decider._propose is compiled.on_propose
@@ -58,8 +58,8 @@ def test_compiled_decide_path_is_selected_and_built_from_the_current_pyx() -> No
     reason="INTERLOCK_NO_EXTENSIONS is not set: the compiled decide path is expected",
 )
 def test_pure_decide_path_is_selected_without_extensions() -> None:
-    view = importlib.import_module("interlock._view")
-    decider = importlib.import_module("interlock._decider")
+    view = importlib.import_module("interlock.core._view")
+    decider = importlib.import_module("interlock.core._decider")
     assert view.DECIDE_IMPLEMENTATION == "python"
     assert view.RunState is view.PyRunState
     assert decider._propose is decider._on_propose

@@ -15,7 +15,15 @@ import pytest
 import trio
 from psycopg import sql
 
-from interlock._events import Completed, Escalated, Event, Failed, Resumed, RunStarted, Transitioned
+from interlock.core._events import (
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    Resumed,
+    RunStarted,
+    Transitioned,
+)
 from interlock.stores import (
     COMPLETED,
     ESCALATED,

@@ -600,7 +600,7 @@ class Send:
 async def leased_call(leases: Any, send: Send) -> tuple[Any, bool]:
     """One attempt of a call of ``send`` (not idempotent) under r-1's lease, as the actor
     makes it."""
-    from interlock._actor import _under_lease
+    from interlock.runtime._actor import _under_lease
 
     tool = Tool("send", send, NoteArgs)
     assert not tool.safe_to_repeat
@@ -609,7 +609,7 @@ async def leased_call(leases: Any, send: Send) -> tuple[Any, bool]:
 
 
 def clocked_leases(store: ClockedLeases, lost: dict[str, Any]) -> Any:
-    from interlock._leasing import Leases
+    from interlock.runtime._leasing import Leases
 
     return Leases(store, "me", 1.0, is_external=lambda run_id: False, lose=lost.update)
 

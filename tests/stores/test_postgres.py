@@ -11,8 +11,8 @@ import pytest
 import trio
 from psycopg import sql
 
-from interlock._events import IntentRecorded, RunStarted, Transitioned
-from interlock._exceptions import StoreError
+from interlock.core._events import IntentRecorded, RunStarted, Transitioned
+from interlock.core._exceptions import StoreError
 from interlock.stores import IndexDamaged, PostgresStore, Problem, open_postgres_store, open_store
 from interlock.stores._base import index_updates
 

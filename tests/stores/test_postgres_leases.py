@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 import interlock
-from interlock._events import (
+from interlock.core._events import (
     Completed,
     Escalated,
     IntentRecorded,
@@ -34,7 +34,7 @@ from interlock._events import (
     RunStarted,
     Transitioned,
 )
-from interlock._exceptions import LeaseLost, StoreError
+from interlock.core._exceptions import LeaseLost, StoreError
 from interlock.stores import PostgresStore, open_postgres_store
 from interlock.stores import _postgres as _pg
 from interlock.stores._leases import Lease, LeasingStore, lease_lost

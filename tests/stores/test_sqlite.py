@@ -16,8 +16,8 @@ import msgspec
 import pytest
 import trio
 
-from interlock._events import Completed, Event, IntentRecorded, RunStarted, Transitioned
-from interlock._exceptions import JournalCorrupt, RunNotFound, StoreError
+from interlock.core._events import Completed, Event, IntentRecorded, RunStarted, Transitioned
+from interlock.core._exceptions import JournalCorrupt, RunNotFound, StoreError
 from interlock.stores import (
     COMPLETED,
     CheckReport,

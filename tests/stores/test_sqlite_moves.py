@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from interlock._events import Completed, Event, RunStarted, Transitioned
+from interlock.core._events import Completed, Event, RunStarted, Transitioned
 from interlock.stores import IndexDamaged, SQLiteStore, open_sqlite_store
 from interlock.stores import _sqlite as sqlite_store_module
 from interlock.stores._base import row_checksum

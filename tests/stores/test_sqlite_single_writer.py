@@ -28,8 +28,8 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 
-from interlock._events import Completed, Escalated, Failed, Resumed, RunStarted, Transitioned
-from interlock._exceptions import IndexDamaged, StoreError
+from interlock.core._events import Completed, Escalated, Failed, Resumed, RunStarted, Transitioned
+from interlock.core._exceptions import IndexDamaged, StoreError
 from interlock.stores import RUNNING, SQLiteStore, open_sqlite_store
 from interlock.stores._sqlite import JournalHeld, hold_journal
 from tests._cli import interlock

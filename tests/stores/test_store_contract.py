@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from interlock import ProviderFailed, Reconciled, ToolInDoubt
-from interlock._events import (
+from interlock.core._events import (
     EVENT_TYPES,
     BreakerTripped,
     Completed,
@@ -32,8 +32,8 @@ from interlock._events import (
     Transitioned,
     Violation,
 )
-from interlock._exceptions import JournalCorrupt, RunNotFound, StoreError
-from interlock._hotpath import frame_event
+from interlock.core._exceptions import JournalCorrupt, RunNotFound, StoreError
+from interlock.core._hotpath import frame_event
 from interlock.stores import (
     COMPLETED,
     ESCALATED,

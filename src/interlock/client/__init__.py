@@ -17,17 +17,17 @@ except ImportError as _missing:
         "pip install 'interlock[client]'"
     ) from _missing
 
-from ..gateway._api import CallOut as CallOut
-from ..gateway._api import EscalationOut as EscalationOut
-from ..gateway._api import EventOut as EventOut
-from ..gateway._api import ReadyOut as ReadyOut
-from ..gateway._api import RunOut as RunOut
-from ..gateway._api import RunSummary as RunSummary
-from ..gateway._api import ToolSpec as ToolSpec
-from ..gateway._api import Usage as Usage
-from ..gateway._api import VerdictOut as VerdictOut
-from ..gateway._api import VerifyItem as VerifyItem
-from ..gateway._api import ViolationOut as ViolationOut
+from ..protocol import CallOut as CallOut
+from ..protocol import EscalationOut as EscalationOut
+from ..protocol import EventOut as EventOut
+from ..protocol import ReadyOut as ReadyOut
+from ..protocol import RunOut as RunOut
+from ..protocol import RunSummary as RunSummary
+from ..protocol import ToolSpec as ToolSpec
+from ..protocol import Usage as Usage
+from ..protocol import VerdictOut as VerdictOut
+from ..protocol import VerifyItem as VerifyItem
+from ..protocol import ViolationOut as ViolationOut
 from ._async import AsyncClient as AsyncClient
 from ._async import AsyncExternalRun as AsyncExternalRun
 from ._common import GatewayProblem as GatewayProblem
@@ -42,7 +42,7 @@ _LAZY = ("ChannelClient", "ChannelProblem", "open_channel")
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        from ..gateway import _channel_client
+        from . import _channel as _channel_client
 
         return getattr(_channel_client, name)
     raise AttributeError(f"module 'interlock.client' has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import httpx
 import trio
 
-from ..gateway._api import (
+from ..protocol import (
     EscalationOut,
     EventOut,
     HealthOut,

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from .._events import TokenUsage
-from ..gateway._api import (
+from ..core._events import TokenUsage
+from ..protocol import (
     AbortIn,
     EscalationOut,
     EscalationPage,
@@ -188,7 +188,7 @@ def resume(run_id: str, by: str, note: str, payload: str | None, to: str | None)
         raise ValueError("give payload or to, not both")
     body = ResumeIn(by=by, note=note, payload=payload, to=to)
     # the gateway answers a repeat of the resume done (the same to and payload) with the
-    # run, and the other action or another resume with a 409 (interlock._escalation)
+    # run, and the other action or another resume with a 409 (interlock.core._escalation)
     return Call("POST", escalation_path(run_id, "resume"), RunOut, body)
 
 

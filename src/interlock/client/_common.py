@@ -17,9 +17,9 @@ from urllib.parse import quote
 
 import msgspec
 
-from .._exceptions import InterlockError
 from .._version import __version__
-from ..gateway._api import EventOut, ViolationOut
+from ..core._exceptions import InterlockError
+from ..protocol import EventOut, ViolationOut
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

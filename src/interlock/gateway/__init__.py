@@ -4,10 +4,10 @@
 embedding and :func:`serve_gateway` serves it with hypercorn on trio (and, asked, the
 streaming channel, :func:`serve_channel`). :class:`KeyRing` and :class:`Limits` configure
 its keys and limits. The request and
-response bodies are the Structs of :mod:`interlock.gateway._api`, re-exported here.
+response bodies are the Structs of :mod:`interlock.protocol`, re-exported here.
 """
 
-from ._api import (
+from ..protocol import (
     AbortIn,
     CallOut,
     EscalationOut,

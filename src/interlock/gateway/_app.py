@@ -26,9 +26,8 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .._metrics import RuntimeCollector
 from .._version import __version__
-from ._api import (
+from ..protocol import (
     AbortIn,
     EscalationOut,
     EscalationPage,
@@ -47,6 +46,7 @@ from ._api import (
     VerifyIn,
     VerifyOut,
 )
+from ..runtime._metrics import RuntimeCollector
 from ._service import GatewayError, GatewayService
 
 if TYPE_CHECKING:

@@ -33,17 +33,31 @@ import contextlib
 import logging
 import os
 import stat
-import struct
 import sys
 from collections import deque
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import trio
 
-from .._view import DECIDE_IMPLEMENTATION
-from ._api import Problem, ProposalIn, ResultIn, RunCreate, VerifyIn
+from .._aio import Wakeup
+from ..core._view import DECIDE_IMPLEMENTATION
+from ..protocol import (
+    DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_IN_FLIGHT,
+    HEADER,
+    OPS,
+    ChannelHello,
+    ChannelRequest,
+    ChannelWelcome,
+    Id,
+    Problem,
+    ProposalIn,
+    ResultIn,
+    RunCreate,
+    VerifyIn,
+)
 from ._connections import BudgetListener, ConnectionBudget
 from ._guard import RateLimiter, retry_after
 from ._keys import KeyRing, Unauthorized, check_bind
@@ -54,56 +68,11 @@ if TYPE_CHECKING:
 
     from ._service import PrincipalLike
 
-__all__ = [
-    "DEFAULT_MAX_FRAME",
-    "DEFAULT_MAX_IN_FLIGHT",
-    "OPS",
-    "ChannelHello",
-    "ChannelRequest",
-    "ChannelWelcome",
-    "serve_channel",
-]
+__all__ = ["serve_channel"]
 
 log = logging.getLogger("interlock.gateway")
 
-HEADER: Final = struct.Struct(">I")
-#: The largest frame (its msgpack body) a connection accepts by default, in bytes.
-DEFAULT_MAX_FRAME: Final = 8 << 20
-#: The most requests of one connection the server holds unanswered by default.
-DEFAULT_MAX_IN_FLIGHT: Final = 4096
-#: The operations a request frame may name.
-OPS: Final = ("hello", "create_run", "get_run", "propose", "report", "verify")
 _READ: Final = 65536
-Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-
-
-class ChannelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One request frame."""
-
-    id: Id
-    """The caller's correlation id, echoed in the answer (unique among its requests in
-    flight)."""
-    op: str
-    """hello, create_run, get_run, propose, report or verify."""
-    run_id: str | None = None
-    """The run, for get_run, propose and report."""
-    body: msgspec.Raw = msgspec.Raw(b"\xc0")
-    """The operation's body: the HTTP API's request Struct for it (nil for get_run)."""
-
-
-class ChannelHello(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The body of ``hello``: the API key (needed first when the server has keys)."""
-
-    key: str | None = None
-
-
-class ChannelWelcome(msgspec.Struct, kw_only=True):
-    """The answer to ``hello``: who the connection is and the server's limits."""
-
-    principal: str
-    max_in_flight: int
-    max_frame: int
-    ops: list[str]
 
 
 class _Answer(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -167,30 +136,6 @@ class _Closing(Exception):
         self.request_id = request_id
 
 
-class _Wakeup:
-    """One parked task and its wake-up: what a ParkingLot does, for one waiter, cheaper."""
-
-    __slots__ = ("task",)
-
-    def __init__(self) -> None:
-        self.task: trio.lowlevel.Task | None = None
-
-    async def wait(self) -> None:
-        self.task = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def wake(self) -> None:
-        task = self.task
-        if task is not None:
-            self.task = None
-            trio.lowlevel.reschedule(task)
-
-
 class _Connection:
     """One client connection: a reader, per-run workers and a writer."""
 
@@ -224,8 +169,8 @@ class _Connection:
         self.idle: list[trio.lowlevel.Task] = []  # workers waiting for work
         self.out = bytearray()
         self.out_answers = 0  # answers in self.out whose slot frees once they are sent
-        self.wake_writer = _Wakeup()
-        self.slot_freed = _Wakeup()  # the reader, or serve() draining, waits on it
+        self.wake_writer = Wakeup()
+        self.slot_freed = Wakeup()  # the reader, or serve() draining, waits on it
         self.broken = False
         self.closing = False
         self.stopping = False
@@ -995,7 +940,7 @@ _take_bodies = _take_bodies_py
 _frame_verdicts = _frame_verdicts_py
 _release_runs = _release_runs_py
 if DECIDE_IMPLEMENTATION == "compiled":
-    from .. import _decide
+    from ..core import _decide
 
     _decide.bind_channel(sys.modules[__name__])
     _take_frames = _decide.take_frames

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._exceptions import InterlockError
+from ..core._exceptions import InterlockError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

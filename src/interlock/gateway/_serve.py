@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .._app import App, load_app
-from .._exceptions import InterlockError
-from .._machine import Machine
-from .._messages import Sync
-from .._runtime import open_supervisor
-from .._stats import RuntimeStats
+from ..core._exceptions import InterlockError
+from ..core._machine import Machine
+from ..core._messages import Sync
+from ..core._stats import RuntimeStats
+from ..runtime._app import App, load_app
+from ..runtime._runtime import open_supervisor
 from ..stores import LeasingStore
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
 from ._connections import ConnectionBudget, serve_http
@@ -32,7 +32,7 @@ from ._service import GatewayService
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from .._supervisor import Supervisor
+    from ..runtime._supervisor import Supervisor
 
 __all__ = ["GatewayServer", "create_app", "serve_gateway"]
 

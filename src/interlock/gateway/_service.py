@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import trio
 
-from .. import _decider
-from .._breakers import CircuitBoard
-from .._enqueue import enqueue_run
-from .._escalation import Action, answer_again, escalated_from, resume_targets
-from .._events import (
+from ..core import _decider
+from ..core._breakers import CircuitBoard
+from ..core._escalation import Action, answer_again, escalated_from, resume_targets
+from ..core._events import (
     Completed,
     Escalated,
     Failed,
@@ -47,7 +46,7 @@ from .._events import (
     ToolInDoubt,
     same_answer,
 )
-from .._exceptions import (
+from ..core._exceptions import (
     IllegalResumeTarget,
     InterlockError,
     InternalError,
@@ -62,8 +61,8 @@ from .._exceptions import (
     UnknownMachine,
     UnknownState,
 )
-from .._machine import ESCALATE, Machine, Step
-from .._messages import (
+from ..core._machine import ESCALATE, Machine, Step
+from ..core._messages import (
     Abort,
     Propose,
     Reconciliation,
@@ -73,10 +72,8 @@ from .._messages import (
     Sync,
     Verdict,
 )
-from .._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
-from ..providers._base import render_prompt
-from ..stores import LeasingStore
-from ._api import (
+from ..core._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
+from ..protocol import (
     AbortIn,
     CallOut,
     EscalationOut,
@@ -100,12 +97,15 @@ from ._api import (
     VerifyOut,
     ViolationOut,
 )
+from ..providers._base import render_prompt
+from ..runtime._enqueue import enqueue_run
+from ..stores import LeasingStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable, Sequence
 
-    from .._events import Event, JournalEvent, Violation
-    from .._supervisor import Supervisor
+    from ..core._events import Event, JournalEvent, Violation
+    from ..runtime._supervisor import Supervisor
 
 __all__ = ["GatewayError", "GatewayService", "PrincipalLike"]
 
@@ -1916,7 +1916,7 @@ def _answered(
 _take_proposals = _take_proposals_py
 _settle_from = _settle_from_py
 if DECIDE_IMPLEMENTATION == "compiled":
-    from .. import _decide
+    from ..core import _decide
 
     _decide.bind_gateway(sys.modules[__name__])
     _take_proposals = _decide.take_proposals

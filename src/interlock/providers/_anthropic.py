@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._events import TokenUsage, Violation
-from .._exceptions import ProviderError
-from ._openai import HttpProvider
-from ._wire import (
+from ..core._events import TokenUsage, Violation
+from ..core._exceptions import ProviderError
+from ..core._wire import (
     ONE_CALL,
     ONE_TOOL_HINT,
     Exchange,
@@ -30,10 +29,11 @@ from ._wire import (
     parts,
     system_text,
 )
+from ._openai import HttpProvider
 
 if TYPE_CHECKING:
-    from .._view import RunView
-    from ._wire import ToolSpec
+    from ..core._view import RunView
+    from ..core._wire import ToolSpec
 
 _encode = msgspec.json.encode
 

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from .._events import TokenUsage, Violation
+from ..core._events import TokenUsage, Violation
 
 if TYPE_CHECKING:
-    from .._machine import Machine
-    from .._view import Frame, RunView
+    from ..core._machine import Machine
+    from ..core._view import Frame, RunView
 
 
 class Proposal(msgspec.Struct, frozen=True, gc=False):

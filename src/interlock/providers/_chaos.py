@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from .._events import TokenUsage
+from ..core._events import TokenUsage
 from ._base import Proposal, estimate_tokens
 
 if TYPE_CHECKING:
-    from .._view import RunView
+    from ..core._view import RunView
     from ._base import Provider
 
 #: The failure kinds the chaos provider injects.

@@ -35,8 +35,8 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from .._exceptions import ProviderError, RequestRefused
 from .._version import __version__
+from ..core._exceptions import ProviderError, RequestRefused
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping

@@ -19,10 +19,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from .._events import TokenUsage, Violation
-from .._exceptions import InterlockError, ProviderError, RequestRefused
-from ._base import Proposal
-from ._wire import (
+from ..core._events import TokenUsage, Violation
+from ..core._exceptions import InterlockError, ProviderError, RequestRefused
+from ..core._wire import (
     ONE_CALL,
     ONE_TOOL_HINT,
     TRANSITION,
@@ -41,14 +40,15 @@ from ._wire import (
     tool_specs,
     with_defect,
 )
+from ._base import Proposal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .._machine import Machine
-    from .._view import RunView
+    from ..core._machine import Machine
+    from ..core._view import RunView
+    from ..core._wire import ToolSpec
     from ._http import Transport
-    from ._wire import ToolSpec
 
 _T = TypeVar("_T")
 

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .._events import TokenUsage
-from .._exceptions import ProviderError
+from ..core._events import TokenUsage
+from ..core._exceptions import ProviderError
 from ._base import Proposal, estimate_tokens, render_prompt
 
 if TYPE_CHECKING:
-    from .._view import RunView
+    from ..core._view import RunView
 
 
 def _abort(_: object) -> trio.lowlevel.Abort:

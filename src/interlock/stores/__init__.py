@@ -2,7 +2,7 @@
 
 import typing as _typing
 
-from .._exceptions import IndexDamaged as IndexDamaged
+from ..core._exceptions import IndexDamaged as IndexDamaged
 from ._base import (
     COMPLETED as COMPLETED,
 )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from .._events import (
+from ..core._events import (
     ENCODING_ERRORS,
     EVENT_TYPES,
     Completed,
@@ -25,9 +25,9 @@ from .._events import (
     Transitioned,
     decode_event,
 )
-from .._exceptions import IndexDamaged, JournalCorrupt, StoreError
-from .._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
-from .._view import DECIDE_IMPLEMENTATION
+from ..core._exceptions import IndexDamaged, JournalCorrupt, StoreError
+from ..core._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
+from ..core._view import DECIDE_IMPLEMENTATION
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -177,7 +177,7 @@ _encode = msgspec.msgpack.Encoder().encode
 #: The compiled twin of _encode_rows (ext/_decide.pyx), where the decide path is compiled.
 _compiled_rows: Callable[..., list[Row]] | None = None
 if DECIDE_IMPLEMENTATION == "compiled":
-    from .._decide import encode_rows as _compiled_rows
+    from ..core._decide import encode_rows as _compiled_rows
 
 
 def unencodable(events: Iterable[Event], exc: BaseException) -> StoreError:

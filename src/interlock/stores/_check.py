@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._events import IntentRecorded
-from .._exceptions import IndexDamaged, JournalCorrupt
+from ..core._events import IntentRecorded
+from ..core._exceptions import IndexDamaged, JournalCorrupt
 from ._base import (
     cut_short,
     index_updates,

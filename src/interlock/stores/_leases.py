@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from .._exceptions import LeaseLost
+from ..core._exceptions import LeaseLost
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Mapping, Sequence
 
-    from .._events import Event
+    from ..core._events import Event
 
 #: Seconds a lease lasts after a claim or a renewal, unless the worker says otherwise.
 DEFAULT_TTL = 10.0

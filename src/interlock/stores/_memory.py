@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .._exceptions import RunNotFound, StoreError
+from ..core._exceptions import RunNotFound, StoreError
 from ._base import (
     RunRecord,
     Store,
@@ -24,7 +24,7 @@ from ._check import Checker, CheckReport
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from .._events import Event, JournalEvent
+    from ..core._events import Event, JournalEvent
 
 
 class MemoryStore(Store):

@@ -36,7 +36,7 @@ async def open_store(url: str | None, *, readonly: bool = False) -> Store:
     if url.startswith(_POSTGRES_SCHEMES):
         from ._postgres import open_postgres_store  # psycopg is slow to import, and optional
 
-        dsn, schema = _split_schema(url)
+        dsn, schema = split_schema(url)
         return await open_postgres_store(dsn, schema=schema, readonly=readonly)
     return await open_sqlite_store(url.removeprefix(_SQLITE_PREFIX), readonly=readonly)
 
@@ -48,7 +48,7 @@ def sqlite_path(url: str | None) -> str | None:
     return url.removeprefix(_SQLITE_PREFIX)
 
 
-def _split_schema(url: str) -> tuple[str, str]:
+def split_schema(url: str) -> tuple[str, str]:
     """Take a ``schema=NAME`` query parameter out of a PostgreSQL URL."""
     from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import trio
 
-from .._events import RunStarted
-from .._exceptions import IndexDamaged, RunNotFound, StoreError
+from ..core._events import RunStarted
+from ..core._exceptions import IndexDamaged, RunNotFound, StoreError
 
 try:
     import psycopg
@@ -61,7 +61,7 @@ from ._leases import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
-    from .._events import Event, JournalEvent
+    from ..core._events import Event, JournalEvent
 
 _T = TypeVar("_T")
 

@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import trio
 
-from .._events import ENCODING_ERRORS, IntentRecorded, RunStarted, Transitioned
-from .._exceptions import IndexDamaged, RunNotFound, StoreDamaged, StoreError
-from .._hotpath import FRAMES_OK, frame_events, unframe
-from .._view import DECIDE_IMPLEMENTATION
+from ..core._events import ENCODING_ERRORS, IntentRecorded, RunStarted, Transitioned
+from ..core._exceptions import IndexDamaged, RunNotFound, StoreDamaged, StoreError
+from ..core._hotpath import FRAMES_OK, frame_events, unframe
+from ..core._view import DECIDE_IMPLEMENTATION
 from ._base import (
     COMPLETED,
     FAILED,
@@ -82,7 +82,7 @@ from ._check import Checker, CheckReport
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
-    from .._events import Event, JournalEvent
+    from ..core._events import Event, JournalEvent
 
 _T = TypeVar("_T")
 
@@ -330,8 +330,8 @@ _LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 _group_batch: Callable[..., tuple[Any, ...]] | None = None
 _compiled_moves: Callable[..., Any] | None = None
 if DECIDE_IMPLEMENTATION == "compiled":
-    from .._decide import group_batch as _group_batch
-    from .._decide import move_runs as _compiled_moves
+    from ..core._decide import group_batch as _group_batch
+    from ..core._decide import move_runs as _compiled_moves
 
 #: Event types that change a run's row in the runs index beyond its seq and time.
 _INDEXED: frozenset[type[Event]] = frozenset({RunStarted, *INDEX_CHANGES})
