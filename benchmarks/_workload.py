@@ -14,17 +14,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from interlock import (
-    Budgets,
-    Machine,
-    Reject,
-    RunStarted,
-    RunView,
-    Tool,
-    ToolContext,
-    Worker,
-)
+from interlock import Budgets, Machine, Reject, RunView, Tool, ToolContext, Worker
 from interlock.core._view import RunState
+from interlock.events import RunStarted
 
 ORDER_PATTERN = r"^ORD-[0-9]{6}$"
 REASONS = ("damaged", "late", "wrong_item", "not_received", "other")

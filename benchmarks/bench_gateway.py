@@ -773,7 +773,8 @@ async def external_steps(port: int, steps: int) -> dict[str, Any]:
 
 async def inprocess_steps(db: str, steps: int) -> dict[str, Any]:
     """The same steps through ``Supervisor.submit`` in this process, on a SQLite journal."""
-    from interlock import Propose, Report, open_supervisor
+    from interlock import open_supervisor
+    from interlock.messages import Propose, Report
     from interlock.stores import open_sqlite_store
 
     store = await open_sqlite_store(db)
@@ -814,7 +815,8 @@ async def inprocess_load(db: str, runs: int, seconds: float) -> dict[str, Any]:
     the last verdict came), on a SQLite journal; no HTTP, no gateway."""
     import trio
 
-    from interlock import Propose, open_supervisor
+    from interlock import open_supervisor
+    from interlock.messages import Propose
     from interlock.stores import open_sqlite_store
 
     load = Load(runs)

@@ -40,7 +40,8 @@ import trio
 
 from benchmarks._harness import Progress, no_progress, profile
 from benchmarks._workload import TOTAL, build_machine, step_script
-from interlock import Event, IntentRecorded, ToolCommitted, encode_event, open_supervisor
+from interlock import open_supervisor
+from interlock.events import Event, IntentRecorded, ToolCommitted, encode_event
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore, open_sqlite_store
 from interlock.stores._base import encode_rows

@@ -46,7 +46,8 @@ from benchmarks._workload import (
     guard_plain,
     step_script,
 )
-from interlock import RunView, TokenUsage, open_supervisor
+from interlock import RunView, open_supervisor
+from interlock.events import TokenUsage
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.runtime._runtime import GC_THRESHOLD
 from interlock.stores import MemoryStore

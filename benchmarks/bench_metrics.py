@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from benchmarks._harness import Progress, no_progress, quantile
 from benchmarks._workload import TOTAL, build_machine, step_script
-from interlock import RuntimeCollector, RuntimeStats, open_supervisor
+from interlock import open_supervisor
+from interlock.metrics import RuntimeCollector, RuntimeStats
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
 

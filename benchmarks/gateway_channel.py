@@ -515,7 +515,7 @@ class TrivialService:
     nothing: the channel's own cost is what is left."""
 
     async def create_run(self, body: Any, principal: Any = None) -> tuple[Any, bool]:
-        from interlock.gateway import RunOut
+        from interlock.protocol import RunOut
 
         await trio.lowlevel.checkpoint()
         run = RunOut(
@@ -524,7 +524,7 @@ class TrivialService:
         return run, True
 
     async def verify_batch(self, body: Any, principal: Any = None) -> Any:
-        from interlock.gateway import VerifyOut
+        from interlock.protocol import VerifyOut
 
         await trio.lowlevel.checkpoint()
         return VerifyOut(verdicts=[self._verdict(i.run_id, i.proposal) for i in body.items])
@@ -535,7 +535,7 @@ class TrivialService:
 
     @staticmethod
     def _verdict(run_id: str, proposal: str) -> Any:
-        from interlock.gateway import VerdictOut
+        from interlock.protocol import VerdictOut
 
         if "COMPLETED" in proposal:
             return VerdictOut(
@@ -547,7 +547,7 @@ class TrivialService:
         )  # fmt: skip
 
     async def report(self, run_id: str, body: Any, principal: Any = None) -> Any:
-        from interlock.gateway import VerdictOut
+        from interlock.protocol import VerdictOut
 
         await trio.lowlevel.checkpoint()
         return VerdictOut(run_id=run_id, accepted=True, outcome="running", state="PAY", seq=5)
@@ -639,8 +639,8 @@ async def one_step(channel: Any, i: int) -> None:
 async def batched(sup: Any, runs: int) -> None:
     """Each request decided in one task with submit_nowait, one Sync per batch: what a batch
     path through the service could do."""
-    from interlock import Propose, Report
     from interlock.core._messages import Sync
+    from interlock.messages import Propose, Report
 
     ids = [f"e-{i}" for i in range(runs)]
     calls = [sup.submit_nowait(Propose(run_id=r, seq=1, raw=CHARGE)) for r in ids]
@@ -665,8 +665,10 @@ async def in_process(runs: int, through: str) -> dict[str, float]:
     """The same steps without the channel: Supervisor.submit, or GatewayService's methods."""
     import resource
 
-    from interlock import Propose, Report, open_supervisor
-    from interlock.gateway import GatewayService, ProposalIn, ResultIn
+    from interlock import open_supervisor
+    from interlock.gateway import GatewayService
+    from interlock.messages import Propose, Report
+    from interlock.protocol import ProposalIn, ResultIn
     from interlock.stores import open_sqlite_store
 
     def cpu() -> float:

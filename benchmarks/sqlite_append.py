@@ -31,8 +31,9 @@ from typing import Any
 import trio
 
 from benchmarks.bench_gateway import build_machine, transition
-from interlock import Propose, open_supervisor
+from interlock import open_supervisor
 from interlock.core._messages import Sync
+from interlock.messages import Propose
 from interlock.stores import MemoryStore, _sqlite
 
 #: Runs per batch at the gateway's shape (a POST /v1/verify batch of 1,000).

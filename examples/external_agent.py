@@ -25,7 +25,8 @@ from collections.abc import Iterator
 
 import trio
 
-from interlock.client import AsyncClient, RunOut
+from interlock.client import AsyncClient
+from interlock.protocol import RunOut
 
 ORDER = "ord-100001"
 ORDER_TOTAL = 120.0  # what "the orders database" below answers

@@ -489,7 +489,7 @@ def audit(url: str, *, runs: int | None = None) -> list[str]:
 def _calls(url: str, run_ids: list[str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """``(intents, committed)``: the keys journaled for each tool (intents under ``""``
     lists the runs that could not be loaded)."""
-    from interlock import IntentRecorded, ToolCommitted
+    from interlock.events import IntentRecorded, ToolCommitted
     from interlock.stores._open import open_store
 
     async def main() -> tuple[dict[str, list[str]], dict[str, list[str]]]:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from interlock import Event
+from interlock.events import Event
 from interlock.stores import MemoryStore, Store
 
 #: Fields that vary between runs of the same test (wall-clock latencies, prompt text and

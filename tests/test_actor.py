@@ -19,14 +19,13 @@ from interlock import (
     RunResult,
     RunView,
     Step,
-    TokenUsage,
     Tool,
     ToolContext,
     ToolError,
-    Violation,
     Worker,
     open_supervisor,
 )
+from interlock.events import TokenUsage, Violation
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 

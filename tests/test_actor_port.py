@@ -13,23 +13,13 @@ from typing import Any
 import msgspec
 import trio
 
-from interlock import (
-    Machine,
-    Propose,
-    RunView,
-    Start,
-    Sync,
-    Tool,
-    ToolCall,
-    ToolContext,
-    Verdict,
-    Worker,
-)
+from interlock import Machine, RunView, Tool, ToolContext, Worker
 from interlock.core import _decider
 from interlock.core._breakers import CircuitBoard
 from interlock.core._events import Event
 from interlock.core._messages import Request
 from interlock.core._view import PyRunState, fold
+from interlock.messages import Propose, Start, Sync, ToolCall, Verdict
 from interlock.providers import ScriptedProvider, render_prompt
 from interlock.runtime._actor import ActorPort, Driver, run_actor
 

@@ -18,12 +18,11 @@ from interlock import (
     RunResult,
     RunView,
     Step,
-    TokenUsage,
     Tool,
-    Violation,
     Worker,
     open_supervisor,
 )
+from interlock.events import TokenUsage, Violation
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 

@@ -14,12 +14,7 @@ from hypothesis import strategies as st
 from interlock import (
     Machine,
     MachineDefinitionError,
-    Propose,
-    Reconciliation,
-    Recover,
     Reject,
-    Report,
-    Start,
     Tool,
     ToolContext,
     Worker,
@@ -37,6 +32,7 @@ from interlock.core._events import (
 )
 from interlock.core._gate import _verify, verify
 from interlock.core._view import RunState, fold
+from interlock.messages import Propose, Reconciliation, Recover, Report, Start
 from interlock.providers import ScriptedProvider
 from interlock.runtime._replay import replay, replay_run
 from interlock.stores import MemoryStore

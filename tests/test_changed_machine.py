@@ -6,15 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from interlock import (
-    Machine,
-    RetryPolicy,
-    Tool,
-    ToolContext,
-    UnknownState,
-    Worker,
-    open_supervisor,
-)
+from interlock import Machine, RetryPolicy, Tool, ToolContext, Worker, open_supervisor
+from interlock.errors import UnknownState
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -83,8 +76,8 @@ async def test_where_its_state_is_gone_a_run_may_resume_in_any_state_of_the_mach
     resume there is refused), and a resume straight into a terminal state was taken,
     ending the run with no output; the targets are now the machine's states, and a
     terminal state is refused as anywhere else."""
-    from interlock import IllegalResumeTarget
     from interlock.core._escalation import resume_targets
+    from interlock.errors import IllegalResumeTarget
 
     store = MemoryStore()
     await escalated_in(store, "TRIAGE")

@@ -13,7 +13,6 @@ from interlock import (
     ProviderPolicy,
     RunView,
     Step,
-    TokenUsage,
     Tool,
     ToolContext,
     Worker,
@@ -21,6 +20,7 @@ from interlock import (
     replay,
 )
 from interlock.core._events import describe_exception
+from interlock.events import TokenUsage
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -369,7 +369,7 @@ async def test_a_base_exception_while_deciding_ends_that_run_only(raised: str) -
     """User code run while a request is decided (an args Struct's ``__post_init__``)
     raising a BaseException that is not an Exception used to crash the supervisor; it
     ends that run with an InternalError, as an Exception there does (#33)."""
-    from interlock import InternalError
+    from interlock.errors import InternalError
 
     error = base_exception(raised, await stray_cancelled())
 
@@ -413,8 +413,8 @@ async def test_system_exit_from_a_tool_is_not_contained() -> None:
 async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: Any) -> None:
     """A bug met while deciding one run's request (here, a provider's usage whose counts
     break the arithmetic) ends that run with an InternalError; the others go on."""
-    from interlock import InternalError
     from interlock.core import _decider
+    from interlock.errors import InternalError
 
     original = _decider._propose  # the decide path in use: compiled, or its twin
 

@@ -29,7 +29,7 @@ from collections import Counter
 import pytest
 import trio
 
-from interlock import Completed, Escalated, Failed, IntentRecorded, ToolCommitted, ToolFailed
+from interlock.events import Completed, Escalated, Failed, IntentRecorded, ToolCommitted, ToolFailed
 from interlock.stores._open import open_store
 
 pytestmark = pytest.mark.slow

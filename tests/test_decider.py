@@ -17,13 +17,7 @@ from interlock import (
     Go,
     Machine,
     NotEscalated,
-    Propose,
     ProtocolError,
-    Reconciliation,
-    Recover,
-    Report,
-    Resume,
-    Start,
     Step,
     Tool,
     ToolContext,
@@ -34,6 +28,7 @@ from interlock.core._breakers import CircuitBoard
 from interlock.core._events import Event
 from interlock.core._stats import RuntimeStats
 from interlock.core._view import RunState, RunView, fold
+from interlock.messages import Propose, Reconciliation, Recover, Report, Resume, Start
 
 SRC = pathlib.Path(_decider.__file__).parent
 

@@ -16,19 +16,9 @@ import msgspec
 import pytest
 import trio
 
-from interlock import (
-    Event,
-    IntentRecorded,
-    Machine,
-    NotApplied,
-    Tool,
-    ToolCommitted,
-    ToolContext,
-    Worker,
-    open_supervisor,
-    replay,
-)
+from interlock import Machine, NotApplied, Tool, ToolContext, Worker, open_supervisor, replay
 from interlock.core._exceptions import StoreError
+from interlock.events import Event, IntentRecorded, ToolCommitted
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -265,7 +255,7 @@ async def test_leaving_the_supervisor_writes_what_was_answered_before_its_flush(
         calls = 0
 
         async def propose(self, view: Any) -> Any:
-            from interlock import TokenUsage
+            from interlock.events import TokenUsage
             from interlock.providers import Proposal
 
             self.calls += 1

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from interlock import Escalated, IntentRecorded, ToolCommitted
+from interlock.events import Escalated, IntentRecorded, ToolCommitted
 from interlock.stores import open_sqlite_store
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from interlock import Escalated, EscalationResolved, NotEscalated, Resumed, RunStarted
+from interlock import NotEscalated
 from interlock.core._escalation import answer_again, resolution
+from interlock.errors import EscalationResolved
+from interlock.events import Escalated, Resumed, RunStarted
 
 PAYLOAD = '{"tool": "charge", "args": {"cents": 5}}'
 WHEN = 1796256000.0  # 2026-12-03 00:00:00 UTC

@@ -17,7 +17,8 @@ import httpx
 import pytest
 import trio
 
-from interlock import EscalationResolved, IllegalResumeTarget, open_supervisor
+from interlock import open_supervisor
+from interlock.errors import EscalationResolved, IllegalResumeTarget
 from interlock.gateway import serve_gateway
 from interlock.gateway._keys import KeyRing
 from interlock.runtime._app import load_app
@@ -341,7 +342,7 @@ async def test_an_external_run_is_resumed_alike_by_the_cli_and_the_gateway(
     """Regression (#32): ``escalations resume`` of a run started with external=True waited
     forever for the run to end (no actor drives it: its caller does), where the gateway
     answers with the run resumed."""
-    from interlock import Propose
+    from interlock.messages import Propose
 
     db = tmp_path / "j.db"
     app = load_app(app_ref)

@@ -13,26 +13,22 @@ import trio
 
 from interlock import (
     Applied,
-    IntentRecorded,
     Machine,
-    ModelCalled,
     NotApplied,
     ProviderError,
     ProviderPolicy,
     RetryableToolError,
     RetryPolicy,
-    RunStarted,
     RunView,
-    TokenUsage,
     Tool,
     ToolContext,
     ToolError,
     Worker,
-    hash_prompt,
     open_supervisor,
     replay,
 )
 from interlock.core._view import fold
+from interlock.events import IntentRecorded, ModelCalled, RunStarted, TokenUsage, hash_prompt
 from interlock.providers import Proposal, ScriptedProvider
 from interlock.stores import MemoryStore
 
@@ -419,7 +415,7 @@ async def test_large_data_is_journaled_once() -> None:
 def test_a_journal_from_before_provider_failed_still_replays() -> None:
     """Journals written before #14 record a failed model call as ``model_called`` with
     ``error``, then a ``malformed`` rejection: replay decides them as they were then."""
-    from interlock import Completed, ProposalRejected, Transitioned, Violation
+    from interlock.events import Completed, ProposalRejected, Transitioned, Violation
 
     error = "provider raised RuntimeError: model overloaded"
 
@@ -501,7 +497,7 @@ async def test_a_damaged_journal_stops_a_resume_before_any_run_starts(tmp_path: 
     has started the first (it used to start runs one by one, then stop part-way)."""
     import sqlite3
 
-    from interlock import JournalCorrupt
+    from interlock.errors import JournalCorrupt
     from interlock.stores import open_sqlite_store
 
     path = str(tmp_path / "j.db")

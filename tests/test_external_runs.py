@@ -9,16 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from interlock import (
-    Machine,
-    Propose,
-    ProtocolError,
-    Report,
-    Tool,
-    Worker,
-    open_supervisor,
-    replay,
-)
+from interlock import Machine, ProtocolError, Tool, Worker, open_supervisor, replay
+from interlock.messages import Propose, Report
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore, open_sqlite_store
 
@@ -152,7 +144,7 @@ async def test_an_escalated_external_run_resumes_external_and_its_caller_drives_
 async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -> None:
     """Supervisor.submit_many_nowait (the gateway's batches): in order, each verdict the
     one submit_nowait would give, a refusal in its own place, one write for them all."""
-    from interlock import Sync
+    from interlock.messages import Sync
 
     async def decide(store: Any, many: bool) -> tuple[list[Any], list[list[Any]]]:
         async with open_supervisor([shop()], store) as sup:
@@ -210,8 +202,9 @@ async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
     """A bug met deciding one proposal of a batch ends that run only, half of its decision
     dropped; the others are decided and written. Both ways of deciding a batch: the
     supervisor's compiled loop (where the decide path is compiled) and the journal's own."""
-    from interlock import InternalError, Sync
     from interlock.core import _decider
+    from interlock.errors import InternalError
+    from interlock.messages import Sync
 
     original = _decider._propose  # the decide path in use: compiled, or its twin
 

@@ -13,23 +13,12 @@ from hypothesis import strategies as st
 from interlock import (
     BreakerPolicy,
     Budgets,
-    Escalated,
-    Event,
-    IntentRecorded,
     Machine,
     MachineDefinitionError,
-    ModelCalled,
     ProtocolError,
     Reject,
-    Resumed,
-    RunStarted,
     RunView,
-    TokenUsage,
     Tool,
-    ToolCommitted,
-    ToolFailed,
-    Transitioned,
-    Violation,
     Worker,
 )
 from interlock.core import _gate
@@ -38,6 +27,19 @@ from interlock.core._gate import Decision, verify
 from interlock.core._hotpath import proposal_hash
 from interlock.core._tools import plain_struct
 from interlock.core._view import RunState, _call_hash, canonical_args, fold
+from interlock.events import (
+    Escalated,
+    Event,
+    IntentRecorded,
+    ModelCalled,
+    Resumed,
+    RunStarted,
+    TokenUsage,
+    ToolCommitted,
+    ToolFailed,
+    Transitioned,
+    Violation,
+)
 
 CODES = {
     "malformed",

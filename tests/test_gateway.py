@@ -29,17 +29,10 @@ from interlock import App, Go, Machine, Step, Tool, Worker, open_supervisor, rep
 from interlock.core._events import Violation
 from interlock.core._messages import ToolCall, Verdict
 from interlock.demo._run import DemoConfig, build_app
-from interlock.gateway import (
-    GatewayServer,
-    RunOut,
-    VerdictOut,
-    VerifyOut,
-    openapi_document,
-    serve_gateway,
-)
+from interlock.gateway import GatewayServer, openapi_document, serve_gateway
 from interlock.gateway._guard import Limits
 from interlock.gateway._keys import KeyRing, Principal
-from interlock.protocol import CallOut, ViolationOut
+from interlock.protocol import CallOut, RunOut, VerdictOut, VerifyOut, ViolationOut
 from interlock.providers import ScriptedProvider
 from interlock.stores import open_sqlite_store
 
@@ -512,7 +505,8 @@ async def test_a_batch_that_fails_whole_leaves_no_answer_pending(
     retry of each proposal gets the journal's answer or is decided afresh, instead of
     waiting forever."""
     from interlock.core._messages import Sync
-    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+    from interlock.gateway import GatewayService
+    from interlock.protocol import ProposalIn, RunCreate
 
     store = await open_sqlite_store(str(tmp_path / "j.db"))
     async with open_supervisor([shop()], store) as supervisor:
@@ -850,7 +844,8 @@ async def test_a_proposal_cancelled_while_it_waits_is_answered_to_its_retry(
     """A request cut while it waits on the journal (a timeout, a client gone) leaves no
     answer pending: its retry gets the decision the journal holds."""
     from interlock.core._messages import Sync
-    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+    from interlock.gateway import GatewayService
+    from interlock.protocol import ProposalIn, RunCreate
 
     store = await open_sqlite_store(str(tmp_path / "j.db"))
     async with open_supervisor([shop()], store) as supervisor:

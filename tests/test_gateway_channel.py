@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 
 from interlock import Machine, Tool, Worker, open_supervisor, replay
 from interlock.client._channel import ChannelProblem, open_channel
-from interlock.gateway import GatewayService, Problem, VerdictOut, VerifyItem
+from interlock.gateway import GatewayService
 from interlock.gateway._channel import OPS, serve_channel
 from interlock.gateway._guard import RateLimiter
 from interlock.gateway._keys import KeyRing, Principal, hash_key
+from interlock.protocol import Problem, VerdictOut, VerifyItem
 from interlock.stores import MemoryStore, open_sqlite_store
 
 HEADER = struct.Struct(">I")

@@ -30,16 +30,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import interlock.client
-from interlock import App, Event
+from interlock import App
 from interlock.client import (
     AsyncClient,
     Client,
+    ClientRetryPolicy,
     GatewayProblem,
     GatewayUnavailable,
-    RetryPolicy,
 )
 from interlock.client._common import SseParser
 from interlock.demo.workflows import Backend, order_total, refund
+from interlock.events import Event
 from interlock.gateway import serve_gateway
 from interlock.gateway._keys import KeyRing
 from interlock.providers import ScriptedProvider
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ORDER = "ord-100001"
 TOTAL = order_total(ORDER)
 INPUTS = {"order_id": ORDER, "customer": "ada@example.com", "requested": 150.0}
-FAST = RetryPolicy(retries=3, base=0.01, cap=2.0)
+FAST = ClientRetryPolicy(retries=3, base=0.01, cap=2.0)
 
 
 def lookup() -> str:
@@ -377,7 +378,7 @@ async def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match=r"^timeout must be > 0 seconds, got 0$"):
         AsyncClient("http://127.0.0.1:1", timeout=0)
     with pytest.raises(ValueError, match=r"^retries, base and cap must be >= 0"):
-        RetryPolicy(retries=-1)
+        ClientRetryPolicy(retries=-1)
     async with AsyncClient("http://127.0.0.1:1") as client:
         with pytest.raises(ValueError, match=r"^mode must be 'external' or 'hosted', got 'x'$"):
             await client.create_run("refund", mode="x")  # type: ignore[arg-type]

@@ -34,7 +34,9 @@ import trio
 pytest.importorskip("hypercorn")
 pytest.importorskip("interlock.gateway._serve", reason="the gateway's server is not built yet")
 
-from interlock import IntentRecorded, Propose, Report, ToolCommitted, open_supervisor
+from interlock import open_supervisor
+from interlock.events import IntentRecorded, ToolCommitted
+from interlock.messages import Propose, Report
 from interlock.stores import MemoryStore
 from interlock.stores._open import open_store
 

@@ -683,7 +683,8 @@ async def test_an_idle_copy_is_dropped_and_folded_again(tmp_path: Path) -> None:
     """In process: the copies of external runs a service holds go once idle; the next
     request folds the run again, as another instance may have advanced it meanwhile."""
     from interlock import open_supervisor
-    from interlock.gateway import GatewayService, ProposalIn, RunCreate
+    from interlock.gateway import GatewayService
+    from interlock.protocol import ProposalIn, RunCreate
     from interlock.runtime._app import load_app
 
     cluster = Cluster(tmp_path)

@@ -16,7 +16,8 @@ import h11
 import pytest
 import trio
 
-from interlock import ProviderError, RequestRefused
+from interlock import ProviderError
+from interlock.errors import RequestRefused
 from interlock.providers._http import SseEvent, SseParser, Transport
 
 KEY = "sk-test-SECRET-0123456789abcdef"

@@ -21,41 +21,43 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlock import (
+from interlock import ProtocolError
+from interlock.core import _events, _messages
+from interlock.events import (
     BreakerTripped,
-    Cancel,
     Completed,
     Escalated,
     Event,
     Failed,
     IntentRecorded,
     JournalEvent,
-    Message,
     ModelCalled,
     ProposalRejected,
-    Propose,
-    ProtocolError,
     ProviderFailed,
     Reconciled,
-    Report,
     Resumed,
     RunStarted,
-    Start,
     StepProposed,
     TokenUsage,
-    ToolCall,
     ToolCommitted,
     ToolFailed,
     ToolInDoubt,
     Transitioned,
-    Verdict,
     Violation,
     decode_event,
-    decode_message,
     encode_event,
+)
+from interlock.messages import (
+    Cancel,
+    Message,
+    Propose,
+    Report,
+    Start,
+    ToolCall,
+    Verdict,
+    decode_message,
     encode_message,
 )
-from interlock.core import _events, _messages
 
 GOLDEN = Path(__file__).parent / "data" / "events.msgpack"
 

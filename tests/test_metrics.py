@@ -23,8 +23,11 @@ from prometheus_client.parser import (
     text_string_to_metric_families as text_string_to_prometheus_families,
 )
 
-from interlock import (
-    BreakerPolicy,
+from interlock import BreakerPolicy, __version__, serve_metrics
+from interlock.core._breakers import CircuitBoard
+from interlock.core._hotpath import IMPLEMENTATION
+from interlock.demo._run import DemoConfig, run_demo
+from interlock.events import (
     BreakerTripped,
     Completed,
     Escalated,
@@ -32,18 +35,12 @@ from interlock import (
     ModelCalled,
     ProposalRejected,
     RunStarted,
-    RuntimeCollector,
-    RuntimeStats,
     StepProposed,
     ToolCommitted,
     ToolFailed,
     Transitioned,
-    __version__,
-    serve_metrics,
 )
-from interlock.core._breakers import CircuitBoard
-from interlock.core._hotpath import IMPLEMENTATION
-from interlock.demo._run import DemoConfig, run_demo
+from interlock.metrics import RuntimeCollector, RuntimeStats
 from interlock.stores import MemoryStore
 
 DASHBOARD = Path(__file__).parent.parent / "grafana/provisioning/dashboards/interlock/overview.json"

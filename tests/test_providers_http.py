@@ -20,11 +20,11 @@ from interlock import (
     Tool,
     ToolContext,
     Worker,
-    expand_prompt,
     open_supervisor,
     replay,
 )
 from interlock.core._events import ModelCalled, ProposalRejected, ProviderFailed
+from interlock.events import expand_prompt
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses
 from interlock.stores import MemoryStore
 from interlock.testing._fake import FakeLLM, Fault, Reply, open_fake_llm, scripted_brain

@@ -323,10 +323,10 @@ def test_the_conversation_kept_on_a_view_is_the_one_made_fresh(script: list[str]
     """Whatever the history (repeated rejections compacting, commits, moves, replies with
     no call), the conversation a view keeps from call to call equals one made from
     scratch, and so does every request body."""
-    from interlock import Propose, Report, Start
     from interlock.core._breakers import CircuitBoard
     from interlock.core._decider import decide, start
     from interlock.core._view import RunView
+    from interlock.messages import Propose, Report, Start
 
     spec = Machine(
         "m",
@@ -416,10 +416,10 @@ def test_a_calls_name_is_read_as_decoding_it_would(name: str, args: str) -> None
 def test_a_body_follows_the_providers_settings_when_they_change() -> None:
     """The bytes after the conversation are kept per state; changing a setting the body
     shows (model, output limit, temperature, streaming) is seen by the next call."""
-    from interlock import Start
     from interlock.core._decider import start
     from interlock.core._view import RunView
     from interlock.core._wire import tool_specs
+    from interlock.messages import Start
 
     spec = Machine(
         "m",

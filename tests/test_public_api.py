@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import subprocess
@@ -13,7 +14,12 @@ import pytest
 
 import interlock
 import interlock.client
+import interlock.errors
+import interlock.events
 import interlock.gateway
+import interlock.messages
+import interlock.metrics
+import interlock.protocol
 import interlock.providers
 import interlock.stores
 import interlock.testing
@@ -22,7 +28,12 @@ from interlock import _version
 PUBLIC_MODULES = [
     interlock,
     interlock.client,
+    interlock.errors,
+    interlock.events,
     interlock.gateway,
+    interlock.messages,
+    interlock.metrics,
+    interlock.protocol,
     interlock.providers,
     interlock.stores,
     interlock.testing,
@@ -34,7 +45,10 @@ def _public_attributes(module: types.ModuleType) -> set[str]:
     return lazy | {
         name
         for name, value in vars(module).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) != "typing"  # Any, Final, ... imported
+        and name != "annotations"  # from __future__ import annotations
     }
 
 
@@ -116,7 +130,55 @@ def test_the_message_union_is_exported_with_every_message_in_it() -> None:
     """The union and the messages it holds are exported together, or not at all (#15)."""
     import typing
 
-    for union in (interlock.Message, interlock.Request):
+    for union in (interlock.messages.Message, interlock.messages.Request):
         for cls in typing.get_args(union):
-            assert getattr(interlock, cls.__name__) is cls
-            assert cls.__name__ in interlock.__all__
+            assert getattr(interlock.messages, cls.__name__) is cls
+            assert cls.__name__ in interlock.messages.__all__
+
+
+def test_the_top_level_is_what_an_application_imports() -> None:
+    """About 50 names: machines, tools, running and replaying them, and the errors an
+    application catches; events, messages, metrics and the rest have their own modules."""
+    assert 40 <= len(interlock.__all__) <= 55, len(interlock.__all__)
+    for name in ("Machine", "Tool", "Worker", "open_supervisor", "replay", "InterlockError"):
+        assert name in interlock.__all__
+    for name in ("ToolCommitted", "Propose", "RuntimeStats", "JournalCorrupt"):
+        assert name not in interlock.__all__
+
+
+def test_help_reads_like_a_table_of_contents() -> None:
+    doc = interlock.__doc__ or ""
+    listed = set(re.findall(r"\b[A-Za-z_]\w*\b", doc.split("And in their own modules")[0]))
+    missing = sorted(set(interlock.__all__) - {"__version__"} - listed)
+    assert missing == [], f"interlock's docstring does not list: {missing}"
+
+
+def test_each_public_name_means_one_thing_everywhere() -> None:
+    seen: dict[str, tuple[str, Any]] = {}
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            if name == "__version__":
+                continue
+            value = getattr(module, name)
+            if name in seen:
+                where, other = seen[name]
+                assert value is other, (
+                    f"{name} means one thing in {where}, another in {module.__name__}"
+                )
+            else:
+                seen[name] = (module.__name__, value)
+
+
+@pytest.mark.parametrize(
+    ("name", "home"),
+    [
+        ("ToolCommitted", "interlock.events"),
+        ("Propose", "interlock.messages"),
+        ("JournalCorrupt", "interlock.errors"),
+        ("RuntimeStats", "interlock.metrics"),
+    ],
+)
+def test_a_name_that_moved_says_where_it_is_now(name: str, home: str) -> None:
+    with pytest.raises(AttributeError, match=rf"from {re.escape(home)} import {name}"):
+        getattr(interlock, name)
+    assert name in importlib.import_module(home).__all__

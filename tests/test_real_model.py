@@ -31,7 +31,6 @@ import pytest
 import trio
 
 from interlock import (
-    BREAKERS,
     BreakerPolicy,
     Budgets,
     Machine,
@@ -42,9 +41,9 @@ from interlock import (
     ToolContext,
     Worker,
     open_supervisor,
-    whole_prompts,
 )
 from interlock.core._events import ProposalRejected, ProviderFailed, ToolCommitted
+from interlock.events import BREAKERS, whole_prompts
 from interlock.providers import OpenAIChat
 from interlock.stores import MemoryStore
 

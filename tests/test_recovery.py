@@ -6,21 +6,18 @@ import msgspec
 import pytest
 
 from interlock import (
-    Escalated,
-    EscalationResolved,
     Go,
-    IntentRecorded,
     InterlockError,
     Machine,
     Reject,
     RunNotFound,
     Step,
     Tool,
-    ToolCommitted,
-    ToolFailed,
     Worker,
     open_supervisor,
 )
+from interlock.errors import EscalationResolved
+from interlock.events import Escalated, IntentRecorded, ToolCommitted, ToolFailed
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore, open_sqlite_store
 
@@ -418,7 +415,7 @@ async def test_corrupt_tail_is_reported_on_resume(tmp_path):
     snapshot = path.read_bytes()
     store = await open_sqlite_store(path)
     pay, notify = Calls(), Calls()
-    from interlock import JournalCorrupt
+    from interlock.errors import JournalCorrupt
 
     # the error itself, not wrapped in the supervisor's nurseries' groups (#15)
     with pytest.raises(
@@ -475,7 +472,7 @@ async def test_resume_and_abort_each_take_one_escalation_off_the_pending_count()
     """``escalations_pending`` and its gauge go down by one on resume and on abort (#14)."""
     from prometheus_client import CollectorRegistry
 
-    from interlock import RuntimeCollector, RuntimeStats
+    from interlock.metrics import RuntimeCollector, RuntimeStats
 
     store = MemoryStore()
     stats = RuntimeStats()
@@ -511,7 +508,7 @@ async def test_resume_and_abort_each_take_one_escalation_off_the_pending_count()
 
 async def test_a_new_supervisor_counts_the_stores_pending_escalations():
     """The pending count is store-wide: a supervisor opened later starts from the queue (#14)."""
-    from interlock import RuntimeStats
+    from interlock.metrics import RuntimeStats
 
     store = MemoryStore()
     pay, notify = Calls(), Calls()
@@ -677,18 +674,20 @@ async def test_expected_refusals_are_typed_errors_users_can_catch() -> None:
     """Each expected refusal is its own InterlockError subclass, with the fields a caller
     needs, instead of a bare InterlockError (#15)."""
     from interlock import (
-        IllegalResumeTarget,
-        IndexDamaged,
         InterlockError,
         InvalidInputs,
-        JournalCorrupt,
         Machine,
-        NoProvider,
         NotEscalated,
-        PayloadRejected,
         StoreDamaged,
         UnknownMachine,
         Worker,
+    )
+    from interlock.errors import (
+        IllegalResumeTarget,
+        IndexDamaged,
+        JournalCorrupt,
+        NoProvider,
+        PayloadRejected,
     )
 
     assert issubclass(JournalCorrupt, StoreDamaged)
@@ -736,7 +735,9 @@ async def test_resume_refuses_a_run_that_needs_a_model_it_has_not_got() -> None:
     then died of an internal error; it now refuses before resuming any run (#15)."""
     import time
 
-    from interlock import Machine, NoProvider, RunStarted, Worker
+    from interlock import Machine, Worker
+    from interlock.errors import NoProvider
+    from interlock.events import RunStarted
 
     store = MemoryStore()
     await store.append([RunStarted(run_id="r-1", seq=1, ts=time.time(), machine="m", state="W")])

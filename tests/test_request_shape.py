@@ -25,7 +25,6 @@ from interlock import (
     Machine,
     ProviderPolicy,
     Reject,
-    Start,
     Tool,
     ToolContext,
     Worker,
@@ -36,6 +35,7 @@ from interlock.core._decider import decide, start
 from interlock.core._events import Escalated, ProviderFailed
 from interlock.core._view import RunView
 from interlock.core._wire import tool_specs
+from interlock.messages import Start
 from interlock.providers import AnthropicMessages, OpenAIChat, OpenAIResponses, Profile
 from interlock.providers._http import refuses_the_request
 from interlock.stores import MemoryStore
@@ -347,8 +347,8 @@ def test_the_default_profiles_still_send_tool_messages_and_null_content() -> Non
     machine = shop()
     events: list[Any] = []
     run, _ = start(machine, Start(run_id="r", machine="shop", inputs={"total": 100}), 0.0, events)
-    from interlock import Propose
     from interlock.core._breakers import CircuitBoard
+    from interlock.messages import Propose
 
     raw = '{"tool":"refund","args":{"order_id":"o1","amount":150}}'
     decide(

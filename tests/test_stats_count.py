@@ -10,7 +10,6 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlock import RuntimeStats
 from interlock.core._events import (
     IntentRecorded,
     ModelCalled,
@@ -21,6 +20,7 @@ from interlock.core._events import (
     Violation,
 )
 from interlock.core._messages import Propose
+from interlock.metrics import RuntimeStats
 
 MSG = Propose(run_id="r", seq=1, raw="{}")
 

@@ -17,24 +17,17 @@ from trio.testing import wait_all_tasks_blocked
 
 from interlock import (
     BreakerPolicy,
-    Frame,
     InterlockError,
     Machine,
-    Propose,
     ProtocolError,
     Reject,
-    Report,
     RetryPolicy,
     RunNotFound,
     RunResult,
     RunView,
-    Start,
     StoreError,
-    TokenUsage,
     Tool,
     ToolContext,
-    Verdict,
-    Violation,
     Worker,
     open_supervisor,
 )
@@ -47,7 +40,9 @@ from interlock.core._events import (
 )
 from interlock.core._hotpath import common_affixes
 from interlock.core._view import fold
-from interlock.providers import Proposal, ScriptedProvider, render_prompt
+from interlock.events import TokenUsage, Violation
+from interlock.messages import Propose, Report, Start, Verdict
+from interlock.providers import Frame, Proposal, ScriptedProvider, render_prompt
 from interlock.stores import MemoryStore
 
 
@@ -815,7 +810,7 @@ async def test_statistics(memory_store: MemoryStore) -> None:
 
 
 def test_render_prompt_text() -> None:
-    from interlock import RunStarted
+    from interlock.events import RunStarted
 
     started = RunStarted(
         run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK", inputs={"order": "o1"}
@@ -838,7 +833,7 @@ def test_render_prompt_text() -> None:
 def test_render_prompt_tells_machines_with_one_name_apart() -> None:
     # The machine/state part of the prompt is rendered once per Machine object; a second
     # machine with the same name but other tools must not reuse the first one's text.
-    from interlock import RunStarted
+    from interlock.events import RunStarted
 
     started = RunStarted(run_id="r-1", seq=1, ts=0.0, machine="refund", state="WORK")
     first = render_prompt(RunView(fold(refund_machine(), [started])))
@@ -916,7 +911,7 @@ def test_incremental_history_and_prompt_equal_a_fresh_fold(steps: list[str]) -> 
     # render_prompt keeps the text of the frames that cannot change any more; after any
     # sequence of events (repeated rejections compact the last frame) the prompt must be
     # the one a run folded afresh (nothing cached) renders.
-    from interlock import (
+    from interlock.events import (
         BreakerTripped,
         IntentRecorded,
         RunStarted,

@@ -11,17 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from interlock import (
-    Machine,
-    RunStarted,
-    RunView,
-    Tool,
-    ToolResult,
-    Transitioned,
-    Worker,
-)
+from interlock import Machine, RunView, Tool, ToolResult, Worker
 from interlock.core._view import fold
 from interlock.core._wire import system_text
+from interlock.events import RunStarted, Transitioned
 from interlock.providers import render_prompt
 
 # What committed args are: JSON-like builtins, as the gate or the journal hands them over.
@@ -107,7 +100,8 @@ def test_result_msgpack_cannot_hold_is_kept_as_given() -> None:
 def _committed(args: dict[str, Any], result: Any) -> Any:
     """A run folded through a call of ``args`` committed with ``result``: its view."""
     from benchmarks._workload import build_machine, run_state
-    from interlock import IntentRecorded, RunView, ToolCommitted
+    from interlock import RunView
+    from interlock.events import IntentRecorded, ToolCommitted
 
     run = run_state(build_machine())
     run.apply(
@@ -171,7 +165,8 @@ def test_a_folded_commit_reads_back_its_key_made_by_the_runtime_or_not() -> None
     view = _committed({"a": 1}, None)
     assert view.results[0].key == "k2"  # not the runtime's form: held as it is
     from benchmarks._workload import build_machine, run_state
-    from interlock import IntentRecorded, RunView, ToolCommitted
+    from interlock import RunView
+    from interlock.events import IntentRecorded, ToolCommitted
 
     run = run_state(build_machine(), "r-9")
     key = "r-9:WORK:2"  # the decider's form: {run id}:{state}:{intent seq}
@@ -193,9 +188,10 @@ def test_history_compacts_rejections_as_a_whole_fold_does(steps: list[str]) -> N
     # Rejections ("a", "b": two mistakes) between calls: the compacted history read after
     # every step equals the one compacted from scratch (the signatures of every item).
     from benchmarks._workload import build_machine, run_state
-    from interlock import IntentRecorded, ProposalRejected, RunView, ToolCommitted, Violation
+    from interlock import RunView
     from interlock.core._hotpath import compact_failures
     from interlock.core._view import violation_signature
+    from interlock.events import IntentRecorded, ProposalRejected, ToolCommitted, Violation
 
     run = run_state(build_machine(), "r")
     view = RunView(run)

@@ -20,6 +20,8 @@ __all__ = [
     "DEFAULT_MAX_FRAME",
     "DEFAULT_MAX_IN_FLIGHT",
     "HEADER",
+    "MAX_BATCH",
+    "MAX_PROPOSAL",
     "OPS",
     "AbortIn",
     "CallOut",
@@ -30,13 +32,16 @@ __all__ = [
     "EscalationPage",
     "EventOut",
     "EventPage",
+    "FrameId",
     "HealthOut",
+    "NonNegative",
     "Problem",
     "ProposalIn",
     "ReadyOut",
     "ResultIn",
     "ResumeIn",
     "RunCreate",
+    "RunId",
     "RunOut",
     "RunPage",
     "RunSummary",
@@ -388,13 +393,13 @@ DEFAULT_MAX_FRAME: Final = 8 << 20
 DEFAULT_MAX_IN_FLIGHT: Final = 4096
 #: The operations a request frame may name.
 OPS: Final = ("hello", "create_run", "get_run", "propose", "report", "verify")
-Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+FrameId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class ChannelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One request frame."""
 
-    id: Id
+    id: FrameId
     """The caller's correlation id, echoed in the answer (unique among its requests in
     flight)."""
     op: str

@@ -21,12 +21,12 @@ from interlock import (
     Machine,
     NotApplied,
     RunView,
-    TokenUsage,
     Tool,
     ToolContext,
     Worker,
     open_supervisor,
 )
+from interlock.events import TokenUsage
 from interlock.providers import Proposal
 from interlock.stores import PostgresStore, open_postgres_store
 

@@ -24,13 +24,13 @@ from interlock import (
     NotEscalated,
     ProtocolError,
     RunView,
-    TokenUsage,
     Tool,
     ToolContext,
     Worker,
     enqueue_run,
     open_supervisor,
 )
+from interlock.events import TokenUsage
 from interlock.providers import Proposal
 from interlock.stores import PostgresStore, open_postgres_store
 
@@ -348,7 +348,7 @@ async def test_external_runs_are_not_leased_and_any_process_drives_them(
     """An external run started by one supervisor is driven on by another (a second
     gateway): it is loaded on its first request; workers never claim it."""
     spec = machine(immediate)
-    from interlock import Propose
+    from interlock.messages import Propose
 
     async with open_supervisor([spec], store, owner="gateway-a") as first:
         await first.start_run("notes", run_id="x-1", external=True)
@@ -413,7 +413,8 @@ async def test_a_stale_external_run_is_refused_alone_in_its_batch(store: Postgre
     """Two processes drive external runs of one journal (two gateways). One advances x-1
     behind the other's back; the other's next batch holds x-1 (stale) and y-1: x-1 alone is
     refused, with an error that says to read the run again, and y-1 commits."""
-    from interlock import Propose, StoreError, Sync
+    from interlock import StoreError
+    from interlock.messages import Propose, Sync
 
     spec = machine(immediate)
     other = await open_postgres_store(DSN, schema=store.schema)

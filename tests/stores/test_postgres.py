@@ -13,7 +13,13 @@ from psycopg import sql
 
 from interlock.core._events import IntentRecorded, RunStarted, Transitioned
 from interlock.core._exceptions import StoreError
-from interlock.stores import IndexDamaged, PostgresStore, Problem, open_postgres_store, open_store
+from interlock.stores import (
+    CheckProblem,
+    IndexDamaged,
+    PostgresStore,
+    open_postgres_store,
+    open_store,
+)
 from interlock.stores._base import index_updates
 
 from .conftest import PG_DSN, PG_SKIP_REASON
@@ -242,7 +248,7 @@ async def test_the_intent_keys_are_checked_against_the_journal(schema: str) -> N
             )
         )
         assert (await store.check()).problems == (
-            Problem(
+            CheckProblem(
                 run_id="r-1",
                 seq=2,
                 message="the events table's key column lacks idempotency key 'k-1' of run 'r-1' "

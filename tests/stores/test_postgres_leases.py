@@ -609,7 +609,7 @@ async def test_a_damaged_outcome_of_an_unfinished_run_is_still_reported(schema: 
 
 
 async def test_check_compares_the_leases_with_the_runs_index(schema: str) -> None:
-    from interlock.stores import Problem
+    from interlock.stores import CheckProblem as Problem
 
     async with workers(schema, 1) as (a,):
         await a.append([started("r-1"), started("r-2"), started("r-3"), done("r-3", 2)])

@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, given, settings
 
 from interlock.core._events import Completed, Escalated, Failed, Resumed, RunStarted, Transitioned
 from interlock.core._exceptions import IndexDamaged, StoreError
-from interlock.stores import RUNNING, SQLiteStore, open_sqlite_store
+from interlock.stores import SQLiteStore, open_sqlite_store
+from interlock.stores._base import RUNNING
 from interlock.stores._sqlite import JournalHeld, hold_journal
 from tests._cli import interlock
 from tests.stores._old_schemas import as_version_4

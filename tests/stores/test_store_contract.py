@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from interlock import ProviderFailed, Reconciled, ToolInDoubt
 from interlock.core._events import (
     EVENT_TYPES,
     BreakerTripped,
@@ -34,6 +33,7 @@ from interlock.core._events import (
 )
 from interlock.core._exceptions import JournalCorrupt, RunNotFound, StoreError
 from interlock.core._hotpath import frame_event
+from interlock.events import ProviderFailed, Reconciled, ToolInDoubt
 from interlock.stores import (
     COMPLETED,
     ESCALATED,

@@ -51,7 +51,7 @@ class ChannelProblem(InterlockError):
     """The gateway answered a channel request with a problem (as HTTP would with a 4xx/5xx).
 
     Attributes:
-      problem: the :class:`~interlock.gateway.Problem` (status, title, detail, violations).
+      problem: the :class:`~interlock.protocol.Problem` (status, title, detail, violations).
       status: its HTTP status.
     """
 

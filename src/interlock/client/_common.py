@@ -125,7 +125,7 @@ class _ProblemBody(msgspec.Struct, kw_only=True):
     violations: tuple[ViolationOut, ...] = ()
 
 
-class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
+class ClientRetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How a client resends a request that got no answer, or a 429/503 that asked to wait.
 
     Attributes:
@@ -298,7 +298,7 @@ def read_answer(
         ) from exc
 
 
-def retry_wait(policy: RetryPolicy, attempt: int, problem: GatewayProblem) -> float | None:
+def retry_wait(policy: ClientRetryPolicy, attempt: int, problem: GatewayProblem) -> float | None:
     """Seconds to wait before resending after a 429 or 503, or None to raise it.
 
     Both mean the server refused the request before acting on it, so resending is

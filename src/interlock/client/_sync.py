@@ -25,12 +25,12 @@ from ._common import (
     TERMINAL_KINDS,
     TERMINAL_OUTCOMES,
     Call,
+    ClientRetryPolicy,
     Codec,
     Format,
     GatewayProblem,
     GatewayUnavailable,
     Mode,
-    RetryPolicy,
     SseParser,
     api_key_from,
     base_headers,
@@ -94,7 +94,7 @@ class Client:
         api_key: str | None = None,
         timeout: float = 30.0,
         format: Format = "json",
-        retry: RetryPolicy | None = None,
+        retry: ClientRetryPolicy | None = None,
         http: httpx.Client | None = None,
     ) -> None:
         if not timeout > 0:
@@ -102,7 +102,7 @@ class Client:
         self.base_url = check_base_url(base_url)
         self._codec = Codec(format)
         self._headers = base_headers(api_key_from(api_key), self._codec)
-        self._retry = retry if retry is not None else RetryPolicy()
+        self._retry = retry if retry is not None else ClientRetryPolicy()
         self._timeout = timeout
         self._own = http is None
         self._http = http if http is not None else httpx.Client(timeout=timeout)

@@ -269,7 +269,7 @@ class ProviderFailed(Event, frozen=True, tag="provider_failed"):
     """Seconds the run waits before it asks again; None when it gave up."""
     latency: float = 0.0
     refused: bool | msgspec.UnsetType = msgspec.UNSET
-    """True when the server refused the request's shape (:class:`~interlock.RequestRefused`):
+    """True when the server refused the request's shape (:class:`~interlock.errors.RequestRefused`):
     the run escalated with ``request_refused``. Unset (not written) otherwise, so events
     from before it existed encode as they did."""
 

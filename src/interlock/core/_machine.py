@@ -138,7 +138,7 @@ class ProviderPolicy:
     reports wins). When ``attempts`` calls in a row have failed, or retrying would go
     past ``max_elapsed`` seconds since the first of them, or the provider says the
     failure is permanent (``ProviderError(retryable=False)``), the run escalates with
-    reason ``provider_unavailable``; a :class:`~interlock.RequestRefused` (the server
+    reason ``provider_unavailable``; a :class:`~interlock.errors.RequestRefused` (the server
     refused the request's shape) escalates it at once with ``request_refused``.
 
     Attributes:

@@ -49,7 +49,7 @@ class Propose(Msg, frozen=True, tag="propose"):
     """For a provider failure: seconds the provider asked to wait, if it said."""
     refused: bool = False
     """For a provider failure: the server refused the request's shape (a
-    :class:`~interlock.RequestRefused`); the run escalates with ``request_refused``."""
+    :class:`~interlock.errors.RequestRefused`); the run escalates with ``request_refused``."""
     defect: str = ""
     """Set when the provider answered something that cannot be read as a proposal (not
     text, or text UTF-8 cannot hold); ``raw`` then shows it escaped."""

@@ -4,34 +4,9 @@
 embedding and :func:`serve_gateway` serves it with hypercorn on trio (and, asked, the
 streaming channel, :func:`serve_channel`). :class:`KeyRing` and :class:`Limits` configure
 its keys and limits. The request and
-response bodies are the Structs of :mod:`interlock.protocol`, re-exported here.
+response bodies are the Structs of :mod:`interlock.protocol`.
 """
 
-from ..protocol import (
-    AbortIn,
-    CallOut,
-    EscalationOut,
-    EscalationPage,
-    EventOut,
-    EventPage,
-    HealthOut,
-    Problem,
-    ProposalIn,
-    ReadyOut,
-    ResultIn,
-    ResumeIn,
-    RunCreate,
-    RunOut,
-    RunPage,
-    RunSummary,
-    ToolSpec,
-    Usage,
-    VerdictOut,
-    VerifyIn,
-    VerifyItem,
-    VerifyOut,
-    ViolationOut,
-)
 from ._app import GatewayApp, openapi_document
 from ._channel import serve_channel
 from ._guard import Limits
@@ -40,37 +15,14 @@ from ._serve import GatewayServer, create_app, serve_gateway
 from ._service import GatewayError, GatewayService, PrincipalLike
 
 __all__ = [
-    "AbortIn",
-    "CallOut",
-    "EscalationOut",
-    "EscalationPage",
-    "EventOut",
-    "EventPage",
     "GatewayApp",
     "GatewayError",
     "GatewayServer",
     "GatewayService",
-    "HealthOut",
     "KeyRing",
     "Limits",
     "Principal",
     "PrincipalLike",
-    "Problem",
-    "ProposalIn",
-    "ReadyOut",
-    "ResultIn",
-    "ResumeIn",
-    "RunCreate",
-    "RunOut",
-    "RunPage",
-    "RunSummary",
-    "ToolSpec",
-    "Usage",
-    "VerdictOut",
-    "VerifyIn",
-    "VerifyItem",
-    "VerifyOut",
-    "ViolationOut",
     "create_app",
     "openapi_document",
     "serve_channel",

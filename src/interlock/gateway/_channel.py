@@ -51,7 +51,7 @@ from ..protocol import (
     ChannelHello,
     ChannelRequest,
     ChannelWelcome,
-    Id,
+    FrameId,
     Problem,
     ProposalIn,
     ResultIn,
@@ -82,7 +82,7 @@ class _Answer(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class _IdOnly(msgspec.Struct):
-    id: Id
+    id: FrameId
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -1,5 +1,6 @@
 """Providers: where proposals come from (scripted, chaos-wrapped, and real models over HTTP)."""
 
+from ..core._view import Frame as Frame
 from ._anthropic import AnthropicMessages as AnthropicMessages
 from ._base import (
     Proposal as Proposal,
@@ -43,6 +44,7 @@ __all__ = [
     "VLLM",
     "AnthropicMessages",
     "ChaosProvider",
+    "Frame",
     "HttpResponse",
     "OpenAIChat",
     "OpenAIResponses",

@@ -4,19 +4,7 @@ import typing as _typing
 
 from ..core._exceptions import IndexDamaged as IndexDamaged
 from ._base import (
-    COMPLETED as COMPLETED,
-)
-from ._base import (
-    ESCALATED as ESCALATED,
-)
-from ._base import (
-    FAILED as FAILED,
-)
-from ._base import (
     OUTCOMES as OUTCOMES,
-)
-from ._base import (
-    RUNNING as RUNNING,
 )
 from ._base import (
     RunRecord as RunRecord,
@@ -24,8 +12,8 @@ from ._base import (
 from ._base import (
     Store as Store,
 )
+from ._check import CheckProblem as CheckProblem
 from ._check import CheckReport as CheckReport
-from ._check import Problem as Problem
 from ._leases import Lease as Lease
 from ._leases import LeasingStore as LeasingStore
 from ._memory import MemoryStore as MemoryStore
@@ -40,11 +28,8 @@ if _typing.TYPE_CHECKING:
     from ._postgres import open_postgres_store as open_postgres_store
 
 __all__ = [
-    "COMPLETED",
-    "ESCALATED",
-    "FAILED",
     "OUTCOMES",
-    "RUNNING",
+    "CheckProblem",
     "CheckReport",
     "IndexDamaged",
     "JournalHeld",
@@ -52,7 +37,6 @@ __all__ = [
     "LeasingStore",
     "MemoryStore",
     "PostgresStore",
-    "Problem",
     "RunRecord",
     "SQLiteStore",
     "Store",

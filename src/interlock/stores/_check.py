@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ._base import RunRecord
 
 
-class Problem(msgspec.Struct, frozen=True, kw_only=True):
+class CheckProblem(msgspec.Struct, frozen=True, kw_only=True):
     """One piece of damage :meth:`Store.check` found."""
 
     run_id: str | None
@@ -40,7 +40,7 @@ class CheckReport(msgspec.Struct, frozen=True, kw_only=True):
     """Runs found, in the journal or in the runs index."""
     events: int
     """Events the journal holds (by their seqs, damaged ones included)."""
-    problems: tuple[Problem, ...]
+    problems: tuple[CheckProblem, ...]
 
     @property
     def ok(self) -> bool:
@@ -55,7 +55,7 @@ class Checker:
     def __init__(self, index: Mapping[str, RunRecord], damaged: Iterable[IndexDamaged]) -> None:
         """Start from the verified index rows and the rows that failed their checksum."""
         self.index = index
-        self.problems = [Problem(run_id=e.run_id, seq=None, message=str(e)) for e in damaged]
+        self.problems = [CheckProblem(run_id=e.run_id, seq=None, message=str(e)) for e in damaged]
         self.damaged = {e.run_id for e in damaged if e.run_id is not None}
         self.journaled: set[str] = set()
         self.intact: set[str] = set()
@@ -69,7 +69,7 @@ class Checker:
         self.journaled.add(run_id)
         self.events += sum(last - first + 1 for first, last, _body in rows)
         events, damages = read_chunks(run_id, rows)
-        self.problems += [Problem(run_id=run_id, seq=seq, message=m) for seq, m in damages]
+        self.problems += [CheckProblem(run_id=run_id, seq=seq, message=m) for seq, m in damages]
         if damages:
             return
         try:
@@ -98,7 +98,7 @@ class Checker:
 
     def problem(self, run_id: str | None, seq: int | None, message: str) -> None:
         """Add a problem a store found on its own."""
-        self.problems.append(Problem(run_id=run_id, seq=seq, message=message))
+        self.problems.append(CheckProblem(run_id=run_id, seq=seq, message=message))
 
     def intents_table(self, rows: Iterable[tuple[Any, ...]], table: str) -> None:
         """Compare the stored idempotency keys ``(key, run_id, seq)`` with the intents of
