@@ -25,10 +25,6 @@ from interlock.core._events import (
     Transitioned,
 )
 from interlock.stores import (
-    COMPLETED,
-    ESCALATED,
-    FAILED,
-    RUNNING,
     MemoryStore,
     PostgresStore,
     RunRecord,
@@ -37,6 +33,7 @@ from interlock.stores import (
     open_postgres_store,
     open_sqlite_store,
 )
+from interlock.stores._base import COMPLETED, ESCALATED, FAILED, RUNNING
 
 PG_DSN = os.environ.get("INTERLOCK_PG_DSN", "")
 PG_SKIP_REASON = (

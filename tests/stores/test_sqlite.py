@@ -19,18 +19,17 @@ import trio
 from interlock.core._events import Completed, Event, IntentRecorded, RunStarted, Transitioned
 from interlock.core._exceptions import JournalCorrupt, RunNotFound, StoreError
 from interlock.stores import (
-    COMPLETED,
+    CheckProblem,
     CheckReport,
     IndexDamaged,
     MemoryStore,
-    Problem,
     SQLiteStore,
     Store,
     open_sqlite_store,
     open_store,
 )
 from interlock.stores import _sqlite as sqlite_store_module
-from interlock.stores._base import encode_rows, index_updates
+from interlock.stores._base import COMPLETED, encode_rows, index_updates
 from tests.stores._old_schemas import as_version_4
 from tests.stores.conftest import index_row
 
@@ -794,13 +793,13 @@ async def test_the_intents_table_is_checked_against_the_journal(tmp_path: Path) 
     raw_sql(path, "INSERT INTO intents VALUES ('r-1:X:4', 'r-1', 4)")
     async with await open_sqlite_store(path, readonly=True) as store:
         assert (await store.check()).problems == (
-            Problem(
+            CheckProblem(
                 run_id="r-1",
                 seq=3,
                 message="the intents table lacks idempotency key 'r-1:B:3' of run 'r-1' seq 3, "
                 "so a second intent with that key would not be refused; restore it from a backup",
             ),
-            Problem(
+            CheckProblem(
                 run_id="r-1",
                 seq=4,
                 message="the intents table holds idempotency key 'r-1:X:4' for run 'r-1' seq 4, "
@@ -824,7 +823,7 @@ async def test_a_check_that_cannot_read_on_says_so(tmp_path: Path) -> None:
         runs=5,
         events=0,
         problems=(
-            Problem(
+            CheckProblem(
                 run_id=None,
                 seq=None,
                 message=f"{path}: cannot read on past the damage: database disk image is malformed",

@@ -35,19 +35,15 @@ from interlock.core._exceptions import JournalCorrupt, RunNotFound, StoreError
 from interlock.core._hotpath import frame_event
 from interlock.events import ProviderFailed, Reconciled, ToolInDoubt
 from interlock.stores import (
-    COMPLETED,
-    ESCALATED,
-    FAILED,
-    RUNNING,
+    CheckProblem,
     CheckReport,
     IndexDamaged,
     PostgresStore,
-    Problem,
     RunRecord,
     SQLiteStore,
     Store,
 )
-from interlock.stores._base import record_checksum
+from interlock.stores._base import COMPLETED, ESCALATED, FAILED, RUNNING, record_checksum
 
 from .conftest import (
     STORE_PARAMS,
@@ -671,7 +667,7 @@ async def test_a_damaged_event_is_refused_with_its_run_and_seq(
     assert [e.seq for e in await store.load("r-2")] == [1, 2]
     assert (await store.get_run("r-1")).seq == len(events)
     assert await store.check() == CheckReport(
-        runs=2, events=15, problems=(Problem(run_id="r-1", seq=seq, message=message),)
+        runs=2, events=15, problems=(CheckProblem(run_id="r-1", seq=seq, message=message),)
     )
 
 
@@ -690,7 +686,7 @@ async def test_a_journal_that_does_not_start_with_run_started_is_reported(store:
     other = msgspec.msgpack.encode(moved("r-2", 1, "A", "B", ts=5.0))
     rewrite_event(store, "r-2", 1, lambda _frame: frame_event(other))
     assert (await store.check()).problems == (
-        Problem(
+        CheckProblem(
             run_id="r-2",
             seq=1,
             message="event Transitioned seq 1 of run 'r-2' arrived before the run's "
@@ -731,7 +727,7 @@ async def test_a_missing_event_is_reported(store: Store, seq: int, message: str)
         await store.load("r-1")
     assert str(info.value) == message
     assert await store.check() == CheckReport(
-        runs=2, events=14, problems=(Problem(run_id="r-1", seq=seq, message=message),)
+        runs=2, events=14, problems=(CheckProblem(run_id="r-1", seq=seq, message=message),)
     )
 
 
@@ -748,7 +744,9 @@ async def test_a_journal_without_its_index_row_and_the_reverse_are_reported(
     with pytest.raises(JournalCorrupt) as info:
         await store.load("r-2")
     assert str(info.value) == message
-    assert (await store.check()).problems == (Problem(run_id="r-2", seq=None, message=message),)
+    assert (await store.check()).problems == (
+        CheckProblem(run_id="r-2", seq=None, message=message),
+    )
 
 
 DAMAGED_ROW = (
@@ -801,7 +799,7 @@ async def test_a_damaged_index_row_is_reported_by_every_read(
     assert [e.seq for e in await store.load("r-2")] == [1, 2]
     assert await store.get_run("r-2") == index_row(await store.load("r-2"))
     report = await store.check()
-    assert report.problems == (Problem(run_id="r-1", seq=None, message=DAMAGED_ROW),)
+    assert report.problems == (CheckProblem(run_id="r-1", seq=None, message=DAMAGED_ROW),)
     # A batch continuing the run is refused, and nothing of it is written.
     with pytest.raises(IndexDamaged, match=r"^runs index row of run 'r-1' is damaged "):
         await store.append(
@@ -824,7 +822,7 @@ async def test_an_index_row_that_agrees_with_its_checksum_but_not_its_journal_is
     set_index_column(store, "r-1", "crc", record_checksum(damaged))
     assert await store.get_run("r-1") == damaged
     [problem] = (await store.check()).problems
-    assert problem == Problem(
+    assert problem == CheckProblem(
         run_id="r-1",
         seq=None,
         message="runs index row of run 'r-1' is damaged (state 'DONE' where the journal says "
@@ -847,7 +845,7 @@ async def test_an_index_row_missing_beside_its_journal_is_reported(store: Store)
             await read("r-2")
         assert str(info.value) == message
     problems = (await store.check()).problems
-    assert problems[-1] == Problem(run_id="r-2", seq=None, message=message)
+    assert problems[-1] == CheckProblem(run_id="r-2", seq=None, message=message)
     if isinstance(store, SQLiteStore):
         # SQLite counts the runs started, since one flipped byte can hide a row (see
         # test_sqlite); PostgreSQL does not (one counter row would serialize its writers).
@@ -855,7 +853,7 @@ async def test_an_index_row_missing_beside_its_journal_is_reported(store: Store)
             "runs index is damaged (row count 1, but 2 runs were started); the store was "
             "written outside interlock or its file is damaged; restore it from a backup"
         )
-        assert problems[:-1] == (Problem(run_id=None, seq=None, message=count),)
+        assert problems[:-1] == (CheckProblem(run_id=None, seq=None, message=count),)
         with pytest.raises(IndexDamaged) as info:
             await store.list_runs()
         assert str(info.value) == count
