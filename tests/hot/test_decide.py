@@ -282,6 +282,54 @@ def test_a_compiled_fold_of_the_journal_is_the_twins_fold(requests_: list[tuple[
     assert folded == live
 
 
+#: The collaborators ``_decider`` gave the compiled path at its import.
+INSTALLED = compiled.installed()
+#: Each part of a ``Collaborators`` (all required, keyword-only), as it reads them back.
+PARTS = (
+    "frame", "in_frame", "violation_signature", "proposal_data", "call_hash", "no_data",
+    "no_turns", "run_view", "canonical_encode", "on_propose", "on_report", "reject",
+    "transition", "is_fallback", "close", "delta_by_reference", "verify", "checked_call",
+    "plan", "decision", "envelope_decode", "envelope", "move_data", "dict_decode",
+    "circuit_board", "ok",
+)  # fmt: skip
+
+
+def collaborators_with(**changes: Any) -> Any:
+    """The installed collaborators with ``changes`` made."""
+    parts = {name: getattr(INSTALLED, name) for name in PARTS} | {"short_json": _view._SHORT}
+    return compiled.Collaborators(**(parts | changes))
+
+
+def test_the_compiled_path_is_given_the_twins_own_parts() -> None:
+    """What ``_decider`` installs is its own paths, the view's and the gate's: the
+    compiled path hands a step to the very functions the twin runs."""
+    from interlock.core import _breakers, _gate
+
+    assert INSTALLED is not None
+    assert INSTALLED.on_propose is _decider._on_propose
+    assert INSTALLED.on_report is _decider._on_report
+    assert INSTALLED.verify is _gate.verify
+    assert INSTALLED.envelope is _gate._Envelope
+    assert INSTALLED.circuit_board is _breakers.CircuitBoard
+    assert INSTALLED.no_data is _view._NO_DATA
+    assert INSTALLED.run_view is _view.RunView
+    assert INSTALLED.delta_by_reference == _decider._DELTA_BY_REFERENCE
+    # the envelope's fields are read from their slots, not by name
+    assert min(INSTALLED.env_next, INSTALLED.env_tool, INSTALLED.env_data) >= 0
+
+
+def test_collaborators_are_all_named_and_checked() -> None:
+    parts = {name: getattr(INSTALLED, name) for name in PARTS if name != "verify"}
+    with pytest.raises(TypeError, match="verify"):
+        compiled.Collaborators(**parts, short_json=_view._SHORT)
+    with pytest.raises(ImportError, match=r"out of date; rebuild it"):
+        collaborators_with(short_json=_view._SHORT + 1)
+    with pytest.raises(TypeError, match=r"envelope and circuit_board must be classes"):
+        collaborators_with(envelope=None)
+    with pytest.raises(TypeError):
+        compiled.install(None)
+
+
 def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
     """The ordinary call and its success are decided by the compiled module itself: the
     twin's paths are never entered for them (their counters stay at zero)."""
@@ -295,22 +343,12 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
 
         return wrapper
 
-    compiled.bind_decider(
-        type(
-            "Twin",
-            (),
-            {
-                "_on_propose": staticmethod(counted("propose", real_propose)),
-                "_on_report": staticmethod(counted("report", real_report)),
-                "_reject": staticmethod(_decider._reject),
-                "_transition": staticmethod(counted("transition", _decider._transition)),
-                "_is_fallback": staticmethod(_decider._is_fallback),
-                "_close": staticmethod(_decider._close),
-                "_DELTA_BY_REFERENCE": _decider._DELTA_BY_REFERENCE,
-            },
-        ),
-        importlib.import_module("interlock.core._gate"),
-        importlib.import_module("interlock.core._breakers"),
+    compiled.install(
+        collaborators_with(
+            on_propose=counted("propose", real_propose),
+            on_report=counted("report", real_report),
+            transition=counted("transition", _decider._transition),
+        )
     )
     try:
         side = Side(True)
@@ -345,11 +383,7 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
         side(("propose", dict(raw=RAWS[0], prompt="p", error="boom"), False), 10.0)
         assert calls["propose"] == 1
     finally:
-        compiled.bind_decider(
-            _decider,
-            importlib.import_module("interlock.core._gate"),
-            importlib.import_module("interlock.core._breakers"),
-        )
+        compiled.install(INSTALLED)
 
 
 @settings(max_examples=100, deadline=None)
