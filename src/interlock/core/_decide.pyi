@@ -105,41 +105,6 @@ def decide_many(
     contain: Callable[[Request, BaseException], Exception],
     find: Callable[[str], RunState],
 ) -> tuple[list[Verdict | Exception], bool]: ...
-def encode_rows(
-    events: list[Event],
-    tags: dict[type[Event], str],
-    keyed: frozenset[type[Event]],
-    encode: Callable[[Any], bytes],
-    frame: Callable[[bytes], bytes],
-) -> list[tuple[str, int, str, float, str | None, bytes]]: ...
-def group_batch(
-    events: list[Event],
-    encode: Callable[[Any], bytes],
-    indexed: frozenset[type[Event]],
-    changes: dict[type[Event], Callable[[Any], dict[str, str]]],
-    slots: dict[str, int],
-    frame_events: Callable[[list[bytes]], bytes],
-) -> tuple[
-    dict[str, list[Any]],
-    list[str],
-    bool,
-    list[tuple[str, int, int, bytes]],
-    list[tuple[str, str, int]],
-    list[Event],
-    bool,
-    int,
-]: ...
-def move_runs(
-    runs: dict[str, list[Any]],
-    remembered: dict[str, tuple[Any, ...]],
-    stored: dict[str, tuple[Any, ...]],
-    starting: set[str],
-    first_chunk: int,
-    encode: Callable[[Any], bytes],
-    crc32: Callable[[bytes], int],
-    row_checksum: Callable[..., int],
-    running_outcome: str,
-) -> tuple[Any, ...] | None: ...
 def bind_gateway(namespace: ModuleType) -> None: ...
 def take_proposals(
     runs: dict[str, Any],
