@@ -102,33 +102,13 @@ def _transition_ratio(results: Results, target: float) -> Outcome:
     )
 
 
-#: bench_verify's row of the gate as a step runs it with the decide path compiled.
-DECIDE_GATE_ROW = "interlock, compiled decide path (as a step verifies)"
-
-
-def _gate_us(rows: dict[str, Any]) -> tuple[float, str]:
-    """The gate's µs per proposal as a step verifies (the compiled decide path's gate
-    where it ran, else ``verify``), and which it is."""
-    if DECIDE_GATE_ROW in rows:
-        return rows[DECIDE_GATE_ROW]["us"], "the compiled decide path's gate"
-    return rows["interlock, compiled"]["us"], "the compiled gate"
-
-
 def _verify_floor(results: Results, target: float) -> Outcome:
     rows = results["verify"]["rows"]
-    gate, which = _gate_us(rows)
+    gate = rows["interlock, compiled"]["us"]
     floor = rows["msgspec decoding alone"]["us"]
     value = gate / floor
     met = value <= target
     notes = _counted(results, "interlock gate (compiled)")
-    if DECIDE_GATE_ROW in rows:
-        notes.append(
-            f"Measured: {which} (ext/_decide.pyx: budgets, the single-decode path, the guard, "
-            "the canonical hash, the repeat count and the circuit in one compiled call; "
-            "`verify` for what it leaves to the Python gate); `interlock.verify` alone: "
-            f"{rows['interlock, compiled']['us']:.2f} µs, "
-            f"{rows['interlock, compiled']['us'] / floor:.2f}× msgspec alone."
-        )
     minimal = rows.get(MINIMAL_ROW)
     if not met and minimal is not None:
         notes.append(
@@ -147,7 +127,7 @@ def _verify_floor(results: Results, target: float) -> Outcome:
 
 def _verify_pydantic(results: Results, target: float) -> Outcome:
     rows = results["verify"]["rows"]
-    gate, _ = _gate_us(rows)
+    gate = rows["interlock, compiled"]["us"]
     by_hand = rows["pydantic v2 by hand"]["us"]
     value = by_hand / gate
     met = value >= target * 0.9  # "about 3x": within 10%

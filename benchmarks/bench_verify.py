@@ -159,33 +159,6 @@ def _gate() -> Any:
     return gate
 
 
-#: The gate as a step runs it where the decide path is compiled (ext/_decide.pyx).
-DECIDE_ROW = "interlock, compiled decide path (as a step verifies)"
-
-
-def _decide_gate() -> Any:
-    """The compiled decide path's gate: its accepted path (``_decide.accept_call``), and
-    ``verify`` for what it leaves to the Python gate (a rejection it explains); None where
-    the decide path is not compiled."""
-    from interlock.core import _view
-
-    if _view.DECIDE_IMPLEMENTATION != "compiled":
-        return None
-    from interlock.core import _decide
-
-    machine = build_machine()
-    run = run_state(machine)
-    circuits = CircuitBoard()
-    now = run.started_ts + 1.0
-    accept = _decide.accept_call
-
-    def gate(raw: bytes) -> Any:
-        decided = accept(run, raw, now, circuits)
-        return verify(machine, run, raw, now, circuits) if decided is None else decided
-
-    return gate
-
-
 def _batched(fn: Any) -> Any:
     def each(chunk: Any) -> None:
         for raw in chunk:
@@ -255,11 +228,9 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
     progress("compiled gate, pydantic and msgspec, interleaved", 0.0)
     from interlock.core import _hotpath
 
-    decide_gate = _decide_gate()
     measured = measure(
         {
             "interlock, compiled": _gate(),
-            **({DECIDE_ROW: decide_gate} if decide_gate is not None else {}),
             "pydantic v2 by hand": pydantic_check,
             "msgspec decoding alone": msgspec_floor,
             MINIMAL_ROW: _minimal(),
@@ -286,7 +257,6 @@ def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
         "hot_path_in_process": _hotpath.IMPLEMENTATION,
         "rows": {
             "interlock, compiled": measured["interlock, compiled"],
-            **({DECIDE_ROW: measured[DECIDE_ROW]} if DECIDE_ROW in measured else {}),
             "interlock, pure Python": pure["gate"],
             "pydantic v2 by hand": measured["pydantic v2 by hand"],
             "msgspec decoding alone": measured["msgspec decoding alone"],

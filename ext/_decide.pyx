@@ -81,84 +81,7 @@ cdef object _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 #: at least this many characters (as the twin: ``_decider._MIN_SHARED_PROMPT``).
 cdef Py_ssize_t _MIN_SHARED_PROMPT = 64
 
-# Bound by interlock.core._view (bind_view) and interlock.core._decider (bind_decider) once they are
-# imported: they import this module, so it cannot import them.
-cdef object _in_frame = None  # ToolResult._in_frame
-cdef object _Frame = None
-cdef object _violation_signature = None
-cdef object _proposal_data = None
-cdef object _call_hash = None
-cdef object _NO_DATA = None
-cdef object _NO_TURNS = None
-cdef object _RunView = None
-
-cdef object _py_on_propose = None
-cdef object _py_on_report = None
-cdef object _verify = None
-cdef object _checked_call = None
-cdef object _plan = None
-cdef object _reject = None
-cdef object _transition = None
-cdef object _is_fallback = None
-cdef object _CircuitBoard = None
-cdef object _Decision = None
-cdef object _envelope_decode = None
-cdef object _move_data = None
-cdef object _close = None
-cdef int _OK = 0
-cdef object _canonical_encode = None
-cdef Py_ssize_t _DELTA_BY_REFERENCE = 1024
-cdef object _decider = None  # the twin's module: its ``_propose`` is the decide path in use
-cdef object _dict_decode = None  # the gate's decoder of a move's data with no schema
 cdef object _journal_encode = _journal_encoder.encode
-cdef object _Envelope = None  # the gate's move and call envelope (bind_decider)
-cdef Py_ssize_t _ENV_NEXT = -1, _ENV_TOOL = -1, _ENV_DATA = -1
-
-
-def bind_view(namespace):
-    """Take what the fold needs from ``interlock.core._view`` (which imports this module)."""
-    global _in_frame, _Frame, _violation_signature, _proposal_data, _call_hash
-    global _NO_DATA, _NO_TURNS, _RunView, _canonical_encode
-    _in_frame = namespace.ToolResult._in_frame
-    _Frame = namespace.Frame
-    _violation_signature = namespace.violation_signature
-    _proposal_data = namespace.proposal_data
-    _call_hash = namespace._call_hash
-    if namespace._SHORT != _SHORT:  # pragma: no cover - a twin changed alone
-        raise ImportError("interlock.core._decide is out of date: rebuild it (pip install -e .)")
-    _NO_DATA = namespace._NO_DATA
-    _NO_TURNS = namespace._NO_TURNS
-    _RunView = namespace.RunView
-    _canonical_encode = namespace.canonical_encoder.encode
-
-
-def bind_decider(namespace, gate, breakers):
-    """Take the twin's paths and helpers from ``interlock.core._decider`` and the gate's."""
-    global _py_on_propose, _py_on_report, _verify, _checked_call, _plan, _reject
-    global _transition, _is_fallback, _CircuitBoard, _DELTA_BY_REFERENCE, _Decision
-    global _envelope_decode, _move_data, _close, _OK, _decider, _dict_decode
-    _decider = namespace
-    _dict_decode = gate._dict_decoder.decode
-    _py_on_propose = namespace._on_propose
-    _py_on_report = namespace._on_report
-    _reject = namespace._reject
-    _transition = namespace._transition
-    _is_fallback = namespace._is_fallback
-    _DELTA_BY_REFERENCE = namespace._DELTA_BY_REFERENCE
-    _verify = gate.verify
-    _checked_call = gate._checked_call
-    _plan = gate._plan
-    _Decision = gate.Decision
-    _envelope_decode = gate._envelope_decoder.decode
-    global _Envelope, _ENV_NEXT, _ENV_TOOL, _ENV_DATA
-    _Envelope = gate._Envelope
-    _ENV_NEXT = _offset(_Envelope, "next")
-    _ENV_TOOL = _offset(_Envelope, "tool")
-    _ENV_DATA = _offset(_Envelope, "data")
-    _move_data = gate._move_data
-    _close = namespace._close
-    _OK = gate.OK
-    _CircuitBoard = breakers.CircuitBoard
 
 
 # -- fields read from their slots ------------------------------------------------------
@@ -205,6 +128,93 @@ cdef inline object _field(object obj, Py_ssize_t offset, str name):
 
 
 # Event (every kind inherits these)
+# -- what this module calls of the pure modules -----------------------------------------
+
+cdef class Collaborators:
+    """What the compiled decide path calls of the pure modules, given to it explicitly: the
+    view's fold helpers (``interlock.core._view``), the twin's paths (``_decider``), the
+    gate's stages (``_gate``) and the circuit board's type (``_breakers``). Those modules
+    import this one, so it cannot import them: ``interlock.core._decider`` builds one of
+    these once, naming each part, and passes it to :func:`install`.
+
+    Every part is required (keyword-only); ``short_json`` is the view's cut of a value's JSON,
+    which must equal this module's (a twin changed alone is refused)."""
+
+    # the fold (interlock.core._view)
+    cdef readonly object frame, in_frame, violation_signature, proposal_data, call_hash
+    cdef readonly object no_data, no_turns, run_view, canonical_encode
+    # the twin's paths and helpers (interlock.core._decider)
+    cdef readonly object on_propose, on_report, reject, transition, is_fallback, close
+    cdef readonly Py_ssize_t delta_by_reference
+    # the gate's stages (interlock.core._gate) and the circuit board's type
+    cdef readonly object verify, checked_call, plan, decision, envelope_decode, envelope
+    cdef readonly object move_data, dict_decode, circuit_board
+    cdef readonly int ok
+    # where the gate's envelope holds next, tool and data (-1: read by name)
+    cdef readonly Py_ssize_t env_next, env_tool, env_data
+
+    def __init__(
+        self, *, frame, in_frame, violation_signature, proposal_data, call_hash, no_data,
+        no_turns, run_view, canonical_encode, short_json, on_propose, on_report, reject,
+        transition, is_fallback, close, delta_by_reference, verify, checked_call, plan,
+        decision, envelope_decode, envelope, move_data, dict_decode, circuit_board, ok,
+    ):
+        if short_json != _SHORT:
+            raise ImportError(
+                f"interlock.core._decide cuts a value's JSON at {_SHORT} characters, the "
+                f"view at {short_json}: the extension is out of date; rebuild it (pip install -e .)"
+            )
+        if not isinstance(envelope, type) or not isinstance(circuit_board, type):
+            raise TypeError(
+                "Collaborators: envelope and circuit_board must be classes (the gate's "
+                f"_Envelope, _breakers.CircuitBoard), got {envelope!r} and {circuit_board!r}"
+            )
+        self.frame = frame
+        self.in_frame = in_frame
+        self.violation_signature = violation_signature
+        self.proposal_data = proposal_data
+        self.call_hash = call_hash
+        self.no_data = no_data
+        self.no_turns = no_turns
+        self.run_view = run_view
+        self.canonical_encode = canonical_encode
+        self.on_propose = on_propose
+        self.on_report = on_report
+        self.reject = reject
+        self.transition = transition
+        self.is_fallback = is_fallback
+        self.close = close
+        self.delta_by_reference = delta_by_reference
+        self.verify = verify
+        self.checked_call = checked_call
+        self.plan = plan
+        self.decision = decision
+        self.envelope_decode = envelope_decode
+        self.envelope = envelope
+        self.env_next = _offset(envelope, "next")
+        self.env_tool = _offset(envelope, "tool")
+        self.env_data = _offset(envelope, "data")
+        self.move_data = move_data
+        self.dict_decode = dict_decode
+        self.circuit_board = circuit_board
+        self.ok = ok
+
+
+cdef Collaborators _c = None
+
+
+def install(Collaborators collaborators not None):
+    """Give this module its collaborators (``interlock.core._decider`` does, once, at its
+    import); until then no run state can be made here."""
+    global _c
+    _c = collaborators
+
+
+def installed():
+    """The collaborators given to :func:`install`, or None before."""
+    return _c
+
+
 cdef Py_ssize_t _E_RUN_ID = _offset(Event, "run_id")
 cdef Py_ssize_t _E_SEQ = _offset(Event, "seq")
 cdef Py_ssize_t _E_TS = _offset(Event, "ts")
@@ -269,9 +279,9 @@ def slot_offsets():
     if _ChannelRequest is not None:
         bound.update({"ChannelRequest.id": _CR_ID, "ChannelRequest.run_id": _CR_RUN_ID,
                       "ChannelRequest.body": _CR_BODY, "ChannelRequest.op": _CR_OP})
-    if _Envelope is not None:
-        bound.update({"_Envelope.next": _ENV_NEXT, "_Envelope.tool": _ENV_TOOL,
-                      "_Envelope.data": _ENV_DATA})
+    if _c is not None:
+        bound.update({"_Envelope.next": _c.env_next, "_Envelope.tool": _c.env_tool,
+                      "_Envelope.data": _c.env_data})
     return bound | {
         "Event.run_id": _E_RUN_ID, "Event.seq": _E_SEQ, "Event.ts": _E_TS,
         "ModelCalled.usage": _MC_USAGE, "ModelCalled.raw": _MC_RAW,
@@ -379,12 +389,17 @@ cdef class RunState:
     cdef public long long _data_version
 
     def __init__(self, str run_id, machine):
+        if _c is None:
+            raise ImportError(
+                "interlock.core._decide has no collaborators yet: import interlock (or "
+                "interlock.core._decider, which installs them) before making a RunState"
+            )
         self.run_id = run_id
         self.machine = machine
         self.state = ""
         self.seq = 0
         self.inputs = {}
-        self.data = _NO_DATA
+        self.data = _c.no_data
         self.started_ts = 0.0
         self.last_ts = 0.0
         self.tokens = 0
@@ -409,7 +424,7 @@ cdef class RunState:
         self.closed = False
         self.prompt = ""
         self.prompt_seq = 0
-        self.turns = _NO_TURNS
+        self.turns = _c.no_turns
         self._hash_state = None
         self._data_version = 0
 
@@ -493,7 +508,7 @@ cdef class RunState:
             self.pending = event
             self.validated = validated
             self.doubts = 0
-            call = call_hash or _call_hash(event.tool, event.args)
+            call = call_hash or _c.call_hash(event.tool, event.args)
             if self._repeats is None:
                 self._repeats = _arrays.array("Q")
             self._repeats.append(call)
@@ -511,17 +526,17 @@ cdef class RunState:
             self.consecutive_failures += 1
             text = "; ".join([v.message for v in violations])
             self._push(
-                _Frame("rejected", seq, text, violations=violations, first_seq=seq),
-                _violation_signature(violations),
+                _c.frame("rejected", seq, text, violations=violations, first_seq=seq),
+                _c.violation_signature(violations),
             )
         elif kind is ToolFailed:
             self.pending = None
             self.validated = None
             self.consecutive_failures += 1
-            self._push(_Frame("tool_failed", seq, f"{event.tool} failed: {event.error}", first_seq=seq))
+            self._push(_c.frame("tool_failed", seq, f"{event.tool} failed: {event.error}", first_seq=seq))
         elif kind is BreakerTripped:
             self._push(
-                _Frame("breaker", seq, f"breaker {event.breaker}: {event.detail}", first_seq=seq)
+                _c.frame("breaker", seq, f"breaker {event.breaker}: {event.detail}", first_seq=seq)
             )
         elif kind is Escalated:
             self.escalation = event
@@ -532,7 +547,7 @@ cdef class RunState:
             self.consecutive_failures = 0
             self._repeats = None
             self._push(
-                _Frame(
+                _c.frame(
                     "resumed", seq, f"resumed by {event.by}: {event.note}".rstrip(": "), first_seq=seq
                 )
             )
@@ -581,7 +596,7 @@ cdef class RunState:
         self.prompt_seq = _field(event, _E_SEQ, "seq")
         if _field(event, _MC_RESPONSE, "response") is not UNSET:
             extra = event.extra_calls
-            if self.turns is _NO_TURNS:
+            if self.turns is _c.no_turns:
                 self.turns = []
             self.turns.append((event.seq, event.raw, () if extra is UNSET else extra))
 
@@ -597,7 +612,7 @@ cdef class RunState:
             args = intent.args
             # The pending intent's hash is the last one intended (see PyRunState._commit_call).
             repeats = self._repeats
-            call = repeats[len(repeats) - 1] if repeats else _call_hash(intent.tool, args)
+            call = repeats[len(repeats) - 1] if repeats else _c.call_hash(intent.tool, args)
             if self._committed_calls is None:
                 self._committed_calls = _arrays.array("Q")
             self._committed_calls.append(call)
@@ -611,7 +626,7 @@ cdef class RunState:
         if intent is not None and intent.state != state:
             state = intent.state
         self.results.append(
-            _in_frame(
+            _c.in_frame(
                 tool,
                 args,
                 result,
@@ -625,7 +640,7 @@ cdef class RunState:
                 intent.seq if intent is not None else 0,
             )
         )
-        self._push(_Frame("tool_result", event.seq, text, first_seq=event.seq))
+        self._push(_c.frame("tool_result", event.seq, text, first_seq=event.seq))
 
     cdef void _transitioned(self, event) except *:
         # (event is a Transitioned: apply dispatched on its type)
@@ -634,7 +649,7 @@ cdef class RunState:
         delta = _field(event, _T_DELTA, "delta")
         seq = _field(event, _E_SEQ, "seq")
         if _field(event, _T_BY_REFERENCE, "delta_in_proposal"):
-            delta = _proposal_data(self.run_id, seq, self.proposal_raw)
+            delta = _c.proposal_data(self.run_id, seq, self.proposal_raw)
         self.proposal_raw = ""
         if dst in _facts_of(self.machine).success:
             self._final_delta = delta
@@ -642,11 +657,11 @@ cdef class RunState:
         self.state = dst
         self.consecutive_failures = 0
         if delta:
-            if self.data is _NO_DATA:
+            if self.data is _c.no_data:
                 self.data = {}
             self.data.update(delta)
             self._data_version += 1
-        self._push(_Frame("transitioned", seq, f"{src} -> {dst}", first_seq=seq))
+        self._push(_c.frame("transitioned", seq, f"{src} -> {dst}", first_seq=seq))
 
 
 # -- the accepted path --------------------------------------------------------------------
@@ -717,15 +732,15 @@ def on_propose(RunState run, msg, double now, circuits, list events):
 
 cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     if not _ordinary(run, msg):
-        return _py_on_propose(run, msg, now, circuits, events)
+        return _c.on_propose(run, msg, now, circuits, events)
     # (msg is a Propose: _ordinary checked)
     machine = run.machine
     state = run.state
     raw = _field(msg, _P_RAW, "raw")
-    plan = _facts_of(machine).gate_plans.get(state) or _plan(machine, state)
+    plan = _facts_of(machine).gate_plans.get(state) or _c.plan(machine, state)
     if len(raw) > plan.max_bytes:  # (ASCII: its length is its size in bytes)
         # Refused unread, and journaled bounded: the Python path does both.
-        return _py_on_propose(run, msg, now, circuits, events)
+        return _c.on_propose(run, msg, now, circuits, events)
     prompt = _field(msg, _P_PROMPT, "prompt")
     cdef Py_ssize_t size = len(prompt)
     cdef Py_ssize_t base = 0, prefix = 0, suffix = 0, shared = 0, tail = size
@@ -777,7 +792,7 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
     run._hash_state = hash_state
     encoded = raw.encode()
     if not _within_budgets(run, machine, now):
-        return _decided(run, msg, _verify(machine, run, encoded, now, circuits), raw, now, events)
+        return _decided(run, msg, _c.verify(machine, run, encoded, now, circuits), raw, now, events)
     accepted = _accept_call(run, machine, plan, encoded, now, circuits)
     if type(accepted) is tuple:
         call, builtins, value, call_hash = <tuple>accepted
@@ -802,7 +817,7 @@ cdef object _on_propose(RunState run, msg, double now, circuits, list events):
         moved = _accept_move(run, machine, plan, encoded, raw, now, events)
         if moved is not None:
             return moved
-        accepted = _verify(machine, run, encoded, now, circuits)
+        accepted = _c.verify(machine, run, encoded, now, circuits)
     return _decided(run, msg, accepted, raw, now, events)
 
 
@@ -818,21 +833,21 @@ cdef object _accept_move(
     if len(encoded) > plan.max_bytes:
         return None
     try:
-        envelope = _envelope_decode(encoded)
+        envelope = _c.envelope_decode(encoded)
     except msgspec.DecodeError:  # ValidationError too: the Python gate explains it
         return None
-    if type(envelope) is not _Envelope:  # pragma: no cover - the gate's decoder's type
+    if type(envelope) is not _c.envelope:  # pragma: no cover - the gate's decoder's type
         return None
-    target = _field(envelope, _ENV_NEXT, "next")
-    if _field(envelope, _ENV_TOOL, "tool") is not None or target is None:
+    target = _field(envelope, _c.env_next, "next")
+    if _field(envelope, _c.env_tool, "tool") is not None or target is None:
         return None
-    raw_data = _field(envelope, _ENV_DATA, "data")
+    raw_data = _field(envelope, _c.env_data, "data")
     if scan_json(encoded) is not None:
         return None
     cdef _Facts facts = _facts_of(machine)
     tables = facts.tables
     target_id = tables.state_id(target)
-    if tables.check_transition(tables.state_id(state), target_id) != _OK:
+    if tables.check_transition(tables.state_id(state), target_id) != _c.ok:
         return None
     # The machine's own string for the state (equal to the one decoded): a run's states
     # are then the same few objects, which the counters' label caches find by identity.
@@ -842,21 +857,21 @@ cdef object _accept_move(
         # ``_gate._move_data`` for a state with no data schema, inline: the data as a
         # JSON object the journal can hold, or None for the Python gate to explain
         try:
-            data = _dict_decode(raw_data)
+            data = _c.dict_decode(raw_data)
             _journal_encode(data)
         except msgspec.ValidationError:
             return None
         except _JOURNAL_ENCODING_ERRORS:
             return None
     else:
-        data, violations = _move_data(machine, run, raw_data)
+        data, violations = _c.move_data(machine, run, raw_data)
         if violations:
             return None
     reason = (
-        "fallback" if facts.on_breaker == state and _is_fallback(machine, state) else "proposal"
+        "fallback" if facts.on_breaker == state and _c.is_fallback(machine, state) else "proposal"
     )
     cdef long long seq = run.seq + 1
-    if len(raw) >= _DELTA_BY_REFERENCE and data and _proposal_data(run.run_id, seq, raw) == data:
+    if len(raw) >= _c.delta_by_reference and data and _c.proposal_data(run.run_id, seq, raw) == data:
         moved = Transitioned(
             run_id=run.run_id, seq=seq, ts=now, src=state, dst=target, reason=reason,
             delta_in_proposal=True,
@@ -870,7 +885,7 @@ cdef object _accept_move(
     run.apply(moved)
     events.append(moved)
     if _terminal(machine, run.state):
-        _close(run, events, now, reason, state, data, None, by_reference)
+        _c.close(run, events, now, reason, state, data, None, by_reference)
     return _verdict(run, True)
 
 
@@ -878,7 +893,7 @@ cdef object _decided(RunState run, msg, decision, raw, double now, list events):
     """The rest of the twin's ``_on_propose``, for what the compiled gate left to the
     Python one: a rejection, a transition, a call that moves on."""
     if decision.violations:
-        return _reject(run, events, now, decision.violations, decision.trip)
+        return _c.reject(run, events, now, decision.violations, decision.trip)
     machine = run.machine
     state = run.state
     if decision.tool is not None:
@@ -906,14 +921,14 @@ cdef object _decided(RunState run, msg, decision, raw, double now, list events):
             outcome=_outcome(machine, run.state),
             execute=ToolCall(decision.tool.name, decision.args, key),
         )
-    reason = "fallback" if _is_fallback(machine, state) else "proposal"
+    reason = "fallback" if _c.is_fallback(machine, state) else "proposal"
     data = decision.data
     by_reference = (
-        len(raw) >= _DELTA_BY_REFERENCE
+        len(raw) >= _c.delta_by_reference
         and bool(data)
-        and _proposal_data(run.run_id, run.seq + 1, raw) == data
+        and _c.proposal_data(run.run_id, run.seq + 1, raw) == data
     )
-    _transition(run, events, now, decision.target, data, reason, by_reference=by_reference)
+    _c.transition(run, events, now, decision.target, data, reason, by_reference=by_reference)
     return _verdict(run, True)
 
 
@@ -959,7 +974,7 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
     plain = call.plain
     builtins = call.to_builtins(args)
     try:
-        canonical = _canonical_encode(args if plain else builtins)
+        canonical = _c.canonical_encode(args if plain else builtins)
     except _ENCODING_ERRORS:
         return _refused(run, machine, call, args, now, circuits)
     call_hash = hash64(canonical, call.seed)
@@ -967,7 +982,7 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
         return _refused(run, machine, call, args, now, circuits)
     guards = call.guards
     if guards:
-        view = _RunView(run)
+        view = _c.run_view(run)
         for guard in guards:
             try:
                 rejected = guard(args, view)
@@ -980,10 +995,10 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
     policy = machine.breakers
     if run.repeats_of(call_hash) >= policy.repeats:
         return _refused(run, machine, call, args, now, circuits)
-    if circuits is not None and (type(circuits) is not _CircuitBoard or circuits._circuits):
+    if circuits is not None and (type(circuits) is not _c.circuit_board or circuits._circuits):
         refusal = circuits.check(call.name, now, policy)
         if refusal is not None:
-            return _Decision((refusal[0],), refusal[1])
+            return _c.decision((refusal[0],), refusal[1])
     return (call, builtins, args, call_hash)
 
 
@@ -991,7 +1006,7 @@ cdef object _refused(RunState run, machine, call, args, double now, circuits):
     """The Python gate's decision on a call the compiled one found refused (by the
     journal's encoding, a committed identical call, a guard or the repeat breaker): it
     explains the refusal, guards and all."""
-    return _checked_call(machine, run, call, args, now, circuits)
+    return _c.checked_call(machine, run, call, args, now, circuits)
 
 
 def on_report(RunState run, msg, double now, circuits, list events):
@@ -999,10 +1014,10 @@ def on_report(RunState run, msg, double now, circuits, list events):
     pending = run.pending
     cdef long long seq = msg.seq
     if pending is None or not msg.ok or (seq and seq != run.seq):
-        return _py_on_report(run, msg, now, circuits, events)
+        return _c.on_report(run, msg, now, circuits, events)
     key = msg.key
     if pending.key != key or _terminal(run.machine, run.state):
-        return _py_on_report(run, msg, now, circuits, events)
+        return _c.on_report(run, msg, now, circuits, events)
     machine = run.machine
     tool = machine.tool_by_name[pending.tool]
     name = tool.name
@@ -1023,7 +1038,7 @@ def on_report(RunState run, msg, double now, circuits, list events):
     if target is not UNSET:
         # The move its intent named (call_and_move), in the same write.
         data = pending.data
-        _transition(run, events, now, target, {} if data is UNSET else data, "call")
+        _c.transition(run, events, now, target, {} if data is UNSET else data, "call")
     return _verdict(run, True)
 
 
@@ -1317,30 +1332,32 @@ cdef int _proposal_mode(runs, msg, verdict) except -1:
     return _WRITE if run.machine.tool_by_name[call.tool].read_only else _DURABLE
 
 
-def decide_many(sup, list msgs, list events):
-    """``GroupCommit.submit_many_nowait``'s loop over ``Supervisor._decide``, compiled for
-    the supervisor's proposals: each decided in order, its events appended to ``events``;
-    returns each one's verdict or the error it was refused with, and whether the writer
-    must be woken (a verdict that is not :data:`LAG`). A proposal is timed, decided by the
-    decide path in use (``_decider._propose``, this module's unless replaced), recorded in
-    its machine's verification latency and counted as ``RuntimeStats.count`` counts it,
-    with no Python frame between; any other request goes through ``sup._decide`` and
-    ``sup._early`` as in the loop. A bug met deciding a request ends that run only (its
-    events dropped, ``sup._contain``'s error in its place), as in the loop."""
+def decide_many(
+    list msgs, list events, dict runs, circuits, clock, stats, propose, decide, early,
+    contain, find
+):
+    """``GroupCommit.submit_many_nowait``'s loop over a supervisor's decide, compiled for
+    its proposals: each decided in order, its events appended to ``events``; returns each
+    one's verdict or the error it was refused with, and whether the writer must be woken
+    (a verdict that is not :data:`LAG`). The supervisor passes what the loop needs: its
+    live ``runs`` by id, its ``circuits``, ``clock`` and ``stats``; ``propose``, the decide
+    path of a proposal in use (``_decider.propose``: this module's ``on_propose`` unless
+    replaced); ``decide(msg, events)`` and ``early(msg, verdict)`` for any other request;
+    ``contain(msg, exc)``, the error a bug met deciding ``msg`` ends its run with; and
+    ``find(run_id)``, the run of an id not in ``runs`` (it raises what is wrong).
+
+    A proposal is timed, decided by ``propose``, recorded in its machine's verification
+    latency and counted as ``RuntimeStats.count`` counts it, with no Python frame between;
+    any other request goes through ``decide`` and ``early`` as in the loop. A bug met
+    deciding a request ends that run only (its events dropped, ``contain``'s error in its
+    place), as in the loop."""
     cdef list results = []
     cdef bint wake = False
     cdef Py_ssize_t mark
     cdef double started, seconds
     cdef PyObject* found
-    runs = sup._runs
-    circuits = sup._circuits
-    clock = sup.clock
-    decide = sup._decide
-    early = sup._early
-    contain = sup._contain
-    propose = _decider._propose
     cdef bint compiled = propose is on_propose
-    cdef _Counting counting = _Counting(sup.stats)
+    cdef _Counting counting = _Counting(stats)
     try:
         for msg in msgs:
             mark = len(events)
@@ -1367,7 +1384,7 @@ def decide_many(sup, list msgs, list events):
                 now = clock()
                 run_id = _field(msg, _P_RUN_ID, "run_id")  # (a Propose: checked above)
                 found = PyDict_GetItem(runs, run_id)
-                run = sup._run(run_id) if found is NULL else <object>found  # raises
+                run = find(run_id) if found is NULL else <object>found  # raises
                 started = _monotonic()
                 if compiled:
                     verdict = _on_propose(<RunState?>run, msg, now, circuits, events)
@@ -1395,186 +1412,6 @@ def decide_many(sup, list msgs, list events):
     finally:
         counting.flush()
     return results, wake
-
-
-# -- encode and frame ---------------------------------------------------------------------
-
-
-def encode_rows(list events, dict tags, keyed, encode, frame):
-    """``stores._base._encode_rows``, compiled: each event as ``(run_id, seq, kind, ts,
-    key, framed msgpack)``, with ``tags`` the kind of each event type, ``keyed`` the types
-    that carry an idempotency key, ``encode`` the journal's encoder and ``frame`` the hot
-    path's ``frame_event``. Raises what ``encode`` raises."""
-    cdef Py_ssize_t i, n = len(events)
-    cdef list rows = [None] * n
-    for i in range(n):
-        event = events[i]
-        kind = type(event)
-        rows[i] = (
-            event.run_id,
-            event.seq,
-            tags[kind],
-            event.ts,
-            event.key if kind in keyed else None,
-            frame(encode(event)),
-        )
-    return rows
-
-
-def group_batch(list events, encode, indexed, dict changes, dict slots, frame_events):
-    """``stores._sqlite._Batch``'s pass over a batch, compiled: the events encoded and
-    grouped by run, each run's frames joined into one chunk. Returns ``(runs, starts,
-    irregular, chunks, intents, marks, contiguous, size)``, the attributes of a
-    ``_Batch`` as its pure-Python ``__init__`` computes them (``tests/hot/test_decide.py``
-    holds the two to the same values). Raises what ``encode`` raises."""
-    cdef dict runs = {}
-    cdef list intents = []
-    cdef list marks = []
-    cdef list starts = []
-    cdef list chunks = []
-    cdef list run
-    cdef bint contiguous = True
-    cdef bint irregular = False
-    cdef PyObject* found
-    cdef Py_ssize_t i, n = len(events), size = 0
-    for i in range(n):
-        event = events[i]
-        kind = type(event)
-        if PyType_IsSubtype(<type>kind, <type>Event):
-            run_id = _field(event, _E_RUN_ID, "run_id")
-            seq = _field(event, _E_SEQ, "seq")
-        else:
-            run_id = event.run_id
-            seq = event.seq
-        found = PyDict_GetItem(runs, run_id)
-        if found is NULL:
-            run = [seq, seq, [encode(event)], event, None, None, None, None]
-            runs[run_id] = run
-            marks.append(event)
-            if kind is RunStarted:
-                if seq == 1:
-                    starts.append(run_id)
-                else:
-                    irregular = True
-        else:
-            run = <list>found
-            if seq != run[1] + 1:
-                contiguous = False
-            run[1] = seq
-            (<list>run[2]).append(encode(event))
-            run[3] = event
-            if kind in indexed:
-                marks.append(event)
-                if kind is RunStarted:
-                    irregular = True
-        if kind is Transitioned:
-            run[4] = _field(event, _T_DST, "dst")
-        elif kind is IntentRecorded:
-            intents.append((_field(event, _IR_KEY, "key"), run_id, seq))
-        elif kind in changes:
-            for field, value in changes[kind](event).items():
-                run[slots[field]] = value
-    for run_id, value in runs.items():
-        run = <list>value
-        marks.append(run[3])
-        body = frame_events(run[2])
-        size += len(body)
-        chunks.append((run_id, run[0], run[1], body))
-        run[2] = None
-    if contiguous and intents:
-        contiguous = len({row[0] for row in intents}) == len(intents)
-    return runs, starts, irregular, chunks, intents, marks, contiguous, size
-
-
-def move_runs(
-    dict runs, dict remembered, dict stored, set starting, Py_ssize_t first_chunk,
-    encode, crc32, row_checksum, running_outcome,
-):
-    """``stores._sqlite._move_runs_py``, compiled: how a SQLite store's fast path moves
-    the index rows of the runs a batch continues (``same``: the pending moves of those
-    that stay in their outcome; ``changed``: the parameters of the UPDATE of those whose
-    outcome changes; ``written``, ``prevs``, the change in running runs), or None where a
-    run is not where the batch says it is. ``tests/hot/test_decide.py`` holds the two to
-    the same values."""
-    cdef dict written = {}
-    cdef list same = []
-    cdef list changed = []
-    cdef list prevs = []
-    cdef list run
-    cdef tuple row
-    cdef PyObject* found
-    cdef Py_ssize_t chunk = first_chunk - 1
-    cdef long running = 0
-    for run_id, value in runs.items():
-        chunk += 1
-        run = <list>value
-        first = run[0]
-        if first == 1 and starting and run_id in starting:
-            prevs.append(None)
-            continue
-        before = first - 1
-        found = PyDict_GetItem(remembered, run_id)
-        if found is NULL or (<tuple>found)[3] != before:
-            found = PyDict_GetItem(stored, run_id)
-            if found is NULL or (<tuple>found)[3] != before:
-                return None
-        row = <tuple>found
-        machine = row[0]
-        was = row[2]
-        started_at = row[4]
-        was_reason = row[6]
-        was_detail = row[7]
-        prevs.append(row[9])
-        seq = run[1]
-        updated = run[3].ts
-        state = run[4]
-        if state is None:
-            state = row[1]
-        outcome = run[5]
-        if outcome is None:
-            crc = crc32(
-                encode(
-                    (
-                        run_id, machine, state, was, seq, float(started_at), float(updated),
-                        was_reason, was_detail,
-                    )
-                )
-            )
-            moved = (
-                machine, state, was, seq, started_at, updated, was_reason, was_detail, crc, chunk
-            )
-            same.append((run_id,) + moved)
-            written[run_id] = moved
-        else:
-            reason = run[6]
-            if reason is None:
-                reason = was_reason
-            detail = run[7]
-            if detail is None:
-                detail = was_detail
-            crc = row_checksum(
-                run_id, machine, state, outcome, seq, started_at, updated, reason, detail
-            )
-            changed.append(
-                (seq, updated, state, crc, chunk, run_id) + row + (outcome, reason, detail)
-            )
-            written[run_id] = (
-                machine, state, outcome, seq, started_at, updated, reason, detail, crc, chunk
-            )
-            running += (outcome == running_outcome) - (was == running_outcome)
-    return same, changed, written, prevs, running
-
-
-def accept_call(RunState run, bytes raw, double now, circuits):
-    """The compiled gate's accepted path on its own, for the benchmarks and the tests:
-    ``(call, builtins, value, call_hash)`` for a call it accepts, a ``Decision`` for one a
-    guard, the encoding, the repeat breaker or the circuit refused, None for whatever the
-    Python gate (``verify``) must decide (see ``_accept_call``)."""
-    machine = run.machine
-    if not _within_budgets(run, machine, now):
-        return None
-    plan = machine.gate_plans.get(run.state) or _plan(machine, run.state)
-    return _accept_call(run, machine, plan, raw, now, circuits)
 
 
 # -- the gateway's batch: its intake and its settling -------------------------------------

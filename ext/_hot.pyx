@@ -26,7 +26,7 @@ from cpython.buffer cimport (
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from cpython.object cimport Py_LT, PyObject, PyObject_RichCompareBool, PyTypeObject
+from cpython.object cimport Py_LT, PyObject, PyObject_RichCompareBool
 from cpython.ref cimport Py_INCREF
 from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
@@ -225,7 +225,7 @@ cdef extern from *:
     #endif
     """
     # Exact ints only (callers check the type first); a negative id reads as < 0 either way.
-    # Takes a borrowed pointer, so the fast entry points below call it without a reference.
+    # Takes a borrowed pointer (no reference is made for the call).
     long long _small_id "__pyx_ilk_small_id" (PyObject* value) noexcept
 
 
@@ -378,9 +378,8 @@ cdef class Tables:
         """Return the names of the tools allowed in ``state``, in id order (none for an unknown id)."""
         return _select(self.tools, self._mask(self.tool_masks, state))
 
-    # The checks on C ids, shared by the methods above and by the fast entry points
-    # below; an id that is not a table id (-1 for "not an exact small int") is
-    # unknown.
+    # The checks on C ids, shared by the methods above; an id that is not a table id
+    # (-1 for "not an exact small int") is unknown.
 
     cdef inline int _transition_code(self, long long source, long long target) noexcept:
         return _bit_code(
@@ -427,132 +426,6 @@ cdef class Tables:
 
     cdef bint _is_terminal_object(self, object state) except -1:
         return 0 <= state < len(self.states) and bool((self.terminal >> state) & 1)
-
-
-# The Python-level entry points of the three checks the gate and the benchmarks call
-# per proposal are written by hand as METH_FASTCALL C functions. Cython's generic
-# wrapper for a two-argument method (keyword parsing set-up, a new reference to each
-# argument, the int result boxed by a call) costs more than the check itself. Each entry point answers the common call (two positional arguments
-# of the exact type) itself and hands every other call to the Cython-generated
-# method it replaces, so keywords, odd types and every error behave as before.
-
-cdef extern from "Python.h":
-    ctypedef struct PyMethodDef:
-        const char* ml_name
-        void* ml_meth
-        int ml_flags
-        const char* ml_doc
-    int METH_FASTCALL
-    int METH_KEYWORDS
-    object PyDescr_NewMethod(PyTypeObject* type, PyMethodDef* method)
-    void PyType_Modified(PyTypeObject* type)
-    PyTypeObject PyLong_Type
-    PyTypeObject PyUnicode_Type
-    PyTypeObject* _type_of "Py_TYPE" (PyObject* value)
-    # Borrowed; for an exact str key it cannot fail (the hash is the string's own).
-    PyObject* _dict_get "PyDict_GetItem" (object mapping, PyObject* key)
-
-
-cdef PyObject* _codes[3]  # _CODES as pointers, for _code
-
-
-cdef inline PyObject* _code(int code) noexcept:
-    cdef PyObject* result = _codes[code]
-    Py_INCREF(<object>result)
-    return result
-
-
-cdef object _generic(int which, PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames):
-    """Call the Cython-generated method ``_GENERIC[which]`` with these vectorcall arguments."""
-    cdef Py_ssize_t i
-    positional = [<object>args[i] for i in range(nargs)]
-    keywords = {}
-    if kwnames != NULL:
-        names = <tuple>kwnames
-        for i in range(len(names)):
-            keywords[names[i]] = <object>args[nargs + i]
-    return _GENERIC[which](<object>self, *positional, **keywords)
-
-
-cdef PyObject* _delegate(
-    int which, PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames
-) except NULL:
-    result = _generic(which, self, args, nargs, kwnames)
-    Py_INCREF(result)
-    return <PyObject*>result
-
-
-cdef inline bint _two_of(PyTypeObject* kind, PyObject** args, Py_ssize_t nargs, PyObject* kwnames) noexcept:
-    return (
-        nargs == 2
-        and kwnames == NULL
-        and _type_of(args[0]) is kind
-        and _type_of(args[1]) is kind
-    )
-
-
-cdef PyObject* _fast_check_transition(
-    PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames
-) except NULL:
-    if _two_of(&PyLong_Type, args, nargs, kwnames):
-        return _code(
-            (<Tables>self)._transition_code(_small_id(args[0]), _small_id(args[1]))
-        )
-    return _delegate(0, self, args, nargs, kwnames)
-
-
-cdef PyObject* _fast_check_tool(
-    PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames
-) except NULL:
-    if _two_of(&PyLong_Type, args, nargs, kwnames):
-        return _code((<Tables>self)._tool_code(_small_id(args[0]), _small_id(args[1])))
-    return _delegate(1, self, args, nargs, kwnames)
-
-
-cdef PyObject* _fast_check_call(
-    PyObject* self, PyObject** args, Py_ssize_t nargs, PyObject* kwnames
-) except NULL:
-    cdef PyObject* state_id
-    cdef PyObject* tool_id
-    if _two_of(&PyUnicode_Type, args, nargs, kwnames):
-        # The ids in the name maps are exact ints; an unknown name is id -1.
-        state_id = _dict_get((<Tables>self)._state_ids, args[0])
-        tool_id = _dict_get((<Tables>self)._tool_ids, args[1])
-        return _code(
-            (<Tables>self)._tool_code(
-                _small_id(state_id) if state_id != NULL else -1,
-                _small_id(tool_id) if tool_id != NULL else -1,
-            )
-        )
-    return _delegate(2, self, args, nargs, kwnames)
-
-
-cdef PyMethodDef _fast_methods[3]
-_FAST_NAMES = ("check_transition", "check_tool", "check_call")
-_GENERIC = tuple([Tables.__dict__[name] for name in _FAST_NAMES])
-# What the C structures point into, kept alive with the module.
-_CODES = (_OK, _UNKNOWN_STATE, _ILLEGAL_TRANSITION)
-_FAST_NAME_BYTES = tuple([name.encode() for name in _FAST_NAMES])
-_FAST_DOCS = tuple([(method.__doc__ or "").encode() for method in _GENERIC])
-
-
-cdef _install_fast_methods():
-    cdef int i
-    cdef object type_dict = <object>(<PyTypeObject*>Tables).tp_dict
-    for i in range(3):
-        _codes[i] = <PyObject*>_CODES[i]
-    _fast_methods[0].ml_meth = <void*>_fast_check_transition
-    _fast_methods[1].ml_meth = <void*>_fast_check_tool
-    _fast_methods[2].ml_meth = <void*>_fast_check_call
-    for i in range(3):
-        _fast_methods[i].ml_name = <const char*>_FAST_NAME_BYTES[i]
-        _fast_methods[i].ml_doc = <const char*>_FAST_DOCS[i]
-        _fast_methods[i].ml_flags = METH_FASTCALL | METH_KEYWORDS
-        type_dict[_FAST_NAMES[i]] = PyDescr_NewMethod(<PyTypeObject*>Tables, &_fast_methods[i])
-    PyType_Modified(<PyTypeObject*>Tables)
-
-
-_install_fast_methods()
 
 
 cdef int _check_counts(Py_ssize_t states, Py_ssize_t tools) except -1:

@@ -416,14 +416,14 @@ async def test_a_bug_while_deciding_one_request_ends_that_run_only(monkeypatch: 
     from interlock.core import _decider
     from interlock.errors import InternalError
 
-    original = _decider._propose  # the decide path in use: compiled, or its twin
+    original = _decider.propose  # the decide path in use: compiled, or its twin
 
     def broken(run: Any, msg: Any, *rest: Any) -> Any:
         if msg.run_id == "bad-1":
             raise ZeroDivisionError("a bug")
         return original(run, msg, *rest)
 
-    monkeypatch.setattr(_decider, "_propose", broken)
+    monkeypatch.setattr(_decider, "propose", broken)
     store = MemoryStore()
     healthy = job("healthy")
     async with open_supervisor([healthy], store, provider=ScriptedProvider([CALL, DONE])) as sup:

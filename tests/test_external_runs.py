@@ -206,7 +206,7 @@ async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
     from interlock.errors import InternalError
     from interlock.messages import Sync
 
-    original = _decider._propose  # the decide path in use: compiled, or its twin
+    original = _decider.propose  # the decide path in use: compiled, or its twin
 
     def buggy(run: Any, msg: Any, now: float, circuits: Any, events: list[Any]) -> Any:
         if msg.run_id == "b-0":
@@ -223,11 +223,11 @@ async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
         for n in range(3):
             await sup.start_run("shop", run_id=f"b-{n}", external=True)
         seqs = [sup.view(f"b-{n}").seq for n in range(3)]
-        monkeypatch.setattr(_decider, "_propose", buggy)
+        monkeypatch.setattr(_decider, "propose", buggy)
         results = sup.submit_many_nowait(
             [Propose(run_id=f"b-{n}", seq=seqs[n], raw=CHARGE) for n in (1, 0, 2)]
         )
-        monkeypatch.setattr(_decider, "_propose", original)
+        monkeypatch.setattr(_decider, "propose", original)
         assert isinstance(results[1], InternalError)
         assert str(results[1]).startswith("run 'b-0' was stopped by a bug in interlock")
         assert isinstance(results[1].__cause__, ZeroDivisionError)

@@ -472,7 +472,7 @@ async def test_a_bug_deciding_one_proposal_of_a_batch_ends_that_run_only(
     the batch's other proposals are decided, journaled and answered."""
     from interlock.core import _decider
 
-    original = _decider._propose  # the decide path in use: compiled, or its twin
+    original = _decider.propose  # the decide path in use: compiled, or its twin
 
     def broken(run: Any, msg: Any, *rest: Any) -> Any:
         if msg.run_id == "bug":
@@ -482,7 +482,7 @@ async def test_a_bug_deciding_one_proposal_of_a_batch_ends_that_run_only(
     db = tmp_path / "j.db"
     async with gateway(shop(), db) as (_, client):
         runs = [await start(client, run_id) for run_id in ("ok-1", "bug", "ok-2")]
-        monkeypatch.setattr(_decider, "_propose", broken)
+        monkeypatch.setattr(_decider, "propose", broken)
         items = [{"run_id": r.id, "proposal": CHARGE, "expected_seq": r.seq} for r in runs]
         answer = await client.post("/v1/verify", json={"items": items})
         assert answer.status_code == 200, answer.text

@@ -282,6 +282,54 @@ def test_a_compiled_fold_of_the_journal_is_the_twins_fold(requests_: list[tuple[
     assert folded == live
 
 
+#: The collaborators ``_decider`` gave the compiled path at its import.
+INSTALLED = compiled.installed()
+#: Each part of a ``Collaborators`` (all required, keyword-only), as it reads them back.
+PARTS = (
+    "frame", "in_frame", "violation_signature", "proposal_data", "call_hash", "no_data",
+    "no_turns", "run_view", "canonical_encode", "on_propose", "on_report", "reject",
+    "transition", "is_fallback", "close", "delta_by_reference", "verify", "checked_call",
+    "plan", "decision", "envelope_decode", "envelope", "move_data", "dict_decode",
+    "circuit_board", "ok",
+)  # fmt: skip
+
+
+def collaborators_with(**changes: Any) -> Any:
+    """The installed collaborators with ``changes`` made."""
+    parts = {name: getattr(INSTALLED, name) for name in PARTS} | {"short_json": _view._SHORT}
+    return compiled.Collaborators(**(parts | changes))
+
+
+def test_the_compiled_path_is_given_the_twins_own_parts() -> None:
+    """What ``_decider`` installs is its own paths, the view's and the gate's: the
+    compiled path hands a step to the very functions the twin runs."""
+    from interlock.core import _breakers, _gate
+
+    assert INSTALLED is not None
+    assert INSTALLED.on_propose is _decider._on_propose
+    assert INSTALLED.on_report is _decider._on_report
+    assert INSTALLED.verify is _gate.verify
+    assert INSTALLED.envelope is _gate._Envelope
+    assert INSTALLED.circuit_board is _breakers.CircuitBoard
+    assert INSTALLED.no_data is _view._NO_DATA
+    assert INSTALLED.run_view is _view.RunView
+    assert INSTALLED.delta_by_reference == _decider._DELTA_BY_REFERENCE
+    # the envelope's fields are read from their slots, not by name
+    assert min(INSTALLED.env_next, INSTALLED.env_tool, INSTALLED.env_data) >= 0
+
+
+def test_collaborators_are_all_named_and_checked() -> None:
+    parts = {name: getattr(INSTALLED, name) for name in PARTS if name != "verify"}
+    with pytest.raises(TypeError, match="verify"):
+        compiled.Collaborators(**parts, short_json=_view._SHORT)
+    with pytest.raises(ImportError, match=r"out of date; rebuild it"):
+        collaborators_with(short_json=_view._SHORT + 1)
+    with pytest.raises(TypeError, match=r"envelope and circuit_board must be classes"):
+        collaborators_with(envelope=None)
+    with pytest.raises(TypeError):
+        compiled.install(None)
+
+
 def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
     """The ordinary call and its success are decided by the compiled module itself: the
     twin's paths are never entered for them (their counters stay at zero)."""
@@ -295,22 +343,12 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
 
         return wrapper
 
-    compiled.bind_decider(
-        type(
-            "Twin",
-            (),
-            {
-                "_on_propose": staticmethod(counted("propose", real_propose)),
-                "_on_report": staticmethod(counted("report", real_report)),
-                "_reject": staticmethod(_decider._reject),
-                "_transition": staticmethod(counted("transition", _decider._transition)),
-                "_is_fallback": staticmethod(_decider._is_fallback),
-                "_close": staticmethod(_decider._close),
-                "_DELTA_BY_REFERENCE": _decider._DELTA_BY_REFERENCE,
-            },
-        ),
-        importlib.import_module("interlock.core._gate"),
-        importlib.import_module("interlock.core._breakers"),
+    compiled.install(
+        collaborators_with(
+            on_propose=counted("propose", real_propose),
+            on_report=counted("report", real_report),
+            transition=counted("transition", _decider._transition),
+        )
     )
     try:
         side = Side(True)
@@ -345,113 +383,7 @@ def test_a_step_of_calls_takes_the_compiled_path_from_end_to_end() -> None:
         side(("propose", dict(raw=RAWS[0], prompt="p", error="boom"), False), 10.0)
         assert calls["propose"] == 1
     finally:
-        compiled.bind_decider(
-            _decider,
-            importlib.import_module("interlock.core._gate"),
-            importlib.import_module("interlock.core._breakers"),
-        )
-
-
-@settings(max_examples=100, deadline=None)
-@given(requests)
-def test_the_compiled_rows_are_the_twins_rows(requests_: list[tuple[Any, ...]]) -> None:
-    """Encoded and framed for the journal, byte for byte the same."""
-    from interlock.stores import _base
-
-    fast, _ = drive(requests_)
-    events = list(fast.events)
-    rows = compiled.encode_rows(events, _base._TAGS, _base._KEYED, _base._encode, _base.frame_event)
-    assert rows == _base._encode_rows_py(events)
-    assert _base._encode_rows(events) == rows  # the store's path is the compiled one
-
-
-def test_an_event_the_journal_cannot_encode_raises_as_in_the_twin() -> None:
-    from interlock.core._events import RunStarted
-    from interlock.stores import _base
-
-    good = RunStarted(run_id="r-1", seq=1, ts=1.0, machine="shop", state="WORK")
-    bad = RunStarted(
-        run_id="r-2", seq=1, ts=1.0, machine="shop", state="WORK", inputs={"x": object()}
-    )
-    raised = []
-    for encode_rows in (
-        lambda events: compiled.encode_rows(
-            events, _base._TAGS, _base._KEYED, _base._encode, _base.frame_event
-        ),
-        _base._encode_rows_py,
-    ):
-        with pytest.raises(TypeError) as info:
-            encode_rows([good, bad])
-        raised.append(str(info.value))
-    assert raised[0] == raised[1]
-    with pytest.raises(_base.StoreError, match="run 'r-2' cannot be encoded"):
-        _base.encode_rows([good, bad])
-
-
-@settings(max_examples=150, deadline=None)
-@given(requests, st.data())
-def test_the_compiled_batch_grouping_is_the_twins(
-    requests_: list[tuple[Any, ...]], data: st.DataObject
-) -> None:
-    """A SQLite store's batch (stores._sqlite._Batch) is grouped, encoded and framed the
-    same by the compiled pass and the pure one: several runs interleaved, starting at
-    their run_started or further on, in order or not, with intents and run ends."""
-    from interlock.stores import _sqlite
-
-    fast, _ = drive(requests_)
-    events = list(fast.events)
-    batch: list[Event] = []
-    for n in range(data.draw(st.integers(1, 3), label="runs")):
-        start = data.draw(st.integers(0, len(events) - 1), label="from")
-        clones = [msgspec.structs.replace(e, run_id=f"r-{n}") for e in events[start:]]
-        for event in clones:
-            batch.insert(data.draw(st.integers(0, len(batch)), label="at"), event)
-    if data.draw(st.booleans(), label="in order"):
-        # each run's events in seq order (the batches the supervisor writes)
-        batch.sort(key=lambda e: (e.run_id, e.seq))
-    assert _sqlite._group_batch is not None  # the store's path is the compiled one
-    compiled_batch = _sqlite._Batch(batch)
-    twin = _sqlite._Batch.__new__(_sqlite._Batch)
-    twin._group(batch)
-    for name in _sqlite._Batch.__slots__:
-        assert getattr(compiled_batch, name) == getattr(twin, name), name
-
-
-@settings(max_examples=150, deadline=None)
-@given(requests, st.data())
-def test_the_compiled_index_moves_are_the_twins(
-    requests_: list[tuple[Any, ...]], data: st.DataObject
-) -> None:
-    """A SQLite store's fast path moves each run's index row (stores._sqlite._move_runs)
-    the same compiled and pure: the UPDATE parameters, the rows written, each chunk's
-    prev, the running count; and both give up (None) on the same batches: a run whose
-    row, remembered or stored, is not at the seq before the batch."""
-    from interlock.stores import _sqlite
-    from interlock.stores._base import RUNNING
-
-    fast, _ = drive(requests_)
-    events = list(fast.events)
-    batch: list[Event] = []
-    for n in range(data.draw(st.integers(1, 3), label="runs")):
-        start = data.draw(st.integers(0, len(events) - 1), label="from")
-        batch += [msgspec.structs.replace(e, run_id=f"r-{n}") for e in events[start:]]
-    grouped = _sqlite._Batch(batch)
-    remembered: dict[str, tuple[Any, ...]] = {}
-    stored: dict[str, tuple[Any, ...]] = {}
-    for run_id, run in grouped.runs.items():
-        where = data.draw(st.sampled_from(["remembered", "stored", "both", "neither"]))
-        seq = run[0] - 1 + data.draw(st.sampled_from([0, 0, 0, 1]), label="off by")
-        outcome = data.draw(st.sampled_from([RUNNING, "escalated"]), label="outcome")
-        row = ("shop", "WORK", outcome, seq, 1.5, 2.5, "", "", 12345, 7)
-        if where in ("remembered", "both"):
-            remembered[run_id] = row
-        if where in ("stored", "both"):
-            stored[run_id] = (*row[:3], run[0] - 1, *row[4:])
-    starting = set(grouped.starts)
-    assert _sqlite._compiled_moves is not None
-    args = (grouped.runs, remembered, stored, starting, 41)
-    got = _sqlite._move_runs(*args)
-    assert got == _sqlite._move_runs_py(*args)
+        compiled.install(INSTALLED)
 
 
 # -- a batch of requests: the supervisor's compiled loop and the journal's own ------------

@@ -203,7 +203,7 @@ MISUSE: list[Callable[[ModuleType], Any]] = [
     lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call({}, []),
     lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call(0, 0),
     lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_call(b"a", b"t"),
-    # Keyword and mixed calls take the compiled methods' generic path; same answers.
+    # Keyword and mixed calls: same answers.
     lambda m: m.Tables(["a", "b"], [], [2, 0], [0, 0], 0).check_transition(src=0, dst=1),
     lambda m: m.Tables(["a", "b"], [], [2, 0], [0, 0], 0).check_transition(1, dst=0),
     lambda m: m.Tables(["a"], ["t"], [0], [1], 0).check_tool(state=0, tool=0),

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from . import _breakers, _gate
+from . import _breakers, _gate, _view
 from ._breakers import Trip, check_budgets
 from ._escalation import resume_targets
 from ._events import (
@@ -886,7 +885,39 @@ _report = _on_report
 if DECIDE_IMPLEMENTATION == "compiled":
     from . import _decide
 
-    _decide.bind_decider(sys.modules[__name__], _gate, _breakers)
+    # Everything the compiled path calls of the pure modules, named here once (see
+    # ``_decide.Collaborators``): they import it, so it cannot import them.
+    _decide.install(
+        _decide.Collaborators(
+            frame=_view.Frame,
+            in_frame=_view.ToolResult._in_frame,
+            violation_signature=_view.violation_signature,
+            proposal_data=_view.proposal_data,
+            call_hash=_view._call_hash,
+            no_data=_view._NO_DATA,
+            no_turns=_view._NO_TURNS,
+            run_view=_view.RunView,
+            canonical_encode=_view.canonical_encoder.encode,
+            short_json=_view._SHORT,
+            on_propose=_on_propose,
+            on_report=_on_report,
+            reject=_reject,
+            transition=_transition,
+            is_fallback=_is_fallback,
+            close=_close,
+            delta_by_reference=_DELTA_BY_REFERENCE,
+            verify=_gate.verify,
+            checked_call=_gate._checked_call,
+            plan=_gate._plan,
+            decision=_gate.Decision,
+            envelope_decode=_gate._envelope_decoder.decode,
+            envelope=_gate._Envelope,
+            move_data=_gate._move_data,
+            dict_decode=_gate._dict_decoder.decode,
+            circuit_board=_breakers.CircuitBoard,
+            ok=_gate.OK,
+        )
+    )
     _propose = _decide.on_propose
     _report = _decide.on_report
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections import Counter
 from types import MappingProxyType
@@ -854,6 +853,6 @@ if not NO_EXTENSIONS:
     except ImportError:  # pragma: no cover - only a broken install gets here
         pass
     else:
-        _decide.bind_view(sys.modules[__name__])
+        # (its fold's helpers, this module's, are given to it by _decider: see Collaborators)
         RunState = _decide.RunState  # type: ignore[misc,assignment]
         DECIDE_IMPLEMENTATION = "compiled"

@@ -8,7 +8,6 @@ watchdog (``_watchdog``) keeps the deadlines and timeouts, and each run's actor
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import time
@@ -57,9 +56,9 @@ from ._journal import DURABLE, LAG, WRITE, GroupCommit
 from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
 from ._watchdog import Watchdog
 
-_decide_many: Callable[..., tuple[list[Verdict | Exception], bool]] | None = None
+_compiled_batch: Callable[..., tuple[list[Verdict | Exception], bool]] | None = None
 if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core._decide import decide_many as _decide_many
+    from ..core._decide import decide_many as _compiled_batch
 
 if TYPE_CHECKING:
     from ..providers import Provider
@@ -124,10 +123,10 @@ class Supervisor:
             store, self.stats, self._decide, self._contain, self._forget, max_batch
         )
         self._journal.early = self._early
-        if _decide_many is not None:
+        if _compiled_batch is not None:
             # NOTE: a batch of proposals (the gateway's) decided with no Python frame per
             # proposal: the same loop, compiled (ext/_decide.pyx, decide_many)
-            self._journal.decide_many = functools.partial(_decide_many, self)
+            self._journal.decide_many = self._decide_many
         self._reported = ""  # the tool of the latest Report decided (see _early)
         self._actors: trio.Nursery | None = None
         self._provider = provider
@@ -374,6 +373,27 @@ class Supervisor:
         if len(events) > mark:
             self.stats.count(run.machine, msg, events, mark)
         return verdict
+
+    def _decide_many(
+        self, msgs: list[Request], events: list[Event]
+    ) -> tuple[list[Verdict | Exception], bool]:
+        """A batch decided by the compiled loop (``_decide.decide_many``): what it needs of
+        this supervisor given to it explicitly, the decide path of a proposal read per
+        batch (``_decider.propose``, replaceable)."""
+        assert _compiled_batch is not None
+        return _compiled_batch(
+            msgs,
+            events,
+            self._runs,
+            self._circuits,
+            self.clock,
+            self.stats,
+            _decider.propose,
+            self._decide,
+            self._early,
+            self._contain,
+            self._run,
+        )
 
     def _early(self, msg: Request, verdict: Verdict) -> int:
         """How ``verdict`` goes out (see :attr:`GroupCommit.early`): :data:`DURABLE`

@@ -27,7 +27,6 @@ from ..core._events import (
 )
 from ..core._exceptions import IndexDamaged, JournalCorrupt, StoreError
 from ..core._hotpath import FRAMES_OK, FRAMES_TORN, frame_event, unframe
-from ..core._view import DECIDE_IMPLEMENTATION
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -174,10 +173,6 @@ Row = tuple[str, int, str, float, str | None, bytes]
 _KEYED: frozenset[type[Event]] = frozenset({IntentRecorded, ToolCommitted, ToolFailed})
 _TAGS: dict[type[Event], str] = {cls: str(cls.__struct_config__.tag) for cls in EVENT_TYPES}
 _encode = msgspec.msgpack.Encoder().encode
-#: The compiled twin of _encode_rows (ext/_decide.pyx), where the decide path is compiled.
-_compiled_rows: Callable[..., list[Row]] | None = None
-if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core._decide import encode_rows as _compiled_rows
 
 
 def unencodable(events: Iterable[Event], exc: BaseException) -> StoreError:
@@ -211,13 +206,6 @@ def encode_rows(events: Iterable[Event]) -> list[Row]:
 
 
 def _encode_rows(events: Iterable[Event]) -> list[Row]:
-    if _compiled_rows is not None and type(events) is list:
-        return _compiled_rows(events, _TAGS, _KEYED, _encode, frame_event)
-    return _encode_rows_py(events)
-
-
-def _encode_rows_py(events: Iterable[Event]) -> list[Row]:
-    """The pure-Python twin of the compiled ``encode_rows`` (ext/_decide.pyx)."""
     keyed = _KEYED
     tags = _TAGS
     encode = _encode

@@ -53,7 +53,6 @@ import trio
 from ..core._events import ENCODING_ERRORS, IntentRecorded, RunStarted, Transitioned
 from ..core._exceptions import IndexDamaged, RunNotFound, StoreDamaged, StoreError
 from ..core._hotpath import FRAMES_OK, frame_events, unframe
-from ..core._view import DECIDE_IMPLEMENTATION
 from ._base import (
     COMPLETED,
     FAILED,
@@ -326,13 +325,6 @@ _HAS_CHUNKS = "SELECT 1 FROM chunks WHERE run_id = ? LIMIT 1"
 _HAS_FIRST_CHUNK = "SELECT 1 FROM chunks WHERE run_id = ? AND prev IS NULL"
 _LAST_SEQ = "SELECT max(last_seq) FROM chunks WHERE run_id = ?"
 
-#: The compiled pass of _Batch (ext/_decide.pyx), where the decide path is compiled.
-_group_batch: Callable[..., tuple[Any, ...]] | None = None
-_compiled_moves: Callable[..., Any] | None = None
-if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core._decide import group_batch as _group_batch
-    from ..core._decide import move_runs as _compiled_moves
-
 #: Event types that change a run's row in the runs index beyond its seq and time.
 _INDEXED: frozenset[type[Event]] = frozenset({RunStarted, *INDEX_CHANGES})
 _encode = msgspec.msgpack.Encoder().encode
@@ -365,23 +357,6 @@ class _Batch:
     )
 
     def __init__(self, events: Sequence[Event]) -> None:
-        if _group_batch is not None and type(events) is list:
-            (
-                self.runs,
-                self.starts,
-                self.irregular,
-                self.chunks,
-                self.intents,
-                self.marks,
-                self.contiguous,
-                self.size,
-            ) = _group_batch(events, _encode, _INDEXED, INDEX_CHANGES, _MOVE_FIELDS, frame_events)
-            self.events = events
-            return
-        self._group(events)
-
-    def _group(self, events: Sequence[Event]) -> None:
-        """The pure-Python twin of the compiled ``group_batch`` (ext/_decide.pyx)."""
         encode = _encode
         indexed = _INDEXED
         changes = INDEX_CHANGES
@@ -657,7 +632,7 @@ def _ahead(row: Any, move: _Move | None) -> _Move | None:
 _Moves = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], dict[str, _Row], list[int | None], int]
 
 
-def _move_runs_py(
+def _move_runs(
     runs: dict[str, list[Any]],
     remembered: dict[str, _Row],
     stored: dict[str, _Row],
@@ -670,8 +645,7 @@ def _move_runs_py(
     (``changed``), the rows written (as ``_rows`` holds them), each chunk's ``prev`` and
     the change in the number of running runs; or None where a run is not at the seq
     before its first event, neither as remembered nor as stored. ``runs`` is ``_Batch.runs``; the runs
-    in ``starting`` begin in the batch. The pure-Python twin of the compiled
-    ``move_runs`` (ext/_decide.pyx)."""
+    in ``starting`` begin in the batch."""
     written: dict[str, _Row] = {}
     running = 0
     same: list[tuple[Any, ...]] = []  # pending moves
@@ -748,13 +722,6 @@ def _move_runs_py(
             )
             running += (outcome == RUNNING) - (was == RUNNING)
     return same, changed, written, prevs, running
-
-
-def _move_runs(*args: Any) -> _Moves | None:
-    """:func:`_move_runs_py` (the same arguments), compiled where the decide path is."""
-    if _compiled_moves is not None:
-        return _compiled_moves(*args, _encode_index_row, zlib.crc32, row_checksum, RUNNING)
-    return _move_runs_py(*args)
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
