@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import logging
 import math
-import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,7 +71,7 @@ from ..core._messages import (
     Sync,
     Verdict,
 )
-from ..core._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
+from ..core._view import RunState, RunView, fold
 from ..protocol import (
     AbortIn,
     CallOut,
@@ -1277,8 +1276,7 @@ class GatewayService:
                     verdicts[index] = _item_problem(run_id, exc)
 
             # NOTE: one loop, no call of the service's own per item: per proposal this is
-            # most of what the gateway itself costs a batch (compiled where the decide
-            # path is, see _take_proposals).
+            # most of what the gateway itself costs a batch (see _take_proposals).
             answers = self._answers
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
@@ -1386,8 +1384,8 @@ class GatewayService:
         count = len(decided)
         at = 0
         while True:
-            # NOTE: compiled where the decide path is (see _settle_from); it stops at a
-            # verdict that leads into a step state (rare), whose steps run here
+            # NOTE: one pass (see _settle_from); it stops at a verdict that leads into a
+            # step state (rare), whose steps run here
             at = _settle_from(
                 decided,
                 at,
@@ -1747,10 +1745,10 @@ def _decode_cursor(cursor: str | None) -> int:
         ) from None
 
 
-# -- a batch's intake and settling, compiled where the decide path is -----------------------
+# -- a batch's intake and settling ----------------------------------------------------------
 
 
-def _take_proposals_py(
+def _take_proposals(
     runs: dict[str, RunState],
     answers: OrderedDict[str, _Answer],
     run_ids: list[str],
@@ -1773,9 +1771,6 @@ def _take_proposals_py(
     recorded answer, a stale seq, a run not live here) goes to ``later``; an item the key
     may not propose for, or of a hosted run, gets its problem in ``verdicts``. The
     machines the key may propose for are checked once per machine, not once per item.
-
-    The pure-Python twin of the compiled ``take_proposals`` (ext/_decide.pyx);
-    tests/hot/test_gateway_batch.py holds the two to the same results.
     """
     allowed: set[str] = set()
     msgs: list[Propose] = []
@@ -1852,7 +1847,7 @@ def _decide_group(
             decided.append((index, result, answer, before))
 
 
-def _settle_from_py(
+def _settle_from(
     decided: list[tuple[int, Verdict, _Answer | None, int]],
     at: int,
     verdicts: list[VerdictOut | None],
@@ -1866,8 +1861,6 @@ def _settle_from_py(
     settling each external run that ended; stop at the first that leads a run into a
     step state, whose steps the caller runs, and return its position (``len(decided)``
     once every one is answered).
-
-    The pure-Python twin of the compiled ``settle_from`` (ext/_decide.pyx).
     """
     for position in range(at, len(decided)):
         index, verdict, answer, _ = decided[position]
@@ -1911,13 +1904,3 @@ def _answered(
         answer.verdict = out
         answer.settle()
     verdicts[index] = out
-
-
-_take_proposals = _take_proposals_py
-_settle_from = _settle_from_py
-if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core import _decide
-
-    _decide.bind_gateway(sys.modules[__name__])
-    _take_proposals = _decide.take_proposals
-    _settle_from = _decide.settle_from
