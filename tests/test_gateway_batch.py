@@ -74,7 +74,7 @@ def test_the_intake_decides_a_runs_second_proposal_after_its_first() -> None:
         verdicts_[index] = "refused"
 
     _service._take_proposals(
-        runs,
+        runs.get,
         answers,
         [run_id for run_id, _ in bodies],
         [body for _, body in bodies],
@@ -122,14 +122,16 @@ def test_settling_stops_at_a_run_that_reached_a_step_state() -> None:
         return steps[machine.name]
 
     reconciling: set[tuple[str, str]] = set()
-    at = _service._settle_from(decided, 0, verdicts, runs, settle_run, steps, steps_of, reconciling)
+    at = _service._settle_from(
+        decided, 0, verdicts, runs.get, settle_run, steps, steps_of, reconciling
+    )
     assert at == 1  # r0 is in its step state: the caller runs its steps
     assert verdicts[0].state == "B"
     assert verdicts[1] is None
     assert answers[0].settled
     assert not answers[1].settled
     at = _service._settle_from(
-        decided, at + 1, verdicts, runs, settle_run, steps, steps_of, reconciling
+        decided, at + 1, verdicts, runs.get, settle_run, steps, steps_of, reconciling
     )
     assert at == len(decided)
     assert settled == ["r1"]  # r1 ended: it leaves the registry
@@ -147,7 +149,7 @@ def test_settling_notes_the_calls_to_reconcile() -> None:
         [(0, verdict, None, 1)],
         0,
         verdicts,
-        {"r2": make_run("r2", 2, "A")},
+        {"r2": make_run("r2", 2, "A")}.get,
         lambda run_id: None,
         {},
         lambda machine: frozenset(),
