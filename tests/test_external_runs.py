@@ -237,3 +237,67 @@ async def test_a_bug_deciding_one_proposal_of_many_ends_that_run_only(
     for run_id in ("b-1", "b-2"):
         assert "IntentRecorded" in [type(e).__name__ for e in await store.load(run_id)]
     assert [type(e).__name__ for e in await store.load("b-0")] == ["RunStarted"]
+
+
+async def test_a_driver_reaches_the_run_table_through_its_port() -> None:
+    """``Supervisor.external``, the port of every outside driver (the gateway, a proxy):
+    it starts, drives, decides a batch and settles, looks runs up and lists them, holds a
+    copy folded from the journal and forgets it; never a hosted run."""
+    import trio
+
+    from interlock.core._view import fold
+
+    store = MemoryStore()
+    hosted = Machine("hosted", "WORK", {"WORK": Worker(next=["COMPLETED"], tools=[])})
+    script = ScriptedProvider(['{"next": "COMPLETED", "data": {}}'])
+    async with open_supervisor([shop(), hosted], store, provider=script) as sup:
+        runs = sup.external
+        handle = await runs.start("shop", run_id="p-1")
+        other = await runs.start("shop", run_id="p-2")
+        assert handle.external
+        assert "p-1" in runs
+        assert runs.get("p-1") is not None
+        assert runs.get("nope") is None
+        assert {"p-1", "p-2"} <= set(runs)
+        assert len(runs) >= 2
+        call = await runs.submit(Propose(run_id="p-1", seq=runs.get("p-1").seq, raw=CHARGE))
+        assert call.execute is not None
+        # a batch: each request's verdict or its own error, none raised
+        seq = runs.get("p-2").seq
+        results = runs.decide_many(
+            [Propose(run_id="p-2", seq=seq, raw=CHARGE), Propose(run_id="p-9", raw=CHARGE)]
+        )
+        assert results[0].execute is not None
+        assert isinstance(results[1], Exception)
+        assert "p-9" in str(results[1])
+        await runs.sync("p-2")
+        key = results[0].execute.key
+        ended = runs.decide_many(
+            [Report(run_id="p-2", seq=results[0].seq, key=key, ok=True, result={})]
+        )
+        assert ended[0].outcome == "running"  # the report moves it on; DONE ends it
+        seq = runs.get("p-2").seq
+        done = runs.decide_many([Propose(run_id="p-2", seq=seq, raw=DONE)])
+        assert done[0].outcome == "completed"
+        await runs.sync("p-2")
+        runs.settle("p-2")
+        assert "p-2" not in runs
+        assert (await other.wait()).outcome == "completed"
+        # a copy another process advanced is forgotten, and held again once folded afresh
+        copy = runs.get("p-1")
+        assert not runs.forget("p-1", object())  # type: ignore[arg-type]  (not the copy held)
+        assert runs.forget("p-1", copy)
+        assert "p-1" not in runs
+        assert "p-1" not in sup.handles
+        folded = fold(shop(), await store.load("p-1"))
+        assert runs.hold(folded) is folded
+        assert runs.hold(fold(shop(), await store.load("p-1"))) is folded  # one copy
+        # a hosted run is looked up, never held or forgotten by a driver
+        work = await sup.start_run("hosted", run_id="h-1")
+        await work.wait()
+        started = fold(hosted, [(await store.load("h-1"))[0]])
+        with pytest.raises(ValueError, match="'h-1' is hosted"):
+            runs.hold(started)
+    # once the supervisor is closed, a batch's every entry gets that error
+    results = runs.decide_many([Propose(run_id="p-1", raw=CHARGE)] * 2)
+    assert [type(r) for r in results] == [trio.ClosedResourceError] * 2

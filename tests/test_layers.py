@@ -149,3 +149,78 @@ def test_the_private_reads_scan_finds_a_planted_read(tmp_path: Path) -> None:
         planted.unlink()
     assert "interlock.gateway._planted_for_test: interlock.runtime._supervisor._ClosedRun" in reads
     assert "interlock.gateway._planted_for_test: interlock.core._view._fold" in reads
+
+
+#: The names a supervisor goes by in a driver's code: ``supervisor``, ``sup``, and the
+#: ``.supervisor`` of anything (``self.supervisor``, ``service.supervisor``).
+SUPERVISOR_NAMES = frozenset({"supervisor", "sup"})
+
+
+def _is_supervisor(node: ast.expr) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in SUPERVISOR_NAMES
+    return isinstance(node, ast.Attribute) and node.attr == "supervisor"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def supervisor_private_reads(root: Path) -> list[str]:
+    """Every read or write of a supervisor's private member (``supervisor._runs``,
+    ``self.supervisor._actors``, ``getattr(sup, "_runs")``) in the modules under
+    ``root``, as ``path:line: what``."""
+    found: list[tuple[str, int, str]] = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                target = node.value
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                target = node.args[0]
+            else:
+                continue
+            if _is_supervisor(target):
+                found.append((str(path.relative_to(root.parent)), node.lineno, ast.unparse(node)))
+    return [f"{path}:{line}: {what}" for path, line, what in sorted(found)]
+
+
+def test_the_gateway_reaches_the_supervisor_only_through_public_names() -> None:
+    # The gateway is a driver: it starts, drives, settles and looks up runs through the
+    # supervisor's port (Supervisor.external) and its other public names, so the runtime
+    # may change its own state without breaking a driver (and the next drivers, a proxy,
+    # have one contract to follow).
+    reads = supervisor_private_reads(PACKAGE / "gateway")
+    assert not reads, "the gateway reads the supervisor's private state (use its port):\n" + (
+        "\n".join(reads)
+    )
+
+
+def test_the_supervisor_scan_finds_a_planted_read(tmp_path: Path) -> None:
+    # The scan itself can fail: every way of reaching a supervisor's private member.
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "_planted.py").write_text(
+        "def f(supervisor, sup, self, service):\n"
+        "    a = supervisor._runs\n"
+        "    b = self.supervisor._journal.closed\n"
+        "    sup._runs['x'] = 1\n"
+        "    del service.supervisor._lost['x']\n"
+        "    e = getattr(sup, '_actors')\n"
+        "    ok = supervisor.external.get, self.supervisor.__class__, self._answers\n"
+    )
+    assert supervisor_private_reads(driver) == [
+        "driver/_planted.py:2: supervisor._runs",
+        "driver/_planted.py:3: self.supervisor._journal",
+        "driver/_planted.py:4: sup._runs",
+        "driver/_planted.py:5: service.supervisor._lost",
+        "driver/_planted.py:6: getattr(sup, '_actors')",
+    ]

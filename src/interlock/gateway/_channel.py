@@ -33,7 +33,6 @@ import contextlib
 import logging
 import os
 import stat
-import sys
 from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
@@ -42,7 +41,6 @@ import msgspec
 import trio
 
 from .._aio import Wakeup
-from ..core._view import DECIDE_IMPLEMENTATION
 from ..protocol import (
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_IN_FLIGHT,
@@ -309,8 +307,8 @@ class _Connection:
                 partial = bytearray()
             pos = 0
             while True:
-                # the whole frames of data, compiled where the decide path is (see
-                # _take_frames_py); it stops at the frame that would pass max_in_flight
+                # the whole frames of data (see _take_frames); it stops at the frame
+                # that would pass max_in_flight
                 pos, status, size = _take_frames(self, data, pos, take, nursery)
                 if status == _BAD_SIZE:
                     raise _Closing(self._bad_size(size))
@@ -544,8 +542,8 @@ class _Connection:
         NOTE: the service decides a batch in one task and waits for one durable write,
         where single proposals would take a task wake-up each; the answers are the same,
         and all of them go into the writer's buffer at once. The passes over the batch
-        (bodies decoded, answers framed, runs released) are compiled where the decide
-        path is (see _take_bodies, _frame_verdicts, _release_runs).
+        (bodies decoded, answers framed, runs released) are one loop each (see
+        _take_bodies, _frame_verdicts, _release_runs).
         """
         taken: list[ChannelRequest] = []
         run_ids: list[str] = []
@@ -843,14 +841,14 @@ async def serve_channel(
                 os.unlink(path)
 
 
-# -- a batch's passes, compiled where the decide path is ------------------------------------
+# -- a batch's passes --------------------------------------------------------------------
 
 #: What _take_frames says: no whole frame left; the next frame would pass max_in_flight;
 #: the next frame's length is 0 or past max_frame.
 _DONE, _FULL, _BAD_SIZE = 0, 1, 2
 
 
-def _take_frames_py(
+def _take_frames(
     conn: _Connection,
     data: bytes,
     pos: int,
@@ -860,9 +858,7 @@ def _take_frames_py(
     """Take the whole frames of ``data`` from ``pos`` on (``take``,
     :meth:`_Connection._take`, each): ``(pos, status, size)``, where ``pos`` is past the
     last frame taken and ``status`` says why it stopped (:data:`_DONE`, :data:`_FULL`, or
-    :data:`_BAD_SIZE` with the length ``size`` the frame at ``pos`` announced). The
-    pure-Python twin of the compiled ``take_frames`` (ext/_decide.pyx), which takes a
-    proposal of a run the way ``_take``'s first branch does, without the call."""
+    :data:`_BAD_SIZE` with the length ``size`` the frame at ``pos`` announced)."""
     end = len(data)
     max_frame = conn.max_frame
     unpack = HEADER.unpack_from
@@ -879,7 +875,7 @@ def _take_frames_py(
     return pos, _DONE, 0
 
 
-def _take_bodies_py(
+def _take_bodies(
     requests: list[ChannelRequest],
     decode: Callable[[Any], ProposalIn],
     refuse: Callable[[ChannelRequest, Exception], None],
@@ -888,8 +884,7 @@ def _take_bodies_py(
     bodies: list[ProposalIn],
 ) -> None:
     """Decode each proposal's body: the request, its run and its body go to ``taken``,
-    ``run_ids`` and ``bodies``; a body that is not a proposal to ``refuse``. The
-    pure-Python twin of the compiled ``take_bodies`` (ext/_decide.pyx)."""
+    ``run_ids`` and ``bodies``; a body that is not a proposal to ``refuse``."""
     for request in requests:
         try:
             body = decode(request.body)
@@ -902,15 +897,14 @@ def _take_bodies_py(
         bodies.append(body)
 
 
-def _frame_verdicts_py(
+def _frame_verdicts(
     out: bytearray,
     requests: list[ChannelRequest],
     verdicts: list[Any],
     put: Callable[[_Answer], None],
 ) -> None:
     """Each request's answer: its verdict, or the problem that says why it got none,
-    framed into ``out`` (``put``, :meth:`_Connection._put`, frames one). The pure-Python
-    twin of the compiled ``frame_verdicts`` (ext/_decide.pyx), which writes the same bytes."""
+    framed into ``out`` (``put``, :meth:`_Connection._put`, frames one)."""
     for request, verdict in zip(requests, verdicts, strict=True):
         problem = verdict.problem
         if problem is not None:
@@ -919,13 +913,12 @@ def _frame_verdicts_py(
             put(_Answer(id=request.id, body=verdict))
 
 
-def _release_runs_py(
+def _release_runs(
     requests: list[ChannelRequest],
     runs: dict[str, deque[ChannelRequest]],
     schedule: Callable[[str], None],
 ) -> None:
-    """Each request's run goes on with its requests read meanwhile, or is idle again. The
-    pure-Python twin of the compiled ``release_runs`` (ext/_decide.pyx)."""
+    """Each request's run goes on with its requests read meanwhile, or is idle again."""
     for request in requests:
         run_id = request.run_id
         assert run_id is not None
@@ -933,17 +926,3 @@ def _release_runs_py(
             schedule(run_id)
         else:
             del runs[run_id]
-
-
-_take_frames = _take_frames_py
-_take_bodies = _take_bodies_py
-_frame_verdicts = _frame_verdicts_py
-_release_runs = _release_runs_py
-if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core import _decide
-
-    _decide.bind_channel(sys.modules[__name__])
-    _take_frames = _decide.take_frames
-    _take_bodies = _decide.take_bodies
-    _frame_verdicts = _decide.frame_verdicts
-    _release_runs = _decide.release_runs

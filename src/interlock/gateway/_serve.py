@@ -275,9 +275,7 @@ async def serve_gateway(
                 nursery.cancel_scope.cancel()
             # NOTE: leaving open_supervisor would wait for every hosted run to end; a
             # drain stops them instead (their journals are whole; they resume next time).
-            actors = supervisor._actors
-            if actors is not None:
-                actors.cancel_scope.cancel()
+            supervisor.cancel_actors()
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
@@ -344,7 +342,7 @@ async def _on_sigterm(stop: trio.Event) -> None:
 
 async def _flush(supervisor: Supervisor) -> None:
     """Wait until everything decided so far is in the journal."""
-    live = next(iter(supervisor._runs), None)
+    live = next(iter(supervisor.external), None)
     # A Sync is answered after the batch that holds it is written, and that batch also
     # writes every event decided before it; an unknown run id is refused, but only after
     # that write.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import logging
 import math
-import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,10 +68,9 @@ from ..core._messages import (
     Recover,
     Report,
     Resume,
-    Sync,
     Verdict,
 )
-from ..core._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
+from ..core._view import RunState, RunView, fold
 from ..protocol import (
     AbortIn,
     CallOut,
@@ -494,7 +492,7 @@ class GatewayService:
             )
 
     async def _machine_of(self, run_id: str) -> str:
-        run = self.supervisor._runs.get(run_id)
+        run = self.supervisor.external.get(run_id)
         if run is not None:
             return run.machine.name
         try:
@@ -505,7 +503,7 @@ class GatewayService:
     async def _fold(self, run_id: str) -> RunState:
         """The run as its journal holds it (the live state, if it is live here and, on a
         shared store, no other process has written it since)."""
-        run = self.supervisor._runs.get(run_id)
+        run = self.supervisor.external.get(run_id)
         if run is not None and not self.shared:
             return run
         store = self.supervisor.store
@@ -535,7 +533,7 @@ class GatewayService:
         the run is hosted (a worker drives it) or has ended.
         """
         sup = self.supervisor
-        run = sup._runs.get(run_id)
+        run = sup.external.get(run_id)
         if not self.shared:
             if run is None and sup.unwritten(run_id):
                 # Dropped when a batch holding its events could not be written (a full
@@ -563,7 +561,7 @@ class GatewayService:
     async def _load_held(self, run_id: str, behind: int | None, check: bool) -> RunState | None:
         sup = self.supervisor
         store = sup.store
-        run = sup._runs.get(run_id)
+        run = sup.external.get(run_id)
         try:
             record = await store.get_run(run_id)
         except Exception as exc:
@@ -587,15 +585,15 @@ class GatewayService:
             raise _translate(exc) from None
         if not run.external:
             return None
-        if run_id in sup._runs:  # started or loaded by a request that did not wait here
-            return sup._runs[run_id]
-        sup._runs[run_id] = run
+        held = sup.external.hold(run)
+        if held is not run:  # started or loaded by a request that did not wait here
+            return held
         if run.terminal and not run.closed:  # its last write was cut short: close it
             try:
                 await sup.request(Recover(run_id=run_id))
             except Exception as exc:
                 raise _translate(exc) from None
-            sup.settle_external(run_id)
+            sup.external.settle(run_id)
             return None
         return run
 
@@ -617,11 +615,7 @@ class GatewayService:
     def _drop(self, run_id: str, run: RunState | None = None) -> None:
         """Forget this process's copy of an external run (``run``, if given and still
         the one held): the next request folds it from the store."""
-        runs = self.supervisor._runs
-        held = runs.get(run_id)
-        if held is not None and held.external and (run is None or held is run):
-            del runs[run_id]
-            self.supervisor.handles.pop(run_id, None)
+        self.supervisor.external.forget(run_id, run)
 
     async def _write_failed(self, run_id: str, before: int, exc: Exception) -> GatewayError:
         """The answer to a request of an external run whose events could not be written:
@@ -644,10 +638,11 @@ class GatewayService:
         )
 
     async def _submit(self, run: RunState, msg: Propose | Report | Reconciliation) -> Verdict:
-        """``supervisor.submit(msg)``, a lost race answered as :meth:`_write_failed` says."""
+        """``supervisor.external.submit(msg)``, a lost race answered as
+        :meth:`_write_failed` says."""
         before = run.seq
         try:
-            return await self.supervisor.submit(msg)
+            return await self.supervisor.external.submit(msg)
         except StoreError as exc:
             raise await self._write_failed(run.run_id, before, exc) from None
 
@@ -729,11 +724,11 @@ class GatewayService:
         if self.enqueues and not external:
             return await self._enqueue(body, owner)
         try:
-            handle = await sup.start_run(
-                body.machine, body.inputs, run_id=body.run_id, external=external
-            )
             if external:
+                handle = await sup.external.start(body.machine, body.inputs, run_id=body.run_id)
                 await self._steps(handle.run_id, None)
+            else:
+                handle = await sup.start_run(body.machine, body.inputs, run_id=body.run_id)
         except Exception as exc:
             if owner is not None and self.quota is not None:
                 self.quota.release(owner)
@@ -745,14 +740,14 @@ class GatewayService:
             raise _translate(exc) from None
         except BaseException:  # cancelled: the slot goes with the run, if it was started
             if owner is not None and self.quota is not None:
-                if body.run_id is not None and body.run_id in sup._runs:
+                if body.run_id is not None and body.run_id in sup.external:
                     self._owners[body.run_id] = owner
                 else:
                     self.quota.release(owner)
             raise
         finally:
             self.waiting -= 1
-        run = sup._runs.get(handle.run_id)
+        run = sup.external.get(handle.run_id)
         if self.shared and external:
             self._use(handle.run_id)
         if owner is not None:
@@ -1127,11 +1122,11 @@ class GatewayService:
         state, a call to execute (a step may propose one), the end of the run, or after
         :data:`MAX_STEPS` (a step that keeps failing trips the breakers long before).
         """
-        sup = self.supervisor
+        get = self.supervisor.external.get
         for _ in range(MAX_STEPS):
             if verdict is not None and (verdict.execute is not None or verdict.reconcile):
                 return verdict
-            run = sup._runs.get(run_id)
+            run = get(run_id)
             if run is None or not run.external or run.closed or run.pending is not None:
                 return verdict
             spec = run.machine.states.get(run.state)
@@ -1255,8 +1250,8 @@ class GatewayService:
         ``problem`` set).
 
         Each proposal of a live external run is decided at once in this task
-        (``Supervisor.submit_many_nowait``: no task and no wake-up per item), then one
-        ``Sync`` waits until the write that holds all their events is durable; only then
+        (``supervisor.external.decide_many``: no task and no wake-up per item), then one
+        ``sync`` waits until the write that holds all their events is durable; only then
         is any verdict answered. The rest (a recorded answer to repeat, a stale seq to
         check against the journal, a run not live here) goes the way of a single proposal,
         concurrently, in the same commit where it can.
@@ -1277,19 +1272,18 @@ class GatewayService:
                     verdicts[index] = _item_problem(run_id, exc)
 
             # NOTE: one loop, no call of the service's own per item: per proposal this is
-            # most of what the gateway itself costs a batch (compiled where the decide
-            # path is, see _take_proposals).
+            # most of what the gateway itself costs a batch (see _take_proposals).
             answers = self._answers
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
             try:
                 _take_proposals(
-                    self.supervisor._runs,
+                    self.supervisor.external.get,
                     answers,
                     run_ids if type(run_ids) is list else list(run_ids),
                     bodies if type(bodies) is list else list(bodies),
                     principal,
-                    self._submit_taken,
+                    self.supervisor.external.decide_many,
                     self._refused,
                     verdicts,
                     later,
@@ -1311,15 +1305,6 @@ class GatewayService:
         finally:
             self.waiting -= count
         return [v for v in verdicts if v is not None]
-
-    def _submit_taken(self, msgs: list[Propose]) -> list[Verdict | Exception]:
-        """Decide ``msgs`` at once: each one's verdict, or the error it was refused with
-        (all of them, if the supervisor refused the whole group: closed, or a bug, which
-        :meth:`_refused` raises once their answers are failed)."""
-        try:
-            return self.supervisor.submit_many_nowait(msgs)
-        except Exception as exc:
-            return [exc] * len(msgs)
 
     def _refused(
         self,
@@ -1368,11 +1353,11 @@ class GatewayService:
         run_ids: Sequence[str],
         verdicts: list[VerdictOut | None],
     ) -> None:
-        sup = self.supervisor
+        external = self.supervisor.external
         try:
             # Answered after the write that holds every event decided before it; refused
             # (an InterlockError) only after that write, if its run cannot take a Sync.
-            await sup.request(Sync(run_id=decided[0][1].run_id))
+            await external.sync(decided[0][1].run_id)
         except (StoreError, trio.ClosedResourceError) as exc:
             for index, verdict, answer, before in decided:
                 error = await self._write_failed(verdict.run_id, before, exc)
@@ -1381,18 +1366,18 @@ class GatewayService:
             return
         except InterlockError:
             pass
-        runs = sup._runs
-        settle = sup.settle_external
+        get = external.get
+        settle = external.settle
         count = len(decided)
         at = 0
         while True:
-            # NOTE: compiled where the decide path is (see _settle_from); it stops at a
-            # verdict that leads into a step state (rare), whose steps run here
+            # NOTE: one pass (see _settle_from); it stops at a verdict that leads into a
+            # step state (rare), whose steps run here
             at = _settle_from(
                 decided,
                 at,
                 verdicts,
-                runs,
+                get,
                 settle,
                 self._step_states,
                 self._steps_of,
@@ -1426,7 +1411,7 @@ class GatewayService:
             )
         self._allow(principal, ("agent",), await self._machine_of(run_id))
         sup = self.supervisor
-        run = sup._runs.get(run_id)
+        run = sup.external.get(run_id)
         if self.shared and (run is None or run.pending is None or run.pending.key != body.key):
             # Not held, or not awaiting this key: another instance may have advanced it.
             run = await self._held(run_id, check=True)
@@ -1463,7 +1448,7 @@ class GatewayService:
                     applied=body.applied,
                 )
             if run is None:
-                verdict = await sup.submit(msg)  # refused: no such run is live here
+                verdict = await sup.external.submit(msg)  # refused: no such run is live here
             else:
                 verdict = await self._submit(run, msg)
             verdict = await self._advance(run_id, verdict)
@@ -1607,7 +1592,7 @@ class GatewayService:
     def _drop_stale(self, run_id: str, current: RunState) -> None:
         """Drop this process's copy of the run if it is older than ``current`` (the run as
         the store holds it): the supervisor then folds it afresh."""
-        held = self.supervisor._runs.get(run_id)
+        held = self.supervisor.external.get(run_id)
         if held is not None and held is not current and held.seq < current.seq:
             self._drop(run_id, held)
 
@@ -1747,11 +1732,11 @@ def _decode_cursor(cursor: str | None) -> int:
         ) from None
 
 
-# -- a batch's intake and settling, compiled where the decide path is -----------------------
+# -- a batch's intake and settling ----------------------------------------------------------
 
 
-def _take_proposals_py(
-    runs: dict[str, RunState],
+def _take_proposals(
+    get: Callable[[str], RunState | None],
     answers: OrderedDict[str, _Answer],
     run_ids: list[str],
     bodies: list[ProposalIn] | list[VerifyItem],
@@ -1764,8 +1749,9 @@ def _take_proposals_py(
 ) -> None:
     """:meth:`GatewayService.verify_many`'s pass over a batch's items.
 
-    Each proposal of a live external run at its seq is decided by ``submit``
-    (:meth:`GatewayService._submit_taken`) together with the others (its verdict goes to
+    Each proposal of a live external run (``get`` looks runs up: the supervisor's
+    ``external.get``) at its seq is decided by ``submit`` (``external.decide_many``, which
+    contains a failure to its request) together with the others (its verdict goes to
     ``decided``; a refusal to ``refused``, :meth:`GatewayService._refused`, which puts its
     problem in ``verdicts``), a run's second proposal of the batch only
     after its first (what it is checked against); its answer is remembered in
@@ -1773,9 +1759,6 @@ def _take_proposals_py(
     recorded answer, a stale seq, a run not live here) goes to ``later``; an item the key
     may not propose for, or of a hosted run, gets its problem in ``verdicts``. The
     machines the key may propose for are checked once per machine, not once per item.
-
-    The pure-Python twin of the compiled ``take_proposals`` (ext/_decide.pyx);
-    tests/hot/test_gateway_batch.py holds the two to the same results.
     """
     allowed: set[str] = set()
     msgs: list[Propose] = []
@@ -1784,7 +1767,7 @@ def _take_proposals_py(
     for index in range(len(bodies)):
         run_id = run_ids[index]
         item = bodies[index]
-        run = runs.get(run_id)
+        run = get(run_id)
         if run is None:
             later.append(index)
             continue
@@ -1852,11 +1835,11 @@ def _decide_group(
             decided.append((index, result, answer, before))
 
 
-def _settle_from_py(
+def _settle_from(
     decided: list[tuple[int, Verdict, _Answer | None, int]],
     at: int,
     verdicts: list[VerdictOut | None],
-    runs: dict[str, RunState],
+    get: Callable[[str], RunState | None],
     settle: Callable[[str], None],
     steps: dict[str, frozenset[str]],
     steps_of: Callable[[Machine], frozenset[str]],
@@ -1866,16 +1849,14 @@ def _settle_from_py(
     settling each external run that ended; stop at the first that leads a run into a
     step state, whose steps the caller runs, and return its position (``len(decided)``
     once every one is answered).
-
-    The pure-Python twin of the compiled ``settle_from`` (ext/_decide.pyx).
     """
     for position in range(at, len(decided)):
         index, verdict, answer, _ = decided[position]
         run_id = verdict.run_id
-        run = runs.get(run_id)
-        if run is not None and run.closed and run.terminal:  # settle_external's first look
+        run = get(run_id)
+        if run is not None and run.closed and run.terminal:  # settle's first look
             settle(run_id)
-            run = runs.get(run_id)
+            run = get(run_id)
         # NOTE: _steps' first look, inlined: only a run that reached a step state (rare)
         # pays for the coroutine that runs its steps.
         if (
@@ -1911,13 +1892,3 @@ def _answered(
         answer.verdict = out
         answer.settle()
     verdicts[index] = out
-
-
-_take_proposals = _take_proposals_py
-_settle_from = _settle_from_py
-if DECIDE_IMPLEMENTATION == "compiled":
-    from ..core import _decide
-
-    _decide.bind_gateway(sys.modules[__name__])
-    _take_proposals = _decide.take_proposals
-    _settle_from = _decide.settle_from

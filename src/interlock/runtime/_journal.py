@@ -169,22 +169,39 @@ class GroupCommit:
         result: Verdict = await trio.lowlevel.wait_task_rescheduled(pending)
         return result
 
+    def _failed(
+        self, msg: Request, exc: BaseException, events: list[Event], mark: int
+    ) -> Exception:
+        """The error ``msg`` gets when deciding it raised ``exc``, its events appended to
+        ``events`` from ``mark`` on. The one rule for a decision that failed, whoever
+        asked (the writer's batch, a run actor, a driver's batch): a refusal (an
+        InterlockError) is that request's alone; a bug ends its run only (see contain),
+        the events it appended dropped, never the batch's other requests or the
+        supervisor; a KeyboardInterrupt or SystemExit passes through.
+
+        NOTE: called from the callers' ``except`` only: the decision itself stays in their
+        frame, with nothing on its path that succeeds (the hot path of every step)."""
+        if isinstance(exc, InterlockError):
+            return exc
+        if isinstance(exc, INTERRUPTS):
+            raise exc
+        del events[mark:]
+        return self._contain(msg, exc)
+
     def _decide_now(self, msg: Request) -> Verdict:
         """Decide ``msg`` in the caller's task, its events added to those not yet written;
-        a bug met deciding it leaves none of them (see contain)."""
+        raise the error it was refused with (see _failed)."""
         if self.closed:
             raise trio.ClosedResourceError("supervisor is closed")
         inline = self._inline
         mark = len(inline)
         try:
             return self._decide(msg, inline)
-        except InterlockError:
-            raise
-        except INTERRUPTS:
-            raise
-        except BaseException as exc:  # a bug: it ends that run only (see contain)
-            del inline[mark:]
-            raise self._contain(msg, exc) from exc
+        except BaseException as exc:
+            error = self._failed(msg, exc, inline, mark)
+            if error is exc:
+                raise
+            raise error from exc
 
     def submit_nowait(self, msg: Request) -> Verdict:
         """See :meth:`Supervisor.submit_nowait`."""
@@ -238,16 +255,8 @@ class GroupCommit:
             mark = len(inline)
             try:
                 verdict = decide(msg, inline)
-            except InterlockError as exc:
-                results.append(exc)
-                continue
-            except INTERRUPTS:
-                raise
-            except BaseException as exc:  # a bug: it ends that run only (see contain)
-                del inline[mark:]
-                error = self._contain(msg, exc)
-                error.__cause__ = exc
-                results.append(error)
+            except BaseException as exc:
+                results.append(self._failed(msg, exc, inline, mark))
                 continue
             results.append(verdict)
             if not wake and (early is None or early(msg, verdict) != LAG):
@@ -327,13 +336,8 @@ class GroupCommit:
                 mark = len(events)
                 try:
                     pending.verdict = decide(pending.msg, events)
-                except InterlockError as exc:
-                    pending.error = exc
-                except INTERRUPTS:
-                    raise
-                except BaseException as exc:  # a bug: it ends that run only (see contain)
-                    pending.error = self._contain(pending.msg, exc)
-                    del events[mark:]
+                except BaseException as exc:
+                    pending.error = self._failed(pending.msg, exc, events, mark)
                 replies.append(pending)
             if events:
                 self._writing = True

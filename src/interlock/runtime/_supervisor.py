@@ -51,6 +51,7 @@ from ..core._messages import (
 )
 from ..core._stats import RuntimeStats, SupervisorStatistics
 from ..core._view import DECIDE_IMPLEMENTATION, RunState, RunView, fold
+from ._external import ExternalRuns
 from ._handle import RunHandle, RunResult, run_result
 from ._journal import DURABLE, LAG, WRITE, GroupCommit
 from ._leasing import DEFAULT_TTL, Leases, default_owner, is_leasing
@@ -117,6 +118,9 @@ class Supervisor:
         self.stats = stats if stats is not None else RuntimeStats()
         self._circuits = CircuitBoard()
         self._runs: dict[str, RunState] = {}
+        self.external = ExternalRuns(self, self._runs)
+        """The port through which outside drivers (the gateway, a proxy) start, drive,
+        settle and look up external runs: their only way to the run table."""
         self.handles: dict[str, RunHandle] = {}
         self._drivers: dict[str, Driver] = {}
         self._journal = GroupCommit(
@@ -972,6 +976,15 @@ class Supervisor:
         for driver in self._drivers.values():
             driver.draining = True
 
+    def cancel_actors(self) -> None:
+        """Cancel every run actor now, without waiting for it to end (a server that
+        stops once its requests are answered, rather than wait for its hosted runs): a
+        call in flight is cut, its intent stays in the journal, and the run stays
+        unfinished, for a resume or another process to continue."""
+        actors = self._actors
+        if actors is not None:
+            actors.cancel_scope.cancel()
+
     async def wait_undriven(self) -> None:
         """Return once no run has an actor running here (after a :meth:`drain`)."""
         while self._drivers:
@@ -1029,13 +1042,6 @@ class Supervisor:
         if run_id not in self.handles:
             self.handles[run_id] = RunHandle(run_id, machine.name, external=True)
         return run
-
-    def forget_run(self, run_id: str) -> None:
-        """Drop an external run's in-memory state (another process advanced it: the next
-        request loads it afresh from the journal). Its handle stays."""
-        run = self._runs.get(run_id)
-        if run is not None and run.external:
-            del self._runs[run_id]
 
     async def resume_escalated(
         self,
