@@ -355,3 +355,5 @@ async def test_store_damage_is_a_500_that_names_interlock_check_not_a_retry(
         with pytest.raises(StoreDamaged) as damaged:
             await client.get_run("x-1")
         assert damaged.value.status == 500
+        for path in ("/v1/runs/x-1/events", "/v1/escalations/x-1"):
+            problem(await http.get(path), 500, "store-damaged")
