@@ -53,7 +53,7 @@ from interlock.core._events import (
     expand_prompt,
     hash_prompt_after,
 )
-from interlock.core._exceptions import InterlockError, ProtocolError
+from interlock.core._exceptions import InterlockError, JournalInconsistent
 from interlock.core._machine import ESCALATE, FAILED
 from interlock.core._messages import Propose, ToolCall, Verdict
 from interlock.core._stats import _BOUNDS, _Keys
@@ -483,7 +483,7 @@ cdef class RunState:
         cdef bint event_struct = PyType_IsSubtype(<type>kind, <type>Event)
         seq = _field(event, _E_SEQ, "seq") if event_struct else event.seq
         if seq != self.seq + 1:
-            raise ProtocolError(
+            raise JournalInconsistent(
                 f"run {self.run_id!r}: event seq {seq} does not follow {self.seq}; "
                 "the journal is missing or repeating events"
             )
@@ -561,7 +561,7 @@ cdef class RunState:
             self.inputs = inputs if type(inputs) is dict else dict(inputs)
             self.started_ts = event.ts
         else:
-            raise ProtocolError(f"unknown event {event!r}")
+            raise JournalInconsistent(f"unknown event {event!r}")
 
     cdef void _model_called(self, event, object prompt) except *:
         # (event is a ModelCalled: apply dispatched on its type)
@@ -579,7 +579,7 @@ cdef class RunState:
             try:
                 prompt = expand_prompt(self.prompt_seq, self.prompt, event)
             except ValueError as exc:
-                raise ProtocolError(str(exc)) from None
+                raise JournalInconsistent(str(exc)) from None
         self.prompt = prompt
         self.prompt_seq = _field(event, _E_SEQ, "seq")
         if _field(event, _MC_RESPONSE, "response") is not UNSET:

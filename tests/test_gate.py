@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from interlock import (
     BreakerPolicy,
     Budgets,
+    JournalInconsistent,
     Machine,
     MachineDefinitionError,
-    ProtocolError,
     Reject,
     RunView,
     Tool,
@@ -1488,15 +1488,15 @@ def test_budgets_are_checked_before_anything_else() -> None:
 
 
 def test_fold_refuses_a_broken_journal() -> None:
-    with pytest.raises(ProtocolError, match=r"^cannot fold an empty journal$"):
+    with pytest.raises(JournalInconsistent, match=r"^cannot fold an empty journal$"):
         fold(MACHINE, [])
     with pytest.raises(
-        ProtocolError, match=r"^run 'r-1': journal starts with Transitioned, not run_started$"
+        JournalInconsistent, match=r"^run 'r-1': journal starts with Transitioned, not run_started$"
     ):
         fold(MACHINE, started("REVIEW")[1:])
     gap = [*started(), Transitioned(run_id="r-1", seq=3, ts=0.0, src="WORK", dst="REVIEW")]
     with pytest.raises(
-        ProtocolError,
+        JournalInconsistent,
         match=r"^run 'r-1': event seq 3 does not follow 1; "
         r"the journal is missing or repeating events$",
     ):

@@ -18,7 +18,9 @@ Replaying recorded runs
 The errors an application catches (every one is in :mod:`interlock.errors`)
     InterlockError, MachineDefinitionError, ToolDefinitionError, InvalidInputs,
     UnknownMachine, RunNotFound, ProtocolError, NotEscalated, StoreError, StoreDamaged,
-    LeaseLost, ProviderError, ReplayDivergence
+    LeaseLost, ProviderError, ReplayDivergence; and by what to do about them:
+    StaleSeq, RunEnded, RunExists, OutOfTurn, NotExternal, RunLeased, InvalidRunId,
+    MalformedMessage, JournalInconsistent, ConfigurationError, LifespanError, MissingExtra
 
 And in their own modules: :mod:`interlock.events` (the journal's events),
 :mod:`interlock.messages` (requests and verdicts), :mod:`interlock.errors`,
@@ -75,6 +77,23 @@ from .runtime._replay import Divergence, ReplayReport, RunReplay, replay
 from .runtime._runtime import open_supervisor
 from .runtime._supervisor import Supervisor
 from .runtime._worker import WorkerControl, WorkerSummary, run_worker
+
+# isort: split
+# errors: one class per decision a caller makes (#34); __all__ gets them at the end
+from .core._exceptions import (
+    ConfigurationError,
+    InvalidRunId,
+    JournalInconsistent,
+    LifespanError,
+    MalformedMessage,
+    MissingExtra,
+    NotExternal,
+    OutOfTurn,
+    RunEnded,
+    RunExists,
+    RunLeased,
+    StaleSeq,
+)
 
 if _typing.TYPE_CHECKING:
     from .runtime._metrics import serve_metrics as serve_metrics
@@ -234,4 +253,20 @@ __all__ = [
     "replay",
     "run_worker",
     "serve_metrics",
+]
+
+# errors: the classes imported under the same comment above (#34)
+__all__ += [
+    "ConfigurationError",
+    "InvalidRunId",
+    "JournalInconsistent",
+    "LifespanError",
+    "MalformedMessage",
+    "MissingExtra",
+    "NotExternal",
+    "OutOfTurn",
+    "RunEnded",
+    "RunExists",
+    "RunLeased",
+    "StaleSeq",
 ]

@@ -12,9 +12,12 @@ never silently ignored.
 from __future__ import annotations
 
 import struct
+import types as _types
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+
+from .core import _exceptions as _errors
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -23,6 +26,7 @@ __all__ = [
     "MAX_BATCH",
     "MAX_PROPOSAL",
     "OPS",
+    "PROBLEM_ERRORS",
     "AbortIn",
     "CallOut",
     "ChannelHello",
@@ -52,6 +56,7 @@ __all__ = [
     "VerifyItem",
     "VerifyOut",
     "ViolationOut",
+    "problem_slug",
 ]
 
 Mode = Literal["hosted", "external"]
@@ -247,6 +252,39 @@ class Problem(_Out):
     detail: str
     """What was wrong and how to fix it."""
     violations: list[ViolationOut] = []
+
+
+#: The problem types that name one interlock exception, by slug (what follows
+#: ``https://interlock.dev/problems/`` in a :class:`Problem`'s ``type``): the gateway
+#: answers each exception with its slug, and the clients raise the exception again.
+#: A slug not here (``conflict``, ``unprocessable-content``, ...) names no exception.
+PROBLEM_ERRORS: Final = _types.MappingProxyType(
+    {
+        "run-not-found": _errors.RunNotFound,
+        "stale-seq": _errors.StaleSeq,
+        "run-ended": _errors.RunEnded,
+        "run-exists": _errors.RunExists,
+        "out-of-turn": _errors.OutOfTurn,
+        "not-external": _errors.NotExternal,
+        "run-leased": _errors.RunLeased,
+        "invalid-run-id": _errors.InvalidRunId,
+        "malformed-message": _errors.MalformedMessage,
+        "store-damaged": _errors.StoreDamaged,
+    }
+)
+
+_SLUGS: Final[dict[type, str]] = {cls: slug for slug, cls in PROBLEM_ERRORS.items()}
+
+
+def problem_slug(exc: BaseException, default: str) -> str:
+    """The slug of the problem type that names ``exc``: that of its most specific class
+    in :data:`PROBLEM_ERRORS` (a :class:`~interlock.errors.JournalInconsistent` is
+    ``store-damaged``), else ``default``."""
+    for cls in type(exc).__mro__:
+        slug = _SLUGS.get(cls)
+        if slug is not None:
+            return slug
+    return default
 
 
 class VerdictOut(_Out):

@@ -22,7 +22,7 @@ from interlock import (
     LeaseLost,
     Machine,
     NotEscalated,
-    ProtocolError,
+    RunLeased,
     RunView,
     Tool,
     ToolContext,
@@ -336,7 +336,7 @@ async def test_an_operator_cannot_take_a_run_another_process_drives(
     )
     before = await store.load("r-2")
     async with open_supervisor([spec], store, provider=Script(), owner="op") as sup:
-        with pytest.raises(ProtocolError, match="leased by another process, which drives it"):
+        with pytest.raises(RunLeased, match="leased by another process, which drives it"):
             await sup.abort_escalated("r-2", by="ops")
     assert await store.load("r-2") == before
     assert (await store.get_run("r-2")).outcome == "escalated"

@@ -44,11 +44,14 @@ from ..core._events import (
 )
 from ..core._exceptions import (
     AppRefError,
+    ConfigurationError,
     InterlockError,
     InternalError,
     InvalidInputs,
-    JournalCorrupt,
+    JournalInconsistent,
+    NoProvider,
     RunNotFound,
+    StoreDamaged,
 )
 from ..core._hot_py import compact_failures
 from ..core._hotpath import IMPLEMENTATION
@@ -61,7 +64,7 @@ from ..demo.workflows import WORKFLOWS
 from ..runtime._app import DEMO_REF, App, find_project, find_ref, load_app
 from ..runtime._handle import run_result
 from ..runtime._leasing import DEFAULT_TTL
-from ..stores import OUTCOMES, IndexDamaged, RunRecord, Store
+from ..stores import OUTCOMES, RunRecord, Store
 from ..stores._open import open_store, sqlite_path
 from ..stores._sqlite import JournalHeld, hold_journal
 
@@ -750,7 +753,7 @@ async def _demo(args: argparse.Namespace) -> int:
         lease_ttl=args.lease_ttl,
     )
     if args.provider == "sim" and (args.base_url or args.model or args.stream):
-        raise InterlockError(
+        raise ConfigurationError(
             "--base-url, --model and --stream are for an HTTP --provider (openai, "
             "openai-responses, anthropic, fake-openai, fake-anthropic); the simulated model "
             "takes none"
@@ -1009,7 +1012,7 @@ async def _show(args: argparse.Namespace) -> int:
         try:
             prompts = {event.seq: prompt for event, prompt in whole_prompts(events)}
         except ValueError as exc:
-            raise InterlockError(f"{args.db}: {exc}") from None
+            raise JournalInconsistent(f"{args.db}: {exc}") from None
         timeline = []
         for i, event in enumerate(events):
             item = event_to_builtins(event)
@@ -1042,9 +1045,9 @@ def _print_conversation(args: argparse.Namespace, events: Sequence[Any]) -> int:
     try:
         calls = [(e, prompt) for e, prompt in whole_prompts(events) if isinstance(e.response, str)]
     except ValueError as exc:
-        raise InterlockError(f"{args.db}: {exc}") from None
+        raise JournalInconsistent(f"{args.db}: {exc}") from None
     if not calls:
-        raise InterlockError(
+        raise ConfigurationError(
             f"run {args.run_id!r} has no model call with a journaled request and response (its "
             "provider is not an HTTP one); `interlock show RUN` prints its timeline"
         )
@@ -1323,12 +1326,12 @@ async def _open_read(args: argparse.Namespace) -> Store:
     return await open_store(args.db, readonly=True)
 
 
-def _missing(path: str, origin: str) -> InterlockError:
+def _missing(path: str, origin: str) -> ConfigurationError:
     if origin == "--db":
         hint = "pass the path of an existing journal, or leave --db out for the app's store"
     else:
         hint = "pass --db PATH, or --app REF for the journal of that application's store"
-    return InterlockError(
+    return ConfigurationError(
         f"journal {os.path.abspath(path)} does not exist (from {origin}); nothing was "
         f"created; {hint}"
     )
@@ -1357,7 +1360,7 @@ def _require(app: App, named: str, records: Sequence[RunRecord], *, run: bool = 
         machine, count = missing.most_common(1)[0]
         first = next(r.run_id for r in records if r.machine == machine)
         runs = f"run {first!r}" if count == 1 else f"{count} runs, e.g. {first!r}"
-        raise InterlockError(
+        raise ConfigurationError(
             f"the app {named} has no machine {machine!r} ({runs}); pass the application that "
             "defines it: --app module:attribute or --app path/to/file.py:attribute"
         )
@@ -1375,7 +1378,7 @@ def _has_provider(app: App, named: str, name: str) -> None:
     mapping = app.provider if isinstance(app.provider, Mapping) else None
     provider = mapping.get(name) if mapping is not None else app.provider
     if provider is None and any(isinstance(s, Worker) for s in app.machines[name].states.values()):
-        raise InterlockError(
+        raise NoProvider(
             f"the app {named} has no provider for machine {name!r}, whose worker states "
             "need one; name an App with provider= (a bare Machine has none)"
         )
@@ -1385,7 +1388,7 @@ def _has_state(app: App, named: str, record: RunRecord, state: str, how: str) ->
     """Refuse to run ``record`` from ``state`` if its machine, changed since, has none."""
     machine = app.machines[record.machine]
     if state not in machine.states and not machine.is_terminal(state):
-        raise InterlockError(
+        raise ConfigurationError(
             f"run {record.run_id!r} {how} {state!r}, which machine {machine.name!r} of the app "
             f"{named} does not have (its states: {', '.join(machine.states)}); pass the app "
             "whose machine has it"
@@ -1399,7 +1402,7 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
         try:
             msgspec.json.decode(args.payload)
         except msgspec.DecodeError as exc:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"--payload is not valid JSON ({exc}); pass one proposal like "
                 '\'{"tool": "refund", "args": {...}}\' or \'{"next": "STATE"}\''
             ) from None
@@ -1816,7 +1819,7 @@ async def _replay(args: argparse.Namespace) -> int:
         else:
             records = [await store.get_run(run_id) for run_id in dict.fromkeys(args.run_ids)]
         if args.workflow is not None and not records:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"no runs of workflow {args.workflow!r} in {db}; `interlock runs --db {db}` "
                 "lists the runs and their workflows"
             )
@@ -1824,7 +1827,7 @@ async def _replay(args: argparse.Namespace) -> int:
         used = sorted({r.machine for r in records})
         for name, (ref, _machine) in what_if.items():
             if records and name not in used:
-                raise InterlockError(
+                raise ConfigurationError(
                     f"--machine {ref!r} is machine {name!r}, which none of the runs replayed "
                     f"uses (their machines: {', '.join(used)}); name one of theirs"
                 )
@@ -1942,7 +1945,7 @@ def _count(n: int, noun: str) -> str:
 def _error(exc: BaseException, args: argparse.Namespace) -> str:
     """The one line an error ends a command with; damage points at ``interlock check``."""
     text = f"interlock: error: {exc}"
-    if isinstance(exc, JournalCorrupt | IndexDamaged):
+    if isinstance(exc, StoreDamaged):
         text += f" ('interlock check --db {args.db}' lists all the damage)"
     elif isinstance(exc, RunNotFound):
         text += f" in {args.db}; `interlock runs --db {shlex.quote(args.db)}` lists its runs"

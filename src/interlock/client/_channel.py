@@ -20,7 +20,7 @@ import outcome
 import trio
 
 from .._aio import Wakeup, single_leaf
-from ..core._exceptions import InterlockError
+from ..core._exceptions import InterlockError, RunNotFound
 from ..protocol import (
     HEADER,
     ChannelHello,
@@ -36,6 +36,7 @@ from ..protocol import (
     VerifyItem,
     VerifyOut,
 )
+from ._common import problem_class
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping, Sequence
@@ -50,15 +51,27 @@ _READ: Final = 65536
 class ChannelProblem(InterlockError):
     """The gateway answered a channel request with a problem (as HTTP would with a 4xx/5xx).
 
+    As :class:`~interlock.client.GatewayProblem`, a problem whose type names an interlock
+    exception (:data:`interlock.protocol.PROBLEM_ERRORS`) is raised as that exception too.
+
     Attributes:
       problem: the :class:`~interlock.protocol.Problem` (status, title, detail, violations).
       status: its HTTP status.
     """
 
     def __init__(self, problem: Problem) -> None:
-        super().__init__(f"{problem.status} {problem.title}: {problem.detail}")
+        # NOTE: not super().__init__, as GatewayProblem's: a leaf may follow in the MRO.
+        Exception.__init__(self, f"{problem.status} {problem.title}: {problem.detail}")
         self.problem = problem
         self.status = problem.status
+
+
+def _channel_problem(problem: Problem, run_id: str | None = None) -> ChannelProblem:
+    """The ChannelProblem for ``problem``: one that is also the exception its type names."""
+    error = problem_class(ChannelProblem, problem.type)(problem)
+    if isinstance(error, RunNotFound):
+        error.run_id = run_id or ""
+    return error
 
 
 class _Request(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -202,7 +215,7 @@ class ChannelClient:
         if isinstance(got, BaseException):
             raise trio.BrokenResourceError(f"the channel is closed: {got}") from got
         if got.problem is not None:
-            raise ChannelProblem(got.problem)
+            raise _channel_problem(got.problem, run_id)
         decode = _DECODERS.get(answer) or msgspec.msgpack.Decoder(answer).decode
         result: T = decode(got.body)
         return result

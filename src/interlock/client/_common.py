@@ -13,18 +13,19 @@ import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import msgspec
 
 from .._version import __version__
-from ..core._exceptions import InterlockError
-from ..protocol import EventOut, ViolationOut
+from ..core._exceptions import InterlockError, RunNotFound
+from ..protocol import PROBLEM_ERRORS, EventOut, ViolationOut
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 T = TypeVar("T")
+P = TypeVar("P", bound=InterlockError)
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -45,6 +46,12 @@ ENDING_KINDS = frozenset({"completed", "failed"})
 
 class GatewayProblem(InterlockError):
     """The gateway answered a request with a problem (``application/problem+json``).
+
+    A problem whose type names an interlock exception (see
+    :data:`interlock.protocol.PROBLEM_ERRORS`) is raised as that exception too: a stale
+    proposal's problem is a :class:`GatewayProblem` and a
+    :class:`~interlock.errors.StaleSeq`, so ``except StaleSeq`` catches it as it would
+    from a supervisor in the same process.
 
     Attributes:
       status: the HTTP status (400, 401, 403, 404, 409, 413, 422, 429, 503, ...).
@@ -77,7 +84,9 @@ class GatewayProblem(InterlockError):
         self.retry_after = retry_after
         self.method = method
         self.path = path
-        super().__init__(self._text())
+        # NOTE: not super().__init__: with a leaf mixed in (problem_class), the next class
+        # would be the leaf, whose own __init__ (RunNotFound's) takes other arguments.
+        Exception.__init__(self, self._text())
 
     def _text(self) -> str:
         where = f"{self.method} {self.path}: " if self.method else ""
@@ -244,10 +253,35 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+_LEAVES: dict[tuple[type, type], type] = {}
+
+
+def problem_class(base: type[P], type_uri: str) -> type[P]:
+    """``base``, or for a problem type that names an exception, a subclass of ``base``
+    and of that exception (made once, and kept)."""
+    leaf = PROBLEM_ERRORS.get(type_uri.rpartition("/")[2])
+    if leaf is None:
+        return base
+    cls = _LEAVES.get((base, leaf))
+    if cls is None:
+        doc = f"A {base.__name__} that is a {leaf.__name__}: see both."
+        cls = type(leaf.__name__, (base, leaf), {"__module__": base.__module__, "__doc__": doc})
+        _LEAVES[base, leaf] = cls
+    return cls  # type: ignore[return-value]
+
+
+def _run_id(path: str) -> str | None:
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1] == "v1" and parts[2] in ("runs", "escalations"):
+        return unquote(parts[3])
+    return None
+
+
 def problem_from(
     call: Call[Any], status: int, headers: Mapping[str, str], content: bytes, reason: str = ""
 ) -> GatewayProblem:
-    """The :class:`GatewayProblem` for a non-2xx answer, whatever its body holds."""
+    """The :class:`GatewayProblem` for a non-2xx answer, whatever its body holds; one
+    that is also the exception its type names, where it names one."""
     retry_after = parse_retry_after(headers.get("retry-after"))
     try:
         body = Codec.decode(content, headers.get("content-type", ""), _ProblemBody)
@@ -263,7 +297,7 @@ def problem_from(
             method=call.method,
             path=call.path,
         )
-    return GatewayProblem(
+    problem = problem_class(GatewayProblem, body.type)(
         status or body.status,
         body.title or reason or "error",
         body.detail,
@@ -273,6 +307,9 @@ def problem_from(
         method=call.method,
         path=call.path,
     )
+    if isinstance(problem, RunNotFound):
+        problem.run_id = _run_id(call.path) or ""
+    return problem
 
 
 def read_answer(

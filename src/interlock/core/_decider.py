@@ -43,7 +43,16 @@ from ._events import (
     hash_prompt_after,
     oversized_answer,
 )
-from ._exceptions import IllegalResumeTarget, NotEscalated, ProtocolError, UnknownState
+from ._exceptions import (
+    IllegalResumeTarget,
+    MalformedMessage,
+    NotEscalated,
+    OutOfTurn,
+    RunEnded,
+    RunExists,
+    StaleSeq,
+    UnknownState,
+)
 from ._gate import verify
 from ._hotpath import common_affixes
 from ._machine import ESCALATE, FAILED, Machine, Step, encode_action
@@ -184,7 +193,8 @@ def decide(
     already folded into ``run``) and return the verdict.
 
     Raises:
-      ProtocolError: the request is stale, out of order, or for a run that has ended.
+      StaleSeq, RunEnded, OutOfTurn, RunExists (each a ProtocolError): the request is
+        stale, for a run that has ended, not what the run waits for, or a second start.
       NotEscalated, IllegalResumeTarget: an operator request the run cannot take.
     """
     kind = type(msg)  # the two requests of nearly every step first, by identity
@@ -210,9 +220,9 @@ def decide(
         case Cancel():
             return _on_cancel(run, msg, now, events)
         case Start():
-            raise ProtocolError(f"run {msg.run_id!r} already exists; run ids must be unique")
+            raise RunExists(f"run {msg.run_id!r} already exists; run ids must be unique")
         case _:
-            raise ProtocolError(f"unexpected message {type(msg).__name__}")
+            raise MalformedMessage(f"unexpected message {type(msg).__name__}")
 
 
 def escalated(run: RunState) -> RunState:
@@ -273,12 +283,12 @@ def _verdict(run: RunState, accepted: bool, **fields: Any) -> Verdict:
 
 def _check_seq(run: RunState, msg: Propose | Report | Reconciliation) -> None:
     if msg.seq and msg.seq != run.seq:
-        raise ProtocolError(
+        raise StaleSeq(
             f"run {run.run_id!r} is at seq {run.seq}, the request was made at seq {msg.seq}; "
             "re-read the run and propose again"
         )
     if run.terminal:
-        raise ProtocolError(
+        raise RunEnded(
             f"run {run.run_id!r} is {run.machine.outcome(run.state)} in state "
             f"{run.state!r}; it takes no more proposals"
         )
@@ -296,7 +306,7 @@ def _on_propose(
 ) -> Verdict:
     _check_seq(run, msg)
     if run.pending is not None:
-        raise ProtocolError(
+        raise OutOfTurn(
             f"run {run.run_id!r} is waiting for the outcome of {run.pending.key!r}; report it first"
         )
     machine = run.machine
@@ -644,7 +654,7 @@ def _on_report(
     _check_seq(run, msg)
     if pending is None or pending.key != msg.key:
         expected = pending.key if pending is not None else "no call"
-        raise ProtocolError(
+        raise OutOfTurn(
             f"run {run.run_id!r} reported key {msg.key!r} but is waiting for {expected!r}"
         )
     machine = run.machine
@@ -770,7 +780,7 @@ def _on_reconciliation(
     pending = run.pending
     if pending is None or pending.key != msg.key:
         expected = pending.key if pending is not None else "no call"
-        raise ProtocolError(
+        raise OutOfTurn(
             f"run {run.run_id!r} reconciled key {msg.key!r} but is waiting for {expected!r}"
         )
     tool = run.machine.tool_by_name[pending.tool]

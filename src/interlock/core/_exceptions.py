@@ -134,7 +134,85 @@ class PayloadRejected(InterlockError):
 
 
 class ProtocolError(InterlockError):
-    """An undecodable or out-of-order message between an actor and the supervisor."""
+    """A request that does not fit the run it is for, or a message or journal that does
+    not fit the protocol. Catch this for any of its leaves; each names what to do.
+
+    The leaves, by what a caller does about them: :class:`StaleSeq` (re-read the run and
+    send again), :class:`RunEnded` (stop), :class:`RunExists` (read that run, or choose
+    another id), :class:`OutOfTurn` (send what the run waits for), :class:`NotExternal`
+    (let the runtime drive it), :class:`RunLeased` (wait, then retry), :class:`InvalidRunId`
+    and :class:`MalformedMessage` (fix the request: it can never be valid) and
+    :class:`JournalInconsistent` (run ``interlock check``: the journal is damaged).
+    """
+
+
+class StaleSeq(ProtocolError):
+    """A request was made at a seq the run is no longer at (another request advanced it),
+    or has not reached. Nothing was journaled.
+
+    Re-read the run (its ``seq``, or the last verdict's) and send the request again at
+    that seq; a retry of the very request that advanced it gets its recorded answer.
+    """
+
+
+class RunEnded(ProtocolError):
+    """A request was sent to a run that has ended (completed or failed) or waits in the
+    escalation queue: it takes no more proposals, results or reconciliations.
+
+    Stop driving it; read its outcome. An escalated run goes on only when an operator
+    resumes it.
+    """
+
+
+class RunExists(ProtocolError):
+    """A run was started or enqueued with a run id the supervisor or the journal already
+    holds; run ids are unique. Nothing was written.
+
+    Read that run if it is the one meant (a retried create), or choose another id, or
+    omit it to have one generated.
+    """
+
+
+class OutOfTurn(ProtocolError):
+    """A request the run is not waiting for: a proposal while it waits for the outcome of
+    an accepted tool call, or a result or reconciliation for a key it is not waiting for.
+    Nothing was journaled.
+
+    Re-read the run and send what it waits for: report the pending call's outcome (with
+    the key its verdict gave) before proposing again.
+    """
+
+
+class NotExternal(ProtocolError):
+    """A proposal, result or reconciliation was sent for a run the runtime drives (its
+    actor, or a worker): only runs started with ``external=True`` (mode ``'external'``)
+    take them from outside.
+
+    Leave that run to the runtime, or start an external run to drive it yourself.
+    """
+
+
+class RunLeased(ProtocolError):
+    """Another process (a worker, or another gateway) holds the run's lease and drives it.
+    Nothing was journaled.
+
+    Wait for it to finish or let go of the run (its lease expires if that process is
+    gone), then retry; or send the request to the process that drives it.
+    """
+
+
+class InvalidRunId(ProtocolError, ValueError):
+    """Run ids given that can never be valid: empty or not strings, one repeated within a
+    batch, or not one per inputs. Nothing was written.
+
+    Fix the ids (or omit them to have them generated); retrying the same ones cannot help.
+    """
+
+
+class MalformedMessage(ProtocolError, ValueError):
+    """A message between an actor and the supervisor that cannot be decoded, or is of no
+    type the receiver takes. A bug in the sender: retrying the same bytes cannot help.
+    """
 
 
 class RunNotFound(InterlockError, LookupError):
@@ -201,16 +279,30 @@ class RequestRefused(ProviderError):
 
 
 class StoreError(InterlockError):
-    """The store cannot be opened, read or written (corrupt file, torn journal, lost connection)."""
+    """The store cannot be opened, read or written now (a full disk, a lost connection):
+    retrying may help. Damage, which retrying cannot heal, is :class:`StoreDamaged`."""
 
 
 class StoreDamaged(StoreError):
-    """What the store holds is damaged (a journal frame or the runs index): reported, never
-    believed. ``interlock check`` lists all the damage. Catch this for either kind."""
+    """What the store holds is damaged (a journal frame, its events, or the runs index):
+    reported, never believed. Damage does not heal: retrying cannot help. Run
+    ``interlock check --db JOURNAL`` to list all the damage, and restore from a backup.
+    Catch this for any kind."""
 
 
 class JournalCorrupt(StoreDamaged):
     """A journal frame failed its length or checksum check."""
+
+
+class JournalInconsistent(StoreDamaged, ProtocolError):
+    """A run's journal events do not fit together: seqs that skip or repeat, a run that
+    does not start with ``run_started``, no events at all, or an event that refers to
+    data the events before it do not hold. The frames may pass their checksums; what
+    they hold was written outside interlock, or lost.
+
+    Nothing built on it is believed. Run ``interlock check --db JOURNAL`` to list all the
+    damage, then restore the journal from a backup.
+    """
 
 
 class IndexDamaged(StoreDamaged):
@@ -253,6 +345,26 @@ class ReplayDivergence(InterlockError):
         self.seq = seq
         self.expected = expected
         self.got = got
+
+
+class ConfigurationError(InterlockError, ValueError):
+    """An argument, option or setting given to interlock cannot work as given: an App's
+    machines or prices, a provider's ``base_url`` or model, a worker's store, a command
+    line's flags. Raised where it is given, before anything runs; the message names the
+    value and the fix. Retrying cannot help: fix the configuration.
+    """
+
+
+class LifespanError(InterlockError):
+    """An application's lifespan failed: it raised while opening or closing (the cause is
+    chained), returned something that is not an async context manager, or was not
+    entered before what it opens was used. Fix the lifespan, or enter it first.
+    """
+
+
+class MissingExtra(InterlockError, ImportError):
+    """A feature needs a package that is not installed; the message names the extra to
+    install (``pip install 'interlock[gateway]'``)."""
 
 
 class InternalError(Exception):

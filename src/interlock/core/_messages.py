@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 import msgspec
 
 from ._events import Oversized, TokenUsage, Violation
-from ._exceptions import ProtocolError
+from ._exceptions import MalformedMessage
 
 
 class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):
@@ -178,9 +178,9 @@ def decode_message(data: bytes, *, json: bool = False) -> Message:
     """Decode one message.
 
     Raises:
-      ProtocolError: the bytes are not a valid message; the text says what is wrong.
+      MalformedMessage: the bytes are not a valid message; the text says what is wrong.
     """
     try:
         return _json_decoder.decode(data) if json else _msgpack_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable message: {exc}") from exc
+        raise MalformedMessage(f"undecodable message: {exc}") from exc

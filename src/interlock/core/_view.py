@@ -32,7 +32,7 @@ from ._events import (
     Violation,
     expand_prompt,
 )
-from ._exceptions import ProtocolError
+from ._exceptions import JournalInconsistent
 from ._hotpath import NO_EXTENSIONS, compact_failures, hash64, proposal_hash
 
 if TYPE_CHECKING:
@@ -458,10 +458,10 @@ class RunState:
           validated: for an ``intent_recorded`` event, the args the gate validated.
 
         Raises:
-          ProtocolError: if the event is out of order for this run.
+          JournalInconsistent: if the event is out of order for this run.
         """
         if event.seq != self.seq + 1:
-            raise ProtocolError(
+            raise JournalInconsistent(
                 f"run {self.run_id!r}: event seq {event.seq} does not follow {self.seq}; "
                 "the journal is missing or repeating events"
             )
@@ -477,7 +477,7 @@ class RunState:
                     try:
                         prompt = expand_prompt(self.prompt_seq, self.prompt, event)
                     except ValueError as exc:
-                        raise ProtocolError(str(exc)) from None
+                        raise JournalInconsistent(str(exc)) from None
                 self.prompt = prompt
                 self.prompt_seq = event.seq
                 if event.response is not msgspec.UNSET:
@@ -607,7 +607,7 @@ class RunState:
                 self.inputs = inputs if type(inputs) is dict else dict(inputs)
                 self.started_ts = event.ts
             case _:  # pragma: no cover - the union is closed
-                raise ProtocolError(f"unknown event {event!r}")
+                raise JournalInconsistent(f"unknown event {event!r}")
 
 
 class _ProposalData(msgspec.Struct):
@@ -622,12 +622,12 @@ def proposal_data(run_id: str, seq: int, raw: str) -> dict[str, Any]:
     ``delta_in_proposal`` refers to it instead of holding a second copy.
 
     Raises:
-      ProtocolError: ``raw`` has no such data (the journal is damaged or out of order).
+      JournalInconsistent: ``raw`` has no such data (the journal is damaged or out of order).
     """
     try:
         return _proposal_data_decoder.decode(raw).data
     except msgspec.DecodeError:
-        raise ProtocolError(
+        raise JournalInconsistent(
             f"run {run_id!r}: transitioned {seq} takes its delta from the proposal before it, "
             "which holds no data object; the journal is damaged or out of order"
         ) from None
@@ -639,13 +639,13 @@ def fold(machine: Machine, events: Iterable[Event]) -> RunState:
     for event in events:
         if run is None:
             if not isinstance(event, RunStarted):
-                raise ProtocolError(
+                raise JournalInconsistent(
                     f"run {event.run_id!r}: journal starts with {type(event).__name__}, not run_started"
                 )
             run = RunState(event.run_id, machine)
         run.apply(event)
     if run is None:
-        raise ProtocolError("cannot fold an empty journal")
+        raise JournalInconsistent("cannot fold an empty journal")
     return run
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..core._exceptions import InterlockError
+from ..core._exceptions import ConfigurationError
 from ..providers._chaos import CHAOS_KINDS, corrupt
 from ..testing._fake import Reply
 
@@ -41,13 +41,13 @@ def make_provider(
     """The provider ``--provider KIND`` names (not ``sim``, the built-in simulated model).
 
     Raises:
-      InterlockError: an unknown kind, or no model named for a real server.
+      ConfigurationError: an unknown kind, or no model named for a real server.
     """
     from ..providers import AnthropicMessages, OpenAIChat, OpenAIResponses
 
     fake = kind.startswith("fake-")
     if not fake and not model:
-        raise InterlockError(
+        raise ConfigurationError(
             f"--provider {kind} needs --model NAME (the model the server serves, e.g. gpt-4.1-mini "
             "or llama3.1)"
         )
@@ -61,7 +61,7 @@ def make_provider(
         return OpenAIResponses(model or "fake-sim", base_url=base_url, **options)
     if kind in ("anthropic", "fake-anthropic"):
         return AnthropicMessages(model or "fake-sim", base_url=base_url, **options)
-    raise InterlockError(f"unknown --provider {kind!r}; use one of {', '.join(PROVIDER_KINDS)}")
+    raise ConfigurationError(f"unknown --provider {kind!r}; use one of {', '.join(PROVIDER_KINDS)}")
 
 
 def oracle_brain(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..core._exceptions import InterlockError
+from ..core._exceptions import LifespanError
 from ..core._gate import ALREADY_COMMITTED
 from ..core._hotpath import IMPLEMENTATION
 from ..core._stats import LatencyHistogram, RuntimeStats
@@ -99,7 +99,7 @@ class _Effects:
 
     def __getattr__(self, name: str) -> Any:
         if self.backend is None:
-            raise InterlockError(
+            raise LifespanError(
                 "the demo's downstream systems are not open; enter the app's lifespan first"
             )
         return getattr(self.backend, name)

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .._version import __version__
+from ..core._exceptions import StoreDamaged
 from ..protocol import (
     AbortIn,
     EscalationOut,
@@ -47,7 +48,7 @@ from ..protocol import (
     VerifyOut,
 )
 from ..runtime._metrics import RuntimeCollector
-from ._service import GatewayError, GatewayService
+from ._service import GatewayError, GatewayService, damaged
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -285,6 +286,8 @@ class GatewayApp:
             response = await handler(self, request)
         except GatewayError as exc:
             response = _problem(exc)
+        except StoreDamaged as exc:  # met outside the service's answers: not a bug either
+            response = _problem(damaged(exc))
         except Exception as exc:
             log.exception("the gateway failed answering %s %s", method, scope.get("path"))
             response = _problem(
@@ -563,7 +566,9 @@ async def _stream(app: GatewayApp, request: _Request) -> None:
                                 }
                             )
                 except Exception as exc:  # e.g. the store stopped answering: end the stream
-                    if not isinstance(exc, GatewayError):
+                    if isinstance(exc, StoreDamaged):  # a reconnect would meet it again
+                        exc = damaged(exc)
+                    elif not isinstance(exc, GatewayError):
                         log.exception("the event stream of %r failed", request.params["id"])
                         exc = GatewayError(
                             500,

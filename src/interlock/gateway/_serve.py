@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..core._exceptions import InterlockError
+from ..core._exceptions import InterlockError, MissingExtra
 from ..core._machine import Machine
 from ..core._messages import Sync
 from ..core._stats import RuntimeStats
@@ -169,12 +169,12 @@ async def serve_gateway(
       ValueError: a non-loopback ``host`` with no API key configured, or bad limits.
       AppRefError: ``app_or_ref`` names no application.
       StoreError: the journal cannot be opened.
-      InterlockError: hypercorn (the ``[gateway]`` extra) is not installed.
+      MissingExtra: hypercorn (the ``[gateway]`` extra) is not installed.
     """
     try:
         from hypercorn.config import Config
     except ImportError:
-        raise InterlockError(
+        raise MissingExtra(
             "the gateway needs hypercorn, which is not installed; install the gateway extra: "
             "pip install 'interlock[gateway]'"
         ) from None

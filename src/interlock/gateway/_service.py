@@ -50,6 +50,8 @@ from ..core._exceptions import (
     InterlockError,
     InternalError,
     InvalidInputs,
+    InvalidRunId,
+    MalformedMessage,
     NoProvider,
     NotEscalated,
     PayloadRejected,
@@ -94,6 +96,7 @@ from ..protocol import (
     VerifyItem,
     VerifyOut,
     ViolationOut,
+    problem_slug,
 )
 from ..providers._base import render_prompt
 from ..runtime._enqueue import enqueue_run
@@ -167,6 +170,8 @@ class GatewayError(Exception):
       detail: what exactly was wrong, and how to fix it.
       violations: the gate's violations, for a rejected payload.
       retry_after: seconds to wait before retrying (sent as ``Retry-After``).
+      slug: the problem type's slug, where it is more specific than the title's (one of
+        :data:`~interlock.protocol.PROBLEM_ERRORS` names an exception the client raises).
     """
 
     def __init__(
@@ -176,6 +181,7 @@ class GatewayError(Exception):
         detail: str,
         violations: Sequence[ViolationOut] = (),
         retry_after: float | None = None,
+        slug: str | None = None,
     ) -> None:
         super().__init__(detail)
         self.status = status
@@ -183,10 +189,11 @@ class GatewayError(Exception):
         self.detail = detail
         self.violations = list(violations)
         self.retry_after = retry_after
+        self._slug = slug
 
     @property
     def slug(self) -> str:
-        return self.title.lower().replace(" ", "-")
+        return self._slug or self.title.lower().replace(" ", "-")
 
     def problem(self) -> Problem:
         """This error as a problem+json body."""
@@ -199,16 +206,30 @@ class GatewayError(Exception):
         )
 
 
-def not_found(detail: str) -> GatewayError:
-    return GatewayError(404, "Not Found", detail)
+def not_found(detail: str, slug: str | None = None) -> GatewayError:
+    return GatewayError(404, "Not Found", detail, slug=slug)
 
 
-def conflict(detail: str) -> GatewayError:
-    return GatewayError(409, "Conflict", detail)
+def conflict(detail: str, slug: str | None = None) -> GatewayError:
+    return GatewayError(409, "Conflict", detail, slug=slug)
 
 
-def invalid(detail: str, violations: Sequence[ViolationOut] = ()) -> GatewayError:
-    return GatewayError(422, "Unprocessable Content", detail, violations)
+def invalid(
+    detail: str, violations: Sequence[ViolationOut] = (), slug: str | None = None
+) -> GatewayError:
+    return GatewayError(422, "Unprocessable Content", detail, violations, slug=slug)
+
+
+def damaged(exc: StoreDamaged) -> GatewayError:
+    """The answer to damage in the store: a 500 without ``Retry-After`` (damage does not
+    heal, so a retry gets the same answer) that names ``interlock check``."""
+    return GatewayError(
+        500,
+        "Store Damaged",
+        f"{exc}; retrying cannot help: run 'interlock check --db JOURNAL' on this gateway's "
+        "journal to list all the damage, then restore it from a backup",
+        slug="store-damaged",
+    )
 
 
 def unavailable(detail: str, retry_after: float = 1.0) -> GatewayError:
@@ -225,7 +246,7 @@ def _translate(exc: Exception) -> GatewayError:
         case GatewayError():
             return exc
         case RunNotFound():
-            return not_found(f"{exc}; list the runs with GET /v1/runs")
+            return not_found(f"{exc}; list the runs with GET /v1/runs", "run-not-found")
         case UnknownMachine():
             return invalid(str(exc))
         case InvalidInputs() | IllegalResumeTarget() | UnknownState():
@@ -239,8 +260,12 @@ def _translate(exc: Exception) -> GatewayError:
             )
         case NotEscalated():
             return conflict(str(exc))
-        case ProtocolError():
-            return conflict(str(exc))
+        case StoreDamaged():  # before ProtocolError: a JournalInconsistent is both
+            return damaged(exc)
+        case InvalidRunId() | MalformedMessage():  # can never be valid: not a conflict
+            return invalid(str(exc), slug=problem_slug(exc, "unprocessable-content"))
+        case ProtocolError():  # StaleSeq, RunEnded, RunExists, OutOfTurn, NotExternal, ...
+            return conflict(str(exc), problem_slug(exc, "conflict"))
         case StoreError():
             return unavailable(f"the journal cannot be written now: {exc}; retry")
         case trio.ClosedResourceError():
@@ -621,7 +646,7 @@ class GatewayService:
         """The answer to a request of an external run whose events could not be written:
         on a shared store, a 409 when another process wrote the run meanwhile (the seq
         conflict of two instances deciding it at once), else what ``exc`` means."""
-        if not self.shared or not isinstance(exc, StoreError):
+        if not self.shared or not isinstance(exc, StoreError) or isinstance(exc, StoreDamaged):
             return _translate(exc)
         self._drop(run_id)
         try:
@@ -634,7 +659,8 @@ class GatewayService:
             f"run {run_id!r} was advanced by another gateway instance (or process) at the "
             f"same time: the journal holds it at seq {record.seq}, this request was decided "
             f"at seq {before} and nothing of it was written; GET the run (or its last "
-            "verdict) and send the request again at the run's seq"
+            "verdict) and send the request again at the run's seq",
+            "stale-seq",
         )
 
     async def _submit(self, run: RunState, msg: Propose | Report | Reconciliation) -> Verdict:
@@ -831,7 +857,8 @@ class GatewayService:
         if not same:
             raise conflict(
                 f"run {body.run_id!r} already exists with another machine, inputs or mode; "
-                "choose another run_id (or omit it to have one generated)"
+                "choose another run_id (or omit it to have one generated)",
+                "run-exists",
             )
         return self.run_out(await self._fold(body.run_id))
 
@@ -1146,16 +1173,19 @@ class GatewayService:
             return conflict(
                 f"run {run_id!r} is {record.outcome} in state {record.state!r}; it takes no "
                 "more proposals or results"
-                + ("; an operator resumes it" if record.outcome == "escalated" else "")
+                + ("; an operator resumes it" if record.outcome == "escalated" else ""),
+                "run-ended",
             )
         if self.shared:
             return conflict(
                 f"run {run_id!r} is hosted: a worker drives it (interlock worker); "
-                "proposals and results are for runs created with mode 'external'"
+                "proposals and results are for runs created with mode 'external'",
+                "not-external",
             )
         return conflict(
             f"run {run_id!r} is running but not in this gateway (another process drives it); "
-            "send its requests there"
+            "send its requests there",
+            "run-leased",
         )
 
     async def _recorded_answer(self, answer: _Answer) -> VerdictOut:
@@ -1174,14 +1204,16 @@ class GatewayService:
         if expected > current:
             raise conflict(
                 f"run {run_id!r} is at seq {current}, the request was made at seq {expected}, "
-                "which the run has not reached; send the seq of RunOut or of the last verdict"
+                "which the run has not reached; send the seq of RunOut or of the last verdict",
+                "stale-seq",
             )
         first = events[expected] if expected < len(events) else None
         if isinstance(first, ModelCalled) and same_answer(first, proposal):
             return self._recorded(events, expected)
         raise conflict(
             f"run {run_id!r} is at seq {current}, the request was made at seq {expected}: "
-            "another request advanced the run; GET the run and propose again at its seq"
+            "another request advanced the run; GET the run and propose again at its seq",
+            "stale-seq",
         )
 
     def _recorded(self, events: Sequence[JournalEvent], start: int) -> VerdictOut:
@@ -1418,7 +1450,8 @@ class GatewayService:
         if run is not None and not run.external:
             raise conflict(
                 f"run {run_id!r} is hosted: the runtime executes its tools; results are for "
-                "runs created with mode 'external'"
+                "runs created with mode 'external'",
+                "not-external",
             )
         if run is None or run.pending is None or run.pending.key != body.key:
             recorded = await self._replay_result(run_id, body.key, live=run is not None)
@@ -1478,7 +1511,8 @@ class GatewayService:
         if any(isinstance(e, IntentRecorded) and e.key == key for e in events):
             return None
         raise conflict(
-            f"run {run_id!r} has no call with key {key!r}; report the key a verdict gave"
+            f"run {run_id!r} has no call with key {key!r}; report the key a verdict gave",
+            "out-of-turn",
         )
 
     # -- escalations --------------------------------------------------------------
@@ -1692,7 +1726,8 @@ def _external(run_id: str, events: Sequence[JournalEvent], what: str) -> None:
     if getattr(events[0], "external", False) is not True:
         raise conflict(
             f"run {run_id!r} is hosted: the runtime drives it; {what} are for runs created "
-            "with mode 'external'"
+            "with mode 'external'",
+            "not-external",
         )
 
 
@@ -1706,7 +1741,8 @@ def _item_problem(run_id: str, error: GatewayError) -> VerdictOut:
 def _hosted(run_id: str) -> GatewayError:
     return conflict(
         f"run {run_id!r} is hosted: the runtime proposes for it; proposals are for "
-        "runs created with mode 'external'"
+        "runs created with mode 'external'",
+        "not-external",
     )
 
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from ..core._events import TokenUsage, Violation
-from ..core._exceptions import InterlockError, ProviderError, RequestRefused
+from ..core._exceptions import ConfigurationError, ProviderError, RequestRefused
 from ..core._wire import (
     ONE_CALL,
     ONE_TOOL_HINT,
@@ -247,7 +247,7 @@ class HttpProvider:
         transport: Transport | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"{type(self).__name__}: model must be a model name, got {model!r}"
             )
         self.model = model
@@ -256,13 +256,13 @@ class HttpProvider:
             # NOTE: checked here, not when the transport is made at the first call: there
             # every call of every run would fail, be retried, and escalate
             example = "https://host/v1" if "://" in self.base_url else f"http://{self.base_url}"
-            raise InterlockError(
+            raise ConfigurationError(
                 f"{type(self).__name__}: base_url {base_url!r} does not start with http:// "
                 f"or https://; pass the whole URL, e.g. {example!r}"
             )
         key = api_key if api_key is not None else os.environ.get(self.key_variable)
         if not key and self.base_url == self.default_base_url:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"{type(self).__name__} needs an API key for {self.base_url}: pass api_key= "
                 f"or set {self.key_variable}"
             )
@@ -454,7 +454,7 @@ class OpenAIChat(HttpProvider):
         super().__init__(model, base_url=base_url, api_key=api_key, **options)
         if isinstance(profile, str):
             if profile not in PROFILES:
-                raise InterlockError(
+                raise ConfigurationError(
                     f"unknown profile {profile!r}; use one of {', '.join(PROFILES)} or a Profile"
                 )
             profile = PROFILES[profile]
@@ -462,14 +462,14 @@ class OpenAIChat(HttpProvider):
         modes = output.values() if isinstance(output, dict) else (output,)
         for mode in modes:
             if mode not in ("tools", "json_schema"):
-                raise InterlockError(
+                raise ConfigurationError(
                     f"output must be 'tools' or 'json_schema' (or a dict of them by state), "
                     f"got {mode!r}"
                 )
         # a state a dict of outputs does not name answers with tools
         calls = isinstance(output, dict) or output == "tools"
         if self.stream and calls and not self.profile.stream_calls:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"OpenAIChat: profile {self.profile.name!r} cannot stream tool calls "
                 "(stream_calls=False); pass stream=False"
             )

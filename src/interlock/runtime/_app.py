@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core._exceptions import AppRefError, InterlockError
+from ..core._exceptions import AppRefError, ConfigurationError, LifespanError
 from ..core._machine import Machine
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class App:
         the async context manager it returns opens what the tools need and closes it.
 
     Raises:
-      InterlockError: an argument is not what it must be (the message names it).
+      ConfigurationError: an argument is not what it must be (the message names it).
     """
 
     def __init__(
@@ -56,28 +56,28 @@ class App:
     ) -> None:
         items = [machines] if isinstance(machines, Machine) else list(machines)
         if not items:
-            raise InterlockError("App needs at least one Machine; pass App([machine, ...])")
+            raise ConfigurationError("App needs at least one Machine; pass App([machine, ...])")
         by_name: dict[str, Machine] = {}
         for item in items:
             if not isinstance(item, Machine):
-                raise InterlockError(
+                raise ConfigurationError(
                     f"App machines must be Machines, got {_a(type(item).__name__)}; "
                     "pass App([machine, ...])"
                 )
             if item.name in by_name:
-                raise InterlockError(
+                raise ConfigurationError(
                     f"App has two machines named {item.name!r}; give each machine its own name"
                 )
             by_name[item.name] = item
         if isinstance(provider, Mapping):
             unknown = sorted(set(provider) - set(by_name))
             if unknown:
-                raise InterlockError(
+                raise ConfigurationError(
                     f"App provider is given for machine {unknown[0]!r}, which the app does not "
                     f"have; its machines: {', '.join(by_name)}"
                 )
         elif provider is not None and not callable(getattr(provider, "propose", None)):
-            raise InterlockError(
+            raise ConfigurationError(
                 f"App provider must have an async propose(view), got {_a(type(provider).__name__)}"
             )
         for model, price in (prices or {}).items():
@@ -86,17 +86,17 @@ class App:
                 and len(price) == 2
                 and all(isinstance(p, int | float) and p >= 0 for p in price)
             ):
-                raise InterlockError(
+                raise ConfigurationError(
                     f"App prices[{model!r}] must be (prompt, completion) USD per million "
                     f"tokens, both at least 0; got {price!r}"
                 )
         if lifespan is not None and not callable(lifespan):
-            raise InterlockError(
+            raise ConfigurationError(
                 f"App lifespan must be a function of the journal's URL returning an async "
                 f"context manager, got {_a(type(lifespan).__name__)}"
             )
         if store is not None and (not isinstance(store, str) or not store):
-            raise InterlockError(
+            raise ConfigurationError(
                 f"App store must be a SQLite path or postgresql:// DSN, got {store!r}"
             )
         self.machines: dict[str, Machine] = by_name
@@ -112,7 +112,7 @@ class App:
         """Enter the app's lifespan for the journal ``db`` (nothing, without one).
 
         A lifespan that raises while it opens or closes, or returns no async context
-        manager, raises InterlockError naming it (``named`` says which app), so a command
+        manager, raises LifespanError naming it (``named`` says which app), so a command
         ends with one line; an error of the block itself passes through unchanged.
         """
         return _Lifespan(self, db, named or repr(self))
@@ -130,16 +130,16 @@ class _Lifespan:
         try:
             manager = self.app.lifespan(self.db)
         except Exception as exc:
-            raise InterlockError(f"{what} raised {_said(exc)}; fix it") from exc
+            raise LifespanError(f"{what} raised {_said(exc)}; fix it") from exc
         if not callable(getattr(manager, "__aenter__", None)):
-            raise InterlockError(
+            raise LifespanError(
                 f"{what} returned {_a(type(manager).__name__)}, not an async context manager; "
                 "decorate it with @contextlib.asynccontextmanager"
             )
         try:
             value = await manager.__aenter__()
         except Exception as exc:
-            raise InterlockError(f"{what} raised {_said(exc)} while opening; fix it") from exc
+            raise LifespanError(f"{what} raised {_said(exc)} while opening; fix it") from exc
         self.entered = manager
         return value
 
@@ -151,7 +151,7 @@ class _Lifespan:
         except Exception as exc:
             if exc is exc_info[1]:
                 raise
-            raise InterlockError(
+            raise LifespanError(
                 f"the app {self.named}: its lifespan raised {_said(exc)} while closing; fix it"
             ) from exc
 

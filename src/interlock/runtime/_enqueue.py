@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..core import _decider
-from ..core._exceptions import ProtocolError, RunNotFound
+from ..core._exceptions import InvalidRunId, RunExists, RunNotFound
 from ..core._messages import Start
 
 if TYPE_CHECKING:
@@ -45,20 +45,21 @@ async def enqueue_run(
     Raises:
       InvalidInputs: the inputs break the machine's schema or cannot be journaled; nothing
         was written.
-      ProtocolError: ``run_id`` is empty or already names a run in the store.
+      InvalidRunId: ``run_id`` is empty or not a string.
+      RunExists: ``run_id`` already names a run in the store.
       StoreError: the event could not be written.
     """
     payload = machine.check_inputs(inputs)
     if run_id is None:
         run_id = f"run-{uuid.uuid4().hex[:16]}"
     elif not isinstance(run_id, str) or not run_id:
-        raise ProtocolError(f"run_id must be a non-empty string, not {run_id!r}")
+        raise InvalidRunId(f"run_id must be a non-empty string, not {run_id!r}")
     try:
         await store.get_run(run_id)
     except RunNotFound:
         pass
     else:
-        raise ProtocolError(
+        raise RunExists(
             f"run {run_id!r} already exists in this journal; run ids must be unique (omit "
             "run_id to have one generated)"
         )
@@ -92,8 +93,9 @@ async def enqueue_runs(
     Raises:
       InvalidInputs: some inputs break the machine's schema (the message says which,
         counting from 0, and so does its ``index``); nothing was written.
-      ProtocolError: ``run_ids`` does not match ``inputs`` one to one, repeats an id, or
-        names a run already in the store; nothing was written.
+      InvalidRunId: ``run_ids`` does not match ``inputs`` one to one, or repeats an id,
+        or holds one that is not a non-empty string; nothing was written.
+      RunExists: one of ``run_ids`` names a run already in the store; nothing was written.
       StoreError: the events could not be written.
     """
     from ..core._exceptions import InvalidInputs
@@ -111,24 +113,24 @@ async def enqueue_runs(
     else:
         ids = list(run_ids)
         if len(ids) != len(payloads):
-            raise ProtocolError(
+            raise InvalidRunId(
                 f"run_ids holds {len(ids)} ids for {len(payloads)} inputs; give one per inputs "
                 "(or none, to have them generated)"
             )
         for run_id in ids:
             if not isinstance(run_id, str) or not run_id:
-                raise ProtocolError(f"run ids must be non-empty strings, not {run_id!r}")
+                raise InvalidRunId(f"run ids must be non-empty strings, not {run_id!r}")
         seen: set[str] = set()
         for run_id in ids:
             if run_id in seen:
-                raise ProtocolError(f"run id {run_id!r} is given twice; run ids must be unique")
+                raise InvalidRunId(f"run id {run_id!r} is given twice; run ids must be unique")
             seen.add(run_id)
         for run_id in ids:
             try:
                 await store.get_run(run_id)
             except RunNotFound:
                 continue
-            raise ProtocolError(
+            raise RunExists(
                 f"run {run_id!r} already exists in this journal; run ids must be unique "
                 "(omit run_ids to have them generated); nothing was written"
             )

@@ -36,7 +36,7 @@ from ..core._events import (
     Violation,
     expand_prompt,
 )
-from ..core._exceptions import InterlockError, ProtocolError, ReplayDivergence
+from ..core._exceptions import InterlockError, JournalInconsistent, ReplayDivergence
 from ..core._machine import ESCALATE, FAILED, Step
 from ..core._messages import Abort, Cancel, Propose, Reconciliation, Recover, Report, Resume, Start
 from ..core._view import RunState, RunView
@@ -196,7 +196,7 @@ def _outcome_of_key(
 def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
     """Replay one recorded run against ``machine``; see :func:`replay`."""
     if not recorded or not isinstance(recorded[0], RunStarted):
-        raise ProtocolError("a recorded run must start with its run_started event")
+        raise JournalInconsistent("a recorded run must start with its run_started event")
     first = recorded[0]
     assert isinstance(first, RunStarted)
     run_id = first.run_id

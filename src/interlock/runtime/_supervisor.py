@@ -23,12 +23,16 @@ from ..core._breakers import CircuitBoard
 from ..core._escalation import Action, answer_again
 from ..core._events import Event, describe_exception
 from ..core._exceptions import (
+    ConfigurationError,
     InterlockError,
     InternalError,
     LeaseLost,
     NoProvider,
+    NotExternal,
     PayloadRejected,
-    ProtocolError,
+    RunEnded,
+    RunExists,
+    RunLeased,
     RunNotFound,
     StoreError,
     UnknownMachine,
@@ -104,7 +108,7 @@ class Supervisor:
         self.machines: dict[str, Machine] = {}
         for machine in machines:
             if machine.name in self.machines:
-                raise InterlockError(
+                raise ConfigurationError(
                     f"two machines are named {machine.name!r}; names must be unique"
                 )
             self.machines[machine.name] = machine
@@ -253,7 +257,8 @@ class Supervisor:
         """Submit one request and wait for its verdict (sent after the journal flush).
 
         Raises:
-          ProtocolError: the request is out of order or names no live run.
+          ProtocolError: the request is stale or out of order (a leaf says which).
+          RunNotFound: it names no live run.
           StoreError: the batch holding the request's events could not be written.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
@@ -268,7 +273,8 @@ class Supervisor:
         wait until it is durable.
 
         Raises:
-          ProtocolError: the request is out of order or names no live run.
+          ProtocolError: the request is stale or out of order (a leaf says which).
+          RunNotFound: it names no live run.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
         return self._journal.submit_nowait(msg)
@@ -293,7 +299,8 @@ class Supervisor:
         else after the journal flush, as from :meth:`request`.
 
         Raises:
-          ProtocolError: the proposal is out of order or names no live run.
+          ProtocolError: the proposal is stale or out of order (a leaf says which).
+          RunNotFound: it names no live run.
           StoreError: the batch holding the proposal's events could not be written.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
@@ -444,7 +451,7 @@ class Supervisor:
     def _start(self, msg: Start, now: float, events: list[Event]) -> tuple[RunState, Verdict]:
         machine = self.machine(msg.machine)
         if msg.run_id in self._runs:
-            raise ProtocolError(f"run {msg.run_id!r} already exists; run ids must be unique")
+            raise RunExists(f"run {msg.run_id!r} already exists; run ids must be unique")
         run, verdict = _decider.start(machine, msg, now, events)
         self._runs[msg.run_id] = run
         return run, verdict
@@ -457,7 +464,7 @@ class Supervisor:
                 raise lost
             ended = self._ended.get(run_id)
             if ended is not None:
-                raise ProtocolError(
+                raise RunEnded(
                     f"run {run_id!r} is {ended.outcome} in state {ended.state!r}; "
                     "it takes no more proposals"
                 )
@@ -576,7 +583,7 @@ class Supervisor:
           InvalidInputs: the inputs break the machine's ``inputs`` schema, or cannot be
             journaled.
           NoProvider: the machine has worker states and no provider was given.
-          ProtocolError: ``run_id`` is already in use.
+          RunExists: ``run_id`` is already in use.
           trio.ClosedResourceError: the supervisor is shutting down.
         """
         spec = self.machine(machine)
@@ -591,7 +598,7 @@ class Supervisor:
             raise trio.ClosedResourceError("supervisor is not running")
         run_id = run_id or self._new_run_id()
         if run_id in self._runs:
-            raise ProtocolError(f"run {run_id!r} already exists; run ids must be unique")
+            raise RunExists(f"run {run_id!r} already exists; run ids must be unique")
         verdict = await self.request(
             Start(run_id=run_id, machine=machine, inputs=payload, external=external)
         )
@@ -614,8 +621,11 @@ class Supervisor:
         Once the run ends, its handle's :meth:`RunHandle.wait` returns.
 
         Raises:
-          ProtocolError: the run is driven by its actor, the request is stale (its ``seq``
-            is not the run's) or out of order, or the run has ended.
+          NotExternal: the run is driven by its actor.
+          StaleSeq: the request's ``seq`` is not the run's; re-read it and send again.
+          OutOfTurn: the run waits for another request (the pending call's outcome).
+          RunEnded: the run has ended.
+          RunLeased: another process holds the run's lease.
           RunNotFound: no such run is live here.
           StoreError: the batch holding the request's events could not be written.
         """
@@ -629,7 +639,7 @@ class Supervisor:
             # holds it as it was before, where its caller's retry takes it on.
             run = await self._load_external(msg.run_id)
         if run is not None and not run.external:
-            raise ProtocolError(
+            raise NotExternal(
                 f"run {msg.run_id!r} is driven by its actor; submit is for runs started with "
                 "start_run(..., external=True)"
             )
@@ -837,7 +847,7 @@ class Supervisor:
 
     def _require_leases(self, what: str) -> Leases:
         if self.leases is None:
-            raise InterlockError(
+            raise ConfigurationError(
                 f"{what} needs a store with leases (PostgreSQL, schema 3, opened for writing); "
                 f"this supervisor's store is {self.store!r}"
             )
@@ -1006,7 +1016,7 @@ class Supervisor:
         if self.leases is not None and not run.external and run_id not in self.leases:
             # Another process may drive it: take its lease first, or leave it alone.
             if not await self.leases.take([run_id]):
-                raise ProtocolError(
+                raise RunLeased(
                     f"run {run_id!r} is leased by another process, which drives it; wait for "
                     "it to finish or release the run (its lease expires if that process is "
                     "gone), then retry"

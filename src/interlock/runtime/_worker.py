@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from ..core._events import Completed, Escalated, Failed
-from ..core._exceptions import InterlockError, StoreError
+from ..core._exceptions import ConfigurationError, StoreError
 from ..stores import open_store
 from ._leasing import DEFAULT_TTL, is_leasing
 from ._runtime import open_supervisor
@@ -133,22 +133,22 @@ async def run_worker(
       named: what names the app in an error of its lifespan.
 
     Raises:
-      InterlockError: ``db`` is not a PostgreSQL journal with leases, or an argument is
+      ConfigurationError: ``db`` is not a PostgreSQL journal with leases, or an argument is
         unusable.
       StoreError: the journal cannot be opened.
     """
     for name, value in (("max_runs", max_runs), ("claim_batch", claim_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InterlockError(f"{name} must be an integer of at least 1, not {value!r}")
+            raise ConfigurationError(f"{name} must be an integer of at least 1, not {value!r}")
     for name, seconds in (("poll", poll), ("drain_timeout", drain_timeout)):
         if not isinstance(seconds, int | float) or not seconds > 0:
-            raise InterlockError(f"{name} must be a number of seconds above 0, not {seconds!r}")
+            raise ConfigurationError(f"{name} must be a number of seconds above 0, not {seconds!r}")
     wait = lease_ttl + 2.0 if idle_wait is None else idle_wait
     started = time.perf_counter()
     store = await open_store(db)
     try:
         if not is_leasing(store):
-            raise InterlockError(
+            raise ConfigurationError(
                 f"a worker needs a PostgreSQL journal (postgresql://...), which leases runs to "
                 f"workers; {db!r} is a {store.kind} journal, which one process drives: use "
                 "`interlock resume` there"
