@@ -293,11 +293,16 @@ class ToolFailed(Event, frozen=True, tag="tool_failed"):
     def __post_init__(self) -> None:
         # Decode-time upgrade: journals written before ``in_doubt`` existed marked a call
         # escalated as in doubt only in the text, ``error="in doubt: <the failure>"`` (or
-        # exactly "in doubt after a crash"). Such an event reads as the structured form the
+        # exactly "in doubt after a crash"), with the other fields at their defaults (the
+        # decider wrote none of them). Such an event reads as the structured form the
         # decider writes now, so an old run folds, counts and replays as a new one does.
         # The decider writes ``in_doubt`` (True, or False, see legacy_in_doubt_text) on
         # every failure whose text has that form, so a new event is never rewritten here.
-        if self.in_doubt is msgspec.UNSET and legacy_in_doubt_text(self.error):
+        if (
+            self.in_doubt is msgspec.UNSET
+            and legacy_in_doubt_text(self.error)
+            and (self.retryable, self.attempts, self.latency) == (False, 1, 0.0)
+        ):
             error = self.error
             if error.startswith(_OLD_IN_DOUBT_PREFIX):
                 msgspec.structs.force_setattr(self, "error", error[len(_OLD_IN_DOUBT_PREFIX) :])
