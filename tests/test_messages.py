@@ -469,3 +469,28 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_bytes(golden_bytes())
     print(f"wrote {len(GOLDEN_EVENTS)} events ({GOLDEN.stat().st_size} bytes) to {GOLDEN}")
+
+
+def test_an_in_doubt_failure_of_an_old_journal_reads_as_the_structured_field() -> None:
+    """Before ``ToolFailed.in_doubt``, the decider marked an escalation in doubt only in the
+    text (the other fields at their defaults); such an event decodes with the field set
+    and the text it wrapped. A failure that merely reads so is left alone: one the decider
+    writes says ``in_doubt=False``, and an actor's report has attempts and a latency."""
+    old = {"kind": "tool_failed", "run_id": "r-1", "seq": 7, "ts": TS, "tool": "mail", "key": "k"}
+    old_fields = {"retryable": False, "attempts": 1, "latency": 0.0}
+    escalated = decode_event(
+        msgspec.msgpack.encode({**old, **old_fields, "error": "in doubt: boom"})
+    )
+    assert isinstance(escalated, ToolFailed)
+    assert (escalated.error, escalated.in_doubt) == ("boom", True)
+    crash = decode_event(msgspec.msgpack.encode({**old, "error": "in doubt after a crash"}))
+    assert isinstance(crash, ToolFailed)
+    assert (crash.error, crash.in_doubt) == ("in doubt after a crash", True)
+    reported = {**old, "error": "in doubt: boom", "attempts": 2, "latency": 0.5}
+    plain = decode_event(msgspec.msgpack.encode(reported))
+    assert isinstance(plain, ToolFailed)
+    assert (plain.error, plain.in_doubt) == ("in doubt: boom", msgspec.UNSET)
+    new = ToolFailed(
+        run_id="r-1", seq=7, ts=TS, tool="mail", key="k", error="in doubt: x", in_doubt=False
+    )
+    assert decode_event(encode_event(new)) == new

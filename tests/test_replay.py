@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -14,9 +17,11 @@ from hypothesis import strategies as st
 
 from interlock import Reject, ReplayDivergence, open_supervisor
 from interlock.demo.workflows import WORKFLOWS, Backend
+from interlock.events import ToolFailed, Transitioned, decode_event, encode_event
 from interlock.providers import CHAOS_KINDS, ChaosProvider, ScriptedProvider
 from interlock.runtime._replay import replay, split_runs
 from interlock.stores import MemoryStore
+from tests import in_doubt_app
 
 
 async def record(workflows, runs, rate, seed, kinds=CHAOS_KINDS):
@@ -281,3 +286,105 @@ async def test_a_tool_whose_args_changed_diverges_at_its_intent_naming_the_args(
     with pytest.raises(ReplayDivergence) as raised:
         report.raise_for_divergence()
     assert raised.value.seq == intent.seq
+
+
+# -- calls in doubt ---------------------------------------------------------------------------
+
+IN_DOUBT_JOURNAL = Path(__file__).parent / "data" / "journal-in-doubt-0.3.msgpack"
+
+
+def _escalated_in_doubt(events):
+    """Each tool_failed that escalated its run as in doubt (a transitioned in_doubt follows)."""
+    return [
+        e
+        for e, after in itertools.pairwise(events)
+        if isinstance(e, ToolFailed)
+        and isinstance(after, Transitioned)
+        and after.reason == "in_doubt"
+    ]
+
+
+def test_a_journal_from_before_the_in_doubt_field_decodes_structured_and_replays():
+    """Recorded by an interlock that marked an escalation in doubt only in the text
+    (``error="in doubt: ..."``): it reads as the structured form, and replays exactly."""
+    payloads = msgspec.msgpack.decode(IN_DOUBT_JOURNAL.read_bytes(), type=list[msgspec.Raw])
+    raw = [msgspec.msgpack.decode(bytes(p)) for p in payloads]
+    assert any(e.get("error", "").startswith("in doubt: ") for e in raw)  # the old form
+    assert not any("in_doubt" in e for e in raw)
+    events = [decode_event(bytes(p)) for p in payloads]
+    doubted = _escalated_in_doubt(events)
+    assert [(e.run_id, e.error, e.in_doubt) for e in doubted] == [
+        ("mail-escalated", "ValueError: bad response body", True),
+        ("post-unknown", "in doubt", True),
+        ("post-garbage", "in doubt", True),
+        (
+            "mail-unjournalable",
+            "tool 'mail' returned a result that cannot be journaled: the object at "
+            "result.handle: Encoding objects of type object is unsupported",
+            True,
+        ),
+    ]
+    # every other failure stays a plain one
+    plain = [e for e in events if isinstance(e, ToolFailed) and e not in doubted]
+    assert [(e.run_id, e.in_doubt) for e in plain] == [("mail-plain-text", msgspec.UNSET)]
+    report = replay(events, in_doubt_app.old_machine())
+    assert report.ok, report.diverged[:1]
+    assert report.reproduced == len(in_doubt_app.OLD_SCRIPTS)
+    assert sum(r.events for r in report.runs) == len(events)
+
+
+def test_the_old_journal_replays_against_a_changed_tool_up_to_the_change():
+    """A call that was in doubt, replayed against a tool that now reconciles, diverges at
+    the in-doubt failure (now a tool_in_doubt): the structured form is what is compared."""
+    payloads = msgspec.msgpack.decode(IN_DOUBT_JOURNAL.read_bytes(), type=list[msgspec.Raw])
+    events = [e for e in map(decode_event, map(bytes, payloads)) if e.run_id == "mail-escalated"]
+    behaviour = in_doubt_app.Behaviour({}, {})
+    changed = in_doubt_app.machine(behaviour)
+    mail = next(t for t in changed.tools if t.name == "mail")
+    changed = dataclasses.replace(
+        changed,
+        tools=[dataclasses.replace(mail, reconcile=behaviour.reconcile)]
+        + [t for t in changed.tools if t.name != "mail"],
+    )
+    (run,) = replay(events, changed).runs
+    assert run.divergence is not None
+    assert run.divergence.kind == "tool_failed"
+    assert run.divergence.got.startswith("tool_in_doubt ")
+
+
+attempt_scripts = st.lists(st.sampled_from(in_doubt_app.ATTEMPTS), max_size=4)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(["mail", "post", "fetch"]), min_size=1, max_size=3),
+            attempt_scripts,
+            st.lists(st.sampled_from(in_doubt_app.RECONCILES), max_size=3),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    retries=st.integers(1, 3),
+)
+def test_any_run_with_calls_in_doubt_replays_without_divergence(runs, retries):
+    """Tools that fail in every way (applied unknown, certainly not applied, a result the
+    journal cannot hold), reconcile answers of every kind, escalations in doubt resumed
+    by an operator: each recorded run reproduces, and an in-doubt failure is structured."""
+    scripts = {
+        f"r-{i}": [in_doubt_app.call(t) for t in tools] for i, (tools, _, _) in enumerate(runs)
+    }
+    attempts = {f"r-{i}": a for i, (_, a, _) in enumerate(runs)}
+    reconciles = {f"r-{i}": r for i, (_, _, r) in enumerate(runs)}
+    spec = in_doubt_app.machine(in_doubt_app.Behaviour(attempts, reconciles), retries)
+    events = trio.run(in_doubt_app.record, spec, scripts)
+    for event in _escalated_in_doubt(events):
+        assert event.in_doubt is True
+        assert not event.error.startswith("in doubt: ")
+    # what goes to the journal reads back as it was written (no upgrade of a new event)
+    assert [decode_event(encode_event(e)) for e in events] == events
+    replayed = replay(events, in_doubt_app.machine(in_doubt_app.Behaviour({}, {}), retries))
+    assert replayed.ok, replayed.diverged[:1]
+    assert replayed.reproduced == len(runs)
+    assert sum(r.events for r in replayed.runs) == len(events)

@@ -962,6 +962,8 @@ def _describe(event: Any) -> str:
             )
             return f"committed {tool} -> {_short(result)} ({how})"
         case ToolFailed(tool=tool, error=error, attempts=attempts):
+            if event.in_doubt is True:
+                return f"failed {tool} in doubt: {error} (attempts {attempts})"
             return f"failed {tool}: {error} (attempts {attempts})"
         case Transitioned(src=src, dst=dst, reason=reason, delta=delta):
             extra = f" data {_short(delta)}" if delta else ""

@@ -21,6 +21,7 @@ from . import _breakers, _gate, _view
 from ._breakers import Trip, check_budgets
 from ._escalation import resume_targets
 from ._events import (
+    IN_DOUBT_AFTER_CRASH,
     BreakerTripped,
     Completed,
     Escalated,
@@ -41,6 +42,7 @@ from ._events import (
     Violation,
     describe_exception,
     hash_prompt_after,
+    legacy_in_doubt_text,
     oversized_answer,
 )
 from ._exceptions import (
@@ -686,6 +688,9 @@ def _on_report(
         retryable=msg.retryable,
         attempts=msg.attempts,
         latency=msg.latency,
+        # NOTE: not in doubt; said so only where the text alone would read as in doubt
+        # (a journal from before the field marked it in the text: see ToolFailed).
+        in_doubt=False if legacy_in_doubt_text(error) else msgspec.UNSET,
     )
     if run.consecutive_failures >= machine.breakers.consecutive_failures:
         _trip(run, events, now, _consecutive_trip(run))
@@ -768,7 +773,7 @@ def _escalate_in_doubt(
         f"tool {tool!r} with key {pending.key!r} may or may not have been applied "
         f"({error}), and {why}; check the downstream system, then resume or abort"
     )
-    _emit(run, events, ToolFailed, now, tool=tool, key=pending.key, error=f"in doubt: {error}")
+    _emit(run, events, ToolFailed, now, tool=tool, key=pending.key, error=error, in_doubt=True)
     _transition(run, events, now, ESCALATE, {}, reason, escalation=("in_doubt_side_effect", detail))
     return _verdict(run, False)
 
@@ -817,7 +822,7 @@ def _on_recover(run: RunState, now: float, events: list[Event]) -> Verdict:
     if tool is not None and tool.safe_to_repeat:
         return _verdict(run, True, execute=ToolCall(pending.tool, pending.args, pending.key))
     if tool is not None and tool.reconcile is not None:
-        return _in_doubt(run, tool, events, now, "in doubt after a crash", after_crash=True)
+        return _in_doubt(run, tool, events, now, IN_DOUBT_AFTER_CRASH, after_crash=True)
     detail = (
         f"tool {pending.tool!r} with key {pending.key!r} may or may not have run before the "
         "crash, and it is not idempotent; check the downstream system, then resume or abort"
@@ -829,7 +834,8 @@ def _on_recover(run: RunState, now: float, events: list[Event]) -> Verdict:
         now,
         tool=pending.tool,
         key=pending.key,
-        error="in doubt after a crash",
+        error=IN_DOUBT_AFTER_CRASH,
+        in_doubt=True,
     )
     _transition(
         run, events, now, ESCALATE, {}, "recovery", escalation=("in_doubt_side_effect", detail)

@@ -283,6 +283,41 @@ class ToolFailed(Event, frozen=True, tag="tool_failed"):
     retryable: bool = False
     attempts: int = 1
     latency: float = 0.0
+    in_doubt: bool | msgspec.UnsetType = msgspec.UNSET
+    """True when the call (of a tool that is not safe to repeat) may or may not have been
+    applied and the run escalates as in doubt: ``error`` is then the failure that left it
+    so (``in doubt after a crash`` when a crash did). Absent (UNSET, falsy) for a failure
+    handed back to the model; written False only for such a failure whose ``error`` has
+    the form journals from before this field gave an in-doubt failure (see below)."""
+
+    def __post_init__(self) -> None:
+        # Decode-time upgrade: journals written before ``in_doubt`` existed marked a call
+        # escalated as in doubt only in the text, ``error="in doubt: <the failure>"`` (or
+        # exactly "in doubt after a crash"), with the other fields at their defaults (the
+        # decider wrote none of them). Such an event reads as the structured form the
+        # decider writes now, so an old run folds, counts and replays as a new one does.
+        # The decider writes ``in_doubt`` (True, or False, see legacy_in_doubt_text) on
+        # every failure whose text has that form, so a new event is never rewritten here.
+        if (
+            self.in_doubt is msgspec.UNSET
+            and legacy_in_doubt_text(self.error)
+            and (self.retryable, self.attempts, self.latency) == (False, 1, 0.0)
+        ):
+            error = self.error
+            if error.startswith(_OLD_IN_DOUBT_PREFIX):
+                msgspec.structs.force_setattr(self, "error", error[len(_OLD_IN_DOUBT_PREFIX) :])
+            msgspec.structs.force_setattr(self, "in_doubt", True)
+
+
+#: How journals from before ``ToolFailed.in_doubt`` marked an in-doubt failure's text.
+_OLD_IN_DOUBT_PREFIX = "in doubt: "
+IN_DOUBT_AFTER_CRASH = "in doubt after a crash"
+
+
+def legacy_in_doubt_text(error: str) -> bool:
+    """Whether ``error`` has the form that marked a ``tool_failed`` in doubt before
+    ``ToolFailed.in_doubt`` existed: such an event without the field is read as in doubt."""
+    return error.startswith(_OLD_IN_DOUBT_PREFIX) or error == IN_DOUBT_AFTER_CRASH
 
 
 class BreakerTripped(Event, frozen=True, tag="breaker_tripped"):

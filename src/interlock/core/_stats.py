@@ -295,7 +295,7 @@ class RuntimeStats:
                 )
                 self.reconciliations[(event.tool, outcome)] += 1
                 reconciled = True
-            elif kind is ToolFailed and not reconciled and event.error.startswith("in doubt"):
+            elif kind is ToolFailed and not reconciled and event.in_doubt is True:
                 self.in_doubt[event.tool] += 1  # escalated as in doubt, not reconciled
         if type(msg) is Report:
             first = events[start]

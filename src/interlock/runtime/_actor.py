@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import email.utils
 import math
 import random
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,12 +11,20 @@ import trio
 
 from ..core._breakers import LEASE_CUT
 from ..core._decider import step_proposal
-from ..core._events import TokenUsage, Violation, describe_exception, journalable
-from ..core._exceptions import ProviderError, RequestRefused
+from ..core._events import describe_exception
 from ..core._machine import Step
 from ..core._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
-from ..core._tools import Applied, NotApplied, ToolContext, ToolError
-from ..providers._base import Proposal
+from ..core._tools import ToolContext
+from ._requests import (
+    answered,
+    failed,
+    provider_failure,
+    reconcile_found,
+    reconciled,
+    returned,
+    tool_failure,
+    unanswered,
+)
 from ._watchdog import armed_for
 
 if TYPE_CHECKING:
@@ -26,8 +32,6 @@ if TYPE_CHECKING:
     from ..core._tools import Tool
     from ..core._view import RunView
     from ..providers import Provider
-
-_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 529})
 
 #: What a run never contains: the interpreter's own Ctrl-C and exit end the task, and the
 #: process (see run_actor). trio's Cancelled ends it too, when it is a cancellation.
@@ -364,101 +368,18 @@ async def _backoff(driver: Driver, seconds: float) -> None:
 
 def _deadline_cut(driver: Driver, view: RunView) -> Propose:
     """The failed model call to journal when the run's deadline cut the wait for it."""
-    return Propose(
-        run_id=view.run_id,
-        seq=view.seq,
-        raw="",
-        model=driver.model,
-        error=f"no answer before the run's deadline of {view.definition.budgets.deadline:g} s",
+    return unanswered(
+        view.run_id,
+        view.seq,
+        driver.model,
+        f"no answer before the run's deadline of {view.definition.budgets.deadline:g} s",
+        time.perf_counter() - driver.asked,
         retryable=False,
-        latency=time.perf_counter() - driver.asked,
     )
 
 
 def _text(value: Any) -> str:
     return value if type(value) is str else ""
-
-
-def _answer(run_id: str, seq: int, model: str, answer: Any, latency: float) -> Propose:
-    """The proposal message for what a provider returned, whatever it returned.
-
-    A provider may return anything; only a :class:`Proposal` whose fields have their
-    types is a proposal. Anything else is journaled as a defect of that answer, and
-    the gate rejects it as ``malformed`` naming the type; the run goes on.
-    """
-    if not isinstance(answer, Proposal):
-        return Propose(
-            run_id=run_id,
-            seq=seq,
-            raw="",
-            model=model,
-            latency=latency,
-            defect=f"the provider returned {type(answer).__name__}, not a Proposal",
-        )
-    raw, usage = answer.raw, answer.usage
-    defect = ""
-    if type(raw) is not str:
-        defect = f"the provider's Proposal.raw is {type(raw).__name__}, not str"
-        raw = ""
-    if not (
-        type(usage) is TokenUsage
-        and type(usage.prompt) is int
-        and type(usage.completion) is int
-        and usage.prompt >= 0
-        and usage.completion >= 0
-    ):
-        # the type, or the values of a TokenUsage: a foreign object's repr may raise
-        shown = repr(usage) if type(usage) is TokenUsage else type(usage).__name__
-        defect = defect or (
-            f"the provider's Proposal.usage is {shown}, not a TokenUsage of two non-negative ints"
-        )
-        usage = TokenUsage()
-    name, prompt = answer.model, answer.prompt
-    response, envelope, extra = answer.response, answer.envelope, answer.extra_calls
-    return Propose(
-        run_id=run_id,
-        seq=seq,
-        raw=raw,
-        model=name if type(name) is str and name else model,
-        prompt=prompt if type(prompt) is str else "",
-        usage=usage,
-        latency=latency,
-        defect=defect,
-        response=response if type(response) is str else None,
-        envelope=envelope if type(envelope) is Violation else None,
-        extra_calls=extra if type(extra) is tuple else (),
-    )
-
-
-def _retry_after_header(headers: Any) -> float | None:
-    """Seconds from a ``retry-after-ms`` or ``Retry-After`` header (seconds or an HTTP date)."""
-    if headers is None:
-        return None
-    try:
-        millis = headers.get("retry-after-ms")
-        if millis is not None:
-            return max(0.0, float(millis) / 1000)
-        header = headers.get("retry-after")
-        if header is None:
-            return None
-        try:
-            return max(0.0, float(header))
-        except ValueError:
-            when = email.utils.parsedate_to_datetime(header)
-            return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError, AttributeError, OverflowError):
-        return None
-
-
-def _provider_failure(exc: BaseException) -> tuple[bool, float | None, bool]:
-    """Whether retrying a provider that raised ``exc`` can help, its Retry-After, and
-    whether the server refused the request's shape."""
-    if isinstance(exc, ProviderError):
-        return exc.retryable, exc.retry_after, isinstance(exc, RequestRefused)
-    status, after = _http_status(exc)
-    if status is not None:
-        return status in _RETRYABLE_STATUS or status >= 500, after, False
-    return True, None, False  # anything else a provider raises: a failure to answer, retried
 
 
 def _ask(
@@ -503,27 +424,18 @@ def _unanswered(
     latency = time.perf_counter() - driver.asked
     if timed_out:
         timeout = view.definition.provider_policy.timeout
-        raise _Cut(
-            Propose(
-                run_id=driver.run_id,
-                seq=seq,
-                raw="",
-                model=driver.model,
-                error=f"the model call timed out after {timeout:g} s",
-                latency=latency,
-            )
-        ) from None
-    retryable, retry_after, refused = _provider_failure(exc)
-    return Propose(
-        run_id=driver.run_id,
-        seq=seq,
-        raw="",
-        model=driver.model,
-        error=f"provider raised {_describe(exc, 'provider')}",
+        error = f"the model call timed out after {timeout:g} s"
+        raise _Cut(unanswered(driver.run_id, seq, driver.model, error, latency)) from None
+    retryable, retry_after, refused = provider_failure(exc)
+    return unanswered(
+        driver.run_id,
+        seq,
+        driver.model,
+        f"provider raised {_describe(exc, 'provider')}",
+        latency,
         retryable=retryable,
         retry_after=retry_after,
         refused=refused,
-        latency=latency,
     )
 
 
@@ -533,29 +445,10 @@ def _answered(driver: Driver, seq: int, answer: Any) -> Propose:
     Raises:
       _Cut: the answer came as the scope was cancelled (the next checkpoint would raise).
     """
-    message = _answer(driver.run_id, seq, driver.model, answer, time.perf_counter() - driver.asked)
+    message = answered(driver.run_id, seq, driver.model, answer, time.perf_counter() - driver.asked)
     if driver.scope.cancel_called:
         raise _Cut(message)
     return message
-
-
-def _tool_failure(exc: BaseException, tool: Tool) -> tuple[bool, float | None, bool | None]:
-    """Whether a failed attempt is worth retrying, its Retry-After, and whether it was applied."""
-    if isinstance(exc, ToolError):
-        return exc.retryable, exc.retry_after, exc.applied
-    applied: bool | None = False if isinstance(exc, tool.not_applied) else None
-    status, after = _http_status(exc)
-    if status is not None:
-        return status in _RETRYABLE_STATUS, after, applied
-    return _transport_error(exc), None, applied
-
-
-def _transport_error(exc: BaseException) -> bool:
-    """A dropped or refused connection, or a timeout: worth retrying for a safe tool."""
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    httpx = sys.modules.get("httpx")  # only if the tool uses it: never imported for this
-    return httpx is not None and isinstance(exc, httpx.TransportError)
 
 
 def _may_retry(tool: Tool, attempts: _Attempts) -> bool:
@@ -622,7 +515,7 @@ async def execute_call(
                 attempts.retryable = True
                 attempts.applied = None
                 raise _Cut(attempts) from None
-            attempts.retryable, attempts.retry_after, attempts.applied = _tool_failure(exc, tool)
+            attempts.retryable, attempts.retry_after, attempts.applied = tool_failure(exc, tool)
             attempts.error = _describe(exc, "tool")
             continue
         finally:
@@ -634,24 +527,15 @@ async def execute_call(
             attempts.retryable = True
             attempts.applied = None
             continue
-        payload, problem = journalable(result, "result")
-        if problem is not None:
-            attempts.error = (
-                f"tool {call.tool!r} returned a result that cannot be journaled: {problem}"
-            )
-            attempts.retryable = False
-            attempts.applied = True
-            report = _failure(run_id, attempts)
-        else:
-            report = Report(
-                run_id=run_id,
-                seq=attempts.seq,
-                key=call.key,
-                ok=True,
-                result=payload,
-                attempts=attempts.attempt,
-                latency=time.perf_counter() - attempts.started,
-            )
+        report = returned(
+            run_id,
+            attempts.seq,
+            call.key,
+            call.tool,
+            result,
+            attempts.attempt,
+            time.perf_counter() - attempts.started,
+        )
         if driver.tool_cut == token:  # it finished as it was cut: leave the scope first
             raise _Cut(report)
         return report
@@ -675,23 +559,12 @@ async def _under_lease(
     return None, True  # the scope caught its own cancellation: the lease lapsed
 
 
-def _http_status(exc: BaseException) -> tuple[int | None, float | None]:
-    """The HTTP status an exception carries (httpx's ``HTTPStatusError`` and the SDKs'
-    errors hold a ``response``), and the Retry-After its headers give."""
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    if not isinstance(status, int):
-        return None, None
-    return status, _retry_after_header(getattr(response, "headers", None))
-
-
 def _failure(run_id: str, attempts: _Attempts) -> Report:
-    return Report(
-        run_id=run_id,
-        seq=attempts.seq,
-        key=attempts.call.key,
-        ok=False,
-        error=attempts.error,
+    return failed(
+        run_id,
+        attempts.seq,
+        attempts.call.key,
+        attempts.error,
         retryable=attempts.retryable,
         applied=attempts.applied,
         attempts=attempts.attempt,
@@ -719,15 +592,8 @@ async def reconcile_call(
     started = time.perf_counter()
 
     def answer(applied: bool | None, result: Any = None, error: str = "") -> Reconciliation:
-        return Reconciliation(
-            run_id=run_id,
-            seq=verdict.seq,
-            key=call.key,
-            applied=applied,
-            result=result,
-            error=error,
-            latency=time.perf_counter() - started,
-        )
+        latency = time.perf_counter() - started
+        return reconciled(run_id, verdict.seq, call.key, applied, latency, result, error)
 
     token = port.arm_timeout(driver, tool.timeout)
     try:
@@ -752,21 +618,7 @@ async def reconcile_call(
         return answer(None, error=f"reconcile raised {_describe(exc, 'tool')}")
     finally:
         driver.tool_token = 0
-    if found is NotApplied or isinstance(found, NotApplied):
-        message = answer(False)
-    elif isinstance(found, Applied):
-        payload, problem = journalable(found.result, "result")
-        if problem is None:
-            message = answer(True, payload)
-        else:
-            message = answer(
-                None, error=f"reconcile returned a result that cannot be journaled: {problem}"
-            )
-    else:
-        message = answer(
-            None,
-            error=f"reconcile returned {type(found).__name__}, not Applied(result) or NotApplied",
-        )
+    message = answer(*reconcile_found(found))
     if driver.tool_cut == token:  # it finished as it was cut: leave the scope first
         raise _Cut(message)
     return message

@@ -38,8 +38,10 @@ from ..core._events import (
 )
 from ..core._exceptions import InterlockError, JournalInconsistent, ReplayDivergence
 from ..core._machine import ESCALATE, FAILED, Step
-from ..core._messages import Abort, Cancel, Propose, Reconciliation, Recover, Report, Resume, Start
+from ..core._messages import Abort, Cancel, Propose, Recover, Resume, Start
 from ..core._view import RunState, RunView
+from ..providers._base import Proposal
+from ._requests import answered, failed, reconciled, returned, unanswered
 
 if TYPE_CHECKING:
     from ..core._machine import BreakerPolicy, Machine
@@ -184,13 +186,147 @@ def _given(value: Any) -> Any:
     return None if value is msgspec.UNSET else value
 
 
-def _outcome_of_key(
-    recorded: Sequence[Event], start: int, key: str
-) -> ToolCommitted | ToolFailed | None:
-    for event in recorded[start:]:
-        if isinstance(event, ToolCommitted | ToolFailed) and event.key == key:
-            return event
+def _at(recorded: Sequence[Event], position: int) -> Event | None:
+    return recorded[position] if position < len(recorded) else None
+
+
+def _operator_request(run: RunState, recorded: Sequence[Event], position: int) -> Request | None:
+    """The operator's request that produced the events at ``position``, if one did."""
+    upcoming = recorded[position]
+    if isinstance(upcoming, Resumed):
+        if upcoming.to == FAILED:
+            return Abort(run_id=run.run_id, seq=run.seq, by=upcoming.by, note=upcoming.note)
+        return Resume(
+            run_id=run.run_id,
+            seq=run.seq,
+            by=upcoming.by,
+            note=upcoming.note,
+            to=upcoming.to,
+            payload=upcoming.payload,
+        )
+    if (
+        isinstance(upcoming, Transitioned)
+        and upcoming.reason == "operator"
+        and upcoming.dst == FAILED
+    ):
+        failed = _at(recorded, position + 1)
+        reason = failed.reason if isinstance(failed, Failed) else "cancelled"
+        return Cancel(run_id=run.run_id, seq=run.seq, reason=reason)
     return None
+
+
+def _call_request(run: RunState, recorded: Sequence[Event], position: int) -> Request | None:
+    """The request that told the decider how the run's pending call went, rebuilt from
+    the events it produced at ``position`` through the actor's own builders (_requests),
+    or None: the recording stops while the call was in flight (a crash)."""
+    pending = run.pending
+    assert pending is not None
+    run_id, seq, key = run.run_id, run.seq, pending.key
+    upcoming = recorded[position]
+    follows = _at(recorded, position + 1)
+    if (isinstance(upcoming, ToolInDoubt) and upcoming.after_crash) or (
+        isinstance(upcoming, ToolFailed)
+        and isinstance(follows, Transitioned)
+        and follows.reason == "recovery"
+    ):
+        return Recover(run_id=run_id, seq=seq)  # the run was recovered with the call in doubt
+    if isinstance(upcoming, ToolInDoubt) or (
+        isinstance(upcoming, ToolFailed) and upcoming.in_doubt is True
+    ):
+        # A failure that may have been applied (applied unknown): reconciled or escalated.
+        return failed(
+            run_id,
+            seq,
+            key,
+            upcoming.error,
+            retryable=False,
+            applied=None,
+            attempts=upcoming.attempts,
+            latency=upcoming.latency,
+        )
+    if isinstance(upcoming, Reconciled):
+        committed = follows if isinstance(follows, ToolCommitted) else None
+        return reconciled(
+            run_id,
+            seq,
+            key,
+            upcoming.applied,
+            upcoming.latency,
+            committed.result if committed is not None else None,
+            upcoming.error,
+        )
+    outcome = next(
+        (
+            e
+            for e in recorded[position:]
+            if isinstance(e, ToolCommitted | ToolFailed) and e.key == key
+        ),
+        None,
+    )
+    if isinstance(outcome, ToolCommitted):
+        return returned(
+            run_id, seq, key, outcome.tool, outcome.result, outcome.attempts, outcome.latency
+        )
+    if isinstance(outcome, ToolFailed):
+        return failed(
+            run_id,
+            seq,
+            key,
+            outcome.error,
+            retryable=outcome.retryable,
+            applied=False,  # handed back to the model: an in-doubt one is marked so (above)
+            attempts=outcome.attempts,
+            latency=outcome.latency,
+        )
+    return None
+
+
+def _proposal(machine: Machine, run: RunState, upcoming: Event) -> Propose | str:
+    """The proposal that produced ``upcoming`` (a step's, the model's answer or failure,
+    an operator's), or what replay expected instead (a divergence)."""
+    run_id, seq = run.run_id, run.seq
+    spec = machine.states.get(run.state)
+    if isinstance(spec, Step):  # the step runs again, as the actor runs it
+        return _decider.step_proposal(run_id, seq, run.state, spec, RunView(run))
+    if isinstance(upcoming, ModelCalled):
+        try:
+            prompt = expand_prompt(run.prompt_seq, run.prompt, upcoming)
+        except ValueError as exc:
+            return f"a prompt delta that fits ({exc})"
+        answer = Proposal(
+            raw=upcoming.raw,
+            usage=upcoming.usage,
+            model=upcoming.model,
+            prompt=prompt,
+            response=_given(upcoming.response),
+            envelope=_given(upcoming.envelope),
+            extra_calls=_given(upcoming.extra_calls) or (),
+        )
+        msg = answered(run_id, seq, upcoming.model, answer, upcoming.latency)
+        # What the journal keeps of an answer the actor read otherwise: a defect it found
+        # (the provider returned no Proposal), an answer over the cap kept as an excerpt,
+        # a failed call journaled before provider_failed existed.
+        return msgspec.structs.replace(
+            msg,
+            defect=upcoming.defect or "",
+            oversized=_given(upcoming.oversized),
+            error=upcoming.error,
+            legacy=bool(upcoming.error),
+        )
+    if isinstance(upcoming, ProviderFailed):
+        return unanswered(
+            run_id,
+            seq,
+            upcoming.model,
+            upcoming.error,
+            upcoming.latency,
+            retryable=upcoming.retryable,
+            retry_after=upcoming.retry_after,
+            refused=upcoming.refused is True,
+        )
+    if isinstance(upcoming, StepProposed) and upcoming.source == "operator":
+        return Propose(run_id=run_id, seq=seq, raw=upcoming.raw, source="operator")
+    return f"a model call in state {run.state!r}"
 
 
 def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
@@ -228,8 +364,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
             position = len(produced)
             if position >= len(recorded):
                 return divergence(position, _describe(event))
-            expected = recorded[position]
-            if _comparable(event) != _comparable(expected):
+            if _comparable(event) != _comparable(recorded[position]):
                 return divergence(position, _describe(event))
             produced.append(event)
             clock.position = len(produced)
@@ -237,157 +372,29 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
 
     if first.machine != machine.name:
         return divergence(0, f"run_started of machine {machine.name!r}")
-    result = feed(
-        Start(
-            run_id=run_id,
-            machine=first.machine,
-            inputs=dict(first.inputs),
-            external=first.external is True,
-        )
+    start = Start(
+        run_id=run_id,
+        machine=first.machine,
+        inputs=dict(first.inputs),
+        external=first.external is True,
     )
+    result = feed(start)
     while result is None and len(produced) < len(recorded):
-        run = live[0]
-        position = len(produced)
-        upcoming = recorded[position]
-        msg: Request
-        if isinstance(upcoming, Resumed):
-            if upcoming.to == FAILED:
-                msg = Abort(run_id=run_id, seq=run.seq, by=upcoming.by, note=upcoming.note)
+        run, position = live[0], len(produced)
+        msg: Request | str | None = _operator_request(run, recorded, position)
+        if msg is None:
+            if run.terminal:
+                return divergence(position, f"the run ended in {run.state}")
+            if run.pending is not None:
+                msg = _call_request(run, recorded, position)
+                if msg is None:
+                    break  # the recording stops while a call was in flight: nothing to compare
             else:
-                msg = Resume(
-                    run_id=run_id,
-                    seq=run.seq,
-                    by=upcoming.by,
-                    note=upcoming.note,
-                    to=upcoming.to,
-                    payload=upcoming.payload,
-                )
-        elif (
-            isinstance(upcoming, Transitioned)
-            and upcoming.reason == "operator"
-            and upcoming.dst == FAILED
-        ):
-            failed = recorded[position + 1] if position + 1 < len(recorded) else None
-            reason = failed.reason if isinstance(failed, Failed) else "cancelled"
-            msg = Cancel(run_id=run_id, seq=run.seq, reason=reason)
-        elif run.terminal:
-            return RunReplay(
-                run_id,
-                machine.name,
-                len(produced),
-                divergence(position, f"the run ended in {run.state}").divergence,
-            )
-        elif run.pending is not None:
-            key = run.pending.key
-            follows = recorded[position + 1] if position + 1 < len(recorded) else None
-            if (
-                isinstance(upcoming, ToolFailed)
-                and isinstance(follows, Transitioned)
-                and follows.reason == "recovery"
-            ) or (isinstance(upcoming, ToolInDoubt) and upcoming.after_crash):
-                msg = Recover(run_id=run_id, seq=run.seq)
-            elif isinstance(upcoming, ToolInDoubt):
-                msg = Report(
-                    run_id=run_id,
-                    seq=run.seq,
-                    key=key,
-                    ok=False,
-                    error=upcoming.error,
-                    attempts=upcoming.attempts,
-                    latency=upcoming.latency,
-                )
-            elif (
-                isinstance(upcoming, ToolFailed)
-                and isinstance(follows, Transitioned)
-                and follows.reason == "in_doubt"
-            ):
-                msg = Report(
-                    run_id=run_id,
-                    seq=run.seq,
-                    key=key,
-                    ok=False,
-                    error=upcoming.error.removeprefix("in doubt: "),
-                    attempts=upcoming.attempts,
-                    latency=upcoming.latency,
-                )
-            elif isinstance(upcoming, Reconciled):
-                committed = follows if isinstance(follows, ToolCommitted) else None
-                msg = Reconciliation(
-                    run_id=run_id,
-                    seq=run.seq,
-                    key=key,
-                    applied=upcoming.applied,
-                    result=committed.result if committed is not None else None,
-                    error=upcoming.error,
-                    latency=upcoming.latency,
-                )
-            else:
-                outcome = _outcome_of_key(recorded, position, key)
-                if outcome is None:
-                    break  # the recording stops while a call was in flight (a crash): nothing to compare
-                told: dict[str, Any] = (
-                    {"ok": True, "result": outcome.result}
-                    if isinstance(outcome, ToolCommitted)
-                    else {
-                        "ok": False,
-                        "error": outcome.error,
-                        "retryable": outcome.retryable,
-                        "applied": False,  # an in-doubt failure would show as one
-                    }
-                )
-                msg = Report(
-                    run_id=run_id,
-                    seq=run.seq,
-                    key=key,
-                    attempts=outcome.attempts,
-                    latency=outcome.latency,
-                    **told,
-                )
-        else:
-            spec = machine.states.get(run.state)
-            if isinstance(spec, Step):  # the step runs again, as the actor runs it
-                msg = _decider.step_proposal(run_id, run.seq, run.state, spec, RunView(run))
-            elif isinstance(upcoming, ModelCalled):
-                try:
-                    prompt = expand_prompt(run.prompt_seq, run.prompt, upcoming)
-                except ValueError as exc:
-                    return divergence(position, f"a prompt delta that fits ({exc})")
-                msg = Propose(
-                    run_id=run_id,
-                    seq=run.seq,
-                    raw=upcoming.raw,
-                    model=upcoming.model,
-                    prompt=prompt,
-                    usage=upcoming.usage,
-                    latency=upcoming.latency,
-                    error=upcoming.error,
-                    defect=upcoming.defect or "",
-                    legacy=bool(upcoming.error),
-                    response=_given(upcoming.response),
-                    envelope=_given(upcoming.envelope),
-                    extra_calls=_given(upcoming.extra_calls) or (),
-                    oversized=_given(upcoming.oversized),
-                )
-            elif isinstance(upcoming, ProviderFailed):
-                msg = Propose(
-                    run_id=run_id,
-                    seq=run.seq,
-                    raw="",
-                    model=upcoming.model,
-                    latency=upcoming.latency,
-                    error=upcoming.error,
-                    retryable=upcoming.retryable,
-                    retry_after=upcoming.retry_after,
-                    refused=upcoming.refused is True,
-                )
-            elif isinstance(upcoming, StepProposed) and upcoming.source == "operator":
-                msg = Propose(run_id=run_id, seq=run.seq, raw=upcoming.raw, source="operator")
-            else:
-                return divergence(position, f"a model call in state {run.state!r}")
+                msg = _proposal(machine, run, recorded[position])
+        if isinstance(msg, str):
+            return divergence(position, msg)
         result = feed(msg)
-    if result is not None:
-        return result
-    return RunReplay(run_id, machine.name, len(produced))
+    return result or RunReplay(run_id, machine.name, len(produced))
 
 
 def split_runs(events: Iterable[Event]) -> dict[str, list[Event]]:
