@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 import time
 import urllib.parse
@@ -47,6 +46,7 @@ from ..protocol import (
     VerifyOut,
 )
 from ..runtime._metrics import RuntimeCollector
+from ._guard import retry_after
 from ._service import GatewayError, GatewayService
 
 if TYPE_CHECKING:
@@ -429,7 +429,7 @@ def _problem(exc: GatewayError) -> _Response:
         (b"content-length", str(len(data)).encode()),
     ]
     if exc.retry_after is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after))).encode()))
+        headers.append((b"retry-after", b"%d" % retry_after(exc.retry_after)))
     if exc.status == 405:
         allowed = exc.detail.rpartition("; use ")[2]
         headers.append((b"allow", allowed.encode()))
