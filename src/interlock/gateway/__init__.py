@@ -32,10 +32,11 @@ from ..protocol import (
     VerifyOut,
     ViolationOut,
 )
-from ._app import GatewayApp, openapi_document
+from ._app import GatewayApp
 from ._channel import serve_channel
 from ._guard import Limits
 from ._keys import KeyRing, Principal
+from ._routes import openapi_document
 from ._serve import GatewayServer, create_app, serve_gateway
 from ._service import GatewayError, GatewayService, PrincipalLike
 
