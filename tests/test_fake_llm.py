@@ -1127,7 +1127,7 @@ async def test_the_fake_runs_in_its_own_process_until_sigterm() -> None:
     import sys
 
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "interlock.testing._fake"], stdout=subprocess.PIPE
+        [sys.executable, "-m", "interlock.testing"], stdout=subprocess.PIPE
     )
     try:
         line = b""
@@ -1149,7 +1149,7 @@ def test_the_fake_process_refuses_a_bad_brain_in_one_line() -> None:
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "interlock.testing._fake", "--brain", "nowhere"],
+        [sys.executable, "-m", "interlock.testing", "--brain", "nowhere"],
         capture_output=True,
         text=True,
         check=False,
