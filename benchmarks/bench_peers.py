@@ -377,7 +377,7 @@ def use_decide_twin() -> bool:
     if _view.DECIDE_IMPLEMENTATION != "compiled":
         return False
     _view.RunState = _decider.RunState = _view.PyRunState  # type: ignore[misc]
-    _decider._propose = _decider._on_propose
+    _decider._propose = _decider.propose = _decider._on_propose
     _decider._report = _decider._on_report
     return True
 
