@@ -2,7 +2,6 @@
 and ``_decider``'s own paths."""
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from ._events import Event
