@@ -101,80 +101,18 @@ if _typing.TYPE_CHECKING:
 #: Public names loaded on first use: importing prometheus_client is slow at start-up.
 _LAZY = ("serve_metrics",)
 
-#: Names that were public here once, and where they are now (or why they are gone).
-_MOVED = {
-    **dict.fromkeys(
-        [
-            "BREAKERS",
-            "BreakerTripped",
-            "Completed",
-            "Escalated",
-            "Event",
-            "Failed",
-            "IntentRecorded",
-            "JournalEvent",
-            "ModelCalled",
-            "Oversized",
-            "ProposalRejected",
-            "ProviderFailed",
-            "Reconciled",
-            "Resumed",
-            "RunStarted",
-            "StepProposed",
-            "TokenUsage",
-            "ToolCommitted",
-            "ToolFailed",
-            "ToolInDoubt",
-            "Transitioned",
-            "Violation",
-            "decode_event",
-            "encode_event",
-            "expand_prompt",
-            "hash_prompt",
-            "whole_prompts",
-        ],
-        "interlock.events",
-    ),
-    **dict.fromkeys(
-        [
-            "Abort",
-            "Cancel",
-            "Message",
-            "Propose",
-            "Reconciliation",
-            "Recover",
-            "Report",
-            "Request",
-            "Resume",
-            "Start",
-            "Sync",
-            "ToolCall",
-            "Verdict",
-            "decode_message",
-            "encode_message",
-        ],
-        "interlock.messages",
-    ),
-    **dict.fromkeys(
-        [
-            "AppRefError",
-            "EscalationResolved",
-            "IllegalResumeTarget",
-            "IndexDamaged",
-            "InternalError",
-            "JournalCorrupt",
-            "NoProvider",
-            "PayloadRejected",
-            "RequestRefused",
-            "UnknownState",
-        ],
-        "interlock.errors",
-    ),
-    **dict.fromkeys(
-        ("RuntimeCollector", "RuntimeStats", "SupervisorStatistics"), "interlock.metrics"
-    ),
-    "Frame": "interlock.providers",
-}
+#: Where names that were public here once live now: each public module's own ``__all__``.
+_HOMES = ("events", "messages", "errors", "metrics", "providers")
+
+
+def _moved_to(name: str) -> str | None:
+    import importlib
+
+    for home in _HOMES:
+        if name in importlib.import_module(f"interlock.{home}").__all__:
+            return f"interlock.{home}"
+    return None
+
 
 #: Internals that were public once: what to use instead.
 _INTERNAL = {
@@ -191,10 +129,10 @@ def __getattr__(name: str) -> _typing.Any:
         from .runtime import _metrics
 
         return getattr(_metrics, name)
-    if name in _MOVED:
+    home = None if name.startswith("_") else _moved_to(name)
+    if home is not None:
         raise AttributeError(
-            f"interlock.{name} moved: import it from {_MOVED[name]} "
-            f"(from {_MOVED[name]} import {name})"
+            f"interlock.{name} moved: import it from {home} (from {home} import {name})"
         )
     if name in _INTERNAL:
         raise AttributeError(
