@@ -3,7 +3,8 @@
 The scenario of ``tests/test_scaleout_chaos.py::test_no_call_is_cut_as_stalled_under_load_with_no_fault``
 (its app, ``tests/scaleout_app.py``, whose ``charge`` is not idempotent and cannot reconcile,
 so a call cut in flight escalates), measured before and after the fix: 9,000 runs enqueued,
-three ``interlock worker`` processes (``--max-runs 3000 --claim-batch 500``) at a lease ttl,
+three ``interlock worker`` processes (``--max-runs 3000 --claim-batch 500``; ``--runs N``: N
+runs, a third of them per worker) at a lease ttl,
 nothing killed, stopped or cut off. Per round: the runs escalated because a call was cut
 as if its worker had stalled past its lease, every journaled failure of such a cut (a
 ``notify`` cut is reconciled instead), the leases lost (another worker took them), and the
@@ -33,7 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 9000
-LOAD = ("--max-runs", "3000", "--claim-batch", "500")
+CLAIM_BATCH = "500"
 
 
 def export_src(rev: str, into: Path) -> Path:
@@ -47,22 +48,23 @@ def export_src(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def one_round(dsn: str, src: Path, ttl: float, logs: Path) -> dict[str, Any]:
+def one_round(dsn: str, src: Path, ttl: float, logs: Path, runs: int = RUNS) -> dict[str, Any]:
     from tests import _scaleout as so
 
     schema = so.new_schema("bench_stall")
     url = so.journal_url(dsn, schema)
     try:
-        so.enqueue_many(url, range(RUNS))
+        so.enqueue_many(url, range(runs))
+        load = ("--max-runs", str(runs // 3), "--claim-batch", CLAIM_BATCH)
         started = time.monotonic()
         env = {"PYTHONPATH": str(src)}
         with so.processes() as procs:
             procs.extend(
-                so.worker(url, logs, f"{schema}-w{i}", *LOAD, ttl=ttl, env=env) for i in range(3)
+                so.worker(url, logs, f"{schema}-w{i}", *load, ttl=ttl, env=env) for i in range(3)
             )
             so.wait_until(
-                f"all {RUNS} runs terminal",
-                lambda: so.progress(url)[0] == RUNS,
+                f"all {runs} runs terminal",
+                lambda: so.progress(url)[0] == runs,
                 timeout=900,
                 procs=procs,
             )
@@ -73,9 +75,10 @@ def one_round(dsn: str, src: Path, ttl: float, logs: Path) -> dict[str, Any]:
         wall = time.monotonic() - started
         summaries = [proc.summary() for proc in procs]
         escalated, cuts = so.stall_cuts(url)
-        problems = so.audit(url, runs=RUNS)
+        problems = so.audit(url, runs=runs)
         return {
             "ttl": ttl,
+            "runs": runs,
             "stall_escalations": escalated,
             "stall_cuts": cuts,
             "lost": sum(s["lost"] for s in summaries),
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the revision to compare against")
     parser.add_argument("--ttl", type=float, nargs="+", default=[2.0, 3.0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=RUNS, help="runs enqueued (a third per worker)")
     args = parser.parse_args()
     dsn = os.environ["INTERLOCK_PG_DSN"]
     sys.path.insert(0, str(ROOT))
@@ -103,7 +107,7 @@ def main() -> None:
             for index in range(args.rounds):
                 order = list(sides.items())
                 for name, src in order if index % 2 == 0 else reversed(order):
-                    row = one_round(dsn, src, ttl, Path(tmp))
+                    row = one_round(dsn, src, ttl, Path(tmp), args.runs)
                     row.update(side=name, round=index + 1)
                     print(row, file=sys.stderr, flush=True)
                     rows.append(row)
@@ -114,8 +118,8 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"| {r['side']} | {r['ttl']:g} | {r['round']} | {RUNS:,} | {r['stall_escalations']} "
-            f"| {100 * r['stall_escalations'] / RUNS:.1f}% | {r['stall_cuts']} | {r['lost']} "
+            f"| {r['side']} | {r['ttl']:g} | {r['round']} | {r['runs']:,} | {r['stall_escalations']} "
+            f"| {100 * r['stall_escalations'] / r['runs']:.1f}% | {r['stall_cuts']} | {r['lost']} "
             f"| {r['violations']} | {r['wall_s']:.0f} | {r['load']:.1f} |"
         )
 
