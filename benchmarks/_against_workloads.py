@@ -564,13 +564,15 @@ class Channel:
         self.decode = msgspec.msgpack.Decoder().decode
         self.outgoing = bytearray()
         self.wake: Any = None
+        self.hold = False
+        """While set, queued frames wait (a whole wave goes out in one write)."""
 
     async def write(self) -> None:
         """Send what the runs' tasks queued, many frames per write (one sender at a time)."""
         import trio
 
         while True:
-            if not self.outgoing:
+            while self.hold or not self.outgoing:
                 self.wake = trio.Event()
                 await self.wake.wait()
             data, self.outgoing = bytes(self.outgoing), bytearray()
@@ -586,7 +588,7 @@ class Channel:
         self.waiting[frame_id] = slot
         self.outgoing += HEADER.pack(len(payload))
         self.outgoing += payload
-        if self.wake is not None:
+        if self.wake is not None and not self.hold:
             self.wake.set()
         await slot[0].wait()
         answer = slot[1]
@@ -619,9 +621,10 @@ class Channel:
 def channel(
     size: int, seconds: float = 3.0, batches: int = 0, valgrind: str | None = None
 ) -> dict[str, Any]:
-    """Timed over ``seconds``; or, with ``batches``, each run proposes exactly that many
-    times (with ``valgrind``: the server's instructions, counted)."""
+    """Timed over ``seconds``, each run pipelined on its own; or, with ``batches``, that
+    many waves of one proposal per run (with ``valgrind``: the server's instructions)."""
     import trio
+    import trio.testing
 
     async def main(pid: int, url: str) -> dict[str, Any]:
         host, port = url.removeprefix("tcp://").rsplit(":", 1)
@@ -651,6 +654,35 @@ def channel(
                 state, seq = verdict["state"], verdict["seq"]
                 n += 1
 
+        async def waves() -> None:
+            """Counted: every run's proposal sent in one write, all answered, then the next
+            wave: how many frames the server reads together does not depend on timing."""
+            created = []
+            for i in range(size):
+                run_id = f"c-{i}"
+                run = await conn.request(
+                    "create_run",
+                    None,
+                    {"machine": "cycle", "inputs": {}, "run_id": run_id, "mode": "external"},
+                )
+                created.append([run_id, run["state"], run["seq"]])
+            for n in range(batches):
+                verdicts: list[Any] = [None] * size
+
+                async def one(into: list[Any], i: int, run_id: str, body: Any) -> None:
+                    into[i] = _accepted(await conn.request("propose", run_id, body))
+
+                async with trio.open_nursery() as wave:
+                    conn.hold = True  # the writer sends the whole wave at once
+                    for i, (run_id, state, seq) in enumerate(created):
+                        body = {"proposal": transition(state, n), "expected_seq": seq}
+                        wave.start_soon(one, verdicts, i, run_id, body)
+                    await trio.testing.wait_all_tasks_blocked()
+                    conn.hold = False
+                    conn.wake.set()
+                for entry, verdict in zip(created, verdicts, strict=True):
+                    entry[1], entry[2] = verdict["state"], verdict["seq"]
+
         window = _window_figures(load, pid, seconds)
         figures: dict[str, Any] = {"proposals": size * batches}
         try:
@@ -658,9 +690,7 @@ def channel(
                 nursery.start_soon(conn.read)
                 nursery.start_soon(conn.write)
                 if batches:
-                    async with trio.open_nursery() as runs:
-                        for i in range(size):
-                            runs.start_soon(one_run, i)
+                    await waves()
                 else:
                     for i in range(size):
                         nursery.start_soon(one_run, i)
