@@ -297,12 +297,12 @@ async def handshake(url: str, path: str, headers: dict[str, str]) -> tuple[int, 
 
 def test_the_route_table_names_every_route_the_api_serves() -> None:
     from interlock.gateway._app import _ROUTES
-    from interlock.gateway._guard import DEFAULT_ROUTES, WEBSOCKET
+    from interlock.gateway._routes import ROUTES, WEBSOCKET
 
     served = {(method, name) for name, route in _ROUTES.items() for method in route.handlers}
-    table = {route for route in DEFAULT_ROUTES if route[0] != WEBSOCKET}
+    table = {(r.method, r.path) for r in ROUTES if r.method != WEBSOCKET}
     assert served == table  # a route the table lacks would let any valid key in
-    assert len(DEFAULT_ROUTES) == 17
+    assert len(ROUTES) == 17
 
 
 #: The role each route needs, as the README's table of roles says: kept here, apart from the
@@ -329,18 +329,19 @@ ROLE_OF = {
 
 
 def test_the_guard_table_gives_every_route_its_role() -> None:
-    from interlock.gateway._guard import DEFAULT_ROUTES
+    from interlock.gateway._routes import ROUTES
 
-    missing = sorted(set(DEFAULT_ROUTES) - set(ROLE_OF))
+    roles = {(r.method, r.path): r.role for r in ROUTES}
+    missing = sorted(set(roles) - set(ROLE_OF))
     assert not missing, f"routes {missing} have no role in ROLE_OF: add the role each needs"
-    assert dict(DEFAULT_ROUTES) == ROLE_OF
+    assert roles == ROLE_OF
 
 
 def _routes() -> list[tuple[str, str, str | None]]:
-    from interlock.gateway._guard import DEFAULT_ROUTES
+    from interlock.gateway._routes import ROUTES
 
     # every route of the guard's table, with the role it must need
-    return [(method, path, ROLE_OF.get((method, path), "?")) for method, path in DEFAULT_ROUTES]
+    return [(r.method, r.path, ROLE_OF.get((r.method, r.path), "?")) for r in ROUTES]
 
 
 GUARD_REFUSALS = {

@@ -26,8 +26,6 @@ from hypercorn.trio import serve
 
 from interlock.gateway import _keys
 from interlock.gateway._guard import (
-    DEFAULT_ROUTES,
-    STREAMING_ROUTES,
     Limits,
     RateLimiter,
     RunQuota,
@@ -46,6 +44,7 @@ from interlock.gateway._keys import (
     hash_key,
     is_loopback,
 )
+from interlock.gateway._routes import ROUTES, Route
 
 AGENT_KEY = "agent-key-9d2f0c4e1b7a4f0e8c3d"
 READER_KEY = "reader-key-5b8e2a1c7d3f4e6a9b0c"
@@ -472,22 +471,8 @@ def test_run_quota():
         RunQuota(0)
 
 
-def test_every_api_operation_has_a_role_in_the_guard():
-    """The guard's table and the API's OpenAPI document name the same routes."""
-    from interlock.gateway._app import openapi_document
-
-    documented = {
-        (method.upper(), path)
-        for path, operations in openapi_document()["paths"].items()
-        for method in operations
-    }
-    table = {route for route in DEFAULT_ROUTES if route[0] != "WEBSOCKET"}
-    assert documented - table == set()
-    assert table - documented == {("GET", "/openapi.json")}
-
-
 def test_route_table():
-    router = _Router(DEFAULT_ROUTES, STREAMING_ROUTES)
+    router = _Router(ROUTES)
     assert router.match("POST", "/v1/runs").role == "agent"
     assert router.match("GET", "/v1/runs").role == "reader"
     assert router.match("HEAD", "/v1/runs/r-1").role == "reader"
@@ -501,11 +486,17 @@ def test_route_table():
     assert router.match("DELETE", "/v1/runs").role is None
     assert not router.match("DELETE", "/v1/runs").public
     with pytest.raises(ValueError, match=r"^route POST /x: role 'admin' is not one of"):
-        _Router({("POST", "/x"): "admin"}, ())
+        Route("POST", "/x", "admin", "x")
     with pytest.raises(ValueError, match=r"the method must be upper case"):
-        _Router({("post", "/x"): "agent"}, ())
-    with pytest.raises(ValueError, match=r"is not in the route table"):
-        _Router({("GET", "/x"): "agent"}, {("GET", "/y")})
+        Route("post", "/x", "agent", "x")
+    with pytest.raises(ValueError, match=r"the path must start with '/'"):
+        Route("GET", "x", "agent", "x")
+    with pytest.raises(ValueError, match=r"limits must be 'request' or 'stream'"):
+        Route("GET", "/x", "agent", "x", limits="forever")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^route GET /v1/runs/\{run\} is in the table twice"):
+        _Router((*ROUTES, Route("GET", "/v1/runs/{run}", "agent", "x")))
+    with pytest.raises(TypeError, match=r"must be Route objects"):
+        _Router([("GET", "/x")])  # type: ignore[list-item]
 
 
 # ---- the middleware over real HTTP -----------------------------------------------------------
@@ -633,14 +624,14 @@ def assert_problem(response: httpx.Response, status: int, slug: str) -> dict:
     return body
 
 
-ROUTES = {**DEFAULT_ROUTES, ("POST", "/slow"): "agent"}
+SLOW_ROUTES = (*ROUTES, Route("POST", "/slow", "agent", "an app that takes its time"))
 
 
 async def test_keys_and_roles_over_http(keyring):
     app = EchoApp()
     with trio.fail_after(60):
         async with (
-            served(guarded(app, keyring, Limits(), routes=ROUTES)) as url,
+            served(guarded(app, keyring, Limits(), routes=SLOW_ROUTES)) as url,
             httpx.AsyncClient(base_url=url) as client,
         ):
             for path in ("/healthz", "/readyz", "/openapi.json"):
@@ -757,7 +748,7 @@ async def test_body_limit_announced_and_streamed(keyring):
 async def test_an_answer_before_the_body_is_read_says_connection_close(keyring):
     """The app refusing a body unread (a 415, say) leaves hypercorn to close the connection;
     the guard adds ``Connection: close`` so the client does not lose its next request."""
-    routes = {**DEFAULT_ROUTES, ("POST", "/refuse-unread"): "agent"}
+    routes = (*ROUTES, Route("POST", "/refuse-unread", "agent", "refuses the body unread"))
     with trio.fail_after(60):
         async with (
             served(guarded(EchoApp(), keyring, Limits(), routes=routes)) as url,
@@ -779,13 +770,13 @@ async def test_http2_refusals_before_the_body_do_not_crash_the_server(keyring):
     """hypercorn 0.18's HTTP/2 dies (a KeyError out of serve) on body data for a stream whose
     response ended (pgjones/hypercorn#329); the guard ends such a stream only after its body."""
     pytest.importorskip("h2")
-    routes = {
-        **DEFAULT_ROUTES,
-        ("POST", "/refuse-unread"): "agent",
-        ("POST", "/early-start"): "agent",
-        ("POST", "/raises"): "agent",
-        ("POST", "/unfinished"): "agent",
-    }
+    routes = (
+        *ROUTES,
+        *(
+            Route("POST", path, "agent", "an echo app's misbehaviour")
+            for path in ("/refuse-unread", "/early-start", "/raises", "/unfinished")
+        ),
+    )
     big = b"x" * 300_000
 
     async def chunks():
@@ -852,7 +843,7 @@ async def test_request_timeout_and_streaming_exemption(keyring):
     app = EchoApp(hold_stream=True)
     limits = Limits(request_timeout=0.5)
     with trio.fail_after(60):
-        async with served(guarded(app, keyring, limits, routes=ROUTES)) as url:
+        async with served(guarded(app, keyring, limits, routes=SLOW_ROUTES)) as url:
             async with (
                 httpx.AsyncClient(base_url=url, timeout=30) as client,
                 trio.open_nursery() as nursery,
@@ -1015,7 +1006,7 @@ header_text = st.text(
     st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=80
 )
 paths = st.sampled_from(
-    [p.replace("{id}", "r-1") for _, p in DEFAULT_ROUTES if not p.startswith("/v1/channel")]
+    [r.path.replace("{id}", "r-1") for r in ROUTES if not r.path.startswith("/v1/channel")]
     + ["/", "/v1/runs/", "/nope"]
 )
 paths = paths | st.text(

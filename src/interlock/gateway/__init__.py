@@ -7,10 +7,11 @@ its keys and limits. The request and
 response bodies are the Structs of :mod:`interlock.protocol`.
 """
 
-from ._app import GatewayApp, openapi_document
+from ._app import GatewayApp
 from ._channel import serve_channel
 from ._guard import Limits
 from ._keys import KeyRing, Principal
+from ._routes import openapi_document
 from ._serve import GatewayServer, create_app, serve_gateway
 from ._service import GatewayError, GatewayService, PrincipalLike
 

@@ -26,34 +26,25 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .._version import __version__
 from ..core._exceptions import StoreDamaged
 from ..protocol import (
     AbortIn,
-    EscalationOut,
-    EscalationPage,
     EventOut,
-    EventPage,
     HealthOut,
-    Problem,
     ProposalIn,
-    ReadyOut,
     ResultIn,
     ResumeIn,
     RunCreate,
-    RunOut,
-    RunPage,
-    VerdictOut,
     VerifyIn,
-    VerifyOut,
 )
 from ..runtime._metrics import RuntimeCollector
+from ._routes import JSON, MSGPACK, PROBLEM_JSON, ROUTES, WEBSOCKET, Route, openapi_document
 from ._service import GatewayError, GatewayService, damaged
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["GatewayApp", "openapi_document"]
+__all__ = ["GatewayApp"]
 
 log = logging.getLogger("interlock.gateway")
 
@@ -64,10 +55,7 @@ Send: TypeAlias = Callable[[Message], Awaitable[None]]
 ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
 T = TypeVar("T")
 
-JSON = "application/json"
-MSGPACK = "application/msgpack"
 _MSGPACK_TYPES = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
-PROBLEM_JSON = "application/problem+json"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 #: The largest request body the app reads, in bytes, when no guard limits it first.
 DEFAULT_MAX_BODY = 8 << 20
@@ -167,6 +155,8 @@ Handler: TypeAlias = Callable[["GatewayApp", _Request], Awaitable[_Response | No
 
 
 class _Route:
+    """The routes of one path pattern: its regex and the handler of each method."""
+
     __slots__ = ("handlers", "name", "pattern")
 
     def __init__(self, name: str) -> None:
@@ -176,18 +166,44 @@ class _Route:
         self.handlers: dict[str, Handler] = {}
 
 
-_ROUTES: dict[str, _Route] = {}
+#: The handlers, by the name a :class:`Route` gives (the function's, without its ``_``).
+_HANDLERS: dict[str, Handler] = {}
 
 
-def _route(method: str, name: str) -> Callable[[Handler], Handler]:
-    def register(handler: Handler) -> Handler:
-        route = _ROUTES.get(name)
-        if route is None:
-            route = _ROUTES[name] = _Route(name)
-        route.handlers[method] = handler
-        return handler
+def _handles(handler: Handler) -> Handler:
+    _HANDLERS[handler.__name__.removeprefix("_")] = handler
+    return handler
 
-    return register
+
+def _compile(routes: tuple[Route, ...]) -> dict[str, _Route]:
+    """The HTTP routes of the table by path pattern, each method bound to its handler.
+
+    Raises:
+      RuntimeError: if a route names a handler this module lacks, or a handler serves no
+        route (a route added to one place and not the other).
+    """
+    compiled: dict[str, _Route] = {}
+    for route in routes:
+        if route.method == WEBSOCKET:
+            continue
+        handler = _HANDLERS.get(route.handler)
+        if handler is None:
+            raise RuntimeError(
+                f"route {route.method} {route.path} names the handler {route.handler!r}, "
+                f"which the gateway app lacks; define async def _{route.handler}(app, request) "
+                "decorated with @_handles"
+            )
+        handlers = compiled.setdefault(route.path, _Route(route.path)).handlers
+        if route.method in handlers:
+            raise RuntimeError(f"route {route.method} {route.path} is in ROUTES twice; keep one")
+        handlers[route.method] = handler
+    unused = set(_HANDLERS) - {r.handler for r in routes}
+    if unused:
+        raise RuntimeError(
+            f"the handlers {sorted(unused)} serve no route; add their Route to ROUTES "
+            "(gateway/_routes.py)"
+        )
+    return compiled
 
 
 class GatewayApp:
@@ -442,19 +458,19 @@ def _problem(exc: GatewayError) -> _Response:
 # -- routes -------------------------------------------------------------------------------
 
 
-@_route("GET", "/healthz")
+@_handles
 async def _healthz(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, HealthOut())
 
 
-@_route("GET", "/readyz")
+@_handles
 async def _readyz(app: GatewayApp, request: _Request) -> _Response:
     ready = await app.service.ready()
     headers = [] if ready.ready else [(b"retry-after", b"1")]
     return app._reply(request, ready, 200 if ready.ready else 503, headers)
 
 
-@_route("GET", "/metrics")
+@_handles
 async def _metrics(app: GatewayApp, request: _Request) -> _Response:
     data = generate_latest(app.registry)
     return _Response(
@@ -467,7 +483,7 @@ async def _metrics(app: GatewayApp, request: _Request) -> _Response:
     )
 
 
-@_route("GET", "/openapi.json")
+@_handles
 async def _openapi(app: GatewayApp, request: _Request) -> _Response:
     if app._openapi is None:
         app._openapi = json.dumps(openapi_document()).encode()
@@ -478,7 +494,7 @@ async def _openapi(app: GatewayApp, request: _Request) -> _Response:
     )
 
 
-@_route("POST", "/v1/runs")
+@_handles
 async def _create_run(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, RunCreate)
     run, created = await app.service.create_run(body, request.principal)
@@ -486,7 +502,7 @@ async def _create_run(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, run, 201 if created else 200, [(b"location", location)])
 
 
-@_route("GET", "/v1/runs")
+@_handles
 async def _list_runs(app: GatewayApp, request: _Request) -> _Response:
     page = await app.service.list_runs(
         state=request.text("state") or None,
@@ -499,12 +515,12 @@ async def _list_runs(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, page)
 
 
-@_route("GET", "/v1/runs/{id}")
+@_handles
 async def _get_run(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, await app.service.get_run(request.params["id"], request.principal))
 
 
-@_route("GET", "/v1/runs/{id}/events")
+@_handles
 async def _events(app: GatewayApp, request: _Request) -> _Response:
     page = await app.service.events(
         request.params["id"],
@@ -515,7 +531,7 @@ async def _events(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, page)
 
 
-@_route("GET", "/v1/runs/{id}/stream")
+@_handles
 async def _stream(app: GatewayApp, request: _Request) -> None:
     after = request.integer("after", 0)
     last = request.header(b"last-event-id").strip()
@@ -601,204 +617,49 @@ def sse(event: EventOut) -> bytes:
     )
 
 
-@_route("POST", "/v1/runs/{id}/proposals")
+@_handles
 async def _propose(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, ProposalIn)
     verdict = await app.service.propose(request.params["id"], body, request.principal)
     return app._reply(request, verdict)
 
 
-@_route("POST", "/v1/runs/{id}/results")
+@_handles
 async def _report(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, ResultIn)
     verdict = await app.service.report(request.params["id"], body, request.principal)
     return app._reply(request, verdict)
 
 
-@_route("POST", "/v1/verify")
+@_handles
 async def _verify(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, VerifyIn)
     return app._reply(request, await app.service.verify_batch(body, request.principal))
 
 
-@_route("GET", "/v1/escalations")
+@_handles
 async def _escalations(app: GatewayApp, request: _Request) -> _Response:
     return app._reply(request, await app.service.escalations(request.principal))
 
 
-@_route("GET", "/v1/escalations/{id}")
+@_handles
 async def _escalation(app: GatewayApp, request: _Request) -> _Response:
     found = await app.service.escalation(request.params["id"], request.principal)
     return app._reply(request, found)
 
 
-@_route("POST", "/v1/escalations/{id}/resume")
+@_handles
 async def _resume(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, ResumeIn)
     run = await app.service.resume(request.params["id"], body, request.principal)
     return app._reply(request, run)
 
 
-@_route("POST", "/v1/escalations/{id}/abort")
+@_handles
 async def _abort(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, AbortIn)
     run = await app.service.abort(request.params["id"], body, request.principal)
     return app._reply(request, run)
 
 
-# -- the OpenAPI document -----------------------------------------------------------------
-
-_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
-
-
-def _query(name: str, kind: str, description: str, **schema: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "in": "query",
-        "required": False,
-        "description": description,
-        "schema": {"type": kind, **schema},
-    }
-
-
-# (method, path, summary, request body, response body, success status, parameters)
-_OPERATIONS: list[tuple[str, str, str, type | None, type, int, list[dict[str, Any]]]] = [
-    ("post", "/v1/runs", "Start a run", RunCreate, RunOut, 201, []),
-    (
-        "get",
-        "/v1/runs",
-        "List runs, oldest first",
-        None,
-        RunPage,
-        200,
-        [
-            _query("state", "string", "only runs in this state"),
-            _query("machine", "string", "only runs of this machine"),
-            _query("outcome", "string", "running, completed, escalated or failed"),
-            _query("limit", "integer", "runs per page (1-1000)", minimum=1, maximum=1000),
-            _query("cursor", "string", "the cursor of the previous page"),
-        ],
-    ),
-    ("get", "/v1/runs/{id}", "A run", None, RunOut, 200, [_ID]),
-    (
-        "get",
-        "/v1/runs/{id}/events",
-        "A run's journal events after a seq",
-        None,
-        EventPage,
-        200,
-        [
-            _ID,
-            _query("after", "integer", "the seq to read after", minimum=0),
-            _query("limit", "integer", "events per page (1-10000)", minimum=1, maximum=10000),
-        ],
-    ),
-    ("post", "/v1/runs/{id}/proposals", "Verify a proposal", ProposalIn, VerdictOut, 200, [_ID]),
-    ("post", "/v1/runs/{id}/results", "Report a call's outcome", ResultIn, VerdictOut, 200, [_ID]),
-    ("post", "/v1/verify", "Verify a batch of proposals", VerifyIn, VerifyOut, 200, []),
-    ("get", "/v1/escalations", "The escalation queue", None, EscalationPage, 200, []),
-    ("get", "/v1/escalations/{id}", "An escalated run", None, EscalationOut, 200, [_ID]),
-    (
-        "post",
-        "/v1/escalations/{id}/resume",
-        "Resume an escalated run",
-        ResumeIn,
-        RunOut,
-        200,
-        [_ID],
-    ),
-    ("post", "/v1/escalations/{id}/abort", "Abort an escalated run", AbortIn, RunOut, 200, [_ID]),
-    ("get", "/healthz", "The process is up", None, HealthOut, 200, []),
-    (
-        "get",
-        "/readyz",
-        "The store answers, the journal can be written and keeps up",
-        None,
-        ReadyOut,
-        200,
-        [],
-    ),
-]
-
-
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the gateway, generated from the Structs of ``_api``."""
-    kinds: list[type] = [Problem]
-    for _, _, _, body, out, _, _ in _OPERATIONS:
-        for kind in (body, out):
-            if kind is not None and kind not in kinds:
-                kinds.append(kind)
-    refs, components = msgspec.json.schema_components(
-        kinds, ref_template="#/components/schemas/{name}"
-    )
-    ref = dict(zip(kinds, refs, strict=True))
-    problem = {PROBLEM_JSON: {"schema": ref[Problem]}}
-    paths: dict[str, dict[str, Any]] = {}
-    for method, path, summary, body, out, status, parameters in _OPERATIONS:
-        responses: dict[str, Any] = {
-            str(status): {
-                "description": summary,
-                "content": {JSON: {"schema": ref[out]}, MSGPACK: {"schema": ref[out]}},
-            },
-            "4XX": {
-                "description": "a problem: what was wrong and how to fix it",
-                "content": problem,
-            },
-            "503": {
-                "description": "the journal is behind or the gateway is stopping; retry",
-                "content": problem,
-            },
-        }
-        operation: dict[str, Any] = {"summary": summary, "responses": responses}
-        if parameters:
-            operation["parameters"] = parameters
-        if body is not None:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {JSON: {"schema": ref[body]}, MSGPACK: {"schema": ref[body]}},
-            }
-        if path == "/v1/runs" and method == "post":
-            responses["200"] = {
-                "description": "the run this run_id already names (a retry)",
-                "content": {JSON: {"schema": ref[RunOut]}},
-            }
-        paths.setdefault(path, {})[method] = operation
-    paths["/v1/runs/{id}/stream"] = {
-        "get": {
-            "summary": "Server-Sent Events: one per journal event, id = seq (Last-Event-ID resumes)",
-            "parameters": [_ID, _query("after", "integer", "the seq to stream after", minimum=0)],
-            "responses": {
-                "200": {
-                    "description": "an event stream",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                },
-                "4XX": {"description": "a problem", "content": problem},
-            },
-        }
-    }
-    paths["/metrics"] = {
-        "get": {
-            "summary": "Prometheus metrics",
-            "responses": {
-                "200": {
-                    "description": "the text exposition format",
-                    "content": {"text/plain": {"schema": {"type": "string"}}},
-                }
-            },
-        }
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "interlock gateway",
-            "version": __version__,
-            "description": "Verify an agent's proposals against its run's state machine, "
-            "journal the intent before the effect, and commit the result.",
-        },
-        "paths": paths,
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{}, {"bearer": []}],
-    }
+_ROUTES: dict[str, _Route] = _compile(ROUTES)

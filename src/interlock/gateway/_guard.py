@@ -6,7 +6,7 @@
    neither the server's own origin nor in :attr:`Limits.allow_origins`, or
    ``Sec-Fetch-Site: cross-site`` / ``same-site``; answers the CORS preflight of an allowed
    origin. Without keys it also refuses a ``Host`` that is not loopback (DNS rebinding);
-2. finds the route's role in a table of ``(method, path pattern) -> role`` (``None``: public);
+2. finds the route's role in the gateway's route table (``_routes.ROUTES``; ``None``: public);
 3. authenticates the bearer key (401 with ``WWW-Authenticate: Bearer``), unless public;
 4. takes a token from the key's bucket (429 with ``Retry-After`` in whole seconds);
 5. checks the role (403);
@@ -34,18 +34,17 @@ import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 import msgspec
 import trio
 
-from ._keys import ROLES, KeyRing, Principal, Unauthorized, is_loopback
+from ._keys import KeyRing, Principal, Unauthorized, is_loopback
+from ._routes import ROUTES, WEBSOCKET, Route
 
 __all__ = [
-    "DEFAULT_ROUTES",
-    "STREAMING_ROUTES",
     "Limits",
     "RateLimiter",
     "RunQuota",
@@ -60,35 +59,6 @@ Message: TypeAlias = MutableMapping[str, Any]
 Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
 ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: The method under which WebSocket routes appear in a route table.
-WEBSOCKET: Final = "WEBSOCKET"
-
-#: The gateway's routes and the role each needs (``None``: no key needed).
-DEFAULT_ROUTES: Final[Mapping[tuple[str, str], str | None]] = {
-    ("POST", "/v1/runs"): "agent",
-    ("GET", "/v1/runs"): "reader",
-    ("GET", "/v1/runs/{id}"): "reader",
-    ("GET", "/v1/runs/{id}/events"): "reader",
-    ("GET", "/v1/runs/{id}/stream"): "reader",
-    ("POST", "/v1/runs/{id}/proposals"): "agent",
-    ("POST", "/v1/runs/{id}/results"): "agent",
-    ("POST", "/v1/verify"): "agent",
-    ("GET", "/v1/escalations"): "operator",
-    ("GET", "/v1/escalations/{id}"): "operator",
-    ("POST", "/v1/escalations/{id}/resume"): "operator",
-    ("POST", "/v1/escalations/{id}/abort"): "operator",
-    ("GET", "/metrics"): "reader",
-    ("GET", "/healthz"): None,
-    ("GET", "/readyz"): None,
-    ("GET", "/openapi.json"): None,
-    (WEBSOCKET, "/v1/channel"): "agent",
-}
-
-#: Routes that stay open as long as the client wants: no request timeout.
-STREAMING_ROUTES: Final[frozenset[tuple[str, str]]] = frozenset(
-    {("GET", "/v1/runs/{id}/stream"), (WEBSOCKET, "/v1/channel")}
-)
 
 _PROBLEM = "https://interlock.dev/problems/"
 _MIB = 1 << 20
@@ -388,32 +358,30 @@ class _Router:
 
     __slots__ = ("_exact", "_patterns", "_routes")
 
-    def __init__(
-        self, routes: Mapping[tuple[str, str], str | None], streaming: Collection[tuple[str, str]]
-    ) -> None:
-        self._routes = tuple(routes)
+    def __init__(self, routes: Iterable[Route]) -> None:
+        routes = tuple(routes)
+        self._routes: list[tuple[str, str]] = []
         self._exact: dict[tuple[str, str], _Rule] = {}
         self._patterns: dict[tuple[str, int], list[tuple[tuple[str | None, ...], _Rule]]] = {}
-        for route in streaming:
-            if route not in routes:
-                raise ValueError(f"streaming route {route!r} is not in the route table; add it")
-        for (method, pattern), role in routes.items():
-            if not isinstance(method, str) or method != method.upper() or not method:
-                raise ValueError(f"route {(method, pattern)!r}: the method must be upper case")
-            if not isinstance(pattern, str) or not pattern.startswith("/"):
-                raise ValueError(f"route {(method, pattern)!r}: the path must start with '/'")
-            if role is not None and role not in ROLES:
-                raise ValueError(
-                    f"route {method} {pattern}: role {role!r} is not one of "
-                    f"{', '.join(sorted(ROLES))} (or None for a public route)"
+        seen: set[tuple[str, tuple[str | None, ...]]] = set()
+        for route in routes:
+            if not isinstance(route, Route):
+                raise TypeError(
+                    f"the guard's routes must be Route objects (interlock.gateway._routes), "
+                    f"got {route!r}"
                 )
-            rule = _Rule(role, role is None, (method, pattern) in streaming)
-            segments = pattern.split("/")
-            if not any(s.startswith("{") for s in segments):
-                self._exact[method, pattern] = rule
-                continue
-            shape = tuple(None if s.startswith("{") and s.endswith("}") else s for s in segments)
-            self._patterns.setdefault((method, len(shape)), []).append((shape, rule))
+            shape = _shape(route.path)
+            if (route.method, shape) in seen:
+                raise ValueError(
+                    f"route {route.method} {route.path} is in the table twice; keep one"
+                )
+            seen.add((route.method, shape))
+            self._routes.append((route.method, route.path))
+            rule = _Rule(route.role, route.public, route.streaming)
+            if None not in shape:
+                self._exact[route.method, route.path] = rule
+            else:
+                self._patterns.setdefault((route.method, len(shape)), []).append((shape, rule))
 
     def paths(self, method: str) -> list[str]:
         """The patterns the table has for ``method``."""
@@ -438,6 +406,11 @@ class _Router:
                 else:
                     return rule
         return _UNKNOWN
+
+
+def _shape(pattern: str) -> tuple[str | None, ...]:
+    """A path pattern's segments, None for each variable one."""
+    return tuple(None if s.startswith("{") and s.endswith("}") else s for s in pattern.split("/"))
 
 
 class _Refusal(Exception):
@@ -961,8 +934,7 @@ def guarded(
     keyring: KeyRing,
     limits: Limits | None = None,
     *,
-    routes: Mapping[tuple[str, str], str | None] = DEFAULT_ROUTES,
-    streaming: Collection[tuple[str, str]] = STREAMING_ROUTES,
+    routes: Iterable[Route] = ROUTES,
     clock: Callable[[], float] = time.monotonic,
 ) -> ASGIApp:
     """Wrap an ASGI app in the gateway's keys, roles and limits.
@@ -974,18 +946,17 @@ def guarded(
       keyring: the accepted keys; an open key ring lets every request in as the anonymous
         principal (keep such a server on loopback: :func:`check_bind`).
       limits: the limits; :class:`Limits` defaults when ``None``.
-      routes: ``(method, path pattern) -> role`` (``None``: public). Patterns name a variable
-        segment in braces (``/v1/runs/{id}``); ``WEBSOCKET`` is the method of WebSocket
-        routes; ``HEAD`` uses the ``GET`` entry. A route not in the table needs a valid key and
-        no role (the app answers it, e.g. 404).
-      streaming: routes exempt from the request timeout.
+      routes: the route table (:data:`~interlock.gateway._routes.ROUTES`, the one the app
+        serves and the OpenAPI document lists): each route's role (``None``: public) and
+        limits class (``"stream"``: no request timeout). ``HEAD`` uses the ``GET`` route. A
+        path not in the table needs a valid key and no role (the app answers it, e.g. 404).
       clock: the rate limiter's clock (seconds, monotonic).
 
     Raises:
-      ValueError: if the route table has a bad method, path or role.
+      ValueError: if the route table names a route twice.
     """
     limits = Limits() if limits is None else limits
-    router = _Router(routes, streaming)
+    router = _Router(routes)
     limiter = (
         RateLimiter(limits.rate, limits.effective_burst, clock) if limits.rate is not None else None
     )
