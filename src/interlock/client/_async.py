@@ -54,6 +54,7 @@ T = TypeVar("T")
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+# unasync: async-only
 async def _finish(response: httpx.Response, lines: AsyncIterator[str]) -> None:
     """Close a stream's response and run its line reader to its end.
 
@@ -67,6 +68,14 @@ async def _finish(response: httpx.Response, lines: AsyncIterator[str]) -> None:
         with contextlib.suppress(Exception):
             async for _ in lines:
                 pass
+
+
+# unasync: end
+# unasync: sync-only
+# def _finish(response: httpx.Response, lines: Iterator[str]) -> None:
+#     """Close a stream's response: its line reader ends with it."""
+#     response.close()
+# unasync: end
 
 
 class AsyncClient:
