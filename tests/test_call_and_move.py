@@ -496,7 +496,7 @@ def test_a_live_run_makes_one_model_call_per_call_and_move_step_and_replays() ->
 
 
 def test_show_prints_the_move_an_intent_makes_when_its_call_succeeds() -> None:
-    from interlock.cli._main import _describe
+    from interlock.cli._show import _describe
     from interlock.core._events import IntentRecorded
 
     plain = IntentRecorded(

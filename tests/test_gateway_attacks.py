@@ -408,7 +408,7 @@ async def test_bare_connections_that_close_free_their_descriptors_at_once(tmp_pa
 SERVE_WITH_FEW_DESCRIPTORS = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-from interlock.cli._main import main
+from interlock.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

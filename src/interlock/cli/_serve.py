@@ -1,0 +1,58 @@
+"""``interlock serve``: the verification gateway over HTTP."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._common import _application, _count
+
+if TYPE_CHECKING:
+    import argparse
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ..gateway import serve_gateway
+    from ..gateway._guard import Limits
+    from ..gateway._keys import KeyRing
+
+    app, named, db = _application(args)
+    keyring = KeyRing.from_env()
+    limits = Limits.from_env()
+    if args.allow_origin:
+        limits = dataclasses.replace(
+            limits, allow_origins=(*limits.allow_origins, *args.allow_origin)
+        )
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            partial(
+                serve_gateway,
+                app,
+                db=db,
+                host=args.host,
+                port=args.port,
+                keyring=keyring,
+                limits=limits,
+                channel_port=args.channel_port,
+                channel_path=args.channel_socket,
+                handle_signals=True,
+            )
+        )
+        keys = (
+            "no API key: loopback only, every request has every role"
+            if keyring.open
+            else f"{_count(len(keyring), 'API key')}"
+        )
+        channel = f", channel {server.channel}" if server.channel else ""
+        sys.stdout.write(
+            f"interlock serve: {server.url}{channel} (app {named}, journal {db}; {keys}); "
+            "SIGTERM drains and stops\n"
+        )
+        sys.stdout.flush()
+    sys.stdout.write("interlock serve: drained and stopped; every decided event is journaled\n")
+    return 0
