@@ -17,6 +17,7 @@ import trio
 from interlock import Machine, Tool, Worker
 from interlock.gateway import GatewayServer, openapi_document, serve_gateway
 from interlock.gateway._app import _ROUTES as SERVED
+from interlock.gateway._app import _compile
 from interlock.gateway._guard import _UNKNOWN, _Router, guarded
 from interlock.gateway._keys import KeyRing, Principal
 from interlock.gateway._routes import ROUTES, WEBSOCKET, Route
@@ -70,6 +71,18 @@ def test_every_route_is_guarded_with_its_role_and_served(route: Route) -> None:
     assert (rule.role, rule.public, rule.streaming) == (route.role, route.public, route.streaming)
     if route.method != WEBSOCKET:
         assert route.method in SERVED[route.path].handlers, f"no handler for {route.path}"
+
+
+def test_the_app_refuses_a_table_that_does_not_match_its_handlers() -> None:
+    lacking = (*ROUTES, Route("GET", "/v1/nothing", "reader", "x", "nothing"))
+    with pytest.raises(RuntimeError, match=r"names the handler 'nothing', which the gateway"):
+        _compile(lacking)
+    without_openapi = tuple(r for r in ROUTES if r.path != "/openapi.json")
+    with pytest.raises(RuntimeError, match=r"the handlers \['openapi'\] serve no route"):
+        _compile(without_openapi)
+    twice = (*ROUTES, Route("GET", "/healthz", None, "again", "healthz"))
+    with pytest.raises(RuntimeError, match=r"route GET /healthz is in ROUTES twice"):
+        _compile(twice)
 
 
 class _Reached:
