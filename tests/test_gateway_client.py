@@ -38,7 +38,7 @@ from interlock.client import (
     GatewayProblem,
     GatewayUnavailable,
 )
-from interlock.client._common import SseParser
+from interlock.core._sse import SseEvent, SseParser
 from interlock.demo.workflows import Backend, order_total, refund
 from interlock.events import Event
 from interlock.gateway import serve_gateway
@@ -718,8 +718,13 @@ def test_sse_frames_are_read_back_exactly(
             lines.append(": keep-alive")
         lines += [f"id: {seq}", f"event: {kind}", *(f"data: {part}" for part in data), ""]
     parser = SseParser()
-    read = [frame for line in lines if (frame := parser.feed(line)) is not None]
-    assert read == [(str(seq), kind, "\n".join(data)) for seq, kind, data in events]
+    read = [frame for line in lines if (frame := parser.feed_line(line)) is not None]
+    assert read == [SseEvent(kind, "\n".join(data), str(seq)) for seq, kind, data in events]
+    # The same stream as bytes, cut anywhere, reads back the same events.
+    whole = "".join(f"{line}\r\n" for line in lines).encode()
+    for cut in {0, len(whole) // 3, len(whole) // 2, len(whole)}:
+        bytes_parser = SseParser()
+        assert [*bytes_parser.feed(whole[:cut]), *bytes_parser.feed(whole[cut:])] == read
 
 
 # -- the examples -------------------------------------------------------------------------

@@ -24,12 +24,12 @@ pytest.importorskip("hypercorn")
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from interlock.core._pacing import TokenBucket
 from interlock.gateway import _keys
 from interlock.gateway._guard import (
     Limits,
     RateLimiter,
     RunQuota,
-    TokenBucket,
     _Router,
     guarded,
     retry_after,

@@ -17,8 +17,9 @@ import pytest
 import trio
 
 from interlock import ProviderError
+from interlock.core._sse import SseEvent, SseParser
 from interlock.errors import RequestRefused
-from interlock.providers._http import SseEvent, SseParser, Transport
+from interlock.providers._http import Transport
 
 KEY = "sk-test-SECRET-0123456789abcdef"
 
@@ -688,7 +689,7 @@ SSE_EVENTS = [
     SseEvent("", "one"),
     SseEvent("delta", "two\n three (one space kept)"),
     SseEvent("", "\ntight"),
-    SseEvent("", "café"),
+    SseEvent("", "café", "7"),  # the last event id the stream set
 ]
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import httpx
 import trio
 
+from ..core._sse import SseParser
 from ..protocol import (
     EscalationOut,
     EventOut,
@@ -31,7 +32,6 @@ from ._common import (
     GatewayProblem,
     GatewayUnavailable,
     Mode,
-    SseParser,
     api_key_from,
     base_headers,
     check_base_url,
@@ -279,7 +279,7 @@ class AsyncClient:
                     lines = response.aiter_lines()
                     try:
                         async for line in lines:
-                            frame = parser.feed(line)
+                            frame = parser.feed_line(line)
                             if frame is None:
                                 continue
                             event = stream_event(call, frame)

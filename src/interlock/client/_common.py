@@ -7,7 +7,6 @@ clients only differ in how they send it.
 
 from __future__ import annotations
 
-import email.utils
 import os
 import random
 import time
@@ -19,13 +18,18 @@ import msgspec
 
 from .._version import __version__
 from ..core._exceptions import InterlockError, RunNotFound
+from ..core._pacing import backoff_delay, parse_retry_after
 from ..protocol import PROBLEM_ERRORS, EventOut, ViolationOut
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
+    from ..core._sse import SseEvent
+
 T = TypeVar("T")
 P = TypeVar("P", bound=InterlockError)
+
+_RNG = random.Random()
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -137,6 +141,9 @@ class _ProblemBody(msgspec.Struct, kw_only=True):
 class ClientRetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How a client resends a request that got no answer, or a 429/503 that asked to wait.
 
+    Not :class:`interlock.RetryPolicy` (how a run retries a tool); the waits come from the
+    same backoff (:func:`interlock.core._pacing.backoff_delay`, with jitter).
+
     Attributes:
       retries: resends after the first attempt (0 turns retrying off).
       base: seconds before the first resend; doubled each time, with jitter.
@@ -157,7 +164,7 @@ class ClientRetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before resend number ``attempt`` (1 for the first resend)."""
-        return min(self.cap, self.base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+        return backoff_delay(attempt, None, _RNG, base=self.base, cap=self.cap, jitter=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,21 +245,6 @@ def check_base_url(base_url: str) -> str:
     return base_url.rstrip("/")
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (a number or an HTTP date), or None."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 _LEAVES: dict[tuple[type, type], type] = {}
 
 
@@ -282,7 +274,7 @@ def problem_from(
 ) -> GatewayProblem:
     """The :class:`GatewayProblem` for a non-2xx answer, whatever its body holds; one
     that is also the exception its type names, where it names one."""
-    retry_after = parse_retry_after(headers.get("retry-after"))
+    retry_after = parse_retry_after(headers, time.time())
     try:
         body = Codec.decode(content, headers.get("content-type", ""), _ProblemBody)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -347,54 +339,15 @@ def retry_wait(policy: ClientRetryPolicy, attempt: int, problem: GatewayProblem)
     return wait if wait <= policy.cap else None
 
 
-class SseParser:
-    """Turns the lines of a ``text/event-stream`` into ``(id, event, data)`` triples."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-        self._event = ""
-        self._id: str | None = None
-
-    def feed(self, line: str) -> tuple[str | None, str, str] | None:
-        """Feed one line (without its line break); returns an event at each blank line."""
-        if not line:
-            if not self._data:
-                self._event = ""
-                return None
-            done = (self._id, self._event or "message", "\n".join(self._data))
-            self._data, self._event, self._id = [], "", None
-            return done
-        if line.startswith(":"):
-            return None  # a comment (keep-alive)
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "id" and "\0" not in value:
-            self._id = value
-        return None
-
-
-def seq_of(event_id: str | None) -> int | None:
-    """The seq an SSE ``id:`` carries, or None if it is not one."""
-    try:
-        return int(event_id) if event_id is not None else None
-    except ValueError:
-        return None
-
-
-def stream_event(call: Call[Any], frame: tuple[str | None, str, str]) -> EventOut:
+def stream_event(call: Call[Any], frame: SseEvent) -> EventOut:
     """The journal event one SSE frame carries.
 
     Raises:
       GatewayProblem: the frame is a ``problem`` (the gateway ended the stream on an
         error), or its data is not an event.
     """
-    _, name, data = frame
-    content = data.encode()
-    if name == "problem":
+    content = frame.data.encode()
+    if frame.event == "problem":
         raise problem_from(call, 0, {"content-type": PROBLEM}, content, "stream failed")
     try:
         return msgspec.json.decode(content, type=EventOut)

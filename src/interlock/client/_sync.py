@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import httpx
 
+from ..core._sse import SseParser
 from ..protocol import (
     EscalationOut,
     EventOut,
@@ -33,7 +34,6 @@ from ._common import (
     GatewayProblem,
     GatewayUnavailable,
     Mode,
-    SseParser,
     api_key_from,
     base_headers,
     check_base_url,
@@ -262,7 +262,7 @@ class Client:
                     lines = response.iter_lines()
                     try:
                         for line in lines:
-                            frame = parser.feed(line)
+                            frame = parser.feed_line(line)
                             if frame is None:
                                 continue
                             event = stream_event(call, frame)

@@ -11,7 +11,8 @@ import msgspec
 
 from ._exceptions import InvalidInputs, MachineDefinitionError
 from ._hotpath import MAX_IDS, Tables
-from ._tools import Tool, backoff_delay, compile_schema
+from ._pacing import backoff_delay
+from ._tools import Tool, compile_schema
 
 if TYPE_CHECKING:
     import random

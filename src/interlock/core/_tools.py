@@ -15,6 +15,7 @@ import msgspec.structs
 
 from ._events import Violation
 from ._exceptions import ToolDefinitionError
+from ._pacing import backoff_delay
 
 if TYPE_CHECKING:
     import random
@@ -84,28 +85,6 @@ class RetryableToolError(ToolError):
         self, message: str, *, retry_after: float | None = None, applied: bool | None = None
     ) -> None:
         super().__init__(message, retryable=True, retry_after=retry_after, applied=applied)
-
-
-def backoff_delay(
-    attempt: int,
-    retry_after: float | None,
-    rng: random.Random,
-    *,
-    base: float,
-    cap: float,
-    jitter: bool,
-) -> float:
-    """Seconds to wait after failed attempt number ``attempt`` (1-based).
-
-    Exponential (``base * 2**(attempt-1)``), capped at ``cap``; with ``jitter`` drawn
-    uniformly from [wait/2, wait]. A Retry-After the other side sent wins, capped too.
-    """
-    if retry_after is not None and retry_after >= 0:
-        return float(min(retry_after, cap))
-    wait = float(min(cap, base * (2 ** (attempt - 1))))
-    if jitter:
-        wait = rng.uniform(wait / 2, wait)
-    return wait
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 import time
 import urllib.parse
@@ -38,6 +37,7 @@ from ..protocol import (
     VerifyIn,
 )
 from ..runtime._metrics import RuntimeCollector
+from ._guard import retry_after
 from ._routes import JSON, MSGPACK, PROBLEM_JSON, ROUTES, WEBSOCKET, Route, openapi_document
 from ._service import GatewayError, GatewayService, damaged
 
@@ -448,7 +448,7 @@ def _problem(exc: GatewayError) -> _Response:
         (b"content-length", str(len(data)).encode()),
     ]
     if exc.retry_after is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after))).encode()))
+        headers.append((b"retry-after", b"%d" % retry_after(exc.retry_after)))
     if exc.status == 405:
         allowed = exc.detail.rpartition("; use ")[2]
         headers.append((b"allow", allowed.encode()))

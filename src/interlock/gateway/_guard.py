@@ -41,6 +41,7 @@ from typing import Any, Final, TypeAlias
 import msgspec
 import trio
 
+from ..core._pacing import TokenBucket
 from ._keys import KeyRing, Principal, Unauthorized, is_loopback
 from ._routes import ROUTES, WEBSOCKET, Route
 
@@ -48,7 +49,6 @@ __all__ = [
     "Limits",
     "RateLimiter",
     "RunQuota",
-    "TokenBucket",
     "guarded",
     "normalize_origin",
     "retry_after",
@@ -218,44 +218,6 @@ def _positive_number(name: str, value: object, unit: str) -> None:
         or value <= 0
     ):
         raise ValueError(f"Limits.{name} must be a positive finite number ({unit}); got {value!r}")
-
-
-class TokenBucket:
-    """A token bucket: ``burst`` tokens, refilled at ``rate`` per second, one per request.
-
-    Time comes in as an argument, so the bucket is pure and tests drive it with any clock.
-    """
-
-    __slots__ = ("_stamp", "_tokens", "burst", "rate")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        """Args:
-        rate: tokens added per second.
-        burst: the bucket's size; it starts full.
-        now: the current time, in seconds, on the clock later passed to :meth:`take`.
-        """
-        if not rate > 0 or not burst >= 1:
-            raise ValueError(f"a token bucket needs rate > 0 and burst >= 1; got {rate}, {burst}")
-        self.rate = float(rate)
-        self.burst = float(burst)
-        self._tokens = float(burst)
-        self._stamp = now
-
-    def take(self, now: float) -> float:
-        """Take one token at time ``now``: ``0.0`` if there was one, else the seconds to wait.
-
-        A refused request takes nothing. A clock that steps back refills nothing.
-        """
-        elapsed = now - self._stamp
-        tokens = self._tokens
-        if elapsed > 0:
-            tokens = min(self.burst, tokens + elapsed * self.rate)
-            self._stamp = now
-        if tokens >= 1.0:
-            self._tokens = tokens - 1.0
-            return 0.0
-        self._tokens = tokens
-        return (1.0 - tokens) / self.rate
 
 
 class RateLimiter:

@@ -1,5 +1,6 @@
 """Providers: where proposals come from (scripted, chaos-wrapped, and real models over HTTP)."""
 
+from ..core._sse import SseEvent as SseEvent
 from ..core._view import Frame as Frame
 from ._anthropic import AnthropicMessages as AnthropicMessages
 from ._base import (
@@ -18,7 +19,6 @@ from ._chaos import CHAOS_KINDS as CHAOS_KINDS
 from ._chaos import ChaosProvider as ChaosProvider
 from ._chaos import corrupt as corrupt
 from ._http import HttpResponse as HttpResponse
-from ._http import SseEvent as SseEvent
 from ._http import Transport as Transport
 from ._openai import GENERIC as GENERIC
 from ._openai import LLAMA_CPP as LLAMA_CPP

@@ -18,9 +18,7 @@ What it does not do: proxies, HTTP/2, redirects, cookies, compression (it asks f
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import email.utils
 import heapq
 import math
 import re
@@ -29,7 +27,7 @@ import socket
 import ssl
 import time
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -37,6 +35,8 @@ import trio
 
 from .._version import __version__
 from ..core._exceptions import ProviderError, RequestRefused
+from ..core._pacing import TokenBucket, parse_retry_after
+from ..core._sse import SseEvent, SseParser
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
@@ -68,7 +68,6 @@ _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n\0]*)?")
 _TARGET = re.compile(r"[!-~]+")
 _ERROR_TEXT_BYTES = 300
-_LINE_END = re.compile(r"\r\n|\r|\n")
 _BAD_HEADER = re.compile(r"[\r\n\0]")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HAS_POLL = hasattr(select, "poll")
@@ -91,15 +90,6 @@ class HttpResponse:
 
     def __repr__(self) -> str:
         return f"HttpResponse(status={self.status}, {len(self.body)} bytes)"
-
-
-class SseEvent(NamedTuple):
-    """One server-sent event, parsed per the HTML standard's event-stream rules."""
-
-    event: str
-    """The ``event:`` field; ``""`` when the event had none (the standard's ``message``)."""
-    data: str
-    """The ``data:`` lines joined with ``\\n``."""
 
 
 class _Connection:
@@ -206,7 +196,7 @@ class _Pool:
         self.slots = _Slots(max_in_flight)
         self.idle: list[_Connection] = []
         self.closed = False
-        self.bucket = None if tokens_per_minute is None else _TokenBucket(tokens_per_minute)
+        self.bucket = None if tokens_per_minute is None else _Tokens(tokens_per_minute)
         self.timers: list[tuple[float, int, _Connection]] = []
         """(deadline, token, connection) of the requests in flight, a heap; an entry whose
         token is no longer its connection's is stale (that request is over)."""
@@ -275,30 +265,22 @@ class _Pool:
         return None
 
 
-class _TokenBucket:
-    """Tokens per minute: a bucket of one minute's tokens, refilled continuously."""
+class _Tokens:
+    """Tokens per minute: a :class:`TokenBucket` of one minute's tokens, and a FIFO wait."""
 
     def __init__(self, tokens_per_minute: int) -> None:
         self.capacity = float(tokens_per_minute)
-        self.rate = tokens_per_minute / 60.0
-        self.level = self.capacity
-        self.stamp = trio.current_time()
+        self.bucket = TokenBucket(tokens_per_minute / 60.0, tokens_per_minute, trio.current_time())
         self.lock = trio.Lock()  # FIFO: the first caller to wait is the first served
 
     async def take(self, tokens: int) -> None:
         # A request larger than a whole minute's budget waits for a full bucket, not forever.
         need = min(float(tokens), self.capacity)
         async with self.lock:
-            self._refill()
-            if self.level < need:
-                await trio.sleep((need - self.level) / self.rate)
-                self._refill()
-            self.level -= need
-
-    def _refill(self) -> None:
-        now = trio.current_time()
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
+            wait = self.bucket.take(trio.current_time(), need)
+            while wait:  # a second round only for the float rounding of the first wait
+                await trio.sleep(wait)
+                wait = self.bucket.take(trio.current_time(), need)
 
 
 class Transport:
@@ -839,7 +821,7 @@ class Transport:
         return ProviderError(
             f"POST {self._prefix}{path} answered HTTP {status}: {text}",
             retryable=status >= 500 or status in RETRYABLE_STATUSES,
-            retry_after=retry_after(response.headers),
+            retry_after=parse_retry_after(response.headers, time.time()),
             status=status,
             server_message=said,
         )
@@ -980,57 +962,6 @@ class _Chunked:
                 return pieces, True
 
 
-class SseParser:
-    """An incremental ``text/event-stream`` parser: feed bytes, get complete events.
-
-    Lines end with CRLF, LF or CR; ``:`` starts a comment; a field's value loses one
-    leading space; ``data`` lines accumulate; a blank line dispatches an event if it has
-    data; an event left incomplete when the stream ends is dropped.
-    """
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._buffer = ""
-        self._skip_lf = False
-        self._first = True
-        self._event = ""
-        self._data: list[str] = []
-
-    def feed(self, chunk: bytes) -> list[SseEvent]:
-        text = self._decoder.decode(chunk)
-        if self._first and text:
-            self._first = False
-            text = text.removeprefix("\ufeff")
-        if self._skip_lf and text:
-            self._skip_lf = False
-            text = text.removeprefix("\n")
-        if not text:
-            return []
-        lines = _LINE_END.split(self._buffer + text)
-        self._buffer = lines.pop()
-        if self._buffer == "" and text.endswith("\r"):
-            self._skip_lf = True  # the LF of a CRLF split across two chunks
-        events: list[SseEvent] = []
-        for line in lines:
-            if not line:
-                if self._data:
-                    events.append(SseEvent(self._event, "\n".join(self._data)))
-                self._event = ""
-                self._data = []
-                continue
-            if line[0] == ":":
-                continue
-            name, colon, value = line.partition(":")
-            if colon and value[:1] == " ":
-                value = value[1:]
-            if name == "data":
-                self._data.append(value)
-            elif name == "event":
-                self._event = value
-            # ``id`` and ``retry`` steer a browser's reconnection; a model call never resumes
-        return events
-
-
 def refuses_the_request(status: int, text: str) -> bool:
     """Whether an error answer refuses the request's shape (retrying the same request
     cannot help): a 4xx but for congestion (:data:`RETRYABLE_STATUSES`) and for who may
@@ -1039,34 +970,6 @@ def refuses_the_request(status: int, text: str) -> bool:
     if 400 <= status < 500:
         return status not in RETRYABLE_STATUSES and status not in NOT_THE_SHAPE
     return status >= 500 and _VALIDATION.search(text) is not None
-
-
-def retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP
-    date), or None when neither says."""
-    value = headers.get("retry-after-ms")
-    if value is not None:
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if math.isfinite(ms) and ms >= 0:
-            return ms / 1000.0
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            return None
-        return max(0.0, when.timestamp() - time.time())
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _error_text(body: bytes) -> str:
