@@ -41,7 +41,14 @@ from ..core._sse import SseEvent, SseParser
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
-__all__ = ["HttpResponse", "SseEvent", "Transport"]
+__all__ = [
+    "ChunkedDecoder",
+    "HttpResponse",
+    "SseEvent",
+    "Transport",
+    "head_lines",
+    "header_fields",
+]
 
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
 """Statuses below 500 that retrying can fix (every 5xx, Anthropic's 529 too, is retryable,
@@ -750,7 +757,7 @@ class Transport:
         """The body's pieces as they arrive, per its framing."""
         buffer = connection.buffer
         if length == _CHUNKED:
-            chunks = _Chunked()
+            chunks = ChunkedDecoder()
             while True:
                 try:
                     pieces, done = chunks.take(buffer)
@@ -850,23 +857,44 @@ class _Stale(Exception):
     """A reused keep-alive connection was closed by the server before it answered."""
 
 
-class _BadHttp(Exception):
-    """The response is not HTTP/1.1 this client can read; the message says where."""
+class _BadHttp(ValueError):
+    """The message is not HTTP/1.1 this module can read; the message says where."""
 
 
 def _parse_head(head: bytes | bytearray) -> tuple[int, dict[str, str], bool]:
     """The status, the header fields (names in lower case, repeats joined with ``", "``)
     and whether the response is HTTP/1.1, from a response head without its blank line."""
-    text = head.decode("latin-1")
-    if "\0" in text:
-        raise _BadHttp("a NUL byte in the response head")
-    if text.count("\n") == text.count("\r\n"):
-        lines = text.split("\r\n")
-    else:  # bare LF line ends, which RFC 9112 lets a client accept
-        lines = [line.removesuffix("\r") for line in text.split("\n")]
+    lines = head_lines(head)
     status = _STATUS_LINE.fullmatch(lines[0])
     if status is None:
         raise _BadHttp(f"a status line {lines[0][:60].encode('latin-1')!r} that is not HTTP/1.x")
+    return int(status.group(2)), header_fields(lines), status.group(1) == "1"
+
+
+def head_lines(head: bytes | bytearray) -> list[str]:
+    """The lines of a message head (without its blank line), CRLF or bare-LF ended.
+
+    Raises:
+      ValueError: a NUL byte in the head.
+    """
+    text = head.decode("latin-1")
+    if "\0" in text:
+        raise _BadHttp("a NUL byte in the head")
+    if text.count("\n") == text.count("\r\n"):
+        return text.split("\r\n")
+    return [line.removesuffix("\r") for line in text.split("\n")]  # RFC 9112 lets bare LF in
+
+
+def header_fields(lines: list[str]) -> dict[str, str]:
+    """The header fields of a head's ``lines`` (the first, the start line, skipped): names
+    in lower case, repeated fields joined with ``", "``, obs-folded lines unfolded.
+
+    The one header parser of interlock's HTTP/1.1: the providers' transport reads
+    responses with it, the fake LLM server (``interlock.testing``) requests.
+
+    Raises:
+      ValueError: a line that is not ``name: value`` (the message says which).
+    """
     headers: dict[str, str] = {}
     key = ""
     token = _TOKEN.fullmatch
@@ -889,7 +917,7 @@ def _parse_head(head: bytes | bytearray) -> tuple[int, dict[str, str], bool]:
             headers[key] = f"{headers[key]}, {value}"
         else:
             headers[key] = value
-    return int(status.group(2)), headers, status.group(1) == "1"
+    return headers
 
 
 def _framing(status: int, headers: Mapping[str, str]) -> int:
@@ -916,8 +944,12 @@ def _framing(status: int, headers: Mapping[str, str]) -> int:
     return int(value)
 
 
-class _Chunked:
-    """The chunked transfer coding, decoded incrementally from a connection's buffer."""
+class ChunkedDecoder:
+    """The chunked transfer coding, decoded incrementally from a connection's buffer: the
+    transport's for response bodies, the fake LLM server's for request bodies.
+
+    :meth:`take` raises ValueError for a body that is not chunked as RFC 9112 says.
+    """
 
     __slots__ = ("left", "phase")
 

@@ -30,6 +30,8 @@ from typing import Any, TypeAlias
 import msgspec
 import trio
 
+from ..providers._http import ChunkedDecoder, head_lines, header_fields
+
 __all__ = [
     "API_PATHS",
     "Brain",
@@ -433,11 +435,23 @@ async def _serve_kw(
 
 # --- the HTTP side --------------------------------------------------------------------------
 #
-# A lean HTTP/1.1 server: h11 cost ~200 us of CPU per request on this machine's kind, ten
-# times the rest of an answer, so requests are parsed and answers framed here, and the fake
-# never becomes the bottleneck of a benchmark. It handles what HTTP clients send: keep-alive
-# (HTTP/1.1 by default, HTTP/1.0 on request), Content-Length and chunked request bodies,
-# ``Expect: 100-continue``, pipelining; anything malformed is a 400 and a closed connection.
+# A lean HTTP/1.1 server of its own, not hypercorn (which serves the gateway), for two reasons:
+# - Fault(reset=True) closes the connection before a byte of an answer, with a pipelined
+#   request unread: raw control of the socket, which an ASGI app never has (an app that
+#   raises before it starts its answer gets a 500 from the server, not a reset); and
+#   Fault(drop=True) ends a response mid-body on purpose, which an ASGI server reports as
+#   the app's crash.
+# - Cost: the fake is the server of the provider benchmarks (bench_providers, in a process
+#   beside the runtime on the same cores), so its CPU is the benchmark's noise floor. Driven
+#   by the providers' Transport at 200 concurrent requests, client and server in one
+#   process, this server and the client cost 116-123 µs of CPU per request together; the
+#   same JSON answer from a bare ASGI app on hypercorn (trio) 950-1,160 µs (8x), the client
+#   included (see benchmarks/RESULTS.md, "HTTP/1.1 clients").
+# It handles what HTTP clients send: keep-alive (HTTP/1.1 by default, HTTP/1.0 on request),
+# Content-Length and chunked request bodies, ``Expect: 100-continue``, pipelining; anything
+# malformed is a 400 and a closed connection. The header fields and the chunked coding are
+# parsed by the providers' HTTP/1.1 code (``interlock.providers._http``): one parser for
+# both sides.
 
 _ROUTES = {path: api for api, path in API_PATHS.items()}
 _encode = msgspec.json.Encoder().encode
@@ -475,25 +489,16 @@ class _Request:
 
 def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
     try:
-        text = head.decode("latin-1")
-        request_line, *lines = text.split("\r\n")
+        request_line, *_ = lines = head_lines(head)
         method, target, version = request_line.split(" ")
     except ValueError:
         raise _BadRequest(400, "malformed request line") from None
     if version not in ("HTTP/1.1", "HTTP/1.0") or not method.isalpha() or not target:
         raise _BadRequest(400, f"unsupported request line {request_line[:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _BadRequest(400, f"malformed header line {line[:80]!r}")
-        name = name.lower()
-        value = value.strip()
-        if name in headers:
-            headers[name] += ", " + value
-        else:
-            headers[name] = value
-    return method, target, version, headers
+    try:
+        return method, target, version, header_fields(lines)
+    except ValueError as exc:
+        raise _BadRequest(400, str(exc)) from None
 
 
 class _Connection:
@@ -544,33 +549,21 @@ class _Connection:
         return _Request(method, target, version, headers, body)
 
     async def read_chunked(self) -> bytes:
-        buf = self.buf
-        parts = []
+        decoder = ChunkedDecoder()
+        parts: list[bytes] = []
         total = 0
         while True:
-            while (end := buf.find(b"\r\n")) < 0:
-                await self.fill()
-            size_text = bytes(buf[:end]).split(b";", 1)[0].strip()
             try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise _BadRequest(400, "bad chunk size") from None
-            del buf[: end + 2]
-            if size == 0:
-                while (end := buf.find(b"\r\n")) != 0:  # skip trailers up to the blank line
-                    if end < 0:
-                        await self.fill()
-                    else:
-                        del buf[: end + 2]
-                del buf[:2]
-                return b"".join(parts)
-            total += size
+                pieces, done = decoder.take(self.buf)
+            except ValueError as exc:
+                raise _BadRequest(400, f"bad chunked body: {exc}") from None
+            parts += pieces
+            total += sum(map(len, pieces))
             if total > _MAX_BODY:
                 raise _BadRequest(413, "request body too large")
-            while len(buf) < size + 2:
-                await self.fill()
-            parts.append(bytes(buf[:size]))
-            del buf[: size + 2]
+            if done:
+                return b"".join(parts)
+            await self.fill()
 
 
 def _head(
