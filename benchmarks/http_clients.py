@@ -1,21 +1,31 @@
-"""HTTP clients under trio at fan-out: httpx 0.28 against httpx2 2.16, one shared pool each.
+"""HTTP/1.1 clients under trio at fan-out: the providers' own ``Transport`` against httpcore.
 
-What a provider does per model call: POST a ~2 KB JSON body and read a ~1 KB JSON reply,
-through ONE ``AsyncClient`` (one connection pool) shared by every run. Measured:
+Decides whether the providers keep their own HTTP/1.1 client (``interlock.providers._http``)
+or use httpcore (httpx's engine, already installed with it). The rule: keep our own only
+where it still wins by 2x or more.
 
-- a loopback server written here (trio + h11, keep-alive, a fixed reply), run in its own
-  process so that the client's CPU is measured alone (its CPU is reported beside it, to
-  show it is not the bottleneck);
-- each configuration in a fresh client process: ``concurrency`` trio tasks each making
-  ``per_task`` requests, connections capped by the pool's ``Limits(max_connections=pool)``
-  and, as a provider does, by a ``trio.CapacityLimiter(pool)`` in front of the client (so
-  that requests wait in trio, not in the pool's own queue); one configuration per client
-  also leaves the queueing to the pool alone (no limiter), to show what that costs;
-- requests/s (wall), the latency a caller sees (limiter wait included) and the latency of
-  the request itself (inside the limiter), p50/p99, client CPU µs per request
-  (``process_time`` of the client process over the whole trio.run), errors.
+What a provider does per model call: POST a ~2 KB JSON body and read a ~1 KB JSON reply
+through ONE pool shared by every run, at most ``pool`` requests in flight (the rest queue in
+trio). Measured, for each shape (``concurrency`` tasks each making ``per_task`` requests,
+over plain HTTP and over TLS on loopback with a self-signed certificate made by
+``openssl``):
 
-Run it alone: ``python -m benchmarks.http_clients [--quick]`` prints the table.
+- the server: trio + h11, keep-alive, a fixed reply, in its own process (so the client's CPU
+  is measured alone);
+- each client in a fresh process, its pool warmed first (connecting is not measured), the
+  clients of one shape run back to back and interleaved over ``rounds`` rounds, so a change
+  of load on this shared host hits them alike;
+- requests/s (wall) and client CPU µs per request (``process_time`` of the client process),
+  each also as a ratio to httpcore's in the same round (the baseline): the figure to judge,
+  since absolute rates on a shared 2-core host swing by 2x from run to run.
+
+Clients: ``httpcore`` (the baseline; ``AsyncConnectionPool`` on anyio's trio backend),
+``interlock`` (``interlock.providers._http.Transport``), ``httpx`` (``AsyncClient``) and
+``httpx2`` (its successor, when installed); all but ``interlock`` with a
+``trio.CapacityLimiter(pool)`` in front, as a provider holds (so requests queue in trio, not
+in the pool's own queue of waiters).
+
+Run it: ``python -m benchmarks.http_clients [--quick]`` prints the tables.
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import ssl
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import (
@@ -40,11 +54,11 @@ from benchmarks._harness import (
 )
 
 NAME = "http"
-TITLE = "HTTP clients under trio: httpx against httpx2, one shared pool"
+TITLE = "HTTP/1.1 clients under trio at fan-out: interlock's Transport against httpcore"
 
-CLIENTS = ("httpx", "httpx2", "h11", "interlock")
-"""``h11`` is the floor: a bare keep-alive pool of trio streams speaking h11, written below;
-``interlock`` is the providers' own ``Transport`` (on h11, its in-flight limit as the limiter)."""
+BASELINE = "httpcore"
+CLIENTS = ("httpcore", "interlock", "httpx", "httpx2")
+POOL = 64
 REQUEST_BODY = json.dumps(
     {
         "model": "bench",
@@ -65,8 +79,25 @@ REPLY_BODY = json.dumps(
 # -- the server (its own process) ----------------------------------------------------------
 
 
-def serve() -> None:
-    """Serve the fixed reply on a loopback port; print ``PORT n`` once listening."""
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (an EC key, as most servers now use)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+            "-keyout", str(key), "-out", str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def serve(cert: str | None, key: str | None) -> None:
+    """Serve the fixed reply on a loopback port (TLS when given a certificate); print
+    ``PORT n`` once listening."""
     import h11
     import trio
 
@@ -74,8 +105,12 @@ def serve() -> None:
         ("content-type", "application/json"),
         ("content-length", str(len(REPLY_BODY))),
     ]
+    context = None
+    if cert is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(stream: Any) -> None:
         conn = h11.Connection(h11.SERVER)
         try:
             while True:
@@ -93,12 +128,14 @@ def serve() -> None:
                     conn.start_next_cycle()
                 elif isinstance(event, h11.ConnectionClosed):
                     return
-        except (trio.BrokenResourceError, h11.RemoteProtocolError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
             return
 
     async def main() -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
+        listeners: list[Any] = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
         port = listeners[0].socket.getsockname()[1]
+        if context is not None:
+            listeners = [trio.SSLListener(one, context) for one in listeners]
         sys.stdout.write(f"PORT {port}\n")
         sys.stdout.flush()
         await trio.serve_listeners(handle, listeners)
@@ -109,9 +146,10 @@ def serve() -> None:
 class Server:
     """The server process: started, its CPU read from /proc, stopped."""
 
-    def __init__(self) -> None:
+    def __init__(self, cert: Path | None, key: Path | None) -> None:
+        args = [] if cert is None else [str(cert), str(key)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.http_clients", "--server"],
+            [sys.executable, "-m", "benchmarks.http_clients", "--server", *args],
             cwd=ROOT,
             env=child_env(),
             stdout=subprocess.PIPE,
@@ -134,304 +172,278 @@ class Server:
         self.proc.wait()
 
 
-# -- the client (one process per configuration) --------------------------------------------
+# -- the clients (one process per measurement) ---------------------------------------------
 
 
-class _H11Response:
-    def __init__(self, status_code: int, content: bytes) -> None:
-        self.status_code = status_code
+class Answer:
+    def __init__(self, status: int, content: bytes) -> None:
+        self.status = status
         self.content = content
 
 
-class BareH11Client:
-    """The floor: idle connections in a list, one ``send_all`` per request, h11 parsing.
-
-    No TLS, proxies, redirects or cookies; it relies on the caller's limiter for its
-    connection cap (a request with no idle connection opens one).
-    """
-
-    def __init__(self, limits: Any = None, timeout: float = 60.0) -> None:
-        self._idle: list[tuple[Any, Any]] = []
-
-    async def __aenter__(self) -> BareH11Client:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for stream, _conn in self._idle:
-            await stream.aclose()
-
-    async def post(
-        self, url: str, content: bytes = b"", headers: dict[str, str] | None = None
-    ) -> _H11Response:
-        import h11
-        import trio
-
-        if self._idle:
-            stream, conn = self._idle.pop()
-        else:
-            host, port = url.split("/")[2].split(":")
-            stream = await trio.open_tcp_stream(host, int(port))
-            conn = h11.Connection(h11.CLIENT)
-        fields = [("host", "127.0.0.1"), ("content-length", str(len(content)))]
-        fields += list((headers or {}).items())
-        target = "/" + url.split("/", 3)[3]
-        out = conn.send(h11.Request(method="POST", target=target, headers=fields))
-        out += conn.send(h11.Data(data=content)) + conn.send(h11.EndOfMessage())
-        await stream.send_all(out)
-        status = 0
-        chunks = []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                chunks.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                break
-        conn.start_next_cycle()
-        self._idle.append((stream, conn))
-        return _H11Response(status, b"".join(chunks))
-
-
 class TransportClient:
-    """interlock's ``Transport`` behind the same ``post(url, content, headers)`` call."""
+    """interlock's ``Transport``: its in-flight limit is the pool's cap and its queue."""
 
-    def __init__(self, url: str, max_in_flight: int, timeout: float) -> None:
+    def __init__(self, base: str, context: ssl.SSLContext | None) -> None:
         from interlock.providers._http import Transport
 
-        self._base = url.rsplit("/", 2)[0]
-        self._transport = Transport(self._base, max_in_flight=max_in_flight, timeout=timeout)
+        self._transport = Transport(base, max_in_flight=POOL, timeout=120.0, ssl_context=context)
+        self.limited = True
 
-    async def __aenter__(self) -> TransportClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
+    async def aclose(self) -> None:
         await self._transport.aclose()
 
-    async def post(
-        self, url: str, content: bytes = b"", headers: dict[str, str] | None = None
-    ) -> _H11Response:
-        response = await self._transport.post(url[len(self._base) :], content, headers=headers)
-        return _H11Response(response.status, response.body)
+    async def post(self, path: str, headers: dict[str, str]) -> Answer:
+        response = await self._transport.post(path, REQUEST_BODY, headers=headers)
+        return Answer(response.status, response.body)
+
+
+class HttpcoreClient:
+    """httpcore's ``AsyncConnectionPool`` (on anyio's trio backend), a limiter in front."""
+
+    def __init__(self, base: str, context: ssl.SSLContext | None) -> None:
+        import httpcore
+
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=context, max_connections=POOL, max_keepalive_connections=POOL
+        )
+        self._base = base
+        self.limited = False
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    async def post(self, path: str, headers: dict[str, str]) -> Answer:
+        fields = [(k.encode(), v.encode()) for k, v in headers.items()]
+        response = await self._pool.request(
+            "POST", self._base + path, headers=fields, content=REQUEST_BODY
+        )
+        return Answer(response.status, response.content)
+
+
+class HttpxClient:
+    """httpx's (or httpx2's) ``AsyncClient``, a limiter in front as a provider holds."""
+
+    def __init__(self, lib: Any, base: str, context: ssl.SSLContext | None) -> None:
+        limits = lib.Limits(max_connections=POOL, max_keepalive_connections=POOL)
+        self._client = lib.AsyncClient(limits=limits, timeout=120.0, verify=context or True)
+        self._base = base
+        self.limited = False
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def post(self, path: str, headers: dict[str, str]) -> Answer:
+        response = await self._client.post(self._base + path, content=REQUEST_BODY, headers=headers)
+        return Answer(response.status_code, response.content)
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration against the server on ``config["port"]``."""
+    """Run one client and shape against the server on ``config["port"]``."""
     import trio
 
     name = config["client"]
-    lib: Any = None if name in ("h11", "interlock") else importlib.import_module(name)
-    concurrency: int = config["concurrency"]
-    per_task: int = config["per_task"]
-    pool: int = config["pool"]
-    url = f"http://127.0.0.1:{config['port']}/v1/chat/completions"
+    scheme = "https" if config["cert"] else "http"
+    base = f"{scheme}://127.0.0.1:{config['port']}/v1"
+    context = ssl.create_default_context(cafile=config["cert"]) if config["cert"] else None
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
-    waited: list[float] = []
-    served: list[float] = []
+    latencies: list[float] = []
     errors: dict[str, int] = {}
 
     async def one(client: Any, limiter: trio.CapacityLimiter | None) -> None:
-        for _ in range(per_task):
+        for _ in range(config["per_task"]):
             started = time.perf_counter()
             try:
                 if limiter is None:
-                    entered = started
-                    response = await client.post(url, content=REQUEST_BODY, headers=headers)
+                    answer = await client.post("/chat/completions", headers)
                 else:
                     async with limiter:
-                        entered = time.perf_counter()
-                        response = await client.post(url, content=REQUEST_BODY, headers=headers)
-                if response.status_code != 200 or len(response.content) != len(REPLY_BODY):
-                    errors[f"status {response.status_code}"] = (
-                        errors.get(f"status {response.status_code}", 0) + 1
-                    )
-                    continue
+                        answer = await client.post("/chat/completions", headers)
+                if answer.status != 200 or answer.content != REPLY_BODY:
+                    raise RuntimeError(f"status {answer.status}")
             except Exception as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
                 continue
-            done = time.perf_counter()
-            waited.append(done - started)
-            served.append(done - entered)
+            latencies.append(time.perf_counter() - started)
+
+    def make() -> Any:
+        if name == "interlock":
+            return TransportClient(base, context)
+        if name == "httpcore":
+            return HttpcoreClient(base, context)
+        return HttpxClient(importlib.import_module(name), base, context)
 
     async def main() -> None:
-        if name == "interlock":
-            client_cm: Any = TransportClient(url, pool, config["timeout"])
-        elif lib is None:
-            client_cm = BareH11Client()
-        else:
-            limits = lib.Limits(max_connections=pool, max_keepalive_connections=pool)
-            client_cm = lib.AsyncClient(limits=limits, timeout=config["timeout"])
-        async with client_cm as client:
-            # Warm the pool, so connecting is not measured (a provider's pool stays open).
+        client = make()
+        try:
+            async with trio.open_nursery() as nursery:  # warm the pool: POOL connections
+                for _ in range(POOL):
+                    nursery.start_soon(client.post, "/chat/completions", headers)
+            latencies.clear()
+            limiter = None if client.limited else trio.CapacityLimiter(POOL)
+            result["cpu"] = time.process_time()
+            result["wall"] = time.perf_counter()
             async with trio.open_nursery() as nursery:
-                for _ in range(min(pool, concurrency)):
-                    nursery.start_soon(client.post, url)
-            # interlock's Transport has its limiter inside (max_in_flight=pool).
-            own = config["limiter"] and name != "interlock"
-            limiter = trio.CapacityLimiter(pool) if own else None
-            with trio.move_on_after(config["budget"]) as scope:
-                async with trio.open_nursery() as nursery:
-                    for _ in range(concurrency):
-                        nursery.start_soon(one, client, limiter)
-            result["cut_off"] = scope.cancelled_caught
+                for _ in range(config["concurrency"]):
+                    nursery.start_soon(one, client, limiter)
+            result["wall"] = time.perf_counter() - result["wall"]
+            result["cpu"] = time.process_time() - result["cpu"]
+        finally:
+            await client.aclose()
 
     result: dict[str, Any] = {}
-    cpu = time.process_time()
-    wall = time.perf_counter()
     trio.run(main)
-    wall = time.perf_counter() - wall
-    cpu = time.process_time() - cpu
-    requests = len(served)
-    total = concurrency * per_task
-    if result["cut_off"]:
-        errors["not finished in budget"] = total - requests - sum(errors.values())
+    requests = len(latencies)
     return {
-        **result,
         "requests": requests,
-        "asked": total,
-        "wall_s": wall,
-        "rps": requests / wall if wall else 0.0,
-        "cpu_us_per_request": cpu / max(1, requests) * 1e6,
-        "cpu_share": cpu / wall if wall else 0.0,
-        "p50_ms": quantile(waited, 0.5) * 1e3,
-        "p99_ms": quantile(waited, 0.99) * 1e3,
-        "served_p50_ms": quantile(served, 0.5) * 1e3,
-        "served_p99_ms": quantile(served, 0.99) * 1e3,
+        "asked": config["concurrency"] * config["per_task"],
+        "rps": requests / result["wall"],
+        "cpu_us": result["cpu"] / max(1, requests) * 1e6,
+        "p50_ms": quantile(latencies, 0.5) * 1e3,
+        "p99_ms": quantile(latencies, 0.99) * 1e3,
         "errors": errors,
     }
 
 
-def configurations(quick: bool) -> list[dict[str, Any]]:
-    """(concurrency, per_task, pool, limiter) to run for each client."""
-    scale = 0.2 if quick else 1.0
-
-    def n(value: int) -> int:
-        return max(1, int(value * scale))
-
-    shapes = [
-        (1, n(1000), 64, True),
-        (50, n(40), 64, True),
-        (1_000, n(3), 64, True),
-        (1_000, n(3), 256, True),
-        (10_000, 1, 64, True),
-        (10_000, 1, 256, True),
-        (1_000, n(3), 64, False),
-    ]
-    # NOTE: not 10,000 with the pool alone: httpx's pool rescans its queue of waiters on
-    # every release and cancel, so it runs past any budget (over 10 minutes here).
-    return [
-        {"concurrency": c, "per_task": p, "pool": pool, "limiter": lim}
-        for c, p, pool, lim in shapes
-    ]
+def installed(name: str) -> str | None:
+    """The version of ``name``, or None when it is not installed."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    return str(getattr(module, "__version__", "?"))
 
 
 def run(quick: bool, progress: Progress = no_progress) -> dict[str, Any]:
-    server = Server()
+    versions = {name: installed(name if name != "interlock" else "h11") for name in CLIENTS}
+    clients = [name for name in CLIENTS if versions[name] is not None]
+    rounds = 1 if quick else 3
+    shapes = [(200, 2 if quick else 5), (1000, 1 if quick else 2)]
     rows: list[dict[str, Any]] = []
-    try:
-        shapes = configurations(quick)
-        total = len(shapes) * len(CLIENTS)
-        done = 0
-        for shape in shapes:
-            # Clients interleaved per shape, so a change of load on the host hits both.
-            for client in CLIENTS:
-                if client in ("h11", "interlock") and not shape["limiter"]:
-                    continue  # the floor has no queue of its own
-                progress(f"{client} {shape}", done / total)
-                config = {
-                    **shape,
-                    "client": client,
-                    "port": server.port,
-                    "timeout": 120.0,
-                    "budget": 30.0 if quick else 90.0,
-                }
-                before = server.cpu_seconds()
-                try:
-                    row = run_child("benchmarks.http_clients", config, timeout=600)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    row = _failed(config, exc)
-                row["server_cpu_us_per_request"] = (
-                    (server.cpu_seconds() - before) / max(1, row["requests"]) * 1e6
-                )
-                rows.append({**config, **row})
-                done += 1
-    finally:
-        server.stop()
-    return {
-        "request_bytes": len(REQUEST_BODY),
-        "reply_bytes": len(REPLY_BODY),
-        "versions": {
-            name: importlib.import_module("h11" if name == "interlock" else name).__version__
-            for name in CLIENTS
-        },
-        "rows": rows,
-    }
+    total = 2 * len(shapes) * rounds * len(clients)
+    done = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = make_certificate(Path(tmp))
+        for tls in (False, True):
+            server = Server(cert if tls else None, key if tls else None)
+            try:
+                for concurrency, per_task in shapes:
+                    for round_ in range(rounds):
+                        for client in clients:
+                            progress(f"{client} {concurrency} tls={tls}", done / total)
+                            config = {
+                                "client": client,
+                                "concurrency": concurrency,
+                                "per_task": per_task,
+                                "port": server.port,
+                                "cert": str(cert) if tls else None,
+                            }
+                            before = server.cpu_seconds()
+                            try:
+                                row = run_child("benchmarks.http_clients", config, timeout=600)
+                            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                                row = {"requests": 0, "errors": {type(exc).__name__: 1}}
+                            row["server_cpu_us"] = (
+                                (server.cpu_seconds() - before) / max(1, row["requests"]) * 1e6
+                            )
+                            rows.append({**config, **row, "tls": tls, "round": round_})
+                            done += 1
+            finally:
+                server.stop()
+    return {"versions": versions, "rows": rows, "rounds": rounds}
 
 
-def _failed(config: dict[str, Any], exc: Exception) -> dict[str, Any]:
-    """A row for a configuration whose client process failed or ran out of time."""
-    nan = float("nan")
-    reason = "timed out" if isinstance(exc, subprocess.TimeoutExpired) else "failed"
-    return {
-        "requests": 0,
-        "asked": config["concurrency"] * config["per_task"],
-        "rps": nan,
-        "cpu_us_per_request": nan,
-        "cpu_share": nan,
-        **dict.fromkeys(("p50_ms", "p99_ms", "served_p50_ms", "served_p99_ms"), nan),
-        "errors": {f"client process {reason}": 1},
-    }
+def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (tls, concurrency, client): median requests/s and CPU, and the median over
+    rounds of each round's ratio to the baseline's figure in that round."""
+    rows = results["rows"]
+    keys: list[tuple[bool, int, str]] = []
+    for row in rows:
+        key = (row["tls"], row["concurrency"], row["client"])
+        if key not in keys:
+            keys.append(key)
+    out = []
+    for tls, concurrency, client in keys:
+        mine = [
+            r
+            for r in rows
+            if (r["tls"], r["concurrency"], r["client"]) == (tls, concurrency, client)
+        ]
+        speed, cpu = [], []
+        for row in mine:
+            base = next(
+                r
+                for r in rows
+                if (r["tls"], r["concurrency"], r["round"], r["client"])
+                == (tls, concurrency, row["round"], BASELINE)
+            )
+            if row["requests"] and base["requests"]:
+                speed.append(row["rps"] / base["rps"])
+                cpu.append(base["cpu_us"] / row["cpu_us"])
+        ok = [r for r in mine if r["requests"]]
+        out.append(
+            {
+                "tls": tls,
+                "concurrency": concurrency,
+                "client": client,
+                "done": f"{sum(r['requests'] for r in mine):,}/{sum(r.get('asked', 0) for r in mine):,}",
+                "rps": statistics.median(r["rps"] for r in ok) if ok else float("nan"),
+                "cpu_us": statistics.median(r["cpu_us"] for r in ok) if ok else float("nan"),
+                "p99_ms": statistics.median(r["p99_ms"] for r in ok) if ok else float("nan"),
+                "speed": statistics.median(speed) if speed else float("nan"),
+                "cpu_ratio": statistics.median(cpu) if cpu else float("nan"),
+                "errors": sum(sum(r["errors"].values()) for r in mine),
+            }
+        )
+    return out
 
 
 def render(results: dict[str, Any]) -> str:
     from benchmarks._report import num, table
 
+    versions = results["versions"]
     body = []
-    for row in results["rows"]:
-        errors = ", ".join(f"{k} {v:,}" for k, v in row["errors"].items()) or "0"
+    for row in summary(results):
+        version = versions[row["client"]]
+        label = (
+            "interlock Transport" if row["client"] == "interlock" else f"{row['client']} {version}"
+        )
         body.append(
             (
-                _label(row["client"], results["versions"][row["client"]]),
+                "TLS" if row["tls"] else "plain",
                 f"{row['concurrency']:,}",
-                f"{row['requests']:,}/{row['asked']:,}",
-                row["pool"],
-                "limiter + pool" if row["limiter"] else "pool only",
+                label,
+                row["done"],
                 num(row["rps"]),
-                num(row["p50_ms"]),
+                f"{row['speed']:.2f}x",
+                num(row["cpu_us"]),
+                f"{row['cpu_ratio']:.2f}x",
                 num(row["p99_ms"]),
-                # the Transport's limiter is inside it: no separate request latency
-                num(None if row["client"] == "interlock" else row["served_p50_ms"]),
-                num(None if row["client"] == "interlock" else row["served_p99_ms"]),
-                num(row["cpu_us_per_request"]),
-                "–" if row["cpu_share"] != row["cpu_share"] else f"{row['cpu_share']:.0%}",
-                num(row["server_cpu_us_per_request"]),
-                errors,
+                row["errors"],
             )
         )
+    missing = [name for name, version in versions.items() if version is None]
     return "\n".join(
         [
-            f"POST {results['request_bytes']:,} B JSON, reply {results['reply_bytes']:,} B JSON, "
-            "loopback, keep-alive; server (trio + h11) in its own process; each row a fresh "
-            "client process with one shared AsyncClient. *Caller* latency includes the wait "
-            "for the limiter (or the pool's queue); *request* latency is inside it.",
+            f"POST {len(REQUEST_BODY):,} B JSON, reply {len(REPLY_BODY):,} B JSON, loopback, "
+            f"keep-alive, at most {POOL} connections; server trio + h11 in its own process; "
+            f"each figure the median of {results['rounds']} rounds, each row a fresh client "
+            f"process. *vs {BASELINE}*: the median of each round's ratio to {BASELINE}'s figure "
+            "in the same round (throughput: higher is faster; CPU: baseline's µs over this "
+            "client's, higher is cheaper).",
+            *([f"Not installed, skipped: {', '.join(missing)}."] if missing else []),
             "",
             table(
                 [
-                    "client",
+                    "transport",
                     "concurrent",
+                    "client",
                     "done",
-                    "pool",
-                    "queueing",
                     "requests/s",
-                    "caller p50 ms",
-                    "caller p99 ms",
-                    "request p50 ms",
-                    "request p99 ms",
+                    f"vs {BASELINE}",
                     "client CPU µs/req",
-                    "client CPU share",
-                    "server CPU µs/req",
+                    f"CPU vs {BASELINE}",
+                    "p99 ms",
                     "errors",
                 ],
                 body,
@@ -440,19 +452,11 @@ def render(results: dict[str, Any]) -> str:
     )
 
 
-def _label(client: str, version: str) -> str:
-    if client == "h11":
-        return f"bare h11 {version} (floor)"
-    if client == "interlock":
-        return f"interlock Transport (h11 {version})"
-    return f"{client} {version}"
-
-
 def main(argv: list[str]) -> None:
     if argv[1:2] == ["--child"]:
         child_main(measure)
     elif argv[1:2] == ["--server"]:
-        serve()
+        serve(*(argv[2:4] or (None, None)))
     else:
         run_alone("http_clients", run, render, argv)
 

@@ -444,9 +444,9 @@ async def _serve_kw(
 # - Cost: the fake is the server of the provider benchmarks (bench_providers, in a process
 #   beside the runtime on the same cores), so its CPU is the benchmark's noise floor. Driven
 #   by the providers' Transport at 200 concurrent requests, client and server in one
-#   process, this server and the client cost 116-123 µs of CPU per request together; the
-#   same JSON answer from a bare ASGI app on hypercorn (trio) 950-1,160 µs (8x), the client
-#   included (see benchmarks/RESULTS.md, "HTTP/1.1 clients").
+#   process, this server and the client cost 131-145 µs of CPU per request together; the
+#   same JSON answer from a bare ASGI app on hypercorn (trio) 719-833 µs, 5-6x
+#   (``python -m benchmarks.fake_server``; benchmarks/RESULTS.md, "HTTP/1.1 clients").
 # It handles what HTTP clients send: keep-alive (HTTP/1.1 by default, HTTP/1.0 on request),
 # Content-Length and chunked request bodies, ``Expect: 100-continue``, pipelining; anything
 # malformed is a 400 and a closed connection. The header fields and the chunked coding are
