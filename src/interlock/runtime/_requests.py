@@ -10,7 +10,6 @@ No trio and no I/O: the caller measures latencies and names the run's seq and ke
 
 from __future__ import annotations
 
-import email.utils
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core._events import TokenUsage, Violation, journalable
 from ..core._exceptions import ProviderError, RequestRefused
 from ..core._messages import Propose, Reconciliation, Report
+from ..core._pacing import parse_retry_after
 from ..core._tools import Applied, NotApplied, ToolError
 from ..providers._base import Proposal
 
@@ -254,22 +254,11 @@ def _http_status(exc: BaseException) -> tuple[int | None, float | None]:
 
 
 def _retry_after_header(headers: Any) -> float | None:
-    """Seconds from a ``retry-after-ms`` or ``Retry-After`` header (seconds or an HTTP date)."""
-    if headers is None:
-        return None
+    """Seconds from a ``retry-after-ms`` or ``Retry-After`` header, read as the providers'
+    transport reads them; None for headers of a shape it cannot read."""
     try:
-        millis = headers.get("retry-after-ms")
-        if millis is not None:
-            return max(0.0, float(millis) / 1000)
-        header = headers.get("retry-after")
-        if header is None:
-            return None
-        try:
-            return max(0.0, float(header))
-        except ValueError:
-            when = email.utils.parsedate_to_datetime(header)
-            return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError, AttributeError, OverflowError):
+        return parse_retry_after(headers, time.time())
+    except (TypeError, AttributeError):
         return None
 
 
