@@ -822,7 +822,7 @@ cdef object _accept_move(
         return None
     try:
         envelope = _c.envelope_decode(encoded)
-    except msgspec.DecodeError:  # ValidationError too: the Python gate explains it
+    except (msgspec.DecodeError, RecursionError):  # the Python gate explains either
         return None
     if type(envelope) is not _c.envelope:  # pragma: no cover - the gate's decoder's type
         return None
@@ -948,7 +948,7 @@ cdef object _accept_call(RunState run, machine, plan, bytes raw, double now, cir
         return None
     try:
         envelope = decoder.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # too deep: the Python gate explains it
         return None
     cdef PyObject* found = PyDict_GetItem(plan.by_type, type(envelope))
     if found is NULL:

@@ -301,3 +301,20 @@ async def test_a_driver_reaches_the_run_table_through_its_port() -> None:
     # once the supervisor is closed, a batch's every entry gets that error
     results = runs.decide_many([Propose(run_id="p-1", raw=CHARGE)] * 2)
     assert [type(r) for r in results] == [trio.ClosedResourceError] * 2
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+async def test_a_proposal_nested_too_deep_is_malformed_and_the_run_goes_on(depth: int) -> None:
+    # The compiled decide path caught only msgspec.DecodeError around its decoders: a
+    # proposal nested past the decoder's recursion limit raised RecursionError there and
+    # ended the run as a bug in interlock, where the pure path answered "malformed".
+    deep = '{"tool": "charge", "args": {"cents": ' + "[" * depth + "]" * depth + "}}"
+    async with open_supervisor([shop()], MemoryStore()) as sup:
+        handle = await sup.external.start("shop", run_id="deep-1")
+        for raw in (deep, '{"next": "COMPLETED", "data": ' + "[" * depth + "]" * depth + "}"):
+            verdict = await sup.external.submit(Propose(run_id="deep-1", raw=raw))
+            assert not verdict.accepted
+            assert [v.code for v in verdict.violations] == ["malformed"]
+            assert "nested too deeply" in verdict.violations[0].message
+        verdict = await sup.external.submit(Propose(run_id="deep-1", raw=CHARGE))
+        assert verdict.execute is not None and handle.run_id == "deep-1"
