@@ -206,8 +206,10 @@ def _internal(module: str) -> Any:
 
 
 def gate_function() -> Any:
-    """The gate as a step runs it: the compiled accept path where it is built, the
-    Python gate for what that leaves (a rejection it explains)."""
+    """The gate: ``_gate.verify``, the same function in both trees. (Before the move a
+    compiled accept path, ``_decide.accept_call``, could be timed on its own; the move
+    deleted that benchmark entry point, and the compiled path now runs only inside
+    ``on_propose``, which the step workload times with the rest of a step.)"""
     import interlock
 
     view_module = _internal("_view")
@@ -228,15 +230,7 @@ def gate_function() -> Any:
         )
     )
     now = run.started_ts + 1.0
-    if view_module.DECIDE_IMPLEMENTATION != "compiled":
-        return lambda raw: verify(machine, run, raw, now, board)
-    accept = _internal("_decide").accept_call
-
-    def gate(raw: bytes) -> Any:
-        decided = accept(run, raw, now, board)
-        return verify(machine, run, raw, now, board) if decided is None else decided
-
-    return gate
+    return lambda raw: verify(machine, run, raw, now, board)
 
 
 def _has(module: str) -> bool:
