@@ -1,0 +1,1 @@
+"""MkDocs hook: generate the pages that must not go stale."""
