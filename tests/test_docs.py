@@ -9,8 +9,10 @@ started once for the session: its base URLs are in ``INTERLOCK_EXAMPLE_OPENAI_UR
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -49,6 +51,8 @@ def fake_llm() -> Iterator[dict[str, str]]:
     )
     try:
         assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        assert ready, "the fake LLM printed no URL in 60 s"
         url = process.stdout.readline().strip()
         assert url.startswith("http://"), f"the fake LLM printed {url!r}, not its URL"
         yield {
@@ -79,22 +83,38 @@ def interlock_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_page(
     path: Path, directory: Path, env: dict[str, str], page: str | None = None
 ) -> subprocess.CompletedProcess[str] | None:
-    """Run ``path``'s examples in ``directory``; None if it has nothing to run."""
+    """Run ``path``'s examples in ``directory``; None if it has nothing to run.
+
+    Raises:
+      ExampleError: the page breaks the example convention.
+      subprocess.TimeoutExpired: its examples took more than ``PAGE_TIMEOUT`` seconds.
+    """
     page = page or path.relative_to(ROOT).as_posix()
     steps = steps_of(path.read_text(encoding="utf-8"))
     if not steps:
         return None
     spec = directory.parent / f"{directory.name}.json"
     spec.write_text(json.dumps({"page": page, "path": str(path), "steps": steps}))
-    return subprocess.run(
+    # its own process group: a timeout ends what its commands started too
+    process = subprocess.Popen(
         [sys.executable, str(RUNNER), str(spec)],
         cwd=directory,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=PAGE_TIMEOUT + 30,
-        check=False,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=PAGE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # a server an example left running
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.fixture
@@ -108,10 +128,13 @@ def page_env(fake_llm: dict[str, str], interlock_bin: Path) -> dict[str, str]:
 def test_examples_run(path: Path, tmp_path: Path, page_env: dict[str, str]) -> None:
     directory = tmp_path / "page"
     directory.mkdir()
+    page = path.relative_to(ROOT).as_posix()
     try:
         done = run_page(path, directory, page_env)
     except ExampleError as exc:
-        pytest.fail(f"{path.relative_to(ROOT).as_posix()}: {exc}", pytrace=False)
+        pytest.fail(f"{page}: {exc}", pytrace=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{page}: its examples did not finish in {PAGE_TIMEOUT:g} s", pytrace=False)
     if done is not None and done.returncode != 0:
         pytest.fail(done.stdout + done.stderr, pytrace=False)
 
@@ -264,3 +287,13 @@ def test_a_block_may_await_at_top_level(tmp_path: Path) -> None:
     done = run_page(page, directory, _environment(), page="page.md")
     assert done is not None
     assert done.returncode == 0, done.stderr
+
+
+def test_a_page_that_hangs_is_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport time\ntime.sleep(60)\n```\n")
+    directory = tmp_path / "page"
+    directory.mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "PAGE_TIMEOUT", 1.0)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_page(page, directory, _environment(), page="page.md")
