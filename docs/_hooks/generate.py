@@ -95,7 +95,7 @@ def _cli_parser(
     parts += [f"{level} `{name}`", ""]
     if help_text:
         sentence = help_text[0].upper() + help_text[1:]
-        parts += [sentence if sentence.endswith((".", ")")) else sentence + ".", ""]
+        parts += [sentence if sentence.endswith(".") else sentence + ".", ""]
     usage = parser.format_usage().strip().removeprefix("usage: ")
     parts += ["```text", usage, "```", ""]
     formatter = parser._get_formatter()
@@ -108,8 +108,8 @@ def _cli_parser(
                 children.append((child, subparser, helps.get(child, "")))
                 rows.append([f"`{child}`", helps.get(child, "")])
             continue
-        if action.help == argparse.SUPPRESS:
-            continue
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue  # every command has -h, --help: the page says so once
         if action.option_strings:
             flags = ", ".join(action.option_strings)
             if action.nargs != 0:
