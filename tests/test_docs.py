@@ -10,14 +10,17 @@ started once for the session: its base URLs are in ``INTERLOCK_EXAMPLE_OPENAI_UR
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,3 +300,36 @@ def test_a_page_that_hangs_is_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(sys.modules[__name__], "PAGE_TIMEOUT", 1.0)
     with pytest.raises(subprocess.TimeoutExpired):
         run_page(page, directory, _environment(), page="page.md")
+
+
+def _hook() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "interlock_docs_hook", ROOT / "docs" / "_hooks" / "generate.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["36.perff.md", "36.bugfix.a1.md", "notes.md", "36.md"])
+def test_a_fragment_towncrier_would_drop_fails_the_build(tmp_path: Path, name: str) -> None:
+    from mkdocs.exceptions import PluginError
+
+    hook = _hook()
+    (tmp_path / "36.perf.md").write_text("Faster.\n")
+    (tmp_path / name).write_text("Dropped.\n")
+    hook.CHANGES = tmp_path
+    with pytest.raises(PluginError, match=rf"^changes/{re.escape(name)}: a fragment is named"):
+        hook.check_fragments()
+
+
+def test_every_fragment_type_in_changes_is_configured() -> None:
+    """towncrier drops a fragment of a type it is not configured for (it dropped `perf`)."""
+    hook = _hook()
+    fragments = hook.check_fragments()
+    assert len(fragments) == len(list((ROOT / "changes").glob("*.md")))
+    configured = [directory for directory, _ in hook._fragment_types()]
+    assert {kind for _, kind, _ in fragments} <= set(configured)
+    assert {"breaking", "feature", "bugfix", "perf", "doc", "misc"} <= set(configured)

@@ -375,7 +375,34 @@ def performance_markdown() -> str:
         parts.append(_demote(module.render(result)))
         if name in CHARTS and (BENCHMARKS / CHARTS[name][0]).exists():
             parts += ["", f"![{CHARTS[name][1]}]({CHARTS_URI}/{CHARTS[name][0]})"]
-    return "\n".join(parts)
+    return _blank_before_lists("\n".join(parts))
+
+
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.) ")
+
+
+def _blank_before_lists(markdown: str) -> str:
+    """A blank line before each list that follows a paragraph line.
+
+    RESULTS.md is read on GitHub, where a list may follow a paragraph directly; in
+    Python-Markdown the list would be read as more of the paragraph.
+    """
+    out: list[str] = []
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        previous = out[-1] if out else ""
+        if (
+            not fenced
+            and LIST_ITEM.match(line)
+            and previous.strip()
+            and not LIST_ITEM.match(previous)
+            and not previous.startswith((" ", "\t", "|"))
+        ):
+            out.append("")
+        out.append(line)
+    return "\n".join(out)
 
 
 def _demote(markdown: str) -> str:
@@ -439,8 +466,10 @@ def changelog_markdown() -> str:
             raise PluginError(f"towncrier build --draft printed no section:\n{rendered}")
         rendered = rendered[start + 1 :]
     # A fragment of several lines is several paragraphs of one entry: towncrier indents
-    # the lines after the first by two spaces, which Markdown reads as one paragraph.
+    # the lines after the first by two spaces, which Markdown reads as one paragraph;
+    # and an entry after one of several paragraphs needs a blank line before it.
     rendered = re.sub(r"\n  (?=\S)", "\n\n    ", rendered)
+    rendered = re.sub(r"\n(?=- )", "\n\n", rendered)
     rendered = _demote_to(rendered, 3)
     return "## Unreleased\n\n" + rendered.strip()
 
