@@ -1,4 +1,4 @@
-.PHONY: dev test test-pure lint typecheck annotate bench demo clean ci
+.PHONY: dev test test-pure lint typecheck annotate bench demo docs docs-serve clean ci
 
 dev:
 	CFLAGS=-g0 pip install -e '.[test]'
@@ -10,8 +10,8 @@ test-pure:
 	INTERLOCK_NO_EXTENSIONS=1 python -m pytest -m "not slow"
 
 lint:
-	ruff check src tests benchmarks examples
-	ruff format --check src tests benchmarks examples
+	ruff check src tests benchmarks examples docs/_hooks
+	ruff format --check src tests benchmarks examples docs/_hooks
 
 typecheck:
 	mypy
@@ -25,8 +25,14 @@ bench:
 demo:
 	interlock demo
 
+docs:
+	python -m mkdocs build --strict
+
+docs-serve:
+	python -m mkdocs serve
+
 ci:
 	bash .ci/run
 
 clean:
-	rm -rf build dist src/*.egg-info src/interlock/*.so ext/*.c ext/*.html
+	rm -rf site build dist src/*.egg-info src/interlock/*.so ext/*.c ext/*.html

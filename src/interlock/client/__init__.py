@@ -25,6 +25,11 @@ from ._common import GatewayUnavailable as GatewayUnavailable
 from ._sync import Client as Client
 from ._sync import ExternalRun as ExternalRun
 
+if _typing.TYPE_CHECKING:
+    from ._channel import ChannelClient as ChannelClient
+    from ._channel import ChannelProblem as ChannelProblem
+    from ._channel import open_channel as open_channel
+
 #: Resolved on first use: the streaming channel's client imports trio.
 _LAZY = ("ChannelClient", "ChannelProblem", "open_channel")
 

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 #: Terminal states every machine has. ESCALATE parks a run for a human; FAILED ends it.
 ESCALATE = "ESCALATE"
+"""A terminal state every machine has: a run parked for a human (a breaker trip, a call
+in doubt), which an operator resumes or aborts."""
 FAILED = "FAILED"
+"""A terminal state every machine has: a run that gave up or was aborted."""
 #: Success terminal states a machine may move to without declaring them.
 SUCCESS_STATES = ("COMPLETED", "DONE")
 #: The default cap on one proposal's raw bytes (``Machine.max_proposal_bytes``).

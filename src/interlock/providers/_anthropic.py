@@ -78,13 +78,14 @@ def _usage(usage: _Usage | None) -> TokenUsage:
 class AnthropicMessages(HttpProvider):
     """Anthropic Messages (``POST {base_url}/v1/messages``), with native tools.
 
+    The options not listed here are :class:`OpenAIChat`'s (timeout, max_in_flight,
+    tokens_per_minute, temperature, transition_tool, stream).
+
     Args:
       model: the model name (also the name prices and metrics use).
       base_url: ``https://api.anthropic.com`` by default.
       api_key: defaults to ``$ANTHROPIC_API_KEY``; never journaled, logged or shown.
       max_tokens: the output limit (the API requires one; 1024 by default).
-      The other options are :class:`OpenAIChat`'s (timeout, max_in_flight,
-      tokens_per_minute, temperature, transition_tool, stream).
     """
 
     api = "messages"

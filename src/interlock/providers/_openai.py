@@ -421,19 +421,24 @@ class OpenAIChat(HttpProvider):
         URL, else ``generic``.
       output: ``"tools"`` (native tool calls) or ``"json_schema"`` (structured output:
         the proposal is the message content, constrained to the proposal's schema).
-      timeout, max_in_flight, tokens_per_minute: the transport's per-call timeout, the
-        most requests in flight, and an optional token rate limit.
-      max_tokens, temperature: sent as given (None sends none).
-      transition_tool: the name of the tool that moves the run on.
-      strict: send the tools with ``strict: true`` (every schema must allow it; checked
-        when the machine is registered).
-      stream: use Server-Sent Events; the call is assembled from the deltas.
-      headers: more headers for every request.
-      run_header: send the run's id in this header (e.g. for a gateway that routes by
-        run, or the fake server of the offline demo); None sends none.
-      transport: the HTTP client to use instead of the built-in one (any object with the
-        ``post`` and ``stream`` of :class:`interlock.providers._http.Transport`); the
-        provider does not close a transport it was given.
+
+    Other Parameters:
+      timeout (float): the transport's per-call timeout, in seconds.
+      max_in_flight (int): the most requests in flight.
+      tokens_per_minute (int | None): an optional token rate limit.
+      max_tokens (int | None): sent as given (None sends none).
+      temperature (float | None): sent as given (None sends none).
+      transition_tool (str): the name of the tool that moves the run on.
+      strict (bool): send the tools with ``strict: true`` (every schema must allow it;
+        checked when the machine is registered).
+      stream (bool): use Server-Sent Events; the call is assembled from the deltas.
+      headers (dict[str, str] | None): more headers for every request.
+      run_header (str | None): send the run's id in this header (e.g. for a gateway that
+        routes by run, or the fake server of the offline demo); None sends none.
+      transport (Transport | None): the HTTP client to use instead of the built-in one (any
+        object with the ``post`` and ``stream`` of
+        :class:`interlock.providers._http.Transport`); the provider does not close a
+        transport it was given.
     """
 
     api = "chat completions"

@@ -67,7 +67,7 @@ Arguments: TypeAlias = "str | Mapping[str, Any]"
 class Reply(msgspec.Struct, frozen=True, kw_only=True):
     """What the model says, rendered in the wire format of the API that was called.
 
-    Args:
+    Attributes:
       calls: the tool calls, each ``(name, arguments)``. ``arguments`` is the exact JSON text
         to send (sent byte for byte: in Chat and Responses as the ``arguments`` string, in
         Messages spliced raw as the ``input`` object); a mapping is encoded to JSON first.
@@ -138,7 +138,7 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
     """A failure of the server or the network.
 
-    Args:
+    Attributes:
       status: the HTTP status of an error answer (429, 500, 529, 400, 401...), its body in the
         API's error format: OpenAI ``{"error": {"message", "type", "param", "code"}}``,
         Anthropic ``{"type": "error", "error": {"type", "message"}, "request_id"}``.
@@ -194,7 +194,7 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
 class Raw(msgspec.Struct, frozen=True, kw_only=True):
     """An answer sent exactly as given: any status, any bytes (e.g. a malformed body).
 
-    Args:
+    Attributes:
       body: the body, byte for byte (for ``text/event-stream``, the whole stream).
       status: the HTTP status.
       content_type: the ``Content-Type`` header.
