@@ -17,6 +17,7 @@ from ._check import _check
 from ._common import _error, _leaves, _Usage
 from ._demo import _demo
 from ._escalations import _escalations
+from ._mcp import _mcp
 from ._parser import build_parser
 from ._replay import _replay
 from ._run import _enqueue, _resume, _run
@@ -41,6 +42,7 @@ _COMMANDS = {
     "check": _check,
     "serve": _serve,
     "worker": _worker,
+    "mcp": _mcp,
 }
 
 

@@ -375,4 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also serve the streaming channel on this Unix socket",
     )
+    from ._mcp import add_parser as _mcp_parser
+
+    _mcp_parser(commands, _journal, _app)
     return parser

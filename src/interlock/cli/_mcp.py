@@ -1,0 +1,126 @@
+"""``interlock mcp``: guard an MCP server's tools with a machine (see :mod:`interlock.mcp`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..core._exceptions import ConfigurationError, MissingExtra
+from ..stores._open import open_store
+from ._common import _close, _journal_url
+
+if TYPE_CHECKING:
+    import argparse
+
+    from ..core._machine import Machine
+
+
+def _machine_source(args: argparse.Namespace) -> Any:
+    """A Machine (``--app``) or a builder from the upstream's tools (``--machine``)."""
+    if args.machine_file is not None:
+        from ..mcp._config import build_machine, load_machine_file
+
+        spec = load_machine_file(args.machine_file)
+
+        def build(tools: list[Any]) -> tuple[Machine, Any]:
+            listed = {
+                t.name: t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools
+            }
+            return build_machine(spec, listed), spec
+
+        return build
+    from ..runtime._app import find_ref, load_app
+
+    where, ref, base = find_ref(args.app)
+    app = load_app(ref, where, base)
+    machines = list(app.machines.values())
+    if args.machine_name is not None:
+        if args.machine_name not in app.machines:
+            raise ConfigurationError(
+                f"the app {ref} has no machine {args.machine_name!r}; its machines: "
+                f"{', '.join(app.machines)}"
+            )
+        return app.machines[args.machine_name]
+    if len(machines) != 1:
+        raise ConfigurationError(
+            f"the app {ref} has {len(machines)} machines ({', '.join(app.machines)}); name the "
+            "one that guards this server with --machine-name NAME"
+        )
+    return machines[0]
+
+
+async def _mcp(args: argparse.Namespace) -> int:
+    try:
+        from ..mcp._serve import Upstream, serve_stdio
+    except ImportError as exc:  # pragma: no cover - the [mcp] extra is missing
+        raise MissingExtra(
+            f"interlock mcp needs the official MCP SDK ({exc}); pip install 'interlock[mcp]'"
+        ) from None
+    command = list(args.upstream)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.machine_file is None and args.app is None:
+        raise ConfigurationError(
+            "interlock mcp needs the machine that guards the server: --machine FILE.toml (a "
+            "machine file) or --app module:attribute (a Python application)"
+        )
+    upstream = Upstream(command, args.upstream_url)
+    source = _machine_source(args)
+    if args.machine_file is not None and args.db is None:
+        args.app = None
+    _journal_url(args, ("interlock mcp", None) if args.machine_file is not None else None)
+    store = await open_store(args.db)
+    try:
+        await serve_stdio(source, upstream, store, session=args.session)
+    finally:
+        await _close(store)
+    sys.stderr.write("interlock mcp: the client disconnected\n")
+    return 0
+
+
+def add_parser(commands: Any, journal: Any, app: Any) -> None:
+    """``interlock mcp``'s arguments."""
+    import argparse
+
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve an MCP server's tools over stdio, each tools/call verified against a "
+        "machine, keyed and journaled before it reaches the server",
+        description="Stand between an MCP client and an upstream MCP server: the client's "
+        "configuration launches `interlock mcp ... -- COMMAND` in place of COMMAND.",
+    )
+    which = mcp.add_mutually_exclusive_group()
+    which.add_argument(
+        "--machine",
+        dest="machine_file",
+        metavar="FILE.toml",
+        default=None,
+        help="the machine file that guards the server (see the MCP how-to)",
+    )
+    app(mcp)
+    mcp.add_argument(
+        "--machine-name",
+        default=None,
+        metavar="NAME",
+        help="with --app: the app's machine that guards the server (when it has several)",
+    )
+    journal(mcp)
+    mcp.add_argument(
+        "--session",
+        default="default",
+        metavar="NAME",
+        help="the session's name (default 'default'): its runs are mcp-NAME-N, and a proxy "
+        "started again picks up the session's unfinished or escalated run",
+    )
+    mcp.add_argument(
+        "--upstream-url",
+        default=None,
+        metavar="URL",
+        help="reach the upstream over Streamable HTTP at URL instead of launching a command",
+    )
+    mcp.add_argument(
+        "upstream",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND [ARG ...]",
+        help="the upstream server's command line (stdio)",
+    )

@@ -1,0 +1,20 @@
+"""The MCP proxy: an MCP server's tools, each ``tools/call`` verified against a run's
+machine, keyed and journaled before it reaches the server (``interlock mcp``).
+
+Needs the ``[mcp]`` extra (the official ``mcp`` SDK, which runs on trio).
+"""
+
+from ._proxy import KEY_META, RUN_META, McpRun, canonical_args
+from ._serve import Upstream, connect_upstream, list_all_tools, proxy_server, serve_stdio
+
+__all__ = [
+    "KEY_META",
+    "RUN_META",
+    "McpRun",
+    "Upstream",
+    "canonical_args",
+    "connect_upstream",
+    "list_all_tools",
+    "proxy_server",
+    "serve_stdio",
+]

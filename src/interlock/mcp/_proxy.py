@@ -1,0 +1,511 @@
+"""One MCP session as one run: what the proxy does with ``tools/list`` and ``tools/call``,
+whatever the transport.
+
+A ``tools/call`` is a proposal. The run's machine decides it through the supervisor's public
+port (:attr:`Supervisor.external <interlock.runtime.Supervisor.external>`), exactly as the
+gateway's external runs are decided: the gate (tool allowed in this state, arguments
+against the schema, guards), the breakers and the budgets. Only a verified call is
+forwarded, and only once its intent and idempotency key are durable; the key travels to
+the upstream in the request's ``_meta`` (:data:`KEY_META`), and the upstream's answer is
+journaled as the commit.
+
+A call whose outcome the proxy does not know (the upstream died, the stream broke, the
+call timed out, or the proxy itself was killed) is in doubt. It is never forwarded blind
+a second time: a read-only or idempotent tool is sent again under the same key; any other
+is reconciled (the machine names an upstream read-only tool and an expression that says
+whether the key was applied) or the run is escalated, and every later call answers, in one
+line, that the run waits for an operator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mcp.types as types
+import msgspec
+import trio
+from mcp.shared.exceptions import MCPError
+
+from ..core._exceptions import ProtocolError
+from ..core._messages import Propose, Reconciliation, Report
+from ..core._view import fold
+
+if TYPE_CHECKING:
+    from ..core._machine import Machine
+    from ..core._messages import ToolCall, Verdict
+    from ..core._tools import Tool
+    from ..runtime._supervisor import Supervisor
+
+__all__ = [
+    "KEY_META",
+    "RUN_META",
+    "McpRun",
+    "NoRules",
+    "Rules",
+    "Upstream",
+    "canonical_args",
+]
+
+#: The ``_meta`` key under which a forwarded call carries its idempotency key (a vendor
+#: prefix of our own: the spec reserves ``modelcontextprotocol`` and ``mcp``).
+KEY_META = "dev.interlock/idempotency-key"
+#: The ``_meta`` key of every result: the run the call belongs to.
+RUN_META = "dev.interlock/run"
+#: The ``_meta`` key of a result the runtime decided: its verdict.
+VERDICT_META = "dev.interlock/verdict"
+
+#: The JSON-RPC error for a tool nobody declared (the spec's "unknown tool").
+INVALID_PARAMS = -32602
+
+#: Upstream calls: ``(tool, arguments, meta) -> CallToolResult``.
+Upstream = Callable[[str, dict[str, Any], dict[str, Any]], Awaitable[types.CallToolResult]]
+
+_encode = msgspec.json.Encoder(order="sorted").encode
+
+
+def canonical_args(args: Any) -> bytes:
+    """The canonical JSON of a call's arguments (sorted keys): two calls with the same
+    tool and these bytes are the same call."""
+    return _encode(args if args is not None else {})
+
+
+class Rules(Protocol):
+    """What a machine file adds to a machine for the proxy (see :mod:`._config`)."""
+
+    def moves_to(self, tool: str) -> str | None: ...
+
+    def approval(self, tool: str) -> bool: ...
+
+    def reconcile(self, tool: str) -> Any: ...
+
+
+class NoRules:
+    """The rules of a machine given as Python (``--app``): no automatic moves, no
+    approvals; a tool reconciles through its own ``reconcile`` only in hosted runs."""
+
+    transition_tool: str | None = None
+
+    def moves_to(self, tool: str) -> str | None:
+        return None
+
+    def approval(self, tool: str) -> bool:
+        return False
+
+    def reconcile(self, tool: str) -> Any:
+        return None
+
+
+def _text(
+    message: str,
+    *,
+    error: bool,
+    structured: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=message)],
+        is_error=error,
+        structured_content=structured,
+        _meta=meta,
+    )
+
+
+class McpRun:
+    """One agent session's run: created by :meth:`open`, driven by :meth:`list_tools` and
+    :meth:`call_tool`. Calls are taken one at a time (a run has one turn at a time)."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        machine: Machine,
+        run_id: str,
+        upstream: Upstream,
+        upstream_tools: Sequence[types.Tool],
+        rules: Any = None,
+        *,
+        on_state_change: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.supervisor = supervisor
+        self.machine = machine
+        self.run_id = run_id
+        self.upstream = upstream
+        self.tools = {t.name: t for t in upstream_tools}
+        self.rules = rules if rules is not None else NoRules()
+        self.on_state_change = on_state_change
+        self._turn = trio.Lock()
+        self._ended: tuple[str, str, str] | None = None  # (outcome, state, reason)
+
+    # -- opening a session's run ---------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        supervisor: Supervisor,
+        machine: Machine,
+        session: str,
+        upstream: Upstream,
+        upstream_tools: Sequence[types.Tool],
+        rules: Any = None,
+        *,
+        inputs: Mapping[str, Any] | None = None,
+        on_state_change: Callable[[], Awaitable[None]] | None = None,
+    ) -> McpRun:
+        """The run of ``session``: its newest run if that has not completed or failed (a
+        proxy restarted after a crash picks up where it stopped, its call in flight
+        included, and an escalated run stays escalated until an operator resumes it),
+        else a new run ``mcp-SESSION-N``."""
+        store = supervisor.store
+        prefix = f"mcp-{session}-"
+        mine = [
+            r for r in await store.list_runs(machine=machine.name) if r.run_id.startswith(prefix)
+        ]
+        mine.sort(key=lambda r: (r.started, _number(r.run_id, prefix)))
+        newest = mine[-1] if mine else None
+        if newest is not None and newest.outcome in ("running", "escalated"):
+            self = cls(
+                supervisor,
+                machine,
+                newest.run_id,
+                upstream,
+                upstream_tools,
+                rules,
+                on_state_change=on_state_change,
+            )
+            if newest.outcome == "escalated":
+                self._ended = ("escalated", newest.state, newest.reason)
+            elif newest.run_id not in supervisor.external:
+                run = fold(machine, await store.load(newest.run_id))
+                supervisor.external.hold(run)
+            return self
+        number = max((_number(r.run_id, prefix) for r in mine), default=0) + 1
+        run_id = f"{prefix}{number}"
+        await supervisor.external.start(machine.name, dict(inputs or {}), run_id=run_id)
+        return cls(
+            supervisor,
+            machine,
+            run_id,
+            upstream,
+            upstream_tools,
+            rules,
+            on_state_change=on_state_change,
+        )
+
+    # -- tools/list ----------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self._ended is not None:
+            return self._ended[1]
+        run = self.supervisor.external.get(self.run_id)
+        return run.state if run is not None else "?"
+
+    def allowed(self) -> tuple[str, ...]:
+        """The tools the run allows now (none once it ended or escalated)."""
+        if self._ended is not None:
+            return ()
+        run = self.supervisor.external.get(self.run_id)
+        if run is None:
+            return ()
+        return self.supervisor.view(self.run_id).allowed_tools
+
+    def list_tools(self) -> types.ListToolsResult:
+        """The upstream's tools that the run's current state allows, each with the schema
+        the gate checks its arguments against."""
+        listed = []
+        for name in self.allowed():
+            tool = self.tools.get(name)
+            if tool is None:
+                continue
+            schema = self.machine.tool_by_name[name].validator.json_schema()
+            listed.append(tool.model_copy(update={"input_schema": schema or tool.input_schema}))
+        return types.ListToolsResult(tools=listed)
+
+    # -- tools/call ----------------------------------------------------------------------
+
+    async def call_tool(
+        self, name: str, arguments: Mapping[str, Any] | None
+    ) -> types.CallToolResult:
+        """Decide a ``tools/call``; forward it once it is verified and durable."""
+        if name not in self.machine.tool_by_name:
+            known = ", ".join(sorted(self.machine.tool_by_name)) or "none"
+            raise MCPError(INVALID_PARAMS, f"unknown tool {name!r}; the tools are: {known}")
+        args = dict(arguments or {})
+        async with self._turn:
+            if self._ended is not None:
+                return self._ended_result()
+            run = self.supervisor.external.get(self.run_id)
+            if run is not None and run.pending is not None:
+                settled = await self._settle_pending(run.pending, name, args)
+                if settled is not None:
+                    return settled
+                if self._ended is not None:
+                    return self._ended_result()
+            raw = msgspec.json.encode({"tool": name, "args": args}).decode()
+            verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
+            if verdict.execute is None:
+                if verdict.accepted and verdict.result is not None:  # committed before
+                    return self._result_of(verdict.result, None)
+                if self._ended is not None:
+                    return self._ended_result(verdict.violations)
+                return self._rejected(verdict)
+            return await self._execute(verdict, name)
+
+    async def _execute(self, verdict: Verdict, name: str) -> types.CallToolResult:
+        """Forward ``verdict.execute`` (again, while the runtime asks for a retry) and
+        journal the outcome; then move the run where the machine file says."""
+        while verdict.execute is not None:
+            call = verdict.execute
+            result, report = await self._forward(call)
+            verdict = await self._submit(report)
+            if report.ok and verdict.execute is None:
+                await self._move_after(name, verdict)
+                return self._with_meta(result, call.key)
+            if verdict.execute is None:
+                if self._ended is not None:
+                    return self._ended_result(verdict.violations, result)
+                if result is not None:  # the upstream answered with an error: hand it back
+                    return self._with_meta(result, call.key)
+                return _text(
+                    f"{name} failed: {report.error}", error=True, meta={RUN_META: self.run_id}
+                )
+        return self._ended_result() if self._ended is not None else self._rejected(verdict)
+
+    async def _forward(self, call: ToolCall) -> tuple[types.CallToolResult | None, Report]:
+        """Send ``call`` upstream with its key; the :class:`Report` of what came back."""
+        tool = self.machine.tool_by_name[call.tool]
+        timeout = tool.timeout if tool.timeout and math.isfinite(tool.timeout) else math.inf
+        started = trio.current_time()
+        try:
+            with trio.fail_after(timeout):
+                result = await self.upstream(call.tool, dict(call.args or {}), {KEY_META: call.key})
+        except trio.TooSlowError:
+            return None, self._failure(
+                call, f"the upstream did not answer within {timeout:g} s", started
+            )
+        except MCPError as exc:
+            # A JSON-RPC error: the upstream refused the request before running the tool
+            # (unknown tool, invalid params), so nothing was applied.
+            return None, Report(
+                run_id=self.run_id,
+                key=call.key,
+                ok=False,
+                applied=False,
+                error=f"the upstream refused the call: {exc.message} (JSON-RPC {exc.code})",
+                latency=trio.current_time() - started,
+            )
+        except Exception as exc:  # the upstream died or the stream broke: in doubt
+            return None, self._failure(call, f"the upstream connection failed: {exc!r}", started)
+        latency = trio.current_time() - started
+        if result.is_error:
+            # The tool ran and said it failed: the upstream answered, so nothing is in doubt.
+            text = " ".join(c.text for c in result.content if isinstance(c, types.TextContent))
+            return result, Report(
+                run_id=self.run_id,
+                key=call.key,
+                ok=False,
+                applied=False,
+                error=text or "the tool reported an error",
+                latency=latency,
+            )
+        dumped = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+        dumped.pop("_meta", None)
+        return result, Report(
+            run_id=self.run_id, key=call.key, ok=True, result=dumped, latency=latency
+        )
+
+    def _failure(self, call: ToolCall, error: str, started: float) -> Report:
+        return Report(
+            run_id=self.run_id,
+            key=call.key,
+            ok=False,
+            applied=None,
+            error=error,
+            retryable=True,
+            latency=trio.current_time() - started,
+        )
+
+    async def _settle_pending(
+        self, pending: Any, name: str, args: dict[str, Any]
+    ) -> types.CallToolResult | None:
+        """A call was in flight when the proxy stopped. Settle it before anything else:
+        sent again under its key if that is safe, reconciled where the machine says how,
+        else escalated. The answer to this call if it is that same call re-issued, else
+        None (go on with this call)."""
+        same = pending.tool == name and canonical_args(pending.args) == canonical_args(args)
+        tool: Tool = self.machine.tool_by_name[pending.tool]
+        how = self.rules.reconcile(pending.tool)
+        if tool.read_only or tool.idempotent:
+            verdict_call = _Call(pending.tool, pending.args, pending.key)
+            result, report = await self._forward(verdict_call)  # type: ignore[arg-type]
+            verdict = await self._submit(report)
+            if verdict.execute is not None:
+                result = await self._execute(verdict, pending.tool)
+            elif report.ok:
+                await self._move_after(pending.tool, verdict)
+            return self._with_meta(result, pending.key) if same and result is not None else None
+        if how is not None:
+            applied, recorded = await self._reconcile(how, pending)
+            verdict = await self._submit(
+                Reconciliation(
+                    run_id=self.run_id,
+                    key=pending.key,
+                    applied=applied,
+                    result=recorded,
+                    error="" if applied is not None else "the reconcile tool could not say",
+                )
+            )
+            if applied and self._ended is None:
+                await self._move_after(pending.tool, verdict)
+                if same:
+                    return _text(
+                        msgspec.json.encode(recorded).decode(),
+                        error=False,
+                        meta={
+                            RUN_META: self.run_id,
+                            KEY_META: pending.key,
+                            VERDICT_META: "reconciled: applied before",
+                        },
+                    )
+            if verdict.execute is not None:  # not applied: the runtime lets it run once
+                result = await self._execute(verdict, pending.tool)
+                return result if same else None
+            return None
+        await self._submit(
+            Report(
+                run_id=self.run_id,
+                key=pending.key,
+                ok=False,
+                applied=None,
+                error="the proxy stopped before the upstream answered; the call may have been applied",
+            )
+        )
+        return None
+
+    async def _reconcile(self, how: Any, pending: Any) -> tuple[bool | None, Any]:
+        """Ask the upstream's read-only tool whether ``pending`` was applied."""
+        try:
+            with trio.fail_after(30):
+                result = await self.upstream(how.tool, dict(getattr(how, "args", None) or {}), {})
+            dumped = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+            dumped.pop("_meta", None)
+            applied = how.applied(dumped, dict(pending.args or {}), pending.key)
+        except Exception:
+            return None, None
+        return applied, dumped if applied else None
+
+    async def _move_after(self, tool: str, verdict: Verdict) -> None:
+        """Move the run where the machine file says a committed call of ``tool`` takes it."""
+        target = self.rules.moves_to(tool)
+        if target is not None and self._ended is None and verdict.outcome == "running":
+            raw = msgspec.json.encode({"next": target}).decode()
+            moved = await self._submit(
+                Propose(run_id=self.run_id, raw=raw, source="step", model="mcp-proxy")
+            )
+            if moved.accepted and self.on_state_change is not None:
+                await self.on_state_change()
+
+    async def transition(self, target: str) -> types.CallToolResult:
+        """The agent asks to move the run to ``target`` (the machine file's transition tool)."""
+        async with self._turn:
+            if self._ended is not None:
+                return self._ended_result()
+            raw = msgspec.json.encode({"next": target}).decode()
+            verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
+            if not verdict.accepted:
+                return (
+                    self._ended_result(verdict.violations)
+                    if self._ended
+                    else self._rejected(verdict)
+                )
+            if self.on_state_change is not None:
+                await self.on_state_change()
+            return _text(f"moved to {verdict.state}", error=False, meta={RUN_META: self.run_id})
+
+    # -- answers ---------------------------------------------------------------------------
+
+    async def _submit(self, msg: Propose | Report | Reconciliation) -> Verdict:
+        try:
+            verdict = await self.supervisor.external.submit(msg)
+        except ProtocolError as exc:
+            self._ended = ("stopped", self.state, str(exc))
+            raise MCPError(-32603, f"interlock refused the request: {exc}") from None
+        if verdict.outcome != "running":
+            reason = "; ".join(v.message for v in verdict.violations)
+            record = None
+            with contextlib.suppress(Exception):
+                record = await self.supervisor.store.get_run(self.run_id)
+            if record is not None and record.reason:
+                reason = record.reason + (f" ({record.detail})" if record.detail else "")
+            self._ended = (verdict.outcome, verdict.state, reason)
+        return verdict
+
+    def _rejected(self, verdict: Verdict) -> types.CallToolResult:
+        lines = [f"{v.message}; {v.hint}" if v.hint else v.message for v in verdict.violations]
+        structured = {
+            "violations": [msgspec.to_builtins(v) for v in verdict.violations],
+            "state": verdict.state,
+        }
+        return _text(
+            "\n".join(lines) or "rejected",
+            error=True,
+            structured=structured,
+            meta={RUN_META: self.run_id, VERDICT_META: "rejected"},
+        )
+
+    def _ended_result(
+        self, violations: Sequence[Any] = (), result: Any = None
+    ) -> types.CallToolResult:
+        outcome, state, reason = self._ended or ("stopped", self.state, "")
+        if outcome == "escalated":
+            text = (
+                f"run {self.run_id} is escalated ({reason or 'a breaker tripped'}) and waits for "
+                f"an operator: `interlock escalations resume {self.run_id} --to STATE` "
+                "resumes it; until then no tool is called"
+            )
+        else:
+            text = f"run {self.run_id} has {outcome} in {state}{f' ({reason})' if reason else ''}; no tool is called"
+        structured = {
+            "outcome": outcome,
+            "state": state,
+            "reason": reason,
+            "violations": [msgspec.to_builtins(v) for v in violations],
+        }
+        return _text(
+            text,
+            error=True,
+            structured=structured,
+            meta={RUN_META: self.run_id, VERDICT_META: outcome},
+        )
+
+    def _with_meta(
+        self, result: types.CallToolResult | None, key: str | None
+    ) -> types.CallToolResult:
+        if result is None:
+            return _text("done", error=False, meta={RUN_META: self.run_id})
+        meta = dict(result.meta or {})
+        meta[RUN_META] = self.run_id
+        if key is not None:
+            meta[KEY_META] = key
+        return result.model_copy(update={"meta": meta})
+
+    def _result_of(self, recorded: Any, key: str | None) -> types.CallToolResult:
+        """A result the journal holds (a call committed before), as the upstream gave it."""
+        try:
+            result = types.CallToolResult.model_validate(recorded)
+        except Exception:
+            result = _text(msgspec.json.encode(recorded).decode(), error=False)
+        return self._with_meta(result, key)
+
+
+class _Call(msgspec.Struct, frozen=True):
+    tool: str
+    args: Any
+    key: str
+
+
+def _number(run_id: str, prefix: str) -> int:
+    tail = run_id[len(prefix) :]
+    return int(tail) if tail.isdigit() else 0
