@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._exceptions import ConfigurationError, MissingExtra
 from ..stores._open import open_store
-from ._common import _close, _journal_url
+from ._common import _close, _journal_url, _Usage
 
 if TYPE_CHECKING:
     import argparse
@@ -59,8 +59,13 @@ async def _mcp(args: argparse.Namespace) -> int:
     command = list(args.upstream)
     if command and command[0] == "--":
         command = command[1:]
+    if bool(command) == bool(args.upstream_url):
+        raise _Usage(
+            "give the upstream MCP server either as a command after `--` (stdio) or as "
+            "--upstream-url URL (Streamable HTTP), not both or neither"
+        )
     if args.machine_file is None and args.app is None:
-        raise ConfigurationError(
+        raise _Usage(
             "interlock mcp needs the machine that guards the server: --machine FILE.toml (a "
             "machine file) or --app module:attribute (a Python application)"
         )

@@ -60,6 +60,10 @@ VERDICT_META = "dev.interlock/verdict"
 #: The JSON-RPC error for a tool nobody declared (the spec's "unknown tool").
 INVALID_PARAMS = -32602
 
+#: JSON-RPC errors by which a server refuses a request before acting on it (parse error,
+#: invalid request, method not found, invalid params): a call answered so was not applied.
+_REFUSED = frozenset({-32700, -32600, -32601, -32602})
+
 #: Upstream calls: ``(tool, arguments, meta) -> CallToolResult``.
 Upstream = Callable[[str, dict[str, Any], dict[str, Any]], Awaitable[types.CallToolResult]]
 
@@ -286,8 +290,12 @@ class McpRun:
                 call, f"the upstream did not answer within {timeout:g} s", started
             )
         except MCPError as exc:
-            # A JSON-RPC error: the upstream refused the request before running the tool
-            # (unknown tool, invalid params), so nothing was applied.
+            if exc.code not in _REFUSED:  # e.g. -32000, the connection closed: in doubt
+                return None, self._failure(
+                    call, f"the upstream call failed: {exc.message} (JSON-RPC {exc.code})", started
+                )
+            # The upstream refused the request before running the tool (unknown tool,
+            # invalid params): nothing was applied.
             return None, Report(
                 run_id=self.run_id,
                 key=call.key,

@@ -1,0 +1,369 @@
+"""``interlock mcp`` against real parts: the official ``mcp`` SDK's client as the agent,
+over stdio, and real upstream servers from the registries (``mcp-server-time`` from PyPI,
+``@modelcontextprotocol/server-filesystem`` and ``server-memory`` from npm, which
+``.ci/run`` installs into its cache). Processes are real and killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+mcp = pytest.importorskip("mcp", reason="the [mcp] extra (the official MCP SDK) is missing")
+
+from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
+from mcp.shared.exceptions import MCPError  # noqa: E402
+
+from interlock import replay  # noqa: E402
+from interlock.events import IntentRecorded, ToolCommitted  # noqa: E402
+from interlock.stores import open_sqlite_store  # noqa: E402
+
+NPM = Path(os.environ.get("INTERLOCK_CI_NPM", Path.home() / ".cache/interlock-ci/npm"))
+KEY_META = "dev.interlock/idempotency-key"
+
+
+def _npm_server(name: str) -> Path:
+    entry = NPM / "node_modules" / "@modelcontextprotocol" / name / "dist" / "index.js"
+    if not entry.exists() or shutil.which("node") is None:
+        what = f"@modelcontextprotocol/{name} (npm) under {NPM}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{what} is missing in CI; .ci/run installs it")
+        pytest.skip(f"{what} is not installed (.ci/run installs it); CI runs this test")
+    return entry
+
+
+def _proxy(tmp: Path, app: str, *upstream: str, session: str = "s") -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--app",
+            app,
+            "--db",
+            str(tmp / "mcp.db"),
+            "--session",
+            session,
+            "--",
+            *upstream,
+        ],
+        env=dict(os.environ),
+        cwd=str(tmp),
+    )
+
+
+TIME_APP = """
+from interlock import App, BreakerPolicy, Machine, Reject, Tool, Worker
+
+async def never(args, ctx):
+    raise AssertionError("the proxy's upstream executes the tools")
+
+def utc_only(args, view):
+    if args.get("timezone") != "UTC":
+        return Reject(f"args.timezone: {args.get('timezone')!r} is not UTC",
+                      "ask for timezone UTC", "args.timezone")
+    return None
+
+SCHEMA = {"type": "object", "properties": {"timezone": {"type": "string"}},
+          "required": ["timezone"], "additionalProperties": False}
+machine = Machine(
+    "clock", "ASK", {"ASK": Worker(next=["COMPLETED"], tools=["get_current_time"])},
+    tools=[Tool("get_current_time", never, SCHEMA, guards=[utc_only], read_only=True),
+           Tool("convert_time", never, {"type": "object"}, read_only=True)],
+    breakers=BreakerPolicy(consecutive_failures=4),
+)
+app = App([machine])
+"""
+
+
+def _time_server() -> tuple[str, ...]:
+    pytest.importorskip("mcp_server_time", reason="mcp-server-time (PyPI) is in the [test] extra")
+    return (sys.executable, "-m", "mcp_server_time", "--local-timezone=UTC")
+
+
+async def test_a_real_client_sees_only_what_the_state_allows_and_every_call_is_gated(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    params = _proxy(tmp_path, "clock.py:app", *_time_server())
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        listed = await client.list_tools()
+        # the upstream has convert_time too; the state allows only get_current_time
+        assert [t.name for t in listed.tools] == ["get_current_time"]
+        assert listed.tools[0].input_schema["required"] == ["timezone"]
+
+        rejected = await client.call_tool("get_current_time", {"timezone": "Europe/Paris"})
+        assert rejected.is_error
+        assert (
+            rejected.content[0].text
+            == "args.timezone: 'Europe/Paris' is not UTC; ask for timezone UTC"
+        )
+        assert rejected.structured_content["violations"][0]["code"] == "guard"
+
+        bad_args = await client.call_tool("get_current_time", {"timezone": "UTC", "x": 1})
+        assert bad_args.is_error
+        assert "x" in bad_args.content[0].text
+        assert bad_args.structured_content["violations"][0]["code"] == "schema"
+
+        not_here = await client.call_tool("convert_time", {})
+        assert not_here.is_error
+        assert not_here.structured_content["violations"][0]["code"] == "tool_not_allowed"
+
+        with pytest.raises(MCPError, match="unknown tool 'no_such_tool'"):
+            await client.call_tool("no_such_tool", {})
+
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+        assert '"timezone": "UTC"' in ok.content[0].text
+        key = ok.meta[KEY_META]
+        assert ok.meta["dev.interlock/run"] == "mcp-s-1"
+
+        # four rejections in a row trip the breaker: the run parks in ESCALATE, and every
+        # later call answers in one line how an operator resumes it
+        for _ in range(4):
+            last = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+        assert last.structured_content["outcome"] == "escalated"
+        parked = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert parked.is_error
+        assert parked.structured_content["outcome"] == "escalated"
+        assert "interlock escalations resume mcp-s-1" in parked.content[0].text
+
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        events = await store.load("mcp-s-1")
+    finally:
+        await store.aclose()
+    intents = [e for e in events if isinstance(e, IntentRecorded)]
+    commits = [e for e in events if isinstance(e, ToolCommitted)]
+    assert [(i.tool, i.key) for i in intents] == [("get_current_time", key)]
+    assert [c.key for c in commits] == [key]
+    assert commits[0].seq > intents[0].seq  # the intent was durable before the call went out
+    # the journal replays offline, with no upstream
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import clock  # type: ignore[import-not-found]
+
+        assert replay(events, clock.machine).diverged == ()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("clock", None)
+
+
+EDIT_APP = """
+from interlock import App, Machine, Tool, Worker
+
+async def never(args, ctx):
+    raise AssertionError("the proxy's upstream executes the tools")
+
+EDIT = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string"},
+        "edits": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"oldText": {"type": "string"}, "newText": {"type": "string"}},
+            "required": ["oldText", "newText"], "additionalProperties": False}},
+    },
+    "required": ["path", "edits"],
+    "additionalProperties": False,
+}
+READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
+        "additionalProperties": False}
+machine = Machine(
+    "ledger", "EDIT", {"EDIT": Worker(next=["COMPLETED"], tools=["edit_file", "read_text_file"])},
+    tools=[Tool("edit_file", never, EDIT, repeatable=True),   # neither read-only nor idempotent
+           Tool("read_text_file", never, READ, read_only=True)],
+)
+app = App([machine])
+"""
+
+
+def _tally(path: Path) -> int:
+    """How many times the upstream applied the edit, from the file the upstream wrote."""
+    return path.read_text().count("+")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _proxy_pid(session: str) -> int:
+    out = subprocess.run(
+        ["pgrep", "-f", f"interlock mcp .*--session {session} "], capture_output=True, text=True
+    ).stdout.split()
+    assert len(out) == 1, out
+    return int(out[0])
+
+
+async def _wait_for_intent(db: Path, run_id: str) -> str:
+    with trio.fail_after(30):
+        while True:
+            try:
+                store = await open_sqlite_store(str(db), readonly=True)
+                try:
+                    events = await store.load(run_id)
+                finally:
+                    await store.aclose()
+            except Exception:
+                events = []
+            intents = [e for e in events if isinstance(e, IntentRecorded)]
+            if intents:
+                return intents[-1].key
+            await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("killed", ["proxy", "upstream"])
+async def test_a_call_in_flight_when_a_process_dies_is_applied_at_most_once(
+    tmp_path: Path, killed: str
+) -> None:
+    """SIGKILL of the proxy (or of the upstream) while a side-effecting call is in flight
+    upstream; then the client re-issues the call: the upstream applies it at most once
+    (counted from the file it edits), and the run escalates instead of guessing."""
+    server = _npm_server("server-filesystem")
+    ledger = tmp_path / "files" / "ledger.txt"
+    ledger.parent.mkdir()
+    ledger.write_text("tally:\n")
+    (tmp_path / "ledger_app.py").write_text(EDIT_APP)
+    session = f"kill-{killed}-{os.getpid()}"
+    params = _proxy(
+        tmp_path, "ledger_app.py:app", "node", str(server), str(ledger.parent), session=session
+    )
+    call = {"path": str(ledger), "edits": [{"oldText": "tally:", "newText": "tally:+"}]}
+    run_id = f"mcp-{session}-1"
+
+    outcome: dict[str, Any] = {}
+    answered = trio.Event()
+
+    async def first_client(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+                await client.initialize()
+                task_status.started()
+                outcome["result"] = await client.call_tool("edit_file", call)
+        except Exception as exc:  # the proxy died under it: the call's outcome is lost
+            outcome["error"] = exc
+        finally:
+            answered.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first_client)
+        proxy = _proxy_pid(session)
+        (upstream,) = _children(proxy)
+        os.kill(upstream, signal.SIGSTOP)  # the call will hang upstream: slow, in flight
+        await _wait_for_intent(tmp_path / "mcp.db", run_id)
+        await trio.sleep(0.5)  # the proxy writes the request to the upstream's stdin
+        if killed == "proxy":
+            # the upstream applies the call while the proxy cannot hear the answer, then
+            # the proxy dies: applied upstream, not committed in the journal
+            os.kill(proxy, signal.SIGSTOP)
+            os.kill(upstream, signal.SIGCONT)
+            with trio.fail_after(30):
+                while _tally(ledger) == 0:  # noqa: ASYNC110 - polls a file another process writes
+                    await trio.sleep(0.02)
+            os.kill(proxy, signal.SIGKILL)
+        else:
+            os.kill(upstream, signal.SIGKILL)
+        with trio.fail_after(60):
+            await answered.wait()
+        nursery.cancel_scope.cancel()
+
+    applied_before = _tally(ledger)
+    assert applied_before == (1 if killed == "proxy" else 0)
+    if killed == "upstream":
+        # the proxy lived: it told the client that the run waits for an operator
+        result = outcome["result"]
+        assert result.is_error, result
+        assert "escalated" in result.content[0].text, result
+
+    # the client (or its restart) re-issues the same call under a new request id
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        again = await client.call_tool("edit_file", call)
+        assert again.is_error
+        assert "escalated" in again.content[0].text
+        assert "interlock escalations resume" in again.content[0].text
+        assert again.structured_content["outcome"] == "escalated"
+        assert (await client.list_tools()).tools == []  # an escalated run allows nothing
+    assert _tally(ledger) == applied_before  # never forwarded blind a second time
+
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        record = await store.get_run(run_id)
+    finally:
+        await store.aclose()
+    assert (record.outcome, record.reason) == ("escalated", "in_doubt_side_effect")
+
+
+def test_a_bad_command_line_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    cases = [
+        (["mcp", "--app", "clock.py:app"], "either as a command after `--`"),
+        (["mcp", "--", "true"], "--machine FILE.toml"),
+        (["mcp", "--app", "clock.py:nope", "--", "true"], "has no attribute 'nope'"),
+    ]
+    for argv, expected in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "interlock", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 2, (argv, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("interlock: error: "), (argv, done.stderr)
+        assert expected in last, (argv, done.stderr)
+
+
+def test_the_memory_server_tools_are_listed_through_the_proxy(tmp_path: Path) -> None:
+    server = _npm_server("server-memory")
+    (tmp_path / "graph.py").write_text(
+        textwrap.dedent("""
+        from interlock import App, Machine, Tool, Worker
+        async def never(args, ctx):
+            raise AssertionError
+        machine = Machine("graph", "READ", {"READ": Worker(next=["COMPLETED"], tools=["read_graph"])},
+                          tools=[Tool("read_graph", never, {"type": "object"}, read_only=True)])
+        app = App([machine])
+    """)
+    )
+    env = dict(os.environ, MEMORY_FILE_PATH=str(tmp_path / "memory.jsonl"))
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--app",
+            "graph.py:app",
+            "--db",
+            str(tmp_path / "m.db"),
+            "--",
+            "node",
+            str(server),
+        ],
+        env=env,
+        cwd=str(tmp_path),
+    )
+
+    async def main() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            assert [t.name for t in (await client.list_tools()).tools] == ["read_graph"]
+            graph = await client.call_tool("read_graph", {})
+            assert not graph.is_error, graph
+
+    trio.run(main)
