@@ -365,6 +365,29 @@ BAD = [
         id="next-as-a-string",
     ),
     pytest.param(
+        ("[states.CLEANUP]", "[states.COMPLETED]"),
+        "states.COMPLETED: COMPLETED is a terminal state and takes no table; remove "
+        "[states.COMPLETED]",
+        id="terminal-state-table",
+    ),
+    pytest.param(
+        ('kind = "neither"', 'kind = "idempotent"'),
+        "tools.delete_entities.reconcile: delete_entities is idempotent: a call of it in doubt "
+        'is simply retried; only a tool of kind "neither" is reconciled, so remove the reconcile',
+        id="reconcile-of-a-tool-safe-to-repeat",
+    ),
+    pytest.param(
+        ('tools = ["read_graph", "create_relations"]', 'tools = ["read_graph", "transition"]'),
+        'states.RELATE.tools: "transition" is the transition tool, allowed in every state; '
+        "remove it here",
+        id="transition-tool-in-a-state",
+    ),
+    pytest.param(
+        ("approval = true", 'approval = "yes"'),
+        'tools.create_entities.approval: must be true or false; got "yes"',
+        id="approval-not-a-bool",
+    ),
+    pytest.param(
         ("[budgets]", "[budgets"),
         "line 44, column 9: invalid TOML: expected ']' at the end of a table declaration",
         id="toml-syntax-error",
@@ -423,3 +446,12 @@ def test_an_upstream_schema_interlock_cannot_compile_asks_for_a_schema(tmp_path:
     machine = build_machine(load_machine_file(write(tmp_path, text, "fixed.toml")), upstream)
     schema = machine.tool_by_name["delete_entities"].validator.json_schema()
     assert schema["properties"]["entityNames"]["maxItems"] == 2
+
+
+def test_the_how_to_example_loads_and_builds(tmp_path: Path) -> None:
+    doc = Path(__file__).parent.parent / "docs" / "how-to" / "mcp-machines.md"
+    example = doc.read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    spec = load_machine_file(write(tmp_path, example, "example.toml"))
+    machine = build_machine(spec, MEMORY_TOOLS)
+    assert list(machine.states) == ["PLAN", "RELATE", "CLEANUP"]
+    assert spec.reconcile("delete_entities") is not None
