@@ -159,7 +159,7 @@ def _env(variables: tuple[str, ...]) -> Any:
     env = _ENVS.get(variables)
     if env is None:
         try:
-            from cel_expr_python import cel
+            from cel_expr_python import cel  # type: ignore[import-untyped]
         except ImportError:
             raise MissingExtra(
                 "CEL guards need cel-expr-python, which is not installed; install the mcp "
@@ -361,7 +361,8 @@ class _Reader:
 
     def string(self, value: Any, where: str, *, empty: bool = False) -> str:
         if not isinstance(value, str) or (not empty and not value):
-            raise self.fail(where, f"must be a non-empty string; got {_show(value)}")
+            what = "a string" if empty else "a non-empty string"
+            raise self.fail(where, f"must be {what}; got {_show(value)}")
         return value
 
     def flag(self, value: Any, where: str) -> bool:
@@ -638,14 +639,16 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
                 f"{_q(rtool)} must be declared read-only to reconcile with it; add "
                 f'[tools.{rtool}] kind = "read-only"',
             )
-    tools = {name: specs.get(name) or ToolSpec(name, where=w) for name, w in first_named.items()}
+    every_tool = {
+        name: specs.get(name) or ToolSpec(name, where=w) for name, w in first_named.items()
+    }
 
     return MachineSpec(
         path=reader.path,
         name=machine_name,
         initial=initial,
         states=states,
-        tools=tools,
+        tools=every_tool,
         budgets=Budgets(**_read_numbers(reader, data, "budgets", _BUDGET_KEYS)),
         breakers=BreakerPolicy(**_read_numbers(reader, data, "breakers", _BREAKER_KEYS)),
         transition_tool=transition,
