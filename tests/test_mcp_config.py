@@ -249,6 +249,39 @@ async def test_guards_pass_and_reject_in_an_external_run(tmp_path: Path) -> None
             Propose(run_id="m-1", seq=bad.seq, raw=call("create_relations", known))
         )
         assert good.accepted
+        assert good.execute is not None
+        related = await sup.external.submit(
+            Report(run_id="m-1", seq=good.seq, key=good.execute.key, ok=True, result=known)
+        )
+        moved = await sup.external.submit(
+            Propose(run_id="m-1", seq=related.seq, raw='{"next": "CLEANUP"}')
+        )
+        delete = call("delete_entities", {"entityNames": ["bob"]})
+        cleanup = await sup.external.submit(Propose(run_id="m-1", seq=moved.seq, raw=delete))
+        assert cleanup.accepted  # calls.create_entities is 1
+
+
+async def test_a_guard_over_calls_counts_committed_calls(tmp_path: Path) -> None:
+    machine = build_machine(memory(tmp_path), MEMORY_TOOLS)
+    async with open_supervisor([machine]) as sup:
+        await sup.external.start("memory", run_id="m-4")
+        verdict = None
+        for raw in ('{"next": "RELATE"}', '{"next": "CLEANUP"}'):
+            verdict = await sup.external.submit(
+                Propose(run_id="m-4", seq=sup.view("m-4").seq, raw=raw)
+            )
+            assert verdict.accepted
+        delete = call("delete_entities", {"entityNames": ["bob"]})
+        verdict = await sup.external.submit(
+            Propose(run_id="m-4", seq=sup.view("m-4").seq, raw=delete)
+        )
+        assert [(v.code, v.message, v.hint) for v in verdict.violations] == [
+            (
+                "guard",
+                "delete_entities: guard `calls.create_entities >= 1` is false",
+                "change the arguments so that `calls.create_entities >= 1` holds",
+            )
+        ]
 
 
 async def test_a_guard_that_cannot_be_evaluated_rejects(tmp_path: Path) -> None:
@@ -266,6 +299,14 @@ async def test_a_guard_that_cannot_be_evaluated_rejects(tmp_path: Path) -> None:
                 'evaluated: Key not found in map : "limit"',
             )
         ]
+        await sup.external.start("memory", {"limit": "2"}, run_id="m-5")  # a string
+        typed = await sup.external.submit(
+            Propose(run_id="m-5", seq=sup.view("m-5").seq, raw=call("create_entities", alice("a")))
+        )
+        assert typed.violations[0].message == (
+            "create_entities: guard `size(args.entities) <= inputs.limit` could not be "
+            "evaluated: No matching overloads found : _<=_(int64, string)"
+        )
         await sup.external.start("memory", {"limit": 2}, run_id="m-3")
         ok = await sup.external.submit(
             Propose(run_id="m-3", seq=sup.view("m-3").seq, raw=call("create_entities", alice("a")))
@@ -455,3 +496,18 @@ def test_the_how_to_example_loads_and_builds(tmp_path: Path) -> None:
     machine = build_machine(spec, MEMORY_TOOLS)
     assert list(machine.states) == ["PLAN", "RELATE", "CLEANUP"]
     assert spec.reconcile("delete_entities") is not None
+
+
+async def test_a_guard_that_is_not_a_bool_at_run_time_rejects(tmp_path: Path) -> None:
+    # args.entities[0].name is of no type CEL knows before the call: accepted at load
+    text = MEMORY.replace('"size(args.entities) <= 3"', '"args.entities[0].name"')
+    machine = build_machine(load_machine_file(write(tmp_path, text)), MEMORY_TOOLS)
+    async with open_supervisor([machine]) as sup:
+        await sup.external.start("memory", run_id="m-6")
+        verdict = await sup.external.submit(
+            Propose(run_id="m-6", seq=sup.view("m-6").seq, raw=call("create_entities", alice("a")))
+        )
+        assert verdict.violations[0].message == (
+            "create_entities: guard `args.entities[0].name` could not be evaluated: it gave "
+            "string 'a', not a bool"
+        )
