@@ -429,6 +429,28 @@ BAD = [
         id="approval-not-a-bool",
     ),
     pytest.param(
+        ('hint = "split', 'hints = "split'),
+        'tools.create_entities.guards[0].hints: unknown key "hints"; allowed here: when, '
+        "message, hint",
+        id="unknown-guard-key",
+    ),
+    pytest.param(
+        ('when = "size(args.entities) <= 3"\n', ""),
+        'tools.create_entities.guards[0].when: missing; write when = "CEL expression"',
+        id="guard-without-when",
+    ),
+    pytest.param(
+        ('next = ["RELATE", "FAILED"]\n', ""),
+        'states.PLAN.next: missing; write next = ["STATE", ...]',
+        id="state-without-next",
+    ),
+    pytest.param(
+        ('[tools.delete_entities.reconcile]\ntool = "read_graph"\n', ""),
+        'tools.delete_entities.applied: unknown key "applied"; allowed here: kind, '
+        "moves_to, guards, schema, approval, repeatable, reconcile",
+        id="reconcile-key-outside-its-table",
+    ),
+    pytest.param(
         ("[budgets]", "[budgets"),
         "line 44, column 9: invalid TOML: expected ']' at the end of a table declaration",
         id="toml-syntax-error",
@@ -511,3 +533,50 @@ async def test_a_guard_that_is_not_a_bool_at_run_time_rejects(tmp_path: Path) ->
             "create_entities: guard `args.entities[0].name` could not be evaluated: it gave "
             "string 'a', not a bool"
         )
+
+
+async def test_a_guard_sees_the_state_and_the_inputs(tmp_path: Path) -> None:
+    text = MEMORY.replace(
+        '[tools.read_graph]\nkind = "read-only"\n',
+        '[tools.read_graph]\nkind = "read-only"\nguards = [\'state == "PLAN" || inputs.who == "ana"\']\n',
+    )
+    machine = build_machine(load_machine_file(write(tmp_path, text)), MEMORY_TOOLS)
+    read = call("read_graph", {})
+    async with open_supervisor([machine]) as sup:
+        for run_id, who, state, accepted in [
+            ("r-1", "bo", "PLAN", True),
+            ("r-2", "bo", "RELATE", False),
+            ("r-3", "ana", "RELATE", True),
+        ]:
+            await sup.external.start("memory", {"who": who}, run_id=run_id)
+            if state == "RELATE":
+                await sup.external.submit(
+                    Propose(run_id=run_id, seq=sup.view(run_id).seq, raw='{"next": "RELATE"}')
+                )
+            verdict = await sup.external.submit(
+                Propose(run_id=run_id, seq=sup.view(run_id).seq, raw=read)
+            )
+            assert verdict.accepted is accepted, run_id
+
+
+def test_a_file_schema_interlock_cannot_compile_is_refused(tmp_path: Path) -> None:
+    text = MEMORY.replace(
+        '[tools.read_graph]\nkind = "read-only"\n',
+        '[tools.read_graph]\nkind = "read-only"\nschema = { type = "object", allOf = [] }\n',
+    )
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigurationError) as info:
+        load_machine_file(path)
+    assert str(info.value).startswith(
+        f"{path}: tools.read_graph.schema: JSON Schema keyword 'allOf' at args is not "
+        "supported; use $comment, $schema, additionalProperties, anyOf, "
+    )
+
+
+def test_a_missing_file_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigurationError) as info:
+        load_machine_file(path)
+    assert str(info.value) == (
+        f"{path}: cannot read the file: [Errno 2] No such file or directory: {path!r}"
+    )
