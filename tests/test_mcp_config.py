@@ -496,8 +496,8 @@ def test_an_upstream_schema_interlock_cannot_compile_asks_for_a_schema(tmp_path:
         "cannot be compiled: JSON Schema keyword 'allOf' at args is not supported; use "
     )
     assert message.endswith(
-        "; give the tool a schema in the file ([tools.delete_entities] schema = ...) that "
-        "says the same with those keywords"
+        "; give the tool a schema in the file ([tools.delete_entities] schema = ...) "
+        "using the keywords interlock supports"
     )
     # ... and with a schema in the file, it builds
     text = MEMORY.replace(
@@ -579,4 +579,73 @@ def test_a_missing_file_is_refused(tmp_path: Path) -> None:
         load_machine_file(path)
     assert str(info.value) == (
         f"{path}: cannot read the file: [Errno 2] No such file or directory: {path!r}"
+    )
+
+
+#: A tool as a Python MCP server (the SDK's MCPServer, pydantic) lists it: nested models
+#: are $defs named by $ref.
+SHIP = {
+    "description": "ship",
+    "inputSchema": {
+        "$defs": {
+            "Addr": {
+                "properties": {
+                    "street": {"title": "Street", "type": "string"},
+                    "zip": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                },
+                "required": ["street"],
+                "title": "Addr",
+                "type": "object",
+            }
+        },
+        "properties": {
+            "to": {"$ref": "#/$defs/Addr", "description": "where to"},
+            "count": {"default": 1, "title": "Count", "type": "integer"},
+        },
+        "required": ["to"],
+        "title": "shipArguments",
+        "type": "object",
+    },
+}
+
+SHIP_FILE = """\
+[machine]
+name = "ship"
+initial = "GO"
+
+[states.GO]
+tools = ["ship"]
+next = ["COMPLETED"]
+"""
+
+
+def test_an_upstream_schema_naming_its_definitions_is_inlined(tmp_path: Path) -> None:
+    machine = build_machine(load_machine_file(write(tmp_path, SHIP_FILE)), {"ship": SHIP})
+    validator = machine.tool_by_name["ship"].validator
+    assert validator.validate_json(b'{"to": {"street": "Main St"}}') == (
+        {"to": {"street": "Main St", "zip": None}, "count": 1},
+        (),
+    )
+    _, (violation,) = validator.validate_json(b'{"to": {"zip": "75001"}}')
+    assert violation.message == "args.to: object missing required field `street`"
+    assert validator.json_schema()["properties"]["to"]["description"] == "where to"
+
+
+def test_a_recursive_upstream_schema_asks_for_a_schema(tmp_path: Path) -> None:
+    spec = load_machine_file(write(tmp_path, SHIP_FILE))
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}
+    recursive = {
+        "inputSchema": {
+            "type": "object",
+            "$defs": {"Node": node},
+            "properties": {"to": {"$ref": "#/$defs/Node"}},
+        }
+    }
+    with pytest.raises(ConfigurationError) as info:
+        build_machine(spec, {"ship": recursive})
+    assert str(info.value) == (
+        f"{spec.path}: tools.ship: the upstream's inputSchema of ship cannot be compiled: "
+        "JSON Schema at args.properties.to.properties.next: $ref '#/$defs/Node' is recursive, "
+        "which interlock's schema compiler cannot check; give the tool a schema in the file "
+        "([tools.ship] schema = ...) using the keywords interlock supports"
     )

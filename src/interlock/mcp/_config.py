@@ -26,7 +26,8 @@ The format (``docs/how-to/mcp-machines.md`` has a full example)::
     repeatable = false             # optional (false): the same call may commit twice
     schema = { type = "object", properties = { ... } }  # optional: a stricter JSON
                                    # Schema (a table, or a JSON string) replacing the
-                                   # upstream's inputSchema
+                                   # upstream's inputSchema; in either, local $defs
+                                   # named by $ref are inlined before compiling
     [[tools.create_entities.guards]]
     when = "size(args.entities) <= 3"    # a CEL expression that must be true
     message = "at most 3 entities a call" # optional: the rejection's message
@@ -701,10 +702,65 @@ def _read_schema(reader: _Reader, value: Any, where: str, tool: str) -> dict[str
             where, f"must be a JSON Schema object (a table or a JSON string); got {_show(value)}"
         )
     try:
-        compile_schema(value, tool)
+        schema = _inline_refs(value, tool)
+        compile_schema(schema, tool)
     except ToolDefinitionError as exc:
         raise reader.fail(where, _schema_problem(exc, tool)) from None
-    return value
+    return schema
+
+
+_DEFS = ("$defs", "definitions")
+#: What may stand beside a ``$ref`` and be kept: annotations, which check nothing.
+_REF_SIBLINGS = frozenset({"$ref", "title", "description", "default", "examples", "$comment"})
+
+
+def _inline_refs(schema: dict[str, Any], tool: str) -> dict[str, Any]:
+    """``schema`` with each local ``$ref`` (``#/$defs/NAME``, ``#/definitions/NAME``)
+    replaced by its definition, and the definitions dropped.
+
+    Python MCP servers (pydantic) name every nested model this way; interlock's schema
+    compiler takes neither keyword. A recursive definition cannot be inlined, and
+    another ``$ref`` is left for the compiler to refuse.
+
+    Raises:
+      ToolDefinitionError: a recursive definition, or a ``$ref`` to none.
+    """
+    defs: dict[str, Any] = {}
+    for key in _DEFS:
+        found = schema.get(key)
+        if isinstance(found, Mapping):
+            defs.update({f"#/{key}/{name}": value for name, value in found.items()})
+    if not defs:
+        return schema
+
+    def inline(node: Any, where: str, seen: tuple[str, ...]) -> Any:
+        if isinstance(node, list):
+            return [inline(item, f"{where}[{i}]", seen) for i, item in enumerate(node)]
+        if not isinstance(node, Mapping):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            if ref not in defs:
+                raise ToolDefinitionError(
+                    f"tool {tool!r}: JSON Schema at {where}: $ref {ref!r} names no definition"
+                )
+            if ref in seen:
+                raise ToolDefinitionError(
+                    f"tool {tool!r}: JSON Schema at {where}: $ref {ref!r} is recursive, which "
+                    "interlock's schema compiler cannot check"
+                )
+            extra = {k: v for k, v in node.items() if k != "$ref"}
+            if set(extra) - _REF_SIBLINGS or not isinstance(defs[ref], Mapping):
+                return node  # the compiler refuses the $ref, naming it
+            return {**inline(defs[ref], where, (*seen, ref)), **extra}
+        return {
+            key: inline(value, f"{where}.{key}", seen)
+            for key, value in node.items()
+            if not (node is schema and key in _DEFS)
+        }
+
+    result: dict[str, Any] = inline(schema, "args", ())
+    return result
 
 
 def _schema_problem(exc: ToolDefinitionError, tool: str) -> str:
@@ -837,13 +893,14 @@ def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, A
         if schema is None:
             schema = info.get("inputSchema", info.get("input_schema")) or {"type": "object"}
             try:
+                schema = _inline_refs(dict(schema), name)
                 compile_schema(schema, name)
             except ToolDefinitionError as exc:
                 raise reader.fail(
                     f"tools.{name}",
                     f"the upstream's inputSchema of {name} cannot be compiled: "
                     f"{_schema_problem(exc, name)}; give the tool a schema in the file "
-                    f"([tools.{name}] schema = ...) that says the same with those keywords",
+                    f"([tools.{name}] schema = ...) using the keywords interlock supports",
                 ) from None
         try:
             tools.append(
