@@ -198,7 +198,7 @@ def _evaluate(program: Any, activation: dict[str, Any]) -> tuple[bool | None, st
             return None, _STATUS.sub("", str(value.value()).strip())
         return None, f"it gave {kind.lower()} {value.value()!r}, not a bool"
     except Exception as exc:  # a value the library cannot take; never out of a guard
-        return None, _STATUS.sub("", str(exc).strip().splitlines()[0] if str(exc) else repr(exc))
+        return None, _STATUS.sub("", (str(exc).strip() or repr(exc)).splitlines()[0])
 
 
 def _uses(expression: str, variables: tuple[str, ...]) -> tuple[str, ...]:
