@@ -864,7 +864,8 @@ def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, A
     Args:
       spec: from :func:`load_machine_file`.
       upstream_tools: the upstream's tools by name, each the MCP tool object as a dict
-        (``inputSchema``, ``description``, ``annotations``).
+        (``inputSchema``, ``description``, ``annotations``), as the SDK's
+        ``tool.model_dump(by_alias=True, exclude_none=True)`` gives it.
 
     Raises:
       ConfigurationError: a tool the file names is not upstream, or the upstream's
