@@ -850,6 +850,18 @@ def _executed_by_the_proxy(name: str) -> Any:
     return execute
 
 
+def _reconciled_by_the_proxy(name: str) -> Any:
+    async def reconcile(key: str, args: Any, ctx: ToolContext) -> Any:
+        raise ConfigurationError(
+            f"a call of {name!r} in doubt is reconciled by the MCP proxy (its reconcile "
+            "tool and expression), not by interlock: run machines built by build_machine "
+            "as external runs"
+        )
+
+    reconcile.__name__ = f"reconcile_{name}"
+    return reconcile
+
+
 def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, Any]]) -> Machine:
     """Build the interlock machine of ``spec`` over the upstream server's tools.
 
@@ -857,8 +869,8 @@ def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, A
     its description is the upstream's; read_only / idempotent come from the file's
     ``kind`` (the upstream's annotations are not trusted); its guards are the file's
     CEL guards. Its ``execute`` raises: the proxy's runs are external, the proxy calls
-    the upstream. ``reconcile`` is left None: the proxy reconciles a call in doubt
-    itself, with :meth:`MachineSpec.reconcile`. A state allowing a tool with
+    the upstream. A tool with a ``reconcile`` gets a placeholder: the proxy reconciles
+    a call in doubt itself, with :meth:`MachineSpec.reconcile`. A state allowing a tool with
     ``moves_to`` is built with ``call_and_move``.
 
     Args:
@@ -914,6 +926,9 @@ def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, A
                     read_only=tool.kind == "read-only",
                     idempotent=tool.kind == "idempotent",
                     repeatable=tool.repeatable,
+                    # marks the tool as one that reconciles, so a call in doubt is
+                    # handed back for reconciling (Verdict.reconcile), not escalated
+                    reconcile=_reconciled_by_the_proxy(name) if tool.reconcile else None,
                 )
             )
         except ToolDefinitionError as exc:

@@ -247,7 +247,12 @@ class McpRun:
                     return settled
                 if self._ended is not None:
                     return self._ended_result()
-            raw = msgspec.json.encode({"tool": name, "args": args}).decode()
+            proposal: dict[str, Any] = {"tool": name, "args": args}
+            target = self.rules.moves_to(name)
+            if target is not None:  # the machine file moves the run when this call commits
+                proposal["next"] = target
+            raw = msgspec.json.encode(proposal).decode()
+            state = self.state
             verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
             if verdict.execute is None:
                 if verdict.accepted and verdict.result is not None:  # committed before
@@ -255,7 +260,9 @@ class McpRun:
                 if self._ended is not None:
                     return self._ended_result(verdict.violations)
                 return self._rejected(verdict)
-            return await self._execute(verdict, name)
+            answer = await self._execute(verdict, name)
+            await self._moved(state)
+            return answer
 
     async def _execute(self, verdict: Verdict, name: str) -> types.CallToolResult:
         """Forward ``verdict.execute`` (again, while the runtime asks for a retry) and
@@ -264,8 +271,31 @@ class McpRun:
             call = verdict.execute
             result, report = await self._forward(call)
             verdict = await self._submit(report)
+            if verdict.reconcile is not None and self._ended is None:
+                # in doubt, and the machine says how to ask: ask, then commit or run once
+                how = self.rules.reconcile(verdict.reconcile.tool)
+                applied, recorded = await self._reconcile(how, verdict.reconcile)
+                verdict = await self._submit(
+                    Reconciliation(
+                        run_id=self.run_id,
+                        key=verdict.reconcile.key,
+                        applied=applied,
+                        result=recorded,
+                        error="" if applied is not None else "the reconcile could not say",
+                    )
+                )
+                if applied:
+                    return _text(
+                        msgspec.json.encode(recorded).decode(),
+                        error=False,
+                        meta={
+                            RUN_META: self.run_id,
+                            KEY_META: call.key,
+                            VERDICT_META: "reconciled: applied",
+                        },
+                    )
+                continue
             if report.ok and verdict.execute is None:
-                await self._move_after(name, verdict)
                 return self._with_meta(result, call.key)
             if verdict.execute is None:
                 if self._ended is not None:
@@ -351,8 +381,6 @@ class McpRun:
             verdict = await self._submit(report)
             if verdict.execute is not None:
                 result = await self._execute(verdict, pending.tool)
-            elif report.ok:
-                await self._move_after(pending.tool, verdict)
             return self._with_meta(result, pending.key) if same and result is not None else None
         if how is not None:
             applied, recorded = await self._reconcile(how, pending)
@@ -365,18 +393,16 @@ class McpRun:
                     error="" if applied is not None else "the reconcile tool could not say",
                 )
             )
-            if applied and self._ended is None:
-                await self._move_after(pending.tool, verdict)
-                if same:
-                    return _text(
-                        msgspec.json.encode(recorded).decode(),
-                        error=False,
-                        meta={
-                            RUN_META: self.run_id,
-                            KEY_META: pending.key,
-                            VERDICT_META: "reconciled: applied before",
-                        },
-                    )
+            if applied and same:  # committed (the run may have moved on, or ended)
+                return _text(
+                    msgspec.json.encode(recorded).decode(),
+                    error=False,
+                    meta={
+                        RUN_META: self.run_id,
+                        KEY_META: pending.key,
+                        VERDICT_META: "reconciled: applied before",
+                    },
+                )
             if verdict.execute is not None:  # not applied: the runtime lets it run once
                 result = await self._execute(verdict, pending.tool)
                 return result if same else None
@@ -397,23 +423,16 @@ class McpRun:
         try:
             with trio.fail_after(30):
                 result = await self.upstream(how.tool, dict(getattr(how, "args", None) or {}), {})
-            dumped = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-            dumped.pop("_meta", None)
-            applied = how.applied(dumped, dict(pending.args or {}), pending.key)
+            seen = _structured(result)
+            applied = how.applied(seen, dict(pending.args or {}), pending.key)
         except Exception:
             return None, None
-        return applied, dumped if applied else None
+        return applied, seen if applied else None
 
-    async def _move_after(self, tool: str, verdict: Verdict) -> None:
-        """Move the run where the machine file says a committed call of ``tool`` takes it."""
-        target = self.rules.moves_to(tool)
-        if target is not None and self._ended is None and verdict.outcome == "running":
-            raw = msgspec.json.encode({"next": target}).decode()
-            moved = await self._submit(
-                Propose(run_id=self.run_id, raw=raw, source="step", model="mcp-proxy")
-            )
-            if moved.accepted and self.on_state_change is not None:
-                await self.on_state_change()
+    async def _moved(self, before: str) -> None:
+        """Tell the client its tool list changed if the run left state ``before``."""
+        if self.state != before and self.on_state_change is not None:
+            await self.on_state_change()
 
     async def transition(self, target: str) -> types.CallToolResult:
         """The agent asks to move the run to ``target`` (the machine file's transition tool)."""
@@ -512,6 +531,18 @@ class _Call(msgspec.Struct, frozen=True):
     tool: str
     args: Any
     key: str
+
+
+def _structured(result: types.CallToolResult) -> Any:
+    """What a result says, as data: its structured content, else its text parsed as JSON
+    where it is JSON (most servers put their answer there), else the text."""
+    if result.structured_content is not None:
+        return result.structured_content
+    text = "".join(c.text for c in result.content if isinstance(c, types.TextContent))
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
 
 
 def _number(run_id: str, prefix: str) -> int:
