@@ -603,3 +603,75 @@ async def _wait_for_intent_of(db: Path, run_id: str, tool: str) -> None:
             if any(isinstance(e, IntentRecorded) and e.tool == tool for e in events):
                 return
             await trio.sleep(0.05)
+
+
+CLOCK_MACHINE = """
+[machine]
+name = "clock"
+initial = "ASK"
+
+[states.ASK]
+tools = ["get_current_time"]
+next = ["COMPLETED"]
+
+[tools.get_current_time]
+kind = "read-only"
+approval = true
+
+[breakers]
+repeats = 10
+"""
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_tool_marked_for_approval_asks_the_user_with_the_exact_arguments(
+    tmp_path: Path, mode: str
+) -> None:
+    from mcp import Client
+    from mcp.types import ElicitResult
+
+    (tmp_path / "clock.toml").write_text(CLOCK_MACHINE)
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            "clock.toml",
+            "--db",
+            str(tmp_path / "c.db"),
+            "--",
+            *_time_server(),
+        ],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+    )
+    asked: list[str] = []
+    answers = iter([True, False])
+
+    async def on_elicit(ctx: Any, request: Any) -> Any:
+        asked.append(request.message)
+        return ElicitResult(action="accept", content={"approve": next(answers)})
+
+    async with Client(params, elicitation_callback=on_elicit, mode=mode) as client:
+        expected = "2026-07-28" if mode == "auto" else "2025-11-25"
+        assert client.protocol_version == expected
+        approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not approved.is_error, approved
+        refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert refused.is_error
+        assert refused.structured_content == {
+            "approved": False,
+            "reason": "the user did not approve it (accept)",
+        }
+    assert len(asked) == 2
+    assert asked[0].endswith('{"timezone": "UTC"}')
+    assert "get_current_time" in asked[0]
+    store = await open_sqlite_store(str(tmp_path / "c.db"), readonly=True)
+    try:
+        events = await store.load("mcp-default-1")
+    finally:
+        await store.aclose()
+    # only the approved call was proposed and committed
+    assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1

@@ -9,6 +9,7 @@ run of the machine, journaled in the store (SQLite by default) like any other ru
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
@@ -139,6 +141,10 @@ def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]
                     is_error=True,
                 )
             return await run.transition(target)
+        if run.rules.approval(params.name) and params.name in run.allowed():
+            declined = await _approve(ctx, params)
+            if declined is not None:
+                return declined
         return await run.call_tool(params.name, params.arguments)
 
     async def changed() -> None:
@@ -153,6 +159,62 @@ def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]
         instructions=f"interlock holds this session to the machine {run.machine.name!r} (run {run.run_id})",
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
+    )
+
+
+_APPROVE_SCHEMA = {
+    "type": "object",
+    "properties": {"approve": {"type": "boolean", "description": "run this call"}},
+    "required": ["approve"],
+}
+
+
+async def _approve(ctx: Any, params: types.CallToolRequestParams) -> Any:
+    """Ask the end user to approve ``params`` (the exact arguments) before the call is
+    proposed: None if approved, else the answer to give (a declined call, or the
+    input-required result a 2026-07-28 client answers by calling again)."""
+    import hashlib
+
+    args = params.arguments or {}
+    shown = json.dumps(args, sort_keys=True, ensure_ascii=False)
+    message = f"Allow the agent to call {params.name} with these arguments?\n{shown}"
+    # the answer is bound to these exact arguments: a retry with others is asked anew
+    state = "approve:" + hashlib.sha256(f"{params.name}\0{shown}".encode()).hexdigest()
+    if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+        responses = getattr(params, "input_responses", None) or {}
+        answer = (
+            responses.get("approve") if getattr(params, "request_state", None) == state else None
+        )
+        if answer is None:
+            return types.InputRequiredResult(
+                input_requests={
+                    "approve": types.ElicitRequest(
+                        params=types.ElicitRequestFormParams(
+                            message=message, requested_schema=_APPROVE_SCHEMA
+                        )
+                    )
+                },
+                request_state=state,
+            )
+    else:
+        try:
+            answer = await ctx.session.elicit_form(
+                message, _APPROVE_SCHEMA, related_request_id=ctx.request_id
+            )
+        except Exception as exc:  # the client cannot be asked (no elicitation, no channel)
+            return _declined(params.name, f"the client could not ask the user ({exc})")
+    action = getattr(answer, "action", None)
+    content = getattr(answer, "content", None) or {}
+    if action == "accept" and content.get("approve") is True:
+        return None
+    return _declined(params.name, f"the user did not approve it ({action or 'no answer'})")
+
+
+def _declined(tool: str, why: str) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"{tool} was not called: {why}")],
+        is_error=True,
+        structured_content={"approved": False, "reason": why},
     )
 
 
