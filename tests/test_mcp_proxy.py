@@ -675,3 +675,33 @@ async def test_a_tool_marked_for_approval_asks_the_user_with_the_exact_arguments
         await store.aclose()
     # only the approved call was proposed and committed
     assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1
+
+
+async def test_a_tool_whose_definition_changed_under_a_running_session_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The run pins its tools' definitions when it starts; a server that comes back with
+    another definition of a tool (here mcp-server-time started with another local time
+    zone, which its schema's text names) gets no call of it."""
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    server = _time_server()[:-1]
+    first = _proxy(tmp_path, "clock.py:app", *server, "--local-timezone=UTC", session="pin")
+    async with stdio_client(first) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        assert not (await client.call_tool("get_current_time", {"timezone": "UTC"})).is_error
+    second = _proxy(
+        tmp_path, "clock.py:app", *server, "--local-timezone=Europe/Paris", session="pin"
+    )
+    async with stdio_client(second) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert refused.is_error
+        assert "changed its definition since run mcp-pin-1 started" in refused.content[0].text
+        assert refused.meta["dev.interlock/verdict"] == "definition-changed"
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        events = await store.load("mcp-pin-1")
+    finally:
+        await store.aclose()
+    assert len([e for e in events if isinstance(e, IntentRecorded)]) == 1  # only the first
+    assert "UTC" in str(events[0].inputs["mcp_tools"]["get_current_time"])

@@ -141,6 +141,11 @@ class McpRun:
         self.on_state_change = on_state_change
         self._turn = trio.Lock()
         self._ended: tuple[str, str, str] | None = None  # (outcome, state, reason)
+        #: The tool definitions the run started with (journaled in its inputs), by name.
+        self.pinned: dict[str, Any] = {}
+        #: Set when the upstream said its tool list changed: read it again before a call.
+        self.stale = False
+        self.refresh: Callable[[], Awaitable[Sequence[types.Tool]]] | None = None
 
     # -- opening a session's run ---------------------------------------------------------
 
@@ -180,14 +185,20 @@ class McpRun:
             )
             if newest.outcome == "escalated":
                 self._ended = ("escalated", newest.state, newest.reason)
-            elif newest.run_id not in supervisor.external:
-                run = fold(machine, await store.load(newest.run_id))
-                supervisor.external.hold(run)
+            else:
+                run = supervisor.external.get(newest.run_id)
+                if run is None:
+                    run = supervisor.external.hold(fold(machine, await store.load(newest.run_id)))
+                self.pinned = dict(run.inputs.get(PINNED_INPUT) or {})
             return self
         number = max((_number(r.run_id, prefix) for r in mine), default=0) + 1
         run_id = f"{prefix}{number}"
-        await supervisor.external.start(machine.name, dict(inputs or {}), run_id=run_id)
-        return cls(
+        pinned = pin(machine, upstream_tools)
+        start = dict(inputs or {})
+        if machine.inputs is None:  # a machine with an inputs schema keeps its own inputs
+            start[PINNED_INPUT] = pinned
+        await supervisor.external.start(machine.name, start, run_id=run_id)
+        self = cls(
             supervisor,
             machine,
             run_id,
@@ -195,6 +206,24 @@ class McpRun:
             upstream_tools,
             rules,
             on_state_change=on_state_change,
+        )
+        self.pinned = pinned
+        return self
+
+    def drifted(self, name: str) -> str | None:
+        """Why ``name`` may not be called: the upstream's definition of it (description,
+        schemas) is no longer the one the run started with (a "rug pull"); else None."""
+        if not self.pinned or name not in self.pinned:
+            return None
+        tool = self.tools.get(name)
+        now = _definition(tool) if tool is not None else None
+        if now == self.pinned[name]:
+            return None
+        what = "removed it" if now is None else "changed its definition"
+        return (
+            f"{name} was not called: the server {what} since run {self.run_id} started "
+            "(a tool must not change under a running agent); the run keeps the definition "
+            "it started with: restart the session (a new run) to accept the new one"
         )
 
     # -- tools/list ----------------------------------------------------------------------
@@ -240,6 +269,17 @@ class McpRun:
         async with self._turn:
             if self._ended is not None:
                 return self._ended_result()
+            if self.stale and self.refresh is not None:
+                self.tools = {t.name: t for t in await self.refresh()}
+                self.stale = False
+            drift = self.drifted(name)
+            if drift is not None:
+                return _text(
+                    drift,
+                    error=True,
+                    structured={"pinned": self.pinned.get(name), "tool": name},
+                    meta={RUN_META: self.run_id, VERDICT_META: "definition-changed"},
+                )
             run = self.supervisor.external.get(self.run_id)
             if run is not None and run.pending is not None:
                 settled = await self._settle_pending(run.pending, name, args)
@@ -531,6 +571,21 @@ class _Call(msgspec.Struct, frozen=True):
     tool: str
     args: Any
     key: str
+
+
+#: The run input under which a run started by the proxy pins its tools' definitions.
+PINNED_INPUT = "mcp_tools"
+
+
+def _definition(tool: types.Tool) -> dict[str, Any]:
+    """What a tool is, for pinning: its description and schemas, as the server sent them."""
+    dumped = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {k: dumped[k] for k in ("description", "inputSchema", "outputSchema") if k in dumped}
+
+
+def pin(machine: Machine, tools: Sequence[types.Tool]) -> dict[str, Any]:
+    """The definitions of the machine's tools among ``tools``, by name."""
+    return {t.name: _definition(t) for t in tools if t.name in machine.tool_by_name}
 
 
 def _structured(result: types.CallToolResult) -> Any:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mcp.types as types
@@ -27,7 +28,7 @@ from ..runtime._runtime import open_supervisor
 from ._proxy import McpRun
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
     from ..core._machine import Machine
     from ..stores import Store
@@ -58,14 +59,17 @@ class Upstream:
 
 
 @contextlib.asynccontextmanager
-async def connect_upstream(upstream: Upstream) -> AsyncIterator[ClientSession]:
-    """An initialized client session with the upstream server."""
+async def connect_upstream(
+    upstream: Upstream, on_message: Callable[[Any], Awaitable[None]] | None = None
+) -> AsyncIterator[ClientSession]:
+    """An initialized client session with the upstream server; ``on_message`` hears its
+    notifications (``tools/list_changed``)."""
     if upstream.url is not None:
         from mcp.client.streamable_http import streamable_http_client
 
         async with streamable_http_client(upstream.url) as streams:
             read, write = streams[0], streams[1]
-            async with ClientSession(read, write) as session:
+            async with ClientSession(read, write, message_handler=on_message) as session:
                 await session.initialize()
                 yield session
         return
@@ -73,7 +77,10 @@ async def connect_upstream(upstream: Upstream) -> AsyncIterator[ClientSession]:
     # an upstream configured by its environment (MEMORY_FILE_PATH, tokens) finds it.
     env = upstream.env if upstream.env is not None else dict(os.environ)
     params = StdioServerParameters(command=upstream.command[0], args=upstream.command[1:], env=env)
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, message_handler=on_message) as session,
+    ):
         await session.initialize()
         yield session
 
@@ -241,7 +248,14 @@ async def serve_stdio(
     ``(upstream_tools) -> (machine, rules)`` that builds it from the upstream's tools (a
     machine file).
     """
-    async with connect_upstream(upstream) as up:
+    runs: list[McpRun] = []
+
+    async def heard(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            for run in runs:  # read the list again before the next call, and compare
+                run.stale = True
+
+    async with connect_upstream(upstream, heard) as up:
         tools = await list_all_tools(up)
         machine, rules = _build(machine_source, tools)
 
@@ -254,6 +268,8 @@ async def serve_stdio(
             run = await McpRun.open(
                 supervisor, machine, session, forward, tools, rules, inputs=inputs
             )
+            run.refresh = partial(list_all_tools, up)
+            runs.append(run)
             server = proxy_server(run, getattr(rules, "transition_tool", None))
             print(
                 f"interlock mcp: run {run.run_id} of {machine.name!r} in state {run.state}, "
