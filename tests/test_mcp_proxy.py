@@ -737,3 +737,72 @@ async def test_a_tool_whose_definition_changed_under_a_running_session_is_refuse
         await store.aclose()
     assert len([e for e in events if isinstance(e, IntentRecorded)]) == 1  # only the first
     assert "UTC" in str(events[0].inputs["mcp_tools"]["get_current_time"])
+
+
+async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path) -> None:
+    """Malformed JSON-RPC, a wrong method and an oversized line over stdio: the proxy
+    answers the spec's errors where an id is readable, never crashes, and answers a valid
+    request afterwards."""
+    import json
+
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    params = _proxy(tmp_path, "clock.py:app", *_time_server())
+    proc = await trio.lowlevel.open_process(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=params.cwd,
+        env=params.env,
+    )
+    buffer = b""
+
+    async def send(line: bytes) -> None:
+        await proc.stdin.send_all(line + b"\n")
+
+    async def answer(request_id: int) -> dict[str, Any]:
+        nonlocal buffer
+        with trio.fail_after(30):
+            while True:
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    message = json.loads(line)
+                    if message.get("id") == request_id:
+                        return message
+                chunk = await proc.stdout.receive_some(65536)
+                assert chunk, "the proxy closed its output"
+                buffer += chunk
+
+    try:
+        init = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "junk", "version": "0"},
+        }
+        await send(
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": init}).encode()
+        )
+        assert "result" in await answer(1)
+        await send(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}')
+        await send(b"this is not json")
+        await send(b'{"jsonrpc": "2.0", "id": 2}')  # no method
+        await send(b'{"jsonrpc": "2.0", "id": 3, "method": "tools/destroy", "params": {}}')
+        wrong = await answer(3)
+        assert wrong["error"]["code"] == -32601  # method not found
+        await send(b'{"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {"name": 5}}')
+        assert "error" in await answer(4)
+        big = {"name": "get_current_time", "arguments": {"timezone": "x" * 3_000_000}}
+        await send(
+            json.dumps({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": big}).encode()
+        )
+        oversized = await answer(5)
+        assert oversized["result"]["isError"] is True  # refused by the gate's size cap
+        (violation,) = oversized["result"]["structuredContent"]["violations"]
+        assert "bytes" in violation["message"], violation
+        await send(b'{"jsonrpc": "2.0", "id": 6, "method": "tools/list"}')
+        listed = await answer(6)
+        assert [t["name"] for t in listed["result"]["tools"]] == ["get_current_time"]
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        await proc.wait()
