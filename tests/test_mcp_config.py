@@ -324,7 +324,7 @@ BAD = [
     pytest.param(
         ('kind = "read-only"', 'kinds = "read-only"'),
         'tools.read_graph.kinds: unknown key "kinds"; allowed here: kind, moves_to, guards, '
-        "schema, approval, repeatable, reconcile",
+        "result_guards, schema, approval, repeatable, reconcile",
         id="unknown-tool-key",
     ),
     pytest.param(
@@ -353,6 +353,13 @@ BAD = [
         "reference to 'result' (in container '') in \"size(result) <= 3\" (the variables are "
         "args, state, history, calls, inputs)",
         id="cel-unknown-variable",
+    ),
+    pytest.param(
+        ('kind = "read-only"', 'kind = "read-only"\nresult_guards = ["size(history) > 0"]'),
+        "tools.read_graph.result_guards[0]: CEL error at line 1, column 6: undeclared "
+        "reference to 'history' (in container '') in \"size(history) > 0\" (the variables are "
+        "result, args, state, inputs)",
+        id="result-guard-unknown-variable",
     ),
     pytest.param(
         ('when = "size(args.entities) <= 3"', 'when = "size(args.entities)"'),
@@ -447,7 +454,7 @@ BAD = [
     pytest.param(
         ('[tools.delete_entities.reconcile]\ntool = "read_graph"\n', ""),
         'tools.delete_entities.applied: unknown key "applied"; allowed here: kind, '
-        "moves_to, guards, schema, approval, repeatable, reconcile",
+        "moves_to, guards, result_guards, schema, approval, repeatable, reconcile",
         id="reconcile-key-outside-its-table",
     ),
     pytest.param(

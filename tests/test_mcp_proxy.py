@@ -806,3 +806,55 @@ async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path
     finally:
         proc.kill()
         await proc.wait()
+
+
+async def test_a_result_that_fails_a_check_does_not_reach_the_agent_as_an_answer(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "checked.toml").write_text(
+        """
+[machine]
+name = "checked"
+initial = "ASK"
+
+[states.ASK]
+tools = ["get_current_time"]
+next = ["COMPLETED"]
+
+[tools.get_current_time]
+kind = "read-only"
+
+[[tools.get_current_time.result_guards]]
+when = "result.timezone == args.timezone && result.is_dst"
+message = "the server answered outside daylight saving time"
+"""
+    )
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            "checked.toml",
+            "--db",
+            str(tmp_path / "k.db"),
+            "--",
+            *_time_server(),
+        ],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        checked = await client.call_tool("get_current_time", {"timezone": "UTC"})  # UTC: no DST
+        assert checked.is_error
+        assert checked.content[0].text == (
+            "get_current_time: the server answered outside daylight saving time"
+        )
+    store = await open_sqlite_store(str(tmp_path / "k.db"), readonly=True)
+    try:
+        events = await store.load("mcp-default-1")
+    finally:
+        await store.aclose()
+    assert not [e for e in events if isinstance(e, ToolCommitted)]  # a failure, not a commit

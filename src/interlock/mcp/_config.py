@@ -33,6 +33,9 @@ The format (``docs/how-to/mcp-machines.md`` has a full example)::
     message = "at most 3 entities a call" # optional: the rejection's message
     hint = "split the call"               # optional: what to propose instead
     # or, shorter: guards = ["size(args.entities) <= 3", ...]
+    result_guards = ["size(result.entities) == size(args.entities)"]  # optional: checks of
+                                   # the server's answer (result, args, state, inputs); one
+                                   # that fails is a failed call, not an answer
 
     [tools.delete_entities.reconcile]     # optional, for a tool of kind "neither"
     tool = "read_graph"                   # a tool declared kind = "read-only"
@@ -121,10 +124,20 @@ KINDS = ("read-only", "idempotent", "neither")
 _TERMINALS = (*SUCCESS_STATES, FAILED, ESCALATE)
 _GUARD_VARIABLES = ("args", "state", "history", "calls", "inputs")
 _RECONCILE_VARIABLES = ("result", "args", "key")
+_RESULT_VARIABLES = ("result", "args", "state", "inputs")
 _TOP_KEYS = ("machine", "states", "tools", "budgets", "breakers")
 _MACHINE_KEYS = ("name", "initial", "transition_tool")
 _STATE_KEYS = ("tools", "next", "instructions")
-_TOOL_KEYS = ("kind", "moves_to", "guards", "schema", "approval", "repeatable", "reconcile")
+_TOOL_KEYS = (
+    "kind",
+    "moves_to",
+    "guards",
+    "result_guards",
+    "schema",
+    "approval",
+    "repeatable",
+    "reconcile",
+)
 _GUARD_KEYS = ("when", "message", "hint")
 _RECONCILE_KEYS = ("tool", "applied")
 _BUDGET_KEYS = {"tokens": int, "steps": int, "deadline": float}
@@ -268,6 +281,8 @@ class ToolSpec:
     approval: bool = False
     repeatable: bool = False
     reconcile: ReconcileSpec | None = None
+    result_guards: tuple[GuardSpec, ...] = ()
+    """CEL checks of a call's result (``result``, ``args``, ``state``, ``inputs``)."""
     where: str = ""
     """The key path where the file first names the tool, for errors."""
 
@@ -326,6 +341,29 @@ class MachineSpec:
         """How to reconcile a call of ``tool`` in doubt, or None (it escalates)."""
         spec = self.tools.get(tool)
         return None if spec is None else spec.reconcile
+
+    def check_result(
+        self, tool: str, result: Any, args: Mapping[str, Any], state: str, inputs: Any
+    ) -> str | None:
+        """Why the upstream's ``result`` of a call of ``tool`` fails the file's result
+        guards (the first that fails, or that cannot be evaluated), or None."""
+        spec = self.tools.get(tool)
+        if spec is None or not spec.result_guards:
+            return None
+        activation = {
+            "result": _builtins(result),
+            "args": _builtins(args),
+            "state": state,
+            "inputs": _builtins(inputs),
+        }
+        for guard in spec.result_guards:
+            ok, why = _evaluate(guard.program, activation)
+            if ok is True:
+                continue
+            if ok is None:
+                return f"{tool}: the result check `{guard.when}` could not be evaluated: {why}"
+            return f"{tool}: {guard.message or f'the result fails `{guard.when}`'}"
+        return None
 
     def transition_schema(self, state: str) -> dict[str, Any]:
         """The inputSchema of the transition tool in ``state``: ``{"to": one of its next}``."""
@@ -597,6 +635,9 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
                         f"add {_q(moves_to)} to states.{state.name}.next",
                     )
         guards = _read_guards(reader, table.get("guards", []), f"{where}.guards")
+        result_guards = _read_guards(
+            reader, table.get("result_guards", []), f"{where}.result_guards", _RESULT_VARIABLES
+        )
         schema = None
         if "schema" in table:
             schema = _read_schema(reader, table["schema"], f"{where}.schema", tool)
@@ -631,6 +672,7 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
             approval=reader.flag(table.get("approval", False), f"{where}.approval"),
             repeatable=reader.flag(table.get("repeatable", False), f"{where}.repeatable"),
             reconcile=reconcile,
+            result_guards=result_guards,
             where=first_named[tool],
         )
     for rtool, where in reconcile_tools:
@@ -656,7 +698,9 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
     )
 
 
-def _read_guards(reader: _Reader, value: Any, where: str) -> tuple[GuardSpec, ...]:
+def _read_guards(
+    reader: _Reader, value: Any, where: str, variables: tuple[str, ...] = _GUARD_VARIABLES
+) -> tuple[GuardSpec, ...]:
     if not isinstance(value, list):
         raise reader.fail(
             where, f"must be a list of CEL expressions or [[{where}]] tables; got {_show(value)}"
@@ -665,7 +709,7 @@ def _read_guards(reader: _Reader, value: Any, where: str) -> tuple[GuardSpec, ..
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
         if isinstance(item, str):
-            expression, program = reader.cel(item, at, _GUARD_VARIABLES)
+            expression, program = reader.cel(item, at, variables)
             guards.append(GuardSpec(expression, where=at, program=program))
             continue
         if not isinstance(item, dict):
@@ -675,7 +719,7 @@ def _read_guards(reader: _Reader, value: Any, where: str) -> tuple[GuardSpec, ..
         table = reader.table(item, at, _GUARD_KEYS)
         if "when" not in table:
             raise reader.fail(f"{at}.when", 'missing; write when = "CEL expression"')
-        expression, program = reader.cel(table["when"], f"{at}.when", _GUARD_VARIABLES)
+        expression, program = reader.cel(table["when"], f"{at}.when", variables)
         guards.append(
             GuardSpec(
                 expression,
@@ -686,7 +730,7 @@ def _read_guards(reader: _Reader, value: Any, where: str) -> tuple[GuardSpec, ..
             )
         )
     return tuple(
-        GuardSpec(g.when, g.message, g.hint, g.where, g.program, _uses(g.when, _GUARD_VARIABLES))
+        GuardSpec(g.when, g.message, g.hint, g.where, g.program, _uses(g.when, variables))
         for g in guards
     )
 

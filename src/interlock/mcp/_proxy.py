@@ -374,6 +374,14 @@ class McpRun:
                 error=f"the upstream refused the call: {exc.message} (JSON-RPC {exc.code})",
                 latency=trio.current_time() - started,
             )
+        except RuntimeError as exc:
+            if "structured content" not in str(exc):  # not the SDK's result check
+                return None, self._failure(call, f"the upstream call failed: {exc!r}", started)
+            # The server answered, so the call ran, with a result its own outputSchema
+            # refuses: applied, and not to be taken as an answer.
+            return self._bad_result(
+                call, f"the server's result breaks its outputSchema: {exc}", started
+            )
         except Exception as exc:  # the upstream died or the stream broke: in doubt
             return None, self._failure(call, f"the upstream connection failed: {exc!r}", started)
         latency = trio.current_time() - started
@@ -388,10 +396,37 @@ class McpRun:
                 error=text or "the tool reported an error",
                 latency=latency,
             )
+        check = getattr(self.rules, "check_result", None)
+        if check is not None:
+            run = self.supervisor.external.get(self.run_id)
+            why = check(
+                call.tool,
+                _structured(result),
+                dict(call.args or {}),
+                self.state,
+                dict(run.inputs) if run is not None else {},
+            )
+            if why is not None:
+                return self._bad_result(call, why, started)
         dumped = result.model_dump(mode="json", by_alias=True, exclude_none=True)
         dumped.pop("_meta", None)
         return result, Report(
             run_id=self.run_id, key=call.key, ok=True, result=dumped, latency=latency
+        )
+
+    def _bad_result(
+        self, call: ToolCall, why: str, started: float
+    ) -> tuple[types.CallToolResult, Report]:
+        """A call the server ran whose result fails a check: a failure that was applied
+        (a read-only tool's goes back to the agent; another's leaves the run in doubt)."""
+        answer = _text(why, error=True, meta={RUN_META: self.run_id, KEY_META: call.key})
+        return answer, Report(
+            run_id=self.run_id,
+            key=call.key,
+            ok=False,
+            applied=True,
+            error=why,
+            latency=trio.current_time() - started,
         )
 
     def _failure(self, call: ToolCall, error: str, started: float) -> Report:
