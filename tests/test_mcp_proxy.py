@@ -858,3 +858,33 @@ message = "the server answered outside daylight saving time"
     finally:
         await store.aclose()
     assert not [e for e in events if isinstance(e, ToolCommitted)]  # a failure, not a commit
+
+
+async def test_the_proxy_serves_the_runtime_metrics(tmp_path: Path) -> None:
+    import httpx
+
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    params = _proxy(tmp_path, "clock.py:app", *_time_server())
+    params.args[params.args.index("--") : params.args.index("--")] = ["--metrics-port", "0"]
+    log = tmp_path / "proxy.log"
+    with log.open("w") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as client,
+        ):
+            await client.initialize()
+            await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})  # rejected
+            assert not (await client.call_tool("get_current_time", {"timezone": "UTC"})).is_error
+            url = next(
+                line.rsplit(" ", 1)[1]
+                for line in log.read_text().splitlines()
+                if "serving metrics at" in line
+            )
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(url)).text
+    assert 'interlock_runs_started_total{machine="clock"} 1.0' in text
+    assert (
+        'interlock_verifications_total{code="guard",machine="clock",outcome="rejected"} 1.0' in text
+    )
+    assert 'interlock_verifications_total{code="",machine="clock",outcome="accepted"} 1.0' in text
+    assert 'interlock_tool_calls_total{tool="get_current_time"} 1.0' in text

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._exceptions import ConfigurationError, MissingExtra
 from ..stores._open import open_store
-from ._common import _close, _journal_url, _Usage
+from ._common import _close, _journal_url, _Metrics, _Usage
 
 if TYPE_CHECKING:
     import argparse
@@ -74,9 +74,19 @@ async def _mcp(args: argparse.Namespace) -> int:
     if args.machine_file is not None and args.db is None:
         args.app = None
     _journal_url(args, ("interlock mcp", None) if args.machine_file is not None else None)
+    args.hold = False
+    metrics = _Metrics(args, {})
     store = await open_store(args.db)
     try:
-        await serve_stdio(source, upstream, store, session=args.session)
+        with metrics:
+            await serve_stdio(
+                source,
+                upstream,
+                store,
+                session=args.session,
+                stats=metrics.stats,
+                on_supervisor=metrics.started,
+            )
     finally:
         await _close(store)
     sys.stderr.write("interlock mcp: the client disconnected\n")
@@ -116,6 +126,14 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
         metavar="NAME",
         help="the session's name (default 'default'): its runs are mcp-NAME-N, and a proxy "
         "started again picks up the session's unfinished or escalated run",
+    )
+    mcp.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the runtime's Prometheus metrics at http://127.0.0.1:PORT/metrics "
+        "(the same families as every run: proposals, rejections, tool calls, breaker trips)",
     )
     mcp.add_argument(
         "--upstream-url",

@@ -241,6 +241,8 @@ async def serve_stdio(
     *,
     session: str = "default",
     inputs: Mapping[str, Any] | None = None,
+    stats: Any = None,
+    on_supervisor: Callable[[Any], None] | None = None,
 ) -> None:
     """Serve one MCP client on this process's stdin/stdout until it disconnects.
 
@@ -264,7 +266,9 @@ async def serve_stdio(
         ) -> types.CallToolResult:
             return await up.call_tool(name, args, meta=_strip(meta) or None)
 
-        async with open_supervisor([machine], store) as supervisor:
+        async with open_supervisor([machine], store, stats=stats) as supervisor:
+            if on_supervisor is not None:  # e.g. the CLI's metrics, which read its runs
+                on_supervisor(supervisor)
             run = await McpRun.open(
                 supervisor, machine, session, forward, tools, rules, inputs=inputs
             )
