@@ -22,15 +22,23 @@ from mcp.server.stdio import stdio_server
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
 from ..runtime._runtime import open_supervisor
-from ._proxy import McpRun
+from ._proxy import RUN_META, McpRun, listed_tools
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping, Sequence
 
     from ..core._machine import Machine
+    from ..runtime._supervisor import Supervisor
     from ..stores import Store
 
-__all__ = ["Upstream", "connect_upstream", "list_all_tools", "proxy_server", "serve_stdio"]
+__all__ = [
+    "Runs",
+    "Upstream",
+    "connect_upstream",
+    "list_all_tools",
+    "proxy_server",
+    "serve_stdio",
+]
 
 
 class Upstream:
@@ -94,35 +102,91 @@ def _strip(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (meta or {}).items() if not k.startswith("io.modelcontextprotocol/")}
 
 
-def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]:
-    """The MCP server the client sees: ``tools/list`` and ``tools/call`` of ``run``."""
+class Runs:
+    """Which run a request belongs to: the one run of a stdio connection, or, over HTTP,
+    the run a request names (or its session maps to, or a new one).
 
-    sessions: list[Any] = []
+    ``resolve(ctx, mint=...)`` answers for the request whose context is ``ctx``; with
+    ``mint=False`` (``tools/list``) it may answer None, and the client sees what a new
+    run would allow.
+    """
+
+    def __init__(
+        self, machine: Machine, tools: Sequence[types.Tool], transition_tool: str | None
+    ) -> None:
+        self.machine = machine
+        self.tools = {t.name: t for t in tools}
+        self.transition_tool = transition_tool
+
+    async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
+        raise NotImplementedError
+
+    def instructions(self) -> str:
+        return f"interlock holds this session to the machine {self.machine.name!r}"
+
+
+class _OneRun(Runs):
+    """A stdio connection: one run, and tools/list_changed on the connection when it moves."""
+
+    def __init__(self, run: McpRun, transition_tool: str | None) -> None:
+        super().__init__(run.machine, list(run.tools.values()), transition_tool)
+        self.run = run
+        # NOTE: the SDK builds a ServerSession per request, all over the one connection:
+        # keep the last one, or a state change would notify once per request ever made.
+        self.session: Any = None
+        run.on_state_change = self.changed
+
+    async def resolve(self, ctx: Any, *, mint: bool) -> McpRun:
+        self.session = ctx.session
+        return self.run
+
+    async def changed(self) -> None:
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.send_tool_list_changed()
+
+    def instructions(self) -> str:
+        return f"{super().instructions()} (run {self.run.run_id})"
+
+
+def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Server[Any]:
+    """The MCP server the client sees: ``tools/list`` and ``tools/call`` of the run each
+    request belongs to (``runs``; a :class:`McpRun` is the one run of every request)."""
+    if isinstance(runs, McpRun):
+        runs = _OneRun(runs, transition_tool)
+    source = runs
+    transition_tool = source.transition_tool
+    machine = source.machine
 
     async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
-        if ctx.session not in sessions:
-            sessions.append(ctx.session)
-        listed = run.list_tools()
-        if transition_tool is not None and run.allowed() is not None:
+        run = await source.resolve(ctx, mint=False)
+        if run is None:  # no run yet: what a new run allows
+            tables = machine.tables
+            initial = tables.state_id(machine.initial)
+            listed = listed_tools(machine, source.tools, tables.allowed_tools(initial))
+            legal = list(tables.legal_next(initial))
+        else:
+            listed = run.list_tools()
             legal = _legal_next(run)
-            if legal:
-                listed.tools.append(
-                    types.Tool(
-                        name=transition_tool,
-                        description=("Move the run to its next state: " + ", ".join(legal)),
-                        input_schema={
-                            "type": "object",
-                            "properties": {"to": {"enum": legal}},
-                            "required": ["to"],
-                            "additionalProperties": False,
-                        },
-                    )
+            listed.meta = {RUN_META: run.run_id}
+        if transition_tool is not None and legal:
+            listed.tools.append(
+                types.Tool(
+                    name=transition_tool,
+                    description=("Move the run to its next state: " + ", ".join(legal)),
+                    input_schema={
+                        "type": "object",
+                        "properties": {"to": {"enum": legal}},
+                        "required": ["to"],
+                        "additionalProperties": False,
+                    },
                 )
+            )
         return listed
 
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        if ctx.session not in sessions:
-            sessions.append(ctx.session)
+        run = await source.resolve(ctx, mint=True)
+        assert run is not None
         if transition_tool is not None and params.name == transition_tool:
             target = (params.arguments or {}).get("to")
             if not isinstance(target, str):
@@ -137,20 +201,15 @@ def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]
                         )
                     ],
                     is_error=True,
+                    _meta={RUN_META: run.run_id},
                 )
             return await run.transition(target)
         return await run.call_tool(params.name, params.arguments)
 
-    async def changed() -> None:
-        for session in list(sessions):
-            with contextlib.suppress(Exception):
-                await session.send_tool_list_changed()
-
-    run.on_state_change = changed
     return Server(
         "interlock-mcp",
         version=__version__,
-        instructions=f"interlock holds this session to the machine {run.machine.name!r} (run {run.run_id})",
+        instructions=source.instructions(),
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
     )
@@ -179,6 +238,54 @@ async def serve_stdio(
     ``(upstream_tools) -> (machine, rules)`` that builds it from the upstream's tools (a
     machine file).
     """
+    async with proxied(machine_source, upstream, store) as guarded:
+        run = await McpRun.open(
+            guarded.supervisor,
+            guarded.machine,
+            session,
+            guarded.forward,
+            guarded.tools,
+            guarded.rules,
+            inputs=inputs,
+        )
+        server = proxy_server(run, guarded.transition_tool)
+        print(
+            f"interlock mcp: run {run.run_id} of {guarded.machine.name!r} in state {run.state}, "
+            f"upstream {upstream.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        async with stdio_server() as (read, write):
+            await server.run(
+                read,
+                write,
+                server.create_initialization_options(NotificationOptions(tools_changed=True)),
+            )
+
+
+class Proxied:
+    """What both transports serve: the upstream's tools, the machine (and its file's
+    rules) that guards them, the supervisor, and ``forward``, the upstream call."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        machine: Machine,
+        rules: Any,
+        tools: list[types.Tool],
+        forward: Any,
+    ) -> None:
+        self.supervisor = supervisor
+        self.machine = machine
+        self.rules = rules
+        self.tools = tools
+        self.forward = forward
+        self.transition_tool: str | None = getattr(rules, "transition_tool", None)
+
+
+@contextlib.asynccontextmanager
+async def proxied(machine_source: Any, upstream: Upstream, store: Store) -> AsyncIterator[Proxied]:
+    """Connect to the upstream, build the machine from its tools, start a supervisor."""
     async with connect_upstream(upstream) as up:
         tools = await list_all_tools(up)
         machine, rules = _build(machine_source, tools)
@@ -189,22 +296,7 @@ async def serve_stdio(
             return await up.call_tool(name, args, meta=_strip(meta) or None)
 
         async with open_supervisor([machine], store) as supervisor:
-            run = await McpRun.open(
-                supervisor, machine, session, forward, tools, rules, inputs=inputs
-            )
-            server = proxy_server(run, getattr(rules, "transition_tool", None))
-            print(
-                f"interlock mcp: run {run.run_id} of {machine.name!r} in state {run.state}, "
-                f"upstream {upstream.describe()}",
-                file=sys.stderr,
-                flush=True,
-            )
-            async with stdio_server() as (read, write):
-                await server.run(
-                    read,
-                    write,
-                    server.create_initialization_options(NotificationOptions(tools_changed=True)),
-                )
+            yield Proxied(supervisor, machine, rules, tools, forward)
 
 
 def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
