@@ -206,12 +206,22 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
             return await run.transition(target)
         return await run.call_tool(params.name, params.arguments)
 
+    def input_schema(name: str) -> Mapping[str, Any] | None:
+        # NOTE: without it, the SDK checks a 2026-07-28 tools/call's Mcp-Param headers
+        # against a tools/list it makes first, in the call's name: a second resolve.
+        tool = machine.tool_by_name.get(name)
+        upstream = source.tools.get(name)
+        if tool is None or upstream is None:
+            return None
+        return tool.validator.json_schema() or upstream.input_schema
+
     return Server(
         "interlock-mcp",
         version=__version__,
         instructions=source.instructions(),
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
+        get_tool_input_schema=input_schema,
     )
 
 

@@ -1,0 +1,391 @@
+"""``interlock mcp --http`` against real parts: the proxy started as a process
+(``interlock mcp --http 0 ... -- python -m mcp_server_time``), the official ``mcp`` SDK's
+clients over Streamable HTTP as the agents (``ClientSession`` over
+``streamable_http_client``, which speaks 2025-11-25 with a session, and ``mcp.Client``,
+which speaks 2026-07-28, stateless), and junk from httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+mcp = pytest.importorskip("mcp", reason="the [mcp] extra (the official MCP SDK) is missing")
+pytest.importorskip("hypercorn", reason="the [gateway] extra (hypercorn) is missing")
+
+import httpx  # noqa: E402
+import httpx2  # noqa: E402
+from mcp import Client, ClientSession  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+
+from interlock.events import IntentRecorded, ToolCommitted  # noqa: E402
+from interlock.stores import open_sqlite_store  # noqa: E402
+from tests.test_mcp_proxy import TIME_APP, _time_server  # noqa: E402
+
+# NOTE: the SDK's HTTP client leaves httpx2's body iterators (PoolByteStream.__aiter__,
+# Response.aiter_bytes) of a 2025-11-25 session's GET stream to the garbage collector when
+# the session closes: trio warns, in this process (the clients), not in the proxy under
+# test, which is a process of its own.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <async_generator object :pytest.PytestUnraisableExceptionWarning"
+)
+
+KEY_META = "dev.interlock/idempotency-key"
+RUN_META = "dev.interlock/run"
+MINTED = re.compile(r"mcp-[0-9a-f]{32}-1")
+
+
+class Proxy:
+    def __init__(self, process: subprocess.Popen[bytes], url: str, db: Path, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.db = db
+        self.log = log
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Proxy]:
+    """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr.
+    Stopped by SIGTERM at the end, which it must survive cleanly (exit 0)."""
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    log = tmp_path / "proxy.log"
+    db = tmp_path / "mcp.db"
+    argv = [sys.executable, "-m", "interlock", "mcp", "--http", "0", "--app", "clock.py:app"]
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            [*argv, "--db", str(db), "--", *_time_server()],
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        url = _wait_for_url(process, log)
+        yield Proxy(process, url, db, log)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _wait_for_url(process: subprocess.Popen[bytes], log: Path) -> str:
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.search(r"serving (http://\S+/mcp)", log.read_text())
+        if found:
+            return found[1]
+        if process.poll() is not None:
+            pytest.fail(f"the proxy exited {process.returncode}: {log.read_text()}")
+        time.sleep(0.05)
+    pytest.fail(f"the proxy printed no URL: {log.read_text()}")
+
+
+async def _events(db: Path, run_id: str) -> list[Any]:
+    store = await open_sqlite_store(str(db), readonly=True)
+    try:
+        return await store.load(run_id)
+    finally:
+        await store.aclose()
+
+
+async def test_a_2025_11_25_session_is_one_run_gated_and_keyed(proxy: Proxy) -> None:
+    async with (
+        streamable_http_client(proxy.url) as (read, write, *_),
+        ClientSession(read, write) as client,
+    ):
+        init = await client.initialize()
+        assert init.protocol_version == "2025-11-25"
+        listed = await client.list_tools()
+        # the upstream has convert_time too; the state allows only get_current_time
+        assert [t.name for t in listed.tools] == ["get_current_time"]
+        assert listed.tools[0].input_schema["required"] == ["timezone"]
+
+        rejected = await client.call_tool("get_current_time", {"timezone": "Europe/Paris"})
+        assert rejected.is_error
+        assert (
+            rejected.content[0].text
+            == "args.timezone: 'Europe/Paris' is not UTC; ask for timezone UTC"
+        )
+        assert rejected.structured_content["violations"][0]["code"] == "guard"
+        run_id = rejected.meta[RUN_META]
+        assert MINTED.fullmatch(run_id), run_id
+
+        not_here = await client.call_tool("convert_time", {})
+        assert not_here.is_error
+        assert not_here.structured_content["violations"][0]["code"] == "tool_not_allowed"
+
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+        assert '"timezone": "UTC"' in ok.content[0].text
+        # the session id maps to its run: no handle was sent back, the same run answered
+        assert ok.meta[RUN_META] == run_id
+        key = ok.meta[KEY_META]
+        assert key.startswith(run_id + ":")
+        assert (await client.list_tools()).meta[RUN_META] == run_id
+
+    events = await _events(proxy.db, run_id)
+    intents = [e for e in events if isinstance(e, IntentRecorded)]
+    commits = [e for e in events if isinstance(e, ToolCommitted)]
+    assert [(i.tool, i.key) for i in intents] == [("get_current_time", key)]
+    assert [c.key for c in commits] == [key]
+    assert commits[0].seq > intents[0].seq  # the intent was durable before the call went out
+
+
+async def test_a_2026_07_28_client_gets_a_handle_and_addresses_its_run_with_it(
+    proxy: Proxy,
+) -> None:
+    async with Client(proxy.url) as client:
+        assert client.protocol_version == "2026-07-28"
+        # no run yet: the listing is what a new run allows, and names no run
+        listed = await client.list_tools()
+        assert [t.name for t in listed.tools] == ["get_current_time"]
+        assert RUN_META not in (listed.meta or {})
+
+        rejected = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+        assert rejected.is_error
+        assert rejected.structured_content["violations"][0]["code"] == "guard"
+        run_id = rejected.meta[RUN_META]  # minted on the first call
+        assert MINTED.fullmatch(run_id), run_id
+
+        # sent back in _meta: the same run
+        ok = await client.call_tool(
+            "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+        )
+        assert not ok.is_error, ok
+        assert ok.meta[RUN_META] == run_id
+        first_key = ok.meta[KEY_META]
+        assert first_key.startswith(run_id + ":")
+        assert (await client.list_tools(meta={RUN_META: run_id})).meta[RUN_META] == run_id
+
+        # not sent back: a stateless request is a new run
+        other = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not other.is_error, other
+        assert MINTED.fullmatch(other.meta[RUN_META])
+        assert other.meta[RUN_META] != run_id
+
+        # a run id nobody minted is refused, not started
+        with pytest.raises(mcp.shared.exceptions.MCPError, match="no run 'mcp-nope-1'"):
+            await client.call_tool(
+                "get_current_time", {"timezone": "UTC"}, meta={RUN_META: "mcp-nope-1"}
+            )
+
+    # the Interlock-Run header addresses the run as the _meta key does
+    async with (
+        httpx2.AsyncClient(headers={"Interlock-Run": run_id}) as http,
+        Client(streamable_http_client(proxy.url, http_client=http)) as client,
+    ):
+        assert client.protocol_version == "2026-07-28"
+        again = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not again.is_error, again
+        assert again.meta[RUN_META] == run_id
+        second_key = again.meta[KEY_META]
+        assert second_key != first_key
+
+    events = await _events(proxy.db, run_id)
+    commits = [e.key for e in events if isinstance(e, ToolCommitted)]
+    assert commits == [first_key, second_key]
+
+
+async def test_two_clients_get_two_runs(proxy: Proxy) -> None:
+    runs: dict[str, str] = {}
+
+    async def legacy(name: str) -> None:
+        async with (
+            streamable_http_client(proxy.url) as (read, write, *_),
+            ClientSession(read, write) as client,
+        ):
+            await client.initialize()
+            first = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            second = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert not first.is_error
+            assert not second.is_error
+            assert first.meta[RUN_META] == second.meta[RUN_META]
+            runs[name] = first.meta[RUN_META]
+
+    async def modern(name: str) -> None:
+        async with Client(proxy.url) as client:
+            result = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert not result.is_error
+            runs[name] = result.meta[RUN_META]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(legacy, "a")
+        nursery.start_soon(legacy, "b")
+        nursery.start_soon(modern, "c")
+        nursery.start_soon(modern, "d")
+    assert len(set(runs.values())) == 4, runs
+    assert all(MINTED.fullmatch(r) for r in runs.values()), runs
+
+
+MODERN_META = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def _rpc(method: str, params: Any = None, **extra: Any) -> bytes:
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": 1, "method": method, "params": params, **extra}
+    ).encode()
+
+
+def _junk() -> list[tuple[str, str, dict[str, str], bytes | str]]:
+    json_ct = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    modern = {**json_ct, "MCP-Protocol-Version": "2026-07-28"}
+    call = {"name": "get_current_time", "arguments": {"timezone": "UTC"}}
+    big = b"[" + b" " * (10 * 1024 * 1024) + b"]"
+    return [
+        ("not JSON", "POST", json_ct, b"{nope"),
+        ("not JSON, 2026", "POST", modern, b"{nope"),
+        ("bytes", "POST", json_ct, bytes(range(256)) * 16),
+        ("JSON, not JSON-RPC", "POST", json_ct, b'{"hello": 1}'),
+        ("JSON, not JSON-RPC, 2026", "POST", modern, b"[1, 2, 3]"),
+        ("deep nesting, 2026", "POST", modern, b"[" * 100_000 + b"]" * 100_000),
+        ("a call before initialize", "POST", json_ct, _rpc("tools/call", call)),
+        ("no such method", "POST", json_ct, _rpc("nope/nope", {})),
+        (
+            "no such method, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "nope/nope"},
+            _rpc("nope/nope", {"_meta": MODERN_META}),
+        ),
+        (
+            "mismatched Mcp-Method, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/list"},
+            _rpc("tools/call", {**call, "_meta": MODERN_META}),
+        ),
+        (
+            "params not an object, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call"},
+            _rpc("tools/call", [1]),
+        ),
+        (
+            "unknown tool, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "zzz"},
+            _rpc("tools/call", {"name": "zzz", "_meta": MODERN_META}),
+        ),
+        (
+            "a run id that is not a string, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "get_current_time"},
+            _rpc("tools/call", {**call, "_meta": {**MODERN_META, RUN_META: {"x": 1}}}),
+        ),
+        (
+            "an unknown run in the header, 2026",
+            "POST",
+            {
+                **modern,
+                "Mcp-Method": "tools/call",
+                "Mcp-Name": "get_current_time",
+                "Interlock-Run": "mcp-" + "0" * 32 + "-1",
+            },
+            _rpc("tools/call", {**call, "_meta": MODERN_META}),
+        ),
+        (
+            "a huge run id, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/list"},
+            _rpc("tools/list", {"_meta": {**MODERN_META, RUN_META: "x" * 100_000}}),
+        ),
+        (
+            "an unknown protocol version",
+            "POST",
+            {**json_ct, "MCP-Protocol-Version": "1999-01-01"},
+            _rpc("ping"),
+        ),
+        ("a 10 MB body", "POST", json_ct, big),
+        ("a 10 MB body, 2026", "POST", modern, big),
+        ("text/plain", "POST", {**json_ct, "Content-Type": "text/plain"}, _rpc("ping")),
+        ("text/plain, 2026", "POST", {**modern, "Content-Type": "text/plain"}, _rpc("ping")),
+        ("no Accept", "POST", {"Content-Type": "application/json"}, _rpc("ping")),
+        ("an unknown session", "POST", {**json_ct, "Mcp-Session-Id": "nope"}, _rpc("ping")),
+        ("another host (DNS rebinding)", "POST", {**json_ct, "Host": "evil.example"}, _rpc("ping")),
+        ("PUT", "PUT", json_ct, b"{}"),
+        ("GET without a session", "GET", {"Accept": "text/event-stream"}, b""),
+        ("DELETE without a session", "DELETE", {}, b""),
+    ]
+
+
+async def test_junk_gets_4xx_and_the_proxy_answers_a_real_client_after(proxy: Proxy) -> None:
+    answers = []
+
+    def post_all() -> None:
+        with httpx.Client(timeout=60) as http:
+            for name, method, headers, body in _junk():
+                response = http.request(method, proxy.url, headers=headers, content=body)
+                answers.append((name, response.status_code, response.text[:300]))
+            response = http.post(proxy.url.replace("/mcp", "/other"), content=b"{}")
+            answers.append(("another path", response.status_code, response.text[:300]))
+
+    await trio.to_thread.run_sync(post_all)
+    for name, status, text in answers:
+        assert 400 <= status < 500, (name, status, text)
+    statuses = {name: status for name, status, _ in answers}
+    assert statuses["a 10 MB body"] == statuses["a 10 MB body, 2026"] == 413
+    assert statuses["another host (DNS rebinding)"] == 421
+    texts = {name: text for name, _, text in answers}
+    assert '"code":-32700' in texts["not JSON"]  # the spec's parse error
+    assert '"code":-32601' in texts["no such method, 2026"]
+    assert "unknown tool 'zzz'" in texts["unknown tool, 2026"]
+    assert "no run 'mcp-0000" in texts["an unknown run in the header, 2026"]
+
+    async with Client(proxy.url) as client:
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+    async with (
+        streamable_http_client(proxy.url) as (read, write, *_),
+        ClientSession(read, write) as client,
+    ):
+        await client.initialize()
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+
+
+def test_a_bad_http_address_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    cases = [
+        (["--http", "nope"], "--http takes [HOST:]PORT"),
+        (["--http", "0", "--session", "s"], "--session names the one session"),
+    ]
+    for extra, expected in cases:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "interlock",
+                "mcp",
+                "--app",
+                "clock.py:app",
+                *extra,
+                "--",
+                "true",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ),
+        )
+        assert done.returncode == 2, (extra, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("interlock: error: "), (extra, done.stderr)
+        assert expected in last, (extra, done.stderr)
