@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +54,9 @@ class Proxy:
         self.log = log
 
 
-@pytest.fixture
-def proxy(tmp_path: Path) -> Iterator[Proxy]:
-    """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr.
-    Stopped by SIGTERM at the end, which it must survive cleanly (exit 0)."""
+def _start(tmp_path: Path, log: Path) -> Proxy:
+    """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr."""
     (tmp_path / "clock.py").write_text(TIME_APP)
-    log = tmp_path / "proxy.log"
     db = tmp_path / "mcp.db"
     argv = [sys.executable, "-m", "interlock", "mcp", "--http", "0", "--app", "clock.py:app"]
     with log.open("wb") as err:
@@ -70,15 +68,27 @@ def proxy(tmp_path: Path) -> Iterator[Proxy]:
             stderr=err,
         )
     try:
-        url = _wait_for_url(process, log)
-        yield Proxy(process, url, db, log)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()
-        assert "Traceback" not in log.read_text(), log.read_text()
+        return Proxy(process, _wait_for_url(process, log), db, log)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Proxy]:
+    """The proxy, stopped by SIGTERM at the end, which it must survive cleanly (exit 0)."""
+    started = _start(tmp_path, tmp_path / "proxy.log")
+    try:
+        yield started
+        if started.process.poll() is None:  # (not killed by the test)
+            started.process.send_signal(signal.SIGTERM)
+            assert started.process.wait(timeout=30) == 0, started.log.read_text()
+        assert "Traceback" not in started.log.read_text(), started.log.read_text()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if started.process.poll() is None:
+            started.process.kill()
+            started.process.wait()
 
 
 def _wait_for_url(process: subprocess.Popen[bytes], log: Path) -> str:
@@ -230,6 +240,76 @@ async def test_two_clients_get_two_runs(proxy: Proxy) -> None:
         nursery.start_soon(modern, "d")
     assert len(set(runs.values())) == 4, runs
     assert all(MINTED.fullmatch(r) for r in runs.values()), runs
+
+
+async def test_a_run_named_after_the_proxy_restarted_goes_on_from_its_journal(
+    proxy: Proxy, tmp_path: Path
+) -> None:
+    async with Client(proxy.url) as client:
+        first = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not first.is_error, first
+    run_id = first.meta[RUN_META]
+    proxy.process.kill()  # SIGKILL: no goodbye
+    proxy.process.wait()
+    again = _start(tmp_path, tmp_path / "proxy2.log")
+    try:
+        async with Client(again.url) as client:
+            second = await client.call_tool(
+                "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+            )
+            assert not second.is_error, second
+            assert second.meta[RUN_META] == run_id
+            rejected = await client.call_tool(
+                "get_current_time", {"timezone": "Asia/Tokyo"}, meta={RUN_META: run_id}
+            )
+            assert rejected.meta[RUN_META] == run_id
+    finally:
+        again.process.send_signal(signal.SIGTERM)
+        assert again.process.wait(timeout=30) == 0, again.log.read_text()
+    assert "Traceback" not in again.log.read_text(), again.log.read_text()
+    events = await _events(proxy.db, run_id)
+    commits = [e.key for e in events if isinstance(e, ToolCommitted)]
+    assert commits == [first.meta[KEY_META], second.meta[KEY_META]]
+
+
+async def test_the_runs_held_at_once_are_bounded(tmp_path: Path) -> None:
+    """In process: serve_http's own API, and a client that never sends its run back
+    cannot make the proxy hold runs without end."""
+    from interlock.mcp import Upstream, serve_http
+    from interlock.stores import open_store
+
+    app: dict[str, Any] = {}
+    exec(TIME_APP, app)
+    store = await open_store(str(tmp_path / "cap.db"))
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(
+                    serve_http,
+                    app["machine"],
+                    Upstream(_time_server()),
+                    store,
+                    max_runs=2,
+                )
+            )
+            assert server.url.startswith("http://127.0.0.1:")
+            async with Client(server.url) as client:
+                runs = set()
+                for _ in range(2):
+                    result = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                    runs.add(result.meta[RUN_META])
+                assert len(runs) == 2
+                with pytest.raises(mcp.shared.exceptions.MCPError, match="holds 2 runs"):
+                    await client.call_tool("get_current_time", {"timezone": "UTC"})
+                # the runs held go on
+                for run_id in runs:
+                    result = await client.call_tool(
+                        "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+                    )
+                    assert not result.is_error, result
+            server.stop()
+    finally:
+        await store.aclose()
 
 
 MODERN_META = {

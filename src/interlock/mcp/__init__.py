@@ -4,17 +4,21 @@ machine, keyed and journaled before it reaches the server (``interlock mcp``).
 Needs the ``[mcp]`` extra (the official ``mcp`` SDK, which runs on trio).
 """
 
+from ._http import RUN_HEADER, McpHttpServer, serve_http
 from ._proxy import KEY_META, RUN_META, McpRun, canonical_args
 from ._serve import Upstream, connect_upstream, list_all_tools, proxy_server, serve_stdio
 
 __all__ = [
     "KEY_META",
+    "RUN_HEADER",
     "RUN_META",
+    "McpHttpServer",
     "McpRun",
     "Upstream",
     "canonical_args",
     "connect_upstream",
     "list_all_tools",
     "proxy_server",
+    "serve_http",
     "serve_stdio",
 ]

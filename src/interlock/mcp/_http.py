@@ -49,6 +49,10 @@ RUN_HEADER = "interlock-run"
 SESSION_HEADER = "mcp-session-id"
 #: The largest request body served (a larger one is answered 413).
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+#: The most runs held at once (ended runs are let go of first).
+DEFAULT_MAX_RUNS = 10_000
+#: JSON-RPC's internal error.
+INTERNAL_ERROR = -32603
 #: The endpoint's path.
 PATH = "/mcp"
 
@@ -60,10 +64,17 @@ _MINTED = re.compile(r"mcp-([0-9a-f]{32})-([1-9][0-9]{0,8})")
 class HttpRuns(Runs):
     """The runs of an HTTP proxy: by run id, and by the session that started each."""
 
-    def __init__(self, guarded: Proxied, *, inputs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        guarded: Proxied,
+        *,
+        inputs: Mapping[str, Any] | None = None,
+        max_runs: int = DEFAULT_MAX_RUNS,
+    ) -> None:
         super().__init__(guarded.machine, guarded.tools, guarded.transition_tool)
         self.guarded = guarded
         self.inputs = dict(inputs or {})
+        self.max_runs = max_runs
         self.runs: dict[str, McpRun] = {}
         self.sessions: dict[str, McpRun] = {}  # Mcp-Session-Id -> its run
         # run id -> (Mcp-Session-Id -> that session's latest ServerSession): where a
@@ -90,6 +101,16 @@ class HttpRuns(Runs):
 
     async def _mint(self) -> McpRun:
         g = self.guarded
+        if len(self.runs) >= self.max_runs:
+            self._forget_ended()
+            if len(self.runs) >= self.max_runs:
+                # NOTE: a client that never sends its run back starts a run per call:
+                # bounded, so such a client cannot grow the proxy's memory without end
+                raise MCPError(
+                    INTERNAL_ERROR,
+                    f"the proxy holds {self.max_runs} runs, the most it holds; send back "
+                    f"the run id of a result's _meta ({RUN_META!r}) to go on in that run",
+                )
         handle = secrets.token_hex(16)
         run = await McpRun.open(
             g.supervisor, g.machine, handle, g.forward, g.tools, g.rules, inputs=self.inputs
@@ -128,6 +149,21 @@ class HttpRuns(Runs):
             self._keep(run)
             log.info("run %s picked up from the journal", run_id)
             return run
+
+    def _forget_ended(self) -> None:
+        """Let go of the runs that completed, failed or stopped (their journals stay; an
+        escalated run waits for its operator and is kept)."""
+        ended = {
+            run_id
+            for run_id, run in self.runs.items()
+            if run.outcome not in ("running", "escalated")
+        }
+        for run_id in ended:
+            del self.runs[run_id]
+            self._listeners.pop(run_id, None)
+        for session_id, run in list(self.sessions.items()):
+            if run.run_id in ended:
+                del self.sessions[session_id]
 
     def _keep(self, run: McpRun) -> None:
         self.runs[run.run_id] = run
@@ -201,6 +237,7 @@ async def serve_http(
     port: int = 0,
     inputs: Mapping[str, Any] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    max_runs: int = DEFAULT_MAX_RUNS,
     graceful_timeout: float = 3.0,
     handle_signals: bool = False,
     task_status: trio.TaskStatus[McpHttpServer] = trio.TASK_STATUS_IGNORED,
@@ -211,14 +248,15 @@ async def serve_http(
     2025-11-25 (a session opened by ``initialize``) are both served. ``port`` 0 picks a
     free port; the URL is printed on stderr once listening, and handed to
     ``task_status`` in a :class:`McpHttpServer`. A body over ``max_body`` bytes is
-    answered 413. :meth:`McpHttpServer.stop` (or SIGTERM, with ``handle_signals``)
+    answered 413; past ``max_runs`` runs held at once (ended ones let go of), a request
+    that would start another is refused. :meth:`McpHttpServer.stop` (or SIGTERM, with ``handle_signals``)
     stops it: the requests in flight get ``graceful_timeout`` seconds to finish.
     """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     async with proxied(machine_source, upstream, store) as guarded:
-        runs = HttpRuns(guarded, inputs=inputs)
+        runs = HttpRuns(guarded, inputs=inputs, max_runs=max_runs)
         server = proxy_server(runs)
         # NOTE: stateful: a handshake-era client gets a session (and so list_changed on
         # its GET stream, and a run without sending the handle back); 2026-07-28 requests

@@ -215,6 +215,11 @@ class McpRun:
     # -- tools/list ----------------------------------------------------------------------
 
     @property
+    def outcome(self) -> str:
+        """``running`` until the run ends (or escalates): then how it ended."""
+        return self._ended[0] if self._ended is not None else "running"
+
+    @property
     def state(self) -> str:
         if self._ended is not None:
             return self._ended[1]
