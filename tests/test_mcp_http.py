@@ -241,6 +241,11 @@ async def test_two_clients_get_two_runs(proxy: Proxy) -> None:
     assert len(set(runs.values())) == 4, runs
     assert all(MINTED.fullmatch(r) for r in runs.values()), runs
 
+    # Ctrl-C stops it as SIGTERM does: the requests in flight finish, then it exits 0
+    proxy.process.send_signal(signal.SIGINT)
+    assert await trio.to_thread.run_sync(lambda: proxy.process.wait(timeout=30)) == 0
+    assert proxy.log.read_text().endswith("interlock mcp: stopped\n"), proxy.log.read_text()
+
 
 async def test_a_run_named_after_the_proxy_restarted_goes_on_from_its_journal(
     proxy: Proxy, tmp_path: Path

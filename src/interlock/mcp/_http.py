@@ -249,8 +249,9 @@ async def serve_http(
     free port; the URL is printed on stderr once listening, and handed to
     ``task_status`` in a :class:`McpHttpServer`. A body over ``max_body`` bytes is
     answered 413; past ``max_runs`` runs held at once (ended ones let go of), a request
-    that would start another is refused. :meth:`McpHttpServer.stop` (or SIGTERM, with ``handle_signals``)
-    stops it: the requests in flight get ``graceful_timeout`` seconds to finish.
+    that would start another is refused. :meth:`McpHttpServer.stop` (or SIGTERM or SIGINT,
+    with ``handle_signals``) stops it: the requests in flight get ``graceful_timeout``
+    seconds to finish.
     """
     from hypercorn.config import Config
     from hypercorn.trio import serve
@@ -287,7 +288,7 @@ async def serve_http(
 
         async with trio.open_nursery() as nursery:
             if handle_signals:
-                nursery.start_soon(_on_sigterm, stop)
+                nursery.start_soon(_on_signals, stop)
             binds: list[str] = await nursery.start(run_server)
             url = binds[0] + PATH
             print(
@@ -303,9 +304,9 @@ async def serve_http(
             nursery.cancel_scope.cancel()
 
 
-async def _on_sigterm(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            log.info("SIGTERM: stopping")
+async def _on_signals(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s: stopping", signal.Signals(signum).name)
             stop.set()
             return
