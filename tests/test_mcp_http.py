@@ -474,3 +474,82 @@ def test_a_bad_http_address_is_refused_in_one_line(tmp_path: Path) -> None:
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("interlock: error: "), (extra, done.stderr)
         assert expected in last, (extra, done.stderr)
+
+
+STAGES = """
+from interlock import Machine, Tool, Worker
+
+async def never(args, ctx):
+    raise AssertionError("the proxy's upstream executes the tools")
+
+machine = Machine(
+    "stages", "ASK",
+    {"ASK": Worker(next=["CONVERT"], tools=["get_current_time"]),
+     "CONVERT": Worker(next=["COMPLETED"], tools=["convert_time"])},
+    tools=[Tool("get_current_time", never, {"type": "object"}, read_only=True),
+           Tool("convert_time", never, {"type": "object"}, read_only=True)],
+)
+"""
+
+
+async def test_a_session_hears_its_run_move_and_a_stateless_client_lists_it_by_handle(
+    tmp_path: Path,
+) -> None:
+    """A machine with a transition tool (as a machine file gives), served in process:
+    a 2025-11-25 session gets tools/list_changed when its run moves; a 2026-07-28 client
+    lists the run it names."""
+    import mcp.types as types
+
+    from interlock.mcp import Upstream, serve_http
+    from interlock.mcp._proxy import NoRules
+    from interlock.stores import open_store
+
+    app: dict[str, Any] = {}
+    exec(STAGES, app)
+
+    class Rules(NoRules):
+        transition_tool = "move"
+
+    def build(tools: list[Any]) -> tuple[Any, Any]:
+        return app["machine"], Rules()
+
+    heard: list[Any] = []
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            heard.append(message)
+
+    store = await open_store(str(tmp_path / "stages.db"))
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_http, build, Upstream(_time_server()), store)
+            )
+            async with (
+                streamable_http_client(server.url) as (read, write, *_),
+                ClientSession(read, write, message_handler=on_message) as client,
+            ):
+                await client.initialize()
+                listed = await client.list_tools()
+                assert [t.name for t in listed.tools] == ["get_current_time", "move"]
+                moved = await client.call_tool("move", {"to": "CONVERT"})
+                assert not moved.is_error, moved
+                with trio.fail_after(10):
+                    while not heard:  # noqa: ASYNC110 - the notification comes on the GET stream
+                        await trio.sleep(0.02)
+                listed = await client.list_tools()
+                assert [t.name for t in listed.tools] == ["convert_time", "move"]
+                assert listed.meta[RUN_META] == moved.meta[RUN_META]
+                assert len(heard) == 1  # once per move, not once per request made
+
+            async with Client(server.url) as client:
+                moved = await client.call_tool("move", {"to": "CONVERT"})
+                assert not moved.is_error, moved
+                run_id = moved.meta[RUN_META]
+                listed = await client.list_tools(meta={RUN_META: run_id})
+                assert [t.name for t in listed.tools] == ["convert_time", "move"]
+                fresh = await client.list_tools()
+                assert [t.name for t in fresh.tools] == ["get_current_time", "move"]
+            server.stop()
+    finally:
+        await store.aclose()
