@@ -20,7 +20,9 @@ else:
     ext_modules = cythonize(
         [
             Extension("interlock.core._hot", ["ext/_hot.pyx"], extra_compile_args=["-O2", "-g0"]),
-            Extension("interlock.core._decide", ["ext/_decide.pyx"], extra_compile_args=["-O2", "-g0"]),
+            Extension(
+                "interlock.core._decide", ["ext/_decide.pyx"], extra_compile_args=["-O2", "-g0"]
+            ),
         ],
         compiler_directives={"language_level": 3, "embedsignature": True},
     )

@@ -317,4 +317,5 @@ async def test_a_proposal_nested_too_deep_is_malformed_and_the_run_goes_on(depth
             assert [v.code for v in verdict.violations] == ["malformed"]
             assert "nested too deeply" in verdict.violations[0].message
         verdict = await sup.external.submit(Propose(run_id="deep-1", raw=CHARGE))
-        assert verdict.execute is not None and handle.run_id == "deep-1"
+        assert verdict.execute is not None
+        assert handle.run_id == "deep-1"

@@ -367,3 +367,341 @@ def test_the_memory_server_tools_are_listed_through_the_proxy(tmp_path: Path) ->
             assert not graph.is_error, graph
 
     trio.run(main)
+
+
+MEMORY_MACHINE = """
+[machine]
+name = "people"
+initial = "PLAN"
+
+[states.PLAN]
+tools = ["read_graph", "create_entities"]
+next = ["RELATE"]
+
+[states.RELATE]
+tools = ["read_graph", "create_relations"]
+next = ["CLEANUP"]
+
+[states.CLEANUP]
+tools = ["read_graph", "delete_entities"]
+next = ["COMPLETED"]
+
+[tools.read_graph]
+kind = "read-only"
+
+[tools.create_entities]
+moves_to = "RELATE"
+
+[[tools.create_entities.guards]]
+when = "size(args.entities) <= 2"
+message = "at most 2 entities a call"
+hint = "split the entities into calls of 2 or fewer"
+
+[tools.create_relations]
+moves_to = "CLEANUP"
+guards = [
+  "args.relations.all(r, history.exists(h, h.tool == 'create_entities' && h.args.entities.exists(e, e.name == r.from)))",
+]
+
+[tools.delete_entities]
+moves_to = "COMPLETED"
+
+[tools.delete_entities.reconcile]
+tool = "read_graph"
+applied = "!result.entities.exists(e, e.name in args.entityNames)"
+
+[breakers]
+consecutive_failures = 5
+"""
+
+
+def _entities(memory: Path) -> list[str]:
+    """The entities the memory server holds, read from its own file."""
+    if not memory.exists():
+        return []
+    import json
+
+    rows = [json.loads(line) for line in memory.read_text().splitlines() if line.strip()]
+    return [r["name"] for r in rows if r.get("type") == "entity"]
+
+
+def _memory_proxy(tmp: Path, session: str) -> StdioServerParameters:
+    server = _npm_server("server-memory")
+    (tmp / "people.toml").write_text(MEMORY_MACHINE)
+    return StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            "people.toml",
+            "--db",
+            str(tmp / "m.db"),
+            "--session",
+            session,
+            "--",
+            "node",
+            str(server),
+        ],
+        env=dict(os.environ, MEMORY_FILE_PATH=str(tmp / "memory.jsonl")),
+        cwd=str(tmp),
+    )
+
+
+ADA = {"name": "ada", "entityType": "person", "observations": ["wrote the first program"]}
+BOB = {"name": "bob", "entityType": "person", "observations": []}
+EVE = {"name": "eve", "entityType": "person", "observations": []}
+
+
+async def test_a_machine_file_holds_a_real_server_to_its_states_guards_and_moves(
+    tmp_path: Path,
+) -> None:
+    changed: list[str] = []
+
+    async def on_message(message: Any) -> None:
+        if type(message).__name__ == "ToolListChangedNotification":
+            changed.append("tools")
+
+    params = _memory_proxy(tmp_path, "people")
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, message_handler=on_message) as client,
+    ):
+        await client.initialize()
+        assert {t.name for t in (await client.list_tools()).tools} == {
+            "read_graph",
+            "create_entities",
+        }
+
+        too_many = await client.call_tool("create_entities", {"entities": [ADA, BOB, EVE]})
+        assert too_many.is_error
+        assert too_many.content[0].text == (
+            "create_entities: at most 2 entities a call; split the entities into calls of 2 or fewer"
+        )
+        assert _entities(tmp_path / "memory.jsonl") == []  # never reached the server
+
+        early = await client.call_tool("delete_entities", {"entityNames": ["ada"]})
+        assert early.structured_content["violations"][0]["code"] == "tool_not_allowed"
+
+        made = await client.call_tool("create_entities", {"entities": [ADA, BOB]})
+        assert not made.is_error, made
+        assert _entities(tmp_path / "memory.jsonl") == ["ada", "bob"]
+        # the committed call moved the run: RELATE's tools now, and the client was told
+        assert {t.name for t in (await client.list_tools()).tools} == {
+            "read_graph",
+            "create_relations",
+        }
+        assert changed
+
+        stranger = await client.call_tool(
+            "create_relations",
+            {"relations": [{"from": "zed", "to": "ada", "relationType": "knows"}]},
+        )
+        assert stranger.structured_content["violations"][0]["code"] == "guard"
+        related = await client.call_tool(
+            "create_relations",
+            {"relations": [{"from": "ada", "to": "bob", "relationType": "knows"}]},
+        )
+        assert not related.is_error, related
+
+        graph = await client.call_tool("read_graph", {})
+        assert not graph.is_error
+
+        gone = await client.call_tool("delete_entities", {"entityNames": ["bob"]})
+        assert not gone.is_error, gone
+        assert _entities(tmp_path / "memory.jsonl") == ["ada"]
+        done = await client.call_tool("read_graph", {})
+        assert done.structured_content["outcome"] == "completed"
+
+    store = await open_sqlite_store(str(tmp_path / "m.db"), readonly=True)
+    try:
+        record = await store.get_run("mcp-people-1")
+    finally:
+        await store.aclose()
+    assert (record.outcome, record.state) == ("completed", "COMPLETED")
+
+
+async def test_a_call_in_doubt_is_reconciled_from_the_server_not_sent_again(tmp_path: Path) -> None:
+    """The proxy is SIGKILLed after the server applied a delete but before the commit; the
+    client re-issues the delete: the proxy asks read_graph (the machine's reconcile), finds
+    it applied, commits the call without sending it again, and the run moves on."""
+    params = _memory_proxy(tmp_path, "doubt")
+    memory = tmp_path / "memory.jsonl"
+    delete = {"entityNames": ["bob"]}
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        assert not (await client.call_tool("create_entities", {"entities": [ADA, BOB]})).is_error
+        assert not (
+            await client.call_tool(
+                "create_relations",
+                {"relations": [{"from": "ada", "to": "bob", "relationType": "knows"}]},
+            )
+        ).is_error
+
+    # a second connection (the proxy restarted) picks the run up in CLEANUP
+    answered = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def doomed(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                async with stdio_client(params) as (read, write), ClientSession(read, write) as c:
+                    await c.initialize()
+                    task_status.started()
+                    await c.call_tool("delete_entities", delete)
+            except Exception:
+                pass
+            finally:
+                answered.set()
+
+        await nursery.start(doomed)
+        proxy = _proxy_pid("doubt")
+        (upstream,) = _children(proxy)
+        os.kill(upstream, signal.SIGSTOP)
+        await _wait_for_intent_of(tmp_path / "m.db", "mcp-doubt-1", "delete_entities")
+        await trio.sleep(0.5)
+        os.kill(proxy, signal.SIGSTOP)
+        os.kill(upstream, signal.SIGCONT)
+        with trio.fail_after(30):
+            while "bob" in _entities(memory):  # noqa: ASYNC110 - polls the server's file
+                await trio.sleep(0.02)
+        os.kill(proxy, signal.SIGKILL)
+        with trio.fail_after(30):
+            await answered.wait()
+
+    assert _entities(memory) == ["ada"]
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        again = await client.call_tool("delete_entities", delete)
+        assert not again.is_error, again
+        assert again.meta["dev.interlock/verdict"].startswith("reconciled")
+    store = await open_sqlite_store(str(tmp_path / "m.db"), readonly=True)
+    try:
+        record = await store.get_run("mcp-doubt-1")
+        events = await store.load("mcp-doubt-1")
+    finally:
+        await store.aclose()
+    assert (record.outcome, record.state) == ("completed", "COMPLETED")
+    # committed once, by the reconcile: one intent for the delete, its result the server's
+    deletes = [e for e in events if isinstance(e, IntentRecorded) and e.tool == "delete_entities"]
+    assert len(deletes) == 1
+    committed = [e for e in events if isinstance(e, ToolCommitted) and e.key == deletes[0].key]
+    assert len(committed) == 1
+
+
+async def _wait_for_intent_of(db: Path, run_id: str, tool: str) -> None:
+    with trio.fail_after(30):
+        while True:
+            try:
+                store = await open_sqlite_store(str(db), readonly=True)
+                try:
+                    events = await store.load(run_id)
+                finally:
+                    await store.aclose()
+            except Exception:
+                events = []
+            if any(isinstance(e, IntentRecorded) and e.tool == tool for e in events):
+                return
+            await trio.sleep(0.05)
+
+
+CLOCK_MACHINE = """
+[machine]
+name = "clock"
+initial = "ASK"
+
+[states.ASK]
+tools = ["get_current_time"]
+next = ["COMPLETED"]
+
+[tools.get_current_time]
+kind = "read-only"
+approval = true
+
+[breakers]
+repeats = 10
+"""
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_tool_marked_for_approval_asks_the_user_with_the_exact_arguments(
+    tmp_path: Path, mode: str
+) -> None:
+    from mcp import Client
+    from mcp.types import ElicitResult
+
+    (tmp_path / "clock.toml").write_text(CLOCK_MACHINE)
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            "clock.toml",
+            "--db",
+            str(tmp_path / "c.db"),
+            "--",
+            *_time_server(),
+        ],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+    )
+    asked: list[str] = []
+    answers = iter([True, False])
+
+    async def on_elicit(ctx: Any, request: Any) -> Any:
+        asked.append(request.message)
+        return ElicitResult(action="accept", content={"approve": next(answers)})
+
+    async with Client(params, elicitation_callback=on_elicit, mode=mode) as client:
+        expected = "2026-07-28" if mode == "auto" else "2025-11-25"
+        assert client.protocol_version == expected
+        approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not approved.is_error, approved
+        refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert refused.is_error
+        assert refused.structured_content == {
+            "approved": False,
+            "reason": "the user did not approve it (accept)",
+        }
+    assert len(asked) == 2
+    assert asked[0].endswith('{"timezone": "UTC"}')
+    assert "get_current_time" in asked[0]
+    store = await open_sqlite_store(str(tmp_path / "c.db"), readonly=True)
+    try:
+        events = await store.load("mcp-default-1")
+    finally:
+        await store.aclose()
+    # only the approved call was proposed and committed
+    assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1
+
+
+async def test_a_tool_whose_definition_changed_under_a_running_session_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The run pins its tools' definitions when it starts; a server that comes back with
+    another definition of a tool (here mcp-server-time started with another local time
+    zone, which its schema's text names) gets no call of it."""
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    server = _time_server()[:-1]
+    first = _proxy(tmp_path, "clock.py:app", *server, "--local-timezone=UTC", session="pin")
+    async with stdio_client(first) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        assert not (await client.call_tool("get_current_time", {"timezone": "UTC"})).is_error
+    second = _proxy(
+        tmp_path, "clock.py:app", *server, "--local-timezone=Europe/Paris", session="pin"
+    )
+    async with stdio_client(second) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert refused.is_error
+        assert "changed its definition since run mcp-pin-1 started" in refused.content[0].text
+        assert refused.meta["dev.interlock/verdict"] == "definition-changed"
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        events = await store.load("mcp-pin-1")
+    finally:
+        await store.aclose()
+    assert len([e for e in events if isinstance(e, IntentRecorded)]) == 1  # only the first
+    assert "UTC" in str(events[0].inputs["mcp_tools"]["get_current_time"])

@@ -494,7 +494,32 @@ def _render_fragments(fragments: list[tuple[str, str, str]]) -> str:
 
 # -- the hook -------------------------------------------------------------------------------
 
+
+def _results_section(title: str) -> str:
+    """The section ``## TITLE`` of ``benchmarks/RESULTS.md``, as its study wrote it there
+    (the before/after and transport studies are not sections of results.json)."""
+    text = (BENCHMARKS / "RESULTS.md").read_text(encoding="utf-8")
+    start = text.find(f"\n## {title}")
+    if start < 0:
+        raise PluginError(f"benchmarks/RESULTS.md has no section '## {title}'")
+    end = text.find("\n## ", start + 1)
+    body = text[start : end if end >= 0 else len(text)].split("\n", 2)[2]
+    return _blank_before_lists(_demote(body.strip()))
+
+
+def layers_markdown() -> str:
+    return _results_section("Before and after the layers move (issue 34)")
+
+
+def transports_markdown() -> str:
+    return _results_section(
+        "HTTP/1.1 clients under trio at fan-out: the providers' Transport against httpcore (issue 34)"
+    )
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "layers": layers_markdown,
+    "transports": transports_markdown,
     "cli": cli_markdown,
     "http": http_markdown,
     "events": events_markdown,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +38,25 @@ def _what_if(refs: Sequence[str]) -> dict[str, tuple[str, Machine]]:
     return machines
 
 
+async def _machine_file(ref: str, records: Sequence[Any], store: Any) -> Machine:
+    """The machine of an MCP machine file, built with the tool definitions its runs pinned
+    when they started (replay needs no server)."""
+    from ..mcp._config import build_machine, load_machine_file
+    from ..mcp._proxy import PINNED_INPUT
+
+    spec = load_machine_file(ref)
+    for record in records:
+        if record.machine == spec.name:
+            first = (await store.load(record.run_id))[0]
+            pinned = getattr(first, "inputs", {}).get(PINNED_INPUT)
+            if pinned:
+                return build_machine(spec, pinned)
+    raise ConfigurationError(
+        f"--machine {ref}: no run of machine {spec.name!r} in this journal pins its tools' "
+        "definitions (runs started by interlock mcp do); replay runs of that machine"
+    )
+
+
 async def _replay(args: argparse.Namespace) -> int:
     from ..runtime._replay import replay
 
@@ -46,7 +65,8 @@ async def _replay(args: argparse.Namespace) -> int:
     if args.workflow is not None and not args.all:
         raise _Usage("--workflow chooses among --all; pass --all too, or drop it")
     app, named, db = _application(args)
-    what_if = _what_if(args.machine)
+    files = [ref for ref in args.machine if ref.endswith(".toml")]  # MCP machine files
+    what_if = _what_if([ref for ref in args.machine if not ref.endswith(".toml")])
     overrides = [machine for _ref, machine in what_if.values()]
     machines = {**app.machines, **{m.name: m for m in overrides}}
     store = await _open_read(args)
@@ -60,6 +80,10 @@ async def _replay(args: argparse.Namespace) -> int:
                 f"no runs of workflow {args.workflow!r} in {db}; `interlock runs --db {db}` "
                 "lists the runs and their workflows"
             )
+        for ref in files:
+            machine = await _machine_file(ref, records, store)
+            what_if[machine.name] = (ref, machine)
+            machines[machine.name] = machine
         _require(App(list(machines.values())), named, records, run=False)
         used = sorted({r.machine for r in records})
         for name, (ref, _machine) in what_if.items():

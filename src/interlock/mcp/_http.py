@@ -160,6 +160,7 @@ class HttpRuns(Runs):
         }
         for run_id in ended:
             del self.runs[run_id]
+            self.guarded.untrack(run_id)
             self._listeners.pop(run_id, None)
         for session_id, run in list(self.sessions.items()):
             if run.run_id in ended:
@@ -167,6 +168,7 @@ class HttpRuns(Runs):
 
     def _keep(self, run: McpRun) -> None:
         self.runs[run.run_id] = run
+        self.guarded.track(run)
 
         async def changed() -> None:
             for session in list(self._listeners.get(run.run_id, {}).values()):

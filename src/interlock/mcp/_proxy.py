@@ -156,6 +156,11 @@ class McpRun:
         self.on_state_change = on_state_change
         self._turn = trio.Lock()
         self._ended: tuple[str, str, str] | None = None  # (outcome, state, reason)
+        #: The tool definitions the run started with (journaled in its inputs), by name.
+        self.pinned: dict[str, Any] = {}
+        #: Set when the upstream said its tool list changed: read it again before a call.
+        self.stale = False
+        self.refresh: Callable[[], Awaitable[Sequence[types.Tool]]] | None = None
 
     # -- opening a session's run ---------------------------------------------------------
 
@@ -195,14 +200,20 @@ class McpRun:
             )
             if newest.outcome == "escalated":
                 self._ended = ("escalated", newest.state, newest.reason)
-            elif newest.run_id not in supervisor.external:
-                run = fold(machine, await store.load(newest.run_id))
-                supervisor.external.hold(run)
+            else:
+                run = supervisor.external.get(newest.run_id)
+                if run is None:
+                    run = supervisor.external.hold(fold(machine, await store.load(newest.run_id)))
+                self.pinned = dict(run.inputs.get(PINNED_INPUT) or {})
             return self
         number = max((_number(r.run_id, prefix) for r in mine), default=0) + 1
         run_id = f"{prefix}{number}"
-        await supervisor.external.start(machine.name, dict(inputs or {}), run_id=run_id)
-        return cls(
+        pinned = pin(machine, upstream_tools)
+        start = dict(inputs or {})
+        if machine.inputs is None:  # a machine with an inputs schema keeps its own inputs
+            start[PINNED_INPUT] = pinned
+        await supervisor.external.start(machine.name, start, run_id=run_id)
+        self = cls(
             supervisor,
             machine,
             run_id,
@@ -210,6 +221,24 @@ class McpRun:
             upstream_tools,
             rules,
             on_state_change=on_state_change,
+        )
+        self.pinned = pinned
+        return self
+
+    def drifted(self, name: str) -> str | None:
+        """Why ``name`` may not be called: the upstream's definition of it (description,
+        schemas) is no longer the one the run started with (a "rug pull"); else None."""
+        if not self.pinned or name not in self.pinned:
+            return None
+        tool = self.tools.get(name)
+        now = _definition(tool) if tool is not None else None
+        if now == self.pinned[name]:
+            return None
+        what = "removed it" if now is None else "changed its definition"
+        return (
+            f"{name} was not called: the server {what} since run {self.run_id} started "
+            "(a tool must not change under a running agent); the run keeps the definition "
+            "it started with: restart the session (a new run) to accept the new one"
         )
 
     # -- tools/list ----------------------------------------------------------------------
@@ -253,6 +282,17 @@ class McpRun:
         async with self._turn:
             if self._ended is not None:
                 return self._ended_result()
+            if self.stale and self.refresh is not None:
+                self.tools = {t.name: t for t in await self.refresh()}
+                self.stale = False
+            drift = self.drifted(name)
+            if drift is not None:
+                return _text(
+                    drift,
+                    error=True,
+                    structured={"pinned": self.pinned.get(name), "tool": name},
+                    meta={RUN_META: self.run_id, VERDICT_META: "definition-changed"},
+                )
             run = self.supervisor.external.get(self.run_id)
             if run is not None and run.pending is not None:
                 settled = await self._settle_pending(run.pending, name, args)
@@ -260,7 +300,12 @@ class McpRun:
                     return settled
                 if self._ended is not None:
                     return self._ended_result()
-            raw = msgspec.json.encode({"tool": name, "args": args}).decode()
+            proposal: dict[str, Any] = {"tool": name, "args": args}
+            target = self.rules.moves_to(name)
+            if target is not None:  # the machine file moves the run when this call commits
+                proposal["next"] = target
+            raw = msgspec.json.encode(proposal).decode()
+            state = self.state
             verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
             if verdict.execute is None:
                 if verdict.accepted and verdict.result is not None:  # committed before
@@ -268,7 +313,9 @@ class McpRun:
                 if self._ended is not None:
                     return self._ended_result(verdict.violations)
                 return self._rejected(verdict)
-            return await self._execute(verdict, name)
+            answer = await self._execute(verdict, name)
+            await self._moved(state)
+            return answer
 
     async def _execute(self, verdict: Verdict, name: str) -> types.CallToolResult:
         """Forward ``verdict.execute`` (again, while the runtime asks for a retry) and
@@ -277,8 +324,31 @@ class McpRun:
             call = verdict.execute
             result, report = await self._forward(call)
             verdict = await self._submit(report)
+            if verdict.reconcile is not None and self._ended is None:
+                # in doubt, and the machine says how to ask: ask, then commit or run once
+                how = self.rules.reconcile(verdict.reconcile.tool)
+                applied, recorded = await self._reconcile(how, verdict.reconcile)
+                verdict = await self._submit(
+                    Reconciliation(
+                        run_id=self.run_id,
+                        key=verdict.reconcile.key,
+                        applied=applied,
+                        result=recorded,
+                        error="" if applied is not None else "the reconcile could not say",
+                    )
+                )
+                if applied:
+                    return _text(
+                        msgspec.json.encode(recorded).decode(),
+                        error=False,
+                        meta={
+                            RUN_META: self.run_id,
+                            KEY_META: call.key,
+                            VERDICT_META: "reconciled: applied",
+                        },
+                    )
+                continue
             if report.ok and verdict.execute is None:
-                await self._move_after(name, verdict)
                 return self._with_meta(result, call.key)
             if verdict.execute is None:
                 if self._ended is not None:
@@ -364,8 +434,6 @@ class McpRun:
             verdict = await self._submit(report)
             if verdict.execute is not None:
                 result = await self._execute(verdict, pending.tool)
-            elif report.ok:
-                await self._move_after(pending.tool, verdict)
             return self._with_meta(result, pending.key) if same and result is not None else None
         if how is not None:
             applied, recorded = await self._reconcile(how, pending)
@@ -378,18 +446,16 @@ class McpRun:
                     error="" if applied is not None else "the reconcile tool could not say",
                 )
             )
-            if applied and self._ended is None:
-                await self._move_after(pending.tool, verdict)
-                if same:
-                    return _text(
-                        msgspec.json.encode(recorded).decode(),
-                        error=False,
-                        meta={
-                            RUN_META: self.run_id,
-                            KEY_META: pending.key,
-                            VERDICT_META: "reconciled: applied before",
-                        },
-                    )
+            if applied and same:  # committed (the run may have moved on, or ended)
+                return _text(
+                    msgspec.json.encode(recorded).decode(),
+                    error=False,
+                    meta={
+                        RUN_META: self.run_id,
+                        KEY_META: pending.key,
+                        VERDICT_META: "reconciled: applied before",
+                    },
+                )
             if verdict.execute is not None:  # not applied: the runtime lets it run once
                 result = await self._execute(verdict, pending.tool)
                 return result if same else None
@@ -410,23 +476,16 @@ class McpRun:
         try:
             with trio.fail_after(30):
                 result = await self.upstream(how.tool, dict(getattr(how, "args", None) or {}), {})
-            dumped = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-            dumped.pop("_meta", None)
-            applied = how.applied(dumped, dict(pending.args or {}), pending.key)
+            seen = _structured(result)
+            applied = how.applied(seen, dict(pending.args or {}), pending.key)
         except Exception:
             return None, None
-        return applied, dumped if applied else None
+        return applied, seen if applied else None
 
-    async def _move_after(self, tool: str, verdict: Verdict) -> None:
-        """Move the run where the machine file says a committed call of ``tool`` takes it."""
-        target = self.rules.moves_to(tool)
-        if target is not None and self._ended is None and verdict.outcome == "running":
-            raw = msgspec.json.encode({"next": target}).decode()
-            moved = await self._submit(
-                Propose(run_id=self.run_id, raw=raw, source="step", model="mcp-proxy")
-            )
-            if moved.accepted and self.on_state_change is not None:
-                await self.on_state_change()
+    async def _moved(self, before: str) -> None:
+        """Tell the client its tool list changed if the run left state ``before``."""
+        if self.state != before and self.on_state_change is not None:
+            await self.on_state_change()
 
     async def transition(self, target: str) -> types.CallToolResult:
         """The agent asks to move the run to ``target`` (the machine file's transition tool)."""
@@ -525,6 +584,33 @@ class _Call(msgspec.Struct, frozen=True):
     tool: str
     args: Any
     key: str
+
+
+#: The run input under which a run started by the proxy pins its tools' definitions.
+PINNED_INPUT = "mcp_tools"
+
+
+def _definition(tool: types.Tool) -> dict[str, Any]:
+    """What a tool is, for pinning: its description and schemas, as the server sent them."""
+    dumped = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {k: dumped[k] for k in ("description", "inputSchema", "outputSchema") if k in dumped}
+
+
+def pin(machine: Machine, tools: Sequence[types.Tool]) -> dict[str, Any]:
+    """The definitions of the machine's tools among ``tools``, by name."""
+    return {t.name: _definition(t) for t in tools if t.name in machine.tool_by_name}
+
+
+def _structured(result: types.CallToolResult) -> Any:
+    """What a result says, as data: its structured content, else its text parsed as JSON
+    where it is JSON (most servers put their answer there), else the text."""
+    if result.structured_content is not None:
+        return result.structured_content
+    text = "".join(c.text for c in result.content if isinstance(c, types.TextContent))
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
 
 
 def _number(run_id: str, prefix: str) -> int:

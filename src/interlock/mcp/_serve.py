@@ -9,8 +9,10 @@ run of the machine, journaled in the store (SQLite by default) like any other ru
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mcp.types as types
@@ -18,6 +20,7 @@ import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
@@ -25,7 +28,7 @@ from ..runtime._runtime import open_supervisor
 from ._proxy import RUN_META, McpRun, listed_tools
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
     from ..core._machine import Machine
     from ..runtime._supervisor import Supervisor
@@ -64,14 +67,17 @@ class Upstream:
 
 
 @contextlib.asynccontextmanager
-async def connect_upstream(upstream: Upstream) -> AsyncIterator[ClientSession]:
-    """An initialized client session with the upstream server."""
+async def connect_upstream(
+    upstream: Upstream, on_message: Callable[[Any], Awaitable[None]] | None = None
+) -> AsyncIterator[ClientSession]:
+    """An initialized client session with the upstream server; ``on_message`` hears its
+    notifications (``tools/list_changed``)."""
     if upstream.url is not None:
         from mcp.client.streamable_http import streamable_http_client
 
         async with streamable_http_client(upstream.url) as streams:
             read, write = streams[0], streams[1]
-            async with ClientSession(read, write) as session:
+            async with ClientSession(read, write, message_handler=on_message) as session:
                 await session.initialize()
                 yield session
         return
@@ -79,7 +85,10 @@ async def connect_upstream(upstream: Upstream) -> AsyncIterator[ClientSession]:
     # an upstream configured by its environment (MEMORY_FILE_PATH, tokens) finds it.
     env = upstream.env if upstream.env is not None else dict(os.environ)
     params = StdioServerParameters(command=upstream.command[0], args=upstream.command[1:], env=env)
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, message_handler=on_message) as session,
+    ):
         await session.initialize()
         yield session
 
@@ -204,6 +213,10 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
                     _meta={RUN_META: run.run_id},
                 )
             return await run.transition(target)
+        if run.rules.approval(params.name) and params.name in run.allowed():
+            declined = await _approve(ctx, params)
+            if declined is not None:
+                return declined
         return await run.call_tool(params.name, params.arguments)
 
     def input_schema(name: str) -> Mapping[str, Any] | None:
@@ -222,6 +235,62 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
         get_tool_input_schema=input_schema,
+    )
+
+
+_APPROVE_SCHEMA = {
+    "type": "object",
+    "properties": {"approve": {"type": "boolean", "description": "run this call"}},
+    "required": ["approve"],
+}
+
+
+async def _approve(ctx: Any, params: types.CallToolRequestParams) -> Any:
+    """Ask the end user to approve ``params`` (the exact arguments) before the call is
+    proposed: None if approved, else the answer to give (a declined call, or the
+    input-required result a 2026-07-28 client answers by calling again)."""
+    import hashlib
+
+    args = params.arguments or {}
+    shown = json.dumps(args, sort_keys=True, ensure_ascii=False)
+    message = f"Allow the agent to call {params.name} with these arguments?\n{shown}"
+    # the answer is bound to these exact arguments: a retry with others is asked anew
+    state = "approve:" + hashlib.sha256(f"{params.name}\0{shown}".encode()).hexdigest()
+    if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+        responses = getattr(params, "input_responses", None) or {}
+        answer = (
+            responses.get("approve") if getattr(params, "request_state", None) == state else None
+        )
+        if answer is None:
+            return types.InputRequiredResult(
+                input_requests={
+                    "approve": types.ElicitRequest(
+                        params=types.ElicitRequestFormParams(
+                            message=message, requested_schema=_APPROVE_SCHEMA
+                        )
+                    )
+                },
+                request_state=state,
+            )
+    else:
+        try:
+            answer = await ctx.session.elicit_form(
+                message, _APPROVE_SCHEMA, related_request_id=ctx.request_id
+            )
+        except Exception as exc:  # the client cannot be asked (no elicitation, no channel)
+            return _declined(params.name, f"the client could not ask the user ({exc})")
+    action = getattr(answer, "action", None)
+    content = getattr(answer, "content", None) or {}
+    if action == "accept" and content.get("approve") is True:
+        return None
+    return _declined(params.name, f"the user did not approve it ({action or 'no answer'})")
+
+
+def _declined(tool: str, why: str) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"{tool} was not called: {why}")],
+        is_error=True,
+        structured_content={"approved": False, "reason": why},
     )
 
 
@@ -258,6 +327,7 @@ async def serve_stdio(
             guarded.rules,
             inputs=inputs,
         )
+        guarded.track(run)
         server = proxy_server(run, guarded.transition_tool)
         print(
             f"interlock mcp: run {run.run_id} of {guarded.machine.name!r} in state {run.state}, "
@@ -291,12 +361,32 @@ class Proxied:
         self.tools = tools
         self.forward = forward
         self.transition_tool: str | None = getattr(rules, "transition_tool", None)
+        self.refresh: Callable[[], Awaitable[Sequence[types.Tool]]] | None = None
+        self._runs: dict[str, McpRun] = {}
+
+    def track(self, run: McpRun) -> None:
+        """Have ``run`` read the upstream's tools again when the upstream says they changed."""
+        run.refresh = self.refresh
+        self._runs[run.run_id] = run
+
+    def untrack(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def stale(self) -> None:
+        for run in self._runs.values():  # read the list again before the next call, and compare
+            run.stale = True
 
 
 @contextlib.asynccontextmanager
 async def proxied(machine_source: Any, upstream: Upstream, store: Store) -> AsyncIterator[Proxied]:
     """Connect to the upstream, build the machine from its tools, start a supervisor."""
-    async with connect_upstream(upstream) as up:
+    guarded: Proxied | None = None
+
+    async def heard(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification) and guarded is not None:
+            guarded.stale()
+
+    async with connect_upstream(upstream, heard) as up:
         tools = await list_all_tools(up)
         machine, rules = _build(machine_source, tools)
 
@@ -306,7 +396,9 @@ async def proxied(machine_source: Any, upstream: Upstream, store: Store) -> Asyn
             return await up.call_tool(name, args, meta=_strip(meta) or None)
 
         async with open_supervisor([machine], store) as supervisor:
-            yield Proxied(supervisor, machine, rules, tools, forward)
+            guarded = Proxied(supervisor, machine, rules, tools, forward)
+            guarded.refresh = partial(list_all_tools, up)
+            yield guarded
 
 
 def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
