@@ -31,7 +31,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 from interlock.events import IntentRecorded, ToolCommitted  # noqa: E402
 from interlock.stores import open_sqlite_store  # noqa: E402
-from tests.test_mcp_proxy import TIME_APP, _time_server  # noqa: E402
+from tests.test_mcp_proxy import CLOCK_MACHINE, TIME_APP, _time_server  # noqa: E402
 
 # NOTE: the SDK's HTTP client leaves httpx2's body iterators (PoolByteStream.__aiter__,
 # Response.aiter_bytes) of a 2025-11-25 session's GET stream to the garbage collector when
@@ -54,11 +54,12 @@ class Proxy:
         self.log = log
 
 
-def _start(tmp_path: Path, log: Path) -> Proxy:
+def _start(tmp_path: Path, log: Path, *machine: str) -> Proxy:
     """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr."""
     (tmp_path / "clock.py").write_text(TIME_APP)
     db = tmp_path / "mcp.db"
-    argv = [sys.executable, "-m", "interlock", "mcp", "--http", "0", "--app", "clock.py:app"]
+    machine = machine or ("--app", "clock.py:app")
+    argv = [sys.executable, "-m", "interlock", "mcp", "--http", "0", *machine]
     with log.open("wb") as err:
         process = subprocess.Popen(
             [*argv, "--db", str(db), "--", *_time_server()],
@@ -553,3 +554,59 @@ async def test_a_session_hears_its_run_move_and_a_stateless_client_lists_it_by_h
             server.stop()
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("era", ["2025-11-25", "2026-07-28"])
+async def test_approval_over_http_asks_the_user_and_starts_no_run_until_approved(
+    tmp_path: Path, era: str
+) -> None:
+    """A machine file's ``approval = true`` over HTTP: mid-call elicitation on a
+    2025-11-25 session, input-required rounds for 2026-07-28; a call that names no run
+    starts one only once approved."""
+    from mcp.types import ElicitResult
+
+    (tmp_path / "clock.toml").write_text(CLOCK_MACHINE)
+    proxy = _start(tmp_path, tmp_path / "proxy.log", "--machine", "clock.toml")
+    asked: list[str] = []
+    answers = iter([True, False])
+
+    async def on_elicit(ctx: Any, request: Any) -> Any:
+        asked.append(request.message)
+        return ElicitResult(action="accept", content={"approve": next(answers)})
+
+    try:
+        if era == "2025-11-25":
+            async with (
+                streamable_http_client(proxy.url) as (read, write, *_),
+                ClientSession(read, write, elicitation_callback=on_elicit) as client,
+            ):
+                assert (await client.initialize()).protocol_version == era
+                approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        else:
+            async with Client(proxy.url, elicitation_callback=on_elicit) as client:
+                assert client.protocol_version == era
+                approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                run_id = approved.meta[RUN_META]
+                refused = await client.call_tool(
+                    "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+                )
+        assert not approved.is_error, approved
+        assert refused.is_error
+        assert refused.structured_content == {
+            "approved": False,
+            "reason": "the user did not approve it (accept)",
+        }
+        assert len(asked) == 2
+        assert asked[0].endswith('{"timezone": "UTC"}')
+    finally:
+        proxy.process.send_signal(signal.SIGTERM)
+        assert proxy.process.wait(timeout=30) == 0, proxy.log.read_text()
+    store = await open_sqlite_store(str(proxy.db), readonly=True)
+    try:
+        runs = await store.list_runs()
+        assert [r.run_id for r in runs] == [approved.meta[RUN_META]]  # no run per round
+        events = await store.load(runs[0].run_id)
+    finally:
+        await store.aclose()
+    assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1

@@ -71,7 +71,7 @@ class HttpRuns(Runs):
         inputs: Mapping[str, Any] | None = None,
         max_runs: int = DEFAULT_MAX_RUNS,
     ) -> None:
-        super().__init__(guarded.machine, guarded.tools, guarded.transition_tool)
+        super().__init__(guarded.machine, guarded.tools, guarded.transition_tool, guarded.rules)
         self.guarded = guarded
         self.inputs = dict(inputs or {})
         self.max_runs = max_runs

@@ -25,7 +25,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
 from ..runtime._runtime import open_supervisor
-from ._proxy import RUN_META, McpRun, listed_tools
+from ._proxy import RUN_META, McpRun, NoRules, listed_tools
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -121,11 +121,16 @@ class Runs:
     """
 
     def __init__(
-        self, machine: Machine, tools: Sequence[types.Tool], transition_tool: str | None
+        self,
+        machine: Machine,
+        tools: Sequence[types.Tool],
+        transition_tool: str | None,
+        rules: Any = None,
     ) -> None:
         self.machine = machine
         self.tools = {t.name: t for t in tools}
         self.transition_tool = transition_tool
+        self.rules = rules if rules is not None else NoRules()
 
     async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
         raise NotImplementedError
@@ -138,7 +143,7 @@ class _OneRun(Runs):
     """A stdio connection: one run, and tools/list_changed on the connection when it moves."""
 
     def __init__(self, run: McpRun, transition_tool: str | None) -> None:
-        super().__init__(run.machine, list(run.tools.values()), transition_tool)
+        super().__init__(run.machine, list(run.tools.values()), transition_tool, run.rules)
         self.run = run
         # NOTE: the SDK builds a ServerSession per request, all over the one connection:
         # keep the last one, or a state change would notify once per request ever made.
@@ -193,9 +198,21 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
             )
         return listed
 
-    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        run = await source.resolve(ctx, mint=True)
-        assert run is not None
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> Any:
+        run = await source.resolve(ctx, mint=False)
+        approved = False
+        if run is None:
+            # NOTE: a call that waits for approval starts no run until approved: a
+            # 2026-07-28 client that names no run would start one per round otherwise
+            tables = machine.tables
+            initial = tables.allowed_tools(tables.state_id(machine.initial))
+            if source.rules.approval(params.name) and params.name in initial:
+                declined = await _approve(ctx, params)
+                if declined is not None:
+                    return declined
+                approved = True
+            run = await source.resolve(ctx, mint=True)
+            assert run is not None
         if transition_tool is not None and params.name == transition_tool:
             target = (params.arguments or {}).get("to")
             if not isinstance(target, str):
@@ -213,7 +230,7 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
                     _meta={RUN_META: run.run_id},
                 )
             return await run.transition(target)
-        if run.rules.approval(params.name) and params.name in run.allowed():
+        if not approved and run.rules.approval(params.name) and params.name in run.allowed():
             declined = await _approve(ctx, params)
             if declined is not None:
                 return declined
