@@ -265,7 +265,7 @@ async def serve_http(
         # its GET stream, and a run without sending the handle back); 2026-07-28 requests
         # are single exchanges whatever this says. The SDK turns DNS-rebinding protection
         # on for a loopback host.
-        app = server.streamable_http_app(
+        app: Any = server.streamable_http_app(
             streamable_http_path=PATH,
             stateless_http=False,
             host=host,
@@ -293,6 +293,13 @@ async def serve_http(
                 nursery.start_soon(_on_signals, stop)
             binds: list[str] = await nursery.start(run_server)
             url = binds[0] + PATH
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                print(
+                    f"interlock mcp: warning: listening on {host}, beyond this machine: a run "
+                    "id is all it takes to drive a run, and nothing here authenticates",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print(
                 f"interlock mcp: serving {url} (machine {guarded.machine.name!r}, upstream "
                 f"{upstream.describe()})",

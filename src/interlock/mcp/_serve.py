@@ -72,12 +72,13 @@ async def connect_upstream(
 ) -> AsyncIterator[ClientSession]:
     """An initialized client session with the upstream server; ``on_message`` hears its
     notifications (``tools/list_changed``)."""
+    handler: Any = on_message  # the SDK types it as taking its message union
     if upstream.url is not None:
         from mcp.client.streamable_http import streamable_http_client
 
         async with streamable_http_client(upstream.url) as streams:
             read, write = streams[0], streams[1]
-            async with ClientSession(read, write, message_handler=on_message) as session:
+            async with ClientSession(read, write, message_handler=handler) as session:
                 await session.initialize()
                 yield session
         return
@@ -87,7 +88,7 @@ async def connect_upstream(
     params = StdioServerParameters(command=upstream.command[0], args=upstream.command[1:], env=env)
     async with (
         stdio_client(params) as (read, write),
-        ClientSession(read, write, message_handler=on_message) as session,
+        ClientSession(read, write, message_handler=handler) as session,
     ):
         await session.initialize()
         yield session
@@ -410,7 +411,8 @@ async def proxied(machine_source: Any, upstream: Upstream, store: Store) -> Asyn
         async def forward(
             name: str, args: dict[str, Any], meta: dict[str, Any]
         ) -> types.CallToolResult:
-            return await up.call_tool(name, args, meta=_strip(meta) or None)
+            forwarded: Any = _strip(meta) or None
+            return await up.call_tool(name, args, meta=forwarded)
 
         async with open_supervisor([machine], store) as supervisor:
             guarded = Proxied(supervisor, machine, rules, tools, forward)
@@ -429,7 +431,8 @@ def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
                 f"{', '.join(missing)}; the upstream's tools: {', '.join(t.name for t in tools)}"
             )
         return machine_source, None
-    return machine_source(tools)
+    built: tuple[Machine, Any] = machine_source(tools)
+    return built
 
 
 def run_sync(coro_fn: Any, *args: Any) -> None:  # pragma: no cover - the CLI's entry
