@@ -221,12 +221,17 @@ async def test_two_clients_get_two_runs(proxy: Proxy) -> None:
             ClientSession(read, write) as client,
         ):
             await client.initialize()
-            first = await client.call_tool("get_current_time", {"timezone": "UTC"})
-            second = await client.call_tool("get_current_time", {"timezone": "UTC"})
-            assert not first.is_error
-            assert not second.is_error
-            assert first.meta[RUN_META] == second.meta[RUN_META]
-            runs[name] = first.meta[RUN_META]
+            results: list[Any] = []
+
+            async def call() -> None:
+                results.append(await client.call_tool("get_current_time", {"timezone": "UTC"}))
+
+            async with trio.open_nursery() as calls:  # the session's first calls at once
+                calls.start_soon(call)
+                calls.start_soon(call)
+            assert not any(r.is_error for r in results), results
+            assert results[0].meta[RUN_META] == results[1].meta[RUN_META]
+            runs[name] = results[0].meta[RUN_META]
 
     async def modern(name: str) -> None:
         async with Client(proxy.url) as client:

@@ -81,6 +81,7 @@ class HttpRuns(Runs):
         # handshake-era client hears tools/list_changed when its run moves
         self._listeners: dict[str, dict[str, Any]] = {}
         self._opening = trio.Lock()
+        self._starting: dict[str, trio.Lock] = {}  # Mcp-Session-Id -> its run being started
 
     async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
         named = _named_run(ctx)
@@ -91,8 +92,16 @@ class HttpRuns(Runs):
             run = self.sessions[session_id]
         elif not mint:
             return None
-        else:
+        elif session_id is None:
             run = await self._mint()
+        else:  # a session's first calls may come at once: one run for them all
+            lock = self._starting.setdefault(session_id, trio.Lock())
+            try:
+                async with lock:
+                    run = self.sessions.get(session_id) or await self._mint()
+            finally:
+                if not lock.locked() and not lock.statistics().tasks_waiting:
+                    self._starting.pop(session_id, None)
         if session_id is not None:
             self.sessions.setdefault(session_id, run)
             if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
