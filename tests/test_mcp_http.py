@@ -189,6 +189,15 @@ async def test_a_2026_07_28_client_gets_a_handle_and_addresses_its_run_with_it(
         assert MINTED.fullmatch(other.meta[RUN_META])
         assert other.meta[RUN_META] != run_id
 
+        # a session id is the handshake era's: on a 2026-07-28 request it names nothing
+        async with (
+            httpx2.AsyncClient(headers={"Mcp-Session-Id": "x" * 32}) as http,
+            Client(streamable_http_client(proxy.url, http_client=http)) as forged,
+        ):
+            ours = await forged.call_tool("get_current_time", {"timezone": "UTC"})
+            theirs = await forged.call_tool("get_current_time", {"timezone": "UTC"})
+            assert ours.meta[RUN_META] != theirs.meta[RUN_META]
+
         # a run id nobody minted is refused, not started
         with pytest.raises(mcp.shared.exceptions.MCPError, match="no run 'mcp-nope-1'"):
             await client.call_tool(

@@ -85,7 +85,11 @@ class HttpRuns(Runs):
 
     async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
         named = _named_run(ctx)
-        session_id = _header(ctx, SESSION_HEADER)
+        # NOTE: only the handshake era has sessions, which the SDK checks (an unknown id
+        # is a 404 before any handler); a 2026-07-28 request's Mcp-Session-Id is the
+        # client's say-so, and does not count
+        legacy = ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS
+        session_id = _header(ctx, SESSION_HEADER) if legacy else None
         if named is not None:
             run = await self._named(named)
         elif session_id is not None and session_id in self.sessions:
@@ -104,8 +108,7 @@ class HttpRuns(Runs):
                     self._starting.pop(session_id, None)
         if session_id is not None:
             self.sessions.setdefault(session_id, run)
-            if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-                self._listeners.setdefault(run.run_id, {})[session_id] = ctx.session
+            self._listeners.setdefault(run.run_id, {})[session_id] = ctx.session
         return run
 
     async def _mint(self) -> McpRun:
