@@ -123,8 +123,11 @@ async def _command(args: argparse.Namespace, stop: _Stop) -> int:
     """Run the command; Ctrl-C cancels it (see :class:`_Stop`)."""
     code = 130
     async with trio.open_nursery() as nursery:
-        # a worker drains on SIGINT and SIGTERM itself
-        restore = stop.install(nursery.cancel_scope.cancel) if args.command != "worker" else None
+        # a worker (and an MCP proxy over HTTP) drains on SIGINT and SIGTERM itself
+        drains = args.command == "worker" or (
+            args.command == "mcp" and getattr(args, "http", None) is not None
+        )
+        restore = None if drains else stop.install(nursery.cancel_scope.cancel)
         try:
             code = await _COMMANDS[args.command](args)
         finally:

@@ -51,6 +51,7 @@ def _machine_source(args: argparse.Namespace) -> Any:
 
 async def _mcp(args: argparse.Namespace) -> int:
     try:
+        from ..mcp._http import serve_http
         from ..mcp._serve import Upstream, serve_stdio
     except ImportError as exc:  # pragma: no cover - the [mcp] extra is missing
         raise MissingExtra(
@@ -69,6 +70,12 @@ async def _mcp(args: argparse.Namespace) -> int:
             "interlock mcp needs the machine that guards the server: --machine FILE.toml (a "
             "machine file) or --app module:attribute (a Python application)"
         )
+    listen = _listen(args.http) if args.http is not None else None
+    if listen is not None and args.session is not None:
+        raise _Usage(
+            "--session names the one session of a stdio proxy; over --http each client's "
+            "session is a run of its own"
+        )
     upstream = Upstream(command, args.upstream_url)
     source = _machine_source(args)
     if args.machine_file is not None and args.db is None:
@@ -79,18 +86,42 @@ async def _mcp(args: argparse.Namespace) -> int:
     store = await open_store(args.db)
     try:
         with metrics:
-            await serve_stdio(
-                source,
-                upstream,
-                store,
-                session=args.session,
-                stats=metrics.stats,
-                on_supervisor=metrics.started,
-            )
+            if listen is not None:
+                host, port = listen
+                await serve_http(
+                    source,
+                    upstream,
+                    store,
+                    host=host,
+                    port=port,
+                    handle_signals=True,
+                    stats=metrics.stats,
+                    on_supervisor=metrics.started,
+                )
+            else:
+                await serve_stdio(
+                    source,
+                    upstream,
+                    store,
+                    session=args.session or "default",
+                    stats=metrics.stats,
+                    on_supervisor=metrics.started,
+                )
     finally:
         await _close(store)
-    sys.stderr.write("interlock mcp: the client disconnected\n")
+    sys.stderr.write(
+        "interlock mcp: stopped\n" if listen else "interlock mcp: the client disconnected\n"
+    )
     return 0
+
+
+def _listen(value: str) -> tuple[str, int]:
+    """``--http [HOST:]PORT``: where to listen (loopback unless HOST says otherwise)."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or int(port) > 65535:
+        raise _Usage(f"--http takes [HOST:]PORT (0: any free port), not {value!r}")
+    return host, int(port)
 
 
 def add_parser(commands: Any, journal: Any, app: Any) -> None:
@@ -99,10 +130,11 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
 
     mcp = commands.add_parser(
         "mcp",
-        help="serve an MCP server's tools over stdio, each tools/call verified against a "
+        help="serve an MCP server's tools over stdio or HTTP, each tools/call verified against a "
         "machine, keyed and journaled before it reaches the server",
         description="Stand between an MCP client and an upstream MCP server: the client's "
-        "configuration launches `interlock mcp ... -- COMMAND` in place of COMMAND.",
+        "configuration launches `interlock mcp ... -- COMMAND` in place of COMMAND, or, "
+        "with --http, connects to the URL it prints.",
     )
     which = mcp.add_mutually_exclusive_group()
     which.add_argument(
@@ -122,10 +154,18 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
     journal(mcp)
     mcp.add_argument(
         "--session",
-        default="default",
+        default=None,
         metavar="NAME",
         help="the session's name (default 'default'): its runs are mcp-NAME-N, and a proxy "
-        "started again picks up the session's unfinished or escalated run",
+        "started again picks up the session's unfinished or escalated run (stdio only)",
+    )
+    mcp.add_argument(
+        "--http",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve MCP clients over Streamable HTTP at http://HOST:PORT/mcp instead of "
+        "stdio (HOST 127.0.0.1 unless given; PORT 0 picks a free one, printed on stderr); "
+        "each client session is a run of its own",
     )
     mcp.add_argument(
         "--metrics-port",

@@ -5,13 +5,16 @@ Needs the ``[mcp]`` extra (the official ``mcp`` SDK, which runs on trio).
 """
 
 from ._config import MachineSpec, ReconcileSpec, build_machine, load_machine_file
+from ._http import RUN_HEADER, McpHttpServer, serve_http
 from ._proxy import KEY_META, RUN_META, McpRun, canonical_args
 from ._serve import Upstream, connect_upstream, list_all_tools, proxy_server, serve_stdio
 
 __all__ = [
     "KEY_META",
+    "RUN_HEADER",
     "RUN_META",
     "MachineSpec",
+    "McpHttpServer",
     "McpRun",
     "ReconcileSpec",
     "Upstream",
@@ -21,5 +24,6 @@ __all__ = [
     "list_all_tools",
     "load_machine_file",
     "proxy_server",
+    "serve_http",
     "serve_stdio",
 ]

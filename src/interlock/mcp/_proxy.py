@@ -117,6 +117,21 @@ def _text(
     )
 
 
+def listed_tools(
+    machine: Machine, tools: Mapping[str, types.Tool], names: Sequence[str]
+) -> types.ListToolsResult:
+    """The upstream's ``tools`` among ``names``, each with the schema the gate checks its
+    arguments against."""
+    listed = []
+    for name in names:
+        tool = tools.get(name)
+        if tool is None:
+            continue
+        schema = machine.tool_by_name[name].validator.json_schema()
+        listed.append(tool.model_copy(update={"input_schema": schema or tool.input_schema}))
+    return types.ListToolsResult(tools=listed)
+
+
 class McpRun:
     """One agent session's run: created by :meth:`open`, driven by :meth:`list_tools` and
     :meth:`call_tool`. Calls are taken one at a time (a run has one turn at a time)."""
@@ -229,6 +244,11 @@ class McpRun:
     # -- tools/list ----------------------------------------------------------------------
 
     @property
+    def outcome(self) -> str:
+        """``running`` until the run ends (or escalates): then how it ended."""
+        return self._ended[0] if self._ended is not None else "running"
+
+    @property
     def state(self) -> str:
         if self._ended is not None:
             return self._ended[1]
@@ -247,14 +267,7 @@ class McpRun:
     def list_tools(self) -> types.ListToolsResult:
         """The upstream's tools that the run's current state allows, each with the schema
         the gate checks its arguments against."""
-        listed = []
-        for name in self.allowed():
-            tool = self.tools.get(name)
-            if tool is None:
-                continue
-            schema = self.machine.tool_by_name[name].validator.json_schema()
-            listed.append(tool.model_copy(update={"input_schema": schema or tool.input_schema}))
-        return types.ListToolsResult(tools=listed)
+        return listed_tools(self.machine, self.tools, self.allowed())
 
     # -- tools/call ----------------------------------------------------------------------
 

@@ -25,15 +25,23 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
 from ..runtime._runtime import open_supervisor
-from ._proxy import McpRun
+from ._proxy import RUN_META, McpRun, NoRules, listed_tools
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
     from ..core._machine import Machine
+    from ..runtime._supervisor import Supervisor
     from ..stores import Store
 
-__all__ = ["Upstream", "connect_upstream", "list_all_tools", "proxy_server", "serve_stdio"]
+__all__ = [
+    "Runs",
+    "Upstream",
+    "connect_upstream",
+    "list_all_tools",
+    "proxy_server",
+    "serve_stdio",
+]
 
 
 class Upstream:
@@ -64,12 +72,13 @@ async def connect_upstream(
 ) -> AsyncIterator[ClientSession]:
     """An initialized client session with the upstream server; ``on_message`` hears its
     notifications (``tools/list_changed``)."""
+    handler: Any = on_message  # the SDK types it as taking its message union
     if upstream.url is not None:
         from mcp.client.streamable_http import streamable_http_client
 
         async with streamable_http_client(upstream.url) as streams:
             read, write = streams[0], streams[1]
-            async with ClientSession(read, write, message_handler=on_message) as session:
+            async with ClientSession(read, write, message_handler=handler) as session:
                 await session.initialize()
                 yield session
         return
@@ -79,7 +88,7 @@ async def connect_upstream(
     params = StdioServerParameters(command=upstream.command[0], args=upstream.command[1:], env=env)
     async with (
         stdio_client(params) as (read, write),
-        ClientSession(read, write, message_handler=on_message) as session,
+        ClientSession(read, write, message_handler=handler) as session,
     ):
         await session.initialize()
         yield session
@@ -103,35 +112,108 @@ def _strip(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (meta or {}).items() if not k.startswith("io.modelcontextprotocol/")}
 
 
-def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]:
-    """The MCP server the client sees: ``tools/list`` and ``tools/call`` of ``run``."""
+class Runs:
+    """Which run a request belongs to: the one run of a stdio connection, or, over HTTP,
+    the run a request names (or its session maps to, or a new one).
 
-    sessions: list[Any] = []
+    ``resolve(ctx, mint=...)`` answers for the request whose context is ``ctx``; with
+    ``mint=False`` (``tools/list``) it may answer None, and the client sees what a new
+    run would allow.
+    """
+
+    def __init__(
+        self,
+        machine: Machine,
+        tools: Sequence[types.Tool],
+        transition_tool: str | None,
+        rules: Any = None,
+    ) -> None:
+        self.machine = machine
+        self.tools = {t.name: t for t in tools}
+        self.transition_tool = transition_tool
+        self.rules = rules if rules is not None else NoRules()
+
+    async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
+        raise NotImplementedError
+
+    def instructions(self) -> str:
+        return f"interlock holds this session to the machine {self.machine.name!r}"
+
+
+class _OneRun(Runs):
+    """A stdio connection: one run, and tools/list_changed on the connection when it moves."""
+
+    def __init__(self, run: McpRun, transition_tool: str | None) -> None:
+        super().__init__(run.machine, list(run.tools.values()), transition_tool, run.rules)
+        self.run = run
+        # NOTE: the SDK builds a ServerSession per request, all over the one connection:
+        # keep the last one, or a state change would notify once per request ever made.
+        self.session: Any = None
+        run.on_state_change = self.changed
+
+    async def resolve(self, ctx: Any, *, mint: bool) -> McpRun:
+        self.session = ctx.session
+        return self.run
+
+    async def changed(self) -> None:
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.send_tool_list_changed()
+
+    def instructions(self) -> str:
+        return f"{super().instructions()} (run {self.run.run_id})"
+
+
+def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Server[Any]:
+    """The MCP server the client sees: ``tools/list`` and ``tools/call`` of the run each
+    request belongs to (``runs``; a :class:`McpRun` is the one run of every request)."""
+    if isinstance(runs, McpRun):
+        runs = _OneRun(runs, transition_tool)
+    source = runs
+    transition_tool = source.transition_tool
+    machine = source.machine
 
     async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
-        if ctx.session not in sessions:
-            sessions.append(ctx.session)
-        listed = run.list_tools()
-        if transition_tool is not None and run.allowed() is not None:
+        run = await source.resolve(ctx, mint=False)
+        if run is None:  # no run yet: what a new run allows
+            tables = machine.tables
+            initial = tables.state_id(machine.initial)
+            listed = listed_tools(machine, source.tools, tables.allowed_tools(initial))
+            legal = list(tables.legal_next(initial))
+        else:
+            listed = run.list_tools()
             legal = _legal_next(run)
-            if legal:
-                listed.tools.append(
-                    types.Tool(
-                        name=transition_tool,
-                        description=("Move the run to its next state: " + ", ".join(legal)),
-                        input_schema={
-                            "type": "object",
-                            "properties": {"to": {"enum": legal}},
-                            "required": ["to"],
-                            "additionalProperties": False,
-                        },
-                    )
+            listed.meta = {RUN_META: run.run_id}
+        if transition_tool is not None and legal:
+            listed.tools.append(
+                types.Tool(
+                    name=transition_tool,
+                    description=("Move the run to its next state: " + ", ".join(legal)),
+                    input_schema={
+                        "type": "object",
+                        "properties": {"to": {"enum": legal}},
+                        "required": ["to"],
+                        "additionalProperties": False,
+                    },
                 )
+            )
         return listed
 
-    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        if ctx.session not in sessions:
-            sessions.append(ctx.session)
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> Any:
+        run = await source.resolve(ctx, mint=False)
+        approved = False
+        if run is None:
+            # NOTE: a call that waits for approval starts no run until approved: a
+            # 2026-07-28 client that names no run would start one per round otherwise
+            tables = machine.tables
+            initial = tables.allowed_tools(tables.state_id(machine.initial))
+            if source.rules.approval(params.name) and params.name in initial:
+                declined = await _approve(ctx, params)
+                if declined is not None:
+                    return declined
+                approved = True
+            run = await source.resolve(ctx, mint=True)
+            assert run is not None
         if transition_tool is not None and params.name == transition_tool:
             target = (params.arguments or {}).get("to")
             if not isinstance(target, str):
@@ -146,26 +228,31 @@ def proxy_server(run: McpRun, transition_tool: str | None = None) -> Server[Any]
                         )
                     ],
                     is_error=True,
+                    _meta={RUN_META: run.run_id},
                 )
             return await run.transition(target)
-        if run.rules.approval(params.name) and params.name in run.allowed():
+        if not approved and run.rules.approval(params.name) and params.name in run.allowed():
             declined = await _approve(ctx, params)
             if declined is not None:
                 return declined
         return await run.call_tool(params.name, params.arguments)
 
-    async def changed() -> None:
-        for session in list(sessions):
-            with contextlib.suppress(Exception):
-                await session.send_tool_list_changed()
+    def input_schema(name: str) -> Mapping[str, Any] | None:
+        # NOTE: without it, the SDK checks a 2026-07-28 tools/call's Mcp-Param headers
+        # against a tools/list it makes first, in the call's name: a second resolve.
+        tool = machine.tool_by_name.get(name)
+        upstream = source.tools.get(name)
+        if tool is None or upstream is None:
+            return None
+        return tool.validator.json_schema() or upstream.input_schema
 
-    run.on_state_change = changed
     return Server(
         "interlock-mcp",
         version=__version__,
-        instructions=f"interlock holds this session to the machine {run.machine.name!r} (run {run.run_id})",
+        instructions=source.instructions(),
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
+        get_tool_input_schema=input_schema,
     )
 
 
@@ -250,12 +337,84 @@ async def serve_stdio(
     ``(upstream_tools) -> (machine, rules)`` that builds it from the upstream's tools (a
     machine file).
     """
-    runs: list[McpRun] = []
+    async with proxied(
+        machine_source, upstream, store, stats=stats, on_supervisor=on_supervisor
+    ) as guarded:
+        run = await McpRun.open(
+            guarded.supervisor,
+            guarded.machine,
+            session,
+            guarded.forward,
+            guarded.tools,
+            guarded.rules,
+            inputs=inputs,
+        )
+        guarded.track(run)
+        server = proxy_server(run, guarded.transition_tool)
+        print(
+            f"interlock mcp: run {run.run_id} of {guarded.machine.name!r} in state {run.state}, "
+            f"upstream {upstream.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        async with stdio_server() as (read, write):
+            await server.run(
+                read,
+                write,
+                server.create_initialization_options(NotificationOptions(tools_changed=True)),
+            )
+
+
+class Proxied:
+    """What both transports serve: the upstream's tools, the machine (and its file's
+    rules) that guards them, the supervisor, and ``forward``, the upstream call."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        machine: Machine,
+        rules: Any,
+        tools: list[types.Tool],
+        forward: Any,
+    ) -> None:
+        self.supervisor = supervisor
+        self.machine = machine
+        self.rules = rules
+        self.tools = tools
+        self.forward = forward
+        self.transition_tool: str | None = getattr(rules, "transition_tool", None)
+        self.refresh: Callable[[], Awaitable[Sequence[types.Tool]]] | None = None
+        self._runs: dict[str, McpRun] = {}
+
+    def track(self, run: McpRun) -> None:
+        """Have ``run`` read the upstream's tools again when the upstream says they changed."""
+        run.refresh = self.refresh
+        self._runs[run.run_id] = run
+
+    def untrack(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def stale(self) -> None:
+        for run in self._runs.values():  # read the list again before the next call, and compare
+            run.stale = True
+
+
+@contextlib.asynccontextmanager
+async def proxied(
+    machine_source: Any,
+    upstream: Upstream,
+    store: Store,
+    *,
+    stats: Any = None,
+    on_supervisor: Callable[[Any], None] | None = None,
+) -> AsyncIterator[Proxied]:
+    """Connect to the upstream, build the machine from its tools, start a supervisor
+    (counting into ``stats``, handed to ``on_supervisor``: the CLI's metrics)."""
+    guarded: Proxied | None = None
 
     async def heard(message: Any) -> None:
-        if isinstance(message, types.ToolListChangedNotification):
-            for run in runs:  # read the list again before the next call, and compare
-                run.stale = True
+        if isinstance(message, types.ToolListChangedNotification) and guarded is not None:
+            guarded.stale()
 
     async with connect_upstream(upstream, heard) as up:
         tools = await list_all_tools(up)
@@ -264,29 +423,15 @@ async def serve_stdio(
         async def forward(
             name: str, args: dict[str, Any], meta: dict[str, Any]
         ) -> types.CallToolResult:
-            return await up.call_tool(name, args, meta=_strip(meta) or None)
+            forwarded: Any = _strip(meta) or None
+            return await up.call_tool(name, args, meta=forwarded)
 
         async with open_supervisor([machine], store, stats=stats) as supervisor:
-            if on_supervisor is not None:  # e.g. the CLI's metrics, which read its runs
+            if on_supervisor is not None:
                 on_supervisor(supervisor)
-            run = await McpRun.open(
-                supervisor, machine, session, forward, tools, rules, inputs=inputs
-            )
-            run.refresh = partial(list_all_tools, up)
-            runs.append(run)
-            server = proxy_server(run, getattr(rules, "transition_tool", None))
-            print(
-                f"interlock mcp: run {run.run_id} of {machine.name!r} in state {run.state}, "
-                f"upstream {upstream.describe()}",
-                file=sys.stderr,
-                flush=True,
-            )
-            async with stdio_server() as (read, write):
-                await server.run(
-                    read,
-                    write,
-                    server.create_initialization_options(NotificationOptions(tools_changed=True)),
-                )
+            guarded = Proxied(supervisor, machine, rules, tools, forward)
+            guarded.refresh = partial(list_all_tools, up)
+            yield guarded
 
 
 def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
@@ -300,7 +445,8 @@ def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
                 f"{', '.join(missing)}; the upstream's tools: {', '.join(t.name for t in tools)}"
             )
         return machine_source, None
-    return machine_source(tools)
+    built: tuple[Machine, Any] = machine_source(tools)
+    return built
 
 
 def run_sync(coro_fn: Any, *args: Any) -> None:  # pragma: no cover - the CLI's entry

@@ -1,0 +1,626 @@
+"""``interlock mcp --http`` against real parts: the proxy started as a process
+(``interlock mcp --http 0 ... -- python -m mcp_server_time``), the official ``mcp`` SDK's
+clients over Streamable HTTP as the agents (``ClientSession`` over
+``streamable_http_client``, which speaks 2025-11-25 with a session, and ``mcp.Client``,
+which speaks 2026-07-28, stateless), and junk from httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+mcp = pytest.importorskip("mcp", reason="the [mcp] extra (the official MCP SDK) is missing")
+pytest.importorskip("hypercorn", reason="the [gateway] extra (hypercorn) is missing")
+
+import httpx  # noqa: E402
+import httpx2  # noqa: E402
+from mcp import Client, ClientSession  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+
+from interlock.events import IntentRecorded, ToolCommitted  # noqa: E402
+from interlock.stores import open_sqlite_store  # noqa: E402
+from tests.test_mcp_proxy import CLOCK_MACHINE, TIME_APP, _time_server  # noqa: E402
+
+# NOTE: the SDK's HTTP client leaves httpx2's body iterators (PoolByteStream.__aiter__,
+# Response.aiter_bytes) of a 2025-11-25 session's GET stream to the garbage collector when
+# the session closes: trio warns, in this process (the clients), not in the proxy under
+# test, which is a process of its own.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <async_generator object :pytest.PytestUnraisableExceptionWarning"
+)
+
+KEY_META = "dev.interlock/idempotency-key"
+RUN_META = "dev.interlock/run"
+MINTED = re.compile(r"mcp-[0-9a-f]{32}-1")
+
+
+class Proxy:
+    def __init__(self, process: subprocess.Popen[bytes], url: str, db: Path, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.db = db
+        self.log = log
+
+
+def _start(tmp_path: Path, log: Path, *machine: str) -> Proxy:
+    """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr."""
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    db = tmp_path / "mcp.db"
+    machine = machine or ("--app", "clock.py:app")
+    argv = [sys.executable, "-m", "interlock", "mcp", "--http", "0", *machine]
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            [*argv, "--db", str(db), "--", *_time_server()],
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        return Proxy(process, _wait_for_url(process, log), db, log)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Proxy]:
+    """The proxy, stopped by SIGTERM at the end, which it must survive cleanly (exit 0)."""
+    started = _start(tmp_path, tmp_path / "proxy.log")
+    try:
+        yield started
+        if started.process.poll() is None:  # (not killed by the test)
+            started.process.send_signal(signal.SIGTERM)
+            assert started.process.wait(timeout=30) == 0, started.log.read_text()
+        assert "Traceback" not in started.log.read_text(), started.log.read_text()
+    finally:
+        if started.process.poll() is None:
+            started.process.kill()
+            started.process.wait()
+
+
+def _wait_for_url(process: subprocess.Popen[bytes], log: Path) -> str:
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.search(r"serving (http://\S+/mcp)", log.read_text())
+        if found:
+            return found[1]
+        if process.poll() is not None:
+            pytest.fail(f"the proxy exited {process.returncode}: {log.read_text()}")
+        time.sleep(0.05)
+    pytest.fail(f"the proxy printed no URL: {log.read_text()}")
+
+
+async def _events(db: Path, run_id: str) -> list[Any]:
+    store = await open_sqlite_store(str(db), readonly=True)
+    try:
+        return await store.load(run_id)
+    finally:
+        await store.aclose()
+
+
+async def test_a_2025_11_25_session_is_one_run_gated_and_keyed(proxy: Proxy) -> None:
+    async with (
+        streamable_http_client(proxy.url) as (read, write, *_),
+        ClientSession(read, write) as client,
+    ):
+        init = await client.initialize()
+        assert init.protocol_version == "2025-11-25"
+        listed = await client.list_tools()
+        # the upstream has convert_time too; the state allows only get_current_time
+        assert [t.name for t in listed.tools] == ["get_current_time"]
+        assert listed.tools[0].input_schema["required"] == ["timezone"]
+
+        rejected = await client.call_tool("get_current_time", {"timezone": "Europe/Paris"})
+        assert rejected.is_error
+        assert (
+            rejected.content[0].text
+            == "args.timezone: 'Europe/Paris' is not UTC; ask for timezone UTC"
+        )
+        assert rejected.structured_content["violations"][0]["code"] == "guard"
+        run_id = rejected.meta[RUN_META]
+        assert MINTED.fullmatch(run_id), run_id
+
+        not_here = await client.call_tool("convert_time", {})
+        assert not_here.is_error
+        assert not_here.structured_content["violations"][0]["code"] == "tool_not_allowed"
+
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+        assert '"timezone": "UTC"' in ok.content[0].text
+        # the session id maps to its run: no handle was sent back, the same run answered
+        assert ok.meta[RUN_META] == run_id
+        key = ok.meta[KEY_META]
+        assert key.startswith(run_id + ":")
+        assert (await client.list_tools()).meta[RUN_META] == run_id
+
+    events = await _events(proxy.db, run_id)
+    intents = [e for e in events if isinstance(e, IntentRecorded)]
+    commits = [e for e in events if isinstance(e, ToolCommitted)]
+    assert [(i.tool, i.key) for i in intents] == [("get_current_time", key)]
+    assert [c.key for c in commits] == [key]
+    assert commits[0].seq > intents[0].seq  # the intent was durable before the call went out
+
+
+async def test_a_2026_07_28_client_gets_a_handle_and_addresses_its_run_with_it(
+    proxy: Proxy,
+) -> None:
+    async with Client(proxy.url) as client:
+        assert client.protocol_version == "2026-07-28"
+        # no run yet: the listing is what a new run allows, and names no run
+        listed = await client.list_tools()
+        assert [t.name for t in listed.tools] == ["get_current_time"]
+        assert RUN_META not in (listed.meta or {})
+
+        rejected = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+        assert rejected.is_error
+        assert rejected.structured_content["violations"][0]["code"] == "guard"
+        run_id = rejected.meta[RUN_META]  # minted on the first call
+        assert MINTED.fullmatch(run_id), run_id
+
+        # sent back in _meta: the same run
+        ok = await client.call_tool(
+            "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+        )
+        assert not ok.is_error, ok
+        assert ok.meta[RUN_META] == run_id
+        first_key = ok.meta[KEY_META]
+        assert first_key.startswith(run_id + ":")
+        assert (await client.list_tools(meta={RUN_META: run_id})).meta[RUN_META] == run_id
+
+        # not sent back: a stateless request is a new run
+        other = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not other.is_error, other
+        assert MINTED.fullmatch(other.meta[RUN_META])
+        assert other.meta[RUN_META] != run_id
+
+        # a session id is the handshake era's: on a 2026-07-28 request it names nothing
+        async with (
+            httpx2.AsyncClient(headers={"Mcp-Session-Id": "x" * 32}) as http,
+            Client(streamable_http_client(proxy.url, http_client=http)) as forged,
+        ):
+            ours = await forged.call_tool("get_current_time", {"timezone": "UTC"})
+            theirs = await forged.call_tool("get_current_time", {"timezone": "UTC"})
+            assert ours.meta[RUN_META] != theirs.meta[RUN_META]
+
+        # a run id nobody minted is refused, not started
+        with pytest.raises(mcp.shared.exceptions.MCPError, match="no run 'mcp-nope-1'"):
+            await client.call_tool(
+                "get_current_time", {"timezone": "UTC"}, meta={RUN_META: "mcp-nope-1"}
+            )
+
+    # the Interlock-Run header addresses the run as the _meta key does
+    async with (
+        httpx2.AsyncClient(headers={"Interlock-Run": run_id}) as http,
+        Client(streamable_http_client(proxy.url, http_client=http)) as client,
+    ):
+        assert client.protocol_version == "2026-07-28"
+        again = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not again.is_error, again
+        assert again.meta[RUN_META] == run_id
+        second_key = again.meta[KEY_META]
+        assert second_key != first_key
+
+    events = await _events(proxy.db, run_id)
+    commits = [e.key for e in events if isinstance(e, ToolCommitted)]
+    assert commits == [first_key, second_key]
+
+
+async def test_two_clients_get_two_runs(proxy: Proxy) -> None:
+    runs: dict[str, str] = {}
+
+    async def legacy(name: str) -> None:
+        async with (
+            streamable_http_client(proxy.url) as (read, write, *_),
+            ClientSession(read, write) as client,
+        ):
+            await client.initialize()
+            results: list[Any] = []
+
+            async def call() -> None:
+                results.append(await client.call_tool("get_current_time", {"timezone": "UTC"}))
+
+            async with trio.open_nursery() as calls:  # the session's first calls at once
+                calls.start_soon(call)
+                calls.start_soon(call)
+            assert not any(r.is_error for r in results), results
+            assert results[0].meta[RUN_META] == results[1].meta[RUN_META]
+            runs[name] = results[0].meta[RUN_META]
+
+    async def modern(name: str) -> None:
+        async with Client(proxy.url) as client:
+            result = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert not result.is_error
+            runs[name] = result.meta[RUN_META]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(legacy, "a")
+        nursery.start_soon(legacy, "b")
+        nursery.start_soon(modern, "c")
+        nursery.start_soon(modern, "d")
+    assert len(set(runs.values())) == 4, runs
+    assert all(MINTED.fullmatch(r) for r in runs.values()), runs
+
+    # Ctrl-C stops it as SIGTERM does: the requests in flight finish, then it exits 0
+    proxy.process.send_signal(signal.SIGINT)
+    assert await trio.to_thread.run_sync(lambda: proxy.process.wait(timeout=30)) == 0
+    assert proxy.log.read_text().endswith("interlock mcp: stopped\n"), proxy.log.read_text()
+
+
+async def test_a_run_named_after_the_proxy_restarted_goes_on_from_its_journal(
+    proxy: Proxy, tmp_path: Path
+) -> None:
+    async with Client(proxy.url) as client:
+        first = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not first.is_error, first
+    run_id = first.meta[RUN_META]
+    proxy.process.kill()  # SIGKILL: no goodbye
+    proxy.process.wait()
+    again = _start(tmp_path, tmp_path / "proxy2.log")
+    try:
+        async with Client(again.url) as client:
+            second = await client.call_tool(
+                "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+            )
+            assert not second.is_error, second
+            assert second.meta[RUN_META] == run_id
+            rejected = await client.call_tool(
+                "get_current_time", {"timezone": "Asia/Tokyo"}, meta={RUN_META: run_id}
+            )
+            assert rejected.meta[RUN_META] == run_id
+    finally:
+        again.process.send_signal(signal.SIGTERM)
+        assert again.process.wait(timeout=30) == 0, again.log.read_text()
+    assert "Traceback" not in again.log.read_text(), again.log.read_text()
+    events = await _events(proxy.db, run_id)
+    commits = [e.key for e in events if isinstance(e, ToolCommitted)]
+    assert commits == [first.meta[KEY_META], second.meta[KEY_META]]
+
+
+async def test_the_runs_held_at_once_are_bounded(tmp_path: Path) -> None:
+    """In process: serve_http's own API, and a client that never sends its run back
+    cannot make the proxy hold runs without end."""
+    from interlock.mcp import Upstream, serve_http
+    from interlock.stores import open_store
+
+    app: dict[str, Any] = {}
+    exec(TIME_APP, app)
+    store = await open_store(str(tmp_path / "cap.db"))
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(
+                    serve_http,
+                    app["machine"],
+                    Upstream(_time_server()),
+                    store,
+                    max_runs=2,
+                )
+            )
+            assert server.url.startswith("http://127.0.0.1:")
+            async with Client(server.url) as client:
+                runs = set()
+                for _ in range(2):
+                    result = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                    runs.add(result.meta[RUN_META])
+                assert len(runs) == 2
+                with pytest.raises(mcp.shared.exceptions.MCPError, match="holds 2 runs"):
+                    await client.call_tool("get_current_time", {"timezone": "UTC"})
+                # the runs held go on
+                for run_id in runs:
+                    result = await client.call_tool(
+                        "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+                    )
+                    assert not result.is_error, result
+            server.stop()
+    finally:
+        await store.aclose()
+
+
+MODERN_META = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def _rpc(method: str, params: Any = None, **extra: Any) -> bytes:
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": 1, "method": method, "params": params, **extra}
+    ).encode()
+
+
+def _junk() -> list[tuple[str, str, dict[str, str], bytes | str]]:
+    json_ct = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    modern = {**json_ct, "MCP-Protocol-Version": "2026-07-28"}
+    call = {"name": "get_current_time", "arguments": {"timezone": "UTC"}}
+    big = b"[" + b" " * (10 * 1024 * 1024) + b"]"
+    return [
+        ("not JSON", "POST", json_ct, b"{nope"),
+        ("not JSON, 2026", "POST", modern, b"{nope"),
+        ("bytes", "POST", json_ct, bytes(range(256)) * 16),
+        ("JSON, not JSON-RPC", "POST", json_ct, b'{"hello": 1}'),
+        ("JSON, not JSON-RPC, 2026", "POST", modern, b"[1, 2, 3]"),
+        ("deep nesting, 2026", "POST", modern, b"[" * 100_000 + b"]" * 100_000),
+        ("a call before initialize", "POST", json_ct, _rpc("tools/call", call)),
+        ("no such method", "POST", json_ct, _rpc("nope/nope", {})),
+        (
+            "no such method, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "nope/nope"},
+            _rpc("nope/nope", {"_meta": MODERN_META}),
+        ),
+        (
+            "mismatched Mcp-Method, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/list"},
+            _rpc("tools/call", {**call, "_meta": MODERN_META}),
+        ),
+        (
+            "params not an object, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call"},
+            _rpc("tools/call", [1]),
+        ),
+        (
+            "unknown tool, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "zzz"},
+            _rpc("tools/call", {"name": "zzz", "_meta": MODERN_META}),
+        ),
+        (
+            "a run id that is not a string, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "get_current_time"},
+            _rpc("tools/call", {**call, "_meta": {**MODERN_META, RUN_META: {"x": 1}}}),
+        ),
+        (
+            "an unknown run in the header, 2026",
+            "POST",
+            {
+                **modern,
+                "Mcp-Method": "tools/call",
+                "Mcp-Name": "get_current_time",
+                "Interlock-Run": "mcp-" + "0" * 32 + "-1",
+            },
+            _rpc("tools/call", {**call, "_meta": MODERN_META}),
+        ),
+        (
+            "a huge run id, 2026",
+            "POST",
+            {**modern, "Mcp-Method": "tools/list"},
+            _rpc("tools/list", {"_meta": {**MODERN_META, RUN_META: "x" * 100_000}}),
+        ),
+        (
+            "an unknown protocol version",
+            "POST",
+            {**json_ct, "MCP-Protocol-Version": "1999-01-01"},
+            _rpc("ping"),
+        ),
+        ("a 10 MB body", "POST", json_ct, big),
+        ("a 10 MB body, 2026", "POST", modern, big),
+        ("text/plain", "POST", {**json_ct, "Content-Type": "text/plain"}, _rpc("ping")),
+        ("text/plain, 2026", "POST", {**modern, "Content-Type": "text/plain"}, _rpc("ping")),
+        ("no Accept", "POST", {"Content-Type": "application/json"}, _rpc("ping")),
+        ("an unknown session", "POST", {**json_ct, "Mcp-Session-Id": "nope"}, _rpc("ping")),
+        ("another host (DNS rebinding)", "POST", {**json_ct, "Host": "evil.example"}, _rpc("ping")),
+        ("PUT", "PUT", json_ct, b"{}"),
+        ("GET without a session", "GET", {"Accept": "text/event-stream"}, b""),
+        ("DELETE without a session", "DELETE", {}, b""),
+    ]
+
+
+async def test_junk_gets_4xx_and_the_proxy_answers_a_real_client_after(proxy: Proxy) -> None:
+    answers = []
+
+    def post_all() -> None:
+        with httpx.Client(timeout=60) as http:
+            for name, method, headers, body in _junk():
+                response = http.request(method, proxy.url, headers=headers, content=body)
+                answers.append((name, response.status_code, response.text[:300]))
+            response = http.post(proxy.url.replace("/mcp", "/other"), content=b"{}")
+            answers.append(("another path", response.status_code, response.text[:300]))
+
+    await trio.to_thread.run_sync(post_all)
+    for name, status, text in answers:
+        assert 400 <= status < 500, (name, status, text)
+    statuses = {name: status for name, status, _ in answers}
+    assert statuses["a 10 MB body"] == statuses["a 10 MB body, 2026"] == 413
+    assert statuses["another host (DNS rebinding)"] == 421
+    texts = {name: text for name, _, text in answers}
+    assert '"code":-32700' in texts["not JSON"]  # the spec's parse error
+    assert '"code":-32601' in texts["no such method, 2026"]
+    assert "unknown tool 'zzz'" in texts["unknown tool, 2026"]
+    assert "no run 'mcp-0000" in texts["an unknown run in the header, 2026"]
+
+    async with Client(proxy.url) as client:
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+    async with (
+        streamable_http_client(proxy.url) as (read, write, *_),
+        ClientSession(read, write) as client,
+    ):
+        await client.initialize()
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+
+
+def test_a_bad_http_address_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    cases = [
+        (["--http", "nope"], "--http takes [HOST:]PORT"),
+        (["--http", "0", "--session", "s"], "--session names the one session"),
+    ]
+    for extra, expected in cases:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "interlock",
+                "mcp",
+                "--app",
+                "clock.py:app",
+                *extra,
+                "--",
+                "true",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ),
+        )
+        assert done.returncode == 2, (extra, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("interlock: error: "), (extra, done.stderr)
+        assert expected in last, (extra, done.stderr)
+
+
+STAGES = """
+from interlock import Machine, Tool, Worker
+
+async def never(args, ctx):
+    raise AssertionError("the proxy's upstream executes the tools")
+
+machine = Machine(
+    "stages", "ASK",
+    {"ASK": Worker(next=["CONVERT"], tools=["get_current_time"]),
+     "CONVERT": Worker(next=["COMPLETED"], tools=["convert_time"])},
+    tools=[Tool("get_current_time", never, {"type": "object"}, read_only=True),
+           Tool("convert_time", never, {"type": "object"}, read_only=True)],
+)
+"""
+
+
+async def test_a_session_hears_its_run_move_and_a_stateless_client_lists_it_by_handle(
+    tmp_path: Path,
+) -> None:
+    """A machine with a transition tool (as a machine file gives), served in process:
+    a 2025-11-25 session gets tools/list_changed when its run moves; a 2026-07-28 client
+    lists the run it names."""
+    import mcp.types as types
+
+    from interlock.mcp import Upstream, serve_http
+    from interlock.mcp._proxy import NoRules
+    from interlock.stores import open_store
+
+    app: dict[str, Any] = {}
+    exec(STAGES, app)
+
+    class Rules(NoRules):
+        transition_tool = "move"
+
+    def build(tools: list[Any]) -> tuple[Any, Any]:
+        return app["machine"], Rules()
+
+    heard: list[Any] = []
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            heard.append(message)
+
+    store = await open_store(str(tmp_path / "stages.db"))
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_http, build, Upstream(_time_server()), store)
+            )
+            async with (
+                streamable_http_client(server.url) as (read, write, *_),
+                ClientSession(read, write, message_handler=on_message) as client,
+            ):
+                await client.initialize()
+                listed = await client.list_tools()
+                assert [t.name for t in listed.tools] == ["get_current_time", "move"]
+                moved = await client.call_tool("move", {"to": "CONVERT"})
+                assert not moved.is_error, moved
+                with trio.fail_after(10):
+                    while not heard:  # noqa: ASYNC110 - the notification comes on the GET stream
+                        await trio.sleep(0.02)
+                listed = await client.list_tools()
+                assert [t.name for t in listed.tools] == ["convert_time", "move"]
+                assert listed.meta[RUN_META] == moved.meta[RUN_META]
+                assert len(heard) == 1  # once per move, not once per request made
+
+            async with Client(server.url) as client:
+                moved = await client.call_tool("move", {"to": "CONVERT"})
+                assert not moved.is_error, moved
+                run_id = moved.meta[RUN_META]
+                listed = await client.list_tools(meta={RUN_META: run_id})
+                assert [t.name for t in listed.tools] == ["convert_time", "move"]
+                fresh = await client.list_tools()
+                assert [t.name for t in fresh.tools] == ["get_current_time", "move"]
+            server.stop()
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("era", ["2025-11-25", "2026-07-28"])
+async def test_approval_over_http_asks_the_user_and_starts_no_run_until_approved(
+    tmp_path: Path, era: str
+) -> None:
+    """A machine file's ``approval = true`` over HTTP: mid-call elicitation on a
+    2025-11-25 session, input-required rounds for 2026-07-28; a call that names no run
+    starts one only once approved."""
+    from mcp.types import ElicitResult
+
+    (tmp_path / "clock.toml").write_text(CLOCK_MACHINE)
+    proxy = _start(tmp_path, tmp_path / "proxy.log", "--machine", "clock.toml")
+    asked: list[str] = []
+    answers = iter([True, False])
+
+    async def on_elicit(ctx: Any, request: Any) -> Any:
+        asked.append(request.message)
+        return ElicitResult(action="accept", content={"approve": next(answers)})
+
+    try:
+        if era == "2025-11-25":
+            async with (
+                streamable_http_client(proxy.url) as (read, write, *_),
+                ClientSession(read, write, elicitation_callback=on_elicit) as client,
+            ):
+                assert (await client.initialize()).protocol_version == era
+                approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        else:
+            async with Client(proxy.url, elicitation_callback=on_elicit) as client:
+                assert client.protocol_version == era
+                approved = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                run_id = approved.meta[RUN_META]
+                refused = await client.call_tool(
+                    "get_current_time", {"timezone": "UTC"}, meta={RUN_META: run_id}
+                )
+        assert not approved.is_error, approved
+        assert refused.is_error
+        assert refused.structured_content == {
+            "approved": False,
+            "reason": "the user did not approve it (accept)",
+        }
+        assert len(asked) == 2
+        assert asked[0].endswith('{"timezone": "UTC"}')
+    finally:
+        proxy.process.send_signal(signal.SIGTERM)
+        assert proxy.process.wait(timeout=30) == 0, proxy.log.read_text()
+    store = await open_sqlite_store(str(proxy.db), readonly=True)
+    try:
+        runs = await store.list_runs()
+        assert [r.run_id for r in runs] == [approved.meta[RUN_META]]  # no run per round
+        events = await store.load(runs[0].run_id)
+    finally:
+        await store.aclose()
+    assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1
