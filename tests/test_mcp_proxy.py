@@ -888,3 +888,79 @@ async def test_the_proxy_serves_the_runtime_metrics(tmp_path: Path) -> None:
     )
     assert 'interlock_verifications_total{code="",machine="clock",outcome="accepted"} 1.0' in text
     assert 'interlock_tool_calls_total{tool="get_current_time"} 1.0' in text
+
+
+async def test_an_escalated_run_of_a_machine_file_is_resumed_from_the_cli(tmp_path: Path) -> None:
+    (tmp_path / "utc.toml").write_text(
+        """
+[machine]
+name = "utc"
+initial = "ASK"
+
+[states.ASK]
+tools = ["get_current_time"]
+next = ["COMPLETED"]
+
+[tools.get_current_time]
+kind = "read-only"
+guards = ["args.timezone == 'UTC'"]
+
+[breakers]
+consecutive_failures = 2
+"""
+    )
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            "utc.toml",
+            "--db",
+            str(tmp_path / "u.db"),
+            "--",
+            *_time_server(),
+        ],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        for _ in range(2):
+            last = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+        assert last.structured_content["outcome"] == "escalated"
+    listed = await trio.run_process(
+        [sys.executable, "-m", "interlock", "escalations", "--db", str(tmp_path / "u.db")],
+        cwd=tmp_path,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert b"mcp-default-1" in listed.stdout, listed.stderr
+    resumed = await trio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "interlock",
+            "escalations",
+            "resume",
+            "mcp-default-1",
+            "--app",
+            "utc.toml",
+            "--db",
+            str(tmp_path / "u.db"),
+            "--by",
+            "ana",
+        ],
+        cwd=tmp_path,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert not ok.is_error, ok
+        assert ok.meta["dev.interlock/run"] == "mcp-default-1"

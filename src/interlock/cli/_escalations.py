@@ -110,7 +110,12 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 f"--payload is not valid JSON ({exc}); pass one proposal like "
                 '\'{"tool": "refund", "args": {...}}\' or \'{"next": "STATE"}\''
             ) from None
-    app, named, db = _application(args)
+    if (args.app or "").endswith(".toml"):  # an MCP machine file: its run pinned its tools
+        from ._mcp import toml_application
+
+        app, named, db = await toml_application(args)
+    else:
+        app, named, db = _application(args)
     # Read-only first: a missing journal fails fast, creating nothing, and so does a run
     # of a machine the app does not have.
     store = await open_store(db, readonly=True)

@@ -11,6 +11,7 @@ from ._common import _close, _journal_url, _Metrics, _Usage
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Sequence
 
     from ..core._machine import Machine
 
@@ -47,6 +48,42 @@ def _machine_source(args: argparse.Namespace) -> Any:
             "one that guards this server with --machine-name NAME"
         )
     return machines[0]
+
+
+async def machine_file_for(ref: str, records: Sequence[Any], store: Any) -> Machine:
+    """The machine of an MCP machine file, built with the tool definitions its runs pinned
+    when they started (replay needs no server)."""
+    from ..mcp._config import build_machine, load_machine_file
+    from ..mcp._proxy import PINNED_INPUT
+
+    spec = load_machine_file(ref)
+    for record in records:
+        if record.machine == spec.name:
+            first = (await store.load(record.run_id))[0]
+            pinned = getattr(first, "inputs", {}).get(PINNED_INPUT)
+            if pinned:
+                return build_machine(spec, pinned)
+    raise ConfigurationError(
+        f"--machine {ref}: no run of machine {spec.name!r} in this journal pins its tools' "
+        "definitions (runs started by interlock mcp do); replay runs of that machine"
+    )
+
+
+async def toml_application(args: argparse.Namespace) -> tuple[Any, str, str]:
+    """``--app FILE.toml`` for a command on one run (``escalations resume|abort``): the app
+    of the MCP machine file, built with the tools that run pinned."""
+    from ..runtime._app import App
+    from ..stores._open import open_store as _open
+
+    named = args.app
+    db = _journal_url(args, (named, None))
+    store = await _open(db, readonly=True)
+    try:
+        record = await store.get_run(args.run_id)
+        machine = await machine_file_for(named, [record], store)
+    finally:
+        await _close(store)
+    return App([machine]), named, db
 
 
 async def _mcp(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -20,6 +20,7 @@ from ._common import (
     _table,
     _Usage,
 )
+from ._mcp import machine_file_for as _machine_file
 
 if TYPE_CHECKING:
     import argparse
@@ -36,25 +37,6 @@ def _what_if(refs: Sequence[str]) -> dict[str, tuple[str, Machine]]:
         for name, machine in load_app(ref, "--machine").machines.items():
             machines[name] = (ref, machine)
     return machines
-
-
-async def _machine_file(ref: str, records: Sequence[Any], store: Any) -> Machine:
-    """The machine of an MCP machine file, built with the tool definitions its runs pinned
-    when they started (replay needs no server)."""
-    from ..mcp._config import build_machine, load_machine_file
-    from ..mcp._proxy import PINNED_INPUT
-
-    spec = load_machine_file(ref)
-    for record in records:
-        if record.machine == spec.name:
-            first = (await store.load(record.run_id))[0]
-            pinned = getattr(first, "inputs", {}).get(PINNED_INPUT)
-            if pinned:
-                return build_machine(spec, pinned)
-    raise ConfigurationError(
-        f"--machine {ref}: no run of machine {spec.name!r} in this journal pins its tools' "
-        "definitions (runs started by interlock mcp do); replay runs of that machine"
-    )
 
 
 async def _replay(args: argparse.Namespace) -> int:

@@ -577,7 +577,7 @@ class McpRun:
         if outcome == "escalated":
             text = (
                 f"run {self.run_id} is escalated ({reason or 'a breaker tripped'}) and waits for "
-                f"an operator: `interlock escalations resume {self.run_id} --to STATE` "
+                f"an operator: `interlock escalations resume {self.run_id}` "
                 "resumes it; until then no tool is called"
             )
         else:
