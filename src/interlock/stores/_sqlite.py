@@ -398,22 +398,30 @@ class _Batch:
                     run[slots[field]] = value
             elif kind is IntentRecorded:
                 intents.append((event.key, run_id, seq))  # type: ignore[attr-defined]
-        marks.extend(run[3] for run in runs.values())
         self.events = events
         self.runs = runs
         self.starts = starts
         self.irregular = irregular
+        # NOTE: one loop for the marks, the chunks and the size (each run's last event,
+        # its frames, their length): a generator per pass resumed once per run cost more
+        # than the loop's own work
         chunks = []
+        size = 0
         for run_id, run in runs.items():
-            chunks.append((run_id, run[0], run[1], frame_events(run[2])))
+            marks.append(run[3])
+            body = frame_events(run[2])
+            size += len(body)
+            chunks.append((run_id, run[0], run[1], body))
             # NOTE: the frames hold the payloads now; the batch lives until it is written,
             # and keeping both copies held every event of a large batch twice.
             run[2] = None
         self.chunks = chunks
         self.intents = intents
         self.marks = marks
-        self.contiguous = contiguous and len({row[0] for row in intents}) == len(intents)
-        self.size = sum(len(row[3]) for row in self.chunks)
+        self.contiguous = contiguous and (
+            not intents or len({row[0] for row in intents}) == len(intents)
+        )
+        self.size = size
 
 
 def _text(value: Any) -> str:
