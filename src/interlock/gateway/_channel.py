@@ -904,13 +904,26 @@ def _frame_verdicts(
     put: Callable[[_Answer], None],
 ) -> None:
     """Each request's answer: its verdict, or the problem that says why it got none,
-    framed into ``out`` (``put``, :meth:`_Connection._put`, frames one)."""
+    framed into ``out`` as ``put`` (:meth:`_Connection._put`) frames one; an answer that
+    cannot be encoded is left to ``put``, which says so."""
+    # NOTE: _put, inline: a Python frame an answer fewer
+    encode_into = _ENCODE_INTO
+    pack_into = HEADER.pack_into
     for request, verdict in zip(requests, verdicts, strict=True):
         problem = verdict.problem
         if problem is not None:
-            put(_Answer(id=request.id, problem=problem))
+            answer = _Answer(id=request.id, problem=problem)
         else:
-            put(_Answer(id=request.id, body=verdict))
+            answer = _Answer(id=request.id, body=verdict)
+        start = len(out)
+        out += _NO_LENGTH
+        try:
+            encode_into(answer, out, -1)
+        except (TypeError, OverflowError, msgspec.EncodeError):  # pragma: no cover
+            del out[start:]
+            put(answer)
+            continue
+        pack_into(out, start, len(out) - start - 4)
 
 
 def _release_runs(
