@@ -1399,21 +1399,24 @@ class SQLiteStore(Store):
         starting = set(batch.starts)
         remembered = self._rows
         runs = batch.runs
-        unknown = [
-            run_id
-            for run_id, run in runs.items()
-            if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
-            and not (run[0] == 1 and run_id in starting)
-        ]
         kept = None
-        if unknown:
+        # NOTE: first from the rows remembered alone (every run of a steady load is): a
+        # separate pass to find the runs not remembered cost as much again per run
+        moving = _move_runs(runs, remembered, {}, starting, first_chunk)
+        if moving is None:
+            unknown = [
+                run_id
+                for run_id, run in runs.items()
+                if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
+                and not (run[0] == 1 and run_id in starting)
+            ]
+            if not unknown:
+                return None  # pragma: no cover - _move_runs moves every remembered run
             kept = pending = self._flush(conn, pending, staged)  # the stored rows are current
             stored = _stored_rows(conn, [r for r in unknown if r not in kept])
-        else:
-            stored = {}
-        moving = _move_runs(runs, remembered, stored, starting, first_chunk)
-        if moving is None:
-            return None
+            moving = _move_runs(runs, remembered, stored, starting, first_chunk)
+            if moving is None:
+                return None
         same, changed, written, prevs, running = moving
         started = [event for event in batch.marks if event.run_id in starting] if starting else ()
         inserted = 0
