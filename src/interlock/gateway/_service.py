@@ -1886,6 +1886,8 @@ def _settle_from(
     step state, whose steps the caller runs, and return its position (``len(decided)``
     once every one is answered).
     """
+    last: Machine | None = None  # the machine whose step states are names
+    names: frozenset[str] = frozenset()
     for position in range(at, len(decided)):
         index, verdict, answer, _ = decided[position]
         run_id = verdict.run_id
@@ -1905,9 +1907,12 @@ def _settle_from(
             and not run.closed
             and run.pending is None
         ):
-            names = steps.get(run.machine.name)
-            if names is None:
-                names = steps_of(run.machine)
+            machine = run.machine
+            if machine is not last:  # (a batch's runs are mostly of one machine)
+                names = steps.get(machine.name)
+                if names is None:
+                    names = steps_of(machine)
+                last = machine
             if run.state in names:
                 return position
         # NOTE: _answered, inline, and verdict_out's answer to a move (most proposals'):
