@@ -262,6 +262,8 @@ def test_the_reader_takes_whole_frames_up_to_its_limits() -> None:
         max_frame = 64
         max_in_flight = 2
         in_flight = 0
+        principal = None  # no hello yet: every frame goes to take
+        rate_limiter = None
 
     conn = Conn()
     taken: list[bytes] = []
@@ -284,3 +286,42 @@ def test_the_reader_takes_whole_frames_up_to_its_limits() -> None:
     assert _channel._take_frames(conn, bad, 0, take, None) == (0, _channel._BAD_SIZE, 65)  # type: ignore[arg-type]
     empty = _channel.HEADER.pack(0)
     assert _channel._take_frames(conn, empty, 0, take, None) == (0, _channel._BAD_SIZE, 0)  # type: ignore[arg-type]
+
+
+def test_the_reader_takes_a_proposal_itself_once_the_connection_said_hello() -> None:
+    class Conn:
+        max_frame = 1024
+        max_in_flight = 10
+        in_flight = 0
+        principal = object()
+        rate_limiter = None
+
+        def __init__(self) -> None:
+            self.runs: dict[str, Any] = {"busy": deque()}
+            self.batch: list[Any] = []
+
+    conn = Conn()
+    taken: list[tuple[bytes, Any]] = []
+
+    def take(body: bytes, nursery: Any, request: Any = None) -> None:
+        taken.append((body, request))
+        conn.in_flight += 1
+
+    def frame(**request: Any) -> bytes:
+        body = msgspec.msgpack.encode(request)
+        return _channel.HEADER.pack(len(body)) + body
+
+    data = (
+        frame(id=1, op="propose", run_id="a", body={})
+        + frame(id=2, op="propose", run_id="busy", body={})
+        + frame(id=3, op="get_run", run_id="a")
+        + _channel.HEADER.pack(1)
+        + b"\xc1"  # not msgpack
+    )
+    pos, status, _ = _channel._take_frames(conn, data, 0, take, None)  # type: ignore[arg-type]
+    assert (pos, status) == (len(data), _channel._DONE)
+    assert [r.id for r in conn.batch] == [1]  # a run's first proposal: the batch
+    assert [r.id for r in conn.runs["busy"]] == [2]  # behind the run's earlier request
+    assert list(conn.runs["a"]) == []
+    assert [(r.id if r is not None else body) for body, r in taken] == [3, b"\xc1"]
+    assert conn.in_flight == 4

@@ -338,10 +338,14 @@ class _Connection:
             "4-byte big-endian length",
         )
 
-    def _take(self, payload: bytes, nursery: trio.Nursery) -> None:
-        """Decode one frame and hand it to its run's worker (or answer it at once)."""
+    def _take(
+        self, payload: bytes, nursery: trio.Nursery, request: ChannelRequest | None = None
+    ) -> None:
+        """Decode one frame (unless ``request`` is it, decoded) and hand it to its run's
+        worker (or answer it at once)."""
         try:
-            request = _DECODE_REQUEST(payload)
+            if request is None:
+                request = _DECODE_REQUEST(payload)
         except msgspec.DecodeError as exc:
             request_id = self._id_of(payload)
             self._queue(
@@ -365,7 +369,7 @@ class _Connection:
             and self.rate_limiter is None
         ):
             # NOTE: the common frame, taken as the general path below takes it (nothing
-            # to refuse), with none of its checks.
+            # to refuse), with none of its checks (_take_frames takes it so too).
             self.in_flight += 1
             run_id = request.run_id
             queue = self.runs.get(run_id)
@@ -852,16 +856,22 @@ def _take_frames(
     conn: _Connection,
     data: bytes,
     pos: int,
-    take: Callable[[bytes, trio.Nursery], None],
+    take: Callable[..., None],
     nursery: trio.Nursery,
 ) -> tuple[int, int, int]:
     """Take the whole frames of ``data`` from ``pos`` on (``take``,
     :meth:`_Connection._take`, each): ``(pos, status, size)``, where ``pos`` is past the
     last frame taken and ``status`` says why it stopped (:data:`_DONE`, :data:`_FULL`, or
-    :data:`_BAD_SIZE` with the length ``size`` the frame at ``pos`` announced)."""
+    :data:`_BAD_SIZE` with the length ``size`` the frame at ``pos`` announced).
+
+    A proposal on a connection that said hello and has no rate limit (the common frame)
+    is taken here as ``_take`` takes it, without its Python frame; ``take`` gets any
+    other frame, with its request if it was decoded here."""
     end = len(data)
     max_frame = conn.max_frame
     unpack = HEADER.unpack_from
+    decode = _DECODE_REQUEST
+    fast = conn.principal is not None and conn.rate_limiter is None
     while end - pos >= 4:
         (size,) = unpack(data, pos)
         if size > max_frame or size == 0:
@@ -870,8 +880,29 @@ def _take_frames(
             break
         if conn.in_flight >= conn.max_in_flight:
             return pos, _FULL, 0
-        take(data[pos + 4 : pos + 4 + size], nursery)
+        payload = data[pos + 4 : pos + 4 + size]
         pos += 4 + size
+        if fast:
+            try:
+                request = decode(payload)
+            except msgspec.DecodeError:
+                take(payload, nursery)  # it answers the frame that is not a request
+                continue
+            run_id = request.run_id
+            if request.op == "propose" and run_id:
+                conn.in_flight += 1
+                runs = conn.runs
+                queue = runs.get(run_id)
+                if queue is not None:
+                    queue.append(request)
+                else:
+                    runs[run_id] = deque()
+                    conn.batch.append(request)
+                continue
+            take(payload, nursery, request)
+        else:
+            take(payload, nursery)
+            fast = conn.principal is not None and conn.rate_limiter is None  # (a hello)
     return pos, _DONE, 0
 
 
@@ -904,13 +935,26 @@ def _frame_verdicts(
     put: Callable[[_Answer], None],
 ) -> None:
     """Each request's answer: its verdict, or the problem that says why it got none,
-    framed into ``out`` (``put``, :meth:`_Connection._put`, frames one)."""
+    framed into ``out`` as ``put`` (:meth:`_Connection._put`) frames one; an answer that
+    cannot be encoded is left to ``put``, which says so."""
+    # NOTE: _put, inline: a Python frame an answer fewer
+    encode_into = _ENCODE_INTO
+    pack_into = HEADER.pack_into
     for request, verdict in zip(requests, verdicts, strict=True):
         problem = verdict.problem
         if problem is not None:
-            put(_Answer(id=request.id, problem=problem))
+            answer = _Answer(id=request.id, problem=problem)
         else:
-            put(_Answer(id=request.id, body=verdict))
+            answer = _Answer(id=request.id, body=verdict)
+        start = len(out)
+        out += _NO_LENGTH
+        try:
+            encode_into(answer, out, -1)
+        except (TypeError, OverflowError, msgspec.EncodeError):  # pragma: no cover
+            del out[start:]
+            put(answer)
+            continue
+        pack_into(out, start, len(out) - start - 4)
 
 
 def _release_runs(

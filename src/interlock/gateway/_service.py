@@ -1886,6 +1886,8 @@ def _settle_from(
     step state, whose steps the caller runs, and return its position (``len(decided)``
     once every one is answered).
     """
+    last: Machine | None = None  # the machine whose step states are names
+    names: frozenset[str] = frozenset()
     for position in range(at, len(decided)):
         index, verdict, answer, _ = decided[position]
         run_id = verdict.run_id
@@ -1893,22 +1895,52 @@ def _settle_from(
         if run is not None and run.closed and run.terminal:  # settle's first look
             settle(run_id)
             run = get(run_id)
+        call = verdict.execute
+        reconcile = verdict.reconcile
         # NOTE: _steps' first look, inlined: only a run that reached a step state (rare)
         # pays for the coroutine that runs its steps.
         if (
             run is not None
-            and verdict.execute is None
-            and not verdict.reconcile
+            and call is None
+            and not reconcile
             and run.external
             and not run.closed
             and run.pending is None
         ):
-            names = steps.get(run.machine.name)
-            if names is None:
-                names = steps_of(run.machine)
+            machine = run.machine
+            if machine is not last:  # (a batch's runs are mostly of one machine)
+                names = steps.get(machine.name)
+                if names is None:
+                    names = steps_of(machine)
+                last = machine
             if run.state in names:
                 return position
-        _answered(index, verdict, answer, verdicts, reconciling)
+        # NOTE: _answered, inline, and verdict_out's answer to a move (most proposals'):
+        # three Python frames a proposal fewer
+        if (
+            call is None
+            and reconcile is None
+            and not verdict.violations
+            and verdict.result is None
+            and not verdict.retry_in
+        ):
+            out = VerdictOut(
+                run_id=run_id,
+                accepted=verdict.accepted,
+                outcome=verdict.outcome,
+                state=verdict.state,
+                seq=verdict.seq,
+            )
+            if answer is not None:
+                answer.verdict = out
+                # _Answer.settle, inline
+                answer.settled = True
+                event = answer.event
+                if event is not None:
+                    event.set()
+            verdicts[index] = out
+        else:
+            _answered(index, verdict, answer, verdicts, reconciling)
     return len(decided)
 
 

@@ -398,22 +398,30 @@ class _Batch:
                     run[slots[field]] = value
             elif kind is IntentRecorded:
                 intents.append((event.key, run_id, seq))  # type: ignore[attr-defined]
-        marks.extend(run[3] for run in runs.values())
         self.events = events
         self.runs = runs
         self.starts = starts
         self.irregular = irregular
+        # NOTE: one loop for the marks, the chunks and the size (each run's last event,
+        # its frames, their length): a generator per pass resumed once per run cost more
+        # than the loop's own work
         chunks = []
+        size = 0
         for run_id, run in runs.items():
-            chunks.append((run_id, run[0], run[1], frame_events(run[2])))
+            marks.append(run[3])
+            body = frame_events(run[2])
+            size += len(body)
+            chunks.append((run_id, run[0], run[1], body))
             # NOTE: the frames hold the payloads now; the batch lives until it is written,
             # and keeping both copies held every event of a large batch twice.
             run[2] = None
         self.chunks = chunks
         self.intents = intents
         self.marks = marks
-        self.contiguous = contiguous and len({row[0] for row in intents}) == len(intents)
-        self.size = sum(len(row[3]) for row in self.chunks)
+        self.contiguous = contiguous and (
+            not intents or len({row[0] for row in intents}) == len(intents)
+        )
+        self.size = size
 
 
 def _text(value: Any) -> str:
@@ -1391,21 +1399,24 @@ class SQLiteStore(Store):
         starting = set(batch.starts)
         remembered = self._rows
         runs = batch.runs
-        unknown = [
-            run_id
-            for run_id, run in runs.items()
-            if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
-            and not (run[0] == 1 and run_id in starting)
-        ]
         kept = None
-        if unknown:
+        # NOTE: first from the rows remembered alone (every run of a steady load is): a
+        # separate pass to find the runs not remembered cost as much again per run
+        moving = _move_runs(runs, remembered, {}, starting, first_chunk)
+        if moving is None:
+            unknown = [
+                run_id
+                for run_id, run in runs.items()
+                if ((row := remembered.get(run_id)) is None or row[3] != run[0] - 1)
+                and not (run[0] == 1 and run_id in starting)
+            ]
+            if not unknown:
+                return None  # pragma: no cover - _move_runs moves every remembered run
             kept = pending = self._flush(conn, pending, staged)  # the stored rows are current
             stored = _stored_rows(conn, [r for r in unknown if r not in kept])
-        else:
-            stored = {}
-        moving = _move_runs(runs, remembered, stored, starting, first_chunk)
-        if moving is None:
-            return None
+            moving = _move_runs(runs, remembered, stored, starting, first_chunk)
+            if moving is None:
+                return None
         same, changed, written, prevs, running = moving
         started = [event for event in batch.marks if event.run_id in starting] if starting else ()
         inserted = 0
