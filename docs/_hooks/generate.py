@@ -511,6 +511,10 @@ def layers_markdown() -> str:
     return _results_section("Before and after the layers move (issue 34)")
 
 
+def layers_cost_markdown() -> str:
+    return _results_section("Where the gateway's batch cost went after the layers move (issue 34)")
+
+
 def transports_markdown() -> str:
     return _results_section(
         "HTTP/1.1 clients under trio at fan-out: the providers' Transport against httpcore (issue 34)"
@@ -519,6 +523,7 @@ def transports_markdown() -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "layers": layers_markdown,
+    "layerscost": layers_cost_markdown,
     "transports": transports_markdown,
     "cli": cli_markdown,
     "http": http_markdown,
