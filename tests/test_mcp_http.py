@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 mcp = pytest.importorskip("mcp", reason="the [mcp] extra (the official MCP SDK) is missing")
 pytest.importorskip("hypercorn", reason="the [gateway] extra (hypercorn) is missing")
@@ -624,3 +626,97 @@ async def test_approval_over_http_asks_the_user_and_starts_no_run_until_approved
     finally:
         await store.aclose()
     assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1
+
+
+_METHODS = [
+    "initialize",
+    "notifications/initialized",
+    "tools/list",
+    "tools/call",
+    "ping",
+    "server/discover",
+    "subscriptions/listen",
+    "resources/list",
+    "prompts/get",
+    "completion/complete",
+    "logging/setLevel",
+    "notifications/cancelled",
+]
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_params = st.one_of(
+    _json,
+    st.fixed_dictionaries(
+        {
+            "name": st.sampled_from(["get_current_time", "convert_time", "zzz", ""])
+            | st.text(max_size=8)
+        },
+        optional={
+            "arguments": _json,
+            "_meta": st.dictionaries(
+                st.sampled_from(
+                    ["dev.interlock/run", "io.modelcontextprotocol/protocolVersion", "x"]
+                ),
+                _json,
+                max_size=2,
+            ),
+        },
+    ),
+)
+_message = st.fixed_dictionaries(
+    {},
+    optional={
+        "jsonrpc": st.sampled_from(["2.0", "1.0", ""]) | _json,
+        "id": st.integers() | st.text(max_size=8) | st.none() | _json,
+        "method": st.sampled_from(_METHODS) | st.text(max_size=12),
+        "params": _params,
+    },
+)
+_headers = st.fixed_dictionaries(
+    {
+        "Content-Type": st.sampled_from(
+            ["application/json", "text/plain", "application/json; charset=latin-1"]
+        )
+    },
+    optional={
+        "Accept": st.sampled_from(["application/json, text/event-stream", "text/html", "*/*"]),
+        "MCP-Protocol-Version": st.sampled_from(["2026-07-28", "2025-11-25", "1999-01-01", "x"]),
+        "Interlock-Run": st.sampled_from(["mcp-" + "0" * 32 + "-1", "", "../../etc"])
+        | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=12),
+        "Mcp-Session-Id": st.text(alphabet="abcdef0123456789", max_size=32),
+    },
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    messages=st.lists(
+        st.one_of(_message, st.lists(_message, min_size=1, max_size=3)), min_size=1, max_size=3
+    ),
+    headers=_headers,
+)
+def test_no_client_mistake_makes_the_http_proxy_answer_5xx(
+    proxy: Proxy, messages: list[Any], headers: dict[str, str]
+) -> None:
+    """A fuzzing pass over the HTTP transport: JSON-RPC messages and batches with any
+    method, id, params and _meta, under any of the headers a client sends; the proxy
+    answers each below 500 (the fixture checks its log has no traceback at the end)."""
+    with httpx.Client(timeout=60) as http:
+        for message in messages:
+            response = http.post(proxy.url, headers=headers, content=json.dumps(message).encode())
+            assert response.status_code < 500, (
+                message,
+                headers,
+                response.status_code,
+                response.text[:500],
+            )
+    assert proxy.process.poll() is None
