@@ -799,6 +799,15 @@ async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path
         assert oversized["result"]["isError"] is True  # refused by the gate's size cap
         (violation,) = oversized["result"]["structuredContent"]["violations"]
         assert "bytes" in violation["message"], violation
+        twice = (
+            b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+            b'"get_current_time", "arguments": {"timezone": "Asia/Tokyo", "timezone": "UTC"}}}'
+        )
+        await send(twice)  # the SDK alone would read "UTC", and the guard would pass it
+        named_twice = await answer(7)
+        assert named_twice["result"]["isError"] is True
+        (violation,) = named_twice["result"]["structuredContent"]["violations"]
+        assert (violation["code"], violation["path"]) == ("malformed", "arguments.timezone")
         await send(b'{"jsonrpc": "2.0", "id": 6, "method": "tools/list"}')
         listed = await answer(6)
         assert [t["name"] for t in listed["result"]["tools"]] == ["get_current_time"]

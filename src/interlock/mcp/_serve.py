@@ -200,6 +200,9 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
         return listed
 
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> Any:
+        twice = _meta_value(params.meta, DUPLICATE_META)
+        if twice:  # read exactly, the call names a key twice: which value would be meant?
+            return _named_twice(params.name, str(twice))
         run = await source.resolve(ctx, mint=False)
         approved = False
         if run is None:
@@ -357,12 +360,94 @@ async def serve_stdio(
             file=sys.stderr,
             flush=True,
         )
-        async with stdio_server() as (read, write):
+        async with _exact_stdio() as (read, write):
             await server.run(
                 read,
                 write,
                 server.create_initialization_options(NotificationOptions(tools_changed=True)),
             )
+
+
+#: The ``_meta`` key under which the proxy's own reader marks a ``tools/call`` that names
+#: a key twice (the SDK's JSON reader keeps the last value, silently).
+DUPLICATE_META = "dev.interlock/duplicate-key"
+
+
+def _meta_value(meta: Any, key: str) -> Any:
+    """``meta[key]``, whichever shape the SDK gives a request's ``_meta`` in."""
+    if meta is None:
+        return None
+    if isinstance(meta, dict):
+        return meta.get(key)
+    return (getattr(meta, "model_extra", None) or {}).get(key)
+
+
+def _named_twice(tool: str, path: str) -> types.CallToolResult:
+    message = (
+        f"the call of {tool} names the key {path} twice (a reader keeps one value, and "
+        "which one differs); name each key once"
+    )
+    violation = {
+        "code": "malformed",
+        "path": path,
+        "message": message,
+        "hint": "send the call again with each key once",
+    }
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=message)],
+        is_error=True,
+        structured_content={"violations": [violation]},
+    )
+
+
+def _mark_duplicates(line: str) -> str:
+    """``line`` (one JSON-RPC message), with a ``tools/call`` that names a key twice
+    marked in its ``_meta`` (the path of the first such key), for the handler to refuse."""
+    from ..core._hotpath import JSON_DUPLICATE_KEY, scan_json
+
+    raw = line.encode("utf-8", "replace")
+    found = scan_json(raw)
+    if found is None or found[0] != JSON_DUPLICATE_KEY:
+        return line
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return line
+    params = message.get("params") if isinstance(message, dict) else None
+    if message.get("method") != "tools/call" or not isinstance(params, dict):
+        return line  # elsewhere the SDK's reading is the answer
+    path = ".".join(str(p) for p in found[2][1:])  # from params down
+    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+    params["_meta"] = {**meta, DUPLICATE_META: path}
+    return json.dumps(message) + "\n"
+
+
+class _ExactLines:
+    """The client's lines as the SDK's stdio server reads them, each checked first."""
+
+    def __init__(self, lines: Any) -> None:
+        self._lines = lines
+
+    def __aiter__(self) -> Any:
+        return self._checked()
+
+    async def _checked(self) -> Any:
+        async for line in self._lines:
+            yield _mark_duplicates(line)
+
+
+@contextlib.asynccontextmanager
+async def _exact_stdio() -> AsyncIterator[Any]:
+    """The SDK's stdio server on this process's stdin and stdout, its input read exactly
+    (a key named twice is refused, not resolved by the SDK's reader keeping the last)."""
+    import io
+
+    import anyio
+
+    stdin = anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+    stdout = anyio.wrap_file(io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8"))
+    async with stdio_server(_ExactLines(stdin), stdout) as streams:  # type: ignore[arg-type]
+        yield streams
 
 
 class Proxied:
