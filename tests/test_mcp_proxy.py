@@ -62,6 +62,28 @@ def _proxy(tmp: Path, app: str, *upstream: str, session: str = "s") -> StdioServ
     )
 
 
+def _file_proxy(
+    tmp: Path, machine: str, db: str, *upstream: str, **env: str
+) -> StdioServerParameters:
+    """``interlock mcp --machine FILE.toml`` in ``tmp``, journaling into ``tmp/db``."""
+    return StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--machine",
+            machine,
+            "--db",
+            str(tmp / db),
+            "--",
+            *upstream,
+        ],
+        env=dict(os.environ, **env),
+        cwd=str(tmp),
+    )
+
+
 TIME_APP = """
 from interlock import App, BreakerPolicy, Machine, Reject, Tool, Worker
 
@@ -663,22 +685,7 @@ async def test_a_tool_marked_for_approval_asks_the_user_with_the_exact_arguments
     from mcp.types import ElicitResult
 
     (tmp_path / "clock.toml").write_text(CLOCK_MACHINE)
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=[
-            "-m",
-            "interlock",
-            "mcp",
-            "--machine",
-            "clock.toml",
-            "--db",
-            str(tmp_path / "c.db"),
-            "--",
-            *_time_server(),
-        ],
-        env=dict(os.environ),
-        cwd=str(tmp_path),
-    )
+    params = _file_proxy(tmp_path, "clock.toml", "c.db", *_time_server())
     asked: list[str] = []
     answers = iter([True, False])
 
@@ -838,22 +845,7 @@ when = "result.timezone == args.timezone && result.is_dst"
 message = "the server answered outside daylight saving time"
 """
     )
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=[
-            "-m",
-            "interlock",
-            "mcp",
-            "--machine",
-            "checked.toml",
-            "--db",
-            str(tmp_path / "k.db"),
-            "--",
-            *_time_server(),
-        ],
-        env=dict(os.environ),
-        cwd=str(tmp_path),
-    )
+    params = _file_proxy(tmp_path, "checked.toml", "k.db", *_time_server())
     async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
         await client.initialize()
         checked = await client.call_tool("get_current_time", {"timezone": "UTC"})  # UTC: no DST
@@ -918,22 +910,7 @@ guards = ["args.timezone == 'UTC'"]
 consecutive_failures = 2
 """
     )
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=[
-            "-m",
-            "interlock",
-            "mcp",
-            "--machine",
-            "utc.toml",
-            "--db",
-            str(tmp_path / "u.db"),
-            "--",
-            *_time_server(),
-        ],
-        env=dict(os.environ),
-        cwd=str(tmp_path),
-    )
+    params = _file_proxy(tmp_path, "utc.toml", "u.db", *_time_server())
     async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
         await client.initialize()
         for _ in range(2):

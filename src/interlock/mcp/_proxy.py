@@ -31,7 +31,7 @@ from mcp.shared.exceptions import MCPError
 
 from ..core._exceptions import ProtocolError
 from ..core._messages import Propose, Reconciliation, Report
-from ..core._view import fold
+from ..core._view import canonical_encoder, fold
 
 if TYPE_CHECKING:
     from ..core._machine import Machine
@@ -67,13 +67,11 @@ _REFUSED = frozenset({-32700, -32600, -32601, -32602})
 #: Upstream calls: ``(tool, arguments, meta) -> CallToolResult``.
 Upstream = Callable[[str, dict[str, Any], dict[str, Any]], Awaitable[types.CallToolResult]]
 
-_encode = msgspec.json.Encoder(order="sorted").encode
-
 
 def canonical_args(args: Any) -> bytes:
-    """The canonical JSON of a call's arguments (sorted keys): two calls with the same
-    tool and these bytes are the same call."""
-    return _encode(args if args is not None else {})
+    """A call's arguments in the journal's canonical encoding (sorted keys): two calls
+    with the same tool and these bytes are the same call."""
+    return canonical_encoder.encode(args if args is not None else {})
 
 
 class Rules(Protocol):
