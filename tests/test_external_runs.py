@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from interlock import Machine, ProtocolError, Tool, Worker, open_supervisor, replay
-from interlock.messages import Propose, Report
+from interlock.messages import Escalate, Propose, Report
 from interlock.providers import ScriptedProvider
 from interlock.stores import MemoryStore, open_sqlite_store
 
@@ -139,6 +139,41 @@ async def test_an_escalated_external_run_resumes_external_and_its_caller_drives_
         again = await sup.submit(Propose(run_id="x-4", seq=sup.view("x-4").seq, raw=CHARGE))
         assert again.execute is not None
         assert again.execute.key != verdict.execute.key
+
+
+async def test_a_driver_escalates_its_run_for_what_the_machine_cannot_see(tmp_path: Any) -> None:
+    """Escalate parks the run for an operator with the driver's reason and detail; it is
+    refused while a call is in flight and once the run is parked or ended, and an operator resumes
+    the run as after any escalation."""
+    store = await open_sqlite_store(str(tmp_path / "j.db"))
+    async with open_supervisor([shop()], store) as sup:
+        await sup.start_run("shop", run_id="x-1", external=True)
+        verdict = await sup.submit(Propose(run_id="x-1", raw=CHARGE))
+        assert verdict.execute is not None
+        with pytest.raises(ProtocolError, match=r"has a call of 'charge' in flight .* report"):
+            await sup.external.submit(Escalate(run_id="x-1", reason="drift"))
+        await sup.submit(Report(run_id="x-1", key=verdict.execute.key, ok=True, result={}))
+        parked = await sup.external.submit(
+            Escalate(run_id="x-1", reason="drift", detail="the server changed charge")
+        )
+        assert (parked.accepted, parked.state, parked.outcome) == (False, "ESCALATE", "escalated")
+        with pytest.raises(ProtocolError, match="is escalated in state 'ESCALATE'"):
+            await sup.external.submit(Escalate(run_id="x-1", reason="other"))
+        record = await store.get_run("x-1")
+        assert (record.outcome, record.reason, record.detail) == (
+            "escalated",
+            "drift",
+            "the server changed charge",
+        )
+        await sup.resume_escalated("x-1", by="ops")
+        end = await sup.submit(Propose(run_id="x-1", raw=DONE))
+        assert end.outcome == "completed"
+        with pytest.raises(ProtocolError, match="is completed"):
+            await sup.external.submit(Escalate(run_id="x-1", reason="late"))
+    events = await store.load("x-1")
+    await store.aclose()
+    assert [type(e).__name__ for e in events].count("Escalated") == 1
+    assert replay(events, shop()).diverged == ()
 
 
 async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -> None:

@@ -716,12 +716,14 @@ async def test_a_tool_marked_for_approval_asks_the_user_with_the_exact_arguments
     assert len([e for e in events if isinstance(e, ToolCommitted)]) == 1
 
 
-async def test_a_tool_whose_definition_changed_under_a_running_session_is_refused(
+async def test_a_tool_whose_definition_changed_under_a_running_session_escalates_the_run(
     tmp_path: Path,
 ) -> None:
     """The run pins its tools' definitions when it starts; a server that comes back with
     another definition of a tool (here mcp-server-time started with another local time
-    zone, which its schema's text names) gets no call of it."""
+    zone, which its schema's text names) gets no call of it: the run is escalated, once,
+    and after an operator resumes it the changed tool stays refused, without escalating
+    again."""
     (tmp_path / "clock.py").write_text(TIME_APP)
     server = _time_server()[:-1]
     first = _proxy(tmp_path, "clock.py:app", *server, "--local-timezone=UTC", session="pin")
@@ -735,15 +737,56 @@ async def test_a_tool_whose_definition_changed_under_a_running_session_is_refuse
         await client.initialize()
         refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
         assert refused.is_error
-        assert "changed its definition since run mcp-pin-1 started" in refused.content[0].text
+        text = refused.content[0].text
+        assert "changed its definition since run mcp-pin-1 started" in text, text
+        assert "interlock escalations resume mcp-pin-1" in text, text
+        assert refused.meta["dev.interlock/verdict"] == "escalated"
+        assert refused.structured_content["tool"] == "get_current_time"
+        again = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert again.structured_content["outcome"] == "escalated"
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        record = await store.get_run("mcp-pin-1")
+    finally:
+        await store.aclose()
+    assert (record.outcome, record.reason) == ("escalated", "definition_changed")
+    assert "Abort the run if the server should not have changed" in record.detail
+
+    queue = _interlock(tmp_path, "escalations", "--db", "mcp.db")
+    assert "mcp-pin-1" in queue.stdout, queue.stdout
+    assert "definition_changed" in queue.stdout, queue.stdout
+    resumed = _interlock(
+        tmp_path, "escalations", "resume", "mcp-pin-1", "--app", "clock.py:app", "--db", "mcp.db"
+    )
+    assert resumed.returncode == 0, resumed.stderr
+
+    async with stdio_client(second) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        refused = await client.call_tool("get_current_time", {"timezone": "UTC"})
+        assert refused.is_error
         assert refused.meta["dev.interlock/verdict"] == "definition-changed"
+        assert "start a new session" in refused.content[0].text
+        assert [t.name for t in (await client.list_tools()).tools] == ["get_current_time"]
     store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
     try:
         events = await store.load("mcp-pin-1")
+        record = await store.get_run("mcp-pin-1")
     finally:
         await store.aclose()
+    assert record.outcome == "running"  # resumed, and not escalated a second time
     assert len([e for e in events if isinstance(e, IntentRecorded)]) == 1  # only the first
     assert "UTC" in str(events[0].inputs["mcp_tools"]["get_current_time"])
+
+
+def _interlock(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "interlock", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ requests (:class:`Start`, :class:`Propose`, :class:`Report`, ...) and the answer
 from .core._messages import (
     Abort,
     Cancel,
+    Escalate,
     Message,
     Propose,
     Reconciliation,
@@ -24,6 +25,7 @@ from .core._messages import (
 __all__ = [
     "Abort",
     "Cancel",
+    "Escalate",
     "Message",
     "Propose",
     "Reconciliation",

@@ -61,6 +61,7 @@ from ._machine import ESCALATE, FAILED, Machine, Step, encode_action
 from ._messages import (
     Abort,
     Cancel,
+    Escalate,
     Propose,
     Reconciliation,
     Recover,
@@ -221,6 +222,8 @@ def decide(
             return _on_abort(run, msg, now, events)
         case Cancel():
             return _on_cancel(run, msg, now, events)
+        case Escalate():
+            return _on_escalate(run, msg, now, events)
         case Start():
             raise RunExists(f"run {msg.run_id!r} already exists; run ids must be unique")
         case _:
@@ -283,7 +286,7 @@ def _verdict(run: RunState, accepted: bool, **fields: Any) -> Verdict:
     )
 
 
-def _check_seq(run: RunState, msg: Propose | Report | Reconciliation) -> None:
+def _check_seq(run: RunState, msg: Propose | Report | Reconciliation | Escalate) -> None:
     if msg.seq and msg.seq != run.seq:
         raise StaleSeq(
             f"run {run.run_id!r} is at seq {run.seq}, the request was made at seq {msg.seq}; "
@@ -852,6 +855,23 @@ def _on_cancel(run: RunState, msg: Cancel, now: float, events: list[Event]) -> V
         _emit(run, events, Transitioned, now, src=src, dst=FAILED, reason="operator")
         _emit(run, events, Failed, now, state=FAILED, reason=msg.reason)
     return _verdict(run, True)
+
+
+def _on_escalate(run: RunState, msg: Escalate, now: float, events: list[Event]) -> Verdict:
+    if run.state == ESCALATE:  # escalated already (a repeat, or a breaker was first)
+        return _verdict(run, False)
+    _check_seq(run, msg)
+    if run.pending is not None:
+        raise OutOfTurn(
+            f"run {run.run_id!r} has a call of {run.pending.tool!r} in flight (key "
+            f"{run.pending.key!r}); report its outcome before escalating the run"
+        )
+    reason = readable_text(msg.reason, "the reason")[0] or "driver"
+    detail = (
+        readable_text(msg.detail, "the detail")[0] or f"the run's driver escalated it: {reason}"
+    )
+    _transition(run, events, now, ESCALATE, {}, "driver", escalation=(reason, detail))
+    return _verdict(run, False)
 
 
 def _on_resume(

@@ -122,6 +122,17 @@ class Abort(Msg, frozen=True, tag="abort"):
     note: str = ""
 
 
+class Escalate(Msg, frozen=True, tag="escalate"):
+    """A driver parks its run in the escalation queue for an operator, for what the
+    machine cannot see: ``reason`` names it in a word or two (as a breaker's name does),
+    ``detail`` says what happened and what the operator should check. Refused while a
+    tool call is in flight (report its outcome first) and once the run ended; a run that
+    is escalated already stays as it is."""
+
+    reason: str
+    detail: str = ""
+
+
 class Sync(Msg, frozen=True, tag="sync"):
     """Wait until everything decided so far is durable; answered with the run's verdict."""
 
@@ -157,10 +168,20 @@ class Verdict(Msg, frozen=True, tag="verdict"):
 
 
 Request: TypeAlias = (
-    Start | Propose | Report | Reconciliation | Cancel | Resume | Abort | Recover | Sync
+    Start | Propose | Report | Reconciliation | Cancel | Escalate | Resume | Abort | Recover | Sync
 )
 Message: TypeAlias = (
-    Start | Propose | Report | Reconciliation | Cancel | Resume | Abort | Recover | Sync | Verdict
+    Start
+    | Propose
+    | Report
+    | Reconciliation
+    | Cancel
+    | Escalate
+    | Resume
+    | Abort
+    | Recover
+    | Sync
+    | Verdict
 )
 
 _msgpack_encoder = msgspec.msgpack.Encoder()

@@ -29,8 +29,9 @@ import msgspec
 import trio
 from mcp.shared.exceptions import MCPError
 
+from ..core._events import Escalated, Resumed
 from ..core._exceptions import ProtocolError
-from ..core._messages import Propose, Reconciliation, Report
+from ..core._messages import Escalate, Propose, Reconciliation, Report
 from ..core._view import canonical_encoder, fold
 
 if TYPE_CHECKING:
@@ -235,9 +236,45 @@ class McpRun:
         what = "removed it" if now is None else "changed its definition"
         return (
             f"{name} was not called: the server {what} since run {self.run_id} started "
-            "(a tool must not change under a running agent); the run keeps the definition "
-            "it started with: restart the session (a new run) to accept the new one"
+            "(a tool must not change under a running agent)"
         )
+
+    async def _drifted(self, name: str, why: str) -> types.CallToolResult:
+        """The answer to a call of ``name``, whose definition changed under the run: the
+        run is escalated (an operator decides whether the agent goes on with a server
+        that changed), once; after an operator resumed it, the changed tool stays
+        refused and the others go on."""
+        structured = {"pinned": self.pinned.get(name), "tool": name}
+        meta = {RUN_META: self.run_id, VERDICT_META: "definition-changed"}
+        if not await self._resumed_after_drift(name):
+            detail = (
+                f"{why}. Abort the run if the server should not have changed (the agent's "
+                "next session starts a new run, pinned to what the server offers then), or "
+                f"resume it to go on without {name}, which stays refused in this run"
+            )
+            await self._submit(
+                Escalate(run_id=self.run_id, reason=DEFINITION_CHANGED, detail=detail)
+            )
+            if self._ended is not None:
+                result = self._ended_result()
+                return result.model_copy(
+                    update={
+                        "structured_content": {**(result.structured_content or {}), **structured}
+                    }
+                )
+        return _text(drift_refusal(why), error=True, structured=structured, meta=meta)
+
+    async def _resumed_after_drift(self, name: str) -> bool:
+        """Whether an operator resumed this run after it escalated for ``name``'s change."""
+        escalated = False
+        for event in await self.supervisor.store.load(self.run_id):
+            if isinstance(event, Escalated):
+                escalated = event.reason == DEFINITION_CHANGED and event.detail.startswith(
+                    f"{name} was not called"
+                )
+            elif isinstance(event, Resumed) and escalated:
+                return True
+        return False
 
     # -- tools/list ----------------------------------------------------------------------
 
@@ -283,21 +320,17 @@ class McpRun:
             if self.stale and self.refresh is not None:
                 self.tools = {t.name: t for t in await self.refresh()}
                 self.stale = False
-            drift = self.drifted(name)
-            if drift is not None:
-                return _text(
-                    drift,
-                    error=True,
-                    structured={"pinned": self.pinned.get(name), "tool": name},
-                    meta={RUN_META: self.run_id, VERDICT_META: "definition-changed"},
-                )
             run = self.supervisor.external.get(self.run_id)
             if run is not None and run.pending is not None:
+                # the call in flight was verified against the pinned definitions: settle it
                 settled = await self._settle_pending(run.pending, name, args)
                 if settled is not None:
                     return settled
                 if self._ended is not None:
                     return self._ended_result()
+            drift = self.drifted(name)
+            if drift is not None:
+                return await self._drifted(name, drift)
             proposal: dict[str, Any] = {"tool": name, "args": args}
             target = self.rules.moves_to(name)
             if target is not None:  # the machine file moves the run when this call commits
@@ -632,6 +665,17 @@ def _definition(tool: types.Tool) -> dict[str, Any]:
 def pin(machine: Machine, tools: Sequence[types.Tool]) -> dict[str, Any]:
     """The definitions of the machine's tools among ``tools``, by name."""
     return {t.name: _definition(t) for t in tools if t.name in machine.tool_by_name}
+
+
+#: The escalation reason of a run whose server changed a tool's definition under it.
+DEFINITION_CHANGED = "definition_changed"
+
+
+def drift_refusal(why: str) -> str:
+    return (
+        f"{why}; the run keeps the definitions it started with, and an operator resumed "
+        "it without this tool: start a new session (a new run) to use the new definition"
+    )
 
 
 def _structured(result: types.CallToolResult) -> Any:

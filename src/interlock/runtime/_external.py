@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..core._messages import Propose, Reconciliation, Report, Sync, Verdict
+from ..core._messages import Escalate, Propose, Reconciliation, Report, Sync, Verdict
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -88,9 +88,10 @@ class ExternalRuns:
         """
         return await self._supervisor.start_run(machine, inputs, run_id=run_id, external=True)
 
-    async def submit(self, msg: Propose | Report | Reconciliation) -> Verdict:
-        """Drive an external run one request further (a proposal, a tool call's outcome, or
-        a reconciliation) and return the verdict once its events are durable; a run that
+    async def submit(self, msg: Propose | Report | Reconciliation | Escalate) -> Verdict:
+        """Drive an external run one request further (a proposal, a tool call's outcome, a
+        reconciliation, or an :class:`~interlock.messages.Escalate` for what the machine
+        cannot see) and return the verdict once its events are durable; a run that
         ended is settled. See :meth:`Supervisor.submit`.
 
         Raises:

@@ -20,6 +20,7 @@ from ..core import _decider
 from ..core._breakers import Trip
 from ..core._events import (
     BreakerTripped,
+    Escalated,
     Event,
     Failed,
     ModelCalled,
@@ -38,7 +39,7 @@ from ..core._events import (
 )
 from ..core._exceptions import InterlockError, JournalInconsistent, ReplayDivergence
 from ..core._machine import ESCALATE, FAILED, Step
-from ..core._messages import Abort, Cancel, Propose, Recover, Resume, Start
+from ..core._messages import Abort, Cancel, Escalate, Propose, Recover, Resume, Start
 from ..core._view import RunState, RunView
 from ..providers._base import Proposal
 from ._requests import answered, failed, reconciled, returned, unanswered
@@ -212,6 +213,16 @@ def _operator_request(run: RunState, recorded: Sequence[Event], position: int) -
         failed = _at(recorded, position + 1)
         reason = failed.reason if isinstance(failed, Failed) else "cancelled"
         return Cancel(run_id=run.run_id, seq=run.seq, reason=reason)
+    if (
+        isinstance(upcoming, Transitioned)
+        and upcoming.reason == "driver"
+        and upcoming.dst == ESCALATE
+    ):  # the run's driver escalated it (Escalate)
+        parked = _at(recorded, position + 1)
+        if isinstance(parked, Escalated):
+            return Escalate(
+                run_id=run.run_id, seq=run.seq, reason=parked.reason, detail=parked.detail
+            )
     return None
 
 

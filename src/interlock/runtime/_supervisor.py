@@ -42,6 +42,7 @@ from ..core._machine import ESCALATE, Machine
 from ..core._messages import (
     Abort,
     Cancel,
+    Escalate,
     Propose,
     Reconciliation,
     Recover,
@@ -608,7 +609,7 @@ class Supervisor:
             self._spawn(handle, verdict, chosen)
         return handle
 
-    async def submit(self, msg: Propose | Report | Reconciliation) -> Verdict:
+    async def submit(self, msg: Propose | Report | Reconciliation | Escalate) -> Verdict:
         """Drive an external run one request further: a proposal (the model's raw text, as
         the caller's model produced it), a tool call's outcome, or a reconciliation.
 
