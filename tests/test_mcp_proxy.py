@@ -993,3 +993,89 @@ consecutive_failures = 2
         ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
         assert not ok.is_error, ok
         assert ok.meta["dev.interlock/run"] == "mcp-default-1"
+
+
+class _GatedStore:
+    """A SQLite journal whose writes wait for ``gate`` while it is closed: what the proxy
+    answers before its events are durable shows."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = trio.Event()
+        self.gate.set()
+        self.written = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, events: Any) -> None:
+        await self.gate.wait()
+        await self.inner.append(events)
+        self.written += 1
+
+
+@pytest.mark.parametrize("kind", ["read-only", "side-effecting"])
+async def test_only_a_call_that_may_change_something_waits_for_its_intent_to_be_durable(
+    tmp_path: Path, kind: str
+) -> None:
+    """A read-only call is forwarded and answered while the journal's write of its intent
+    and result is still held (a crash loses nothing that matters: the call is asked
+    again); any other call reaches the upstream only once its intent and key are durable.
+    Both end up journaled, intent then commit."""
+    import mcp.types as types
+
+    from interlock import Machine, Tool, Worker, open_supervisor
+    from interlock.mcp._proxy import McpRun
+
+    async def never(args: Any, ctx: Any) -> Any:
+        raise AssertionError("the upstream executes the tools")
+
+    machine = Machine(
+        "m",
+        "GO",
+        {"GO": Worker(next=["COMPLETED"], tools=["look", "write"])},
+        tools=[
+            Tool("look", never, {"type": "object"}, read_only=True),
+            Tool("write", never, {"type": "object"}),
+        ],
+    )
+    forwarded: list[tuple[str, int]] = []
+    inner = await open_sqlite_store(str(tmp_path / "j.db"), synchronous="FULL")
+    store = _GatedStore(inner)
+
+    async def upstream(name: str, args: Any, meta: Any) -> types.CallToolResult:
+        forwarded.append((name, store.written))
+        return types.CallToolResult(content=[types.TextContent(type="text", text="{}")])
+
+    tools = [types.Tool(name=n, input_schema={"type": "object"}) for n in ("look", "write")]
+    name = "look" if kind == "read-only" else "write"
+    async with open_supervisor([machine], store) as sup:  # type: ignore[arg-type]
+        run = await McpRun.open(sup, machine, "g", upstream, tools)
+        store.gate = trio.Event()  # hold every write from here on
+        before = store.written
+        answered = trio.Event()
+
+        async def call() -> None:
+            result = await run.call_tool(name, {"n": 1})
+            assert not result.is_error, result
+            answered.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            with trio.move_on_after(2):
+                await answered.wait()
+            if kind == "read-only":
+                assert answered.is_set()  # answered with its writes still held
+                assert forwarded == [("look", before)]
+            else:
+                assert not answered.is_set()  # the intent is not durable: not forwarded
+                assert forwarded == []
+            store.gate.set()
+        if kind != "read-only":
+            assert forwarded == [("write", before + 1)]  # once the intent was written
+        await sup.external.sync(run.run_id)
+        assert store.written > before
+    events = await inner.load(run.run_id)
+    await inner.aclose()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("IntentRecorded") < kinds.index("ToolCommitted"), kinds

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import mcp.types as types
 import msgspec
@@ -337,7 +337,7 @@ class McpRun:
                 proposal["next"] = target
             raw = msgspec.json.encode(proposal).decode()
             state = self.state
-            verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
+            verdict = await self._decide(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
             if verdict.execute is None:
                 if verdict.accepted and verdict.result is not None:  # committed before
                     return self._result_of(verdict.result, None)
@@ -353,13 +353,16 @@ class McpRun:
         journal the outcome; then move the run where the machine file says."""
         while verdict.execute is not None:
             call = verdict.execute
+            if not self.machine.tool_by_name[call.tool].read_only:
+                # a call that may change something: its intent and key are durable first
+                await self._durable()
             result, report = await self._forward(call)
-            verdict = await self._submit(report)
+            verdict = await self._decide(report)
             if verdict.reconcile is not None and self._ended is None:
                 # in doubt, and the machine says how to ask: ask, then commit or run once
                 how = self.rules.reconcile(verdict.reconcile.tool)
                 applied, recorded = await self._reconcile(how, verdict.reconcile)
-                verdict = await self._submit(
+                verdict = await self._decide(
                     Reconciliation(
                         run_id=self.run_id,
                         key=verdict.reconcile.key,
@@ -572,12 +575,48 @@ class McpRun:
 
     # -- answers ---------------------------------------------------------------------------
 
-    async def _submit(self, msg: Propose | Report | Reconciliation) -> Verdict:
+    async def _submit(self, msg: Propose | Report | Reconciliation | Escalate) -> Verdict:
+        """Decide ``msg`` and return its verdict once its events are durable."""
         try:
             verdict = await self.supervisor.external.submit(msg)
         except ProtocolError as exc:
-            self._ended = ("stopped", self.state, str(exc))
-            raise MCPError(-32603, f"interlock refused the request: {exc}") from None
+            self._refused(exc)
+        await self._settled(verdict)
+        return verdict
+
+    async def _decide(self, msg: Propose | Report | Reconciliation) -> Verdict:
+        """Decide ``msg`` now and return its verdict at once, its events on their way to
+        the journal (written before any later verdict of the run is durable): what is
+        answered before they are durable is what a crash may lose harmlessly (a
+        rejection, a read-only call's intent or result, a result the agent saw; the
+        call after a crash is then in doubt and settled as such). An intent that must
+        be durable before its call is forwarded waits in :meth:`_durable`; a run that
+        ended or escalated waits here."""
+        external = self.supervisor.external
+        if external.get(self.run_id) is None:  # not live here: submit loads it again
+            return await self._submit(msg)
+        verdict = external.decide_many([msg])[0]
+        if isinstance(verdict, ProtocolError):
+            self._refused(verdict)
+        if isinstance(verdict, Exception):
+            raise verdict
+        if verdict.outcome != "running":
+            await external.sync(self.run_id)
+            external.settle(self.run_id)
+            await self._settled(verdict)
+        else:
+            await trio.lowlevel.checkpoint()
+        return verdict
+
+    async def _durable(self) -> None:
+        """Wait until every verdict of the run decided so far is durable."""
+        await self.supervisor.external.sync(self.run_id)
+
+    def _refused(self, exc: ProtocolError) -> NoReturn:
+        self._ended = ("stopped", self.state, str(exc))
+        raise MCPError(-32603, f"interlock refused the request: {exc}") from None
+
+    async def _settled(self, verdict: Verdict) -> None:
         if verdict.outcome != "running":
             reason = "; ".join(v.message for v in verdict.violations)
             record = None
@@ -586,7 +625,6 @@ class McpRun:
             if record is not None and record.reason:
                 reason = record.reason + (f" ({record.detail})" if record.detail else "")
             self._ended = (verdict.outcome, verdict.state, reason)
-        return verdict
 
     def _rejected(self, verdict: Verdict) -> types.CallToolResult:
         lines = [f"{v.message}; {v.hint}" if v.hint else v.message for v in verdict.violations]
