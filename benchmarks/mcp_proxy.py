@@ -7,10 +7,17 @@ the same server through ``interlock mcp`` (stdio on both hops), in turns (the or
 every round, so drift on a shared host hits both alike). Two calls:
 
 - **read-only**: ``mcp-server-time``'s ``get_current_time`` (PyPI), a read-only tool: the
-  gate, then the call, then the commit (one journal batch after the call);
+  gate, then the call, then the commit; the answer waits for no journal write (a crash
+  that loses them loses nothing: the call is asked again);
 - **side-effecting**: the npm filesystem server's ``write_file`` (each call new content), a
   tool that is neither read-only nor idempotent: the intent is durable (an fsync) before
-  the call is forwarded, the commit after.
+  the call is forwarded; the commit is written after the answer (a crash before it leaves
+  the call in doubt, settled as such).
+
+A second table isolates the proxy's own work from the SDK's stdio hops: in one process,
+:meth:`McpRun.call_tool <interlock.mcp._proxy.McpRun.call_tool>` (the gate, the journal
+on SQLite FULL, the run's bookkeeping) against an upstream that answers at once, minus
+calling that upstream directly.
 
 The proxy's journal is SQLite with ``synchronous=FULL`` (every batch fsynced). Per call:
 the client's wall time from request to answer; per figure the median over rounds of each
@@ -126,6 +133,56 @@ async def _measure(params: Any, calls: int, make: Any) -> list[float]:
         return took
 
 
+def _in_process(app: str, calls: int, scratch: Path) -> tuple[list[float], list[float]]:
+    """Per-call wall times of ``McpRun.call_tool`` in this process against an upstream that
+    answers at once (journal: SQLite FULL), and of calling that upstream directly."""
+    import mcp.types as types
+    import trio
+
+    from benchmarks import _mcp_apps
+    from interlock import open_supervisor
+    from interlock.mcp._proxy import McpRun
+    from interlock.stores import open_sqlite_store
+
+    machine = next(iter(getattr(_mcp_apps, app).machines.values()))
+    tool = next(iter(machine.tool_by_name))
+
+    async def upstream(name: str, args: Any, meta: Any) -> types.CallToolResult:
+        await trio.lowlevel.checkpoint()
+        return types.CallToolResult(content=[types.TextContent(type="text", text='{"ok": 1}')])
+
+    def make(i: int) -> dict[str, Any]:
+        if app == "clock":
+            return {"timezone": "UTC"}
+        return {"path": "/tmp/out.txt", "content": f"call {i}"}
+
+    async def main() -> tuple[list[float], list[float]]:
+        store = await open_sqlite_store(str(scratch / f"in-process-{app}.db"), synchronous="FULL")
+        tools = [types.Tool(name=tool, input_schema={"type": "object"})]
+        direct: list[float] = []
+        proxied: list[float] = []
+        try:
+            async with open_supervisor([machine], store) as supervisor:
+                run = await McpRun.open(supervisor, machine, "bench", upstream, tools)
+                for i in range(calls + 50):
+                    args = make(i)
+                    started = time.perf_counter()
+                    await upstream(tool, args, {})
+                    middle = time.perf_counter()
+                    result = await run.call_tool(tool, args)
+                    ended = time.perf_counter()
+                    if result.is_error:
+                        raise RuntimeError(f"{tool} failed: {result.content}")
+                    if i >= 50:  # the first ones warm the caches
+                        direct.append(middle - started)
+                        proxied.append(ended - middle)
+        finally:
+            await store.aclose()
+        return direct, proxied
+
+    return trio.run(main)
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -197,8 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+    inside: dict[str, dict[str, float]] = {}
+    for kind, (_, app, _) in _upstreams(scratch).items():
+        direct, proxied = _in_process(app, args.calls * args.rounds, scratch)
+        inside[kind] = {
+            "direct50": _pct(direct, 0.5) * 1e6,
+            "proxy50": _pct(proxied, 0.5) * 1e6,
+            "proxy99": _pct(proxied, 0.99) * 1e6,
+        }
     fsync = _fsync_us(scratch)
-    table = _render(figures, fsync, args, time.time() - started)
+    table = _render(figures, fsync, args, time.time() - started, inside)
     print(table)
     if args.write:
         _write(table)
@@ -206,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _render(
-    figures: dict[str, dict[str, list[float]]], fsync: float, args: Any, seconds: float
+    figures: dict[str, dict[str, list[float]]],
+    fsync: float,
+    args: Any,
+    seconds: float,
+    inside: dict[str, dict[str, float]],
 ) -> str:
     lines = [
         SECTION,
@@ -219,9 +288,10 @@ def _render(
         f"An fsync on this disk (4 KiB, median of 200): {fsync:.0f} µs.",
         "",
         "*relay* is the floor: a pass-through proxy on the same SDK with no gate and no "
-        "journal. *interlock's own* is proxied minus relay: the gate, the journal (one "
-        "fsync'd batch for a read-only call, two for a side-effecting one) and the run's "
-        "bookkeeping.",
+        "journal. *interlock's own* is proxied minus relay: the gate, the journal (a "
+        "read-only call waits for no write; a side-effecting one for its intent's, one "
+        "fsync) and the run's bookkeeping, on a host whose 2 cores also run the client, the "
+        "upstream and the journal's writer thread.",
         "",
         "| call | direct p50 | relay p50 | proxied p50 | added p50 | interlock's own p50 | "
         "direct p99 | proxied p99 | added p99 | goal (added p50) |",
@@ -237,7 +307,41 @@ def _render(
             f"| {added:,.0f} µs | {m['proxy50'] - m['relay50']:,.0f} µs | {m['direct99']:,.0f} µs "
             f"| {m['proxy99']:,.0f} µs | {m['proxy99'] - m['direct99']:,.0f} µs | {goal} |"
         )
-    lines += ["", "Raw per-round figures (µs): `" + json.dumps(figures) + "`"]
+    lines += [
+        "",
+        "In one process, without the SDK's hops (`McpRun.call_tool` against an upstream "
+        f"that answers at once, {args.calls * args.rounds} calls, SQLite FULL): the "
+        "proxy's own work per call, against the same goal.",
+        "",
+        "| call | upstream alone p50 | through the proxy p50 | added p50 | added p99 | goal |",
+        "| :--- | ---: | ---: | ---: | ---: | :--- |",
+    ]
+    for kind, m in inside.items():
+        added = m["proxy50"]
+        limit = 100.0 if kind == "read-only" else fsync + 100.0
+        goal = f"≤ {limit:.0f} µs: " + ("met" if added <= limit else "not met")
+        lines.append(
+            f"| {kind} | {m['direct50']:,.0f} µs | {m['direct50'] + added:,.0f} µs "
+            f"| {added:,.0f} µs | {m['proxy99']:,.0f} µs | {goal} |"
+        )
+    lines += [
+        "",
+        "What the figures say. The SDK's second stdio hop (relay minus direct) is the floor "
+        "of any proxy built on the official SDK, and by itself ten times the read-only "
+        "goal: the goal cannot be met end to end with the SDK on this host. In process the "
+        "proxy's own work on a read-only call (two decisions of the gate, the result's copy "
+        "and dump, a cancel scope for the tool's timeout) is the second table's figure, and "
+        "no answer waits for the journal. Over stdio the proxy adds more than that over the "
+        "relay: the journal's writer (its thread and the fsync) competes for the host's 2 "
+        "cores with the client, the server and the proxy even though no answer waits for it "
+        "(measured by hand on 2026-12-04 with the in-memory store in its place: about 0.25 "
+        "ms over the relay instead of about 1.5). A side-effecting call waits for one fsync, "
+        "its intent's; back to back, with no pause between calls, the previous call's "
+        "commit is still being written when the next intent must be, hence about two in "
+        "the in-process figure.",
+        "",
+        "Raw per-round figures (µs): `" + json.dumps(figures) + "`",
+    ]
     return "\n".join(lines)
 
 

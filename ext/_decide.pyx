@@ -1312,9 +1312,11 @@ cdef int _proposal_mode(runs, msg, verdict) except -1:
     if found is NULL:
         return _DURABLE
     run = <object>found
-    if run.external:
-        return _DURABLE
     call = verdict.execute
+    if run.external:  # a read-only call's intent goes with the run's next flush
+        if call is not None and run.machine.tool_by_name[call.tool].read_only:
+            return _LAG
+        return _DURABLE
     if call is None:
         return _LAG
     return _WRITE if run.machine.tool_by_name[call.tool].read_only else _DURABLE

@@ -176,6 +176,61 @@ async def test_a_driver_escalates_its_run_for_what_the_machine_cannot_see(tmp_pa
     assert replay(events, shop()).diverged == ()
 
 
+async def test_a_read_only_calls_intent_waits_for_the_next_write_and_any_others_is_written_at_once(
+    tmp_path: Any,
+) -> None:
+    """Decided without waiting (decide_many), a read-only call's intent starts no write of
+    its own (nothing to protect: it is written with the run's next flush, its commit's);
+    the intent of a call that may change something is written at once. Both modes."""
+    import trio
+
+    machine = Machine(
+        "two",
+        "GO",
+        {"GO": Worker(next=["COMPLETED"], tools=["look", "charge"])},
+        tools=[
+            Tool("look", never, {"type": "object"}, read_only=True),
+            Tool("charge", never, Charge),
+        ],
+    )
+    batches: list[list[str]] = []
+    wrote = trio.Event()
+
+    def written(events: Any) -> None:
+        batches.append([type(e).__name__ for e in events])
+        wrote.set()
+
+    store = await open_sqlite_store(str(tmp_path / "j.db"))
+    async with open_supervisor([machine], store) as sup:
+        sup.on_written.append(written)
+        await sup.external.start("two", run_id="x-1")
+        batches.clear()
+        wrote = trio.Event()
+        [looked] = sup.external.decide_many(
+            [Propose(run_id="x-1", raw='{"tool": "look", "args": {}}')]
+        )
+        assert looked.execute is not None
+        await trio.sleep(0.2)
+        assert batches == []  # no write of its own
+        [done] = sup.external.decide_many(
+            [Report(run_id="x-1", key=looked.execute.key, ok=True, result={"seen": 1})]
+        )
+        assert done.accepted
+        with trio.fail_after(10):
+            await wrote.wait()
+        assert len(batches) == 1
+        assert {"IntentRecorded", "ToolCommitted"} <= set(batches[0]), batches
+        wrote = trio.Event()
+        [charged] = sup.external.decide_many(
+            [Propose(run_id="x-1", raw=CHARGE.replace("500", "7"))]
+        )
+        assert charged.execute is not None
+        with trio.fail_after(10):  # written without a sync or another request
+            await wrote.wait()
+        assert "IntentRecorded" in batches[1], batches
+    await store.aclose()
+
+
 async def test_many_proposals_are_decided_at_once_each_as_alone(tmp_path: Any) -> None:
     """Supervisor.submit_many_nowait (the gateway's batches): in order, each verdict the
     one submit_nowait would give, a refusal in its own place, one write for them all."""

@@ -604,8 +604,8 @@ class McpRun:
             await external.sync(self.run_id)
             external.settle(self.run_id)
             await self._settled(verdict)
-        else:
-            await trio.lowlevel.checkpoint()
+        # NOTE: no checkpoint of its own: what the caller does next (forward the call,
+        # or send the answer) is one
         return verdict
 
     async def _durable(self) -> None:

@@ -423,7 +423,9 @@ class Supervisor:
         again after a crash may propose another call, under another key once a rejection
         or a provider failure moved the seq on; so its intent is durable before it runs,
         as one that is not idempotent. Nor a run end or an escalation, which the caller
-        and the operators see.
+        and the operators see. An external run's driver is answered once durable unless
+        it decides without waiting (:meth:`ExternalRuns.decide_many`), and then it waits
+        (:meth:`ExternalRuns.sync`) where it must: a read-only call's intent is LAG.
 
         The commit of a call that is safe to repeat or can reconcile is LAG too: a crash
         that loses it re-runs the call with its key, or reconciles it. That of a call that
@@ -435,9 +437,15 @@ class Supervisor:
             if verdict.outcome != "running":
                 return DURABLE
             run = self._runs.get(msg.run_id)
-            if run is None or run.external:
+            if run is None:
                 return DURABLE
             call = verdict.execute
+            if run.external:
+                # A driver deciding without waiting (decide_many) syncs where it must; a
+                # read-only call's intent needs no write of its own before the call is
+                # made: it goes with the run's next flush (its commit's, usually).
+                read_only = call is not None and run.machine.tool_by_name[call.tool].read_only
+                return LAG if read_only else DURABLE
             if call is None:
                 return LAG
             return WRITE if run.machine.tool_by_name[call.tool].read_only else DURABLE
