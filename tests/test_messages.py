@@ -49,6 +49,7 @@ from interlock.events import (
 )
 from interlock.messages import (
     Cancel,
+    Escalate,
     Message,
     Propose,
     Report,
@@ -94,6 +95,9 @@ MESSAGES: dict[str, Any] = {
         run_id="r-1", seq=6, key="r-1:WORK:5", applied=True, result={"sent": True}, latency=0.5
     ),
     "Cancel": Cancel(run_id="r-1", seq=6, reason="the customer withdrew"),
+    "Escalate": Escalate(
+        run_id="r-1", seq=6, reason="definition_changed", detail="the server changed a tool"
+    ),
     "Resume": _messages.Resume(
         run_id="r-1",
         seq=9,
@@ -155,6 +159,7 @@ def test_messages_carry_their_tags() -> None:
         "Report": "report",
         "Reconciliation": "reconciliation",
         "Cancel": "cancel",
+        "Escalate": "escalate",
         "Resume": "resume",
         "Abort": "abort",
         "Recover": "recover",
