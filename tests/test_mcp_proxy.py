@@ -1079,3 +1079,127 @@ async def test_only_a_call_that_may_change_something_waits_for_its_intent_to_be_
     await inner.aclose()
     kinds = [type(e).__name__ for e in events]
     assert kinds.index("IntentRecorded") < kinds.index("ToolCommitted"), kinds
+
+
+@pytest.mark.parametrize("action", ["resume", "abort"])
+async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_journal(
+    tmp_path: Path, action: str
+) -> None:
+    """On SQLite the proxy holds the journal (one writer), so `interlock escalations
+    resume|abort` hands its request to the proxy through the journal's inbox: the
+    proxy decides it, the agent hears its tool list changed, and its next call is
+    answered from where the operator put the run, all without a restart."""
+    from mcp import Client
+
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    params = _proxy(tmp_path, "clock.py:app", *_time_server(), session="live")
+    changed = trio.Event()
+
+    async def on_message(message: Any) -> None:
+        if type(message).__name__ == "ToolListChangedNotification":
+            changed.set()
+
+    async with Client(params, message_handler=on_message, mode="legacy") as client:
+        for _ in range(4):  # four rejections in a row trip the breaker
+            last = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+        assert last.structured_content["outcome"] == "escalated"
+        changed = trio.Event()
+        listed = await trio.run_process(
+            [sys.executable, "-m", "interlock", "escalations", "--db", "mcp.db"],
+            cwd=tmp_path,
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+        assert b"mcp-live-1" in listed.stdout
+        operated = await trio.run_process(
+            [
+                *(sys.executable, "-m", "interlock", "escalations", action, "mcp-live-1"),
+                *("--app", "clock.py:app", "--db", "mcp.db", "--by", "oncall", "--note", "ok"),
+            ],
+            cwd=tmp_path,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert operated.returncode == 0, operated.stderr.decode()
+        if action == "resume":
+            assert operated.stdout.decode().startswith("run mcp-live-1: running in ASK")
+            with trio.fail_after(10):
+                await changed.wait()  # told at once, before its next call
+            listed_tools = await client.list_tools()
+            assert [t.name for t in listed_tools.tools] == ["get_current_time"]
+            ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert not ok.is_error, ok
+            assert ok.meta["dev.interlock/run"] == "mcp-live-1"
+        else:
+            assert operated.stdout.decode().startswith("run mcp-live-1: failed in FAILED")
+            ended = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert ended.is_error
+            assert ended.structured_content["outcome"] == "failed"
+        # a second time: the proxy answers what the operator did, changing nothing
+        again = await trio.run_process(
+            [
+                *(sys.executable, "-m", "interlock", "escalations", action, "mcp-live-1"),
+                *("--app", "clock.py:app", "--db", "mcp.db"),
+            ],
+            cwd=tmp_path,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert again.returncode == 0, again.stderr.decode()
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        events = await store.load("mcp-live-1")
+    finally:
+        await store.aclose()
+    resumed = [e for e in events if type(e).__name__ == "Resumed"]
+    assert [(e.by, e.note) for e in resumed] == [("oncall", "ok")]
+    assert list((tmp_path / "mcp.db.operators").iterdir()) == []  # nothing left behind
+
+
+async def test_a_holder_that_takes_no_operator_requests_gets_none_left_behind(
+    tmp_path: Path,
+) -> None:
+    """A process that holds the journal but serves no inbox (here a bare writer): the
+    request is withdrawn after --wait, and the operator is told in one line to stop
+    that process first (exit 2); the inbox is left empty."""
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    params = _proxy(tmp_path, "clock.py:app", *_time_server(), session="q")
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        for _ in range(4):
+            await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, trio\n"
+            "from interlock.stores import open_sqlite_store\n"
+            "async def main():\n"
+            "    store = await open_sqlite_store('mcp.db')\n"
+            "    print('held', flush=True)\n"
+            "    await trio.sleep(60)\n"
+            "trio.run(main)\n",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        refused = _interlock(
+            tmp_path,
+            *("escalations", "resume", "mcp-q-1", "--app", "clock.py:app", "--db", "mcp.db"),
+            *("--wait", "0.5"),
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "took no operator request within 0.5 s" in last, last
+    assert "stop it, then run this again" in last, last
+    assert list((tmp_path / "mcp.db.operators").iterdir()) == []

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..core._escalation import answer_again, escalated_from, resume_targets
-from ..core._exceptions import ConfigurationError
+from ..core._exceptions import ConfigurationError, InterlockError
 from ..core._view import fold
 from ..runtime._app import find_ref, load_app
 from ..runtime._handle import run_result
+from ..stores import JournalHeld
 from ..stores._open import open_store
 from ._common import (
     _application,
@@ -153,7 +154,10 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                 _has_state(app, named, record, origin, "escalated from")
     finally:
         await _close(store)
-    store = await open_store(db)
+    try:
+        store = await open_store(db)
+    except JournalHeld as held:  # a live process serves it: hand the request over
+        return await _hand_over(args, action, held)
     try:
         async with (
             app.open(db, named),
@@ -176,12 +180,44 @@ async def _operate(args: argparse.Namespace, action: str) -> int:
                     result = await handle.wait()
     finally:
         await _close(store)
-    document = msgspec.to_builtins(result)
+    _print_result(args, msgspec.to_builtins(result))
+    return 0
+
+
+def _print_result(args: argparse.Namespace, document: dict[str, Any]) -> None:
     if args.json:
         _print_json(document)
-    else:
-        line = f"run {result.run_id}: {result.outcome} in {result.state}"
-        if result.outcome == "running":
-            line += " (an external run: its caller drives it on)"
-        sys.stdout.write(line + (f" ({result.reason})" if result.reason else "") + "\n")
+        return
+    line = f"run {document['run_id']}: {document['outcome']} in {document['state']}"
+    if document["outcome"] == "running":
+        line += " (an external run: its caller drives it on)"
+    reason = document.get("reason")
+    sys.stdout.write(line + (f" ({reason})" if reason else "") + "\n")
+
+
+async def _hand_over(args: argparse.Namespace, action: str, held: JournalHeld) -> int:
+    """Hand an operator's request to the process that holds the SQLite journal (an
+    ``interlock mcp`` proxy serves its inbox), and print its answer."""
+    from ..runtime._operators import OperatorRequest, post_operator_request
+
+    request = OperatorRequest(
+        action=action,
+        run_id=args.run_id,
+        by=_operator(args),
+        note=args.note,
+        to=args.to if action == "resume" else None,
+        payload=args.payload if action == "resume" else None,
+    )
+    answer = await post_operator_request(held.path, request, wait=args.wait)
+    if answer is None:
+        refused = JournalHeld(held.path, held.holder, 0.0)
+        refused.args = (
+            f"journal {held.path} is held by {held.who}, which took no operator request "
+            f"within {args.wait:g} s (an `interlock mcp` proxy takes them; another process "
+            "does not): stop it, then run this again",
+        )
+        raise refused
+    if answer.error or answer.result is None:
+        raise InterlockError(answer.error or "the process holding the journal did not say")
+    _print_result(args, answer.result)
     return 0

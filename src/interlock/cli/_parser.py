@@ -163,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (resumed, aborted):
         action.add_argument("--note", default="", help="why (journaled)")
         action.add_argument("--by", default=None, help="who (journaled; default: $USER)")
+        action.add_argument(
+            "--wait",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help=(
+                "when an `interlock mcp` proxy holds the SQLite journal, how long to wait "
+                "for it to take the request (default 10)"
+            ),
+        )
         _app(action, sub=True)
     _demo_options(resumed, chaos=False)
     for action in (listing, shown):

@@ -239,6 +239,27 @@ class McpRun:
             "(a tool must not change under a running agent)"
         )
 
+    async def refresh_ended(self) -> bool:
+        """An escalated run may have been resumed or aborted by an operator since: read
+        how it stands (this supervisor's table, else the journal). Whether it changed."""
+        if self._ended is None or self._ended[0] != "escalated":
+            return False
+        live = self.supervisor.external.get(self.run_id)
+        if live is not None and not live.terminal:  # resumed here (the operators' inbox)
+            self._ended = None
+            return True
+        record = await self.supervisor.store.get_run(self.run_id)
+        if record is None or record.outcome == "escalated":
+            return False
+        if record.outcome == "running":  # resumed by another process (a shared store)
+            events = await self.supervisor.store.load(self.run_id)
+            self.supervisor.external.forget(self.run_id)
+            self.supervisor.external.hold(fold(self.machine, events))
+            self._ended = None
+        else:
+            self._ended = (record.outcome, record.state, record.reason)
+        return True
+
     async def _drifted(self, name: str, why: str) -> types.CallToolResult:
         """The answer to a call of ``name``, whose definition changed under the run: the
         run is escalated (an operator decides whether the agent goes on with a server
@@ -315,6 +336,8 @@ class McpRun:
             raise MCPError(INVALID_PARAMS, f"unknown tool {name!r}; the tools are: {known}")
         args = dict(arguments or {})
         async with self._turn:
+            if self._ended is not None and self._ended[0] == "escalated":
+                await self.refresh_ended()
             if self._ended is not None:
                 return self._ended_result()
             if self.stale and self.refresh is not None:

@@ -24,7 +24,9 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from .._version import __version__
 from ..core._exceptions import ConfigurationError
+from ..runtime._operators import serve_operator_requests
 from ..runtime._runtime import open_supervisor
+from ..stores import SQLiteStore
 from ._proxy import RUN_META, McpRun, NoRules, listed_tools
 
 if TYPE_CHECKING:
@@ -479,6 +481,13 @@ class Proxied:
     def untrack(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
 
+    async def resolved(self, run_id: str) -> None:
+        """An operator resumed or aborted ``run_id``: its session hears it now (the
+        tools it may call changed)."""
+        run = self._runs.get(run_id)
+        if run is not None and await run.refresh_ended() and run.on_state_change is not None:
+            await run.on_state_change()
+
     def stale(self) -> None:
         for run in self._runs.values():  # read the list again before the next call, and compare
             run.stale = True
@@ -511,12 +520,24 @@ async def proxied(
             forwarded: Any = _strip(meta) or None
             return await up.call_tool(name, args, meta=forwarded)
 
-        async with open_supervisor([machine], store, stats=stats) as supervisor:
+        async with (
+            open_supervisor([machine], store, stats=stats) as supervisor,
+            trio.open_nursery() as nursery,
+        ):
             if on_supervisor is not None:
                 on_supervisor(supervisor)
             guarded = Proxied(supervisor, machine, rules, tools, forward)
             guarded.refresh = partial(list_all_tools, up)
+            if isinstance(store, SQLiteStore):
+                # this process holds the journal: an operator's resume or abort of one of
+                # its runs comes through the journal's inbox, and the agent hears of it
+                nursery.start_soon(
+                    partial(
+                        serve_operator_requests, supervisor, store.path, on_done=guarded.resolved
+                    )
+                )
             yield guarded
+            nursery.cancel_scope.cancel()
 
 
 def _build(machine_source: Any, tools: list[types.Tool]) -> tuple[Machine, Any]:
