@@ -56,7 +56,7 @@ class Proxy:
         self.log = log
 
 
-def _start(tmp_path: Path, log: Path, *machine: str) -> Proxy:
+def _start(tmp_path: Path, log: Path, *machine: str, env: dict[str, str] | None = None) -> Proxy:
     """``interlock mcp --http 0`` in front of mcp-server-time; its URL from its stderr."""
     (tmp_path / "clock.py").write_text(TIME_APP)
     db = tmp_path / "mcp.db"
@@ -69,6 +69,7 @@ def _start(tmp_path: Path, log: Path, *machine: str) -> Proxy:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
+            env={**os.environ, **(env or {})},
         )
     try:
         return Proxy(process, _wait_for_url(process, log), db, log)
@@ -720,3 +721,82 @@ def test_no_client_mistake_makes_the_http_proxy_answer_5xx(
                 response.text[:500],
             )
     assert proxy.process.poll() is None
+
+
+async def test_a_call_that_names_a_key_twice_is_refused_by_the_gate_and_journaled(
+    proxy: Proxy,
+) -> None:
+    """Over HTTP, as over stdio, the body is read exactly before the SDK's reader (which
+    would keep the last value): the gate refuses the call as written, and the journal
+    holds the refusal; a key named twice elsewhere than the arguments is refused too."""
+    envelope = json.dumps(MODERN_META).encode()
+    twice = (
+        b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+        b'"get_current_time", "arguments": {"timezone": "Asia/Tokyo", "timezone": "UTC"}, '
+        b'"_meta": ' + envelope + b"}}"
+    )
+    elsewhere = (
+        b'{"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"name": '
+        b'"convert_time", "name": "get_current_time", "arguments": {"timezone": "UTC"}, '
+        b'"_meta": ' + envelope + b"}}"
+    )
+    headers = {
+        "content-type": "application/json",
+        "accept": "application/json, text/event-stream",
+        "mcp-protocol-version": "2026-07-28",
+        "mcp-method": "tools/call",
+        "mcp-name": "get_current_time",
+    }
+
+    def post() -> list[Any]:
+        with httpx.Client(timeout=60) as http:
+            return [http.post(proxy.url, headers=headers, content=b) for b in (twice, elsewhere)]
+
+    first, second = await trio.to_thread.run_sync(post)
+    assert first.status_code == 200, first.text
+    result = first.json()["result"]
+    assert result["isError"] is True
+    (violation,) = result["structuredContent"]["violations"]
+    assert (violation["code"], violation["path"]) == ("malformed", "args.timezone")
+    run_id = result["_meta"][RUN_META]
+    rejected = [
+        e for e in await _events(proxy.db, run_id) if type(e).__name__ == "ProposalRejected"
+    ]
+    assert [v.code for e in rejected for v in e.violations] == ["malformed"]
+    assert second.status_code == 200, second.text
+    refused = second.json()["result"]
+    assert refused["isError"] is True
+    assert refused["structuredContent"]["violations"][0]["path"] == "name"
+    assert not [e for e in await _events(proxy.db, run_id) if isinstance(e, IntentRecorded)]
+
+
+async def test_with_a_token_a_request_without_it_is_answered_401(tmp_path: Path) -> None:
+    """INTERLOCK_MCP_TOKEN set: only requests with 'Authorization: Bearer TOKEN' reach
+    the proxy; a real client configured with the header is served."""
+    token = "s3cret-token"
+    started = _start(tmp_path, tmp_path / "proxy.log", env={"INTERLOCK_MCP_TOKEN": token})
+    try:
+
+        def post(headers: dict[str, str]) -> httpx.Response:
+            with httpx.Client(timeout=60) as http:
+                return http.post(
+                    started.url,
+                    headers={"content-type": "application/json", **headers},
+                    content=_rpc("tools/list"),
+                )
+
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": token}):
+            denied = await trio.to_thread.run_sync(post, headers)
+            assert denied.status_code == 401, (headers, denied.text)
+            assert "Authorization: Bearer TOKEN" in denied.json()["error"]["message"]
+            assert denied.headers["www-authenticate"].startswith("Bearer")
+        async with (
+            httpx2.AsyncClient(headers={"authorization": f"Bearer {token}"}) as http,
+            Client(streamable_http_client(started.url, http_client=http)) as client,
+        ):
+            ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+            assert not ok.is_error, ok
+    finally:
+        started.process.send_signal(signal.SIGTERM)
+        assert started.process.wait(timeout=30) == 0
+    assert "Traceback" not in started.log.read_text()

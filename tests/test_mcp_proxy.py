@@ -857,7 +857,8 @@ async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path
         named_twice = await answer(7)
         assert named_twice["result"]["isError"] is True
         (violation,) = named_twice["result"]["structuredContent"]["violations"]
-        assert (violation["code"], violation["path"]) == ("malformed", "arguments.timezone")
+        assert (violation["code"], violation["path"]) == ("malformed", "args.timezone")
+        assert "duplicate key" in violation["message"], violation
         await send(b'{"jsonrpc": "2.0", "id": 6, "method": "tools/list"}')
         listed = await answer(6)
         assert [t["name"] for t in listed["result"]["tools"]] == ["get_current_time"]
@@ -865,6 +866,16 @@ async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path
     finally:
         proc.kill()
         await proc.wait()
+    store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
+    try:
+        events = await store.load("mcp-s-1")
+    finally:
+        await store.aclose()
+    # the call named twice is journaled as the gate refused it, as the client wrote it
+    rejected = [e for e in events if type(e).__name__ == "ProposalRejected"]
+    assert any(
+        v.code == "malformed" and v.path == "args.timezone" for e in rejected for v in e.violations
+    ), rejected
 
 
 async def test_a_result_that_fails_a_check_does_not_reach_the_agent_as_an_answer(
@@ -1170,7 +1181,7 @@ async def test_a_holder_that_takes_no_operator_requests_gets_none_left_behind(
         await client.initialize()
         for _ in range(4):
             await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
-    holder = subprocess.Popen(
+    holder = subprocess.Popen(  # noqa: ASYNC220 - a holder for the test's whole length
         [
             sys.executable,
             "-c",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,7 @@ async def toml_application(args: argparse.Namespace) -> tuple[Any, str, str]:
 
 async def _mcp(args: argparse.Namespace) -> int:
     try:
-        from ..mcp._http import serve_http
+        from ..mcp._http import TOKEN_ENV, serve_http
         from ..mcp._serve import Upstream, serve_stdio
     except ImportError as exc:  # pragma: no cover - the [mcp] extra is missing
         raise MissingExtra(
@@ -132,6 +133,7 @@ async def _mcp(args: argparse.Namespace) -> int:
                     host=host,
                     port=port,
                     handle_signals=True,
+                    token=os.environ.get(TOKEN_ENV) or None,
                     stats=metrics.stats,
                     on_supervisor=metrics.started,
                 )
@@ -202,7 +204,8 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
         metavar="[HOST:]PORT",
         help="serve MCP clients over Streamable HTTP at http://HOST:PORT/mcp instead of "
         "stdio (HOST 127.0.0.1 unless given; PORT 0 picks a free one, printed on stderr); "
-        "each client session is a run of its own",
+        "each client session is a run of its own; with INTERLOCK_MCP_TOKEN set, a request "
+        "without 'Authorization: Bearer TOKEN' is answered 401",
     )
     mcp.add_argument(
         "--metrics-port",

@@ -19,6 +19,8 @@ stopped is picked up again from the journal when a request names it.
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
 import re
 import secrets
@@ -33,7 +35,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..core._exceptions import RunNotFound
 from ._proxy import INVALID_PARAMS, RUN_META, McpRun
-from ._serve import Proxied, Runs, proxied, proxy_server
+from ._serve import Proxied, Runs, mark_duplicates, proxied, proxy_server
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,6 +57,10 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024
 DEFAULT_MAX_RUNS = 10_000
 #: JSON-RPC's internal error.
 INTERNAL_ERROR = -32603
+#: JSON-RPC's invalid request.
+INVALID_REQUEST = -32600
+#: The environment variable holding the bearer token clients must send (if set).
+TOKEN_ENV = "INTERLOCK_MCP_TOKEN"
 #: The endpoint's path.
 PATH = "/mcp"
 
@@ -231,6 +237,108 @@ def _unknown(run_id: str) -> MCPError:
     )
 
 
+class _Guard:
+    """The ASGI app in front of the SDK's: a request without the bearer token (when the
+    proxy has one) is answered 401 before anything reads it; a POST body is read whole
+    (up to ``max_body``) and a ``tools/call`` that names a key twice is marked for the
+    handler (:func:`mark_duplicates`), as the stdio reader does: the SDK's JSON reader
+    would keep the last value, silently."""
+
+    def __init__(self, app: Any, token: str | None, max_body: int) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body = max_body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.token is not None and not self._authorized(scope):
+            await _unauthorized(send)
+            return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the SDK see it
+                await self.app(scope, _replay(chunks, receive, more=False, last=message), send)
+                return
+            body = message.get("body", b"")
+            chunks.append(body)
+            size += len(body)
+            more = bool(message.get("more_body"))
+            if size > self.max_body:  # the SDK answers 413; nothing to mark
+                await self.app(scope, _replay(chunks, receive, more=more), send)
+                return
+        raw = b"".join(chunks)
+        marked = mark_duplicates(raw) if b"tools/call" in raw else None
+        if marked is not None:
+            raw = marked
+            scope = dict(scope)
+            scope["headers"] = [
+                (k, str(len(raw)).encode() if k == b"content-length" else v)
+                for k, v in scope["headers"]
+            ]
+        await self.app(scope, _replay([raw], receive, more=False), send)
+
+    def _authorized(self, scope: Any) -> bool:
+        assert self.token is not None
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    given.strip(), self.token
+                )
+        return False
+
+
+def _replay(chunks: list[bytes], receive: Any, *, more: bool, last: Any = None) -> Any:
+    """A ``receive`` that gives ``chunks`` (one message) first, then ``last`` or the
+    client's own messages."""
+    pending: list[Any] = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
+    if last is not None:
+        pending.append(last)
+
+    async def replayed() -> Any:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+async def _unauthorized(send: Any) -> None:
+    body = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "id": None,
+            "error": {
+                "code": INVALID_REQUEST,
+                "message": (
+                    "this proxy takes requests with its token only: send the header "
+                    "'Authorization: Bearer TOKEN' (the INTERLOCK_MCP_TOKEN it was started with)"
+                ),
+            },
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="interlock-mcp"'),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 class McpHttpServer:
     """A proxy being served over HTTP (what :func:`serve_http` hands ``task_status``)."""
 
@@ -254,6 +362,7 @@ async def serve_http(
     inputs: Mapping[str, Any] | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     max_runs: int = DEFAULT_MAX_RUNS,
+    token: str | None = None,
     graceful_timeout: float = 3.0,
     handle_signals: bool = False,
     stats: Any = None,
@@ -267,7 +376,8 @@ async def serve_http(
     free port; the URL is printed on stderr once listening, and handed to
     ``task_status`` in a :class:`McpHttpServer`. A body over ``max_body`` bytes is
     answered 413; past ``max_runs`` runs held at once (ended ones let go of), a request
-    that would start another is refused. :meth:`McpHttpServer.stop` (or SIGTERM or SIGINT,
+    that would start another is refused. With a ``token``, a request without the header
+    ``Authorization: Bearer TOKEN`` is answered 401. :meth:`McpHttpServer.stop` (or SIGTERM or SIGINT,
     with ``handle_signals``) stops it: the requests in flight get ``graceful_timeout``
     seconds to finish.
     """
@@ -289,6 +399,7 @@ async def serve_http(
             host=host,
             max_request_body_size=max_body,
         )
+        app = _Guard(app, token, max_body)
         config = Config()
         config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
         config.graceful_timeout = graceful_timeout
@@ -311,10 +422,11 @@ async def serve_http(
                 nursery.start_soon(_on_signals, stop)
             binds: list[str] = await nursery.start(run_server)
             url = binds[0] + PATH
-            if host not in ("127.0.0.1", "localhost", "::1"):
+            if host not in ("127.0.0.1", "localhost", "::1") and token is None:
                 print(
-                    f"interlock mcp: warning: listening on {host}, beyond this machine: a run "
-                    "id is all it takes to drive a run, and nothing here authenticates",
+                    f"interlock mcp: warning: listening on {host}, beyond this machine, with "
+                    f"no token: set {TOKEN_ENV} to require 'Authorization: Bearer TOKEN' "
+                    "(a run id is all it takes to drive a run)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -328,9 +328,12 @@ class McpRun:
     # -- tools/call ----------------------------------------------------------------------
 
     async def call_tool(
-        self, name: str, arguments: Mapping[str, Any] | None
+        self, name: str, arguments: Mapping[str, Any] | None, *, written: str | None = None
     ) -> types.CallToolResult:
-        """Decide a ``tools/call``; forward it once it is verified and durable."""
+        """Decide a ``tools/call``; forward it once it is verified and durable.
+
+        ``written``: the arguments as their writer wrote them (JSON text), where a
+        reader's dict would hide a defect (a key named twice): the gate reads those."""
         if name not in self.machine.tool_by_name:
             known = ", ".join(sorted(self.machine.tool_by_name)) or "none"
             raise MCPError(INVALID_PARAMS, f"unknown tool {name!r}; the tools are: {known}")
@@ -358,7 +361,10 @@ class McpRun:
             target = self.rules.moves_to(name)
             if target is not None:  # the machine file moves the run when this call commits
                 proposal["next"] = target
-            raw = msgspec.json.encode(proposal).decode()
+            if written is not None:  # as written: the gate reads them exactly
+                raw = f'{{"tool":{msgspec.json.encode(name).decode()},"args":{written}}}'
+            else:
+                raw = msgspec.json.encode(proposal).decode()
             state = self.state
             verdict = await self._decide(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
             if verdict.execute is None:

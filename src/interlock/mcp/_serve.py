@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mcp.types as types
+import msgspec
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.server.lowlevel import NotificationOptions, Server
@@ -204,7 +205,13 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> Any:
         twice = _meta_value(params.meta, DUPLICATE_META)
         if twice:  # read exactly, the call names a key twice: which value would be meant?
-            return _named_twice(params.name, str(twice))
+            written = _meta_value(params.meta, DUPLICATE_ARGS_META)
+            if not isinstance(written, str) or params.name == transition_tool:
+                return _named_twice(params.name, str(twice))
+            # in the arguments: the gate refuses them as they were written, journaled
+            run = await source.resolve(ctx, mint=True)
+            assert run is not None
+            return await run.call_tool(params.name, None, written=written)
         run = await source.resolve(ctx, mint=False)
         approved = False
         if run is None:
@@ -373,6 +380,8 @@ async def serve_stdio(
 #: The ``_meta`` key under which the proxy's own reader marks a ``tools/call`` that names
 #: a key twice (the SDK's JSON reader keeps the last value, silently).
 DUPLICATE_META = "dev.interlock/duplicate-key"
+#: The ``_meta`` key under which it puts the call's arguments as their writer wrote them.
+DUPLICATE_ARGS_META = "dev.interlock/duplicate-key-arguments"
 
 
 def _meta_value(meta: Any, key: str) -> Any:
@@ -402,26 +411,45 @@ def _named_twice(tool: str, path: str) -> types.CallToolResult:
     )
 
 
-def _mark_duplicates(line: str) -> str:
-    """``line`` (one JSON-RPC message), with a ``tools/call`` that names a key twice
-    marked in its ``_meta`` (the path of the first such key), for the handler to refuse."""
+def mark_duplicates(raw: bytes) -> bytes | None:
+    """``raw`` (one JSON-RPC message) with a ``tools/call`` that names a key twice marked
+    in its ``_meta``, for the handler to refuse: the path of the first such key (from the
+    params down) and, when it is in the arguments, the arguments as their writer wrote
+    them (for the gate, which journals them as a malformed proposal). None if there is
+    nothing to mark."""
     from ..core._hotpath import JSON_DUPLICATE_KEY, scan_json
 
-    raw = line.encode("utf-8", "replace")
     found = scan_json(raw)
     if found is None or found[0] != JSON_DUPLICATE_KEY:
-        return line
+        return None
     try:
         message = json.loads(raw)
-    except ValueError:
-        return line
+        exact = msgspec.json.decode(raw, type=_RawCall)
+    except (ValueError, msgspec.DecodeError):
+        return None
     params = message.get("params") if isinstance(message, dict) else None
-    if message.get("method") != "tools/call" or not isinstance(params, dict):
-        return line  # elsewhere the SDK's reading is the answer
-    path = ".".join(str(p) for p in found[2][1:])  # from params down
+    if not isinstance(params, dict) or message.get("method") != "tools/call":
+        return None  # elsewhere the SDK's reading is the answer
+    path = ".".join(str(p) for p in found[2][1:])
     meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-    params["_meta"] = {**meta, DUPLICATE_META: path}
-    return json.dumps(message) + "\n"
+    marks: dict[str, Any] = {DUPLICATE_META: path}
+    if path.startswith("arguments.") and exact.params.arguments:
+        marks[DUPLICATE_ARGS_META] = bytes(exact.params.arguments).decode("utf-8", "replace")
+    params["_meta"] = {**meta, **marks}
+    return json.dumps(message).encode()
+
+
+class _RawParams(msgspec.Struct):
+    arguments: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _RawCall(msgspec.Struct):
+    params: _RawParams
+
+
+def _mark_duplicates(line: str) -> str:
+    marked = mark_duplicates(line.encode("utf-8", "replace"))
+    return line if marked is None else marked.decode() + "\n"
 
 
 class _ExactLines:
