@@ -515,7 +515,7 @@ async def test_a_session_hears_its_run_move_and_a_stateless_client_lists_it_by_h
 ) -> None:
     """A machine with a transition tool (as a machine file gives), served in process:
     a 2025-11-25 session gets tools/list_changed when its run moves; a 2026-07-28 client
-    lists the run it names."""
+    lists the run it names, and hears it move on a subscriptions/listen stream."""
     import mcp.types as types
 
     from interlock.mcp import Upstream, serve_http
@@ -568,6 +568,26 @@ async def test_a_session_hears_its_run_move_and_a_stateless_client_lists_it_by_h
                 assert [t.name for t in listed.tools] == ["convert_time", "move"]
                 fresh = await client.list_tools()
                 assert [t.name for t in fresh.tools] == ["get_current_time", "move"]
+
+            # a 2026-07-28 client hears its run move on a subscriptions/listen stream, the
+            # run named by the Interlock-Run header (the SDK's listen sends no _meta)
+            from mcp.server.subscriptions import ToolsListChanged
+
+            async with Client(server.url) as client:
+                first = await client.call_tool("move", {"to": "CONVERT"})
+                run_id = first.meta[RUN_META]
+            async with (
+                httpx2.AsyncClient(headers={"interlock-run": run_id}) as http,
+                Client(streamable_http_client(server.url, http_client=http)) as client,
+            ):
+                async with client.listen(tools_list_changed=True) as changes:
+                    done = await client.call_tool("move", {"to": "COMPLETED"})
+                    assert not done.is_error, done
+                    with trio.fail_after(10):
+                        event = await changes.__anext__()
+                    assert isinstance(event, ToolsListChanged)
+                listed = await client.list_tools()
+                assert listed.tools == []  # the run completed: nothing more to call
             server.stop()
     finally:
         await store.aclose()

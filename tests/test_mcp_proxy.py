@@ -6,6 +6,7 @@ over stdio, and real upstream servers from the registries (``mcp-server-time`` f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -1092,9 +1093,11 @@ async def test_only_a_call_that_may_change_something_waits_for_its_intent_to_be_
     assert kinds.index("IntentRecorded") < kinds.index("ToolCommitted"), kinds
 
 
-@pytest.mark.parametrize("action", ["resume", "abort"])
+@pytest.mark.parametrize(
+    ("action", "mode"), [("resume", "legacy"), ("resume", "auto"), ("abort", "legacy")]
+)
 async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_journal(
-    tmp_path: Path, action: str
+    tmp_path: Path, action: str, mode: str
 ) -> None:
     """On SQLite the proxy holds the journal (one writer), so `interlock escalations
     resume|abort` hands its request to the proxy through the journal's inbox: the
@@ -1110,11 +1113,24 @@ async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_jou
         if type(message).__name__ == "ToolListChangedNotification":
             changed.set()
 
-    async with Client(params, message_handler=on_message, mode="legacy") as client:
+    async with (
+        Client(params, message_handler=on_message, mode=mode) as client,
+        contextlib.AsyncExitStack() as stack,
+    ):
         for _ in range(4):  # four rejections in a row trip the breaker
             last = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"})
         assert last.structured_content["outcome"] == "escalated"
         changed = trio.Event()
+        if mode == "auto":  # 2026-07-28: the change comes on a subscriptions/listen stream
+            assert client.protocol_version == "2026-07-28"
+            changes = await stack.enter_async_context(client.listen(tools_list_changed=True))
+
+            async def heard() -> None:
+                await changes.__anext__()
+                changed.set()
+
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            nursery.start_soon(heard)
         listed = await trio.run_process(
             [sys.executable, "-m", "interlock", "escalations", "--db", "mcp.db"],
             cwd=tmp_path,

@@ -182,6 +182,7 @@ class HttpRuns(Runs):
             del self.runs[run_id]
             self.guarded.untrack(run_id)
             self._listeners.pop(run_id, None)
+            self.forget_listeners(run_id)
         for session_id, run in list(self.sessions.items()):
             if run.run_id in ended:
                 del self.sessions[session_id]
@@ -196,6 +197,7 @@ class HttpRuns(Runs):
                     await session.send_tool_list_changed()
                 except Exception:  # the session is gone; its client hears it no more
                     continue
+            await self.publish_changed(run.run_id)  # 2026-07-28: its listen streams
 
         run.on_state_change = changed
 

@@ -136,11 +136,39 @@ class Runs:
         self.transition_tool = transition_tool
         self.rules = rules if rules is not None else NoRules()
 
+        # run id -> its listen streams' bus and handler (2026-07-28 clients hear their
+        # run's tools/list_changed on a subscriptions/listen stream, not the session)
+        self._listening: dict[str | None, tuple[Any, Any]] = {}
+
     async def resolve(self, ctx: Any, *, mint: bool) -> McpRun | None:
         raise NotImplementedError
 
     def instructions(self) -> str:
         return f"interlock holds this session to the machine {self.machine.name!r}"
+
+    def listen_handler(self, run_id: str | None) -> Any:
+        """The ``subscriptions/listen`` handler of ``run_id``'s streams (None: a client
+        that names no run yet, whose streams hear nothing until it names one)."""
+        found = self._listening.get(run_id)
+        if found is None:
+            from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+
+            bus = InMemorySubscriptionBus()
+            found = self._listening[run_id] = (bus, ListenHandler(bus, max_subscriptions=64))
+        return found[1]
+
+    async def publish_changed(self, run_id: str) -> None:
+        """Tell ``run_id``'s listen streams its tool list changed."""
+        found = self._listening.get(run_id)
+        if found is not None:
+            from mcp.server.subscriptions import ToolsListChanged
+
+            await found[0].publish(ToolsListChanged())
+
+    def forget_listeners(self, run_id: str) -> None:
+        found = self._listening.pop(run_id, None)
+        if found is not None:
+            found[1].close()
 
 
 class _OneRun(Runs):
@@ -159,9 +187,10 @@ class _OneRun(Runs):
         return self.run
 
     async def changed(self) -> None:
-        if self.session is not None:
+        if self.session is not None:  # a 2025-11-25 client hears it on the session
             with contextlib.suppress(Exception):
                 await self.session.send_tool_list_changed()
+        await self.publish_changed(self.run.run_id)  # a 2026-07-28 one on its listen stream
 
     def instructions(self) -> str:
         return f"{super().instructions()} (run {self.run.run_id})"
@@ -249,6 +278,11 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
                 return declined
         return await run.call_tool(params.name, params.arguments)
 
+    async def on_listen(ctx: Any, params: Any) -> Any:
+        run = await source.resolve(ctx, mint=False)
+        handler = source.listen_handler(run.run_id if run is not None else None)
+        return await handler(ctx, params)
+
     def input_schema(name: str) -> Mapping[str, Any] | None:
         # NOTE: without it, the SDK checks a 2026-07-28 tools/call's Mcp-Param headers
         # against a tools/list it makes first, in the call's name: a second resolve.
@@ -264,6 +298,7 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
         instructions=source.instructions(),
         on_list_tools=on_list_tools,
         on_call_tool=on_call_tool,
+        on_subscriptions_listen=on_listen,
         get_tool_input_schema=input_schema,
     )
 
