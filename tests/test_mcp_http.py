@@ -820,3 +820,106 @@ async def test_with_a_token_a_request_without_it_is_answered_401(tmp_path: Path)
         started.process.send_signal(signal.SIGTERM)
         assert started.process.wait(timeout=30) == 0
     assert "Traceback" not in started.log.read_text()
+
+
+SLOW_SERVER = """
+import anyio
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("slow")
+
+@server.tool()
+async def wait(seconds: float) -> str:
+    await anyio.sleep(seconds)
+    return f"waited {seconds}"
+
+@server.tool()
+async def fail() -> str:
+    raise RuntimeError("the tool broke")
+
+@server.tool()
+async def ping() -> str:
+    return "pong"
+
+server.run("stdio")
+"""
+
+SLOW_APP = """
+from interlock import App, BreakerPolicy, Machine, Tool, Worker
+
+async def never(args, ctx):
+    raise AssertionError("the proxy's upstream executes the tools")
+
+machine = Machine(
+    "slow", "GO", {"GO": Worker(next=["COMPLETED"], tools=["wait", "fail", "ping"])},
+    tools=[Tool("wait", never, {"type": "object"}, read_only=True, timeout=2.0),
+           Tool("fail", never, {"type": "object"}),
+           Tool("ping", never, {"type": "object"}, read_only=True)],
+    breakers=BreakerPolicy(consecutive_failures=2, repeats=100),
+)
+"""
+
+
+async def test_a_fault_in_one_run_leaves_the_others_alone(tmp_path: Path) -> None:
+    """One upstream connection serves every run over HTTP: a run whose call hangs past its
+    timeout, and a run whose tool keeps failing until its breaker escalates it, neither
+    holds up nor changes another run, which calls on meanwhile and completes."""
+    from interlock.mcp import Upstream, serve_http
+    from interlock.stores import open_store
+
+    (tmp_path / "slow_server.py").write_text(SLOW_SERVER)
+    app: dict[str, Any] = {}
+    exec(SLOW_APP, app)
+    store = await open_store(str(tmp_path / "slow.db"))
+    upstream = Upstream([sys.executable, str(tmp_path / "slow_server.py")])
+    outcomes: dict[str, Any] = {}
+    try:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(partial(serve_http, app["machine"], upstream, store))
+
+            async def hanging(started: trio.Event) -> None:
+                async with Client(server.url) as client:
+                    started.set()
+                    outcomes["hung"] = await client.call_tool("wait", {"seconds": 30})
+
+            async def failing() -> None:
+                async with Client(server.url) as client:
+                    first = await client.call_tool("fail", {})
+                    meta = {RUN_META: first.meta[RUN_META]}
+                    second = await client.call_tool("fail", {}, meta=meta)
+                    third = await client.call_tool("ping", {}, meta=meta)
+                    outcomes["failing"] = (first, second, third)
+
+            started = trio.Event()
+            nursery.start_soon(hanging, started)
+            await started.wait()
+            nursery.start_soon(failing)
+            async with Client(server.url) as client:
+                pings = []
+                for _ in range(5):
+                    meta = {RUN_META: pings[-1].meta[RUN_META]} if pings else None
+                    pings.append(await client.call_tool("ping", {}, meta=meta))
+                assert "hung" not in outcomes  # the other run's call is still in flight
+            with trio.fail_after(60):
+                while len(outcomes) < 2:  # noqa: ASYNC110 - both finish on their own
+                    await trio.sleep(0.05)
+            server.stop()
+    finally:
+        await store.aclose()
+    assert all(not p.is_error and "pong" in p.content[0].text for p in pings), pings
+    assert len({p.meta[RUN_META] for p in pings}) == 1
+    hung = outcomes["hung"]
+    assert hung.is_error  # timed out after 2 s: a read-only call, handed back
+    assert "did not answer within 2 s" in hung.content[0].text, hung
+    first, second, third = outcomes["failing"]
+    assert first.is_error
+    assert second.is_error
+    assert third.structured_content["outcome"] == "escalated", third  # its breaker, its run
+    reader = await open_store(str(tmp_path / "slow.db"), readonly=True)
+    try:
+        records = {r.run_id: r for r in await reader.list_runs()}
+    finally:
+        await reader.aclose()
+    assert records[pings[0].meta[RUN_META]].outcome == "running"
+    assert records[first.meta[RUN_META]].outcome == "escalated"
+    assert records[hung.meta[RUN_META]].outcome == "running"
