@@ -1230,3 +1230,28 @@ async def test_a_holder_that_takes_no_operator_requests_gets_none_left_behind(
     assert "took no operator request within 0.5 s" in last, last
     assert "stop it, then run this again" in last, last
     assert list((tmp_path / "mcp.db.operators").iterdir()) == []
+
+
+async def test_stray_output_on_stdout_never_reaches_the_wire(tmp_path: Path) -> None:
+    """A guard (or a library) that prints to stdout would corrupt a stdio proxy's wire;
+    while it serves, fd 1 writes to stderr, as the SDK's own stdio server arranges."""
+    (tmp_path / "loud.py").write_text(
+        TIME_APP.replace(
+            "def utc_only(args, view):\n",
+            "def utc_only(args, view):\n    print('stray output from a guard')\n"
+            "    import os; os.write(1, b'stray bytes on fd 1\\n')\n",
+        )
+    )
+    params = _proxy(tmp_path, "loud.py:app", *_time_server(), session="loud")
+    with open(tmp_path / "stderr.log", "w") as errlog:  # noqa: ASYNC230 - the child writes it
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as client,
+        ):
+            await client.initialize()
+            for _ in range(3):
+                ok = await client.call_tool("get_current_time", {"timezone": "UTC"})
+                assert not ok.is_error, ok
+    logged = (tmp_path / "stderr.log").read_text()
+    assert "stray output from a guard" in logged, logged
+    assert "stray bytes on fd 1" in logged, logged

@@ -9,6 +9,7 @@ run of the machine, journaled in the store (SQLite by default) like any other ru
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -504,15 +505,38 @@ class _ExactLines:
 @contextlib.asynccontextmanager
 async def _exact_stdio() -> AsyncIterator[Any]:
     """The SDK's stdio server on this process's stdin and stdout, its input read exactly
-    (a key named twice is refused, not resolved by the SDK's reader keeping the last)."""
+    (a key named twice is refused, not resolved by the SDK's reader keeping the last).
+
+    As the SDK's own stdio server does, the wire moves to private descriptors while it
+    serves: fd 0 reads the null device and fd 1 writes to stderr, so a stray ``print``
+    (a guard's, a library's) or a child's output never lands on the wire; both are
+    restored on exit."""
     import io
 
     import anyio
 
-    stdin = anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
-    stdout = anyio.wrap_file(io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8"))
-    async with stdio_server(_ExactLines(stdin), stdout) as streams:  # type: ignore[arg-type]
-        yield streams
+    sys.stdout.flush()
+    wire_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    wire_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    # NOTE: never closed: a worker thread may still block reading the wire after the
+    # transport exits, and a closed descriptor could be recycled under it
+    reading = io.TextIOWrapper(
+        os.fdopen(wire_in, "rb", closefd=False), encoding="utf-8", errors="replace"
+    )
+    writing = io.TextIOWrapper(os.fdopen(wire_out, "wb", closefd=False), encoding="utf-8")
+    try:
+        stdin = anyio.wrap_file(reading)
+        stdout = anyio.wrap_file(writing)
+        async with stdio_server(_ExactLines(stdin), stdout) as streams:  # type: ignore[arg-type]
+            yield streams
+    finally:
+        with contextlib.suppress(OSError):
+            os.dup2(wire_in, 0)
+            os.dup2(wire_out, 1)
 
 
 class Proxied:
