@@ -324,7 +324,7 @@ BAD = [
     pytest.param(
         ('kind = "read-only"', 'kinds = "read-only"'),
         'tools.read_graph.kinds: unknown key "kinds"; allowed here: kind, moves_to, guards, '
-        "result_guards, schema, approval, repeatable, reconcile",
+        "result_guards, schema, approval, repeatable, reconcile, timeout",
         id="unknown-tool-key",
     ),
     pytest.param(
@@ -338,6 +338,11 @@ BAD = [
         'tools.read_graph.kind: unknown kind "readonly"; write "read-only", "idempotent" or '
         '"neither"',
         id="bad-kind",
+    ),
+    pytest.param(
+        ('kind = "read-only"', 'kind = "read-only"\ntimeout = 0'),
+        "tools.read_graph.timeout: must be a positive number of seconds; got 0",
+        id="zero-timeout",
     ),
     pytest.param(
         ('"calls.create_entities >= 1"', '"calls.create_entities >= "'),
@@ -454,7 +459,7 @@ BAD = [
     pytest.param(
         ('[tools.delete_entities.reconcile]\ntool = "read_graph"\n', ""),
         'tools.delete_entities.applied: unknown key "applied"; allowed here: kind, '
-        "moves_to, guards, result_guards, schema, approval, repeatable, reconcile",
+        "moves_to, guards, result_guards, schema, approval, repeatable, reconcile, timeout",
         id="reconcile-key-outside-its-table",
     ),
     pytest.param(

@@ -628,8 +628,12 @@ async def test_a_call_in_doubt_is_reconciled_from_the_server_not_sent_again(tmp_
     async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
         await client.initialize()
         again = await client.call_tool("delete_entities", delete)
-        assert not again.is_error, again
-        assert again.meta["dev.interlock/verdict"].startswith("reconciled")
+        assert again.meta["dev.interlock/verdict"] == "reconciled: applied before"
+        # delete_entities declares an outputSchema, which its lost answer cannot fill:
+        # the agent is told, as an error result, that the call was applied and committed
+        assert again.is_error, again
+        assert "delete_entities was applied" in again.content[0].text, again
+        assert "do not call it again" in again.content[0].text, again
     store = await open_sqlite_store(str(tmp_path / "m.db"), readonly=True)
     try:
         record = await store.get_run("mcp-doubt-1")
@@ -1255,3 +1259,113 @@ async def test_stray_output_on_stdout_never_reaches_the_wire(tmp_path: Path) -> 
     logged = (tmp_path / "stderr.log").read_text()
     assert "stray output from a guard" in logged, logged
     assert "stray bytes on fd 1" in logged, logged
+
+
+LEDGER_SERVER = """
+import json, sys
+import anyio
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("ledger")
+LEDGER = sys.argv[1]
+
+def entries():
+    try:
+        with open(LEDGER) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+DROPPED = set()
+
+@server.tool()
+async def pay(payee: str, cents: int, slow: float = 0.0, drop_first: bool = False) -> str:
+    if drop_first and payee not in DROPPED:  # the first such call is never applied
+        DROPPED.add(payee)
+        await anyio.sleep(5)
+        return "dropped"
+    with open(LEDGER, "a") as f:
+        f.write(json.dumps({"payee": payee, "cents": cents}) + "\\n")
+    await anyio.sleep(slow)  # applied, but the answer comes late
+    return "paid"
+
+@server.tool()
+async def payments() -> dict:
+    return {"entries": entries()}
+
+server.run("stdio")
+"""
+
+LEDGER_MACHINE = """
+[machine]
+name = "ledger"
+initial = "PAY"
+
+[states.PAY]
+tools = ["pay", "payments"]
+next = ["COMPLETED"]
+
+[tools.payments]
+kind = "read-only"
+
+[tools.pay]
+timeout = 1.0
+
+[tools.pay.reconcile]
+tool = "payments"
+applied = "result.entries.exists(e, e.payee == args.payee && e.cents == args.cents)"
+
+[breakers]
+repeats = 10
+"""
+
+
+@pytest.mark.parametrize("applied", [True, False])
+async def test_a_call_that_times_out_is_reconciled_while_the_proxy_lives(
+    tmp_path: Path, applied: bool
+) -> None:
+    """A side-effecting call whose answer does not come within its timeout is in doubt
+    with the proxy alive: the machine's reconcile asks the server's read-only tool, and
+    the call is committed from what the server says (applied), or run once more under
+    its key (not applied), never sent blind."""
+    (tmp_path / "ledger_server.py").write_text(LEDGER_SERVER)
+    (tmp_path / "ledger.toml").write_text(LEDGER_MACHINE)
+    ledger = tmp_path / "ledger.jsonl"
+    params = _file_proxy(
+        tmp_path,
+        "ledger.toml",
+        "l.db",
+        sys.executable,
+        str(tmp_path / "ledger_server.py"),
+        str(ledger),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        if applied:  # the server applies it, then answers after the timeout
+            answer = await client.call_tool("pay", {"payee": "ann", "cents": 5, "slow": 3.0})
+            # pay declares an outputSchema its lost answer cannot fill: an error result
+            # that says it was applied and committed
+            assert answer.is_error, answer
+            assert "pay was applied" in answer.content[0].text, answer
+            assert "do not call it again" in answer.content[0].text, answer
+            assert answer.meta["dev.interlock/verdict"] == "reconciled: applied"
+            again = await client.call_tool("pay", {"payee": "ann", "cents": 5, "slow": 3.0})
+            assert again.is_error
+            assert again.structured_content["violations"][0]["code"] == "already_committed"
+        else:  # the first attempt is never applied: the reconcile says so, and the call
+            # runs once more under its key
+            answer = await client.call_tool("pay", {"payee": "bob", "cents": 7, "drop_first": True})
+            assert not answer.is_error, answer
+            assert answer.structured_content == {"result": "paid"}
+    rows = [line for line in ledger.read_text().splitlines() if line.strip()]
+    assert len(rows) == 1, rows
+    store = await open_sqlite_store(str(tmp_path / "l.db"), readonly=True)
+    try:
+        [record] = await store.list_runs()
+        events = await store.load(record.run_id)
+    finally:
+        await store.aclose()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("Reconciled") == 1, kinds
+    assert kinds.count("ToolCommitted") == 1, kinds
+    assert kinds.count("IntentRecorded") == 1, kinds  # one intent, one key, both attempts

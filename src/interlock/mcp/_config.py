@@ -137,6 +137,7 @@ _TOOL_KEYS = (
     "approval",
     "repeatable",
     "reconcile",
+    "timeout",
 )
 _GUARD_KEYS = ("when", "message", "hint")
 _RECONCILE_KEYS = ("tool", "applied")
@@ -283,6 +284,8 @@ class ToolSpec:
     reconcile: ReconcileSpec | None = None
     result_guards: tuple[GuardSpec, ...] = ()
     """CEL checks of a call's result (``result``, ``args``, ``state``, ``inputs``)."""
+    timeout: float = 30.0
+    """Seconds the upstream has to answer a call; past it the call is in doubt."""
     where: str = ""
     """The key path where the file first names the tool, for errors."""
 
@@ -673,6 +676,11 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
             repeatable=reader.flag(table.get("repeatable", False), f"{where}.repeatable"),
             reconcile=reconcile,
             result_guards=result_guards,
+            timeout=(
+                reader.number(table["timeout"], f"{where}.timeout", float)
+                if "timeout" in table
+                else 30.0
+            ),
             where=first_named[tool],
         )
     for rtool, where in reconcile_tools:
@@ -970,6 +978,7 @@ def build_machine(spec: MachineSpec, upstream_tools: Mapping[str, Mapping[str, A
                     read_only=tool.kind == "read-only",
                     idempotent=tool.kind == "idempotent",
                     repeatable=tool.repeatable,
+                    timeout=tool.timeout,
                     # marks the tool as one that reconciles, so a call in doubt is
                     # handed back for reconciling (Verdict.reconcile), not escalated
                     reconcile=_reconciled_by_the_proxy(name) if tool.reconcile else None,

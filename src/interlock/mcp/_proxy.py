@@ -389,27 +389,9 @@ class McpRun:
             verdict = await self._decide(report)
             if verdict.reconcile is not None and self._ended is None:
                 # in doubt, and the machine says how to ask: ask, then commit or run once
-                how = self.rules.reconcile(verdict.reconcile.tool)
-                applied, recorded = await self._reconcile(how, verdict.reconcile)
-                verdict = await self._decide(
-                    Reconciliation(
-                        run_id=self.run_id,
-                        key=verdict.reconcile.key,
-                        applied=applied,
-                        result=recorded,
-                        error="" if applied is not None else "the reconcile could not say",
-                    )
-                )
-                if applied:
-                    return _text(
-                        msgspec.json.encode(recorded).decode(),
-                        error=False,
-                        meta={
-                            RUN_META: self.run_id,
-                            KEY_META: call.key,
-                            VERDICT_META: "reconciled: applied",
-                        },
-                    )
+                verdict, answer = await self._reconciled(verdict.reconcile, "reconciled: applied")
+                if answer is not None:
+                    return answer
                 continue
             if report.ok and verdict.execute is None:
                 return self._with_meta(result, call.key)
@@ -534,26 +516,9 @@ class McpRun:
                 result = await self._execute(verdict, pending.tool)
             return self._with_meta(result, pending.key) if same and result is not None else None
         if how is not None:
-            applied, recorded = await self._reconcile(how, pending)
-            verdict = await self._submit(
-                Reconciliation(
-                    run_id=self.run_id,
-                    key=pending.key,
-                    applied=applied,
-                    result=recorded,
-                    error="" if applied is not None else "the reconcile tool could not say",
-                )
-            )
-            if applied and same:  # committed (the run may have moved on, or ended)
-                return _text(
-                    msgspec.json.encode(recorded).decode(),
-                    error=False,
-                    meta={
-                        RUN_META: self.run_id,
-                        KEY_META: pending.key,
-                        VERDICT_META: "reconciled: applied before",
-                    },
-                )
+            verdict, answer = await self._reconciled(pending, "reconciled: applied before")
+            if answer is not None:  # committed (the run may have moved on, or ended)
+                return answer if same else None
             if verdict.execute is not None:  # not applied: the runtime lets it run once
                 result = await self._execute(verdict, pending.tool)
                 return result if same else None
@@ -568,6 +533,37 @@ class McpRun:
             )
         )
         return None
+
+    async def _reconciled(
+        self, pending: Any, note: str
+    ) -> tuple[Verdict, types.CallToolResult | None]:
+        """Ask whether ``pending`` (a call in doubt) was applied, the way the machine file
+        says, and journal the answer: the verdict (a commit, the call to run once, or an
+        escalation) and, if it was applied, the answer to give (what the check saw)."""
+        applied, recorded = await self._reconcile(self.rules.reconcile(pending.tool), pending)
+        verdict = await self._submit(
+            Reconciliation(
+                run_id=self.run_id,
+                key=pending.key,
+                applied=applied,
+                result=recorded,
+                error="" if applied is not None else "the reconcile tool could not say",
+            )
+        )
+        if not applied:
+            return verdict, None
+        meta = {RUN_META: self.run_id, KEY_META: pending.key, VERDICT_META: note}
+        seen = msgspec.json.encode(recorded).decode()
+        tool = self.tools.get(pending.tool)
+        if tool is not None and tool.output_schema is not None:
+            # NOTE: the tool's own answer was lost, and a success must carry structured
+            # content that fits its outputSchema: say it was applied, as an error result
+            message = (
+                f"{pending.tool} was applied (key {pending.key}), but its answer was lost; "
+                f"it is committed, so do not call it again. What the server shows: {seen}"
+            )
+            return verdict, _text(message, error=True, meta=meta)
+        return verdict, _text(seen, error=False, meta=meta)
 
     async def _reconcile(self, how: Any, pending: Any) -> tuple[bool | None, Any]:
         """Ask the upstream's read-only tool whether ``pending`` was applied."""
