@@ -783,6 +783,17 @@ async def test_a_tool_whose_definition_changed_under_a_running_session_escalates
     assert "UTC" in str(events[0].inputs["mcp_tools"]["get_current_time"])
 
 
+async def _interlock_async(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    """``interlock ARGV...`` in ``tmp_path``, without blocking the test's other tasks."""
+    return await trio.run_process(
+        [sys.executable, "-m", "interlock", *argv],
+        cwd=tmp_path,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+
+
 def _interlock(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "interlock", *argv],
@@ -1135,22 +1146,12 @@ async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_jou
 
             nursery = await stack.enter_async_context(trio.open_nursery())
             nursery.start_soon(heard)
-        listed = await trio.run_process(
-            [sys.executable, "-m", "interlock", "escalations", "--db", "mcp.db"],
-            cwd=tmp_path,
-            capture_stdout=True,
-            capture_stderr=True,
-        )
+        listed = await _interlock_async(tmp_path, "escalations", "--db", "mcp.db")
         assert b"mcp-live-1" in listed.stdout
-        operated = await trio.run_process(
-            [
-                *(sys.executable, "-m", "interlock", "escalations", action, "mcp-live-1"),
-                *("--app", "clock.py:app", "--db", "mcp.db", "--by", "oncall", "--note", "ok"),
-            ],
-            cwd=tmp_path,
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+        operated = await _interlock_async(
+            tmp_path,
+            *("escalations", action, "mcp-live-1", "--app", "clock.py:app", "--db", "mcp.db"),
+            *("--by", "oncall", "--note", "ok"),
         )
         assert operated.returncode == 0, operated.stderr.decode()
         if action == "resume":
@@ -1168,15 +1169,9 @@ async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_jou
             assert ended.is_error
             assert ended.structured_content["outcome"] == "failed"
         # a second time: the proxy answers what the operator did, changing nothing
-        again = await trio.run_process(
-            [
-                *(sys.executable, "-m", "interlock", "escalations", action, "mcp-live-1"),
-                *("--app", "clock.py:app", "--db", "mcp.db"),
-            ],
-            cwd=tmp_path,
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
+        again = await _interlock_async(
+            tmp_path,
+            *("escalations", action, "mcp-live-1", "--app", "clock.py:app", "--db", "mcp.db"),
         )
         assert again.returncode == 0, again.stderr.decode()
     store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
