@@ -325,3 +325,30 @@ def test_peers_burr_application_runs_the_same_twenty_steps() -> None:
         "results": state["results"],
         "state": "DONE",
     }
+
+
+def test_quick_mcp_proxy_benchmark_measures_every_call_both_ways() -> None:
+    """``benchmarks.mcp_proxy`` end to end, briefly: real servers (mcp-server-time, the
+    npm filesystem server) called directly, through a bare relay and through the proxy,
+    and the proxy's own path in process; every row of both tables is filled. Figures are
+    printed, never asserted (a shared host)."""
+    pytest.importorskip("mcp", reason="the [mcp] extra is missing")
+    pytest.importorskip("mcp_server_time", reason="mcp-server-time (PyPI) is in [test]")
+    npm = Path(os.environ.get("INTERLOCK_CI_NPM", Path.home() / ".cache/interlock-ci/npm"))
+    if not (npm / "node_modules/@modelcontextprotocol/server-filesystem").exists():
+        if os.environ.get("CI"):
+            pytest.fail("the npm filesystem server is missing in CI; .ci/run installs it")
+        pytest.skip("the npm filesystem server is not installed (.ci/run installs it)")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mcp_proxy", "--calls", "20", "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| read-only", "| side"))]
+    assert len(rows) == 4, done.stdout  # two calls, in both tables
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(c.endswith(" µs") for c in cells[1:-1]), row
