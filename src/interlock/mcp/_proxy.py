@@ -359,7 +359,9 @@ class McpRun:
                 return await self._drifted(name, drift)
             proposal: dict[str, Any] = {"tool": name, "args": args}
             target = self.rules.moves_to(name)
-            if target is not None:  # the machine file moves the run when this call commits
+            if target is not None and name in self.allowed():
+                # the machine file moves the run when this call commits (a call the state
+                # does not allow is refused for that alone, not for a move it never asked)
                 proposal["next"] = target
             if written is not None:  # as written: the gate reads them exactly
                 raw = f'{{"tool":{msgspec.json.encode(name).decode()},"args":{written}}}'
