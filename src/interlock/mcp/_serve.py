@@ -65,6 +65,16 @@ class Upstream:
         self.command = list(command)
         self.url = url
         self.env = dict(env) if env is not None else None
+        if self.command:
+            import shutil
+
+            path = (self.env or os.environ).get("PATH")
+            if shutil.which(self.command[0], path=path) is None:
+                raise ConfigurationError(
+                    f"the upstream command {self.command[0]!r} is not found (not on PATH, "
+                    "nor an executable file): give the MCP server's command line after `--`, "
+                    "e.g. `-- npx -y @modelcontextprotocol/server-memory`"
+                )
 
     def describe(self) -> str:
         return self.url or " ".join(self.command)
