@@ -1154,6 +1154,16 @@ async def test_an_operator_resumes_or_aborts_a_run_while_the_proxy_holds_its_jou
             nursery.start_soon(heard)
         listed = await _interlock_async(tmp_path, "escalations", "--db", "mcp.db")
         assert b"mcp-live-1" in listed.stdout
+        if action == "resume":  # a refusal only the holder can decide comes back, one line
+            bad = await _interlock_async(
+                tmp_path,
+                *("escalations", "resume", "mcp-live-1", "--app", "clock.py:app"),
+                *("--db", "mcp.db", "--payload", '{"tool": "get_current_time", "args": {}}'),
+            )
+            assert bad.returncode == 1, bad.stderr.decode()
+            last = bad.stderr.decode().strip().splitlines()[-1]
+            assert "rejected" in last, last
+            assert "timezone" in last, last
         operated = await _interlock_async(
             tmp_path,
             *("escalations", action, "mcp-live-1", "--app", "clock.py:app", "--db", "mcp.db"),

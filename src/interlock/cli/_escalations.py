@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core._escalation import answer_again, escalated_from, resume_targets
-from ..core._exceptions import ConfigurationError, InterlockError
+from ..core._exceptions import ConfigurationError, OperatorRefused
 from ..core._view import fold
 from ..runtime._app import find_ref, load_app
 from ..runtime._handle import run_result
@@ -218,6 +218,6 @@ async def _hand_over(args: argparse.Namespace, action: str, held: JournalHeld) -
         )
         raise refused
     if answer.error or answer.result is None:
-        raise InterlockError(answer.error or "the process holding the journal did not say")
+        raise OperatorRefused(answer.error or "the process holding the journal did not say")
     _print_result(args, answer.result)
     return 0

@@ -355,6 +355,14 @@ class ConfigurationError(InterlockError, ValueError):
     """
 
 
+class OperatorRefused(InterlockError):
+    """The process that holds a SQLite journal refused an operator's request handed to it
+    (``interlock escalations resume|abort`` while an ``interlock mcp`` proxy serves the
+    journal): the message is its refusal (the run is not escalated, an operator resolved
+    it otherwise, the target or payload is not legal, ...), as the operator's own process
+    would have raised it."""
+
+
 class LifespanError(InterlockError):
     """An application's lifespan failed: it raised while opening or closing (the cause is
     chained), returned something that is not an async context manager, or was not

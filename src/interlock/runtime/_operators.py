@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from ..core._exceptions import InterlockError
+from ..core._exceptions import InterlockError, MalformedMessage
 
 if TYPE_CHECKING:
     from ._supervisor import Supervisor
@@ -152,7 +152,9 @@ async def _take(supervisor: Supervisor, folder: Path, entry: str, on_done: Any) 
             # an external run (the proxy's) goes on with its caller: where it stands now
             result = await handle.wait() if handle.done else supervisor.result_of(request.run_id)
         else:
-            raise InterlockError(f"unknown operator action {request.action!r}")
+            raise MalformedMessage(
+                f"unknown operator action {request.action!r}; the actions are resume and abort"
+            )
         answer = OperatorAnswer(result=msgspec.to_builtins(result))
         if on_done is not None:
             await on_done(request.run_id)
