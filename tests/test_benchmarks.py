@@ -352,3 +352,19 @@ def test_quick_mcp_proxy_benchmark_measures_every_call_both_ways() -> None:
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(c.endswith(" µs") for c in cells[1:-1]), row
+
+
+def test_quick_model_proxy_benchmark_fills_its_row() -> None:
+    """``benchmarks.model_proxy`` end to end, briefly (figures printed, never asserted)."""
+    pytest.importorskip("hypercorn", reason="the [gateway] extra is missing")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.model_proxy", "--requests", "20", "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| ") and "µs" in line]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(c.endswith(" µs") for c in cells[:-1]), row

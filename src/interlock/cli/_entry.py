@@ -19,6 +19,7 @@ from ._demo import _demo
 from ._escalations import _escalations
 from ._mcp import _mcp
 from ._parser import build_parser
+from ._proxy import _proxy
 from ._replay import _replay
 from ._run import _enqueue, _resume, _run
 from ._serve import _serve
@@ -43,6 +44,7 @@ _COMMANDS = {
     "serve": _serve,
     "worker": _worker,
     "mcp": _mcp,
+    "proxy": _proxy,
 }
 
 

@@ -388,4 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ._mcp import add_parser as _mcp_parser
 
     _mcp_parser(commands, _journal, _app)
+    from ._proxy import add_parser as _proxy_parser
+
+    _proxy_parser(commands, _journal, _app)
     return parser

@@ -1,0 +1,150 @@
+"""``interlock proxy``: the model proxy served over HTTP (hypercorn on trio)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..providers._http import Transport
+from ..runtime._operators import serve_operator_requests
+from ..runtime._runtime import open_supervisor
+from ..stores import SQLiteStore
+from ._chat import ChatProxy, _error
+
+if TYPE_CHECKING:
+    from ..core._machine import Machine
+    from ..stores import Store
+
+__all__ = ["ModelProxyServer", "serve_model_proxy"]
+
+log = logging.getLogger("interlock.proxy")
+
+#: The largest request body served (a larger one is answered 413).
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
+class ModelProxyServer:
+    """A model proxy being served (what :func:`serve_model_proxy` hands ``task_status``)."""
+
+    def __init__(self, url: str, stop: trio.Event) -> None:
+        self.url = url
+        """The base URL an application gives its SDK (``http://HOST:PORT/v1``)."""
+        self._stop = stop
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _app(chat: ChatProxy, max_body: int) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/chat/completions":
+            answer = _error(404, f"no {scope['path']} here: POST /v1/chat/completions", "not_found")
+        elif scope["method"] != "POST":
+            answer = _error(405, "POST /v1/chat/completions", "method_not_allowed")
+        else:
+            chunks: list[bytes] = []
+            size = 0
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = bool(message.get("more_body"))
+                if size > max_body:
+                    break
+            if size > max_body:
+                answer = _error(413, f"the body is over {max_body} bytes", "invalid_request_error")
+            else:
+                headers = {
+                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+                }
+                try:
+                    answer = await chat.handle(b"".join(chunks), headers)
+                except Exception as exc:  # a bug: contained to this request, and said so
+                    log.exception("interlock proxy: a bug answering a request")
+                    answer = _error(500, f"a bug in interlock: {exc!r}", "internal_error")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": answer.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(answer.body)).encode()),
+                    *((k.encode(), v.encode()) for k, v in answer.headers),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer.body})
+
+    return app
+
+
+async def serve_model_proxy(
+    machine: Machine,
+    upstream: str,
+    store: Store,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    profile: str | None = None,
+    reasks: int = 2,
+    max_body: int = DEFAULT_MAX_BODY,
+    task_status: trio.TaskStatus[ModelProxyServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``POST /v1/chat/completions`` at ``http://HOST:PORT/v1`` in front of the
+    OpenAI-compatible API at ``upstream`` (its base URL, e.g. ``http://127.0.0.1:8000/v1``),
+    each request a step of a run of ``machine``, until stopped."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    transport = Transport(upstream, timeout=600.0)
+    async with open_supervisor([machine], store) as supervisor, transport:
+        chat = ChatProxy(supervisor, machine, transport, reasks=reasks, profile=profile)
+        config = Config()
+        config.bind = [f"{host}:{port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        stop = trio.Event()
+        served = trio.Event()
+
+        async def run_server(
+            task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            try:
+                await serve(
+                    _app(chat, max_body),
+                    config,
+                    shutdown_trigger=stop.wait,
+                    task_status=task_status,
+                )
+            finally:
+                served.set()
+
+        async with trio.open_nursery() as nursery:
+            if isinstance(store, SQLiteStore):  # operators resume runs through its inbox
+                nursery.start_soon(serve_operator_requests, supervisor, store.path)
+            binds: list[str] = await nursery.start(run_server)
+            url = binds[0] + "/v1"
+            print(
+                f"interlock proxy: serving {url} (machine {machine.name!r}, upstream {upstream})",
+                file=sys.stderr,
+                flush=True,
+            )
+            task_status.started(ModelProxyServer(url, stop))
+            await served.wait()  # the requests in flight answered
+            nursery.cancel_scope.cancel()
