@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..core._exceptions import ConfigurationError
+from ..core._exceptions import ConfigurationError, MissingExtra
 from ..stores._open import open_store
 from ._common import _close, _journal_url
 
@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 
 
 async def _proxy(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("hypercorn") is None:
+        raise MissingExtra(
+            "interlock proxy serves HTTP with hypercorn, which is not installed: "
+            "pip install 'interlock[gateway]'"
+        )
     from ..modelproxy import serve_model_proxy
     from ..providers._openai import PROFILES
     from ._mcp import _listen, _machine_source
