@@ -885,9 +885,15 @@ async def test_junk_on_the_wire_gets_errors_and_the_proxy_goes_on(tmp_path: Path
         listed = await answer(6)
         assert [t["name"] for t in listed["result"]["tools"]] == ["get_current_time"]
         assert proc.poll() is None
+        # the client leaves: the proxy writes what it decided and exits (a rejection is
+        # answered before it is durable, so a SIGKILL here could lose it, harmlessly)
+        await proc.stdin.aclose()
+        with trio.fail_after(30):
+            assert await proc.wait() == 0
     finally:
-        proc.kill()
-        await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     store = await open_sqlite_store(str(tmp_path / "mcp.db"), readonly=True)
     try:
         events = await store.load("mcp-s-1")
