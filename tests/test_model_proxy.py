@@ -362,11 +362,13 @@ def test_the_command_serves_an_unchanged_openai_application(tmp_path: Any) -> No
             assert call.id.startswith("proxy-")  # the idempotency key
         finally:
             proxy.terminate()
-            proxy.wait(timeout=30)
+            code = proxy.wait(timeout=30)
     finally:
         done.set()
         thread.join()
     assert "Traceback" not in log.read_text(), log.read_text()
+    assert code == 0, log.read_text()  # SIGTERM: the requests in flight answered, then out
+    assert "interlock proxy: stopped" in log.read_text()
 
 
 SHOP_APP = """

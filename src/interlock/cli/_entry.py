@@ -126,7 +126,7 @@ async def _command(args: argparse.Namespace, stop: _Stop) -> int:
     code = 130
     async with trio.open_nursery() as nursery:
         # a worker (and an MCP proxy over HTTP) drains on SIGINT and SIGTERM itself
-        drains = args.command == "worker" or (
+        drains = args.command in ("worker", "proxy") or (
             args.command == "mcp" and getattr(args, "http", None) is not None
         )
         restore = None if drains else stop.install(nursery.cancel_scope.cancel)

@@ -44,6 +44,7 @@ async def _proxy(args: argparse.Namespace) -> int:
             port=port,
             profile=args.profile,
             reasks=args.reasks,
+            handle_signals=True,
         )
     finally:
         await _close(store)

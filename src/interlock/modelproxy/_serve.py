@@ -104,11 +104,14 @@ async def serve_model_proxy(
     profile: str | None = None,
     reasks: int = 2,
     max_body: int = DEFAULT_MAX_BODY,
+    handle_signals: bool = False,
     task_status: trio.TaskStatus[ModelProxyServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``POST /v1/chat/completions`` at ``http://HOST:PORT/v1`` in front of the
     OpenAI-compatible API at ``upstream`` (its base URL, e.g. ``http://127.0.0.1:8000/v1``),
-    each request a step of a run of ``machine``, until stopped."""
+    each request a step of a run of ``machine``, until stopped (:meth:`ModelProxyServer.stop`,
+    or SIGTERM or SIGINT with ``handle_signals``: the requests in flight are answered
+    first)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -136,6 +139,8 @@ async def serve_model_proxy(
                 served.set()
 
         async with trio.open_nursery() as nursery:
+            if handle_signals:
+                nursery.start_soon(_on_signals, stop)
             if isinstance(store, SQLiteStore):  # operators resume runs through its inbox
                 nursery.start_soon(serve_operator_requests, supervisor, store.path)
             binds: list[str] = await nursery.start(run_server)
@@ -148,3 +153,12 @@ async def serve_model_proxy(
             task_status.started(ModelProxyServer(url, stop))
             await served.wait()  # the requests in flight answered
             nursery.cancel_scope.cancel()
+
+
+async def _on_signals(stop: trio.Event) -> None:
+    import signal
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            stop.set()
+            return
