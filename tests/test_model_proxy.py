@@ -465,3 +465,48 @@ async def test_an_upstream_answer_that_is_not_a_completion_is_a_502_naming_it(
             server.stop()
     finally:
         await store.aclose()
+
+
+async def test_a_request_the_upstream_refuses_for_its_shape_is_named_with_the_fix(
+    tmp_path: Any,
+) -> None:
+    """The application's conversation carries ``content: null`` beside a call, as the SDK
+    sends it; a server that refuses that answers 400, and the proxy passes the refusal on
+    with the profile flag that fixes it, not as a transient failure."""
+    refusal = b'{"error": {"message": "messages.1.content: Input should be a valid string"}}'
+    brain = scripted_brain(
+        [Reply(calls=[("charge", '{"cents": 5}')]), Raw(body=refusal, status=400)]
+    )
+    store = await open_sqlite_store(str(tmp_path / "r.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            async with openai.AsyncOpenAI(
+                base_url=server.url, api_key="sk-test", max_retries=0
+            ) as client:
+                messages: list[Any] = [{"role": "user", "content": "pay"}]
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="m", messages=messages, tools=TOOLS
+                )
+                message = raw.parse().choices[0].message
+                messages += [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [c.model_dump() for c in message.tool_calls],
+                    },
+                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "ok"},
+                ]
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="m",
+                        messages=messages,
+                        tools=TOOLS,
+                        extra_headers={RUN_HEADER: raw.headers[RUN_HEADER]},
+                    )
+            server.stop()
+    finally:
+        await store.aclose()
+    assert "profile='llama-cpp-python'" in str(refused.value), refused.value

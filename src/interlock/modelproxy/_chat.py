@@ -209,13 +209,14 @@ class ChatProxy:
             else:
                 body.pop("tools", None)
                 body.pop("tool_choice", None)
+            sent = msgspec.json.encode(body)
             try:
-                response = await self.transport.post(
-                    "/chat/completions", msgspec.json.encode(body), headers=forwarded
-                )
+                response = await self.transport.post("/chat/completions", sent, headers=forwarded)
             except ProviderError as exc:
-                status = getattr(exc, "status", None) or 502
-                return _error(status if status >= 400 else 502, str(exc), "upstream_error", run_id)
+                # a refusal of a request's shape that a profile flag fixes is named with it
+                named = self.reader.refusal(exc, sent) or exc
+                status = exc.status if exc.status is not None and exc.status >= 400 else 502
+                return _error(status, str(named), "upstream_error", run_id)
             try:
                 completion = msgspec.json.decode(response.body)
                 message = ((completion.get("choices") or [{}])[0]).get("message") or {}
