@@ -87,6 +87,7 @@ CREATE TABLE IF NOT EXISTS reservations (
 CREATE TABLE IF NOT EXISTS notifications (
     id bigserial PRIMARY KEY, key text NOT NULL, run_id text NOT NULL, recipient text NOT NULL
 );
+CREATE TABLE IF NOT EXISTS notify_fence (key text PRIMARY KEY, epoch bigint NOT NULL);
 """
 
 
@@ -281,26 +282,62 @@ async def charge(args: Charge, ctx: ToolContext) -> dict[str, Any]:
     return {"charge": int(row[0]), "amount": args.amount}
 
 
+#: The fence of a notify key, as the leases page says a downstream keeps one: the highest
+#: lease epoch that wrote or reconciled the key; a request of a lower epoch is refused.
+#: Taken under the key's lock by the send and by the reconcile alike, so a request that
+#: was already on its way when its process froze (its thread past the lease's deadline)
+#: either lands before the reconcile looks, and is seen, or after, and is refused.
+_FENCE = [
+    ("SELECT pg_advisory_xact_lock(hashtext(%s))", ("notify",)),
+    (
+        "INSERT INTO notify_fence (key, epoch) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE "
+        "SET epoch = EXCLUDED.epoch WHERE notify_fence.epoch <= EXCLUDED.epoch",
+        (),
+    ),
+]
+
+
+def _fenced(key: str, epoch: int) -> list[tuple[str, tuple[Any, ...]]]:
+    lock, upsert = _FENCE
+    return [(lock[0], (key,)), (upsert[0], (key, epoch))]
+
+
+class Fenced(Exception):
+    """The downstream refused a notify of a lease epoch older than the key's fence."""
+
+
 async def notify(args: Notify, ctx: ToolContext) -> dict[str, Any]:
-    # Not idempotent either, but the downstream can say whether a key went out (reconcile).
+    # Not idempotent either, but the downstream can say whether a key went out (reconcile),
+    # and it fences each key by the lease epoch (see _FENCE).
     await _effect_delay(ctx.key, EFFECT_LEAD)
-    _, row = await current.get().run(
+    ours = "(SELECT epoch FROM notify_fence WHERE key = %s) = %s"
+    *_, _execution_row, row = await current.get().run(
         [
-            _execution("notify", ctx),
+            *_fenced(ctx.key, ctx.epoch),
             (
-                "INSERT INTO notifications (key, run_id, recipient) VALUES (%s, %s, %s) "
-                "RETURNING id",
-                (ctx.key, ctx.run_id, args.to),
+                "INSERT INTO executions (tool, key, run_id, attempt, pid, epoch) "
+                f"SELECT 'notify', %s, %s, %s, %s, %s WHERE {ours} RETURNING id",
+                (ctx.key, ctx.run_id, ctx.attempt, os.getpid(), ctx.epoch, ctx.key, ctx.epoch),
+            ),
+            (
+                "INSERT INTO notifications (key, run_id, recipient) "
+                f"SELECT %s, %s, %s WHERE {ours} RETURNING id",
+                (ctx.key, ctx.run_id, args.to, ctx.key, ctx.epoch),
             ),
         ]
     )
+    if row is None:
+        raise Fenced(f"notify {ctx.key} at epoch {ctx.epoch}: a newer lease holds the key")
     await _effect_delay(ctx.key)
     return {"message": int(row[0])}
 
 
 async def notified(key: str, args: Notify, ctx: ToolContext) -> Applied | NotApplied:
-    (row,) = await current.get().run(
-        [("SELECT id FROM notifications WHERE key = %s ORDER BY id LIMIT 1", (key,))]
+    *_, row = await current.get().run(
+        [
+            *_fenced(key, ctx.epoch),  # from here, an older epoch's send is refused
+            ("SELECT id FROM notifications WHERE key = %s ORDER BY id LIMIT 1", (key,)),
+        ]
     )
     return NotApplied() if row is None else Applied({"message": int(row[0])})
 
