@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import write_section
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## Before and after the layers move (issue 34)"
@@ -393,19 +395,6 @@ def report(
             table(rows),
         ]
     )
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Put ``text`` (starting with :data:`SECTION`) into ``path``, replacing an earlier one."""
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    else:
-        following = old.find("\n## ", start + len(SECTION))
-        rest = old[following + 1 :] if following >= 0 else ""
-        new = old[:start] + text + "\n" + ("\n" + rest if rest else "")
-    path.write_text(new, encoding="utf-8")
 
 
 def load_average() -> str:

@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     table = _render(figures, fsync, args, time.time() - started, inside)
     print(table)
     if args.write:
-        _write(table)
+        from benchmarks._results import write_section
+
+        write_section(table, RESULTS)
     return 0
 
 
@@ -343,17 +345,6 @@ def _render(
         "Raw per-round figures (µs): `" + json.dumps(figures) + "`",
     ]
     return "\n".join(lines)
-
-
-def _write(table: str) -> None:
-    text = RESULTS.read_text(encoding="utf-8")
-    start = text.find(SECTION)
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + table + "\n" + (text[end:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + table + "\n"
-    RESULTS.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -163,14 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     if args.write:
-        text = RESULTS.read_text(encoding="utf-8")
-        start = text.find(SECTION)
-        if start >= 0:
-            end = text.find("\n## ", start + 1)
-            text = text[:start] + table + "\n" + (text[end:] if end >= 0 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + table + "\n"
-        RESULTS.write_text(text, encoding="utf-8")
+        from benchmarks._results import write_section
+
+        write_section(table, RESULTS)
     return 0
 
 

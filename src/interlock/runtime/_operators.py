@@ -17,6 +17,7 @@ directory may resume its runs, as whoever may open the journal could.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from ._supervisor import Supervisor
 
 __all__ = ["OperatorRequest", "inbox", "post_operator_request", "serve_operator_requests"]
+
+log = logging.getLogger("interlock.operators")
 
 #: How often a holder looks for requests (seconds).
 POLL = 0.25
@@ -123,7 +126,7 @@ async def serve_operator_requests(
     an operator resumed or aborted (to tell its agent)."""
     folder = inbox(journal)
     while True:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # no inbox yet, or unreadable: look again later
             for entry in sorted(os.listdir(folder)):
                 if entry.endswith(".request.json"):
                     await _take(supervisor, folder, entry, on_done)
@@ -160,4 +163,10 @@ async def _take(supervisor: Supervisor, folder: Path, entry: str, on_done: Any) 
             await on_done(request.run_id)
     except (InterlockError, msgspec.DecodeError) as exc:
         answer = OperatorAnswer(error=str(exc))
-    await trio.to_thread.run_sync(_write_whole, answer_path, msgspec.json.encode(answer))
+    except Exception as exc:  # a bug, or the disk: this request's, never the holder's runs
+        log.exception("operator request %s failed", entry)
+        answer = OperatorAnswer(error=f"the holder could not decide the request: {exc!r}")
+    try:
+        await trio.to_thread.run_sync(_write_whole, answer_path, msgspec.json.encode(answer))
+    except OSError:  # the poster is told nothing, and says so after its wait
+        log.exception("could not answer operator request %s", entry)
