@@ -22,7 +22,7 @@ async def _proxy(args: argparse.Namespace) -> int:
             "interlock proxy serves HTTP with hypercorn, which is not installed: "
             "pip install 'interlock[gateway]'"
         )
-    from ..modelproxy import serve_model_proxy
+    from ..modelproxy import DEFAULT_REASKS, serve_model_proxy
     from ..providers._openai import PROFILES
     from ._mcp import _listen, _machine_source
 
@@ -30,10 +30,31 @@ async def _proxy(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"unknown --profile {args.profile!r}; the profiles: {', '.join(PROFILES)}"
         )
-    args.machine_file = None
-    machine = _machine_source(args)
+    if args.reasks is not None and args.reasks < 0:
+        raise ConfigurationError(
+            f"--reasks {args.reasks}: give a whole number >= 0 (0 answers a refusal at once)"
+        )
+    inputs: dict[str, Any] = {}
+    reasks = args.reasks
+    if args.machine_file is not None:
+        from ..mcp._config import build_machine, load_machine_file
+        from ..mcp._proxy import PINNED_INPUT
+
+        spec = load_machine_file(args.machine_file)
+        # no upstream lists the tools: each is checked by the file's schema (else any
+        # object) and guards; the runs pin that, so replay builds the same machine
+        pinned: dict[str, Any] = {name: {} for name in spec.tools}
+        machine = build_machine(spec, pinned)
+        inputs = {PINNED_INPUT: pinned}
+        if reasks is None:
+            reasks = spec.reasks
+        if args.db is None:
+            args.app = None
+        _journal_url(args, ("interlock proxy", None))
+    else:
+        machine = _machine_source(args)
+        _journal_url(args)
     host, port = _listen(args.listen)
-    _journal_url(args)
     store = await open_store(args.db)
     try:
         await serve_model_proxy(
@@ -43,7 +64,8 @@ async def _proxy(args: argparse.Namespace) -> int:
             host=host,
             port=port,
             profile=args.profile,
-            reasks=args.reasks,
+            reasks=DEFAULT_REASKS if reasks is None else reasks,
+            inputs=inputs,
             handle_signals=True,
         )
     finally:
@@ -56,18 +78,29 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
     """``interlock proxy``'s arguments."""
     proxy = commands.add_parser(
         "proxy",
-        help="serve an OpenAI-compatible /v1/chat/completions in front of a model, every "
+        help="serve OpenAI- and Anthropic-compatible endpoints in front of a model, every "
         "tool call it returns verified against a machine before the application sees it",
-        description="Stand between an application on the OpenAI SDK and its model: point the "
-        "SDK's base_url at the URL this prints.",
+        description="Stand between an application on the OpenAI or Anthropic SDK and its "
+        "model: point the SDK's base_url at the URL this prints. Serves POST "
+        "/v1/chat/completions, /v1/responses, /v1/messages and LiteLLM's generic guardrail "
+        "(/beta/litellm_basic_guardrail_api).",
     )
     proxy.add_argument(
         "--upstream",
         required=True,
         metavar="URL",
-        help="the model's OpenAI-compatible base URL, e.g. https://api.openai.com/v1",
+        help="the model's base URL, e.g. https://api.openai.com/v1 (an Anthropic one, "
+        "https://api.anthropic.com, takes /v1/messages)",
     )
-    app(proxy)
+    which = proxy.add_mutually_exclusive_group()
+    which.add_argument(
+        "--machine",
+        dest="machine_file",
+        metavar="FILE.toml",
+        default=None,
+        help="the machine file that guards the model's calls (the MCP machines' format)",
+    )
+    app(which)
     proxy.add_argument(
         "--machine-name",
         default=None,
@@ -91,8 +124,9 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
     proxy.add_argument(
         "--reasks",
         type=int,
-        default=2,
+        default=None,
         metavar="N",
         help="how many times a rejected call is asked again of the model, the violation as "
-        "its result, before the application gets the refusal as text (default 2)",
+        "its result, before the application gets the refusal as text (default: the machine "
+        "file's reasks, else 2; 0 answers the refusal at once)",
     )

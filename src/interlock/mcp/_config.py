@@ -10,6 +10,9 @@ The format (``docs/how-to/mcp-machines.md`` has a full example)::
     name = "memory"                # required
     initial = "PLAN"               # required: a state declared below
     transition_tool = "transition" # optional: a synthetic tool, called {"to": "STATE"}
+    reasks = 2                     # optional, the model proxy only: times a refused call
+                                   # is asked again of the model (0: the application
+                                   # gets the refusal at once)
 
     [states.PLAN]                  # one table per non-terminal state
     tools = ["read_graph", "create_entities"]  # upstream tool names allowed here
@@ -126,7 +129,7 @@ _GUARD_VARIABLES = ("args", "state", "history", "calls", "inputs")
 _RECONCILE_VARIABLES = ("result", "args", "key")
 _RESULT_VARIABLES = ("result", "args", "state", "inputs")
 _TOP_KEYS = ("machine", "states", "tools", "budgets", "breakers")
-_MACHINE_KEYS = ("name", "initial", "transition_tool")
+_MACHINE_KEYS = ("name", "initial", "transition_tool", "reasks")
 _STATE_KEYS = ("tools", "next", "instructions")
 _TOOL_KEYS = (
     "kind",
@@ -314,6 +317,8 @@ class MachineSpec:
       breakers: the breaker thresholds.
       transition_tool: the synthetic tool the agent calls with ``{"to": STATE}`` to
         move the run, or None.
+      reasks: for the model proxy, how many times a refused call is asked again of the
+        model (None: the proxy's default).
     """
 
     path: str
@@ -324,6 +329,7 @@ class MachineSpec:
     budgets: Budgets = field(default_factory=Budgets)
     breakers: BreakerPolicy = field(default_factory=BreakerPolicy)
     transition_tool: str | None = None
+    reasks: int | None = None
 
     def moves_to(self, tool: str) -> str | None:
         """The state a committed call of ``tool`` moves the run to, or None.
@@ -703,7 +709,21 @@ def _read(reader: _Reader, data: dict[str, Any]) -> MachineSpec:
         budgets=Budgets(**_read_numbers(reader, data, "budgets", _BUDGET_KEYS)),
         breakers=BreakerPolicy(**_read_numbers(reader, data, "breakers", _BREAKER_KEYS)),
         transition_tool=transition,
+        reasks=_read_reasks(reader, machine),
     )
+
+
+def _read_reasks(reader: _Reader, machine: dict[str, Any]) -> int | None:
+    if "reasks" not in machine:
+        return None
+    value = machine["reasks"]
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 100):
+        raise reader.fail(
+            "machine.reasks",
+            f"must be a whole number from 0 to 100 (0: the refusal is answered at once); "
+            f"got {_show(value)}",
+        )
+    return value
 
 
 def _read_guards(

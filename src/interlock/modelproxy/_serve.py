@@ -12,7 +12,9 @@ from ..providers._http import Transport
 from ..runtime._operators import serve_operator_requests
 from ..runtime._runtime import open_supervisor
 from ..stores import SQLiteStore
-from ._chat import ChatProxy, _error
+from ._apis import API_PATHS, ChatApi
+from ._litellm import GUARDRAIL_PATH, guardrail
+from ._proxy import DEFAULT_REASKS, Answer, ModelProxy, _error
 
 if TYPE_CHECKING:
     from ..core._machine import Machine
@@ -31,14 +33,19 @@ class ModelProxyServer:
 
     def __init__(self, url: str, stop: trio.Event) -> None:
         self.url = url
-        """The base URL an application gives its SDK (``http://HOST:PORT/v1``)."""
+        """The base URL an OpenAI SDK application is given (``http://HOST:PORT/v1``)."""
+        self.anthropic_url = url.removesuffix("/v1")
+        """The base URL an Anthropic SDK application is given (``http://HOST:PORT``)."""
         self._stop = stop
 
     def stop(self) -> None:
         self._stop.set()
 
 
-def _app(chat: ChatProxy, max_body: int) -> Any:
+_PATHS = (*API_PATHS, GUARDRAIL_PATH)
+
+
+def _app(proxy: ModelProxy, max_body: int) -> Any:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -50,10 +57,14 @@ def _app(chat: ChatProxy, max_body: int) -> Any:
                     return
         if scope["type"] != "http":
             return
-        if scope["path"] != "/v1/chat/completions":
-            answer = _error(404, f"no {scope['path']} here: POST /v1/chat/completions", "not_found")
+        path = scope["path"]
+        api = proxy.apis.get(path, proxy.apis[ChatApi.path])
+        if path not in _PATHS:
+            answer = _error(
+                api, 404, f"no {path} here: POST one of {', '.join(_PATHS)}", "not_found"
+            )
         elif scope["method"] != "POST":
-            answer = _error(405, "POST /v1/chat/completions", "method_not_allowed")
+            answer = _error(api, 405, f"POST {path}", "method_not_allowed")
         else:
             chunks: list[bytes] = []
             size = 0
@@ -68,28 +79,41 @@ def _app(chat: ChatProxy, max_body: int) -> Any:
                 if size > max_body:
                     break
             if size > max_body:
-                answer = _error(413, f"the body is over {max_body} bytes", "invalid_request_error")
+                answer = _error(
+                    api, 413, f"the body is over {max_body} bytes", "invalid_request_error"
+                )
             else:
                 headers = {
                     k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
                 }
                 try:
-                    answer = await chat.handle(b"".join(chunks), headers)
+                    if path == GUARDRAIL_PATH:
+                        status, body = await guardrail(proxy, b"".join(chunks))
+                        answer = Answer(status, body)
+                    else:
+                        answer = await proxy.handle(path, b"".join(chunks), headers)
                 except Exception as exc:  # a bug: contained to this request, and said so
                     log.exception("interlock proxy: a bug answering a request")
-                    answer = _error(500, f"a bug in interlock: {exc!r}", "internal_error")
+                    answer = _error(api, 500, f"a bug in interlock: {exc!r}", "internal_error")
+        extra = [(k.encode(), v.encode()) for k, v in answer.headers]
+        body, kind = answer.body, b"application/json"
+        if answer.events is not None:
+            # the decided answer is whole: its events go in one write (a client reading
+            # them sees the API's stream, and is not left a tail to drain after the last)
+            body, kind = b"".join(answer.events), b"text/event-stream"
+            extra.append((b"cache-control", b"no-cache"))
         await send(
             {
                 "type": "http.response.start",
                 "status": answer.status,
                 "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(answer.body)).encode()),
-                    *((k.encode(), v.encode()) for k, v in answer.headers),
+                    (b"content-type", kind),
+                    (b"content-length", str(len(body)).encode()),
+                    *extra,
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": answer.body})
+        await send({"type": "http.response.body", "body": body})
 
     return app
 
@@ -102,13 +126,17 @@ async def serve_model_proxy(
     host: str = "127.0.0.1",
     port: int = 0,
     profile: str | None = None,
-    reasks: int = 2,
+    reasks: int = DEFAULT_REASKS,
     max_body: int = DEFAULT_MAX_BODY,
+    inputs: dict[str, Any] | None = None,
     handle_signals: bool = False,
     task_status: trio.TaskStatus[ModelProxyServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``POST /v1/chat/completions`` at ``http://HOST:PORT/v1`` in front of the
-    OpenAI-compatible API at ``upstream`` (its base URL, e.g. ``http://127.0.0.1:8000/v1``),
+    """Serve ``POST /v1/chat/completions``, ``/v1/responses`` and ``/v1/messages`` (and
+    LiteLLM's guardrail, ``POST /beta/litellm_basic_guardrail_api``) at
+    ``http://HOST:PORT/v1`` in front of the API at ``upstream`` (its base URL, e.g.
+    ``http://127.0.0.1:8000/v1``; an Anthropic one's, without ``/v1``, takes
+    ``/v1/messages``),
     each request a step of a run of ``machine``, until stopped (:meth:`ModelProxyServer.stop`,
     or SIGTERM or SIGINT with ``handle_signals``: the requests in flight are answered
     first)."""
@@ -117,7 +145,9 @@ async def serve_model_proxy(
 
     transport = Transport(upstream, timeout=600.0)
     async with open_supervisor([machine], store) as supervisor, transport:
-        chat = ChatProxy(supervisor, machine, transport, reasks=reasks, profile=profile)
+        proxy = ModelProxy(
+            supervisor, machine, transport, reasks=reasks, profile=profile, inputs=inputs
+        )
         config = Config()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
@@ -130,7 +160,7 @@ async def serve_model_proxy(
         ) -> None:
             try:
                 await serve(
-                    _app(chat, max_body),
+                    _app(proxy, max_body),
                     config,
                     shutdown_trigger=stop.wait,
                     task_status=task_status,

@@ -1,0 +1,304 @@
+"""The model proxy's steps, the same for each API it serves (``POST /v1/chat/completions``,
+``POST /v1/responses``, ``POST /v1/messages``; each API's own words are in :mod:`._apis`).
+
+An application written for the OpenAI or Anthropic SDK points its ``base_url`` at the
+proxy. Each request is one step of a run of the machine (named by the ``Interlock-Run``
+header, or started by the proxy, which names it in the response's header):
+
+1. the result the application reports for the run's pending call (its tool result, whose
+   call id is the call's idempotency key) is journaled as the commit;
+2. the request goes upstream (never as a stream) with its tools narrowed to those the
+   run's state allows;
+3. the tool call the model returns is read with the provider's exact reader and verified
+   by the gate. An accepted call reaches the application with its idempotency key as the
+   call's id (and in the ``Interlock-Key`` header); a rejected one never does: the model is
+   asked again, up to the re-asks, with the violation as the call's tool result, and past
+   them the application gets the refusal as the assistant's text. A text answer (no call)
+   passes through. A request that asked for a stream gets the decided answer as the API's
+   own server-sent events.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..core._exceptions import (
+    ConfigurationError,
+    InterlockError,
+    ProtocolError,
+    ProviderError,
+    RunNotFound,
+)
+from ..core._messages import Propose, Report
+from ..core._view import fold
+from ._apis import API_PATHS, Api
+
+if TYPE_CHECKING:
+    from ..core._machine import Machine
+    from ..providers._http import Transport
+    from ..runtime._supervisor import Supervisor
+
+__all__ = ["DEFAULT_REASKS", "KEY_HEADER", "RUN_HEADER", "Answer", "ModelProxy"]
+
+#: The header that names a request's run (and a response's).
+RUN_HEADER = "interlock-run"
+#: The response header that carries an accepted call's idempotency key.
+KEY_HEADER = "interlock-key"
+#: The most times a rejected call is asked again of the model before the refusal is
+#: answered.
+DEFAULT_REASKS = 2
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """What the proxy answers: an HTTP status, headers and a JSON body, or the events of a
+    stream (``events``, then ``body`` is empty)."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+    events: tuple[bytes, ...] | None = None
+
+
+class _Refused(InterlockError):
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer.body.decode())
+        self.answer = answer
+
+
+class ModelProxy:
+    """The model proxy's steps for the APIs it serves, in front of ``transport`` (the
+    upstream's base URL), each request a step of a run of ``machine``."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        machine: Machine,
+        transport: Transport,
+        *,
+        reasks: int = DEFAULT_REASKS,
+        profile: str | None = None,
+        transition: str | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> None:
+        if not (isinstance(reasks, int) and reasks >= 0):
+            raise ConfigurationError(
+                f"reasks must be a whole number >= 0 (how many times a rejected call is asked "
+                f"again; 0 answers the refusal at once), not {reasks!r}"
+            )
+        self.supervisor = supervisor
+        self.machine = machine
+        self.transport = transport
+        self.reasks = reasks
+        #: the inputs each run the proxy starts is given
+        self.inputs = dict(inputs or {})
+        self.apis: dict[str, Api] = {
+            path: cls(transport.base_url, profile) for path, cls in API_PATHS.items()
+        }
+        for api in self.apis.values():
+            if transition is not None:
+                api.reader.transition = transition
+        # an Anthropic upstream's base URL has no /v1; an OpenAI one's ends in it
+        self._messages_path = "/messages" if transport.base_url.endswith("/v1") else "/v1/messages"
+        # the upstream's own id of each call handed on under its key, by run (a Responses
+        # upstream that keeps the conversation knows the call by it)
+        self._ids: dict[str, dict[str, str]] = {}
+        # the model's own id of each call LiteLLM's guardrail let through, by run and key
+        self.guard_ids: dict[str, dict[str, str]] = {}
+
+    async def handle(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """Answer one ``POST path`` whose body is ``body``."""
+        api = self.apis[path]
+        try:
+            request = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            return _error(api, 400, f"the body is not JSON: {exc}", "invalid_request_error")
+        problem = api.check(request)
+        if problem is not None:
+            return _error(api, 400, problem, "invalid_request_error")
+        stream = request.get("stream") is True
+        try:
+            run_id = await self._run(api, headers.get(RUN_HEADER))
+        except _Refused as refused:
+            return refused.answer
+        try:
+            ended = await self._report(api, run_id, request)
+            if ended is not None:
+                return ended
+            answer = await self._step(api, run_id, request, headers)
+        except ProtocolError as exc:
+            return _error(api, 409, f"interlock refused the request: {exc}", "conflict", run_id)
+        if stream and answer.status == 200:
+            events = api.stream(msgspec.json.decode(answer.body), request)
+            return Answer(200, b"", answer.headers, tuple(events))
+        return answer
+
+    async def _run(self, api: Api, named: str | None) -> str:
+        external = self.supervisor.external
+        if named is None:
+            handle = await external.start(
+                self.machine.name, self.inputs, run_id=f"proxy-{secrets.token_hex(16)}-1"
+            )
+            return handle.run_id
+        if external.get(named) is not None:
+            return named
+        store = self.supervisor.store
+        try:
+            record = await store.get_run(named)
+        except RunNotFound:
+            raise _Refused(
+                _error(
+                    api,
+                    404,
+                    f"no run {named[:80]!r} here; send no {RUN_HEADER} header to start one",
+                    "not_found",
+                )
+            ) from None
+        if record.machine == self.machine.name and record.outcome == "escalated":
+            raise _Refused(self._ended(api, named, record.outcome, record.state))
+        if record.machine != self.machine.name or record.outcome != "running":
+            raise _Refused(
+                _error(
+                    api,
+                    409,
+                    f"run {named} is {record.outcome} in {record.state}: it takes no more "
+                    f"requests; send no {RUN_HEADER} header to start a new run",
+                    "conflict",
+                    named,
+                )
+            )
+        external.hold(fold(self.machine, await store.load(named)))
+        return named
+
+    async def _report(self, api: Api, run_id: str, request: dict[str, Any]) -> Answer | None:
+        """Journal the application's result for the run's pending call (its tool result,
+        the call's key its id); an answer if the request lacks it or the run ended."""
+        run = self.supervisor.external.get(run_id)
+        pending = run.pending if run is not None else None
+        if pending is None:
+            return None
+        found, content, failed = api.result(request, pending.key)
+        if not found:
+            return _error(
+                api,
+                409,
+                f"run {run_id} waits for the result of its call of {pending.tool} (key "
+                f"{pending.key}): send it as {api.how_to_report(pending.key)}",
+                "conflict",
+                run_id,
+            )
+        if failed:  # the application says the tool failed: the model hears it
+            report = Report(
+                run_id=run_id,
+                key=pending.key,
+                ok=False,
+                error=content
+                if isinstance(content, str)
+                else msgspec.json.encode(content).decode(),
+                applied=False,
+            )
+        else:
+            report = Report(run_id=run_id, key=pending.key, ok=True, result=content)
+        # decided now; written with the next proposal's batch, which is awaited before the
+        # application hears anything (a run that ends waits here)
+        [verdict] = self.supervisor.external.decide_many([report])
+        if isinstance(verdict, Exception):
+            raise verdict
+        if verdict.outcome != "running":
+            await self.supervisor.external.sync(run_id)
+            self.supervisor.external.settle(run_id)
+            self._ids.pop(run_id, None)
+            return self._ended(api, run_id, verdict.outcome, verdict.state)
+        return None
+
+    async def _step(
+        self, api: Api, run_id: str, request: dict[str, Any], headers: dict[str, str]
+    ) -> Answer:
+        reader = api.reader
+        allowed = set(self.supervisor.view(run_id).allowed_tools)
+        body = api.narrowed(api.upstream_ids(request, self._ids.get(run_id, {})), allowed)
+        forwarded = {k: v for k, v in headers.items() if k in api.forwarded}
+        path = self._messages_path if api.name == "messages" else api.upstream_path
+        for attempt in range(self.reasks + 1):
+            shaped = api.shaped(body)
+            sent = msgspec.json.encode(shaped)
+            try:
+                response = await self.transport.post(path, sent, headers=forwarded)
+            except ProviderError as exc:
+                # a refusal of a request's shape that a profile flag fixes is named with it
+                named = reader.refusal(exc, sent) or exc
+                status = exc.status if exc.status is not None and exc.status >= 400 else 502
+                return _error(api, status, str(named), "upstream_error", run_id)
+            try:
+                answer = msgspec.json.decode(response.body)
+                calls = api.calls(answer)
+            except (msgspec.DecodeError, AttributeError, TypeError, IndexError, KeyError):
+                return _error(
+                    api,
+                    502,
+                    f"the upstream's answer is not a {_WHAT[api.name]}: "
+                    f"{response.body[:200].decode('utf-8', 'replace')!r}",
+                    "upstream_error",
+                    run_id,
+                )
+            if not calls:
+                return Answer(200, response.body, ((RUN_HEADER, run_id),))  # text: as is
+            raw, usage, envelope, extra = reader.read(api.for_gate(answer))
+            verdict = await self.supervisor.external.submit(
+                Propose(
+                    run_id=run_id,
+                    raw=raw,
+                    model=str(answer.get("model") or ""),
+                    usage=usage,
+                    envelope=envelope,
+                    extra_calls=extra,
+                )
+            )
+            if verdict.execute is not None:
+                key = verdict.execute.key
+                own = calls[0].get("call_id" if api.name == "responses" else "id")
+                if api.name == "responses" and isinstance(own, str):
+                    self._ids.setdefault(run_id, {})[key] = own
+                return Answer(
+                    200,
+                    msgspec.json.encode(api.keyed(answer, key)),
+                    ((RUN_HEADER, run_id), (KEY_HEADER, key)),
+                )
+            if verdict.outcome != "running":
+                self._ids.pop(run_id, None)
+                return self._ended(api, run_id, verdict.outcome, verdict.state)
+            if verdict.accepted:  # a move with no call: what the model said, as is
+                return Answer(200, response.body, ((RUN_HEADER, run_id),))
+            why = "\n".join(
+                f"{v.message}; {v.hint}" if v.hint else v.message for v in verdict.violations
+            )
+            if attempt == self.reasks:
+                text = f"interlock refused the model's call: {why}"
+                return Answer(
+                    200, msgspec.json.encode(api.refused(answer, text)), ((RUN_HEADER, run_id),)
+                )
+            # ask again: the bad call, and the violation as its result (the application
+            # never sees either)
+            body = api.reask(body, answer, f"refused: {why}")
+            allowed = set(self.supervisor.view(run_id).allowed_tools)
+            body = api.narrowed(body, allowed)
+        raise AssertionError("unreachable")
+
+    def _ended(self, api: Api, run_id: str, outcome: str, state: str) -> Answer:
+        if outcome == "escalated":
+            message = (
+                f"run {run_id} is escalated and waits for an operator: `interlock escalations "
+                f"resume {run_id}` resumes it; until then the model is not asked"
+            )
+            return _error(api, 409, message, "run_escalated", run_id)
+        return _error(api, 409, f"run {run_id} has {outcome} in {state}", "run_ended", run_id)
+
+
+_WHAT = {"chat": "chat completion", "responses": "Responses response", "messages": "message"}
+
+
+def _error(api: Api, status: int, message: str, kind: str, run_id: str | None = None) -> Answer:
+    headers = ((RUN_HEADER, run_id),) if run_id else ()
+    return Answer(status, api.error(status, message, kind), headers)

@@ -1,0 +1,318 @@
+"""The model proxy's three doors, each met by its official SDK as an unchanged application
+would: OpenAI Chat Completions and Responses (``openai``), Anthropic Messages
+(``anthropic``), whole answers and streams. The SDKs' own stream accumulators read the
+proxy's events, so an event the SDK would not take fails here."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+openai = pytest.importorskip("openai", reason="the openai SDK is in the [test] extra")
+anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is in the [test] extra")
+pytest.importorskip("hypercorn", reason="the [gateway] extra (hypercorn) is missing")
+
+from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+
+from interlock.modelproxy import KEY_HEADER, RUN_HEADER, serve_model_proxy  # noqa: E402
+from interlock.stores import open_sqlite_store  # noqa: E402
+from interlock.testing import Reply, open_fake_llm, scripted_brain, tool_results_of  # noqa: E402
+from tests.test_model_proxy import MACHINE  # noqa: E402
+
+# The openai SDK breaks out of its SSE loop at ``data: [DONE]`` and leaves its inner async
+# generators suspended; trio warns when they are collected. Every server's stream ends that
+# way (the fake LLM's tests say the same): the SDK's behaviour under trio, not the proxy's.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:Async generator '(openai|anthropic|httpx2|httpcore2)\.:ResourceWarning"
+)
+
+SCHEMA = {"type": "object", "properties": {"cents": {"type": "integer"}}}
+
+
+class Seen:
+    """What the application got from one request: the run, the call (id, name, arguments
+    as text), its text, and the raw answer to put back in the conversation."""
+
+    def __init__(self, headers: Any, call: tuple[str, str, str] | None, text: str, turn: Any):
+        self.run_id = headers[RUN_HEADER]
+        self.key = headers.get(KEY_HEADER)
+        self.call = call
+        self.text = text
+        self.turn = turn
+
+
+async def _chat(client: Any, state: list[Any], stream: bool, run_id: str | None) -> Seen:
+    tools = [{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}]
+    extra = {RUN_HEADER: run_id} if run_id else {}
+    if stream:
+        accumulated = ChatCompletionStreamState()
+        events = await client.chat.completions.create(
+            model="m",
+            messages=state,
+            tools=tools,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=extra,
+        )
+        headers = events.response.headers
+        async for chunk in events:
+            accumulated.handle_chunk(chunk)
+        completion = accumulated.get_final_completion()
+        assert completion.usage is not None  # include_usage: the last chunk carries it
+    else:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=state, tools=tools, extra_headers=extra
+        )
+        headers, completion = raw.headers, raw.parse()
+    message = completion.choices[0].message
+    call = None
+    if message.tool_calls:
+        (c,) = message.tool_calls
+        call = (c.id, c.function.name, c.function.arguments)
+    turn = message.model_dump(exclude_none=True, exclude={"parsed"})
+    for c in turn.get("tool_calls") or ():
+        c.get("function", {}).pop("parsed_arguments", None)
+    return Seen(headers, call, message.content or "", turn)
+
+
+def _chat_report(state: list[Any], seen: Seen, result: str) -> None:
+    assert seen.call is not None
+    state += [seen.turn, {"role": "tool", "tool_call_id": seen.call[0], "content": result}]
+
+
+async def _responses(client: Any, state: list[Any], stream: bool, run_id: str | None) -> Seen:
+    tools = [{"type": "function", "name": "charge", "parameters": SCHEMA, "strict": False}]
+    extra = {RUN_HEADER: run_id} if run_id else {}
+    if stream:
+        from openai.lib.streaming.responses import ResponseStreamState
+
+        accumulated = ResponseStreamState(input_tools=tools, text_format=openai.omit)
+        response = None
+        events = await client.responses.create(
+            model="m", input=state, tools=tools, stream=True, extra_headers=extra
+        )
+        headers = events.response.headers
+        async for event in events:
+            accumulated.handle_event(event)
+            if event.type == "response.completed":
+                response = event.response
+        assert response is not None
+    else:
+        raw = await client.responses.with_raw_response.create(
+            model="m", input=state, tools=tools, extra_headers=extra
+        )
+        headers, response = raw.headers, raw.parse()
+    calls = [i for i in response.output if i.type == "function_call"]
+    call = None
+    if calls:
+        (c,) = calls
+        call = (c.call_id, c.name, c.arguments)
+    turn = [i.model_dump(exclude_none=True) for i in response.output]
+    return Seen(headers, call, response.output_text, turn)
+
+
+def _responses_report(state: list[Any], seen: Seen, result: str) -> None:
+    assert seen.call is not None
+    state += [
+        *seen.turn,
+        {"type": "function_call_output", "call_id": seen.call[0], "output": result},
+    ]
+
+
+async def _messages(client: Any, state: list[Any], stream: bool, run_id: str | None) -> Seen:
+    tools = [{"name": "charge", "input_schema": SCHEMA}]
+    extra = {RUN_HEADER: run_id} if run_id else {}
+    if stream:
+        message = None
+        bufs: dict[int, bytes] = {}
+        events = await client.messages.create(
+            model="m", max_tokens=256, messages=state, tools=tools, stream=True, extra_headers=extra
+        )
+        headers = events.response.headers
+        async for event in events:
+            message = accumulate_event(event=event, current_snapshot=message, json_bufs=bufs)
+        assert message is not None
+    else:
+        raw = await client.messages.with_raw_response.create(
+            model="m", max_tokens=256, messages=state, tools=tools, extra_headers=extra
+        )
+        headers, message = raw.headers, raw.parse()
+        if inspect.isawaitable(message):  # anthropic's raw response parses asynchronously
+            message = await message
+    uses = [b for b in message.content if b.type == "tool_use"]
+    call = None
+    if uses:
+        (c,) = uses
+        call = (c.id, c.name, json.dumps(c.input))
+    text = "".join(b.text for b in message.content if b.type == "text")
+    turn = {
+        "role": "assistant",
+        "content": [b.model_dump(exclude_none=True) for b in message.content],
+    }
+    return Seen(headers, call, text, turn)
+
+
+def _messages_report(state: list[Any], seen: Seen, result: str) -> None:
+    assert seen.call is not None
+    block = {"type": "tool_result", "tool_use_id": seen.call[0], "content": result}
+    state += [seen.turn, {"role": "user", "content": [block]}]
+
+
+DOORS = {
+    "chat": (_chat, _chat_report),
+    "responses": (_responses, _responses_report),
+    "messages": (_messages, _messages_report),
+}
+
+
+def _client(api: str, url: str) -> Any:
+    if api == "messages":
+        return anthropic.AsyncAnthropic(
+            base_url=url.removesuffix("/v1"), api_key="k", max_retries=0
+        )
+    return openai.AsyncOpenAI(base_url=url, api_key="sk-test", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", list(DOORS))
+async def test_each_sdk_gets_only_verified_calls_keyed_and_its_results_are_journaled(
+    api: str, stream: bool, tmp_path: Any
+) -> None:
+    """The model first proposes a charge the guard refuses; the proxy asks again with the
+    refusal as that call's result; the application gets only the good call, its id the
+    idempotency key, as a whole answer or as the API's stream; it reports the result the
+    usual way and the proxy journals it as the commit."""
+    ask, report = DOORS[api]
+    brain = scripted_brain(
+        [
+            Reply(calls=[("charge", '{"cents": 5000}')]),
+            # text beside a call, as Claude and GPT write it: passed on with the call
+            Reply(text="Charging now.", calls=[("charge", '{"cents": 500}')]),
+            Reply(text="charged 5 dollars"),
+        ]
+    )
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            client = _client(api, server.url)
+            state: list[Any] = [{"role": "user", "content": "charge me 5 dollars"}]
+            first = await ask(client, state, stream, None)
+            assert first.call is not None, first.text
+            key, name, arguments = first.call
+            assert (name, json.loads(arguments)) == ("charge", {"cents": 500})
+            assert key == first.key
+            assert key.startswith(first.run_id)
+            assert first.text == "Charging now."
+            report(state, first, '{"charged": 500}')
+            final = await ask(client, state, stream, first.run_id)
+            assert final.call is None
+            assert final.text == "charged 5 dollars"
+            await client.close()
+            server.stop()
+            requests = fake.requests
+    finally:
+        await store.aclose()
+    assert [r.path.rsplit("/", 1)[-1] for r in requests] == [
+        {"chat": "completions", "responses": "responses", "messages": "messages"}[api]
+    ] * 3
+    assert not any(r.body.get("stream") for r in requests)  # held until decided
+    refusal = tool_results_of(api, requests[1].body)[-1]
+    assert "is over 1000" in str(refusal[1]), refusal
+    results = tool_results_of(api, requests[2].body)
+    # the upstream hears of its call under its own id (a Responses upstream may keep the
+    # conversation and know it by no other); Chat and Messages pass the conversation as is
+    assert results[-1][1] == '{"charged": 500}'
+    assert (results[-1][0] == key) == (api != "responses"), results
+    reader = await open_sqlite_store(str(tmp_path / "p.db"), readonly=True)
+    try:
+        events = await reader.load(first.run_id)
+    finally:
+        await reader.aclose()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("ProposalRejected") == 1, kinds
+    committed = [e for e in events if type(e).__name__ == "ToolCommitted"]
+    assert [(e.key, e.result) for e in committed] == [(key, '{"charged": 500}')]
+
+
+@pytest.mark.parametrize("api", list(DOORS))
+async def test_past_its_reasks_a_refusal_is_the_apis_own_text_answer_and_a_breaker_parks(
+    api: str, tmp_path: Any
+) -> None:
+    """reasks=0: the first refusal is answered at once, as the assistant's text in the API's
+    shape; the model keeps proposing the bad call and the breaker escalates the run, which
+    each SDK raises as a 409 naming how to resume it."""
+    ask, _report = DOORS[api]
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5000}')])] * 4)
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store, reasks=0)
+            )
+            client = _client(api, server.url)
+            state: list[Any] = [{"role": "user", "content": "charge me 50 dollars"}]
+            first = await ask(client, state, False, None)
+            assert first.call is None
+            assert first.text.startswith("interlock refused the model's call: ")
+            assert "is over 1000" in first.text
+            conflict = openai.ConflictError if api != "messages" else anthropic.ConflictError
+            answers = []
+            with pytest.raises(conflict) as parked:  # noqa: PT012 - the breaker trips on one
+                for _ in range(3):
+                    answers.append(await ask(client, state, False, first.run_id))
+            assert all(a.call is None for a in answers)  # none let the bad call through
+            assert "interlock escalations resume" in str(parked.value)
+            await client.close()
+            server.stop()
+    finally:
+        await store.aclose()
+
+
+async def test_a_responses_conversation_kept_upstream_gets_the_upstreams_own_call_ids(
+    tmp_path: Any,
+) -> None:
+    """An application on previous_response_id sends only the call's output, under the key it
+    was given; the upstream that keeps the conversation knows the call by its own id, and
+    the proxy maps the key back."""
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5}')]), Reply(text="done")])
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            async with openai.AsyncOpenAI(base_url=server.url, api_key="k", max_retries=0) as c:
+                tools = [{"type": "function", "name": "charge", "parameters": SCHEMA}]
+                raw = await c.responses.with_raw_response.create(
+                    model="m", input="pay", tools=tools
+                )
+                first = raw.parse()
+                (call,) = [i for i in first.output if i.type == "function_call"]
+                assert call.call_id == raw.headers[KEY_HEADER]
+                final = await c.responses.create(
+                    model="m",
+                    previous_response_id=first.id,
+                    input=[
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}
+                    ],
+                    tools=tools,
+                    extra_headers={RUN_HEADER: raw.headers[RUN_HEADER]},
+                )
+                assert final.output_text == "done"
+            server.stop()
+            requests = fake.requests
+    finally:
+        await store.aclose()
+    (sent,) = tool_results_of("responses", requests[1].body)
+    assert sent[0] != call.call_id, sent
+    assert sent[0].startswith("call_"), sent  # the upstream's own id
+    assert requests[1].body["previous_response_id"] == first.id
