@@ -257,10 +257,10 @@ async def test_bad_requests_get_the_apis_errors_naming_what_to_fix(tmp_path: Any
                     "no messages": await http.post(f"{base}/chat/completions", json={"model": "m"}),
                     "another path": await http.post(f"{base}/embeddings", json=body),
                     "GET": await http.get(f"{base}/chat/completions"),
-                    "unknown run": await http.post(
+                    "a bad run name": await http.post(
                         f"{base}/chat/completions",
                         json=body,
-                        headers={RUN_HEADER: "proxy-nope-1"},
+                        headers={RUN_HEADER: "no spaces/slashes"},
                     ),
                 }
                 first = await http.post(f"{base}/chat/completions", json=body)
@@ -277,14 +277,11 @@ async def test_bad_requests_get_the_apis_errors_naming_what_to_fix(tmp_path: Any
         "no messages": 400,
         "another path": 404,
         "GET": 405,
-        "unknown run": 404,
+        "a bad run name": 400,
     }
     for r in answers.values():  # the OpenAI SDK surfaces error.message
         assert r.json()["error"]["message"], r.text
-    assert (
-        "send no interlock-run header to start one"
-        in answers["unknown run"].json()["error"]["message"]
-    )
+    assert "is not a run name" in answers["a bad run name"].json()["error"]["message"]
     assert first.status_code == 200
     assert unreported.status_code == 409
     message = unreported.json()["error"]["message"]

@@ -316,3 +316,157 @@ async def test_a_responses_conversation_kept_upstream_gets_the_upstreams_own_cal
     assert sent[0] != call.call_id, sent
     assert sent[0].startswith("call_"), sent  # the upstream's own id
     assert requests[1].body["previous_response_id"] == first.id
+
+
+async def test_an_application_that_names_its_own_run_keeps_it_across_requests(
+    tmp_path: Any,
+) -> None:
+    """A framework that never reads a response header sets the run once, as the client's
+    default header: the first request starts the run under that name, the next continue it
+    (the machine's state and breakers hold across the conversation)."""
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5}')]), Reply(text="done")])
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            async with openai.AsyncOpenAI(
+                base_url=server.url,
+                api_key="k",
+                max_retries=0,
+                default_headers={RUN_HEADER: "order-7"},
+            ) as client:
+                tools = [{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}]
+                messages: list[Any] = [{"role": "user", "content": "pay"}]
+                first = await client.chat.completions.create(
+                    model="m", messages=messages, tools=tools
+                )
+                (call,) = first.choices[0].message.tool_calls
+                assert call.id.startswith("order-7:")
+                messages += [
+                    first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "ok"},
+                ]
+                final = await client.chat.completions.create(
+                    model="m", messages=messages, tools=tools
+                )
+                assert final.choices[0].message.content == "done"
+            server.stop()
+    finally:
+        await store.aclose()
+    reader = await open_sqlite_store(str(tmp_path / "p.db"), readonly=True)
+    try:
+        kinds = [type(e).__name__ for e in await reader.load("order-7")]
+    finally:
+        await reader.aclose()
+    assert kinds.count("ToolCommitted") == 1, kinds
+
+
+MACHINE_FILE = """
+[machine]
+name = "shop"
+initial = "PAY"
+reasks = 0
+
+[states.PAY]
+tools = ["charge"]
+next = ["COMPLETED"]
+
+[tools.charge]
+schema = { type = "object", properties = { cents = { type = "integer" } }, required = ["cents"], additionalProperties = false }
+guards = [{ when = "args.cents <= 1000", message = "a charge is at most 1000 cents", hint = "charge 1000 or less" }]
+"""
+
+
+def test_the_command_takes_a_toml_machine_file_and_its_reasks(tmp_path: Any) -> None:
+    """`interlock proxy --machine shop.toml`: the file's schema and CEL guard hold, its
+    `reasks = 0` answers the refusal at once, and `interlock replay` rebuilds the run from
+    the same file with no upstream."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    (tmp_path / "shop.toml").write_text(MACHINE_FILE)
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5000}')])])
+    ready: dict[str, Any] = {}
+    done = threading.Event()
+
+    async def fake_llm() -> None:
+        async with open_fake_llm(brain) as fake:
+            ready["url"] = fake.openai_base_url
+            await trio.to_thread.run_sync(done.wait)
+
+    thread = threading.Thread(target=trio.run, args=(fake_llm,))
+    thread.start()
+    try:
+        while "url" not in ready:
+            threading.Event().wait(0.02)
+        log = tmp_path / "proxy.log"
+        with log.open("wb") as err:
+            proxy = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "interlock",
+                    "proxy",
+                    "--upstream",
+                    ready["url"],
+                    "--machine",
+                    "shop.toml",
+                    "--db",
+                    "shop.db",
+                ],
+                cwd=tmp_path,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        try:
+            url = None
+            for _ in range(600):
+                found = re.search(r"serving (http://\S+/v1)", log.read_text())
+                if found:
+                    url = found[1]
+                    break
+                assert proxy.poll() is None, log.read_text()
+                threading.Event().wait(0.05)
+            assert url is not None, log.read_text()
+            client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model="m",
+                messages=[{"role": "user", "content": "pay"}],
+                tools=[{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}],
+            )
+            message = raw.parse().choices[0].message
+            run_id = raw.headers[RUN_HEADER]
+        finally:
+            proxy.terminate()
+            code = proxy.wait(timeout=30)
+    finally:
+        done.set()
+        thread.join()
+    assert code == 0, log.read_text()
+    assert message.tool_calls is None
+    assert message.content == (
+        "interlock refused the model's call: charge: a charge is at most 1000 cents; charge 1000 or less"
+    )
+    replayed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "interlock",
+            "replay",
+            run_id,
+            "--machine",
+            "shop.toml",
+            "--db",
+            "shop.db",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr

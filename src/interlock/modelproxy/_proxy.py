@@ -20,6 +20,7 @@ header, or started by the proxy, which names it in the response's header):
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -148,14 +149,26 @@ class ModelProxy:
         try:
             record = await store.get_run(named)
         except RunNotFound:
-            raise _Refused(
-                _error(
-                    api,
-                    404,
-                    f"no run {named[:80]!r} here; send no {RUN_HEADER} header to start one",
-                    "not_found",
-                )
-            ) from None
+            # the application names its own run (a framework that cannot read the
+            # response's header sends the same name with every request): started here
+            if not _RUN_NAME.match(named):
+                raise _Refused(
+                    _error(
+                        api,
+                        400,
+                        f"the {RUN_HEADER} header {named[:80]!r} is not a run name: 1-128 "
+                        "letters, digits, '_', '-', '.' or ':' (or send none, and the proxy "
+                        "starts a run and names it in the response)",
+                        "invalid_request_error",
+                    )
+                ) from None
+            try:
+                handle = await external.start(self.machine.name, self.inputs, run_id=named)
+            except ProtocolError:  # started by a request racing this one
+                if external.get(named) is None:
+                    raise
+                return named
+            return handle.run_id
         if record.machine == self.machine.name and record.outcome == "escalated":
             raise _Refused(self._ended(api, named, record.outcome, record.state))
         if record.machine != self.machine.name or record.outcome != "running":
@@ -296,6 +309,7 @@ class ModelProxy:
         return _error(api, 409, f"run {run_id} has {outcome} in {state}", "run_ended", run_id)
 
 
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _WHAT = {"chat": "chat completion", "responses": "Responses response", "messages": "message"}
 
 
