@@ -365,6 +365,8 @@ def test_quick_model_proxy_benchmark_fills_its_row() -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| ") and "µs" in line]
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert all(c.endswith(" µs") for c in cells[:-1]), row
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "µs" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["whole", "stream"], rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(c.endswith(" µs") for c in cells[1:-1]), row

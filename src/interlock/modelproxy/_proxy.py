@@ -33,7 +33,7 @@ from ..core._exceptions import (
     ProviderError,
     RunNotFound,
 )
-from ..core._messages import Propose, Report
+from ..core._messages import Propose, Report, Verdict
 from ..core._view import fold
 from ._apis import API_PATHS, Api
 
@@ -259,7 +259,7 @@ class ModelProxy:
             if not calls:
                 return Answer(200, response.body, ((RUN_HEADER, run_id),))  # text: as is
             raw, usage, envelope, extra = reader.read(api.for_gate(answer))
-            verdict = await self.supervisor.external.submit(
+            verdict = await self._decide(
                 Propose(
                     run_id=run_id,
                     raw=raw,
@@ -298,6 +298,23 @@ class ModelProxy:
             allowed = set(self.supervisor.view(run_id).allowed_tools)
             body = api.narrowed(body, allowed)
         raise AssertionError("unreachable")
+
+    async def _decide(self, propose: Propose) -> Verdict:
+        """The gate's verdict on ``propose``, waiting for the journal only where it must:
+        before the application hears of a call that may change something (it may execute
+        it at once, so its intent is durable first), and when the run ends. A read-only
+        call's intent is written with its commit, and a rejection with the next write."""
+        external = self.supervisor.external
+        [verdict] = external.decide_many([propose])
+        if isinstance(verdict, Exception):
+            raise verdict
+        execute = verdict.execute
+        if verdict.outcome != "running":
+            await external.sync(propose.run_id)
+            external.settle(propose.run_id)
+        elif execute is not None and not self.machine.tool_by_name[execute.tool].read_only:
+            await external.sync(propose.run_id)
+        return verdict
 
     def _ended(self, api: Api, run_id: str, outcome: str, state: str) -> Answer:
         if outcome == "escalated":
