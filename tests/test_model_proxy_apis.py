@@ -470,3 +470,77 @@ def test_the_command_takes_a_toml_machine_file_and_its_reasks(tmp_path: Any) -> 
         check=False,
     )
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+
+
+@pytest.mark.parametrize("kind", ["read-only", "may change something"])
+async def test_a_call_that_may_change_something_reaches_the_application_only_once_its_intent_is_durable(
+    tmp_path: Any, kind: str
+) -> None:
+    """The application may execute a call the moment it hears of it: a call of a tool that
+    may change something is answered only after its intent and key are written; a
+    read-only one is answered while the write is still held (a crash loses nothing that
+    matters: the call is made again). Both are journaled, intent then commit."""
+    from interlock import open_supervisor
+    from interlock.modelproxy import ModelProxy
+    from interlock.providers._http import Transport
+    from tests.test_mcp_proxy import _GatedStore
+
+    name = "lookup" if kind == "read-only" else "charge"
+    brain = scripted_brain([Reply(calls=[(name, '{"cents": 5}')]), Reply(text="done")])
+    inner = await open_sqlite_store(str(tmp_path / "j.db"), synchronous="FULL")
+    store = _GatedStore(inner)
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        for n in ("charge", "lookup")
+    ]
+    request = {"model": "m", "messages": [{"role": "user", "content": "go"}], "tools": tools}
+    async with (
+        open_fake_llm(brain) as fake,
+        Transport(fake.openai_base_url) as transport,
+        open_supervisor([MACHINE], store) as sup,  # type: ignore[arg-type]
+    ):
+        proxy = ModelProxy(sup, MACHINE, transport)
+        await sup.external.start(MACHINE.name, {}, run_id="r-1")  # its start is written
+        store.gate = trio.Event()  # hold every write from here on
+        before = store.written
+        answers: list[Any] = []
+        answered = trio.Event()
+
+        async def ask() -> None:
+            body = json.dumps(request).encode()
+            answers.append(await proxy.handle("/v1/chat/completions", body, {RUN_HEADER: "r-1"}))
+            answered.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            with trio.move_on_after(2):
+                await answered.wait()
+            if kind == "read-only":
+                assert answers  # answered with its writes still held
+                assert store.written == before
+            else:
+                assert not answers  # its intent is not durable: the application waits
+            store.gate.set()
+        (answer,) = answers
+        assert answer.status == 200, answer.body
+        if kind != "read-only":
+            assert store.written > before  # answered once the intent was written
+        run_id = dict(answer.headers)[RUN_HEADER]
+        key = dict(answer.headers)[KEY_HEADER]
+        follow = {
+            **request,
+            "messages": [
+                *request["messages"],
+                json.loads(answer.body)["choices"][0]["message"],
+                {"role": "tool", "tool_call_id": key, "content": "ok"},
+            ],
+        }
+        final = await proxy.handle(
+            "/v1/chat/completions", json.dumps(follow).encode(), {RUN_HEADER: run_id}
+        )
+        assert final.status == 200, final.body
+        await sup.external.sync(run_id)
+    events = await inner.load(run_id)
+    await inner.aclose()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("IntentRecorded") < kinds.index("ToolCommitted"), kinds
