@@ -145,13 +145,24 @@ def _within(args: Any, view: Any) -> Reject | None:
 async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_real_model(
     llama_server: str,  # noqa: F811 - the real model test's fixture
     tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The real local model (SmolLM2 behind llama-cpp-python's server) proposes refunds
     through the proxy, asked for more than the guard allows. What the gate must guarantee
     is asserted, not what the model answers: no call the application receives breaks the
-    guard, the upstream never refused a request the proxy made, every model answer is
-    journaled, and every run ends with a verified call, a text answer or the proxy's
-    refusal after its re-asks."""
+    guard, the upstream never refused a request the proxy made, every rejection the gate
+    made reached the model as the refused call's result (or, past the re-asks, the
+    application as the refusal), and no run ended by a provider failure."""
+    from interlock.providers._http import Transport
+
+    sent: list[bytes] = []  # what the proxy really sent the model server
+    post = Transport.post
+
+    async def recording(self: Any, path: str, body: bytes, **kw: Any) -> Any:
+        sent.append(body)
+        return await post(self, path, body, **kw)
+
+    monkeypatch.setattr(Transport, "post", recording)
     machine = Machine(
         "refunds",
         "REFUND",
@@ -170,6 +181,7 @@ async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_
     ]
     received: list[Any] = []
     statuses: list[int] = []
+    refusals = 0
     store = await open_sqlite_store(str(tmp_path / "real.db"))
     try:
         async with trio.open_nursery() as nursery:
@@ -208,9 +220,11 @@ async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_
                         headers = {RUN_HEADER: raw.headers[RUN_HEADER]}
                         message = raw.parse().choices[0].message
                         if not message.tool_calls:
+                            refusals += (message.content or "").startswith(
+                                "interlock refused the model's call"
+                            )
                             break
-                        for call in message.tool_calls:
-                            received.append(call)
+                        received.extend(message.tool_calls)
                         call = message.tool_calls[0]
                         messages += [
                             message.model_dump(exclude_none=True),
@@ -233,6 +247,11 @@ async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_
     finally:
         await reader.aclose()
     assert len(runs) == 2
+    assert {r.outcome for r in runs} <= {"running", "completed", "escalated"}, runs
+    # each rejection was asked again with the violation as the call's result, but the last
+    # of a request past its re-asks, which the application got as the refusal
+    reasked = [b for b in sent if b"refused: " in b]
+    assert len(reasked) == rejected - refusals, (len(reasked), rejected, refusals)
     assert received or rejected, "the model proposed no call: the gate had no work"
     print(
         f"calls received: {len(received)}, rejected by the gate: {rejected}, statuses: {statuses}"
