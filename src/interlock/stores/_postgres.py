@@ -491,7 +491,8 @@ class PostgresStore(Store):
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, renewal: bool = False
     ) -> _T:
         """Run ``fn(conn)`` in a worker thread, holding the connection's lock; map psycopg
-        errors. ``renewal``: on the renewals' connection, not the journal's."""
+        errors. ``renewal``: on the leases' connection (claims and renewals), not the
+        journal's."""
         async with self._renewals_lock if renewal else self._lock:
             if self._conn is None:
                 raise StoreError("store is closed")
@@ -669,10 +670,13 @@ class PostgresStore(Store):
                 await trio.lowlevel.checkpoint()
                 return []
             return await self._granted(
-                "claim", _CLAIM_NAMED, (owner, ttl, ids, owner), renewal=False
+                "claim", _CLAIM_NAMED, (owner, ttl, ids, owner), renewal=True
             )
         skip = check_run_ids(exclude)
-        return await self._granted("claim", _CLAIM, (owner, ttl, skip, limit), renewal=False)
+        # NOTE: on the leases' connection, as renewals are: a claim waiting behind this
+        # process's own batch of events (a large one takes seconds on a loaded server)
+        # left expired leases untaken for that long (issue 33)
+        return await self._granted("claim", _CLAIM, (owner, ttl, skip, limit), renewal=True)
 
     async def _granted(
         self, what: str, statement: str, params: tuple[Any, ...], *, renewal: bool
