@@ -544,3 +544,62 @@ async def test_a_call_that_may_change_something_reaches_the_application_only_onc
     await inner.aclose()
     kinds = [type(e).__name__ for e in events]
     assert kinds.index("IntentRecorded") < kinds.index("ToolCommitted"), kinds
+
+
+async def test_what_the_real_model_cannot_show_parallel_calls_a_cut_off_answer_and_a_429(
+    tmp_path: Any,
+) -> None:
+    """With the fake upstream: a parallel answer hands on its first call only (the others
+    are journaled with the proposal, never reach the application); an answer cut off at the
+    output limit is not a call, and the model is asked again, told why; a 429 reaches the
+    application as a 429 with the upstream's Retry-After, which the SDK obeys and retries."""
+    from interlock.testing import Fault
+
+    brain = scripted_brain(
+        [
+            Reply(calls=[("charge", '{"cents": 1}'), ("charge", '{"cents": 2}')]),
+            Reply(calls=[("charge", '{"cents": 3')], finish="length"),
+            Reply(calls=[("charge", '{"cents": 3}')]),
+            Fault(status=429, retry_after=0.2),
+            Reply(text="all done"),
+        ]
+    )
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            async with openai.AsyncOpenAI(base_url=server.url, api_key="k", max_retries=0) as c:
+                state: list[Any] = [{"role": "user", "content": "pay twice"}]
+                first = await _chat(c, state, False, None)
+                assert first.call is not None
+                assert json.loads(first.call[2]) == {"cents": 1}  # the first call only
+                assert len(first.turn["tool_calls"]) == 1
+                _chat_report(state, first, "ok")
+                second = await _chat(c, state, False, first.run_id)
+                assert second.call is not None
+                assert json.loads(second.call[2]) == {"cents": 3}  # the whole one
+                _chat_report(state, second, "ok")
+                with pytest.raises(openai.RateLimitError) as limited:
+                    await _chat(c, state, False, first.run_id)
+                assert limited.value.response.headers["retry-after"] == "1"
+            async with openai.AsyncOpenAI(base_url=server.url, api_key="k", max_retries=1) as c:
+                final = await _chat(c, state, False, first.run_id)  # the SDK's retry
+                assert final.text == "all done"
+            server.stop()
+            requests = fake.requests
+    finally:
+        await store.aclose()
+    cut = tool_results_of("chat", requests[2].body)[-1]
+    assert "output limit" in str(cut[1]) or "finish_reason" in str(cut[1]), cut
+    reader = await open_sqlite_store(str(tmp_path / "p.db"), readonly=True)
+    try:
+        events = await reader.load(first.run_id)
+    finally:
+        await reader.aclose()
+    extra = [e.extra_calls for e in events if type(e).__name__ == "ModelCalled"]
+    assert (("charge", '{"cents": 2}'),) in extra, extra  # journaled, never handed on
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("ToolCommitted") == 2, kinds
+    assert kinds.count("ProposalRejected") == 1, kinds

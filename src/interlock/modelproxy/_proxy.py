@@ -20,6 +20,7 @@ header, or started by the proxy, which names it in the response's header):
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from typing import TYPE_CHECKING, Any
@@ -243,7 +244,11 @@ class ModelProxy:
                 # a refusal of a request's shape that a profile flag fixes is named with it
                 named = reader.refusal(exc, sent) or exc
                 status = exc.status if exc.status is not None and exc.status >= 400 else 502
-                return _error(api, status, str(named), "upstream_error", run_id)
+                answer = _error(api, status, str(named), "upstream_error", run_id)
+                if exc.retry_after is not None:  # the SDKs wait as the upstream asked
+                    wait = str(max(1, math.ceil(exc.retry_after)))
+                    answer = Answer(status, answer.body, (*answer.headers, ("retry-after", wait)))
+                return answer
             try:
                 answer = msgspec.json.decode(response.body)
                 calls = api.calls(answer)
@@ -258,7 +263,10 @@ class ModelProxy:
                 )
             if not calls:
                 return Answer(200, response.body, ((RUN_HEADER, run_id),))  # text: as is
-            raw, usage, envelope, extra = reader.read(api.for_gate(answer))
+            try:
+                raw, usage, envelope, extra = reader.read(api.for_gate(answer))
+            except ProviderError as exc:  # not the API's shape, for the exact reader
+                return _error(api, 502, str(exc), "upstream_error", run_id)
             verdict = await self._decide(
                 Propose(
                     run_id=run_id,
