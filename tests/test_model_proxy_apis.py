@@ -603,3 +603,121 @@ async def test_what_the_real_model_cannot_show_parallel_calls_a_cut_off_answer_a
     kinds = [type(e).__name__ for e in events]
     assert kinds.count("ToolCommitted") == 2, kinds
     assert kinds.count("ProposalRejected") == 1, kinds
+
+
+async def test_a_run_left_idle_leaves_memory_and_its_next_request_reads_it_again(
+    tmp_path: Any,
+) -> None:
+    """An application never says a conversation is over: a run no request used for the
+    idle time is dropped from the proxy's memory once durable, and its next request folds
+    it again from the journal and goes on (the pending call's result journaled)."""
+    from interlock import open_supervisor
+    from interlock.modelproxy import ModelProxy
+    from interlock.providers._http import Transport
+
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5}')]), Reply(text="done")])
+    store = await open_sqlite_store(str(tmp_path / "j.db"))
+    tools = [{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}]
+    request = {"model": "m", "messages": [{"role": "user", "content": "go"}], "tools": tools}
+    async with (
+        open_fake_llm(brain) as fake,
+        Transport(fake.openai_base_url) as transport,
+        open_supervisor([MACHINE], store) as sup,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = ModelProxy(sup, MACHINE, transport)
+        nursery.start_soon(proxy.forget_idle, 0.2)
+        first = await proxy.handle("/v1/chat/completions", json.dumps(request).encode(), {})
+        run_id = dict(first.headers)[RUN_HEADER]
+        key = dict(first.headers)[KEY_HEADER]
+        assert sup.external.get(run_id) is not None
+        with trio.fail_after(10):
+            while sup.external.get(run_id) is not None:  # noqa: ASYNC110 - no event to await
+                await trio.sleep(0.05)
+        follow = {
+            **request,
+            "messages": [
+                *request["messages"],
+                json.loads(first.body)["choices"][0]["message"],
+                {"role": "tool", "tool_call_id": key, "content": "ok"},
+            ],
+        }
+        final = await proxy.handle(
+            "/v1/chat/completions", json.dumps(follow).encode(), {RUN_HEADER: run_id}
+        )
+        assert final.status == 200, final.body
+        assert json.loads(final.body)["choices"][0]["message"]["content"] == "done"
+        await sup.external.sync(run_id)
+        nursery.cancel_scope.cancel()
+    events = await store.load(run_id)
+    await store.aclose()
+    committed = [e for e in events if type(e).__name__ == "ToolCommitted"]
+    assert [(e.key, e.result) for e in committed] == [(key, "ok")]
+
+
+async def test_the_guardrail_endpoint_names_bad_input_and_keeps_no_anonymous_run(
+    tmp_path: Any,
+) -> None:
+    """LiteLLM's guardrail requests, posted as LiteLLM posts them: a body that is not one
+    is a 400 naming what it must be; a run header LiteLLM was not told to pass on (it shows
+    ``[present]``) is a 400 naming the config key; a request with no run is checked as a
+    run of one call, blocked when the gate refuses it, and not kept in memory after."""
+    import httpx
+
+    from interlock.modelproxy import GUARDRAIL_PATH
+
+    store = await open_sqlite_store(str(tmp_path / "g.db"))
+    try:
+        async with open_fake_llm(scripted_brain([])) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            url = server.anthropic_url + GUARDRAIL_PATH
+
+            def call(cents: int) -> dict[str, Any]:
+                arguments = json.dumps({"cents": cents})
+                return {"id": "c1", "type": "function",
+                        "function": {"name": "charge", "arguments": arguments}}  # fmt: skip
+
+            async with httpx.AsyncClient(timeout=30) as http:
+                junk = await http.post(url, content=b"{nope")
+                shape = await http.post(url, json={"texts": ["hi"]})
+                hidden = await http.post(
+                    url,
+                    json={"input_type": "request", "request_data": {},
+                          "request_headers": {RUN_HEADER: "[present]"}},
+                )  # fmt: skip
+                before = await http.post(
+                    url, json={"input_type": "request", "request_data": {}, "litellm_call_id": "x1"}
+                )
+                bad = await http.post(
+                    url,
+                    json={"input_type": "response", "request_data": {}, "litellm_call_id": "x1",
+                          "tool_calls": [call(5000)]},
+                )  # fmt: skip
+                good = await http.post(
+                    url,
+                    json={"input_type": "response", "request_data": {}, "litellm_call_id": "x2",
+                          "tool_calls": [call(50)]},
+                )  # fmt: skip
+            held = [
+                r for r in ("litellm-x1", "litellm-x2") if server.proxy.supervisor.external.get(r)
+            ]
+            assert held == []  # runs of one call: not kept in memory
+            server.stop()
+    finally:
+        await store.aclose()
+    assert (junk.status_code, shape.status_code, hidden.status_code) == (400, 400, 400)
+    assert "not JSON" in junk.json()["error"]["message"]
+    assert "input_type" in shape.json()["error"]["message"]
+    assert "extra_headers" in hidden.json()["error"]["message"]
+    assert before.json() == {"action": "NONE"}
+    assert bad.json()["action"] == "BLOCKED"
+    assert "cents" in bad.json()["blocked_reason"], bad.json()
+    assert good.json() == {"action": "NONE"}
+    reader = await open_sqlite_store(str(tmp_path / "g.db"), readonly=True)
+    try:
+        runs = {r.run_id for r in await reader.list_runs()}
+    finally:
+        await reader.aclose()
+    assert runs == {"litellm-x1", "litellm-x2"}  # journaled, each its own run

@@ -68,13 +68,25 @@ async def guardrail(proxy: ModelProxy, body: bytes) -> tuple[int, bytes]:
                 "interlock"
             )
         named = f"litellm-{call_id}"
+    anonymous = str(named).startswith("litellm-")
+    if anonymous and request["input_type"] == "request":
+        return 200, _NONE  # a run of one call has no result to report yet
     try:
         run_id = await _run(proxy, str(named))
+    except _Problem as exc:
+        return 200, _blocked(str(exc))
+    proxy.busy[run_id] = proxy.busy.get(run_id, 0) + 1
+    try:
         if request["input_type"] == "request":
             return 200, await _request(proxy, run_id, request)
         return 200, await _response(proxy, run_id, request)
     except _Problem as exc:
         return 200, _blocked(str(exc))
+    finally:
+        proxy.used(run_id)
+        if anonymous and request["input_type"] == "response":
+            # a run of one call: nothing comes back to it, so it is not kept in memory
+            await proxy.forget(run_id)
 
 
 def _problem(message: str) -> bytes:

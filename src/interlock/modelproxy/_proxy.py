@@ -20,12 +20,14 @@ header, or started by the proxy, which names it in the response's header):
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import secrets
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import trio
 
 from ..core._exceptions import (
     ConfigurationError,
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from ..runtime._supervisor import Supervisor
 
 __all__ = ["DEFAULT_REASKS", "KEY_HEADER", "RUN_HEADER", "Answer", "ModelProxy"]
+
+log = logging.getLogger("interlock.proxy")
 
 #: The header that names a request's run (and a response's).
 RUN_HEADER = "interlock-run"
@@ -109,6 +113,50 @@ class ModelProxy:
         self._ids: dict[str, dict[str, str]] = {}
         # the model's own id of each call LiteLLM's guardrail let through, by run and key
         self.guard_ids: dict[str, dict[str, str]] = {}
+        #: requests in flight by run, and when each run was last used (trio's clock)
+        self.busy: dict[str, int] = {}
+        self.last_used: dict[str, float] = {}
+
+    def used(self, run_id: str) -> None:
+        """A request of ``run_id`` is done."""
+        left = self.busy.get(run_id, 1) - 1
+        if left > 0:
+            self.busy[run_id] = left
+        else:
+            self.busy.pop(run_id, None)
+        self.last_used[run_id] = trio.current_time()
+
+    async def forget(self, run_id: str) -> bool:
+        """Drop this process's copy of ``run_id`` once its events are durable, if no
+        request of it is in flight; its next request folds it again from the journal.
+        Whether it was dropped."""
+        external = self.supervisor.external
+        run = external.get(run_id)
+        if run is None:  # ended, or dropped already
+            self.last_used.pop(run_id, None)
+            return False
+        if self.busy.get(run_id):
+            return False
+        await external.sync(run_id)
+        if self.busy.get(run_id) or not external.forget(run_id, run):
+            return False  # a request came meanwhile
+        self.last_used.pop(run_id, None)
+        self._ids.pop(run_id, None)
+        self.guard_ids.pop(run_id, None)
+        return True
+
+    async def forget_idle(self, idle: float) -> None:
+        """Forever: drop the copies of runs no request used for ``idle`` seconds (an
+        application never says a conversation is over; the journal keeps every run)."""
+        while True:
+            await trio.sleep(min(idle / 2, 30.0))
+            now = trio.current_time()
+            for run_id, at in list(self.last_used.items()):
+                if now - at >= idle and not self.busy.get(run_id):
+                    try:
+                        await self.forget(run_id)
+                    except Exception:  # the journal failed: kept, tried again later
+                        log.warning("interlock proxy: could not drop idle run %s", run_id)
 
     async def handle(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         """Answer one ``POST path`` whose body is ``body``."""
@@ -125,6 +173,7 @@ class ModelProxy:
             run_id = await self._run(api, headers.get(RUN_HEADER))
         except _Refused as refused:
             return refused.answer
+        self.busy[run_id] = self.busy.get(run_id, 0) + 1  # not forgotten while in use
         try:
             ended = await self._report(api, run_id, request)
             if ended is not None:
@@ -132,6 +181,8 @@ class ModelProxy:
             answer = await self._step(api, run_id, request, headers)
         except ProtocolError as exc:
             return _error(api, 409, f"interlock refused the request: {exc}", "conflict", run_id)
+        finally:
+            self.used(run_id)
         if stream and answer.status == 200:
             events = api.stream(msgspec.json.decode(answer.body), request)
             return Answer(200, b"", answer.headers, tuple(events))

@@ -24,6 +24,9 @@ __all__ = ["ModelProxyServer", "serve_model_proxy"]
 
 log = logging.getLogger("interlock.proxy")
 
+#: Seconds a run no request used stays in memory (its journal stays whole).
+DEFAULT_IDLE = 600.0
+
 #: The largest request body served (a larger one is answered 413).
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
@@ -31,7 +34,9 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 class ModelProxyServer:
     """A model proxy being served (what :func:`serve_model_proxy` hands ``task_status``)."""
 
-    def __init__(self, url: str, stop: trio.Event) -> None:
+    def __init__(self, url: str, stop: trio.Event, proxy: ModelProxy) -> None:
+        self.proxy = proxy
+        """The proxy's steps (its supervisor, the runs it holds)."""
         self.url = url
         """The base URL an OpenAI SDK application is given (``http://HOST:PORT/v1``)."""
         self.anthropic_url = url.removesuffix("/v1")
@@ -129,6 +134,7 @@ async def serve_model_proxy(
     reasks: int = DEFAULT_REASKS,
     max_body: int = DEFAULT_MAX_BODY,
     inputs: dict[str, Any] | None = None,
+    idle: float = DEFAULT_IDLE,
     handle_signals: bool = False,
     task_status: trio.TaskStatus[ModelProxyServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -139,7 +145,8 @@ async def serve_model_proxy(
     ``/v1/messages``),
     each request a step of a run of ``machine``, until stopped (:meth:`ModelProxyServer.stop`,
     or SIGTERM or SIGINT with ``handle_signals``: the requests in flight are answered
-    first)."""
+    first). A run no request used for ``idle`` seconds is dropped from memory (the
+    journal keeps it; its next request reads it again)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -171,6 +178,7 @@ async def serve_model_proxy(
         async with trio.open_nursery() as nursery:
             if handle_signals:
                 nursery.start_soon(_on_signals, stop)
+            nursery.start_soon(proxy.forget_idle, idle)
             if isinstance(store, SQLiteStore):  # operators resume runs through its inbox
                 nursery.start_soon(serve_operator_requests, supervisor, store.path)
             binds: list[str] = await nursery.start(run_server)
@@ -180,7 +188,7 @@ async def serve_model_proxy(
                 file=sys.stderr,
                 flush=True,
             )
-            task_status.started(ModelProxyServer(url, stop))
+            task_status.started(ModelProxyServer(url, stop, proxy))
             await served.wait()  # the requests in flight answered
             nursery.cancel_scope.cancel()
 
