@@ -721,3 +721,24 @@ async def test_the_guardrail_endpoint_names_bad_input_and_keeps_no_anonymous_run
     finally:
         await reader.aclose()
     assert runs == {"litellm-x1", "litellm-x2"}  # journaled, each its own run
+
+
+async def test_an_upstream_base_url_without_its_v1_is_named_with_the_fix(tmp_path: Any) -> None:
+    """`--upstream http://host:port` for an OpenAI-style server (no /v1): the upstream's 404
+    reaches the application naming the URL asked and what --upstream should be."""
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(scripted_brain([])) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.anthropic_base_url, store)
+            )
+            async with openai.AsyncOpenAI(base_url=server.url, api_key="k", max_retries=0) as c:
+                with pytest.raises(openai.NotFoundError) as missing:
+                    await c.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}]
+                    )
+            server.stop()
+    finally:
+        await store.aclose()
+    assert f"no {fake.anthropic_base_url}/chat/completions" in str(missing.value)
+    assert "ends in /v1" in str(missing.value)

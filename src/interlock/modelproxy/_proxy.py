@@ -295,7 +295,14 @@ class ModelProxy:
                 # a refusal of a request's shape that a profile flag fixes is named with it
                 named = reader.refusal(exc, sent) or exc
                 status = exc.status if exc.status is not None and exc.status >= 400 else 502
-                answer = _error(api, status, str(named), "upstream_error", run_id)
+                message = str(named)
+                if exc.status == 404:  # a base URL without /v1, or with one too many
+                    message += (
+                        f"; the upstream has no {self.transport.base_url}{path}: give "
+                        "--upstream the base URL its SDK takes (an OpenAI-style one ends in "
+                        "/v1, an Anthropic one does not)"
+                    )
+                answer = _error(api, status, message, "upstream_error", run_id)
                 if exc.retry_after is not None:  # the SDKs wait as the upstream asked
                     wait = str(max(1, math.ceil(exc.retry_after)))
                     answer = Answer(status, answer.body, (*answer.headers, ("retry-after", wait)))
