@@ -272,6 +272,12 @@ async def test_a_run_named_after_the_proxy_restarted_goes_on_from_its_journal(
         first = await client.call_tool("get_current_time", {"timezone": "UTC"})
         assert not first.is_error, first
     run_id = first.meta[RUN_META]
+    # a read-only call is answered before its commit is written (a crash may lose it: the
+    # call is made again); what is asserted here is that the journal carries on, so the
+    # kill waits for the first commit to be on disk
+    with trio.fail_after(30):
+        while not any(isinstance(e, ToolCommitted) for e in await _events(proxy.db, run_id)):  # noqa: ASYNC110
+            await trio.sleep(0.05)
     proxy.process.kill()  # SIGKILL: no goodbye
     proxy.process.wait()
     again = _start(tmp_path, tmp_path / "proxy2.log")
