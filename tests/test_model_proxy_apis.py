@@ -742,3 +742,59 @@ async def test_an_upstream_base_url_without_its_v1_is_named_with_the_fix(tmp_pat
         await store.aclose()
     assert f"no {fake.anthropic_base_url}/chat/completions" in str(missing.value)
     assert "ends in /v1" in str(missing.value)
+
+
+@pytest.mark.parametrize("api", list(DOORS))
+async def test_a_tool_choice_naming_a_tool_the_state_does_not_allow_is_not_sent_upstream(
+    api: str, tmp_path: Any
+) -> None:
+    """The application forces a tool the run's state does not allow (``refund``): the
+    upstream is offered only the allowed tools, without the tool_choice that names one it
+    no longer has (which the real APIs refuse); one that names an allowed tool stays."""
+    brain = scripted_brain([Reply(text="no")] * 2)
+    names = {"chat": ("function", "function"), "responses": ("function", None),
+             "messages": ("tool", None)}  # fmt: skip
+    kind, nested = names[api]
+
+    def choice(tool: str) -> dict[str, Any]:
+        return {"type": kind, nested: {"name": tool}} if nested else {"type": kind, "name": tool}
+
+    def tools(*wanted: str) -> list[dict[str, Any]]:
+        if api == "chat":
+            return [
+                {"type": "function", "function": {"name": n, "parameters": SCHEMA}} for n in wanted
+            ]
+        if api == "responses":
+            return [{"type": "function", "name": n, "parameters": SCHEMA} for n in wanted]
+        return [{"name": n, "input_schema": SCHEMA} for n in wanted]
+
+    body: dict[str, Any] = {"model": "m", "tools": tools("charge", "refund")}
+    if api == "responses":
+        body["input"] = "go"
+    else:
+        body["messages"] = [{"role": "user", "content": "go"}]
+    if api == "messages":
+        body["max_tokens"] = 64
+    store = await open_sqlite_store(str(tmp_path / "p.db"))
+    try:
+        async with open_fake_llm(brain) as fake, trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(serve_model_proxy, MACHINE, fake.openai_base_url, store)
+            )
+            import httpx
+
+            path = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
+            async with httpx.AsyncClient(timeout=30) as http:
+                for tool in ("refund", "charge"):
+                    sent = await http.post(
+                        server.url + path[api], json={**body, "tool_choice": choice(tool)}
+                    )
+                    assert sent.status_code == 200, sent.text
+            server.stop()
+            requests = fake.requests
+    finally:
+        await store.aclose()
+    forced, allowed = (r.body for r in requests)
+    assert "tool_choice" not in forced
+    assert allowed["tool_choice"] == choice("charge")
+    assert [t for t in forced["tools"]] == tools("charge")

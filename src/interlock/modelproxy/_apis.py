@@ -84,10 +84,23 @@ class Api:
         body.pop("stream_options", None)
         if tools:
             body["tools"] = tools
+            if self._chosen(body.get("tool_choice")) not in (None, *allowed):
+                # a tool_choice naming a tool this state does not allow would make the
+                # upstream refuse the request; the model is offered the allowed ones
+                body.pop("tool_choice")
         else:
             body.pop("tools", None)
             body.pop("tool_choice", None)
         return body
+
+    @staticmethod
+    def _chosen(choice: Any) -> str | None:
+        """The tool a ``tool_choice`` names (Chat nests it under ``function``), or None."""
+        if not isinstance(choice, dict):
+            return None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else choice.get("name")
+        return name if isinstance(name, str) else None
 
     def shaped(self, request: dict[str, Any]) -> dict[str, Any]:
         """``request`` as the upstream's profile takes it."""
