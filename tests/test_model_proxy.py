@@ -3,7 +3,9 @@ proxy, its model's tool calls verified against a run's machine before it sees th
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -315,21 +317,24 @@ async def test_bad_requests_get_the_apis_errors_naming_what_to_fix(tmp_path: Any
     assert f"tool_call_id {key!r}" in message, message
 
 
-def test_the_command_serves_an_unchanged_openai_application(tmp_path: Any) -> None:
-    """`interlock proxy --upstream URL --app REF`, from the command line, in front of the
-    fake server; the OpenAI SDK (sync) pointed at the URL it prints."""
+class ProxyCommand:
+    """``interlock proxy`` run as a user runs it, in front of the fake server (in a thread
+    of its own): ``url`` once it serves; ``code`` and ``log`` once it stopped."""
+
+    url: str
+    code: int | None = None
+    log: str = ""
+
+
+@contextlib.contextmanager
+def proxy_command(tmp_path: Any, brain: Any, *args: str) -> Iterator[ProxyCommand]:
+    """Start ``interlock proxy --upstream FAKE ARGS...`` in ``tmp_path``; SIGTERM it on
+    the way out and keep its exit code and stderr."""
     import re
     import subprocess
     import sys
     import threading
 
-    (tmp_path / "shop.py").write_text(
-        "from interlock import App, Machine, Tool, Worker\n"
-        "async def never(args, ctx):\n    raise AssertionError\n"
-        "app = App([Machine('shop', 'PAY', {'PAY': Worker(next=['COMPLETED'], tools=['charge'])},\n"
-        "    tools=[Tool('charge', never, {'type': 'object'})])])\n"
-    )
-    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5}')])])
     ready: dict[str, Any] = {}
     done = threading.Event()
 
@@ -340,55 +345,59 @@ def test_the_command_serves_an_unchanged_openai_application(tmp_path: Any) -> No
 
     thread = threading.Thread(target=trio.run, args=(fake_llm,))
     thread.start()
+    command = ProxyCommand()
+    log = tmp_path / "proxy.log"
     try:
         while "url" not in ready:
             threading.Event().wait(0.02)
-        log = tmp_path / "proxy.log"
         with log.open("wb") as err:
             proxy = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "interlock",
-                    "proxy",
-                    "--upstream",
-                    ready["url"],
-                    "--app",
-                    "shop.py:app",
-                    "--db",
-                    "shop.db",
-                ],
+                [sys.executable, "-m", "interlock", "proxy", "--upstream", ready["url"], *args],
                 cwd=tmp_path,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
         try:
-            url = None
             for _ in range(600):
                 found = re.search(r"serving (http://\S+/v1)", log.read_text())
                 if found:
-                    url = found[1]
+                    command.url = found[1]
                     break
                 assert proxy.poll() is None, log.read_text()
                 threading.Event().wait(0.05)
-            assert url is not None, log.read_text()
-            client = openai.OpenAI(base_url=url, api_key="sk-test", max_retries=0)
-            completion = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "pay"}], tools=TOOLS[:1]
-            )
-            (call,) = completion.choices[0].message.tool_calls
-            assert call.function.name == "charge"
-            assert call.id.startswith("proxy-")  # the idempotency key
+            assert hasattr(command, "url"), log.read_text()
+            yield command
         finally:
             proxy.terminate()
-            code = proxy.wait(timeout=30)
+            command.code = proxy.wait(timeout=30)
+            command.log = log.read_text()
     finally:
         done.set()
         thread.join()
-    assert "Traceback" not in log.read_text(), log.read_text()
-    assert code == 0, log.read_text()  # SIGTERM: the requests in flight answered, then out
-    assert "interlock proxy: stopped" in log.read_text()
+
+
+def test_the_command_serves_an_unchanged_openai_application(tmp_path: Any) -> None:
+    """`interlock proxy --upstream URL --app REF`, from the command line, in front of the
+    fake server; the OpenAI SDK (sync) pointed at the URL it prints."""
+    (tmp_path / "shop.py").write_text(
+        "from interlock import App, Machine, Tool, Worker\n"
+        "async def never(args, ctx):\n    raise AssertionError\n"
+        "app = App([Machine('shop', 'PAY', {'PAY': Worker(next=['COMPLETED'], tools=['charge'])},\n"
+        "    tools=[Tool('charge', never, {'type': 'object'})])])\n"
+    )
+    brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5}')])])
+    with proxy_command(tmp_path, brain, "--app", "shop.py:app", "--db", "shop.db") as proxy:
+        client = openai.OpenAI(base_url=proxy.url, api_key="sk-test", max_retries=0)
+        completion = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "pay"}], tools=TOOLS[:1]
+        )
+        (call,) = completion.choices[0].message.tool_calls
+        assert call.function.name == "charge"
+        assert call.id.startswith("proxy-")  # the idempotency key
+    assert "Traceback" not in proxy.log, proxy.log
+    assert proxy.code == 0, proxy.log  # SIGTERM: the requests in flight answered, then out
+    assert "interlock proxy: stopped" in proxy.log
 
 
 SHOP_APP = """

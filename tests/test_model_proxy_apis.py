@@ -383,71 +383,23 @@ def test_the_command_takes_a_toml_machine_file_and_its_reasks(tmp_path: Any) -> 
     """`interlock proxy --machine shop.toml`: the file's schema and CEL guard hold, its
     `reasks = 0` answers the refusal at once, and `interlock replay` rebuilds the run from
     the same file with no upstream."""
-    import re
     import subprocess
     import sys
-    import threading
+
+    from tests.test_model_proxy import proxy_command
 
     (tmp_path / "shop.toml").write_text(MACHINE_FILE)
     brain = scripted_brain([Reply(calls=[("charge", '{"cents": 5000}')])])
-    ready: dict[str, Any] = {}
-    done = threading.Event()
-
-    async def fake_llm() -> None:
-        async with open_fake_llm(brain) as fake:
-            ready["url"] = fake.openai_base_url
-            await trio.to_thread.run_sync(done.wait)
-
-    thread = threading.Thread(target=trio.run, args=(fake_llm,))
-    thread.start()
-    try:
-        while "url" not in ready:
-            threading.Event().wait(0.02)
-        log = tmp_path / "proxy.log"
-        with log.open("wb") as err:
-            proxy = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "interlock",
-                    "proxy",
-                    "--upstream",
-                    ready["url"],
-                    "--machine",
-                    "shop.toml",
-                    "--db",
-                    "shop.db",
-                ],
-                cwd=tmp_path,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        try:
-            url = None
-            for _ in range(600):
-                found = re.search(r"serving (http://\S+/v1)", log.read_text())
-                if found:
-                    url = found[1]
-                    break
-                assert proxy.poll() is None, log.read_text()
-                threading.Event().wait(0.05)
-            assert url is not None, log.read_text()
-            client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
-            raw = client.chat.completions.with_raw_response.create(
-                model="m",
-                messages=[{"role": "user", "content": "pay"}],
-                tools=[{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}],
-            )
-            message = raw.parse().choices[0].message
-            run_id = raw.headers[RUN_HEADER]
-        finally:
-            proxy.terminate()
-            code = proxy.wait(timeout=30)
-    finally:
-        done.set()
-        thread.join()
-    assert code == 0, log.read_text()
+    with proxy_command(tmp_path, brain, "--machine", "shop.toml", "--db", "shop.db") as proxy:
+        client = openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": "pay"}],
+            tools=[{"type": "function", "function": {"name": "charge", "parameters": SCHEMA}}],
+        )
+        message = raw.parse().choices[0].message
+        run_id = raw.headers[RUN_HEADER]
+    assert proxy.code == 0, proxy.log
     assert message.tool_calls is None
     assert message.content == (
         "interlock refused the model's call: charge: a charge is at most 1000 cents; charge 1000 or less"

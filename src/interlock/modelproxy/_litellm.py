@@ -21,7 +21,7 @@ import msgspec
 
 from ..core._events import TokenUsage
 from ..core._exceptions import InterlockError, RunNotFound
-from ..core._messages import Propose, Report
+from ..core._messages import Report
 from ..core._view import fold
 from ..core._wire import judge_calls
 from ._proxy import RUN_HEADER
@@ -162,17 +162,8 @@ async def _response(proxy: ModelProxy, run_id: str, request: dict[str, Any]) -> 
     if not calls:
         return _NONE  # a text answer
     transition = proxy.apis["/v1/chat/completions"].reader.transition
-    raw, usage, envelope, extra = judge_calls(calls, "", TokenUsage(), transition)
-    verdict = await proxy.supervisor.external.submit(
-        Propose(
-            run_id=run_id,
-            raw=raw,
-            model=str(request.get("model") or ""),
-            usage=usage,
-            envelope=envelope,
-            extra_calls=extra,
-        )
-    )
+    read = judge_calls(calls, "", TokenUsage(), transition)
+    verdict = await proxy.verify(run_id, read, str(request.get("model") or ""))
     if verdict.execute is not None:
         own = ids[0]
         if isinstance(own, str):

@@ -42,6 +42,7 @@ from ._apis import API_PATHS, Api
 
 if TYPE_CHECKING:
     from ..core._machine import Machine
+    from ..core._wire import Read
     from ..providers._http import Transport
     from ..runtime._supervisor import Supervisor
 
@@ -322,19 +323,10 @@ class ModelProxy:
             if not calls:
                 return Answer(200, response.body, ((RUN_HEADER, run_id),))  # text: as is
             try:
-                raw, usage, envelope, extra = reader.read(api.for_gate(answer))
+                read = reader.read(api.for_gate(answer))
             except ProviderError as exc:  # not the API's shape, for the exact reader
                 return _error(api, 502, str(exc), "upstream_error", run_id)
-            verdict = await self._decide(
-                Propose(
-                    run_id=run_id,
-                    raw=raw,
-                    model=str(answer.get("model") or ""),
-                    usage=usage,
-                    envelope=envelope,
-                    extra_calls=extra,
-                )
-            )
+            verdict = await self.verify(run_id, read, str(answer.get("model") or ""))
             if verdict.execute is not None:
                 key = verdict.execute.key
                 own = calls[0].get("call_id" if api.name == "responses" else "id")
@@ -365,11 +357,17 @@ class ModelProxy:
             body = api.narrowed(body, allowed)
         raise AssertionError("unreachable")
 
-    async def _decide(self, propose: Propose) -> Verdict:
-        """The gate's verdict on ``propose``, waiting for the journal only where it must:
-        before the application hears of a call that may change something (it may execute
-        it at once, so its intent is durable first), and when the run ends. A read-only
-        call's intent is written with its commit, and a rejection with the next write."""
+    async def verify(self, run_id: str, read: Read, model: str) -> Verdict:
+        """The gate's verdict on the model's answer as a reader read it (``read``: the
+        proposal's raw text, the usage, the envelope's violation, the extra calls),
+        waiting for the journal only where it must: before the application hears of a call
+        that may change something (it may execute it at once, so its intent is durable
+        first), and when the run ends. A read-only call's intent is written with its
+        commit, and a rejection with the next write."""
+        raw, usage, envelope, extra = read
+        propose = Propose(
+            run_id=run_id, raw=raw, model=model, usage=usage, envelope=envelope, extra_calls=extra
+        )
         external = self.supervisor.external
         [verdict] = external.decide_many([propose])
         if isinstance(verdict, Exception):
