@@ -22,11 +22,10 @@ import trio
 openai = pytest.importorskip("openai", reason="the openai SDK is in the [test] extra")
 pytest.importorskip("hypercorn", reason="the [gateway] extra (hypercorn) is missing")
 
-from interlock import Machine, Tool, Worker  # noqa: E402
 from interlock.modelproxy import RUN_HEADER, serve_model_proxy  # noqa: E402
 from interlock.stores import open_sqlite_store  # noqa: E402
 from interlock.testing import Reply, open_fake_llm, scripted_brain  # noqa: E402
-from tests.test_model_proxy import LIMIT, MACHINE, REFUND, _never, _within  # noqa: E402
+from tests.test_model_proxy import LIMIT, MACHINE, REFUND_TOOLS, REFUNDS  # noqa: E402
 from tests.test_real_model import llama_server  # noqa: E402, F401 - the fixture
 
 VENV = Path(os.environ.get("INTERLOCK_CI_LITELLM", "/root/.cache/interlock-ci/litellm"))
@@ -212,22 +211,7 @@ async def test_a_litellm_proxy_in_front_of_the_real_model_never_lets_a_call_that
     application hears of is the gate's."""
     import json
 
-    machine = Machine(
-        "refunds",
-        "REFUND",
-        {"REFUND": Worker(next=["COMPLETED"], tools=["refund"])},
-        tools=[Tool("refund", _never, REFUND, guards=[_within])],
-    )
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "refund",
-                "description": "Refund an amount of an order",
-                "parameters": REFUND,
-            },
-        }
-    ]
+    machine, tools = REFUNDS, REFUND_TOOLS
     received: list[Any] = []
     blocks: list[str] = []
     store = await open_sqlite_store(str(tmp_path / "real.db"))

@@ -143,6 +143,25 @@ def _within(args: Any, view: Any) -> Reject | None:
     return None
 
 
+#: The real-model tests' machine: refunds up to LIMIT, and the tool as the model is offered it.
+REFUNDS = Machine(
+    "refunds",
+    "REFUND",
+    {"REFUND": Worker(next=["COMPLETED"], tools=["refund"])},
+    tools=[Tool("refund", _never, REFUND, guards=[_within])],
+)
+REFUND_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "refund",
+            "description": "Refund an amount of an order",
+            "parameters": REFUND,
+        },
+    }
+]
+
+
 @pytest.mark.slow
 async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_real_model(
     llama_server: str,  # noqa: F811 - the real model test's fixture
@@ -165,22 +184,7 @@ async def test_an_unchanged_openai_application_runs_a_guarded_machine_against_a_
         return await post(self, path, body, **kw)
 
     monkeypatch.setattr(Transport, "post", recording)
-    machine = Machine(
-        "refunds",
-        "REFUND",
-        {"REFUND": Worker(next=["COMPLETED"], tools=["refund"])},
-        tools=[Tool("refund", _never, REFUND, guards=[_within])],
-    )
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "refund",
-                "description": "Refund an amount of an order",
-                "parameters": REFUND,
-            },
-        }
-    ]
+    machine, tools = REFUNDS, REFUND_TOOLS
     received: list[Any] = []
     statuses: list[int] = []
     refusals = 0
