@@ -642,6 +642,11 @@ async def test_the_guardrail_endpoint_names_bad_input_and_keeps_no_anonymous_run
                 before = await http.post(
                     url, json={"input_type": "request", "request_data": {}, "litellm_call_id": "x1"}
                 )
+                misnamed = await http.post(
+                    url,
+                    json={"input_type": "request", "request_data": {},
+                          "request_headers": {RUN_HEADER: "no spaces/slashes"}},
+                )  # fmt: skip
                 bad = await http.post(
                     url,
                     json={"input_type": "response", "request_data": {}, "litellm_call_id": "x1",
@@ -664,6 +669,8 @@ async def test_the_guardrail_endpoint_names_bad_input_and_keeps_no_anonymous_run
     assert "input_type" in shape.json()["error"]["message"]
     assert "extra_headers" in hidden.json()["error"]["message"]
     assert before.json() == {"action": "NONE"}
+    assert misnamed.json()["action"] == "BLOCKED"  # the run's name is named, with the fix
+    assert "is not a run name" in misnamed.json()["blocked_reason"], misnamed.json()
     assert bad.json()["action"] == "BLOCKED"
     assert "cents" in bad.json()["blocked_reason"], bad.json()
     assert good.json() == {"action": "NONE"}

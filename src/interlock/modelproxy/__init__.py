@@ -3,7 +3,7 @@ model returns against a run's machine before the application sees them (``interl
 proxy``), and LiteLLM's generic guardrail API for a LiteLLM proxy in front of a model."""
 
 from ._litellm import GUARDRAIL_PATH
-from ._proxy import DEFAULT_REASKS, KEY_HEADER, RUN_HEADER, Answer, ModelProxy
+from ._proxy import DEFAULT_REASKS, KEY_HEADER, RUN_HEADER, Answer, ModelProxy, RunRefused
 from ._serve import ModelProxyServer, serve_model_proxy
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "Answer",
     "ModelProxy",
     "ModelProxyServer",
+    "RunRefused",
     "serve_model_proxy",
 ]

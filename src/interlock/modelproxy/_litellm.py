@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core._events import TokenUsage
-from ..core._exceptions import InterlockError, RunNotFound
+from ..core._exceptions import InterlockError
 from ..core._messages import Report
-from ..core._view import fold
 from ..core._wire import judge_calls
-from ._proxy import RUN_HEADER
+from ._proxy import RUN_HEADER, RunRefused
 
 if TYPE_CHECKING:
     from ._proxy import ModelProxy
@@ -72,9 +71,9 @@ async def guardrail(proxy: ModelProxy, body: bytes) -> tuple[int, bytes]:
     if anonymous and request["input_type"] == "request":
         return 200, _NONE  # a run of one call has no result to report yet
     try:
-        run_id = await _run(proxy, str(named))
-    except _Problem as exc:
-        return 200, _blocked(str(exc))
+        run_id = await proxy.open_run(str(named))
+    except RunRefused as exc:
+        return 200, _blocked(f"interlock: {exc.message}")
     proxy.busy[run_id] = proxy.busy.get(run_id, 0) + 1
     try:
         if request["input_type"] == "request":
@@ -91,29 +90,6 @@ async def guardrail(proxy: ModelProxy, body: bytes) -> tuple[int, bytes]:
 
 def _problem(message: str) -> bytes:
     return msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error"}})
-
-
-async def _run(proxy: ModelProxy, run_id: str) -> str:
-    external = proxy.supervisor.external
-    if external.get(run_id) is not None:
-        return run_id
-    store = proxy.supervisor.store
-    try:
-        record = await store.get_run(run_id)
-    except RunNotFound:
-        handle = await external.start(proxy.machine.name, proxy.inputs, run_id=run_id)
-        return handle.run_id
-    if record.outcome == "escalated":
-        raise _Problem(
-            f"interlock: run {run_id} is escalated and waits for an operator: `interlock "
-            f"escalations resume {run_id}` resumes it"
-        )
-    if record.machine != proxy.machine.name or record.outcome != "running":
-        raise _Problem(
-            f"interlock: run {run_id} is {record.outcome} in {record.state}; name a new run"
-        )
-    external.hold(fold(proxy.machine, await store.load(run_id)))
-    return run_id
 
 
 async def _request(proxy: ModelProxy, run_id: str, request: dict[str, Any]) -> bytes:

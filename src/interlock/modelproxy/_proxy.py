@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ..providers._http import Transport
     from ..runtime._supervisor import Supervisor
 
-__all__ = ["DEFAULT_REASKS", "KEY_HEADER", "RUN_HEADER", "Answer", "ModelProxy"]
+__all__ = ["DEFAULT_REASKS", "KEY_HEADER", "RUN_HEADER", "Answer", "ModelProxy", "RunRefused"]
 
 log = logging.getLogger("interlock.proxy")
 
@@ -69,10 +69,16 @@ class Answer(msgspec.Struct, frozen=True):
     events: tuple[bytes, ...] | None = None
 
 
-class _Refused(InterlockError):
-    def __init__(self, answer: Answer) -> None:
-        super().__init__(answer.body.decode())
-        self.answer = answer
+class RunRefused(InterlockError):
+    """A request's run cannot take it: the HTTP status, the message, the error's kind, and
+    the run (when there is one)."""
+
+    def __init__(self, status: int, message: str, kind: str, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.run_id = run_id
 
 
 class ModelProxy:
@@ -171,9 +177,9 @@ class ModelProxy:
             return _error(api, 400, problem, "invalid_request_error")
         stream = request.get("stream") is True
         try:
-            run_id = await self._run(api, headers.get(RUN_HEADER))
-        except _Refused as refused:
-            return refused.answer
+            run_id = await self.open_run(headers.get(RUN_HEADER))
+        except RunRefused as refused:
+            return _error(api, refused.status, refused.message, refused.kind, refused.run_id)
         self.busy[run_id] = self.busy.get(run_id, 0) + 1  # not forgotten while in use
         try:
             ended = await self._report(api, run_id, request)
@@ -189,7 +195,13 @@ class ModelProxy:
             return Answer(200, b"", answer.headers, tuple(events))
         return answer
 
-    async def _run(self, api: Api, named: str | None) -> str:
+    async def open_run(self, named: str | None) -> str:
+        """The run a request names (``named``, its ``Interlock-Run`` header), held here: a
+        run the journal does not know is started under that name, and none starts one.
+
+        Raises:
+          RunRefused: the name is not a run name, or the run takes no more requests.
+        """
         external = self.supervisor.external
         if named is None:
             handle = await external.start(
@@ -205,35 +217,29 @@ class ModelProxy:
             # the application names its own run (a framework that cannot read the
             # response's header sends the same name with every request): started here
             if not _RUN_NAME.match(named):
-                raise _Refused(
-                    _error(
-                        api,
-                        400,
-                        f"the {RUN_HEADER} header {named[:80]!r} is not a run name: 1-128 "
-                        "letters, digits, '_', '-', '.' or ':' (or send none, and the proxy "
-                        "starts a run and names it in the response)",
-                        "invalid_request_error",
-                    )
+                raise RunRefused(
+                    400,
+                    f"the {RUN_HEADER} header {named[:80]!r} is not a run name: 1-128 "
+                    "letters, digits, '_', '-', '.' or ':' (or send none, and the proxy "
+                    "starts a run and names it in the response)",
+                    "invalid_request_error",
                 ) from None
             try:
                 handle = await external.start(self.machine.name, self.inputs, run_id=named)
-            except ProtocolError:  # started by a request racing this one
-                if external.get(named) is None:
-                    raise
-                return named
+            except ProtocolError as exc:
+                if external.get(named) is not None:  # started by a request racing this one
+                    return named
+                raise RunRefused(409, f"interlock refused the run: {exc}", "conflict") from None
             return handle.run_id
         if record.machine == self.machine.name and record.outcome == "escalated":
-            raise _Refused(self._ended(api, named, record.outcome, record.state))
+            raise RunRefused(*_ended(named, record.outcome, record.state), named)
         if record.machine != self.machine.name or record.outcome != "running":
-            raise _Refused(
-                _error(
-                    api,
-                    409,
-                    f"run {named} is {record.outcome} in {record.state}: it takes no more "
-                    f"requests; send no {RUN_HEADER} header to start a new run",
-                    "conflict",
-                    named,
-                )
+            raise RunRefused(
+                409,
+                f"run {named} is {record.outcome} in {record.state}: it takes no more "
+                f"requests; send no {RUN_HEADER} header to start a new run",
+                "conflict",
+                named,
             )
         external.hold(fold(self.machine, await store.load(named)))
         return named
@@ -381,13 +387,19 @@ class ModelProxy:
         return verdict
 
     def _ended(self, api: Api, run_id: str, outcome: str, state: str) -> Answer:
-        if outcome == "escalated":
-            message = (
-                f"run {run_id} is escalated and waits for an operator: `interlock escalations "
-                f"resume {run_id}` resumes it; until then the model is not asked"
-            )
-            return _error(api, 409, message, "run_escalated", run_id)
-        return _error(api, 409, f"run {run_id} has {outcome} in {state}", "run_ended", run_id)
+        return _error(api, *_ended(run_id, outcome, state), run_id)
+
+
+def _ended(run_id: str, outcome: str, state: str) -> tuple[int, str, str]:
+    """What a request of a run that ended (or escalated) is answered: status, message, kind."""
+    if outcome == "escalated":
+        return (
+            409,
+            f"run {run_id} is escalated and waits for an operator: `interlock escalations "
+            f"resume {run_id}` resumes it; until then the model is not asked",
+            "run_escalated",
+        )
+    return 409, f"run {run_id} has {outcome} in {state}", "run_ended"
 
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
