@@ -22,7 +22,7 @@ from ._parser import build_parser
 from ._proxy import _proxy
 from ._replay import _replay
 from ._run import _enqueue, _resume, _run
-from ._serve import _serve
+from ._serve import _console, _serve
 from ._show import _runs, _show
 from ._worker import _worker
 
@@ -42,6 +42,7 @@ _COMMANDS = {
     "replay": _replay,
     "check": _check,
     "serve": _serve,
+    "console": _console,
     "worker": _worker,
     "mcp": _mcp,
     "proxy": _proxy,

@@ -385,6 +385,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also serve the streaming channel on this Unix socket",
     )
+    console = commands.add_parser(
+        "console",
+        help="serve the operator console for a journal: a web page of its runs, their "
+        "timelines and the escalation queue (resume, abort, replay), at /console; the "
+        "gateway serves it too (interlock serve)",
+    )
+    _app(console)
+    _journal(console)
+    console.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to bind (default 127.0.0.1; another needs INTERLOCK_API_KEY or "
+        "INTERLOCK_API_KEYS_FILE: an operator key to act, a read key to look)",
+    )
+    console.add_argument(
+        "--port", type=_port, default=8080, help="the TCP port (default 8080; 0: any free port)"
+    )
     from ._mcp import add_parser as _mcp_parser
 
     _mcp_parser(commands, _journal, _app)

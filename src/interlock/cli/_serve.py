@@ -50,9 +50,48 @@ async def _serve(args: argparse.Namespace) -> int:
         )
         channel = f", channel {server.channel}" if server.channel else ""
         sys.stdout.write(
-            f"interlock serve: {server.url}{channel} (app {named}, journal {db}; {keys}); "
+            f"interlock serve: {server.url}{channel} (app {named}, journal {db}; {keys}; "
+            f"console {server.url}/console); "
             "SIGTERM drains and stops\n"
         )
         sys.stdout.flush()
     sys.stdout.write("interlock serve: drained and stopped; every decided event is journaled\n")
+    return 0
+
+
+async def _console(args: argparse.Namespace) -> int:
+    """``interlock console``: the gateway over a journal, for its console: it drives no run
+    on its own (the unfinished ones are left as they are), only the escalated runs an
+    operator resumes from the page."""
+    from ..gateway import serve_gateway
+    from ..gateway._keys import KeyRing
+    from ._common import _open_read
+
+    app, named, db = _application(args)
+    store = await _open_read(args)  # a missing journal is an error, and nothing is created
+    await store.aclose()
+    keyring = KeyRing.from_env()
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            partial(
+                serve_gateway,
+                app,
+                db=db,
+                host=args.host,
+                port=args.port,
+                keyring=keyring,
+                handle_signals=True,
+                resume=False,
+            )
+        )
+        keys = (
+            "no API key: loopback only, every visitor may act"
+            if keyring.open
+            else f"{_count(len(keyring), 'API key')}: sign in with one"
+        )
+        sys.stdout.write(
+            f"interlock console: {server.url}/console (app {named}, journal {db}; {keys}); "
+            "Ctrl-C or SIGTERM stops it\n"
+        )
+        sys.stdout.flush()
     return 0

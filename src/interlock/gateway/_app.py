@@ -215,6 +215,8 @@ class GatewayApp:
       max_body: the largest request body read, in bytes (413 past it).
       websocket: an ASGI app for WebSocket connections, or None to refuse them (the
         streaming channel is served on its own socket: see ``serve_gateway``).
+      console: the operator console's app (``gateway._console.ConsoleApp``), served
+        under ``/console``; None: not served.
     """
 
     def __init__(
@@ -224,8 +226,11 @@ class GatewayApp:
         prices: Mapping[str, tuple[float, float]] | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         websocket: ASGIApp | None = None,
+        console: ASGIApp | None = None,
     ) -> None:
         self.service = service
+        self.console = console
+        """The operator console's app, served under ``/console`` (None: not served)."""
         self.max_body = max_body
         self.websocket = websocket
         self.registry = CollectorRegistry()
@@ -261,10 +266,16 @@ class GatewayApp:
         self.service.draining = True
         for scope in list(self._streams):
             scope.cancel()
+        for scope in list(getattr(self.console, "streams", ())):
+            scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            path: str = scope["path"]
+            if self.console is not None and (path == "/console" or path.startswith("/console/")):
+                await self.console(scope, receive, send)
+                return
             await self._http(scope, receive, send)
         elif kind == "websocket":
             if self.websocket is not None:

@@ -313,6 +313,12 @@ class _Rule:
 
 #: A route the table does not know: any valid key may reach the app, which answers 404/405.
 _UNKNOWN = _Rule(None, False, False)
+#: A page of the operator console (under ``/console``): the console signs its users in
+#: itself (a key in a cookie, or the bearer header) and checks each form's token, so the
+#: guard lets it through unauthenticated, takes its forms and times its requests; its live
+#: streams (``.../live``) stay open.
+_PAGE = _Rule(None, True, False)
+_PAGE_STREAM = _Rule(None, True, True)
 
 
 class _Router:
@@ -668,7 +674,10 @@ class _Guard:
                 f"the path {path[:200]!r} has a '.' or '..' segment; send the resolved path",
                 [],
             )
-        rule = self._router.match(method, path)
+        if (path == "/console" or path.startswith("/console/")) and method != WEBSOCKET:
+            rule = _PAGE_STREAM if path.endswith("/live") else _PAGE
+        else:
+            rule = self._router.match(method, path)
         if rule is _UNKNOWN and method == WEBSOCKET:
             # NOTE: the app may hand every WebSocket to one handler, whatever its path, so a
             # path the table does not name must not get through with just any key.
@@ -745,7 +754,12 @@ class _Guard:
                     [],
                 )
             announced = int(length)
-        if method in _MUTATING and rule is not _UNKNOWN and not _body_type_ok(content_type or b""):
+        if (
+            method in _MUTATING
+            and rule is not _UNKNOWN
+            and rule is not _PAGE
+            and not _body_type_ok(content_type or b"")
+        ):
             # NOTE: a web page may POST a form's types (text/plain, ...) or none at all to any
             # address without a CORS preflight; JSON and msgpack need one, which fails.
             sent = "none" if content_type is None else repr(content_type.decode("latin-1")[:100])

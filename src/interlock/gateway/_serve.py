@@ -25,6 +25,7 @@ from ..runtime._runtime import open_supervisor
 from ..stores import LeasingStore
 from ._app import DEFAULT_MAX_BODY, ASGIApp, GatewayApp
 from ._connections import ConnectionBudget, serve_http
+from ._console import ConsoleApp
 from ._guard import Limits, RunQuota, guarded
 from ._keys import KeyRing, check_bind
 from ._service import GatewayService
@@ -47,6 +48,7 @@ def create_app(
     prices: Mapping[str, tuple[float, float]] | None = None,
     websocket: ASGIApp | None = None,
     max_waiting: int = 20_000,
+    console: bool = True,
 ) -> GatewayApp:
     """The gateway's ASGI app over a running supervisor (or a service made from one).
 
@@ -64,6 +66,8 @@ def create_app(
       prices: USD per million tokens by model, for the cost metric.
       websocket: an ASGI app for WebSocket connections (refused without one).
       max_waiting: the most requests waiting on the journal before 503s.
+      console: serve the operator console at ``/console`` (the same keys: a read role to
+        look, the operator role to act).
 
     Returns:
       the app; ``app.asgi`` is the guarded ASGI callable to serve, ``app.drain()`` stops
@@ -77,8 +81,13 @@ def create_app(
         service = GatewayService(
             supervisor, max_waiting=max_waiting, quota=RunQuota(limits.runs_in_flight)
         )
+    pages = ConsoleApp(service, keyring, prices) if console else None
     app = GatewayApp(
-        service, prices=prices, max_body=max(limits.max_body, DEFAULT_MAX_BODY), websocket=websocket
+        service,
+        prices=prices,
+        max_body=max(limits.max_body, DEFAULT_MAX_BODY),
+        websocket=websocket,
+        console=pages,
     )
     app.asgi = guarded(app, keyring, limits)
     return app
@@ -132,6 +141,7 @@ async def serve_gateway(
     channel_path: str | None = None,
     handle_signals: bool = False,
     graceful_timeout: float = 10.0,
+    resume: bool = True,
     task_status: trio.TaskStatus[GatewayServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an application's machines through the gateway until stopped, then drain.
@@ -163,6 +173,8 @@ async def serve_gateway(
       channel_path: serve the channel on this Unix socket instead.
       handle_signals: drain on SIGTERM (the CLI sets it; needs the main thread).
       graceful_timeout: the seconds requests in flight get to finish when stopping.
+      resume: drive the unfinished hosted runs on from their journals (``interlock
+        console`` serves a journal without doing so: it drives only what an operator resumes).
       task_status: receives the :class:`GatewayServer` once it listens.
 
     Raises:
@@ -200,7 +212,7 @@ async def serve_gateway(
                 list(app.machines.values()),
                 store,
                 provider=app.provider,
-                resume=not workers,
+                resume=resume and not workers,
                 stats=stats,
             ) as supervisor,
         ):
