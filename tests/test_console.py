@@ -11,8 +11,10 @@ replay; the live stream.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -357,3 +359,153 @@ async def test_the_console_can_be_turned_off() -> None:
                 transport=transport, base_url="http://127.0.0.1"
             ) as client:
                 assert (await client.get("/console/runs")).status_code == status
+
+
+def test_an_operator_works_the_demo_journal_from_the_console(tmp_path: Path) -> None:
+    """The demo's journal (its hosted runs, its simulated model) served by `interlock
+    console`: a run resumed from the page is driven on with the demo's own model, an
+    aborted one ends; the unfinished runs are not driven by the console itself."""
+    import subprocess
+    import sys
+
+    db = str(tmp_path / "demo.db")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "interlock",
+            "demo",
+            "--runs",
+            "30",
+            "--workflow",
+            "refund",
+            "--chaos-rate",
+            "0.6",
+            "--seed",
+            "7",
+            "--db",
+            db,
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLOCK_API_KEY")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "interlock", "console", "--db", db, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("interlock console: http://127.0.0.1:"), line
+        url = line.split()[2]
+        assert url.endswith("/console")
+        with httpx.Client(base_url=url.removesuffix("/console"), timeout=60) as browser:
+            queue = browser.get("/console/escalations").text
+            waiting = re.findall(r'action="/console/runs/([^"/]+)/resume"', queue)
+            assert len(waiting) >= 2, "the seeded demo escalates several runs"
+            first, second = waiting[:2]
+            resumed = browser.post(
+                f"/console/runs/{first}/resume",
+                data={"csrf": token(queue), "by": "ana", "note": "retry", "back": "queue"},
+            )
+            assert resumed.status_code == 303, resumed.text
+            aborted = browser.post(
+                f"/console/runs/{second}/abort",
+                data={"csrf": token(queue), "by": "ana", "note": "refund by hand"},
+            )
+            assert aborted.status_code == 303, aborted.text
+            page = browser.get(f"/console/runs/{first}").text
+            for _ in range(100):  # the resumed run is driven on by the demo's model
+                if "Resumed by an operator" in page and "badge o-running" not in page:
+                    break
+                time.sleep(0.1)
+                page = browser.get(f"/console/runs/{first}").text
+            assert "Resumed by an operator" in page
+            assert "by <strong>ana</strong>, in <code>" in page
+            assert "</code>: retry" in page
+            assert "badge o-running" not in page  # it ran on to an end (or escalated again)
+            assert "badge o-failed" in browser.get(f"/console/runs/{second}").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
+    from interlock.core._wire import ONE_CALL
+    from interlock.gateway import _console_html as ui
+
+    body = {
+        "messages": [
+            {"role": "system", "content": "refund the order"},
+            {"role": "user", "content": "<b>refund</b> o-1 and o-2"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "refund", "arguments": '{"order_id": "o-1"}'},
+                    },
+                    {
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "refund", "arguments": '{"order_id": "o-2"}'},
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": '{"refunded": 250}'},
+            {"role": "tool", "tool_call_id": "c2", "content": f"not run: {ONE_CALL}"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "refund"}}],
+    }
+    turns = ui.conversation(body, ONE_CALL)
+    assistant = next(t for t in turns if t.role == "assistant")
+    assert [(c.id, c.ran, c.result is not None) for c in assistant.calls] == [
+        ("c1", True, True),
+        ("c2", False, True),
+    ]
+    html = ui.render_conversation(turns, ui.offered_tools(body))
+    assert 'aria-label="2 calls in one turn, side by side"' in html
+    assert html.count('role="listitem"') == 2
+    assert "call 1 of 2" in html
+    assert "call 2 of 2" in html
+    assert "not run (one call per turn)" in html
+    assert "&lt;b&gt;refund&lt;/b&gt;" in html
+    assert "tools offered: refund" in html
+    # the Responses API's calls are items of their own; Anthropic's are content blocks
+    responses = {
+        "input": [
+            {"type": "function_call", "call_id": "a", "name": "x", "arguments": "{}"},
+            {"type": "function_call", "call_id": "b", "name": "y", "arguments": "{}"},
+        ]
+    }
+    (turn,) = ui.conversation(responses, ONE_CALL)
+    assert [c.name for c in turn.calls] == ["x", "y"]
+    messages = {
+        "system": "s",
+        "messages": [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "two"},
+                    {"type": "tool_use", "id": "u1", "name": "x", "input": {}},
+                    {"type": "tool_use", "id": "u2", "name": "y", "input": {}},
+                ],
+            }
+        ],
+    }
+    turns = ui.conversation(messages, ONE_CALL)
+    assert [t.role for t in turns] == ["system", "assistant"]
+    assert [c.id for c in turns[1].calls] == ["u1", "u2"]

@@ -608,7 +608,11 @@ class ConsoleApp:
             )
         parts.append(self._conversation(events))
         parts.append("<h2>Timeline</h2>")
-        parts.append(ui.timeline(events, self.prices))
+        try:
+            prompts = {e.seq: prompt for e, prompt in whole_prompts(events)}
+        except ValueError:  # reported in the conversation's place
+            prompts = {}
+        parts.append(ui.timeline(events, self.prices, prompts))
         parts.append('<h2 id="replay">Replay</h2>')
         if replay and machine is not None:
             parts.append(await self._replay(machine, events))

@@ -198,8 +198,13 @@ def _cost(model: str, usage: Any, prices: Mapping[str, tuple[float, float]]) -> 
     return f", ${dollars:.6f}"
 
 
-def describe(event: Event, prices: Mapping[str, tuple[float, float]]) -> tuple[str, str, str]:
-    """One event as (css class, heading, body HTML)."""
+def describe(
+    event: Event,
+    prices: Mapping[str, tuple[float, float]],
+    prompts: Mapping[int, str] | None = None,
+) -> tuple[str, str, str]:
+    """One event as (css class, heading, body HTML); ``prompts``: each model call's whole
+    prompt, by seq (a journal compacts a prompt into its difference from the last)."""
     if isinstance(event, RunStarted):
         body = f"machine <code>{h(event.machine)}</code>, in <code>{h(event.state)}</code>"
         if event.inputs:
@@ -214,6 +219,9 @@ def describe(event: Event, prices: Mapping[str, tuple[float, float]]) -> tuple[s
         )
         if event.error:
             body += f'<div class="notice error">{h(event.error)}</div>'
+        prompt = (prompts or {}).get(event.seq, "")
+        if prompt.strip():
+            body += f"<details><summary>Prompt</summary>{pre(prompt, 'prompt')}</details>"
         response = event.response if isinstance(event.response, str) else event.raw
         body += f"<details><summary>Response</summary>{pre(response, 'response')}</details>"
         if event.envelope:
@@ -303,12 +311,16 @@ def describe(event: Event, prices: Mapping[str, tuple[float, float]]) -> tuple[s
     return "other", _tag(event).replace("_", " "), pre(data)
 
 
-def timeline(events: Sequence[Event], prices: Mapping[str, tuple[float, float]]) -> str:
+def timeline(
+    events: Sequence[Event],
+    prices: Mapping[str, tuple[float, float]],
+    prompts: Mapping[int, str] | None = None,
+) -> str:
     parts = ['<ol class="steps">']
     for step in group_steps(events):
         parts.append(f'<li class="step"><h3>{h(step.title)}</h3>')
         for event in step.events:
-            css, heading, body = describe(event, prices)
+            css, heading, body = describe(event, prices, prompts)
             parts.append(
                 f'<div class="ev {css}" id="seq-{event.seq}"><span class="kind">{h(heading)}'
                 f'</span> <span class="seq">#{event.seq}, {h(when(event.ts))}</span>'
