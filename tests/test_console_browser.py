@@ -250,6 +250,13 @@ def test_a_read_key_finds_no_action_and_a_page_follows_a_live_run(
         gw.propose("live-1", '{"tool": "refund", "args": {"order_id": "o-9", "cents": "x"}}')
         page.get_by_text("rejected by the gate").wait_for(timeout=20_000)
         assert page.evaluate("window.__marker") == 42  # the same document: not reloaded
+        # the list too: a run started elsewhere appears
+        page.goto(gw.url + "/console/runs")
+        page.wait_for_function("document.getElementById('live-status').textContent === 'Live'")
+        page.evaluate("window.__marker = 43")
+        gw.start("live-2")
+        page.get_by_role("link", name="live-2").wait_for(timeout=20_000)
+        assert page.evaluate("window.__marker") == 43
         watch.check(page)
         # signed out, nothing is shown
         page.get_by_role("button", name="Sign out").click()

@@ -103,22 +103,23 @@ def run_link(run_id: str) -> str:
 #: What each reason a run escalates for means, in words, for the queue.
 REASONS: Mapping[str, str] = {
     "consecutive_failures": "The model's proposals failed the gate too many times in a row.",
-    "repeat": "The model kept proposing the same thing: a loop the repeat breaker stopped.",
+    "repeat": "The model kept proposing the same call: a loop the repeat breaker stopped.",
     "token_budget": "The run used up its token budget.",
     "step_budget": "The run took as many steps as its budget allows.",
     "deadline": "The run passed its deadline.",
     "circuit": "A tool's circuit breaker is open: the tool kept failing across runs.",
-    "in_doubt": (
-        "A tool call may or may not have taken effect (it broke mid-call), and could not be "
-        "reconciled: check the side effect downstream before resuming."
+    "in_doubt_side_effect": (
+        "A tool call may or may not have taken effect (it broke mid-call, or the process "
+        "died during it), and the tool can neither be run again safely nor asked: check "
+        "the side effect downstream before resuming."
     ),
-    "provider": "The model provider kept failing; retrying could not help.",
-    "lease": "The run's lease was lost.",
+    "provider_unavailable": "The model's server kept failing; retrying could not help.",
+    "request_refused": "The model's server refuses requests of this shape; retrying cannot help.",
 }
 
 
 def why(reason: str, detail: str) -> str:
-    """Why a run stopped, in words: the reason explained, then the journal's detail."""
+    """Why a run stopped, in words (the page shows the journal's ``detail`` beside it)."""
     base = reason.split(":", 1)[0].strip()
     said = REASONS.get(base)
     if said is None:

@@ -18,6 +18,11 @@
 8. runs the app with ``scope["interlock.principal"]`` set, under :attr:`Limits.request_timeout`
    (504 if nothing was answered in time; streaming routes are exempt).
 
+The operator console's pages (every path under ``/console``) pass steps 2-7 unchecked: the
+console signs its users in itself (a key in a cookie or the bearer header, a token in each
+form) and takes HTML forms; step 1 applies to them as to any request, and step 8 with its
+live streams (``.../live``) exempt.
+
 Every refusal is ``application/problem+json`` with a ``detail`` that says what to fix. A
 WebSocket handshake gets the same checks (refused with an HTTP problem where the server
 supports it, else closed with code 1008), and a frame over ``max_body`` closes it with 1009.
