@@ -81,6 +81,7 @@ class Gateway:
         line = self.proc.stdout.readline()
         assert line.startswith("interlock serve: http://"), (line, self.log.read_text())
         self.url = line.split()[2]
+        self.started: set[str] = set()
         self.agent = httpx.Client(
             base_url=self.url,
             timeout=60,

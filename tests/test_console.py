@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests._console import BAD, GOOD, HOSTILE, KEYS, TOO_MUCH, Gateway
 
@@ -509,3 +511,115 @@ def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
     turns = ui.conversation(messages, ONE_CALL)
     assert [t.role for t in turns] == ["system", "assistant"]
     assert [c.id for c in turns[1].calls] == ["u1", "u2"]
+
+
+_text = st.text(max_size=40) | st.sampled_from(
+    [
+        "REFUND",
+        "NOTIFY",
+        "COMPLETED",
+        "",
+        "0",
+        "-1",
+        "9" * 30,
+        "\x00",
+        "\ud7ff",
+        GOOD,
+        BAD,
+        TOO_MUCH,
+        "{",
+        "null",
+        "[]",
+        '{"next": "COMPLETED"}',
+        "2026-12-04T09:30",
+        "<script>",
+    ]
+)
+_paths = st.sampled_from(
+    [
+        "/console",
+        "/console/",
+        "/console/runs",
+        "/console/escalations",
+        "/console/live",
+        "/console/login",
+        "/console/logout",
+        "/console/runs/esc-fuzz",
+        "/console/runs/esc-fuzz/",
+        "/console/runs/esc-fuzz/replay",
+        "/console/runs/esc-fuzz/resume",
+        "/console/runs/esc-fuzz/abort",
+        "/console/runs/no-such",
+        "/console/static/console.css",
+        "/console/static/nope.js",
+        "/console/runs/%00",
+        "/console/runs/a%2Fb/replay",
+        "/console/a/b/c/d",
+    ]
+)
+_fields = st.dictionaries(
+    st.sampled_from(
+        [
+            "q",
+            "page",
+            "machine",
+            "state",
+            "outcome",
+            "reason",
+            "since",
+            "until",
+            "to",
+            "payload",
+            "note",
+            "by",
+            "back",
+            "next",
+            "key",
+            "after",
+            "done",
+        ]
+    ),
+    _text,
+    max_size=6,
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    path=_paths,
+    method=st.sampled_from(["GET", "POST", "HEAD", "PUT"]),
+    fields=_fields,
+    with_token=st.booleans(),
+    who=st.sampled_from(["oncall", "reader", None]),
+)
+def test_no_input_makes_the_console_answer_500(
+    gw: Gateway,
+    path: str,
+    method: str,
+    fields: dict[str, str],
+    with_token: bool,
+    who: str | None,
+) -> None:
+    if "esc-fuzz" not in gw.started:
+        gw.escalated("esc-fuzz")
+        gw.started.add("esc-fuzz")
+    if path.endswith("/live") and method in ("GET", "HEAD") and who is not None:
+        return  # a live stream stays open: test_the_live_stream_sends_each_new_event
+    with gw.client(who) as client:
+        if with_token and who is not None:
+            fields = {**fields, "csrf": token(client.get("/console/escalations").text)}
+        if method in ("GET", "HEAD"):
+            answer = client.request(method, path, params=fields)
+        else:
+            answer = client.request(method, path, data=fields)
+    assert answer.status_code < 500, (path, method, fields, answer.text[-2000:])
+    if method != "HEAD" and answer.status_code != 303:
+        # a page, or the guard's own refusal before the console sees the request
+        kind = answer.headers["content-type"]
+        assert kind.startswith(("text/html", "text/css", "application/problem+json")), kind
+    assert gw.proc.poll() is None
