@@ -14,6 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,3 +55,18 @@ def available() -> list[str]:
 def load(name: str) -> ModuleType:
     """Import ``benchmarks.bench_<name>``."""
     return importlib.import_module(f"benchmarks.bench_{name}")
+
+
+def run_section(name: str, quick: bool) -> dict[str, Any]:
+    """Run one section with no progress display, its failure as a result, timed (what a
+    worker process of the parallel quick run does)."""
+    import time
+    import traceback
+
+    started = time.perf_counter()
+    try:
+        result: dict[str, Any] = load(name).run(quick, lambda description, fraction: None)
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result["seconds"] = time.perf_counter() - started
+    return result

@@ -585,7 +585,7 @@ _fields = st.dictionaries(
 
 
 @settings(
-    max_examples=150,
+    max_examples=80,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
