@@ -663,3 +663,32 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Any:
             yield from _leaves(exc)
         else:
             yield exc
+
+
+#: The ``--otel`` flag's help, the same on every command that has it.
+OTEL_HELP = (
+    "trace the runs in OpenTelemetry and export them over OTLP (needs interlock[otel]); the "
+    "standard OTEL_* variables configure the exporter (OTEL_EXPORTER_OTLP_ENDPOINT, "
+    "OTEL_EXPORTER_OTLP_PROTOCOL=grpc, ...), and setting them turns tracing on without it"
+)
+
+
+def _add_otel(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--otel", action="store_true", help=OTEL_HELP)
+
+
+@contextlib.contextmanager
+def _tracing(args: argparse.Namespace, service: str) -> Iterator[Any]:
+    """The command's tracing (``--otel`` or the OTEL_* variables), or None; at the end the
+    spans still open are ended and what is left is exported."""
+    from ..runtime._tracing import tracing_from_env
+
+    try:
+        tracing = tracing_from_env(force=getattr(args, "otel", False), service=service)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    try:
+        yield tracing
+    finally:
+        if tracing is not None:
+            tracing.shutdown()

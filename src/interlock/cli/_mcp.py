@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._exceptions import ConfigurationError, MissingExtra
 from ..stores._open import open_store
-from ._common import _close, _journal_url, _Metrics, _Usage
+from ._common import _add_otel, _close, _journal_url, _Metrics, _tracing, _Usage
 
 if TYPE_CHECKING:
     import argparse
@@ -123,7 +123,14 @@ async def _mcp(args: argparse.Namespace) -> int:
     metrics = _Metrics(args, {})
     store = await open_store(args.db)
     try:
-        with metrics:
+        with metrics, _tracing(args, "interlock-mcp") as tracing:
+            started = metrics.started
+            if tracing is not None:
+
+                def started(supervisor: Any, first: Any = metrics.started) -> None:
+                    first(supervisor)
+                    tracing.attach(supervisor)
+
             if listen is not None:
                 host, port = listen
                 await serve_http(
@@ -135,7 +142,7 @@ async def _mcp(args: argparse.Namespace) -> int:
                     handle_signals=True,
                     token=os.environ.get(TOKEN_ENV) or None,
                     stats=metrics.stats,
-                    on_supervisor=metrics.started,
+                    on_supervisor=started,
                 )
             else:
                 await serve_stdio(
@@ -144,7 +151,7 @@ async def _mcp(args: argparse.Namespace) -> int:
                     store,
                     session=args.session or "default",
                     stats=metrics.stats,
-                    on_supervisor=metrics.started,
+                    on_supervisor=started,
                 )
     finally:
         await _close(store)
@@ -191,6 +198,7 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
         help="with --app: the app's machine that guards the server (when it has several)",
     )
     journal(mcp)
+    _add_otel(mcp)
     mcp.add_argument(
         "--session",
         default=None,

@@ -13,6 +13,7 @@ from ..demo.workflows import WORKFLOWS
 from ..stores import OUTCOMES
 from ._common import (
     RUNS_LIMIT,
+    _add_otel,
     _app,
     _demo_options,
     _journal,
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--json", action="store_true", help="print the summary as one JSON document at exit"
     )
+    _add_otel(worker)
 
     replay = commands.add_parser(
         "replay", help="replay recorded runs offline and report divergences"
@@ -370,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(CORS; repeatable; also INTERLOCK_GATEWAY_ALLOW_ORIGINS); requests from pages of any "
         "other origin get 403",
     )
+    _add_otel(serve)
     streaming = serve.add_mutually_exclusive_group()
     streaming.add_argument(
         "--channel-port",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._exceptions import ConfigurationError, MissingExtra
 from ..stores._open import open_store
-from ._common import _close, _journal_url
+from ._common import _add_otel, _close, _journal_url, _tracing
 
 if TYPE_CHECKING:
     import argparse
@@ -57,17 +57,19 @@ async def _proxy(args: argparse.Namespace) -> int:
     host, port = _listen(args.listen)
     store = await open_store(args.db)
     try:
-        await serve_model_proxy(
-            machine,
-            args.upstream,
-            store,
-            host=host,
-            port=port,
-            profile=args.profile,
-            reasks=DEFAULT_REASKS if reasks is None else reasks,
-            inputs=inputs,
-            handle_signals=True,
-        )
+        with _tracing(args, "interlock-proxy") as tracing:
+            await serve_model_proxy(
+                machine,
+                args.upstream,
+                store,
+                host=host,
+                port=port,
+                profile=args.profile,
+                reasks=DEFAULT_REASKS if reasks is None else reasks,
+                inputs=inputs,
+                handle_signals=True,
+                tracing=tracing,
+            )
     finally:
         await _close(store)
     sys.stderr.write("interlock proxy: stopped\n")
@@ -85,6 +87,7 @@ def add_parser(commands: Any, journal: Any, app: Any) -> None:
         "/v1/chat/completions, /v1/responses, /v1/messages and LiteLLM's generic guardrail "
         "(/beta/litellm_basic_guardrail_api).",
     )
+    _add_otel(proxy)
     proxy.add_argument(
         "--upstream",
         required=True,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._common import _application, _count
+from ._common import _application, _count, _tracing
 
 if TYPE_CHECKING:
     import argparse
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 async def _serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ..gateway import serve_gateway
     from ..gateway._guard import Limits
     from ..gateway._keys import KeyRing
 
@@ -28,6 +27,21 @@ async def _serve(args: argparse.Namespace) -> int:
         limits = dataclasses.replace(
             limits, allow_origins=(*limits.allow_origins, *args.allow_origin)
         )
+    with _tracing(args, "interlock-gateway") as tracing:
+        return await _serve_traced(args, app, named, db, keyring, limits, tracing)
+
+
+async def _serve_traced(
+    args: argparse.Namespace,
+    app: Any,
+    named: str,
+    db: str,
+    keyring: Any,
+    limits: Any,
+    tracing: Any,
+) -> int:
+    from ..gateway import serve_gateway
+
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             partial(
@@ -38,6 +52,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 keyring=keyring,
                 limits=limits,
+                tracing=tracing,
                 channel_port=args.channel_port,
                 channel_path=args.channel_socket,
                 handle_signals=True,

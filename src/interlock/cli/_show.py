@@ -187,6 +187,9 @@ async def _show(args: argparse.Namespace) -> int:
     title = f"run {record.run_id} ({record.machine}): {record.outcome} in {record.state}"
     if record.reason:
         title += f" - {record.reason}"
+    trace = getattr(events[0], "trace", None) if events else None
+    if isinstance(trace, str) and trace.count("-") == 3:
+        title += f" - trace {trace.split('-')[1]}"  # its OpenTelemetry trace
     table = _table(title, "seq", "time", "event", "what")
     for i, event in enumerate(events):
         kind = type(event).__struct_config__.tag

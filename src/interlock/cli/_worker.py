@@ -9,7 +9,7 @@ import msgspec
 import trio
 
 from ..stores._open import sqlite_path
-from ._common import _application, _log_leases, _Metrics, _print_json, _Usage
+from ._common import _application, _log_leases, _Metrics, _print_json, _tracing, _Usage
 
 if TYPE_CHECKING:
     import argparse
@@ -57,7 +57,11 @@ async def _worker(args: argparse.Namespace) -> int:
                 else:  # a second signal: stop now; the leases expire
                     nursery.cancel_scope.cancel()
 
-    with _log_leases(lambda: f"interlock worker {name}"), metrics:
+    with (
+        _log_leases(lambda: f"interlock worker {name}"),
+        metrics,
+        _tracing(args, "interlock-worker") as tracing,
+    ):
         async with trio.open_nursery() as nursery:
             await nursery.start(on_signals)
             summary = await run_worker(
@@ -74,6 +78,7 @@ async def _worker(args: argparse.Namespace) -> int:
                 stats=metrics.stats,
                 on_start=started,
                 named=named,
+                tracing=tracing,
             )
             nursery.cancel_scope.cancel()
         await metrics.held()

@@ -185,6 +185,7 @@ def start(
         state=machine.initial,
         inputs=msg.inputs,
         external=True if msg.external else msgspec.UNSET,
+        trace=msg.trace or msgspec.UNSET,
     )
     return run, _verdict(run, True)
 

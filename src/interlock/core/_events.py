@@ -75,6 +75,10 @@ class RunStarted(Event, frozen=True, tag="run_started"):
     external: bool | msgspec.UnsetType = msgspec.UNSET
     """True for a run its caller drives (no actor: the caller proposes and reports, see
     ``Supervisor.submit``); absent for a run the runtime drives."""
+    trace: str | msgspec.UnsetType = msgspec.UNSET
+    """The W3C ``traceparent`` of the run's first span, when the run was started with
+    tracing on (``interlock[otel]``): the trace every later part of the run joins, in
+    this process or another; absent otherwise."""
 
 
 class Oversized(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):

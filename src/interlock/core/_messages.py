@@ -30,6 +30,8 @@ class Start(Msg, frozen=True, tag="start"):
     inputs: dict[str, Any] = {}
     external: bool = False
     """The caller drives the run (proposes and reports) instead of an actor."""
+    trace: str = ""
+    """The ``traceparent`` of the run's first span (tracing on), journaled with the start."""
 
 
 class Propose(Msg, frozen=True, tag="propose"):

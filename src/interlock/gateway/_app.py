@@ -508,7 +508,8 @@ async def _openapi(app: GatewayApp, request: _Request) -> _Response:
 @_handles
 async def _create_run(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, RunCreate)
-    run, created = await app.service.create_run(body, request.principal)
+    trace = request.header(b"traceparent") or None
+    run, created = await app.service.create_run(body, request.principal, trace)
     location = f"/v1/runs/{urllib.parse.quote(run.id, safe='')}".encode()
     return app._reply(request, run, 201 if created else 200, [(b"location", location)])
 

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import secrets
 import time
 import urllib.parse
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PAGE_SIZE", "ConsoleApp"]
 
+#: A link to a run's trace in the tracing backend, ``{trace_id}`` replaced by its id (e.g.
+#: ``http://127.0.0.1:16686/trace/{trace_id}`` for Jaeger).
+TRACE_URL_ENV = "INTERLOCK_TRACE_URL"
 #: Runs per page of the list.
 PAGE_SIZE = 50
 #: Runs per page of the escalation queue (each with its forms).
@@ -620,6 +624,14 @@ class ConsoleApp:
                 + (f" (${cost:.6f})" if cost else ""),
             ),
         ]
+        trace = _trace_of(events)
+        if trace:
+            template = os.environ.get(TRACE_URL_ENV, "")
+            shown = f"<code>{h(trace)}</code>"
+            if template and template.startswith(("http://", "https://")):
+                link = template.replace("{trace_id}", urllib.parse.quote(trace, safe=""))
+                shown = f'<a href="{h(link)}" rel="noreferrer">{shown}</a>'
+            facts.append(("trace", shown))
         parts = [
             f"<h1>Run {h(run_id)}</h1>{notice or _done(req)}",
             '<dl class="facts">' + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>",
@@ -860,6 +872,14 @@ class ConsoleApp:
                 resources.files("interlock.gateway").joinpath("console", name).read_bytes()
             )
         return 200, data, [("content-type", kind), ("cache-control", "public, max-age=300")]
+
+
+def _trace_of(events: Sequence[Any]) -> str:
+    """The OpenTelemetry trace id a run's ``run_started`` names ('' if none)."""
+    first = events[0] if events else None
+    trace = getattr(first, "trace", "")
+    parts = trace.split("-") if isinstance(trace, str) else []
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
 def _page_number(req: _Req) -> int:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from ..runtime._supervisor import Supervisor
+    from ..runtime._tracing import Tracing
 
 __all__ = ["GatewayServer", "create_app", "serve_gateway"]
 
@@ -142,6 +143,7 @@ async def serve_gateway(
     handle_signals: bool = False,
     graceful_timeout: float = 10.0,
     resume: bool = True,
+    tracing: Tracing | None = None,
     task_status: trio.TaskStatus[GatewayServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an application's machines through the gateway until stopped, then drain.
@@ -173,6 +175,9 @@ async def serve_gateway(
       channel_path: serve the channel on this Unix socket instead.
       handle_signals: drain on SIGTERM (the CLI sets it; needs the main thread).
       graceful_timeout: the seconds requests in flight get to finish when stopping.
+      tracing: trace the runs in OpenTelemetry (``interlock[otel]``; see
+        ``interlock.runtime._tracing``); None: off. A ``traceparent`` header on the request
+        that starts a run is continued by the run's spans.
       resume: drive the unfinished hosted runs on from their journals (``interlock
         console`` serves a journal without doing so: it drives only what an operator resumes).
       task_status: receives the :class:`GatewayServer` once it listens.
@@ -214,6 +219,7 @@ async def serve_gateway(
                 provider=app.provider,
                 resume=resume and not workers,
                 stats=stats,
+                tracing=tracing,
             ) as supervisor,
         ):
             gateway = create_app(supervisor, keyring=keyring, limits=limits, prices=app.prices)

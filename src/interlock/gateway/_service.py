@@ -100,6 +100,7 @@ from ..protocol import (
 )
 from ..providers._base import render_prompt
 from ..runtime._enqueue import enqueue_run
+from ..runtime._tracing import parse_traceparent
 from ..stores import LeasingStore
 
 if TYPE_CHECKING:
@@ -605,12 +606,13 @@ class GatewayService:
                 f"application does not have (it has: {', '.join(sup.machines)})"
             ) from None
         try:
-            run = fold(machine, await store.load(run_id))
+            events = await store.load(run_id)
+            run = fold(machine, events)
         except Exception as exc:
             raise _translate(exc) from None
         if not run.external:
             return None
-        held = sup.external.hold(run)
+        held = sup.external.hold(run, events)
         if held is not run:  # started or loaded by a request that did not wait here
             return held
         if run.terminal and not run.closed:  # its last write was cut short: close it
@@ -720,7 +722,7 @@ class GatewayService:
     # -- runs ---------------------------------------------------------------------
 
     async def create_run(
-        self, body: RunCreate, principal: PrincipalLike | None = None
+        self, body: RunCreate, principal: PrincipalLike | None = None, trace: str | None = None
     ) -> tuple[RunOut, bool]:
         """Start a run; return it and whether this request created it.
 
@@ -728,6 +730,7 @@ class GatewayService:
         (created False); the same id with anything else is a 409. On a store with leases
         (:attr:`enqueues`) a hosted run is enqueued, not driven here: the answer is the run
         as the store holds it (its initial state, running) and a worker drives it.
+        ``trace``: the request's ``traceparent``, which the run's spans continue (tracing on).
         """
         self._allow(principal, ("agent",), body.machine)
         sup = self.supervisor
@@ -748,13 +751,17 @@ class GatewayService:
             self.waiting -= 1
             raise
         if self.enqueues and not external:
-            return await self._enqueue(body, owner)
+            return await self._enqueue(body, owner, trace)
         try:
             if external:
-                handle = await sup.external.start(body.machine, body.inputs, run_id=body.run_id)
+                handle = await sup.external.start(
+                    body.machine, body.inputs, run_id=body.run_id, trace=trace
+                )
                 await self._steps(handle.run_id, None)
             else:
-                handle = await sup.start_run(body.machine, body.inputs, run_id=body.run_id)
+                handle = await sup.start_run(
+                    body.machine, body.inputs, run_id=body.run_id, trace=trace
+                )
         except Exception as exc:
             if owner is not None and self.quota is not None:
                 self.quota.release(owner)
@@ -785,13 +792,20 @@ class GatewayService:
             run = await self._fold(handle.run_id)
         return self.run_out(run), True
 
-    async def _enqueue(self, body: RunCreate, owner: str | None) -> tuple[RunOut, bool]:
+    async def _enqueue(
+        self, body: RunCreate, owner: str | None, trace: str | None = None
+    ) -> tuple[RunOut, bool]:
         """Create the hosted run in the store for a worker to claim (see create_run)."""
         sup = self.supervisor
         try:
             try:
                 run_id = await enqueue_run(
-                    sup.store, sup.machine(body.machine), body.inputs, run_id=body.run_id
+                    sup.store,
+                    sup.machine(body.machine),
+                    body.inputs,
+                    run_id=body.run_id,
+                    # the caller's trace, which the worker's spans continue (tracing on)
+                    trace=trace if sup.tracing is not None and parse_traceparent(trace) else None,
                 )
             finally:
                 self.waiting -= 1

@@ -105,12 +105,12 @@ class HttpRuns(Runs):
         elif not mint:
             return None
         elif session_id is None:
-            run = await self._mint()
+            run = await self._mint(_traceparent(ctx))
         else:  # a session's first calls may come at once: one run for them all
             lock = self._starting.setdefault(session_id, trio.Lock())
             try:
                 async with lock:
-                    run = self.sessions.get(session_id) or await self._mint()
+                    run = self.sessions.get(session_id) or await self._mint(_traceparent(ctx))
             finally:
                 if not lock.locked() and not lock.statistics().tasks_waiting:
                     self._starting.pop(session_id, None)
@@ -119,7 +119,7 @@ class HttpRuns(Runs):
             self._listeners.setdefault(run.run_id, {})[session_id] = ctx.session
         return run
 
-    async def _mint(self) -> McpRun:
+    async def _mint(self, trace: str | None = None) -> McpRun:
         g = self.guarded
         if len(self.runs) >= self.max_runs:
             self._forget_ended()
@@ -133,7 +133,14 @@ class HttpRuns(Runs):
                 )
         handle = secrets.token_hex(16)
         run = await McpRun.open(
-            g.supervisor, g.machine, handle, g.forward, g.tools, g.rules, inputs=self.inputs
+            g.supervisor,
+            g.machine,
+            handle,
+            g.forward,
+            g.tools,
+            g.rules,
+            inputs=self.inputs,
+            trace=trace,
         )
         self._keep(run)
         log.info("run %s started", run.run_id)
@@ -220,6 +227,16 @@ def _named_run(ctx: Any) -> str | None:
     if not isinstance(named, str) or not named:
         raise MCPError(INVALID_PARAMS, f"{RUN_META} names a run by its id, a string")
     return named
+
+
+def _traceparent(ctx: Any) -> str | None:
+    """The W3C trace context of the request that starts a run: its ``_meta`` (as the MCP
+    SDK carries it), else its HTTP header."""
+    meta = ctx.meta or {}
+    found = meta.get("traceparent") if isinstance(meta, Mapping) else None
+    if not isinstance(found, str):
+        found = _header(ctx, "traceparent")
+    return found or None
 
 
 def _header(ctx: Any, name: str) -> str | None:

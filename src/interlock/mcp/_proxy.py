@@ -175,11 +175,13 @@ class McpRun:
         *,
         inputs: Mapping[str, Any] | None = None,
         on_state_change: Callable[[], Awaitable[None]] | None = None,
+        trace: str | None = None,
     ) -> McpRun:
         """The run of ``session``: its newest run if that has not completed or failed (a
         proxy restarted after a crash picks up where it stopped, its call in flight
         included, and an escalated run stays escalated until an operator resumes it),
-        else a new run ``mcp-SESSION-N``."""
+        else a new run ``mcp-SESSION-N`` (``trace``: the ``traceparent`` of the request that
+        starts it, which its spans continue with tracing on)."""
         store = supervisor.store
         prefix = f"mcp-{session}-"
         mine = [
@@ -202,7 +204,8 @@ class McpRun:
             else:
                 run = supervisor.external.get(newest.run_id)
                 if run is None:
-                    run = supervisor.external.hold(fold(machine, await store.load(newest.run_id)))
+                    events = await store.load(newest.run_id)
+                    run = supervisor.external.hold(fold(machine, events), events)
                 self.pinned = dict(run.inputs.get(PINNED_INPUT) or {})
             return self
         number = max((_number(r.run_id, prefix) for r in mine), default=0) + 1
@@ -211,7 +214,7 @@ class McpRun:
         start = dict(inputs or {})
         if machine.inputs is None:  # a machine with an inputs schema keeps its own inputs
             start[PINNED_INPUT] = pinned
-        await supervisor.external.start(machine.name, start, run_id=run_id)
+        await supervisor.external.start(machine.name, start, run_id=run_id, trace=trace)
         self = cls(
             supervisor,
             machine,
@@ -254,7 +257,7 @@ class McpRun:
         if record.outcome == "running":  # resumed by another process (a shared store)
             events = await self.supervisor.store.load(self.run_id)
             self.supervisor.external.forget(self.run_id)
-            self.supervisor.external.hold(fold(self.machine, events))
+            self.supervisor.external.hold(fold(self.machine, events), events)
             self._ended = None
         else:
             self._ended = (record.outcome, record.state, record.reason)
@@ -414,7 +417,13 @@ class McpRun:
         started = trio.current_time()
         try:
             with trio.fail_after(timeout):
-                result = await self.upstream(call.tool, dict(call.args or {}), {KEY_META: call.key})
+                meta = {KEY_META: call.key}
+                tracing = self.supervisor.tracing
+                if tracing is not None:  # the upstream's spans join the run's trace
+                    parent = tracing.traceparent(self.run_id, call.key)
+                    if parent:
+                        meta["traceparent"] = parent
+                result = await self.upstream(call.tool, dict(call.args or {}), meta)
         except trio.TooSlowError:
             return None, self._failure(
                 call, f"the upstream did not answer within {timeout:g} s", started

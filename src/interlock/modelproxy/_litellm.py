@@ -71,7 +71,8 @@ async def guardrail(proxy: ModelProxy, body: bytes) -> tuple[int, bytes]:
     if anonymous and request["input_type"] == "request":
         return 200, _NONE  # a run of one call has no result to report yet
     try:
-        run_id = await proxy.open_run(str(named))
+        trace = headers.get("traceparent") if isinstance(headers, dict) else None
+        run_id = await proxy.open_run(str(named), trace if isinstance(trace, str) else None)
     except RunRefused as exc:
         return 200, _blocked(f"interlock: {exc.message}")
     proxy.busy[run_id] = proxy.busy.get(run_id, 0) + 1

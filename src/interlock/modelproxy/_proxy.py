@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from ..core._wire import Read
     from ..providers._http import Transport
     from ..runtime._supervisor import Supervisor
+
+#: ``gen_ai.provider.name`` of a model call, by the API the proxy spoke to the upstream.
+_PROVIDER = {"chat": "openai", "responses": "openai", "messages": "anthropic"}
 
 __all__ = ["DEFAULT_REASKS", "KEY_HEADER", "RUN_HEADER", "Answer", "ModelProxy", "RunRefused"]
 
@@ -177,7 +181,7 @@ class ModelProxy:
             return _error(api, 400, problem, "invalid_request_error")
         stream = request.get("stream") is True
         try:
-            run_id = await self.open_run(headers.get(RUN_HEADER))
+            run_id = await self.open_run(headers.get(RUN_HEADER), headers.get("traceparent"))
         except RunRefused as refused:
             return _error(api, refused.status, refused.message, refused.kind, refused.run_id)
         self.busy[run_id] = self.busy.get(run_id, 0) + 1  # not forgotten while in use
@@ -195,9 +199,10 @@ class ModelProxy:
             return Answer(200, b"", answer.headers, tuple(events))
         return answer
 
-    async def open_run(self, named: str | None) -> str:
+    async def open_run(self, named: str | None, trace: str | None = None) -> str:
         """The run a request names (``named``, its ``Interlock-Run`` header), held here: a
         run the journal does not know is started under that name, and none starts one.
+        ``trace``: the request's ``traceparent``, which a run it starts continues (tracing on).
 
         Raises:
           RunRefused: the name is not a run name, or the run takes no more requests.
@@ -205,7 +210,10 @@ class ModelProxy:
         external = self.supervisor.external
         if named is None:
             handle = await external.start(
-                self.machine.name, self.inputs, run_id=f"proxy-{secrets.token_hex(16)}-1"
+                self.machine.name,
+                self.inputs,
+                run_id=f"proxy-{secrets.token_hex(16)}-1",
+                trace=trace,
             )
             return handle.run_id
         if external.get(named) is not None:
@@ -225,7 +233,9 @@ class ModelProxy:
                     "invalid_request_error",
                 ) from None
             try:
-                handle = await external.start(self.machine.name, self.inputs, run_id=named)
+                handle = await external.start(
+                    self.machine.name, self.inputs, run_id=named, trace=trace
+                )
             except ProtocolError as exc:
                 if external.get(named) is not None:  # started by a request racing this one
                     return named
@@ -241,7 +251,8 @@ class ModelProxy:
                 "conflict",
                 named,
             )
-        external.hold(fold(self.machine, await store.load(named)))
+        events = await store.load(named)
+        external.hold(fold(self.machine, events), events)
         return named
 
     async def _report(self, api: Api, run_id: str, request: dict[str, Any]) -> Answer | None:
@@ -292,13 +303,28 @@ class ModelProxy:
         allowed = set(self.supervisor.view(run_id).allowed_tools)
         body = api.narrowed(api.upstream_ids(request, self._ids.get(run_id, {})), allowed)
         forwarded = {k: v for k, v in headers.items() if k in api.forwarded}
+        tracing = self.supervisor.tracing
+        if tracing is not None:  # the upstream's spans join the run's trace
+            parent = tracing.traceparent(run_id)
+            if parent:
+                forwarded["traceparent"] = parent
         path = self._messages_path if api.name == "messages" else api.upstream_path
         for attempt in range(self.reasks + 1):
             shaped = api.shaped(body)
             sent = msgspec.json.encode(shaped)
+            started = time.time_ns()
             try:
                 response = await self.transport.post(path, sent, headers=forwarded)
             except ProviderError as exc:
+                if tracing is not None:
+                    tracing.chat(
+                        run_id,
+                        str(body.get("model") or ""),
+                        started,
+                        time.time_ns(),
+                        error=str(exc),
+                        provider=_PROVIDER[api.name],
+                    )
                 # a refusal of a request's shape that a profile flag fixes is named with it
                 named = reader.refusal(exc, sent) or exc
                 status = exc.status if exc.status is not None and exc.status >= 400 else 502

@@ -18,6 +18,7 @@ from ._proxy import DEFAULT_REASKS, Answer, ModelProxy, _error
 
 if TYPE_CHECKING:
     from ..core._machine import Machine
+    from ..runtime._tracing import Tracing
     from ..stores import Store
 
 __all__ = ["ModelProxyServer", "serve_model_proxy"]
@@ -136,6 +137,7 @@ async def serve_model_proxy(
     inputs: dict[str, Any] | None = None,
     idle: float = DEFAULT_IDLE,
     handle_signals: bool = False,
+    tracing: Tracing | None = None,
     task_status: trio.TaskStatus[ModelProxyServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``POST /v1/chat/completions``, ``/v1/responses`` and ``/v1/messages`` (and
@@ -146,12 +148,14 @@ async def serve_model_proxy(
     each request a step of a run of ``machine``, until stopped (:meth:`ModelProxyServer.stop`,
     or SIGTERM or SIGINT with ``handle_signals``: the requests in flight are answered
     first). A run no request used for ``idle`` seconds is dropped from memory (the
-    journal keeps it; its next request reads it again)."""
+    journal keeps it; its next request reads it again). With ``tracing`` (OpenTelemetry,
+    ``interlock[otel]``) each run is traced, continuing a ``traceparent`` header of the
+    request that starts it, and each upstream request carries the run's."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     transport = Transport(upstream, timeout=600.0)
-    async with open_supervisor([machine], store) as supervisor, transport:
+    async with open_supervisor([machine], store, tracing=tracing) as supervisor, transport:
         proxy = ModelProxy(
             supervisor, machine, transport, reasks=reasks, profile=profile, inputs=inputs
         )

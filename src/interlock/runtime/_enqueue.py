@@ -29,6 +29,7 @@ async def enqueue_run(
     *,
     run_id: str | None = None,
     clock: Callable[[], float] = time.time,
+    trace: str | None = None,
 ) -> str:
     """Create a run of ``machine`` in ``store`` and return its id, once its ``run_started``
     event is durable. Nothing drives it yet: the next process that resumes the journal
@@ -41,6 +42,8 @@ async def enqueue_run(
       inputs: the run's inputs, checked against the machine's ``inputs`` schema.
       run_id: the run's id; a random one (``run-`` and 16 hex digits) if omitted.
       clock: the time recorded in the event.
+      trace: a W3C ``traceparent`` to journal with the start (a request's that enqueued
+        it): the spans of the process that drives the run continue it (tracing on there).
 
     Raises:
       InvalidInputs: the inputs break the machine's schema or cannot be journaled; nothing
@@ -65,7 +68,10 @@ async def enqueue_run(
         )
     events: list[Event] = []
     _decider.start(
-        machine, Start(run_id=run_id, machine=machine.name, inputs=payload), clock(), events
+        machine,
+        Start(run_id=run_id, machine=machine.name, inputs=payload, trace=trace or ""),
+        clock(),
+        events,
     )
     await store.append(events)
     return run_id

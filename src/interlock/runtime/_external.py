@@ -33,6 +33,7 @@ from ..core._messages import Escalate, Propose, Reconciliation, Report, Sync, Ve
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
+    from ..core._events import Event
     from ..core._view import RunState
     from ._handle import RunHandle
     from ._supervisor import Supervisor
@@ -77,16 +78,25 @@ class ExternalRuns:
     # -- driving runs -------------------------------------------------------------
 
     async def start(
-        self, machine: str, inputs: Mapping[str, Any] | None = None, *, run_id: str | None = None
+        self,
+        machine: str,
+        inputs: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        trace: str | None = None,
     ) -> RunHandle:
         """Start an external run of ``machine`` and return its handle once its
         ``run_started`` event is durable; its caller drives it from its first state.
+        ``trace``: the ``traceparent`` of the request that starts it (tracing on: the run's
+        spans continue it).
 
         Raises:
           UnknownMachine, InvalidInputs, ProtocolError (``run_id`` in use),
           trio.ClosedResourceError: as :meth:`Supervisor.start_run` raises them.
         """
-        return await self._supervisor.start_run(machine, inputs, run_id=run_id, external=True)
+        return await self._supervisor.start_run(
+            machine, inputs, run_id=run_id, external=True, trace=trace
+        )
 
     async def submit(self, msg: Propose | Report | Reconciliation | Escalate) -> Verdict:
         """Drive an external run one request further (a proposal, a tool call's outcome, a
@@ -130,9 +140,11 @@ class ExternalRuns:
 
     # -- copies of runs other processes write too (a shared store) ------------------
 
-    def hold(self, run: RunState) -> RunState:
+    def hold(self, run: RunState, journal: Sequence[Event] = ()) -> RunState:
         """Hold ``run`` (an external run folded from the journal) live here, to decide its
         requests on; if a copy is held already (loaded meanwhile), that copy, unchanged.
+        ``journal``: the events it was folded from; with tracing on, the run's spans here
+        join the trace its ``run_started`` names.
 
         Raises:
           ValueError: ``run`` is not an external run.
@@ -142,7 +154,13 @@ class ExternalRuns:
                 f"run {run.run_id!r} is hosted: its actor drives it, and only external runs "
                 "are held by a driver; fold and hold runs started with external=True"
             )
-        return self._runs.setdefault(run.run_id, run)
+        held = self._runs.setdefault(run.run_id, run)
+        tracing = self._supervisor.tracing
+        if held is run and tracing is not None:
+            first = journal[0] if journal else None
+            trace = getattr(first, "trace", "")
+            tracing.resumed(run.run_id, run.machine.name, trace if isinstance(trace, str) else "")
+        return held
 
     def forget(self, run_id: str, run: RunState | None = None) -> bool:
         """Drop this process's copy of the external run ``run_id`` (only if it is ``run``,

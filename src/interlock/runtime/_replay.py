@@ -388,6 +388,7 @@ def replay_run(machine: Machine, recorded: Sequence[Event]) -> RunReplay:
         machine=first.machine,
         inputs=dict(first.inputs),
         external=first.external is True,
+        trace=first.trace if isinstance(first.trace, str) else "",
     )
     result = feed(start)
     while result is None and len(produced) < len(recorded):

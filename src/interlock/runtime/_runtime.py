@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..core._stats import RuntimeStats
     from ..providers import Provider
     from ..stores import Store
+    from ._tracing import Tracing
 
 #: Garbage-collector thresholds while a supervisor runs (see :func:`open_supervisor`).
 #: A young-generation pass walks every live run task, and the loop allocates steadily:
@@ -70,6 +71,7 @@ async def open_supervisor(
     gc_threshold: tuple[int, int, int] | None = GC_THRESHOLD,
     owner: str | None = None,
     lease_ttl: float = DEFAULT_TTL,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Supervisor]:
     """Run a supervisor for the duration of an ``async with`` block.
 
@@ -109,6 +111,9 @@ async def open_supervisor(
         leased to it, and each batch is appended fenced: a run whose lease another
         process took is dropped with :class:`LeaseLost`, the rest of the batch commits.
         Leaving the block releases the leases of the runs left unfinished.
+      tracing: trace the runs in OpenTelemetry (``interlock[otel]``): a
+        :class:`~interlock.runtime._tracing.Tracing`, e.g. from ``tracing_from_env()``;
+        None (the default) traces nothing and costs nothing.
     """
     if gc_threshold is not None:
         _tune_gc(gc_threshold)
@@ -126,6 +131,8 @@ async def open_supervisor(
         owner=owner,
         lease_ttl=lease_ttl,
     )
+    if tracing is not None:
+        tracing.attach(supervisor)
     try:
         async with trio.open_nursery() as outer:
             await outer.start(supervisor._journal.serve)
@@ -151,6 +158,8 @@ async def open_supervisor(
                 supervisor._journal.closed = True
                 if supervisor.leases is not None:
                     await _release_all(supervisor)
+                if tracing is not None:
+                    tracing.close()
                 outer.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The two nurseries wrap whatever ended the block (the caller's own error, a

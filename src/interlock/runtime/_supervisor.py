@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from ..providers import Provider
     from ..stores import Store
     from ._actor import Driver
+    from ._tracing import Tracing
 
 Clock = Callable[[], float]
 
@@ -161,6 +162,8 @@ class Supervisor:
         self._ended: dict[str, RunResult] = {}
         self.leases: Leases | None = None
         """This supervisor's leases, on a store that has them (PostgreSQL); else None."""
+        self.tracing: Tracing | None = None
+        """The OpenTelemetry tracing of its runs (``Tracing.attach``); None: off."""
         self._draining = False
         self._no_drivers: trio.Event | None = None
         if is_leasing(store):
@@ -173,6 +176,16 @@ class Supervisor:
             )
             self._journal.fenced = self.leases.append
             self._journal.refusal = self._refusal
+
+    def _fold(self, machine: Machine, events: Sequence[Event]) -> RunState:
+        """Fold a run read back from its journal; with tracing on, the run's spans in
+        this process join its trace (``run_started.trace``)."""
+        run = fold(machine, events)
+        if self.tracing is not None and events:
+            first = events[0]
+            trace = getattr(first, "trace", "")
+            self.tracing.resumed(run.run_id, machine.name, trace if isinstance(trace, str) else "")
+        return run
 
     @property
     def on_written(self) -> list[Callable[[Sequence[Event]], object]]:
@@ -573,6 +586,7 @@ class Supervisor:
         run_id: str | None = None,
         provider: Provider | None = None,
         external: bool = False,
+        trace: str | None = None,
     ) -> RunHandle:
         """Start a run and return once its ``run_started`` event is durable.
 
@@ -586,6 +600,8 @@ class Supervisor:
           run_id: the run's id; generated if omitted. Must be unique in the store.
           provider: the provider for this run; defaults to the supervisor's.
           external: the caller drives the run (no provider needed).
+          trace: the W3C ``traceparent`` of the request that starts the run: with tracing
+            on, the run's spans continue that trace.
 
         Raises:
           UnknownMachine: ``machine`` names no registered machine.
@@ -608,8 +624,11 @@ class Supervisor:
         run_id = run_id or self._new_run_id()
         if run_id in self._runs:
             raise RunExists(f"run {run_id!r} already exists; run ids must be unique")
+        first = ""
+        if self.tracing is not None:
+            first = self.tracing.begin(run_id, machine, trace)
         verdict = await self.request(
-            Start(run_id=run_id, machine=machine, inputs=payload, external=external)
+            Start(run_id=run_id, machine=machine, inputs=payload, external=external, trace=first)
         )
         handle = RunHandle(run_id, machine, external=external)
         self.handles[run_id] = handle
@@ -808,7 +827,7 @@ class Supervisor:
             machine = self.machines.get(record.machine)
             if machine is None:
                 continue
-            folded.append(fold(machine, await self.store.load(record.run_id)))
+            folded.append(self._fold(machine, await self.store.load(record.run_id)))
         for run in folded:
             name = run.machine.name
             if not run.terminal and run.state not in run.machine.states:
@@ -953,7 +972,7 @@ class Supervisor:
                 machine = self.machines.get(name)
                 if machine is None:
                     raise UnknownMachine(name, list(self.machines))
-                run = fold(machine, events)
+                run = self._fold(machine, events)
                 if not run.terminal and run.state not in machine.states:
                     raise UnknownState(run_id, run.state, name, list(machine.states), "is in")
                 if (provider or self.provider_for(name)) is None and machine.needs_provider:
@@ -1021,7 +1040,7 @@ class Supervisor:
             return run
         record = await self.store.get_run(run_id)
         machine = self.machine(record.machine)
-        run = fold(machine, await self.store.load(run_id))
+        run = self._fold(machine, await self.store.load(run_id))
         if self.leases is not None and not run.external and run_id not in self.leases:
             # Another process may drive it: take its lease first, or leave it alone.
             if not await self.leases.take([run_id]):
@@ -1030,7 +1049,7 @@ class Supervisor:
                     "it to finish or release the run (its lease expires if that process is "
                     "gone), then retry"
                 )
-            run = fold(machine, await self.store.load(run_id))  # as of the lease, not before
+            run = self._fold(machine, await self.store.load(run_id))  # as of the lease, not before
         self._runs[run_id] = run
         self._lost.pop(run_id, None)
         self._unwritten.discard(run_id)  # held again here: not to be adopted a second time
@@ -1053,7 +1072,7 @@ class Supervisor:
         run = self._runs.get(run_id)
         if run is not None:  # loaded meanwhile by another request: never two copies
             return run
-        run = fold(machine, events)
+        run = self._fold(machine, events)
         if not run.external:
             return None
         self._runs[run_id] = run

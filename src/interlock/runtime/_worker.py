@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..core._stats import RuntimeStats
     from ._app import App
     from ._supervisor import Supervisor
+    from ._tracing import Tracing
 
 __all__ = ["WorkerControl", "WorkerSummary", "run_worker"]
 
@@ -108,6 +109,7 @@ async def run_worker(
     stats: RuntimeStats | None = None,
     on_start: Callable[[WorkerControl], None] | None = None,
     named: str = "",
+    tracing: Tracing | None = None,
 ) -> WorkerSummary:
     """Claim runs of ``app``'s machines from the PostgreSQL journal ``db`` and drive them,
     until drained (:meth:`WorkerControl.drain`, given to ``on_start``) or cancelled, or, with
@@ -131,6 +133,8 @@ async def run_worker(
       stats: counters to update (serve them as metrics).
       on_start: called with the :class:`WorkerControl` once it runs (to drain it).
       named: what names the app in an error of its lifespan.
+      tracing: trace the runs it drives in OpenTelemetry (``interlock[otel]``): each run
+        it claims joins the trace its ``run_started`` names; None: off.
 
     Raises:
       ConfigurationError: ``db`` is not a PostgreSQL journal with leases, or an argument is
@@ -162,6 +166,7 @@ async def run_worker(
                 stats=stats,
                 owner=owner,
                 lease_ttl=lease_ttl,
+                tracing=tracing,
             ) as supervisor,
         ):
             worker = WorkerControl(supervisor)
