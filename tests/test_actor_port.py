@@ -85,6 +85,9 @@ class OwnPort:
     def call_args(self, run_id: str, call: ToolCall) -> Any:
         return self._run.validated
 
+    def traceparent(self, run_id: str) -> str:
+        return ""
+
     def lease_guard(self, run_id: str) -> None:
         return None  # not leased
 
@@ -101,7 +104,7 @@ def test_the_port_is_the_protocol_and_nothing_more() -> None:
     }
     assert members == {
         "request", "propose", "submit_nowait", "view", "arm_deadline", "arm_timeout", "call_args",
-        "lease_guard",
+        "lease_guard", "traceparent",
     }  # fmt: skip
     own = {name for name in dir(OwnPort) if not name.startswith("_")}
     assert members <= own

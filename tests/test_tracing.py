@@ -288,3 +288,29 @@ async def test_show_names_the_trace_of_a_traced_run(
         )
     )
     assert f"trace {run.context.trace_id:032x}" in shown.stdout
+
+
+async def test_an_http_provider_s_requests_carry_the_run_s_trace(
+    exporter: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    from interlock.providers import OpenAIChat
+    from interlock.testing import Reply, open_fake_llm, scripted_brain
+
+    tracing, spans = exporter
+    brain = scripted_brain(
+        [
+            Reply(calls=[("refund", '{"order_id": "o-1", "cents": 5}')]),
+            Reply(calls=[("transition", '{"next": "COMPLETED"}')]),
+        ]
+    )
+    async with open_fake_llm(brain) as fake:
+        provider = OpenAIChat("fake", base_url=fake.openai_base_url, api_key="k")
+        async with open_supervisor([machine(refunded)], provider=provider, tracing=tracing) as sup:
+            await (await sup.start_run("refund", run_id="r-7")).wait()
+        sent = [r.headers.get("traceparent", "") for r in fake.requests]
+    (run,) = by_name(spans.get_finished_spans(), "invoke_agent")
+    assert len(sent) >= 2
+    for parent in sent:
+        ids = parse_traceparent(parent)
+        assert ids is not None
+        assert ids[:2] == (run.context.trace_id, run.context.span_id)

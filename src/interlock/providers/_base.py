@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -12,6 +13,12 @@ from ..core._events import TokenUsage, Violation
 if TYPE_CHECKING:
     from ..core._machine import Machine
     from ..core._view import Frame, RunView
+
+
+#: The W3C ``traceparent`` of the run whose model call is being made, set by the run's actor
+#: when tracing is on ('' otherwise): an HTTP provider sends it, so the model server's own
+#: spans join the run's trace.
+TRACEPARENT: ContextVar[str] = ContextVar("interlock_traceparent", default="")
 
 
 class Proposal(msgspec.Struct, frozen=True, gc=False):

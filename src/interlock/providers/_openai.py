@@ -40,7 +40,7 @@ from ..core._wire import (
     tool_specs,
     with_defect,
 )
-from ._base import Proposal
+from ._base import TRACEPARENT, Proposal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -330,6 +330,9 @@ class HttpProvider:
         transport = self.transport()
         tokens = len(body) // 4
         headers = {self.run_header: view.run_id} if self.run_header else None
+        parent = TRACEPARENT.get()
+        if parent:  # tracing on: the server's spans join the run's trace
+            headers = {**(headers or {}), "traceparent": parent}
         try:
             if self.stream:
                 text, parsed = await self._streamed(transport, body, tokens, headers, mode)

@@ -15,6 +15,7 @@ from ..core._events import describe_exception
 from ..core._machine import Step
 from ..core._messages import Propose, Reconciliation, Report, Sync, ToolCall, Verdict
 from ..core._tools import ToolContext
+from ..providers._base import TRACEPARENT
 from ._requests import (
     answered,
     failed,
@@ -121,6 +122,11 @@ class ActorPort(Protocol):
     """All an actor may ask of the runtime: the requests of its run, a read-only view of
     it, the watchdog's timers, and the args the gate validated. The supervisor is one;
     nothing else of it (its run table, a handle's internals) is the actor's to touch."""
+
+    def traceparent(self, run_id: str) -> str:
+        """The W3C ``traceparent`` of the run's span here, '' with tracing off: what the
+        provider's requests for the run carry."""
+        ...
 
     async def request(self, msg: Request) -> Verdict:
         """Decide ``msg`` and return its verdict once its events are durable."""
@@ -303,6 +309,9 @@ async def _drive(
     carried: _Carried | None,
 ) -> None:
     """The loop proper: from ``verdict`` (or what a cut carried) until the run stops running."""
+    parent = port.traceparent(driver.run_id)
+    if parent:  # tracing on: the provider's requests join the run's trace (this task only)
+        TRACEPARENT.set(parent)
     durable = True
     lagging = False  # the run's latest verdict may have left its events unwritten
     proposal = carried if isinstance(carried, Propose) else None

@@ -327,6 +327,10 @@ class Supervisor:
 
     # -- the actor's port (see _actor.ActorPort) ----------------------------------
 
+    def traceparent(self, run_id: str) -> str:
+        """:meth:`ActorPort.traceparent`."""
+        return self.tracing.traceparent(run_id) if self.tracing is not None else ""
+
     def arm_deadline(self, driver: Driver) -> None:
         """Have the watchdog tell ``driver`` when its run's deadline passes.
 
