@@ -12,7 +12,7 @@ What a tool's call comes to
     ToolError, RetryableToolError, Applied, NotApplied
 Running machines
     App, open_supervisor, Supervisor, RunHandle, RunResult, enqueue_run, enqueue_runs,
-    run_worker, WorkerControl, WorkerSummary, serve_metrics
+    run_worker, WorkerControl, WorkerSummary, serve_metrics, Tracing, tracing_from_env
 Replaying recorded runs
     replay, ReplayReport, RunReplay, Divergence
 The errors an application catches (every one is in :mod:`interlock.errors`)
@@ -76,6 +76,7 @@ from .runtime._handle import RunHandle, RunResult
 from .runtime._replay import Divergence, ReplayReport, RunReplay, replay
 from .runtime._runtime import open_supervisor
 from .runtime._supervisor import Supervisor
+from .runtime._tracing import Tracing, tracing_from_env
 from .runtime._worker import WorkerControl, WorkerSummary, run_worker
 
 # isort: split
@@ -188,6 +189,8 @@ __all__ = [
     "enqueue_run",
     "enqueue_runs",
     "open_supervisor",
+    "Tracing",
+    "tracing_from_env",
     "replay",
     "run_worker",
     "serve_metrics",
