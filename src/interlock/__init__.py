@@ -181,6 +181,7 @@ __all__ = [
     "ToolDefinitionError",
     "ToolError",
     "ToolResult",
+    "Tracing",
     "UnknownMachine",
     "Worker",
     "WorkerControl",
@@ -189,11 +190,10 @@ __all__ = [
     "enqueue_run",
     "enqueue_runs",
     "open_supervisor",
-    "Tracing",
-    "tracing_from_env",
     "replay",
     "run_worker",
     "serve_metrics",
+    "tracing_from_env",
 ]
 
 # errors: the classes imported under the same comment above (#34)
