@@ -451,3 +451,57 @@ async def _proxy_url(proc: subprocess.Popen[bytes], log: Path, trio: Any) -> str
             if proc.poll() is not None:
                 pytest.fail(f"interlock proxy exited: {await trio.Path(log).read_text()}")
             await trio.sleep(0.05)
+
+
+def test_a_run_whose_gateway_was_killed_goes_on_in_the_same_trace(
+    tmp_path: Path, http_receiver: tuple[Receiver, str]
+) -> None:
+    """SIGKILL the gateway mid-run (its run's first span is never exported), start it
+    again on the same journal and finish the run: the new part is in the caller's trace,
+    a child of the first span the journal names, and linked to it."""
+    import signal
+
+    receiver, endpoint = http_receiver
+    env = otel_env(endpoint)
+    proc, url = serve(tmp_path, env)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            created = client.post(
+                "/v1/runs",
+                json={"machine": "refund", "run_id": "killed-1", "mode": "external"},
+                headers={"traceparent": TRACEPARENT},
+            )
+            assert created.status_code == 201, created.text
+            client.post("/v1/runs/killed-1/proposals", json={"proposal": BAD})
+            first = client.get("/v1/runs/killed-1/events").json()["events"][0]["data"]["trace"]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    first_span = first.split("-")[2]
+    proc, url = serve(tmp_path, env)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            post = client.post
+            verdict = post("/v1/runs/killed-1/proposals", json={"proposal": GOOD}).json()
+            assert verdict["accepted"], verdict
+            post("/v1/runs/killed-1/results", json={"key": verdict["key"], "result": {"ok": 1}})
+            post("/v1/runs/killed-1/proposals", json={"proposal": '{"next": "NOTIFY"}'})
+            done = post("/v1/runs/killed-1/proposals", json={"proposal": '{"next": "COMPLETED"}'})
+            assert done.json()["outcome"] == "completed", done.text
+    finally:
+        stop(proc)
+
+    def ended(spans: list[dict[str, Any]]) -> bool:
+        return any(
+            s["attributes"].get("gen_ai.conversation.id") == "killed-1"
+            and s["attributes"].get("interlock.outcome") == "completed"
+            for s in spans
+        )
+
+    receiver.wait_for(ended, "the resumed part of the killed run")
+    (part,) = [s for s in receiver.spans if s["name"] == "invoke_agent refund"]
+    assert part["trace"] == CALLER_TRACE
+    assert part["parent"] == first_span  # the first part's span, as the journal names it
+    assert first_span != CALLER_SPAN
