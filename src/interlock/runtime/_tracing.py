@@ -75,6 +75,9 @@ _log = logging.getLogger("interlock.tracing")
 #: The version of the OpenTelemetry semantic conventions whose GenAI names are used.
 SEMCONV_VERSION = "1.41.0"
 SCHEMA_URL = f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}"
+#: The span queue of the exporters :func:`tracing_from_env` makes, unless
+#: ``OTEL_BSP_MAX_QUEUE_SIZE`` says otherwise (the SDK's own default is 2,048).
+BATCH_QUEUE = 65_536
 
 
 def parse_traceparent(text: str | None) -> tuple[int, int, int] | None:
@@ -546,9 +549,15 @@ def tracing_from_env(
         ) from None
     resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service})
     provider = TracerProvider(resource=resource)
+    # NOTE: the processor's thread exports while trio's loop runs thousands of runs: with
+    # the SDK's default queue (2,048 spans) a burst of runs lost up to 70% of its spans
+    # (benchmarks/RESULTS.md, "Tracing"); a queue of 65,536 held every one
+    queue = int(env.get("OTEL_BSP_MAX_QUEUE_SIZE") or BATCH_QUEUE)
     for exporter in exporters or ["otlp"]:
         if exporter == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+            provider.add_span_processor(
+                BatchSpanProcessor(ConsoleSpanExporter(), max_queue_size=queue)
+            )
             continue
         protocol = (
             (
@@ -570,5 +579,5 @@ def tracing_from_env(
                 f"OTEL_EXPORTER_OTLP_PROTOCOL is {protocol!r}; interlock exports OTLP over "
                 "'http/protobuf' (the default) or 'grpc'"
             )
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=queue))
     return Tracing(provider, owned=True)
