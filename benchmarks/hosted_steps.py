@@ -7,8 +7,12 @@ interleaved: benchmarks/RESULTS.md, "Tracing", compares tracing off against the 
 before tracing existed.
 """
 
-import sys, time
-import msgspec, trio
+import sys
+import time
+
+import msgspec
+import trio
+
 from interlock import Machine, Tool, Worker, open_supervisor
 from interlock.providers import ScriptedProvider
 
