@@ -505,3 +505,89 @@ def test_a_run_whose_gateway_was_killed_goes_on_in_the_same_trace(
     assert part["trace"] == CALLER_TRACE
     assert part["parent"] == first_span  # the first part's span, as the journal names it
     assert first_span != CALLER_SPAN
+
+
+WORKER_APP = """
+import msgspec
+from interlock import App, Machine, Tool, Worker
+from interlock.providers import ScriptedProvider
+
+
+class Refund(msgspec.Struct, forbid_unknown_fields=True):
+    order_id: str
+    cents: int
+
+
+async def refund(args, ctx):
+    return {"refunded": args.cents}
+
+
+def model(view):
+    if view.last_result("refund") is None:
+        return '{"tool": "refund", "args": {"order_id": "o-1", "cents": 250}}'
+    return '{"next": "COMPLETED"}'
+
+
+machine = Machine("payout", "WORK", {"WORK": Worker(next=["COMPLETED"], tools=["refund"])},
+                  tools=[Tool("refund", refund, Refund, idempotent=True)])
+app = App([machine], provider=ScriptedProvider(model, model="scripted"))
+"""
+
+
+def test_a_run_a_gateway_enqueues_and_a_worker_drives_continues_the_request_s_trace(
+    tmp_path: Path, http_receiver: tuple[Receiver, str]
+) -> None:
+    """On PostgreSQL: the gateway enqueues the hosted run with the request's trace in its
+    journal; a worker (another process) claims it and traces it in that trace."""
+    import secrets
+
+    dsn = os.environ.get("INTERLOCK_PG_DSN")
+    if not dsn:
+        pytest.skip("INTERLOCK_PG_DSN is not set: no PostgreSQL for workers")
+    import psycopg
+
+    receiver, endpoint = http_receiver
+    env = otel_env(endpoint)
+    (tmp_path / "payout.py").write_text(WORKER_APP)
+    schema = f"interlock_trace_{secrets.token_hex(5)}"
+    db = f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    app = str(tmp_path / "payout.py") + ":app"
+    try:
+        with (tmp_path / "serve.log").open("wb") as log:
+            gateway = subprocess.Popen(
+                [sys.executable, "-m", "interlock", "serve", "--app", app, "--db", db, "--port",
+                 "0", "--otel"], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+            )  # fmt: skip
+        try:
+            assert gateway.stdout is not None
+            line = gateway.stdout.readline()
+            assert line.startswith("interlock serve: http://"), (tmp_path / "serve.log").read_text()
+            created = httpx.post(
+                line.split()[2] + "/v1/runs", json={"machine": "payout", "run_id": "paid-1"},
+                headers={"traceparent": TRACEPARENT}, timeout=60,
+            )  # fmt: skip
+            assert created.status_code == 201, created.text
+        finally:
+            stop(gateway)
+        worker = subprocess.run(
+            [sys.executable, "-m", "interlock", "worker", "--app", app, "--db", db,
+             "--until-idle", "--otel", "--json"],
+            capture_output=True, text=True, env=env, timeout=120, check=False,
+        )  # fmt: skip
+        assert worker.returncode == 0, worker.stderr[-3000:]
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+    def arrived(spans: list[dict[str, Any]]) -> bool:
+        return any(s["name"] == "invoke_agent payout" for s in spans)
+
+    receiver.wait_for(arrived, "the worker's span of the run")
+    (run,) = [s for s in receiver.spans if s["name"] == "invoke_agent payout"]
+    assert run["trace"] == CALLER_TRACE
+    assert run["parent"] == CALLER_SPAN
+    assert run["service"] == "interlock-worker"
+    assert run["attributes"]["interlock.outcome"] == "completed"
+    names = sorted(s["name"] for s in receiver.spans if s["trace"] == CALLER_TRACE)
+    assert names == ["chat scripted", "chat scripted", "execute_tool refund",
+                     "invoke_agent payout"]  # fmt: skip
