@@ -439,7 +439,10 @@ async def test_junk_gets_4xx_and_the_proxy_answers_a_real_client_after(proxy: Pr
     def post_all() -> None:
         with httpx.Client(timeout=60) as http:
             for name, method, headers, body in _junk():
-                response = http.request(method, proxy.url, headers=headers, content=body)
+                try:
+                    response = http.request(method, proxy.url, headers=headers, content=body)
+                except httpx.RemoteProtocolError as exc:
+                    raise AssertionError(f"{name}: {exc}") from exc
                 answers.append((name, response.status_code, response.text[:300]))
             response = http.post(proxy.url.replace("/mcp", "/other"), content=b"{}")
             answers.append(("another path", response.status_code, response.text[:300]))

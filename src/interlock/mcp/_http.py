@@ -291,7 +291,9 @@ class _Guard:
             size += len(body)
             more = bool(message.get("more_body"))
             if size > self.max_body:  # the SDK answers 413; nothing to mark
-                await self.app(scope, _replay(chunks, receive, more=more), send)
+                if more:  # the client sends the rest first, then hears the 413
+                    await _drain(receive)
+                await self.app(scope, _replay(chunks, receive, more=False), send)
                 return
         raw = b"".join(chunks)
         marked = mark_duplicates(raw) if b"tools/call" in raw else None
@@ -313,6 +315,27 @@ class _Guard:
                     given.strip(), self.token
                 )
         return False
+
+
+#: What is read and dropped of a body refused as too large, at most, before the answer.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 5.0
+
+
+async def _drain(receive: Any) -> None:
+    """Read and drop the rest of a body refused as too large (up to :data:`DRAIN_BYTES`,
+    for :data:`DRAIN_SECONDS`) before it is answered: answered first, the connection was
+    closed while the client still sent, and reset, and the client lost the 413 (seen: 1 run
+    in 14 of a 10 MB body)."""
+    drained = 0
+    with trio.move_on_after(DRAIN_SECONDS):
+        while drained < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            drained += len(message.get("body", b""))
+            if not message.get("more_body"):
+                return
 
 
 def _replay(chunks: list[bytes], receive: Any, *, more: bool, last: Any = None) -> Any:
