@@ -13,6 +13,7 @@ screenshot at a laptop's and a phone's width, under ``build/console-screenshots`
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -138,6 +139,12 @@ def shoot(browser: Any, gw: Gateway, key: str, name: str, path: str) -> None:
             context.close()
 
 
+def live_status(page: Any) -> None:
+    """Wait until the page's event stream is open (its status line says Live). Not
+    wait_for_function: its polling evaluates a string, which the console's CSP refuses."""
+    page.locator("#live-status", has_text=re.compile(r"^Live$")).wait_for(timeout=20_000)
+
+
 def sign_in(page: Any, gw: Gateway, who: str) -> None:
     page.goto(gw.url + "/console/runs")
     assert page.get_by_role("heading", name="Sign in").is_visible()
@@ -247,7 +254,7 @@ def test_a_read_key_finds_no_action_and_a_page_follows_a_live_run(
         assert page.get_by_role("button", name="Abort the run").count() == 0
         # the live page: a proposal made elsewhere shows up without a reload
         page.goto(gw.url + "/console/runs/live-1")
-        page.wait_for_function("document.getElementById('live-status').textContent === 'Live'")
+        live_status(page)
         marker = page.evaluate("window.__marker = 42")
         assert marker == 42
         gw.propose("live-1", '{"tool": "refund", "args": {"order_id": "o-9", "cents": "x"}}')
@@ -255,7 +262,7 @@ def test_a_read_key_finds_no_action_and_a_page_follows_a_live_run(
         assert page.evaluate("window.__marker") == 42  # the same document: not reloaded
         # the list too: a run started elsewhere appears
         page.goto(gw.url + "/console/runs")
-        page.wait_for_function("document.getElementById('live-status').textContent === 'Live'")
+        live_status(page)
         page.evaluate("window.__marker = 43")
         gw.start("live-2")
         page.get_by_role("link", name="live-2").wait_for(timeout=20_000)
