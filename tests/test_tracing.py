@@ -321,3 +321,23 @@ async def test_an_http_provider_s_requests_carry_the_run_s_trace(
         ids = parse_traceparent(parent)
         assert ids is not None
         assert ids[:2] == (run.context.trace_id, run.context.span_id)
+
+
+async def test_a_tracer_that_fails_costs_no_run(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def start_span(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the exporter's library is broken")
+
+    class BrokenProvider:
+        def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+            return Broken()
+
+    tracing = Tracing(BrokenProvider())
+    async with open_supervisor(
+        [machine(refunded)], provider=ScriptedProvider([REFUND, DONE]), tracing=tracing
+    ) as sup:
+        result = await (await sup.start_run("refund", run_id="r-8")).wait()
+        (started, *_) = await sup.store.load("r-8")
+    assert result.outcome == "completed"
+    assert started.trace is msgspec.UNSET  # started untraced
+    assert "tracing could not begin run r-8" in caplog.text

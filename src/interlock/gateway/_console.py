@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 import secrets
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from ._app import Receive, Scope, Send
 
 __all__ = ["PAGE_SIZE", "ConsoleApp"]
+
+log = logging.getLogger("interlock.console")
 
 #: A link to a run's trace in the tracing backend, ``{trace_id}`` replaced by its id (e.g.
 #: ``http://127.0.0.1:16686/trace/{trace_id}`` for Jaeger).
@@ -146,9 +149,12 @@ class ConsoleApp:
         service.supervisor.on_written.append(self._written)
 
     def _written(self, events: Sequence[Any]) -> None:
+        # NOTE: on the journal's write path, every batch: a flag, and an event only
+        # while a live page listens
         self._dirty = True
-        self.changed.set()
-        self.changed = trio.Event()
+        if self.streams:
+            self.changed.set()
+            self.changed = trio.Event()
 
     # -- the ASGI entry -------------------------------------------------------------
 
@@ -165,6 +171,15 @@ class ConsoleApp:
         except StoreDamaged as exc:
             status, headers = 500, []
             body = self._error_page(req, "Store damaged", f"{exc}; run 'interlock check'")
+        except Exception as exc:  # a bug: this page fails, with what to report; no run does
+            log.exception("the console failed answering %s %s", req.method, req.path)
+            status, headers = 500, []
+            body = self._error_page(
+                req,
+                "Internal error",
+                f"a bug in interlock's console: {type(exc).__name__}: "
+                f"{exc}; the journal is intact; report it",
+            )
         if status == 0:  # streamed
             return
         data = body.encode() if isinstance(body, str) else body

@@ -159,7 +159,15 @@ class Tracing:
 
     def begin(self, run_id: str, machine: str, parent: str | None = None) -> str:
         """Start the first span of a new run (before its ``run_started`` is written) and
-        return its ``traceparent``, to journal with the start; ``parent``: the caller's."""
+        return its ``traceparent``, to journal with the start; ``parent``: the caller's.
+        A failure of the tracing itself is logged and the run starts untraced ('')."""
+        try:
+            return self._begin(run_id, machine, parent)
+        except Exception:  # a trace must never cost a run
+            _log.exception("tracing could not begin run %s", run_id)
+            return ""
+
+    def _begin(self, run_id: str, machine: str, parent: str | None) -> str:
         span = self.tracer.start_span(
             f"invoke_agent {machine}",
             context=self._context(parent),
@@ -173,9 +181,16 @@ class Tracing:
     def resumed(self, run_id: str, machine: str, first: str, *, why: str = "resumed") -> None:
         """A run this process takes up again (its journal read back): a new span in the
         run's trace, a child of and linked to its first span (``first``, the journaled
-        ``traceparent``; a new trace if the run was started without tracing)."""
+        ``traceparent``; a new trace if the run was started without tracing). A failure
+        of the tracing itself is logged: the run goes on untraced here."""
         if run_id in self.runs:
             return
+        try:
+            self._resumed(run_id, machine, first, why)
+        except Exception:  # a trace must never cost a run (nor a resume of many)
+            _log.exception("tracing could not take up run %s", run_id)
+
+    def _resumed(self, run_id: str, machine: str, first: str, why: str) -> None:
         parent = self._context(first)
         links = []
         ids = parse_traceparent(first)
