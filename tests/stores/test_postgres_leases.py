@@ -114,6 +114,27 @@ def wait_for_lock(observer: psycopg.Connection[Any], pid: int, timeout: float = 
         time.sleep(0.005)
 
 
+def never_waits(
+    observer: psycopg.Connection[Any], pid: int, done: Any, timeout: float = 60.0
+) -> str | None:
+    """Watch backend ``pid`` until ``done()``: None if it never waited for a lock
+    meanwhile, else the lock it waited for. The timeout bounds a hang, it checks no
+    speed."""
+    query = (
+        "SELECT a.wait_event, l.mode FROM pg_stat_activity a "
+        "LEFT JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted "
+        "WHERE a.pid = %s AND a.wait_event_type = 'Lock'"
+    )
+    give_up = time.monotonic() + timeout
+    while not done():
+        row = observer.execute(query, (pid,)).fetchone()
+        if row is not None:
+            return f"{row[0]} ({row[1]})"
+        assert time.monotonic() < give_up, "the statement never finished"
+        time.sleep(0.002)
+    return None
+
+
 async def seqs(store: PostgresStore, run_id: str) -> list[int]:
     return [event.seq for event in await store.load(run_id)]
 
@@ -350,12 +371,11 @@ async def test_a_fenced_append_during_a_claim_waits_then_is_refused(schema: str)
         assert a._conn is not None
         pid = a._conn.info.backend_pid
         with raw(schema, autocommit=False) as takeover, raw(schema) as observer:
-            [(run_id, epoch)] = takeover.execute(
-                "UPDATE leases SET owner = 'w-b', epoch = epoch + 1, "
-                "expires = now() + interval '1 minute' WHERE run_id = 'r-1' "
-                "RETURNING run_id, epoch"
+            # The store's own claim statement, in a transaction held open.
+            [(run_id, owner, epoch, _)] = takeover.execute(
+                _pg._CLAIM, ("w-b", 60.0, [], 10), prepare=False
             ).fetchall()
-            assert (run_id, epoch) == ("r-1", 2)
+            assert (run_id, owner, epoch) == ("r-1", "w-b", 2)
             outcome: list[frozenset[str]] = []
 
             async def append() -> None:
@@ -374,9 +394,10 @@ async def test_a_fenced_append_during_a_claim_waits_then_is_refused(schema: str)
 
 async def test_two_workers_each_stale_on_the_others_run_do_not_deadlock(schema: str) -> None:
     """Worker a holds r-a and still thinks it holds r-b; worker b the other way round.
-    Both append a batch for both runs at once, each completing its own: the check of one
-    waits for the other's commit (a shared lock upgraded to update a run's lease row would
-    deadlock the two), then each commits its run and is refused the other."""
+    Both append a batch for both runs at once, each completing its own (which updates the
+    run's lease row, that the other's fence has locked). Neither waits for the other (a
+    shared lock upgraded to update a run's lease row would deadlock the two): b commits
+    while a's transaction is still open, then a; each is refused the other's run."""
     inside = threading.Event()
     go_on = threading.Event()
 
@@ -409,11 +430,62 @@ async def test_two_workers_each_stale_on_the_others_run_do_not_deadlock(schema: 
                 nursery.start_soon(append, a, "w-a", leases)
                 assert await trio.to_thread.run_sync(inside.wait, 60)
                 nursery.start_soon(append, b, "w-b", stale_b)
-                await trio.to_thread.run_sync(wait_for_lock, observer, pid_b)
+                blocked = await trio.to_thread.run_sync(
+                    never_waits, observer, pid_b, lambda: "w-b" in results
+                )
                 go_on.set()
+        assert blocked is None, "b's append waited for a's open transaction"
         assert results == {"w-a": frozenset({"r-b"}), "w-b": frozenset({"r-a"})}
         assert [type(e).__name__ for e in await c.load("r-a")] == ["RunStarted", "Completed"]
         assert [type(e).__name__ for e in await c.load("r-b")] == ["RunStarted", "Completed"]
+
+
+async def test_a_renewal_does_not_wait_for_a_fenced_batch(schema: str) -> None:
+    """Issue 33: a worker's heartbeat renewed its leases with a statement that waited for
+    the lease rows its own open batch had locked, so at a 2 s ttl a slow batch cut calls
+    as stalled. With the batch's transaction held open (its fence checked, its events not
+    committed), a renewal of the batch's run, on the store's other connection, returns
+    without waiting for a lock; and a claim by another worker still skips the run."""
+    inside = threading.Event()
+    go_on = threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert go_on.wait(60), "the test never let the append commit"
+
+    async with workers(schema, 2) as (a, b):
+        await a.append_fenced([started("r-1")], {}, "w-a", ttl=60.0)
+        await a.renew("w-a", ["r-1"], ttl=60.0)  # opens the renewals' connection
+        assert a._renewals is not None
+        pid = a._renewals.info.backend_pid
+        expire(schema, "r-1")  # expired but unclaimed: still a's, and claimable
+        a._after_fence_check = hold
+        outcome: list[frozenset[str]] = []
+        renewed: list[list[Lease]] = []
+
+        async def append() -> None:
+            outcome.append(await a.append_fenced([step("r-1", 2, "w-a")], {"r-1": 1}, "w-a"))
+
+        async def renew() -> None:
+            renewed.append(await a.renew("w-a", ["r-1"], ttl=60.0))
+
+        with trio.fail_after(60), raw(schema) as observer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append)
+                assert await trio.to_thread.run_sync(inside.wait, 60)
+                assert await b.claim("w-b", ttl=60.0) == []  # the fence's lock: skipped
+                nursery.start_soon(renew)
+                blocked = await trio.to_thread.run_sync(
+                    never_waits, observer, pid, lambda: bool(renewed)
+                )
+                go_on.set()
+        assert blocked is None, f"the renewal waited for the open batch: {blocked}"
+        assert [(lease.run_id, lease.owner, lease.epoch) for lease in renewed[0]] == [
+            ("r-1", "w-a", 1)
+        ]
+        assert outcome == [frozenset()]
+        assert await seqs(b, "r-1") == [1, 2]
+        assert await b.claim("w-b", ttl=60.0) == []  # renewed: no longer expired
 
 
 async def test_racing_workers_never_both_write_a_run(schema: str) -> None:

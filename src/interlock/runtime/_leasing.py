@@ -345,8 +345,8 @@ class Leases:
         with backoff (the leases stay this process's until another claims them).
 
         The period counts from when the last renewal began, not from when it returned:
-        one slow to return (its statement waited for the lease rows a batch of the
-        journal held) does not push the next one later too."""
+        one slow to return (a loaded server, or a claim holding a row) does not push
+        the next one later too."""
         task_status.started()
         period = self.ttl / 3
         backoff = min(period, 0.1)

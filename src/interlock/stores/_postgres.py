@@ -191,14 +191,21 @@ _SET_LIVE = (
 )
 # NOTE: the rows are locked in run_id order by every statement that waits for a lock
 # (the fence, renew, release), so that two of them never deadlock; a claim skips
-# locked rows instead of waiting. The fence locks FOR NO KEY UPDATE, not FOR SHARE:
-# its transaction may then update a row it locked (live, when a run ends), and two
-# workers each holding a shared lock on a run the other ends would deadlock
-# (test_two_workers_each_stale_on_the_others_run_do_not_deadlock). A claim skips a
-# row either lock holds.
+# locked rows instead of waiting. The locks are chosen so that a heartbeat never waits
+# for a batch (issue 33: a renewal queued behind an open batch of its own worker cut
+# calls as stalled at a 2 s ttl). The fence locks FOR KEY SHARE, the weakest lock:
+# it conflicts only with FOR UPDATE, which a claim and a release take, so no claim
+# can raise an epoch between the fence's check and its commit. A renewal locks FOR NO
+# KEY UPDATE (it changes ``expires``, no key), which a fence does not block; and the
+# fence's own transaction may then update a row it locked (``live``, when a run ends)
+# without waiting for another worker's fence on it (two workers each fencing a run the
+# other ends would deadlock under FOR SHARE:
+# test_two_workers_each_stale_on_the_others_run_do_not_deadlock). That update of
+# ``live`` (when a batch ends or resumes a run) is the batch's last statement, so a
+# renewal of such a row waits only for the commit itself.
 _FENCE = (
     "SELECT run_id, owner, epoch FROM leases WHERE run_id = ANY(%s::text[]) "
-    "ORDER BY run_id FOR NO KEY UPDATE"
+    "ORDER BY run_id FOR KEY SHARE"
 )
 _CLAIM = (
     "UPDATE leases AS l SET owner = %s, epoch = l.epoch + 1, "
@@ -234,7 +241,7 @@ _LOCK_UNFENCED = (
 _RENEW = (
     "UPDATE leases AS l SET expires = now() + make_interval(secs => %s) "
     "FROM (SELECT run_id FROM leases WHERE run_id = ANY(%s::text[]) AND owner = %s "
-    "ORDER BY run_id FOR UPDATE) AS h "
+    "ORDER BY run_id FOR NO KEY UPDATE) AS h "
     f"WHERE l.run_id = h.run_id {_RETURN_LEASES}"
 )
 _RELEASE = (
@@ -574,9 +581,9 @@ class PostgresStore(Store):
         """Append one batch, each run's events only if ``owner`` still holds its lease.
 
         The group commit of a worker: one transaction, the lease rows of the batch's
-        runs locked (``FOR NO KEY UPDATE``) from their check to the commit, so a claim
+        runs locked (``FOR KEY SHARE``) from their check to the commit, so a claim
         taking one over either skips it until the commit or is seen by the check,
-        never both commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
+        never both commit; a renewal of those leases does not wait for the commit. The runs whose lease is no longer ``(owner, fence[run_id])`` are
         refused, none of their events written; the others commit, with their
         runs-index rows, as :meth:`append` writes them (seqs checked, intent keys
         unique). A lease past its expiry that no one claimed since is still held.
@@ -1006,7 +1013,8 @@ def _append_sync(
                 if checked:
                     # The lease rows stay locked (see _FENCE) until the commit, so a claim
                     # cannot take one between this check and the events' write: it skips
-                    # the row, or this waits for the claim and then sees its epoch.
+                    # the row, or this waits for the claim and then sees its epoch. A
+                    # renewal does not wait for this lock.
                     cursor.execute(_FENCE, (checked,), prepare=False)
                     held = {
                         run_id
