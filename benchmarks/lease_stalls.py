@@ -43,8 +43,10 @@ def export_src(rev: str, into: Path) -> Path:
         ["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    for built in (ROOT / "src" / "interlock").glob("*.so"):
-        shutil.copy2(built, into / "src" / "interlock" / built.name)
+    for built in (ROOT / "src").rglob("*.so"):
+        target = into / built.relative_to(ROOT)
+        if target.parent.is_dir():
+            shutil.copy2(built, target)
     return into / "src"
 
 

@@ -323,6 +323,76 @@ async def test_an_http_provider_s_requests_carry_the_run_s_trace(
         assert ids[:2] == (run.context.trace_id, run.context.span_id)
 
 
+async def test_a_model_call_names_its_provider_and_finish_reason(
+    exporter: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    """gen_ai.provider.name comes from the run's provider (OpenAIChat: openai) when the
+    Tracing was given none; the finish reasons from the journaled response."""
+    from interlock.providers import OpenAIChat
+    from interlock.testing import Reply, open_fake_llm, scripted_brain
+
+    configured, spans = exporter
+    tracing = Tracing(configured.tracer_provider)  # no provider_name
+    brain = scripted_brain(
+        [
+            Reply(calls=[("refund", '{"order_id": "o-1", "cents": 5}')]),
+            Reply(calls=[("transition", '{"next": "COMPLETED"}')]),
+        ]
+    )
+    async with open_fake_llm(brain) as fake:
+        provider = OpenAIChat("fake", base_url=fake.openai_base_url, api_key="k")
+        async with (
+            provider,
+            open_supervisor([machine(refunded)], provider=provider, tracing=tracing) as sup,
+        ):
+            await (await sup.start_run("refund", run_id="r-8")).wait()
+    chats = by_name(spans.get_finished_spans(), "chat ")
+    assert len(chats) == 2
+    for chat in chats:
+        assert chat.attributes["gen_ai.provider.name"] == "openai"
+        assert list(chat.attributes["gen_ai.response.finish_reasons"]) == ["tool_calls"]
+
+
+async def test_each_request_s_verdict_is_traced_under_that_request_s_span(
+    exporter: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    """A door tells the tracing of each request before its proposal is decided
+    (Tracing.request). The verdict events are traced when they are durable, which may be
+    after the next request came: each verdict still goes under its own request's span
+    (matched by the run's seq), a request with no traceparent gets no verify span, and
+    the requests that never got a verdict are forgotten."""
+    from interlock.core._messages import Propose
+
+    tracing, spans = exporter
+    trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    first, second = (format_traceparent(trace_id, span) for span in (0xA1, 0xB2))
+    async with open_supervisor([machine(refunded)], tracing=tracing) as sup:
+        start = format_traceparent(trace_id, 0x00F067AA0BA902B7)
+        await sup.external.start("refund", run_id="r-9", trace=start)
+        tracing.request("r-9", first)
+        [refused] = sup.external.decide_many([Propose(run_id="r-9", raw=BAD)])
+        tracing.request("r-9", second)  # before the first verdict was written
+        [accepted] = sup.external.decide_many([Propose(run_id="r-9", raw=REFUND)])
+        assert not isinstance(refused, Exception) and not refused.accepted
+        assert not isinstance(accepted, Exception) and accepted.execute is not None
+        await sup.external.sync("r-9")
+        for _ in range(40):  # refused before the gate: never a verdict
+            tracing.request("r-9", first)
+        assert len(tracing.runs["r-9"].callers) == 16
+    checks = by_name(spans.get_finished_spans(), "verify refund")
+    assert [(c.parent.span_id, c.attributes["interlock.verdict"]) for c in checks] == [
+        (0xA1, "rejected"),
+        (0xB2, "accepted"),
+    ]
+    assert list(checks[0].attributes["interlock.violation.codes"]) == ["schema"]
+    (run,) = by_name(spans.get_finished_spans(), "invoke_agent")
+    for check in checks:
+        assert check.context.trace_id == trace_id
+        assert [link.context.span_id for link in check.links] == [run.context.span_id]
+    (tool,) = by_name(spans.get_finished_spans(), "execute_tool")
+    assert tool.parent.span_id == run.context.span_id  # the same trace: under the run
+
+
 async def test_a_tracer_that_fails_costs_no_run() -> None:
     import logging
 

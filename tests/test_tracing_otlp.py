@@ -47,6 +47,13 @@ pytestmark = [
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
+# A later request of the same caller (another span of its trace), and one from another
+# trace (a caller whose every step is a trace of its own).
+STEP_SPAN = "1111111111111111"
+STEP_TRACEPARENT = f"00-{CALLER_TRACE}-{STEP_SPAN}-01"
+OTHER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+OTHER_SPAN = "b7ad6b7169203331"
+OTHER_TRACEPARENT = f"00-{OTHER_TRACE}-{OTHER_SPAN}-01"
 
 
 class Receiver:
@@ -83,8 +90,13 @@ class Receiver:
                                     (e.name, {a.key: _value(a.value) for a in e.attributes})
                                     for e in span.events
                                 ],
+                                "links": [
+                                    (link.trace_id.hex(), link.span_id.hex()) for link in span.links
+                                ],
                                 "service": service,
                                 "schema": scope.schema_url,
+                                "start": span.start_time_unix_nano,
+                                "end": span.end_time_unix_nano,
                             }
                         )
 
@@ -202,7 +214,9 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 def drive_refund(url: str, run_id: str) -> list[dict[str, Any]]:
     """An external refund run through the gateway: a rejected proposal, a refund (its
-    result reported), two moves; the request that starts it carries TRACEPARENT."""
+    result reported), two moves; the request that starts it carries TRACEPARENT, the
+    rejected proposal STEP_TRACEPARENT (the same trace), the refund's OTHER_TRACEPARENT
+    (another trace), the moves none."""
     with httpx.Client(base_url=url, timeout=60) as client:
         created = client.post(
             "/v1/runs",
@@ -211,8 +225,17 @@ def drive_refund(url: str, run_id: str) -> list[dict[str, Any]]:
         )
         assert created.status_code == 201, created.text
         post = client.post
-        assert not post(f"/v1/runs/{run_id}/proposals", json={"proposal": BAD}).json()["accepted"]
-        verdict = post(f"/v1/runs/{run_id}/proposals", json={"proposal": GOOD}).json()
+        refused = post(
+            f"/v1/runs/{run_id}/proposals",
+            json={"proposal": BAD},
+            headers={"traceparent": STEP_TRACEPARENT},
+        )
+        assert not refused.json()["accepted"]
+        verdict = post(
+            f"/v1/runs/{run_id}/proposals",
+            json={"proposal": GOOD},
+            headers={"traceparent": OTHER_TRACEPARENT},
+        ).json()
         assert verdict["accepted"], verdict
         reported = post(
             f"/v1/runs/{run_id}/results", json={"key": verdict["key"], "result": {"refunded": 250}}
@@ -239,8 +262,25 @@ def check_refund_trace(receiver: Receiver, run_id: str, service: str) -> None:
     assert run["parent"] == CALLER_SPAN  # the incoming request's trace, continued
     assert run["service"] == service
     assert run["schema"].startswith("https://opentelemetry.io/schemas/")
-    (tool,) = [s for s in spans if s["name"] == "execute_tool refund"]
-    assert tool["parent"] == run["span"]
+    here = (CALLER_TRACE, run["span"])
+    # Each proposal's own traceparent: its verdict is a span under the request's span,
+    # linked to the run's; a request with none has none.
+    checks = [s for s in receiver.spans if s["name"] == "verify refund"]
+    assert sorted((s["trace"], s["parent"]) for s in checks) == sorted(
+        [(CALLER_TRACE, STEP_SPAN), (OTHER_TRACE, OTHER_SPAN)]
+    )
+    (refused,) = [s for s in checks if s["parent"] == STEP_SPAN]
+    assert refused["attributes"]["interlock.verdict"] == "rejected"
+    assert refused["attributes"]["interlock.violation.codes"] == ["schema"]
+    assert refused["attributes"]["gen_ai.conversation.id"] == run_id
+    assert refused["links"] == [here]
+    (accepted,) = [s for s in checks if s["parent"] == OTHER_SPAN]
+    assert accepted["attributes"]["interlock.verdict"] == "accepted"
+    assert accepted["links"] == [here]
+    # The refund was proposed from another trace: it is traced there, linked to the run.
+    (tool,) = [s for s in receiver.spans if s["name"] == "execute_tool refund"]
+    assert (tool["trace"], tool["parent"]) == (OTHER_TRACE, OTHER_SPAN)
+    assert tool["links"] == [here]
     assert tool["attributes"]["gen_ai.tool.name"] == "refund"
     verdicts = [e for name, e in run["events"] if name == "interlock.verdict"]
     assert [v["interlock.verdict"] for v in verdicts] == [
@@ -307,7 +347,8 @@ async def test_an_mcp_proxy_run_arrives_as_one_trace_continuing_the_request(
                 "get_current_time", {"timezone": "Europe/Paris"}, meta=meta
             )
             assert refused.is_error
-            answered = await client.call_tool("get_current_time", {"timezone": "UTC"}, meta=meta)
+            step: Any = {"traceparent": STEP_TRACEPARENT}  # the caller's next span
+            answered = await client.call_tool("get_current_time", {"timezone": "UTC"}, meta=step)
             assert not answered.is_error
     finally:
         proxy.process.terminate()
@@ -329,6 +370,62 @@ async def test_an_mcp_proxy_run_arrives_as_one_trace_continuing_the_request(
     verdicts = [e for name, e in run["events"] if name == "interlock.verdict"]
     assert [v["interlock.verdict"] for v in verdicts][:2] == ["rejected", "accepted"]
     assert verdicts[0]["interlock.violation.codes"] == ["guard"]
+    # each request's own _meta.traceparent parents the verdict on its call
+    checks = sorted(
+        (s["parent"], s["attributes"]["interlock.verdict"])
+        for s in receiver.spans
+        if s["name"] == "verify clock" and s["trace"] == CALLER_TRACE
+    )
+    assert checks == sorted([(CALLER_SPAN, "rejected"), (STEP_SPAN, "accepted")])
+
+
+async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_request_s(
+    tmp_path: Path, http_receiver: tuple[Receiver, str]
+) -> None:
+    """A stdio proxy is a process its client starts, before any request: its run continues
+    the client's TRACEPARENT (OpenTelemetry's carrier of a trace into a process it
+    starts), and each request's _meta.traceparent parents the verdict on its call; a call
+    from another trace is traced there, linked to the run."""
+    pytest.importorskip("mcp", reason="the [mcp] extra is missing")
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from tests.test_mcp_http import TIME_APP, _time_server
+
+    receiver, endpoint = http_receiver
+    (tmp_path / "clock.py").write_text(TIME_APP)
+    env = {**os.environ, **otel_env(endpoint), "TRACEPARENT": TRACEPARENT}
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "interlock", "mcp", "--app", "clock.py:app", "--db", "mcp.db", "--otel"]
+        + ["--", *_time_server()],
+        env=env,
+        cwd=str(tmp_path),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        step: Any = {"traceparent": STEP_TRACEPARENT}
+        refused = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"}, meta=step)
+        assert refused.is_error
+        other: Any = {"traceparent": OTHER_TRACEPARENT}
+        answered = await client.call_tool("get_current_time", {"timezone": "UTC"}, meta=other)
+        assert not answered.is_error
+
+    def arrived(spans: list[dict[str, Any]]) -> bool:
+        return any(s["name"] == "execute_tool get_current_time" for s in spans) and any(
+            s["name"] == "invoke_agent clock" for s in spans
+        )
+
+    receiver.wait_for(arrived, "the stdio run's spans")
+    (run,) = [s for s in receiver.spans if s["name"] == "invoke_agent clock"]
+    assert (run["trace"], run["parent"]) == (CALLER_TRACE, CALLER_SPAN)
+    here = (CALLER_TRACE, run["span"])
+    checks = {(s["trace"], s["parent"]): s for s in receiver.spans if s["name"] == "verify clock"}
+    assert set(checks) == {(CALLER_TRACE, STEP_SPAN), (OTHER_TRACE, OTHER_SPAN)}
+    assert checks[CALLER_TRACE, STEP_SPAN]["attributes"]["interlock.violation.codes"] == ["guard"]
+    assert checks[OTHER_TRACE, OTHER_SPAN]["attributes"]["interlock.verdict"] == "accepted"
+    assert all(s["links"] == [here] for s in checks.values())
+    (tool,) = [s for s in receiver.spans if s["name"] == "execute_tool get_current_time"]
+    assert (tool["trace"], tool["parent"], tool["links"]) == (OTHER_TRACE, OTHER_SPAN, [here])
 
 
 MODEL_MACHINE = """
@@ -433,6 +530,16 @@ async def test_a_model_proxy_run_arrives_as_one_trace_continuing_the_request(
         assert chat["parent"] == run["span"]
         assert chat["attributes"]["gen_ai.operation.name"] == "chat"
         assert "gen_ai.usage.input_tokens" in chat["attributes"]
+        # what the proxy read of the upstream's answer, and how long the call took
+        assert chat["attributes"]["gen_ai.provider.name"] == "openai"
+        assert chat["attributes"]["gen_ai.response.finish_reasons"] == ["tool_calls"]
+        assert chat["end"] > chat["start"]
+    # the request's verdicts, under the request's span (asked again within it)
+    checks = [s for s in receiver.spans if s["name"] == "verify shop"]
+    assert sorted((s["parent"], s["attributes"]["interlock.verdict"]) for s in checks) == [
+        (CALLER_SPAN, "accepted"),
+        (CALLER_SPAN, "rejected"),
+    ]
     # each request the proxy made upstream carried the run's trace
     assert len(upstream) == 2
     assert all(

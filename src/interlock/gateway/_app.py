@@ -632,7 +632,8 @@ def sse(event: EventOut) -> bytes:
 @_handles
 async def _propose(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, ProposalIn)
-    verdict = await app.service.propose(request.params["id"], body, request.principal)
+    trace = request.header(b"traceparent") or None
+    verdict = await app.service.propose(request.params["id"], body, request.principal, trace)
     return app._reply(request, verdict)
 
 
@@ -646,7 +647,8 @@ async def _report(app: GatewayApp, request: _Request) -> _Response:
 @_handles
 async def _verify(app: GatewayApp, request: _Request) -> _Response:
     body = await app._body(request, VerifyIn)
-    return app._reply(request, await app.service.verify_batch(body, request.principal))
+    trace = request.header(b"traceparent") or None
+    return app._reply(request, await app.service.verify_batch(body, request.principal, trace))
 
 
 @_handles

@@ -1063,9 +1063,14 @@ class GatewayService:
     # -- proposals ----------------------------------------------------------------
 
     async def propose(
-        self, run_id: str, body: ProposalIn, principal: PrincipalLike | None = None
+        self,
+        run_id: str,
+        body: ProposalIn,
+        principal: PrincipalLike | None = None,
+        trace: str | None = None,
     ) -> VerdictOut:
-        """Verify the model's raw proposal for the external run ``run_id``.
+        """Verify the model's raw proposal for the external run ``run_id`` (``trace``: the
+        request's ``traceparent``, under which the verdict is traced, tracing on).
 
         Raises:
           GatewayError: 404 no such run; 409 a stale ``expected_seq``, a hosted run, a
@@ -1075,7 +1080,7 @@ class GatewayService:
         self._admit()
         try:
             return await self._propose(
-                run_id, body.proposal, body.expected_seq, body.usage, body.model
+                run_id, body.proposal, body.expected_seq, body.usage, body.model, trace
             )
         finally:
             self.waiting -= 1
@@ -1087,6 +1092,7 @@ class GatewayService:
         expected: int | None,
         usage: Usage | None,
         model: str,
+        trace: str | None = None,
     ) -> VerdictOut:
         answer: _Answer | None = None
         # A copy behind the seq the caller saw is one another instance advanced: reload it.
@@ -1103,6 +1109,9 @@ class GatewayService:
             raise await self._not_live(run_id)
         if not run.external:
             raise _hosted(run_id)
+        tracing = self.supervisor.tracing
+        if tracing is not None:
+            tracing.request(run_id, trace)
         try:
             verdict = await self._submit(
                 run,
@@ -1276,13 +1285,15 @@ class GatewayService:
             self._reconciling.add((out.run_id, out.reconcile.key))
 
     async def verify_batch(
-        self, body: VerifyIn, principal: PrincipalLike | None = None
+        self, body: VerifyIn, principal: PrincipalLike | None = None, trace: str | None = None
     ) -> VerifyOut:
         """Verify many proposals at once, journaled in one group commit (see
         :meth:`verify_many`)."""
         items = body.items
         return VerifyOut(
-            verdicts=await self.verify_many([item.run_id for item in items], items, principal)
+            verdicts=await self.verify_many(
+                [item.run_id for item in items], items, principal, trace
+            )
         )
 
     async def verify_many(
@@ -1290,6 +1301,7 @@ class GatewayService:
         run_ids: Sequence[str],
         bodies: Sequence[ProposalIn | VerifyItem],
         principal: PrincipalLike | None = None,
+        trace: str | None = None,
     ) -> list[VerdictOut]:
         """Verify the proposal ``bodies[i]`` for the run ``run_ids[i]``, for every i, in
         one group commit; one verdict each, in order (an item that got none has
@@ -1312,7 +1324,7 @@ class GatewayService:
                 try:
                     self._allow(principal, ("agent",), await self._machine_of(run_id))
                     verdicts[index] = await self._propose(
-                        run_id, item.proposal, item.expected_seq, item.usage, item.model
+                        run_id, item.proposal, item.expected_seq, item.usage, item.model, trace
                     )
                 except GatewayError as exc:
                     verdicts[index] = _item_problem(run_id, exc)
@@ -1322,6 +1334,10 @@ class GatewayService:
             answers = self._answers
             decided: list[tuple[int, Verdict, _Answer | None, int]] = []
             later: list[int] = []
+            tracing = self.supervisor.tracing
+            if tracing is not None:  # each verdict under the request's span (see request)
+                for run_id in run_ids:
+                    tracing.request(run_id, trace)
             try:
                 _take_proposals(
                     self.supervisor.external.get,

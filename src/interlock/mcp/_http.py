@@ -35,7 +35,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..core._exceptions import RunNotFound
 from ._proxy import INVALID_PARAMS, RUN_META, McpRun
-from ._serve import Proxied, Runs, mark_duplicates, proxied, proxy_server
+from ._serve import Proxied, Runs, mark_duplicates, proxied, proxy_server, request_traceparent
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -105,12 +105,14 @@ class HttpRuns(Runs):
         elif not mint:
             return None
         elif session_id is None:
-            run = await self._mint(_traceparent(ctx))
+            run = await self._mint(request_traceparent(ctx))
         else:  # a session's first calls may come at once: one run for them all
             lock = self._starting.setdefault(session_id, trio.Lock())
             try:
                 async with lock:
-                    run = self.sessions.get(session_id) or await self._mint(_traceparent(ctx))
+                    run = self.sessions.get(session_id) or await self._mint(
+                        request_traceparent(ctx)
+                    )
             finally:
                 if not lock.locked() and not lock.statistics().tasks_waiting:
                     self._starting.pop(session_id, None)
@@ -227,16 +229,6 @@ def _named_run(ctx: Any) -> str | None:
     if not isinstance(named, str) or not named:
         raise MCPError(INVALID_PARAMS, f"{RUN_META} names a run by its id, a string")
     return named
-
-
-def _traceparent(ctx: Any) -> str | None:
-    """The W3C trace context of the request that starts a run: its ``_meta`` (as the MCP
-    SDK carries it), else its HTTP header."""
-    meta = ctx.meta or {}
-    found = meta.get("traceparent") if isinstance(meta, Mapping) else None
-    if not isinstance(found, str):
-        found = _header(ctx, "traceparent")
-    return found or None
 
 
 def _header(ctx: Any, name: str) -> str | None:

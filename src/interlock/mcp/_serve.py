@@ -251,6 +251,7 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
             # in the arguments: the gate refuses them as they were written, journaled
             run = await source.resolve(ctx, mint=True)
             assert run is not None
+            _traced(run, ctx)
             return await run.call_tool(params.name, None, written=written)
         run = await source.resolve(ctx, mint=False)
         approved = False
@@ -282,11 +283,13 @@ def proxy_server(runs: McpRun | Runs, transition_tool: str | None = None) -> Ser
                     is_error=True,
                     _meta={RUN_META: run.run_id},
                 )
+            _traced(run, ctx)
             return await run.transition(target)
         if not approved and run.rules.approval(params.name) and params.name in run.allowed():
             declined = await _approve(ctx, params)
             if declined is not None:
                 return declined
+        _traced(run, ctx)
         return await run.call_tool(params.name, params.arguments)
 
     async def on_listen(ctx: Any, params: Any) -> Any:
@@ -406,6 +409,11 @@ async def serve_stdio(
             guarded.tools,
             guarded.rules,
             inputs=inputs,
+            # NOTE: a stdio server is a process its client starts, before any request:
+            # a new run continues the trace of the client's TRACEPARENT, OpenTelemetry's
+            # carrier of a trace into a process it starts (each request's own _meta
+            # traceparent then parents the verdict on it; see _traced).
+            trace=os.environ.get("TRACEPARENT") or None,
         )
         guarded.track(run)
         server = proxy_server(run, guarded.transition_tool)
@@ -428,6 +436,25 @@ async def serve_stdio(
 DUPLICATE_META = "dev.interlock/duplicate-key"
 #: The ``_meta`` key under which it puts the call's arguments as their writer wrote them.
 DUPLICATE_ARGS_META = "dev.interlock/duplicate-key-arguments"
+
+
+def request_traceparent(ctx: Any) -> str | None:
+    """The W3C trace context of a request: its ``_meta`` (as the MCP SDK carries it),
+    else its HTTP header (Streamable HTTP); None if it has neither."""
+    found = _meta_value(getattr(ctx, "meta", None), "traceparent")
+    if not isinstance(found, str):
+        request = getattr(ctx, "request", None)
+        headers = getattr(request, "headers", None)
+        found = headers.get("traceparent") if headers is not None else None
+    return found or None
+
+
+def _traced(run: McpRun, ctx: Any) -> None:
+    """Trace the verdict on this request's call under the request's own span (each
+    request's ``_meta.traceparent``, not only the one that started the run)."""
+    tracing = run.supervisor.tracing
+    if tracing is not None:
+        tracing.request(run.run_id, request_traceparent(ctx))
 
 
 def _meta_value(meta: Any, key: str) -> Any:

@@ -39,6 +39,7 @@ from ..core._exceptions import (
 )
 from ..core._messages import Propose, Report, Verdict
 from ..core._view import fold
+from ..runtime._tracing import finish_reasons
 from ._apis import API_PATHS, Api
 
 if TYPE_CHECKING:
@@ -358,7 +359,15 @@ class ModelProxy:
                 read = reader.read(api.for_gate(answer))
             except ProviderError as exc:  # not the API's shape, for the exact reader
                 return _error(api, 502, str(exc), "upstream_error", run_id)
-            verdict = await self.verify(run_id, read, str(answer.get("model") or ""))
+            if tracing is not None:  # this request's verdict under its own span
+                tracing.request(
+                    run_id,
+                    headers.get("traceparent"),
+                    finish_reasons=finish_reasons(response.body),
+                    provider=_PROVIDER[api.name],
+                )
+            latency = (time.time_ns() - started) / 1e9
+            verdict = await self.verify(run_id, read, str(answer.get("model") or ""), latency)
             if verdict.execute is not None:
                 key = verdict.execute.key
                 own = calls[0].get("call_id" if api.name == "responses" else "id")
@@ -389,7 +398,7 @@ class ModelProxy:
             body = api.narrowed(body, allowed)
         raise AssertionError("unreachable")
 
-    async def verify(self, run_id: str, read: Read, model: str) -> Verdict:
+    async def verify(self, run_id: str, read: Read, model: str, latency: float = 0.0) -> Verdict:
         """The gate's verdict on the model's answer as a reader read it (``read``: the
         proposal's raw text, the usage, the envelope's violation, the extra calls),
         waiting for the journal only where it must: before the application hears of a call
@@ -398,7 +407,13 @@ class ModelProxy:
         commit, and a rejection with the next write."""
         raw, usage, envelope, extra = read
         propose = Propose(
-            run_id=run_id, raw=raw, model=model, usage=usage, envelope=envelope, extra_calls=extra
+            run_id=run_id,
+            raw=raw,
+            model=model,
+            usage=usage,
+            latency=latency,
+            envelope=envelope,
+            extra_calls=extra,
         )
         external = self.supervisor.external
         [verdict] = external.decide_many([propose])

@@ -91,6 +91,7 @@ class AnthropicMessages(HttpProvider):
     api = "messages"
     path = "/v1/messages"
     key_variable = "ANTHROPIC_API_KEY"
+    gen_ai_provider = "anthropic"
     default_base_url = "https://api.anthropic.com"
 
     def auth_headers(self) -> dict[str, str]:

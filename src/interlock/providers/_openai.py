@@ -226,6 +226,8 @@ class HttpProvider:
     api = ""
     path = ""
     key_variable = ""
+    #: ``gen_ai.provider.name`` in traces (OpenTelemetry's GenAI conventions).
+    gen_ai_provider = ""
     default_base_url = ""
 
     def __init__(
@@ -447,6 +449,7 @@ class OpenAIChat(HttpProvider):
     api = "chat completions"
     path = "/chat/completions"
     key_variable = "OPENAI_API_KEY"
+    gen_ai_provider = "openai"
     default_base_url = "https://api.openai.com/v1"
 
     def __init__(
@@ -948,6 +951,7 @@ class OpenAIResponses(HttpProvider):
     api = "responses"
     path = "/responses"
     key_variable = "OPENAI_API_KEY"
+    gen_ai_provider = "openai"
     default_base_url = "https://api.openai.com/v1"
 
     def auth_headers(self) -> dict[str, str]:

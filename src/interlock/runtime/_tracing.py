@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
@@ -75,6 +76,9 @@ _log = logging.getLogger("interlock.tracing")
 #: The version of the OpenTelemetry semantic conventions whose GenAI names are used.
 SEMCONV_VERSION = "1.41.0"
 SCHEMA_URL = f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}"
+#: The requests awaiting their verdicts kept per run (see Tracing.request): more are
+#: requests that got none (refused before the gate), the oldest forgotten first.
+_CALLERS_KEPT = 16
 #: The span queue of the exporters :func:`tracing_from_env` makes, unless
 #: ``OTEL_BSP_MAX_QUEUE_SIZE`` says otherwise (the SDK's own default is 2,048).
 BATCH_QUEUE = 65_536
@@ -112,7 +116,7 @@ def format_traceparent(trace_id: int, span_id: int, flags: int = 1) -> str:
 class _Run:
     """One run's spans in this process."""
 
-    __slots__ = ("first", "machine", "pending", "span", "tools")
+    __slots__ = ("callers", "first", "machine", "pending", "span", "tools")
 
     def __init__(self, machine: str, span: Any, first: Any) -> None:
         self.machine = machine
@@ -120,6 +124,11 @@ class _Run:
         self.first = first  # the SpanContext of the run's first span
         self.tools: dict[str, Any] = {}  # idempotency key -> the open execute_tool span
         self.pending: str | None = None  # the state of a proposal waiting for its verdict
+        # The requests whose proposals are being decided (see Tracing.request), oldest
+        # first: the run's seq when each came (its verdict's events come after it), the
+        # caller's SpanContext or None, when it came (ns), and what the door read of the
+        # model's answer (finish reasons, provider) for the model call's span.
+        self.callers: list[tuple[int, Any, int, tuple[str, ...], str]] = []
 
 
 class Tracing:
@@ -149,6 +158,8 @@ class Tracing:
         self.provider_name = provider_name
         self.runs: dict[str, _Run] = {}
         self._owned = owned  # made by tracing_from_env: shut down with this
+        self._provider_for: Any = None  # the supervisor's, to name a machine's provider
+        self._live: Any = None
 
     # -- what the supervisor calls ----------------------------------------------------
 
@@ -156,6 +167,66 @@ class Tracing:
         """Trace every run ``supervisor`` writes from now on."""
         supervisor.tracing = self
         supervisor.on_written.append(self.written)
+        self._provider_for = getattr(supervisor, "provider_for", None)
+        external = getattr(supervisor, "external", None)
+        self._live = getattr(external, "get", None)  # a live run's state (its seq)
+
+    def request(
+        self,
+        run_id: str,
+        traceparent: str | None,
+        *,
+        finish_reasons: Sequence[str] = (),
+        provider: str = "",
+    ) -> None:
+        """A request of a door is about to have a proposal of run ``run_id`` decided:
+        ``traceparent`` is the caller's (a gateway request's header, an MCP request's
+        ``_meta``, a model proxy request's header; None or malformed: none).
+
+        With one, the verdict is also a span ``verify {machine}`` under the caller's span,
+        linked to the run's span, so the caller's trace shows the gate's decision on its
+        own request, not only the trace of the request that started the run; and a tool
+        call it accepts is traced under the caller's span when the caller's trace is
+        another than the run's (linked to the run's span). ``finish_reasons`` and
+        ``provider``: what the door read of the model's answer, for the ``chat`` span of
+        the proposal's model call. Every request calls this, so a request with no
+        ``traceparent`` clears an earlier one's."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return
+        ids = parse_traceparent(traceparent)
+        held = self._live(run_id) if self._live is not None else None
+        after = held.seq if held is not None else 0
+        callers = run.callers
+        if len(callers) >= _CALLERS_KEPT:  # requests that never got a verdict (refused)
+            del callers[0]
+        callers.append(
+            (
+                after,
+                None if ids is None else self._remote(ids),
+                time.time_ns(),
+                tuple(finish_reasons),
+                provider,
+            )
+        )
+
+    @staticmethod
+    def _caller(
+        run: _Run, seq: int, *, take: bool
+    ) -> tuple[int, Any, int, tuple[str, ...], str] | None:
+        """The request whose proposal the event ``seq`` decides: the newest one that came
+        before it (with ``take``, it and the older ones are done with)."""
+        callers = run.callers
+        found = None
+        count = 0
+        for entry in callers:
+            if entry[0] >= seq:
+                break
+            found = entry
+            count += 1
+        if take and count:
+            del callers[:count]
+        return found
 
     def begin(self, run_id: str, machine: str, parent: str | None = None) -> str:
         """Start the first span of a new run (before its ``run_started`` is written) and
@@ -272,35 +343,37 @@ class Tracing:
             run.pending = event.state
             return
         if isinstance(event, ProposalRejected):
-            codes = [v.code for v in event.violations]
-            span.add_event(
-                "interlock.verdict",
-                {
-                    "interlock.verdict": "rejected",
-                    "interlock.violation.codes": codes,
-                    "interlock.violation.paths": [v.path for v in event.violations],
-                    "interlock.state": event.state,
-                    "interlock.seq": event.seq,
-                },
-                timestamp=ts,
-            )
+            verdict = {
+                "interlock.verdict": "rejected",
+                "interlock.violation.codes": [v.code for v in event.violations],
+                "interlock.violation.paths": [v.path for v in event.violations],
+                "interlock.state": event.state,
+                "interlock.seq": event.seq,
+            }
+            span.add_event("interlock.verdict", verdict, timestamp=ts)
+            self._verified(run_id, run, verdict, ts, event.seq)
             run.pending = None
             return
+        caller = None
         if isinstance(event, Transitioned | IntentRecorded) and run.pending is not None:
-            span.add_event(
-                "interlock.verdict",
-                {
-                    "interlock.verdict": "accepted",
-                    "interlock.state": run.pending,
-                    "interlock.seq": event.seq,
-                },
-                timestamp=ts,
-            )
+            verdict = {
+                "interlock.verdict": "accepted",
+                "interlock.state": run.pending,
+                "interlock.seq": event.seq,
+            }
+            span.add_event("interlock.verdict", verdict, timestamp=ts)
+            caller = self._verified(run_id, run, verdict, ts, event.seq)
             run.pending = None
         if isinstance(event, IntentRecorded):
+            parent, links = span, None
+            if caller is not None and caller.trace_id != span.get_span_context().trace_id:
+                # the caller's trace is another: the call is traced there, linked here
+                parent = self._trace.NonRecordingSpan(caller)
+                links = [self._trace.Link(span.get_span_context())]
             tool = self.tracer.start_span(
                 f"execute_tool {event.tool}",
-                context=self._trace.set_span_in_context(span),
+                context=self._trace.set_span_in_context(parent),
+                links=links,
                 start_time=ts,
                 attributes={
                     "gen_ai.operation.name": "execute_tool",
@@ -398,6 +471,33 @@ class Tracing:
             span.set_attribute("error.type", "failed")
             self._end(run_id, run, "failed", ts)
 
+    def _verified(self, run_id: str, run: _Run, verdict: dict[str, Any], ts: int, seq: int) -> Any:
+        """The verdict (its event ``seq``) as a ``verify`` span under the caller's span,
+        when the request that asked for it carried a trace (see :meth:`request`); the
+        caller's SpanContext, or None."""
+        if not run.callers:
+            return None
+        entry = self._caller(run, seq, take=True)
+        if entry is None or entry[1] is None:
+            return None
+        caller, asked = entry[1], entry[2]
+        attributes = {
+            "interlock.run.id": run_id,
+            "interlock.machine": run.machine,
+            "gen_ai.conversation.id": run_id,
+            **verdict,
+        }
+        checked = self.tracer.start_span(
+            f"verify {run.machine}",
+            context=self._trace.set_span_in_context(self._trace.NonRecordingSpan(caller)),
+            kind=self._trace.SpanKind.INTERNAL,
+            links=[self._trace.Link(run.span.get_span_context())],
+            start_time=min(asked, ts),
+            attributes=attributes,
+        )
+        checked.end(end_time=max(asked, ts))
+        return caller
+
     def _end(self, run_id: str, run: _Run, outcome: str, ts: int) -> None:
         for tool in run.tools.values():
             tool.end(end_time=ts)
@@ -407,6 +507,13 @@ class Tracing:
 
     def _chat(self, run: _Run, event: ModelCalled) -> None:
         end = int(event.ts * 1e9)
+        reasons = finish_reasons(event.response if isinstance(event.response, str) else "")
+        entry = self._caller(run, event.seq, take=False) if run.callers else None
+        if entry is not None:
+            reasons = reasons or list(entry[3])
+        provider = (entry[4] if entry is not None else "") or self.provider_name
+        if not provider and self._provider_for is not None:
+            provider = getattr(self._provider_for(run.machine), "gen_ai_provider", "")
         self.chat(
             event.run_id,
             event.model,
@@ -414,11 +521,10 @@ class Tracing:
             end,
             input_tokens=event.usage.prompt,
             output_tokens=event.usage.completion,
-            finish_reasons=finish_reasons(
-                event.response if isinstance(event.response, str) else ""
-            ),
+            finish_reasons=reasons,
             error=event.error,
             state=event.state,
+            provider=provider if isinstance(provider, str) else "",
         )
 
     def chat(
