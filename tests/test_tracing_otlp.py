@@ -394,6 +394,9 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
     receiver, endpoint = http_receiver
     (tmp_path / "clock.py").write_text(TIME_APP)
     env = {**os.environ, **otel_env(endpoint), "TRACEPARENT": TRACEPARENT}
+    # the console exporter too: its spans go to stderr, never into the protocol's stdout
+    env["OTEL_TRACES_EXPORTER"] = "otlp,console"
+    errors = (tmp_path / "stderr.log").open("w")
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "interlock", "mcp", "--app", "clock.py:app", "--db", "mcp.db", "--otel"]
@@ -401,7 +404,10 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
         env=env,
         cwd=str(tmp_path),
     )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+    async with (
+        stdio_client(params, errlog=errors) as (read, write),
+        ClientSession(read, write) as client,
+    ):
         await client.initialize()
         step: Any = {"traceparent": STEP_TRACEPARENT}
         refused = await client.call_tool("get_current_time", {"timezone": "Asia/Tokyo"}, meta=step)
@@ -416,6 +422,8 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
         )
 
     receiver.wait_for(arrived, "the stdio run's spans")
+    errors.close()
+    assert '"name": "invoke_agent clock"' in (tmp_path / "stderr.log").read_text()
     (run,) = [s for s in receiver.spans if s["name"] == "invoke_agent clock"]
     assert (run["trace"], run["parent"]) == (CALLER_TRACE, CALLER_SPAN)
     here = (CALLER_TRACE, run["span"])

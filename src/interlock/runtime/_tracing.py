@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -629,7 +630,7 @@ def tracing_from_env(
     tracing is not configured.
 
     On when ``force`` (the commands' ``--otel``), or ``OTEL_TRACES_EXPORTER`` names
-    ``otlp``/``console``, or an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+    ``otlp``/``console`` (printed to stderr), or an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT``,
     ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); off when ``OTEL_SDK_DISABLED=true`` or
     ``OTEL_TRACES_EXPORTER=none``. ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` picks
     ``http/protobuf`` (the default) or ``grpc``; ``OTEL_SERVICE_NAME`` and
@@ -676,8 +677,10 @@ def tracing_from_env(
     queue = int(env.get("OTEL_BSP_MAX_QUEUE_SIZE") or BATCH_QUEUE)
     for exporter in exporters or ["otlp"]:
         if exporter == "console":
+            # NOTE: to stderr, never stdout: a stdio MCP proxy's stdout is its protocol
+            # channel (a span printed there broke its client's connection)
             provider.add_span_processor(
-                BatchSpanProcessor(ConsoleSpanExporter(), max_queue_size=queue)
+                BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr), max_queue_size=queue)
             )
             continue
         protocol = (
