@@ -434,6 +434,8 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
     assert all(s["links"] == [here] for s in checks.values())
     (tool,) = [s for s in receiver.spans if s["name"] == "execute_tool get_current_time"]
     assert (tool["trace"], tool["parent"], tool["links"]) == (OTHER_TRACE, OTHER_SPAN, [here])
+    # the client's calls are an agent's, not model calls: no chat span
+    assert not [s["name"] for s in receiver.spans if s["name"].startswith("chat ")]
 
 
 MODEL_MACHINE = """

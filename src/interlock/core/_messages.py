@@ -34,6 +34,11 @@ class Start(Msg, frozen=True, tag="start"):
     """The ``traceparent`` of the run's first span (tracing on), journaled with the start."""
 
 
+#: The model name the MCP proxy journals its client's calls under: what an agent asked
+#: for, not a model call this process made or was told of (no ``chat`` span is made of it).
+CLIENT_MODEL = "mcp-client"
+
+
 class Propose(Msg, frozen=True, tag="propose"):
     """What a provider (``source="model"``), a step or an operator proposed. Not trusted yet."""
 

@@ -31,7 +31,7 @@ from mcp.shared.exceptions import MCPError
 
 from ..core._events import Escalated, Resumed
 from ..core._exceptions import ProtocolError
-from ..core._messages import Escalate, Propose, Reconciliation, Report
+from ..core._messages import CLIENT_MODEL, Escalate, Propose, Reconciliation, Report
 from ..core._view import canonical_encoder, fold
 
 if TYPE_CHECKING:
@@ -371,7 +371,7 @@ class McpRun:
             else:
                 raw = msgspec.json.encode(proposal).decode()
             state = self.state
-            verdict = await self._decide(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
+            verdict = await self._decide(Propose(run_id=self.run_id, raw=raw, model=CLIENT_MODEL))
             if verdict.execute is None:
                 if verdict.accepted and verdict.result is not None:  # committed before
                     return self._result_of(verdict.result, None)
@@ -598,7 +598,7 @@ class McpRun:
             if self._ended is not None:
                 return self._ended_result()
             raw = msgspec.json.encode({"next": target}).decode()
-            verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model="mcp-client"))
+            verdict = await self._submit(Propose(run_id=self.run_id, raw=raw, model=CLIENT_MODEL))
             if not verdict.accepted:
                 return (
                     self._ended_result(verdict.violations)

@@ -58,6 +58,7 @@ from ..core._events import (
     Transitioned,
 )
 from ..core._exceptions import MissingExtra
+from ..core._messages import CLIENT_MODEL
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -337,7 +338,8 @@ class Tracing:
                 span.set_attribute("interlock.run.external", True)
             return
         if isinstance(event, ModelCalled):
-            self._chat(run, event)
+            if event.model != CLIENT_MODEL:  # an MCP client's call is not a model's
+                self._chat(run, event)
             run.pending = None if event.error else event.state  # its proposal's verdict next
             return
         if isinstance(event, StepProposed):
