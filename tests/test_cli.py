@@ -631,3 +631,45 @@ def test_show_conversation_shows_every_call_of_a_turn_and_which_one_ran(tmp_path
         'WORK -> COMPLETED (proposal) data {"total":40}',
         'answer call 2 of 2, not run (one call per turn): lookup({"order_id": "o3"})',
     ]
+
+
+def test_show_conversation_formats_the_console_s_parse_of_a_messages_body():
+    """``show --conversation`` and the console read a request body with one parser
+    (core._conversation): a system prompt given as blocks, a turn's text blocks joined
+    on one line, a failed tool result marked, and a result given as blocks shown as its
+    text (it was printed as a Python list)."""
+    from interlock.cli._show import _turns
+
+    body = {
+        "system": [{"type": "text", "text": "be brief"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "refund o-1"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "checking"},
+                    {"type": "tool_use", "id": "u1", "name": "refund", "input": {"id": "o-1"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "u1",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "declined"}],
+                    }
+                ],
+            },
+        ],
+        "tools": [{"name": "refund"}],
+    }
+    assert _turns(body) == [
+        "[system] be brief",
+        "[user] refund o-1",
+        "[assistant] checking",
+        '[assistant] call refund({"id": "o-1"}) id=u1',
+        "[user] result (error) of u1: declined",
+        "[tools] refund",
+    ]

@@ -444,6 +444,7 @@ def test_an_operator_works_the_demo_journal_from_the_console(tmp_path: Path) -> 
 
 
 def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
+    from interlock.core._conversation import conversation, offered_tools
     from interlock.core._wire import ONE_CALL
     from interlock.gateway import _console_html as ui
 
@@ -472,13 +473,13 @@ def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
         ],
         "tools": [{"type": "function", "function": {"name": "refund"}}],
     }
-    turns = ui.conversation(body, ONE_CALL)
+    turns = conversation(body, ONE_CALL)
     assistant = next(t for t in turns if t.role == "assistant")
     assert [(c.id, c.ran, c.result is not None) for c in assistant.calls] == [
         ("c1", True, True),
         ("c2", False, True),
     ]
-    html = ui.render_conversation(turns, ui.offered_tools(body))
+    html = ui.render_conversation(turns, offered_tools(body))
     assert 'aria-label="2 calls in one turn, side by side"' in html
     assert html.count('role="listitem"') == 2
     assert "call 1 of 2" in html
@@ -493,7 +494,7 @@ def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
             {"type": "function_call", "call_id": "b", "name": "y", "arguments": "{}"},
         ]
     }
-    (turn,) = ui.conversation(responses, ONE_CALL)
+    (turn,) = conversation(responses, ONE_CALL)
     assert [c.name for c in turn.calls] == ["x", "y"]
     messages = {
         "system": "s",
@@ -508,7 +509,7 @@ def test_parallel_calls_of_one_turn_are_shown_side_by_side() -> None:
             }
         ],
     }
-    turns = ui.conversation(messages, ONE_CALL)
+    turns = conversation(messages, ONE_CALL)
     assert [t.role for t in turns] == ["system", "assistant"]
     assert [c.id for c in turns[1].calls] == ["u1", "u2"]
 

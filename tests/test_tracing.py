@@ -373,8 +373,10 @@ async def test_each_request_s_verdict_is_traced_under_that_request_s_span(
         [refused] = sup.external.decide_many([Propose(run_id="r-9", raw=BAD)])
         tracing.request("r-9", second)  # before the first verdict was written
         [accepted] = sup.external.decide_many([Propose(run_id="r-9", raw=REFUND)])
-        assert not isinstance(refused, Exception) and not refused.accepted
-        assert not isinstance(accepted, Exception) and accepted.execute is not None
+        assert not isinstance(refused, Exception)
+        assert not refused.accepted
+        assert not isinstance(accepted, Exception)
+        assert accepted.execute is not None
         await sup.external.sync("r-9")
         for _ in range(40):  # refused before the gate: never a verdict
             tracing.request("r-9", first)

@@ -399,8 +399,18 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
     errors = (tmp_path / "stderr.log").open("w")
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "interlock", "mcp", "--app", "clock.py:app", "--db", "mcp.db", "--otel"]
-        + ["--", *_time_server()],
+        args=[
+            "-m",
+            "interlock",
+            "mcp",
+            "--app",
+            "clock.py:app",
+            "--db",
+            "mcp.db",
+            "--otel",
+            "--",
+            *_time_server(),
+        ],
         env=env,
         cwd=str(tmp_path),
     )

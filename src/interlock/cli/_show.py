@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ..core._conversation import Call, conversation, offered_tools
 from ..core._events import (
     BreakerTripped,
     Completed,
@@ -31,7 +32,6 @@ from ..core._events import (
 from ..core._exceptions import ConfigurationError, JournalInconsistent
 from ..core._hot_py import compact_failures
 from ..core._view import violation_signature
-from ..core._wire import ONE_CALL
 from ._common import (
     _close,
     _count,
@@ -47,7 +47,7 @@ from ._common import (
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
 
 
 async def _runs(args: argparse.Namespace) -> int:
@@ -249,101 +249,36 @@ def _print_conversation(args: argparse.Namespace, events: Sequence[Any]) -> int:
 
 
 def _turns(body: dict[str, Any]) -> list[str]:
-    """A request body of any of the three APIs as one line a turn; a turn of several
-    calls as one line a call, each marked as run (with its result) or not run."""
-    results = _results(body)
+    """A request body of any of the three APIs as one line a turn (its text parts joined
+    with `` | ``); a turn of several calls as one line a call, each marked as run (with
+    its result) or not run. The parsing is the console's (core._conversation)."""
     out: list[str] = []
-    for key in ("system", "instructions"):
-        if isinstance(body.get(key), str):
-            out.append(f"[system] {body[key]}")
-    turn: list[tuple[str, str, str]] = []  # the Responses API's calls: one item each
-    for message in body.get("messages") or body.get("input") or ():
-        if not isinstance(message, dict):
-            continue
-        if message.get("type") == "function_call":
-            turn.append(
-                (str(message.get("call_id")), message.get("name"), message.get("arguments"))
-            )
-            continue
-        if turn:
-            out.extend(_call_lines(turn, results))
-            turn = []
-        role = message.get("role") or message.get("type", "?")
-        content = message.get("content")
-        calls: list[tuple[str, Any, Any]] = []
-        if isinstance(content, list):
-            parts = []
-            for block in content:
-                if not isinstance(block, dict):
-                    continue
-                kind = block.get("type")
-                if kind == "tool_use":
-                    calls.append(
-                        (str(block.get("id")), block.get("name"), json.dumps(block.get("input")))
-                    )
-                elif kind == "tool_result":
-                    error = " error" if block.get("is_error") else ""
-                    parts.append(
-                        f"result{error} of {block.get('tool_use_id')}: {block.get('content')}"
-                    )
-                else:
-                    parts.append(str(block.get("text", "")))
-            content = " | ".join(part for part in parts if part)
-        for call in message.get("tool_calls") or ():
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            calls.append((str(call.get("id")), function.get("name"), function.get("arguments")))
-        if message.get("type") == "function_call_output":
-            role, content = f"result of {message.get('call_id')}", message.get("output")
-        if role == "tool":
-            role = f"result of {message.get('tool_call_id')}"
-        if content or not calls:
-            out.append(f"[{role}] {content}")
-        out.extend(_call_lines(calls, results))
-    out.extend(_call_lines(turn, results))
-    tools = [
-        t.get("name") or t.get("function", {}).get("name")
-        for t in body.get("tools") or ()
-        if isinstance(t, dict)
-    ]
+    for turn in conversation(body):
+        if turn.parts or not turn.calls:
+            out.append(f"[{turn.role}] {' | '.join(turn.parts)}")
+        out.extend(_call_lines(turn.calls))
+    tools = offered_tools(body)
     if tools:
-        out.append(f"[tools] {', '.join(str(t) for t in tools)}")
+        out.append(f"[tools] {', '.join(tools)}")
     return out
 
 
-def _results(body: dict[str, Any]) -> dict[str, str]:
-    """The text of each tool result in a request body, by the id of its call."""
-    results: dict[str, str] = {}
-    for message in body.get("messages") or body.get("input") or ():
-        if not isinstance(message, dict):
-            continue
-        if message.get("role") == "tool":
-            results[str(message.get("tool_call_id"))] = str(message.get("content"))
-        elif message.get("type") == "function_call_output":
-            results[str(message.get("call_id"))] = str(message.get("output"))
-        elif isinstance(message.get("content"), list):
-            for block in message["content"]:
-                if isinstance(block, dict) and block.get("type") == "tool_result":
-                    results[str(block.get("tool_use_id"))] = str(block.get("content"))
-    return results
-
-
-def _call_lines(calls: Sequence[tuple[str, Any, Any]], results: Mapping[str, str]) -> list[str]:
+def _call_lines(calls: Sequence[Call]) -> list[str]:
     """The model's calls of one turn, a line each: of several, the one that ran (its
     result after it) and those answered as not run (one call per turn)."""
     if len(calls) == 1:
-        ((id_, name, arguments),) = calls
-        return [f"[assistant] call {name}({arguments}) id={id_}"]
+        (call,) = calls
+        return [f"[assistant] call {call.name}({call.arguments}) id={call.id}"]
     lines = []
-    for number, (id_, name, arguments) in enumerate(calls, 1):
-        result = results.get(id_)
-        if result is not None and ONE_CALL in result:
+    for number, call in enumerate(calls, 1):
+        if call.ran:
+            mark = "ran"
+            after = f" -> {_short(call.result, 400)}" if call.result is not None else ""
+        else:
             mark = "not run (one call per turn)"
             after = ""
-        else:
-            mark = "ran"
-            after = f" -> {_short(result, 400)}" if result is not None else ""
         lines.append(
-            f"[assistant] call {number} of {len(calls)}, {mark}: {name}({arguments}) "
-            f"id={id_}{after}"
+            f"[assistant] call {number} of {len(calls)}, {mark}: {call.name}({call.arguments}) "
+            f"id={call.id}{after}"
         )
     return lines

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from ..core._conversation import conversation, offered_tools
 from ..core._escalation import resume_targets
 from ..core._events import Escalated, ModelCalled, Transitioned, whole_prompts
 from ..core._exceptions import RunNotFound, StoreDamaged
@@ -728,12 +729,12 @@ class ConsoleApp:
             body: Any = json.loads(prompt)
         except ValueError:
             body = prompt
-        turns = ui.conversation(body, ONE_CALL)
+        turns = conversation(body, ONE_CALL)
         answer = last.response if isinstance(last.response, str) else last.raw
         return (
             f"<h2>Conversation</h2><p>As the model saw it at its last call (#{last.seq}, "
             f"{len(calls)} call{'s' if len(calls) != 1 else ''} in the run), then its answer.</p>"
-            + ui.render_conversation(turns, ui.offered_tools(body))
+            + ui.render_conversation(turns, offered_tools(body))
             + f'<div class="turn assistant"><strong>answer</strong>{ui.pre(answer)}</div>'
         )
 

@@ -42,12 +42,13 @@ from ..core._machine import ESCALATE, FAILED, SUCCESS_STATES
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
+    from ..core._conversation import Turn
+
 _CURRENT_PAGE = ' aria-current="page"'
 
 __all__ = [
     "REASONS",
     "Step",
-    "conversation",
     "diagram",
     "group_steps",
     "h",
@@ -335,127 +336,6 @@ def timeline(
 # -- the conversation ---------------------------------------------------------------------
 
 
-@dataclass
-class Call:
-    id: str
-    name: str
-    arguments: str
-    result: str | None = None
-    ran: bool = True
-
-
-@dataclass
-class Turn:
-    role: str
-    text: str = ""
-    calls: list[Call] = field(default_factory=list)
-
-
-def _results(body: Mapping[str, Any]) -> dict[str, str]:
-    results: dict[str, str] = {}
-    for message in body.get("messages") or body.get("input") or ():
-        if not isinstance(message, dict):
-            continue
-        if message.get("role") == "tool":
-            results[str(message.get("tool_call_id"))] = _text(message.get("content"))
-        elif message.get("type") == "function_call_output":
-            results[str(message.get("call_id"))] = _text(message.get("output"))
-        elif isinstance(message.get("content"), list):
-            for block in message["content"]:
-                if isinstance(block, dict) and block.get("type") == "tool_result":
-                    results[str(block.get("tool_use_id"))] = _text(block.get("content"))
-    return results
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return " ".join(
-            str(b.get("text", "")) if isinstance(b, dict) else str(b) for b in value
-        ).strip()
-    return "" if value is None else json.dumps(value, default=str)
-
-
-def conversation(body: Any, one_call: str) -> list[Turn]:
-    """A model request body of any of the three APIs (Chat Completions, Responses,
-    Messages) as turns, each turn's calls with their results; a call the runtime answered
-    as not run (one call per turn) is marked so."""
-    if not isinstance(body, dict):
-        return [Turn("prompt", body if isinstance(body, str) else json.dumps(body))]
-    results = _results(body)
-    turns: list[Turn] = []
-    for key in ("system", "instructions"):
-        if isinstance(body.get(key), str):
-            turns.append(Turn("system", body[key]))
-        elif isinstance(body.get(key), list):
-            turns.append(Turn("system", _text(body[key])))
-    pending: Turn | None = None  # the Responses API's calls: one item each
-    for message in body.get("messages") or body.get("input") or ():
-        if not isinstance(message, dict):
-            continue
-        if message.get("type") == "function_call":
-            if pending is None:
-                pending = Turn("assistant")
-                turns.append(pending)
-            pending.calls.append(
-                Call(
-                    str(message.get("call_id")),
-                    str(message.get("name")),
-                    str(message.get("arguments")),
-                )
-            )
-            continue
-        pending = None
-        role = str(message.get("role") or message.get("type") or "?")
-        content = message.get("content")
-        turn = Turn(role)
-        if isinstance(content, list):
-            texts = []
-            for block in content:
-                if not isinstance(block, dict):
-                    continue
-                kind = block.get("type")
-                if kind == "tool_use":
-                    turn.calls.append(
-                        Call(
-                            str(block.get("id")),
-                            str(block.get("name")),
-                            json.dumps(block.get("input")),
-                        )
-                    )
-                elif kind == "tool_result":
-                    error = " (error)" if block.get("is_error") else ""
-                    texts.append(
-                        f"result{error} of {block.get('tool_use_id')}: "
-                        f"{_text(block.get('content'))}"
-                    )
-                else:
-                    texts.append(str(block.get("text", "")))
-            turn.text = "\n".join(t for t in texts if t)
-        elif content is not None:
-            turn.text = _text(content)
-        for call in message.get("tool_calls") or ():
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            turn.calls.append(
-                Call(str(call.get("id")), str(function.get("name")), str(function.get("arguments")))
-            )
-        if message.get("type") == "function_call_output":
-            turn.role, turn.text = (
-                f"result of {message.get('call_id')}",
-                _text(message.get("output")),
-            )
-        elif role == "tool":
-            turn.role = f"result of {message.get('tool_call_id')}"
-        turns.append(turn)
-    for turn in turns:
-        for call in turn.calls:
-            call.result = results.get(call.id)
-            if len(turn.calls) > 1 and call.result is not None and one_call in call.result:
-                call.ran = False
-    return turns
-
-
 def render_conversation(turns: Sequence[Turn], tools: Sequence[str]) -> str:
     parts = []
     for turn in turns:
@@ -491,16 +371,6 @@ def render_conversation(turns: Sequence[Turn], tools: Sequence[str]) -> str:
     if tools:
         parts.append(f'<p class="seq">tools offered: {h(", ".join(tools))}</p>')
     return "".join(parts)
-
-
-def offered_tools(body: Any) -> list[str]:
-    if not isinstance(body, dict):
-        return []
-    return [
-        str(t.get("name") or t.get("function", {}).get("name"))
-        for t in body.get("tools") or ()
-        if isinstance(t, dict)
-    ]
 
 
 # -- the machine as a diagram --------------------------------------------------------------
