@@ -44,7 +44,7 @@ from interlock.gateway._keys import (
     hash_key,
     is_loopback,
 )
-from interlock.gateway._routes import ROUTES, Route
+from interlock.gateway._routes import PAGES, ROUTES, Pages, Route
 
 AGENT_KEY = "agent-key-9d2f0c4e1b7a4f0e8c3d"
 READER_KEY = "reader-key-5b8e2a1c7d3f4e6a9b0c"
@@ -497,6 +497,30 @@ def test_route_table():
         _Router((*ROUTES, Route("GET", "/v1/runs/{run}", "agent", "x")))
     with pytest.raises(TypeError, match=r"must be Route objects"):
         _Router([("GET", "/x")])  # type: ignore[list-item]
+
+
+def test_page_trees_are_entries_of_the_table():
+    """The console is an entry of PAGES, which the guard reads like the routes: every path
+    under its prefix is public and takes forms, its live streams are untimed; a path that
+    only starts with the same letters, a WebSocket, or an API route is not a page. A tree
+    of another prefix is guarded the same way, with no code of the guard's naming it."""
+    assert [pages.prefix for pages in PAGES] == ["/console"]
+    router = _Router(ROUTES, PAGES)
+    for path in ("/console", "/console/", "/console/runs/r-1", "/console/runs/r-1/resume"):
+        rule = router.match("POST", path)
+        assert (rule.public, rule.forms, rule.streaming) == (True, True, False), path
+    live = router.match("GET", "/console/runs/r-1/live")
+    assert (live.public, live.streaming) == (True, True)
+    for method, path in (("GET", "/consoles"), ("GET", "/v1/console"), ("WEBSOCKET", "/console")):
+        rule = router.match(method, path)
+        assert (rule.public, rule.forms) == (False, False), (method, path)
+    assert not router.match("POST", "/v1/runs").forms
+    other = _Router(ROUTES, (Pages("/ops", "another console", stream_suffix="/events"),))
+    assert other.match("GET", "/ops/x").public
+    assert other.match("GET", "/ops/x/events").streaming
+    assert not other.match("GET", "/console").public  # not in this table
+    with pytest.raises(ValueError, match=r"the prefix must start with '/' and not end with one"):
+        Pages("/ops/", "x")
 
 
 # ---- the middleware over real HTTP -----------------------------------------------------------

@@ -38,7 +38,16 @@ from ..protocol import (
 )
 from ..runtime._metrics import RuntimeCollector
 from ._guard import retry_after
-from ._routes import JSON, MSGPACK, PROBLEM_JSON, ROUTES, WEBSOCKET, Route, openapi_document
+from ._routes import (
+    JSON,
+    MSGPACK,
+    PAGES,
+    PROBLEM_JSON,
+    ROUTES,
+    WEBSOCKET,
+    Route,
+    openapi_document,
+)
 from ._service import GatewayError, GatewayService, damaged
 
 if TYPE_CHECKING:
@@ -273,7 +282,7 @@ class GatewayApp:
         kind = scope["type"]
         if kind == "http":
             path: str = scope["path"]
-            if self.console is not None and (path == "/console" or path.startswith("/console/")):
+            if self.console is not None and _CONSOLE.holds(path):
                 await self.console(scope, receive, send)
                 return
             await self._http(scope, receive, send)
@@ -677,3 +686,5 @@ async def _abort(app: GatewayApp, request: _Request) -> _Response:
 
 
 _ROUTES: dict[str, _Route] = _compile(ROUTES)
+#: The console's page tree: the guard and this app read the same entry of PAGES.
+(_CONSOLE,) = (pages for pages in PAGES if pages.prefix == "/console")

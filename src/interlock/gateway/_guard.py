@@ -18,10 +18,10 @@
 8. runs the app with ``scope["interlock.principal"]`` set, under :attr:`Limits.request_timeout`
    (504 if nothing was answered in time; streaming routes are exempt).
 
-The operator console's pages (every path under ``/console``) pass steps 2-7 unchecked: the
-console signs its users in itself (a key in a cookie or the bearer header, a token in each
-form) and takes HTML forms; step 1 applies to them as to any request, and step 8 with its
-live streams (``.../live``) exempt.
+The page trees of the table's ``PAGES`` (the operator console: every path under
+``/console``) pass steps 2-7 unchecked: the console signs its users in itself (a key in a
+cookie or the bearer header, a token in each form) and takes HTML forms; step 1 applies to
+them as to any request, and step 8 with its live streams (``.../live``) exempt.
 
 Every refusal is ``application/problem+json`` with a ``detail`` that says what to fix. A
 WebSocket handshake gets the same checks (refused with an HTTP problem where the server
@@ -48,7 +48,7 @@ import trio
 
 from ..core._pacing import TokenBucket
 from ._keys import KeyRing, Principal, Unauthorized, is_loopback
-from ._routes import ROUTES, WEBSOCKET, Route
+from ._routes import PAGES, ROUTES, WEBSOCKET, Pages, Route
 
 __all__ = [
     "Limits",
@@ -314,25 +314,27 @@ class _Rule:
     role: str | None
     public: bool
     streaming: bool
+    forms: bool = False
+    """Any body type is taken (pages that check their forms' tokens themselves)."""
 
 
 #: A route the table does not know: any valid key may reach the app, which answers 404/405.
 _UNKNOWN = _Rule(None, False, False)
-#: A page of the operator console (under ``/console``): the console signs its users in
-#: itself (a key in a cookie, or the bearer header) and checks each form's token, so the
-#: guard lets it through unauthenticated, takes its forms and times its requests; its live
-#: streams (``.../live``) stay open.
-_PAGE = _Rule(None, True, False)
-_PAGE_STREAM = _Rule(None, True, True)
+#: A page of a tree in the table's PAGES (the operator console): it signs its users in
+#: itself and checks each form's token, so the guard lets it through unauthenticated,
+#: takes its forms and times its requests; its live streams stay open.
+_PAGE = _Rule(None, True, False, forms=True)
+_PAGE_STREAM = _Rule(None, True, True, forms=True)
 
 
 class _Router:
     """The route table compiled: an exact dict for fixed paths, per-length patterns for the rest."""
 
-    __slots__ = ("_exact", "_patterns", "_routes")
+    __slots__ = ("_exact", "_pages", "_patterns", "_routes")
 
-    def __init__(self, routes: Iterable[Route]) -> None:
+    def __init__(self, routes: Iterable[Route], pages: Iterable[Pages] = ()) -> None:
         routes = tuple(routes)
+        self._pages = tuple(pages)
         self._routes: list[tuple[str, str]] = []
         self._exact: dict[tuple[str, str], _Rule] = {}
         self._patterns: dict[tuple[str, int], list[tuple[tuple[str | None, ...], _Rule]]] = {}
@@ -363,6 +365,10 @@ class _Router:
     def match(self, method: str, path: str) -> _Rule:
         if method == "HEAD":
             method = "GET"
+        if method != WEBSOCKET:
+            for pages in self._pages:
+                if pages.holds(path):
+                    return _PAGE_STREAM if path.endswith(pages.stream_suffix) else _PAGE
         rule = self._exact.get((method, path))
         if rule is not None:
             return rule
@@ -679,10 +685,7 @@ class _Guard:
                 f"the path {path[:200]!r} has a '.' or '..' segment; send the resolved path",
                 [],
             )
-        if (path == "/console" or path.startswith("/console/")) and method != WEBSOCKET:
-            rule = _PAGE_STREAM if path.endswith("/live") else _PAGE
-        else:
-            rule = self._router.match(method, path)
+        rule = self._router.match(method, path)
         if rule is _UNKNOWN and method == WEBSOCKET:
             # NOTE: the app may hand every WebSocket to one handler, whatever its path, so a
             # path the table does not name must not get through with just any key.
@@ -762,7 +765,7 @@ class _Guard:
         if (
             method in _MUTATING
             and rule is not _UNKNOWN
-            and rule is not _PAGE
+            and not rule.forms
             and not _body_type_ok(content_type or b"")
         ):
             # NOTE: a web page may POST a form's types (text/plain, ...) or none at all to any
@@ -916,6 +919,7 @@ def guarded(
     limits: Limits | None = None,
     *,
     routes: Iterable[Route] = ROUTES,
+    pages: Iterable[Pages] = PAGES,
     clock: Callable[[], float] = time.monotonic,
 ) -> ASGIApp:
     """Wrap an ASGI app in the gateway's keys, roles and limits.
@@ -931,13 +935,15 @@ def guarded(
         serves and the OpenAPI document lists): each route's role (``None``: public) and
         limits class (``"stream"``: no request timeout). ``HEAD`` uses the ``GET`` route. A
         path not in the table needs a valid key and no role (the app answers it, e.g. 404).
+      pages: the page trees (:data:`~interlock.gateway._routes.PAGES`): every path under
+        one passes unauthenticated, any body type, its streams untimed (see :class:`Pages`).
       clock: the rate limiter's clock (seconds, monotonic).
 
     Raises:
       ValueError: if the route table names a route twice.
     """
     limits = Limits() if limits is None else limits
-    router = _Router(routes)
+    router = _Router(routes, pages)
     limiter = (
         RateLimiter(limits.rate, limits.effective_burst, clock) if limits.rate is not None else None
     )

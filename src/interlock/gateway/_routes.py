@@ -38,7 +38,7 @@ from ..protocol import (
 )
 from ._keys import ROLES
 
-__all__ = ["ROUTES", "WEBSOCKET", "Query", "Route", "openapi_document"]
+__all__ = ["PAGES", "ROUTES", "WEBSOCKET", "Pages", "Query", "Route", "openapi_document"]
 
 #: The method under which WebSocket routes appear in the route table.
 WEBSOCKET: Final = "WEBSOCKET"
@@ -119,6 +119,41 @@ class Route:
     def public(self) -> bool:
         """Whether the route needs no key."""
         return self.role is None
+
+
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """A tree of HTML pages under ``prefix``, served by an app of their own that signs its
+    users in itself (a key in a cookie or the bearer header) and checks a token in each of
+    its forms: the guard lets every request under ``prefix`` reach it without a key and
+    takes its forms' content types; a path ending in ``stream_suffix`` is a live stream (no
+    request timeout). Not in the OpenAPI document: pages are not the API.
+
+    Attributes:
+      prefix: the path the pages are under (``/console``: ``/console`` and ``/console/...``).
+      summary: what they are, one line.
+      stream_suffix: the ending of a path that streams (server-sent events).
+    """
+
+    prefix: str
+    summary: str
+    stream_suffix: str = "/live"
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or self.prefix.endswith("/"):
+            raise ValueError(
+                f"pages {self.prefix!r}: the prefix must start with '/' and not end with one"
+            )
+
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` is one of these pages."""
+        return path == self.prefix or path.startswith(self.prefix + "/")
+
+
+#: The page trees of the gateway: the operator console.
+PAGES: Final[tuple[Pages, ...]] = (
+    Pages("/console", "the operator console (gateway._console): runs, the queue, live pages"),
+)
 
 
 _LIMIT_RUNS = Query("limit", "integer", "runs per page (1-1000)", minimum=1, maximum=1000)
