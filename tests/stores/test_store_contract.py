@@ -426,6 +426,15 @@ async def test_list_runs_filters_and_order(store: Store) -> None:
     assert await store.list_runs(machine="nope") == []
     assert ids(await store.escalations()) == ["a"]
     assert ids(await store.unfinished()) == ["b1", "b2", "c"]
+    # the count a gauge reads agrees with the listing, whatever the backend counts with
+    for outcome in (RUNNING, COMPLETED, "escalated", "failed", "nope"):
+        assert await store.count_runs(outcome=outcome) == len(
+            await store.list_runs(outcome=outcome)
+        ), outcome
+    # a run resumed from the queue leaves the count at once (SQLite: its row moves now)
+    await store.append([Resumed(run_id="a", seq=3, ts=7.0, to="TRIAGE", by="ops")])
+    assert await store.count_runs(outcome="escalated") == 0
+    assert await store.count_runs(outcome=RUNNING) == 4
 
 
 async def test_unknown_run_is_not_found(store: Store) -> None:

@@ -145,7 +145,11 @@ async def open_supervisor(
                 async with trio.open_nursery() as actors:
                     supervisor._actors = actors
                     # The gauge is store-wide: count the runs already parked before this one.
-                    supervisor.stats.escalations_pending = len(await store.escalations())
+                    # (counted by the database: listing them read every row of a big
+                    # journal at each start, 0.37 s and 95 MiB at 100,000 runs)
+                    supervisor.stats.escalations_pending = await store.count_runs(
+                        outcome="escalated"
+                    )
                     if resume:
                         await supervisor.resume_unfinished()
                     yield supervisor

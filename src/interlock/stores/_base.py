@@ -570,6 +570,11 @@ class Store(abc.ABC):
         """The escalation queue: runs parked in ESCALATE, oldest first."""
         return await self.list_runs(outcome=ESCALATED)
 
+    async def count_runs(self, *, outcome: str) -> int:
+        """How many runs have ``outcome``: a figure for a gauge, not a listing (a backend
+        may count in its database, without reading or checking each row)."""
+        return len(await self.list_runs(outcome=outcome))
+
     async def unfinished(self) -> list[RunRecord]:
         """Runs that are neither terminal nor escalated, oldest first."""
         return await self.list_runs(outcome=RUNNING)

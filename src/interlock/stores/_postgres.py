@@ -861,6 +861,17 @@ class PostgresStore(Store):
             [read(row) for row in rows], machine=machine, state=state, outcome=outcome, limit=limit
         )
 
+    async def count_runs(self, *, outcome: str) -> int:
+        """How many runs have ``outcome``, counted by the server (see
+        :meth:`Store.count_runs`)."""
+        row = await self._call(
+            "count_runs",
+            lambda conn: conn.execute(
+                "SELECT count(*) FROM runs WHERE outcome = %s", (outcome,)
+            ).fetchone(),
+        )
+        return int(row[0]) if row is not None else 0
+
     async def unfinished(self) -> list[RunRecord]:
         """Runs that are neither terminal nor escalated, oldest first; see
         :meth:`Store.unfinished`.

@@ -1657,6 +1657,18 @@ class SQLiteStore(Store):
             records.values(), machine=machine, state=state, outcome=outcome, limit=limit
         )
 
+    async def count_runs(self, *, outcome: str) -> int:
+        """How many runs have ``outcome``, counted by SQLite (see :meth:`Store.count_runs`):
+        a run's row moves as soon as its outcome changes, so the pending moves do not
+        change the count."""
+        rows = await self._call(
+            "count_runs",
+            lambda conn: conn.execute(
+                "SELECT count(*) FROM runs WHERE outcome = ?", (outcome,)
+            ).fetchone(),
+        )
+        return int(rows[0])
+
     async def unfinished(self) -> list[RunRecord]:
         """Runs that are neither terminal nor escalated, oldest first; see :meth:`Store.unfinished`.
 
