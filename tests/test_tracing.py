@@ -430,3 +430,55 @@ async def test_a_tracer_that_fails_costs_no_run() -> None:
     assert result.outcome == "completed"
     assert started.trace is msgspec.UNSET  # started untraced
     assert "tracing could not begin run r-8" in said
+
+
+async def test_the_channel_s_hello_carries_the_trace_of_its_runs_and_verdicts(
+    exporter: tuple[Tracing, InMemorySpanExporter],
+) -> None:
+    """The gateway's msgpack channel has no HTTP headers: a connection's ``traceparent``
+    comes in its hello. The runs it creates continue it, and each verdict on its
+    proposals (single ones, taken in a batch, and a verify op) is a span under it; a
+    connection with none starts its runs' traces afresh and has no verify spans."""
+    from functools import partial
+
+    from interlock.client._channel import open_channel
+    from interlock.gateway import GatewayService
+    from interlock.gateway._channel import serve_channel
+    from interlock.gateway._keys import KeyRing
+    from interlock.protocol import VerifyItem
+
+    tracing, spans = exporter
+    trace_id, hello_span = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+    async with open_supervisor([machine(refunded)], tracing=tracing) as sup:
+        service = GatewayService(sup)
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(partial(serve_channel, service, keyring=KeyRing()))
+            caller = format_traceparent(trace_id, hello_span)
+            async with open_channel(url, traceparent=caller) as channel:
+                run = await channel.create_run("refund", run_id="ch-1", mode="external")
+                refused = await channel.propose("ch-1", BAD, run.seq)
+                assert not refused.accepted
+                accepted = (
+                    await channel.verify(
+                        [VerifyItem(run_id="ch-1", proposal=REFUND, expected_seq=refused.seq)]
+                    )
+                ).verdicts[0]
+                assert accepted.accepted
+            async with open_channel(url) as channel:
+                await channel.create_run("refund", run_id="ch-2", mode="external")
+                assert not (await channel.propose("ch-2", BAD)).accepted
+            nursery.cancel_scope.cancel()
+    finished = spans.get_finished_spans()
+    runs = {s.attributes["interlock.run.id"]: s for s in by_name(finished, "invoke_agent")}
+    assert runs["ch-1"].context.trace_id == trace_id
+    assert runs["ch-1"].parent.span_id == hello_span
+    assert runs["ch-2"].context.trace_id != trace_id
+    assert runs["ch-2"].parent is None
+    checks = by_name(finished, "verify refund")
+    assert [
+        (c.attributes["interlock.run.id"], c.attributes["interlock.verdict"]) for c in checks
+    ] == [
+        ("ch-1", "rejected"),
+        ("ch-1", "accepted"),
+    ]
+    assert all(c.parent.span_id == hello_span for c in checks)

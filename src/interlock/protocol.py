@@ -448,10 +448,14 @@ class ChannelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The operation's body: the HTTP API's request Struct for it (nil for get_run)."""
 
 
-class ChannelHello(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ChannelHello(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The body of ``hello``: the API key (needed first when the server has keys)."""
 
     key: str | None = None
+    traceparent: str | None = None
+    """A W3C ``traceparent`` for the connection (a server tracing in OpenTelemetry): the
+    runs it creates continue it, and each verdict on its proposals is a span under it, as
+    the HTTP API's ``traceparent`` header does for one request. Malformed: ignored."""
 
 
 class ChannelWelcome(msgspec.Struct, kw_only=True):

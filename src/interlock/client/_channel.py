@@ -291,7 +291,11 @@ class ChannelClient:
 
 
 def open_channel(
-    url: str, *, key: str | None = None, connect_timeout: float = 30.0
+    url: str,
+    *,
+    key: str | None = None,
+    connect_timeout: float = 30.0,
+    traceparent: str | None = None,
 ) -> AbstractAsyncContextManager[ChannelClient]:
     """Connect to the channel at ``url`` and say hello; use as ``async with``.
 
@@ -299,6 +303,9 @@ def open_channel(
       url: ``tcp://HOST:PORT`` or ``unix:PATH`` (what ``serve_channel`` reports).
       key: the API key, when the server has keys.
       connect_timeout: seconds to wait for the connection and the hello.
+      traceparent: a W3C ``traceparent`` for the connection: with a server that traces
+        in OpenTelemetry, the runs it creates continue it, and each verdict on its
+        proposals is a span under it.
 
     Raises:
       ValueError: ``url`` is not ``tcp://HOST:PORT`` or ``unix:PATH``.
@@ -307,7 +314,7 @@ def open_channel(
       OSError: the connection could not be made.
     """
     _parse(url)
-    return _open(url, key, connect_timeout)
+    return _open(url, key, connect_timeout, traceparent)
 
 
 def _parse(url: str) -> tuple[str, str, int]:
@@ -327,7 +334,9 @@ def _parse(url: str) -> tuple[str, str, int]:
 
 
 @asynccontextmanager
-async def _open(url: str, key: str | None, connect_timeout: float) -> AsyncIterator[ChannelClient]:
+async def _open(
+    url: str, key: str | None, connect_timeout: float, traceparent: str | None = None
+) -> AsyncIterator[ChannelClient]:
     kind, where, port = _parse(url)
     with trio.fail_after(connect_timeout):
         if kind == "unix":
@@ -340,7 +349,7 @@ async def _open(url: str, key: str | None, connect_timeout: float) -> AsyncItera
             await nursery.start(client._run)
             with trio.fail_after(connect_timeout):
                 client.welcome = await client._call(
-                    "hello", None, ChannelHello(key=key), ChannelWelcome
+                    "hello", None, ChannelHello(key=key, traceparent=traceparent), ChannelWelcome
                 )
             try:
                 yield client

@@ -173,6 +173,7 @@ class _Connection:
         self.closing = False
         self.stopping = False
         self.greeted = False
+        self.trace: str | None = None  # the hello's traceparent (see ChannelHello)
         self.reading = trio.CancelScope()
         self.idle_timeout: float | None = None
         self.heard = False  # a first byte came
@@ -571,7 +572,7 @@ class _Connection:
     ) -> None:
         """Verify ``bodies`` as one batch and queue each request's answer, in order."""
         try:
-            verdicts = await self.service.verify_many(run_ids, bodies, self.principal)
+            verdicts = await self.service.verify_many(run_ids, bodies, self.principal, self.trace)
             if len(verdicts) != len(bodies):  # pragma: no cover - a bug in the service
                 raise RuntimeError(f"{len(verdicts)} verdicts for {len(bodies)} proposals")
         except GatewayError as exc:
@@ -616,13 +617,13 @@ class _Connection:
         run_id = request.run_id or ""
         match op:
             case "propose":
-                return await service.propose(run_id, body, principal)
+                return await service.propose(run_id, body, principal, self.trace)
             case "report":
                 return await service.report(run_id, body, principal)
             case "verify":
-                return await service.verify_batch(body, principal)
+                return await service.verify_batch(body, principal, self.trace)
             case "create_run":
-                run, _created = await service.create_run(body, principal)
+                run, _created = await service.create_run(body, principal, self.trace)
                 return run
             case "get_run":
                 return await service.get_run(run_id, principal)
@@ -635,6 +636,7 @@ class _Connection:
         except Unauthorized as exc:
             raise _Closing(_problem(401, "Unauthorized", str(exc))) from None
         self.principal = principal  # type: ignore[assignment]
+        self.trace = hello.traceparent if hello is not None else None
         return ChannelWelcome(
             principal=principal.name,
             max_in_flight=self.max_in_flight,
