@@ -42,7 +42,16 @@ def _npm_server(name: str) -> Path:
     return entry
 
 
-def _proxy(tmp: Path, app: str, *upstream: str, session: str = "s") -> StdioServerParameters:
+def _proxy(
+    tmp: Path,
+    app: str,
+    *upstream: str,
+    session: str = "s",
+    options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> StdioServerParameters:
+    """``interlock mcp --app APP`` (and ``options``) in ``tmp``, journaling into
+    ``tmp/mcp.db``, in this environment or ``env``."""
     return StdioServerParameters(
         command=sys.executable,
         args=[
@@ -55,10 +64,11 @@ def _proxy(tmp: Path, app: str, *upstream: str, session: str = "s") -> StdioServ
             str(tmp / "mcp.db"),
             "--session",
             session,
+            *options,
             "--",
             *upstream,
         ],
-        env=dict(os.environ),
+        env=dict(os.environ) if env is None else env,
         cwd=str(tmp),
     )
 

@@ -294,13 +294,17 @@ async def test_show_names_the_trace_of_a_traced_run(
     assert f"trace {run.context.trace_id:032x}" in shown.stdout
 
 
-async def test_an_http_provider_s_requests_carry_the_run_s_trace(
+async def test_an_http_provider_s_requests_carry_the_run_s_trace_and_name_it(
     exporter: tuple[Tracing, InMemorySpanExporter],
 ) -> None:
+    """An HTTP provider's requests carry the run's traceparent; and the chat spans name the
+    provider (gen_ai.provider.name from the run's provider, OpenAIChat: openai, when the
+    Tracing was given none) and the finish reasons of the journaled response."""
     from interlock.providers import OpenAIChat
     from interlock.testing import Reply, open_fake_llm, scripted_brain
 
-    tracing, spans = exporter
+    configured, spans = exporter
+    tracing = Tracing(configured.tracer_provider)  # no provider_name
     brain = scripted_brain(
         [
             Reply(calls=[("refund", '{"order_id": "o-1", "cents": 5}')]),
@@ -321,31 +325,6 @@ async def test_an_http_provider_s_requests_carry_the_run_s_trace(
         ids = parse_traceparent(parent)
         assert ids is not None
         assert ids[:2] == (run.context.trace_id, run.context.span_id)
-
-
-async def test_a_model_call_names_its_provider_and_finish_reason(
-    exporter: tuple[Tracing, InMemorySpanExporter],
-) -> None:
-    """gen_ai.provider.name comes from the run's provider (OpenAIChat: openai) when the
-    Tracing was given none; the finish reasons from the journaled response."""
-    from interlock.providers import OpenAIChat
-    from interlock.testing import Reply, open_fake_llm, scripted_brain
-
-    configured, spans = exporter
-    tracing = Tracing(configured.tracer_provider)  # no provider_name
-    brain = scripted_brain(
-        [
-            Reply(calls=[("refund", '{"order_id": "o-1", "cents": 5}')]),
-            Reply(calls=[("transition", '{"next": "COMPLETED"}')]),
-        ]
-    )
-    async with open_fake_llm(brain) as fake:
-        provider = OpenAIChat("fake", base_url=fake.openai_base_url, api_key="k")
-        async with (
-            provider,
-            open_supervisor([machine(refunded)], provider=provider, tracing=tracing) as sup,
-        ):
-            await (await sup.start_run("refund", run_id="r-8")).wait()
     chats = by_name(spans.get_finished_spans(), "chat ")
     assert len(chats) == 2
     for chat in chats:
@@ -426,10 +405,26 @@ async def test_a_tracer_that_fails_costs_no_run() -> None:
         result = await (await sup.start_run("refund", run_id="r-8")).wait()
         (started, *_) = await sup.store.load("r-8")
     logger.removeHandler(heard)
-    logger.disabled = disabled
     assert result.outcome == "completed"
     assert started.trace is msgspec.UNSET  # started untraced
     assert "tracing could not begin run r-8" in said
+
+    # a door's request with a tracing that fails is answered untraced, and said so
+    working = Tracing(TracerProvider())
+    async with open_supervisor([machine(refunded)], tracing=working) as sup:
+        await sup.external.start("refund", run_id="r-9")
+
+        def broken(run_id: str) -> Any:
+            raise RuntimeError("the run table is broken")
+
+        working._live = broken
+        logger.addHandler(heard)
+        try:
+            working.request("r-9", format_traceparent(1, 2))  # does not raise
+        finally:
+            logger.removeHandler(heard)
+            logger.disabled = disabled
+    assert "tracing could not take a request of run r-9" in said
 
 
 async def test_the_channel_s_hello_carries_the_trace_of_its_runs_and_verdicts(

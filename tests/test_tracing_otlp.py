@@ -387,9 +387,10 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
     starts), and each request's _meta.traceparent parents the verdict on its call; a call
     from another trace is traced there, linked to the run."""
     pytest.importorskip("mcp", reason="the [mcp] extra is missing")
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
     from tests.test_mcp_http import TIME_APP, _time_server
+    from tests.test_mcp_proxy import _proxy
 
     receiver, endpoint = http_receiver
     (tmp_path / "clock.py").write_text(TIME_APP)
@@ -397,23 +398,7 @@ async def test_an_mcp_stdio_run_continues_its_client_s_traceparent_and_each_requ
     # the console exporter too: its spans go to stderr, never into the protocol's stdout
     env["OTEL_TRACES_EXPORTER"] = "otlp,console"
     errors = (tmp_path / "stderr.log").open("w")
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=[
-            "-m",
-            "interlock",
-            "mcp",
-            "--app",
-            "clock.py:app",
-            "--db",
-            "mcp.db",
-            "--otel",
-            "--",
-            *_time_server(),
-        ],
-        env=env,
-        cwd=str(tmp_path),
-    )
+    params = _proxy(tmp_path, "clock.py:app", *_time_server(), options=("--otel",), env=env)
     async with (
         stdio_client(params, errlog=errors) as (read, write),
         ClientSession(read, write) as client,

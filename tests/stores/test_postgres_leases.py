@@ -135,6 +135,24 @@ def never_waits(
     return None
 
 
+class Held:
+    """A fenced append's transaction held open: set as the store's ``_after_fence_check``,
+    it is called once the lease rows are locked and checked, and waits (in the store's
+    thread) until the test sets ``go_on``."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.go_on = threading.Event()
+
+    def __call__(self) -> None:
+        self.inside.set()
+        assert self.go_on.wait(60), "the test never let the append go on"
+
+    async def entered(self) -> bool:
+        """Wait until the append is inside its transaction (a hang guard, no speed)."""
+        return await trio.to_thread.run_sync(self.inside.wait, 60)
+
+
 async def seqs(store: PostgresStore, run_id: str) -> list[int]:
     return [event.seq for event in await store.load(run_id)]
 
@@ -329,12 +347,7 @@ async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None
     """The takeover runs on another connection while the append's transaction is open
     (its lease rows checked, nothing committed): the lease row is locked, so the claim skips
     it; once the append commits, the next claim takes it and the old owner is refused."""
-    inside = threading.Event()
-    go_on = threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert go_on.wait(60), "the test never let the append commit"
+    hold = Held()
 
     async with workers(schema, 2) as (a, b):
         await a.append_fenced([started("r-1"), started("r-2")], {}, "w-a")
@@ -348,10 +361,10 @@ async def test_a_claim_during_a_fenced_append_skips_the_run(schema: str) -> None
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(append)
-                assert await trio.to_thread.run_sync(inside.wait, 60)
+                assert await hold.entered()
                 # r-1 is locked by the open append: skipped. r-2 is not: taken.
                 taken = await b.claim("w-b", ttl=60.0)
-                go_on.set()
+                hold.go_on.set()
         assert [(lease.run_id, lease.epoch) for lease in taken] == [("r-2", 2)]
         assert outcome == [frozenset()]
         assert await seqs(b, "r-1") == [1, 2]
@@ -398,12 +411,7 @@ async def test_two_workers_each_stale_on_the_others_run_do_not_deadlock(schema: 
     run's lease row, that the other's fence has locked). Neither waits for the other (a
     shared lock upgraded to update a run's lease row would deadlock the two): b commits
     while a's transaction is still open, then a; each is refused the other's run."""
-    inside = threading.Event()
-    go_on = threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert go_on.wait(60), "the test never let the append go on"
+    hold = Held()
 
     async with workers(schema, 3) as (a, b, c):
         await c.append([started("r-a"), started("r-b")])
@@ -428,12 +436,12 @@ async def test_two_workers_each_stale_on_the_others_run_do_not_deadlock(schema: 
         with trio.fail_after(60), raw(schema) as observer:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(append, a, "w-a", leases)
-                assert await trio.to_thread.run_sync(inside.wait, 60)
+                assert await hold.entered()
                 nursery.start_soon(append, b, "w-b", stale_b)
                 blocked = await trio.to_thread.run_sync(
                     never_waits, observer, pid_b, lambda: "w-b" in results
                 )
-                go_on.set()
+                hold.go_on.set()
         assert blocked is None, "b's append waited for a's open transaction"
         assert results == {"w-a": frozenset({"r-b"}), "w-b": frozenset({"r-a"})}
         assert [type(e).__name__ for e in await c.load("r-a")] == ["RunStarted", "Completed"]
@@ -446,12 +454,7 @@ async def test_a_renewal_does_not_wait_for_a_fenced_batch(schema: str) -> None:
     as stalled. With the batch's transaction held open (its fence checked, its events not
     committed), a renewal of the batch's run, on the store's other connection, returns
     without waiting for a lock; and a claim by another worker still skips the run."""
-    inside = threading.Event()
-    go_on = threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert go_on.wait(60), "the test never let the append commit"
+    hold = Held()
 
     async with workers(schema, 2) as (a, b):
         await a.append_fenced([started("r-1")], {}, "w-a", ttl=60.0)
@@ -472,13 +475,13 @@ async def test_a_renewal_does_not_wait_for_a_fenced_batch(schema: str) -> None:
         with trio.fail_after(60), raw(schema) as observer:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(append)
-                assert await trio.to_thread.run_sync(inside.wait, 60)
+                assert await hold.entered()
                 assert await b.claim("w-b", ttl=60.0) == []  # the fence's lock: skipped
                 nursery.start_soon(renew)
                 blocked = await trio.to_thread.run_sync(
                     never_waits, observer, pid, lambda: bool(renewed)
                 )
-                go_on.set()
+                hold.go_on.set()
         assert blocked is None, f"the renewal waited for the open batch: {blocked}"
         assert [(lease.run_id, lease.owner, lease.epoch) for lease in renewed[0]] == [
             ("r-1", "w-a", 1)
@@ -549,12 +552,7 @@ async def test_a_renewal_does_not_wait_for_the_journals_connection(schema: str) 
     inside a batch write (issue 33: it queued behind the batch writes, seconds under load,
     and the leases' sure time ran out). Each lease says when its renewal was sent: once
     the renewal had a connection, not when it was asked for."""
-    inside = threading.Event()
-    go_on = threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert go_on.wait(60), "the test never let the append commit"
+    hold = Held()
 
     async with workers(schema, 1) as (a,):
         await a.append_fenced([started("r-1"), started("r-2")], {}, "w-a", ttl=600.0)
@@ -563,11 +561,11 @@ async def test_a_renewal_does_not_wait_for_the_journals_connection(schema: str) 
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(a.append_fenced, [step("r-1", 2)], {"r-1": 1}, "w-a")
-                assert await trio.to_thread.run_sync(inside.wait, 60)
+                assert await hold.entered()
                 asked = trio.current_time()
                 renewed = await a.renew("w-a", ["r-2"], ttl=600.0)  # the batch is still open
                 answered = trio.current_time()
-                go_on.set()
+                hold.go_on.set()
         [lease] = renewed
         assert (lease.run_id, lease.epoch) == ("r-2", 1)
         assert lease.sent is not None

@@ -1093,7 +1093,10 @@ class GatewayService:
         usage: Usage | None,
         model: str,
         trace: str | None = None,
+        *,
+        told: bool = False,
     ) -> VerdictOut:
+        """One proposal (``told``: its batch has told the tracing of it already)."""
         answer: _Answer | None = None
         # A copy behind the seq the caller saw is one another instance advanced: reload it.
         run = await self._held(run_id, behind=expected)
@@ -1110,7 +1113,7 @@ class GatewayService:
         if not run.external:
             raise _hosted(run_id)
         tracing = self.supervisor.tracing
-        if tracing is not None:
+        if tracing is not None and not told:
             tracing.request(run_id, trace)
         try:
             verdict = await self._submit(
@@ -1324,7 +1327,13 @@ class GatewayService:
                 try:
                     self._allow(principal, ("agent",), await self._machine_of(run_id))
                     verdicts[index] = await self._propose(
-                        run_id, item.proposal, item.expected_seq, item.usage, item.model, trace
+                        run_id,
+                        item.proposal,
+                        item.expected_seq,
+                        item.usage,
+                        item.model,
+                        trace,
+                        told=True,
                     )
                 except GatewayError as exc:
                     verdicts[index] = _item_problem(run_id, exc)

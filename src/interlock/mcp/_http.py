@@ -35,7 +35,15 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..core._exceptions import RunNotFound
 from ._proxy import INVALID_PARAMS, RUN_META, McpRun
-from ._serve import Proxied, Runs, mark_duplicates, proxied, proxy_server, request_traceparent
+from ._serve import (
+    Proxied,
+    Runs,
+    mark_duplicates,
+    proxied,
+    proxy_server,
+    request_header,
+    request_traceparent,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -97,7 +105,7 @@ class HttpRuns(Runs):
         # is a 404 before any handler); a 2026-07-28 request's Mcp-Session-Id is the
         # client's say-so, and does not count
         legacy = ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS
-        session_id = _header(ctx, SESSION_HEADER) if legacy else None
+        session_id = request_header(ctx, SESSION_HEADER) if legacy else None
         if named is not None:
             run = await self._named(named)
         elif session_id is not None and session_id in self.sessions:
@@ -223,21 +231,12 @@ def _named_run(ctx: Any) -> str | None:
     meta = ctx.meta or {}
     named = meta.get(RUN_META) if isinstance(meta, Mapping) else None
     if named is None:
-        named = _header(ctx, RUN_HEADER)
+        named = request_header(ctx, RUN_HEADER)
     if named is None:
         return None
     if not isinstance(named, str) or not named:
         raise MCPError(INVALID_PARAMS, f"{RUN_META} names a run by its id, a string")
     return named
-
-
-def _header(ctx: Any, name: str) -> str | None:
-    request = getattr(ctx, "request", None)
-    headers = getattr(request, "headers", None)
-    if headers is None:
-        return None
-    value = headers.get(name)
-    return value or None
 
 
 def _unknown(run_id: str) -> MCPError:

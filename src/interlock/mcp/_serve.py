@@ -438,15 +438,24 @@ DUPLICATE_META = "dev.interlock/duplicate-key"
 DUPLICATE_ARGS_META = "dev.interlock/duplicate-key-arguments"
 
 
+def request_header(ctx: Any, name: str) -> str | None:
+    """The HTTP header ``name`` of a request (Streamable HTTP), None if absent or empty
+    (or on stdio, which has none)."""
+    request = getattr(ctx, "request", None)
+    headers = getattr(request, "headers", None)
+    if headers is None:
+        return None
+    value = headers.get(name)
+    return value or None
+
+
 def request_traceparent(ctx: Any) -> str | None:
     """The W3C trace context of a request: its ``_meta`` (as the MCP SDK carries it),
     else its HTTP header (Streamable HTTP); None if it has neither."""
     found = _meta_value(getattr(ctx, "meta", None), "traceparent")
-    if not isinstance(found, str):
-        request = getattr(ctx, "request", None)
-        headers = getattr(request, "headers", None)
-        found = headers.get("traceparent") if headers is not None else None
-    return found or None
+    if isinstance(found, str) and found:
+        return found
+    return request_header(ctx, "traceparent")
 
 
 def _traced(run: McpRun, ctx: Any) -> None:

@@ -39,7 +39,7 @@ from ..core._exceptions import (
 )
 from ..core._messages import Propose, Report, Verdict
 from ..core._view import fold
-from ..runtime._tracing import finish_reasons
+from ..runtime._tracing import finish_reasons_of
 from ._apis import API_PATHS, Api
 
 if TYPE_CHECKING:
@@ -363,7 +363,7 @@ class ModelProxy:
                 tracing.request(
                     run_id,
                     headers.get("traceparent"),
-                    finish_reasons=finish_reasons(response.body),
+                    finish_reasons=finish_reasons_of(answer),
                     provider=_PROVIDER[api.name],
                 )
             latency = (time.time_ns() - started) / 1e9

@@ -192,7 +192,20 @@ class Tracing:
         another than the run's (linked to the run's span). ``finish_reasons`` and
         ``provider``: what the door read of the model's answer, for the ``chat`` span of
         the proposal's model call. Every request calls this, so a request with no
-        ``traceparent`` clears an earlier one's."""
+        ``traceparent`` clears an earlier one's. A failure of the tracing itself is
+        logged: the request goes on untraced."""
+        try:
+            self._request(run_id, traceparent, finish_reasons, provider)
+        except Exception:  # a trace must never cost a request
+            _log.exception("tracing could not take a request of run %s", run_id)
+
+    def _request(
+        self,
+        run_id: str,
+        traceparent: str | None,
+        finish_reasons: Sequence[str],
+        provider: str,
+    ) -> None:
         run = self.runs.get(run_id)
         if run is None:
             return
@@ -611,6 +624,11 @@ def finish_reasons(response: str | bytes) -> list[str]:
         body = json.loads(response)
     except ValueError:
         return []
+    return finish_reasons_of(body)
+
+
+def finish_reasons_of(body: Any) -> list[str]:
+    """:func:`finish_reasons` of a response already decoded."""
     if not isinstance(body, dict):
         return []
     if isinstance(body.get("choices"), list):
